@@ -1,0 +1,8 @@
+module github.com/cagehq/cage
+
+go 1.26.8
+
+require (
+	connectrpc.com/connect v1.19.1
+	google.golang.org/protobuf v1.36.12
+)

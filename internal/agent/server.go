@@ -1,0 +1,234 @@
+// Package agent is cage-agent's server: the one program that runs commands and
+// touches files inside every sandbox, whatever its wall. It speaks E2B's envd
+// protocol: Connect RPC services process.Process and filesystem.Filesystem
+// (JSON and binary codecs, HTTP/1.1 and h2c), plus plain HTTP /health, /envs
+// and /files.
+//
+// The agent is assumed hostile by the host: nothing it reports is used to
+// enforce a limit. Inside the sandbox it is the only holder of privilege, so
+// it guards itself: every request but /health must carry the sandbox's access
+// token.
+package agent
+
+import (
+	"context"
+	"crypto/subtle"
+	"encoding/base64"
+	"encoding/json"
+	"log/slog"
+	"net"
+	"net/http"
+	"strings"
+	"sync"
+	"time"
+
+	"connectrpc.com/connect"
+
+	"github.com/cagehq/cage/api/gen/filesystem/filesystemconnect"
+	"github.com/cagehq/cage/api/gen/process/processconnect"
+)
+
+// Version is the envd protocol version the agent reports. E2B SDKs gate
+// features on it and refuse sandboxes below 0.1.0.
+const Version = "0.6.13"
+
+// DefaultMaxOutput caps the output forwarded for one process when the request
+// sets no cap of its own: enough for any sane build log, small enough that a
+// flood cannot exhaust the host.
+const DefaultMaxOutput = 64 << 20
+
+// Config is what the agent needs to serve one sandbox.
+type Config struct {
+	// Token is the sandbox's access token; empty disables the check (tests).
+	Token string
+	// DefaultUser runs commands and owns files when a request names no user.
+	DefaultUser string
+	// Env is the sandbox-wide environment: given to every process, served at /envs.
+	Env map[string]string
+	// Root is the directory file paths resolve in: "/" inside a sandbox, a
+	// temporary directory in tests. Paths never resolve outside it.
+	Root string
+	// Passwd and Group are the sandbox's account files.
+	Passwd, Group string
+	// MaxOutput caps each process's forwarded output (0: DefaultMaxOutput).
+	MaxOutput int64
+	// Limits, when set, tells why a process was killed (OOM, pids limit).
+	Limits LimitEvents
+	Log    *slog.Logger
+}
+
+// LimitEvents reads counters that the host's cgroups keep for the sandbox.
+// Each returns the number of times the limit was hit so far.
+type LimitEvents interface {
+	OOMKills() uint64
+	PidsMax() uint64
+}
+
+// Server serves one sandbox.
+type Server struct {
+	cfg   Config
+	log   *slog.Logger
+	procs *processService
+	files *filesystemService
+	mux   *http.ServeMux
+
+	mu  sync.Mutex
+	srv *http.Server
+}
+
+// New builds the agent's server.
+func New(cfg Config) *Server {
+	if cfg.DefaultUser == "" {
+		cfg.DefaultUser = "user"
+	}
+	if cfg.Root == "" {
+		cfg.Root = "/"
+	}
+	if cfg.Passwd == "" {
+		cfg.Passwd = "/etc/passwd"
+	}
+	if cfg.Group == "" {
+		cfg.Group = "/etc/group"
+	}
+	if cfg.MaxOutput <= 0 {
+		cfg.MaxOutput = DefaultMaxOutput
+	}
+	if cfg.Log == nil {
+		cfg.Log = slog.New(slog.DiscardHandler)
+	}
+	s := &Server{cfg: cfg, log: cfg.Log}
+	s.procs = newProcessService(s)
+	s.files = newFilesystemService(s)
+
+	mux := http.NewServeMux()
+	opts := []connect.HandlerOption{connect.WithInterceptors(s.authInterceptor())}
+	path, h := processconnect.NewProcessHandler(s.procs, opts...)
+	mux.Handle(path, h)
+	path, h = filesystemconnect.NewFilesystemHandler(s.files, opts...)
+	mux.Handle(path, h)
+	mux.HandleFunc("GET /health", func(w http.ResponseWriter, r *http.Request) {
+		w.WriteHeader(http.StatusNoContent)
+	})
+	mux.Handle("GET /envs", s.requireToken(http.HandlerFunc(s.serveEnvs)))
+	mux.HandleFunc("GET /files", s.files.serveDownload)
+	mux.HandleFunc("POST /files", s.files.serveUpload)
+	s.mux = mux
+	return s
+}
+
+// Handler returns the agent's HTTP handler.
+func (s *Server) Handler() http.Handler { return s.mux }
+
+// Serve accepts connections on l until Shutdown. It speaks HTTP/1.1 and
+// HTTP/2 without TLS (client-streaming RPCs need HTTP/2).
+func (s *Server) Serve(l net.Listener) error {
+	var p http.Protocols
+	p.SetHTTP1(true)
+	p.SetUnencryptedHTTP2(true)
+	srv := &http.Server{Handler: s.mux, Protocols: &p, ReadHeaderTimeout: 30 * time.Second}
+	s.mu.Lock()
+	s.srv = srv
+	s.mu.Unlock()
+	err := srv.Serve(l)
+	if err == http.ErrServerClosed {
+		return nil
+	}
+	return err
+}
+
+// Shutdown stops serving and kills every process the agent started.
+func (s *Server) Shutdown(ctx context.Context) error {
+	s.procs.killAll()
+	s.mu.Lock()
+	srv := s.srv
+	s.mu.Unlock()
+	if srv == nil {
+		return nil
+	}
+	return srv.Shutdown(ctx)
+}
+
+func (s *Server) serveEnvs(w http.ResponseWriter, r *http.Request) {
+	w.Header().Set("Content-Type", "application/json")
+	env := s.cfg.Env
+	if env == nil {
+		env = map[string]string{}
+	}
+	_ = json.NewEncoder(w).Encode(env)
+}
+
+// tokenOK reports whether h carries the sandbox's access token.
+func (s *Server) tokenOK(h http.Header) bool {
+	if s.cfg.Token == "" {
+		return true
+	}
+	got := h.Get("X-Access-Token")
+	return subtle.ConstantTimeCompare([]byte(got), []byte(s.cfg.Token)) == 1
+}
+
+func (s *Server) requireToken(next http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if !s.tokenOK(r.Header) {
+			http.Error(w, "missing or invalid access token", http.StatusUnauthorized)
+			return
+		}
+		next.ServeHTTP(w, r)
+	})
+}
+
+func (s *Server) authInterceptor() connect.Interceptor {
+	return authInterceptor{s}
+}
+
+type authInterceptor struct{ s *Server }
+
+func (a authInterceptor) WrapUnary(next connect.UnaryFunc) connect.UnaryFunc {
+	return func(ctx context.Context, req connect.AnyRequest) (connect.AnyResponse, error) {
+		if !a.s.tokenOK(req.Header()) {
+			return nil, errUnauthenticated
+		}
+		return next(ctx, req)
+	}
+}
+
+func (a authInterceptor) WrapStreamingClient(next connect.StreamingClientFunc) connect.StreamingClientFunc {
+	return next
+}
+
+func (a authInterceptor) WrapStreamingHandler(next connect.StreamingHandlerFunc) connect.StreamingHandlerFunc {
+	return func(ctx context.Context, conn connect.StreamingHandlerConn) error {
+		if !a.s.tokenOK(conn.RequestHeader()) {
+			return errUnauthenticated
+		}
+		return next(ctx, conn)
+	}
+}
+
+var errUnauthenticated = connect.NewError(connect.CodeUnauthenticated, errString("missing or invalid access token"))
+
+type errString string
+
+func (e errString) Error() string { return string(e) }
+
+// requestUser returns the user a request acts as: the name in
+// `Authorization: Basic base64("name:")`, else the default user.
+func (s *Server) requestUser(h http.Header) (User, error) {
+	name := s.cfg.DefaultUser
+	if auth := h.Get("Authorization"); strings.HasPrefix(auth, "Basic ") {
+		raw, err := base64.StdEncoding.DecodeString(strings.TrimPrefix(auth, "Basic "))
+		if err == nil {
+			if n, _, _ := strings.Cut(string(raw), ":"); n != "" {
+				name = n
+			}
+		}
+	}
+	return s.lookupUser(name)
+}
+
+func (s *Server) lookupUser(name string) (User, error) {
+	u, err := LookupUser(s.cfg.Passwd, name)
+	if err != nil {
+		return User{}, connect.NewError(connect.CodeInvalidArgument, err)
+	}
+	return u, nil
+}
