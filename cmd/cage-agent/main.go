@@ -1,0 +1,32 @@
+// Command cage-agent runs inside every sandbox as its PID 1: it seals the
+// sandbox (on the process wall, the child side of the wall's setup), then
+// serves E2B's envd protocol to the host. It is a static binary
+// (CGO_ENABLED=0): the process wall's setup needs every Go thread to take
+// the same credentials, which cgo would prevent.
+package main
+
+import (
+	"fmt"
+	"log/slog"
+	"os"
+
+	"github.com/cagehq/cage/internal/agent"
+	"github.com/cagehq/cage/internal/wall/process"
+)
+
+func main() {
+	if len(os.Args) < 2 || os.Args[1] != "init" {
+		fmt.Fprintln(os.Stderr, "cage-agent: runs inside a sandbox; cage starts it (usage: cage-agent init)")
+		os.Exit(2)
+	}
+	l, cfg, err := process.Init()
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "cage-agent: sandbox setup:", err)
+		os.Exit(1)
+	}
+	cfg.Log = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
+	if err := agent.New(cfg).Serve(l); err != nil {
+		fmt.Fprintln(os.Stderr, "cage-agent:", err)
+		os.Exit(1)
+	}
+}

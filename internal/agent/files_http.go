@@ -1,0 +1,439 @@
+package agent
+
+import (
+	"compress/gzip"
+	"crypto/rand"
+	"crypto/sha256"
+	"crypto/subtle"
+	"encoding/base64"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"mime"
+	"mime/multipart"
+	"net/http"
+	"net/url"
+	"os"
+	"path"
+	"strconv"
+	"strings"
+	"time"
+
+	"connectrpc.com/connect"
+	"golang.org/x/sys/unix"
+)
+
+// GET and POST /files: streamed download and upload, E2B envd compatible.
+// Uploads go to a temporary file beside the destination and are renamed into
+// place, so a failed upload leaves nothing half-written.
+
+// uploadTempPrefix names the temporary files uploads write; watches hide them.
+const uploadTempPrefix = ".cage-upload-"
+
+// uploadedEntry is one element of the upload reply.
+type uploadedEntry struct {
+	Path string `json:"path"`
+	Name string `json:"name"`
+	Type string `json:"type"`
+}
+
+// httpError is an error with the HTTP status it answers with.
+type httpError struct {
+	status int
+	msg    string
+}
+
+func (e *httpError) Error() string { return e.msg }
+
+func httpErr(status int, format string, args ...any) *httpError {
+	return &httpError{status: status, msg: fmt.Sprintf(format, args...)}
+}
+
+// writeHTTPError replies with E2B's error shape: {"code": 404, "message": "..."}.
+func writeHTTPError(w http.ResponseWriter, err *httpError) {
+	w.Header().Set("Content-Type", "application/json")
+	w.Header().Del("Content-Encoding")
+	w.Header().Del("Content-Disposition")
+	w.WriteHeader(err.status)
+	_ = json.NewEncoder(w).Encode(map[string]any{"code": err.status, "message": err.msg})
+}
+
+// fileHTTPError maps an error from operation op on sandbox path p.
+func fileHTTPError(op, p string, err error) *httpError {
+	var he *httpError
+	if errors.As(err, &he) {
+		return he
+	}
+	msg := err.Error()
+	var errno unix.Errno
+	if errors.As(err, &errno) {
+		msg = errno.Error()
+	}
+	status := http.StatusInternalServerError
+	switch {
+	case errors.Is(err, unix.ENOSPC), errors.Is(err, unix.EDQUOT):
+		status = http.StatusInsufficientStorage
+		msg = "not enough disk space: " + msg
+	case errors.Is(err, unix.ENOENT):
+		status = http.StatusNotFound
+	case errors.Is(err, unix.EACCES), errors.Is(err, unix.EPERM), errors.Is(err, unix.EROFS):
+		status = http.StatusForbidden
+	case errnoCode(err) == connect.CodeInvalidArgument, errors.Is(err, unix.EEXIST), errors.Is(err, unix.ENOTEMPTY):
+		status = http.StatusBadRequest
+	}
+	return httpErr(status, "%s %q: %s", op, p, msg)
+}
+
+// authorizeFiles checks a /files request: the access token header, or a
+// signature over path, operation, username (and expiration) made with it.
+func (f *filesystemService) authorizeFiles(r *http.Request, op string) *httpError {
+	token := f.s.cfg.Token
+	if token == "" {
+		return nil
+	}
+	if r.Header.Get("X-Access-Token") != "" {
+		if f.s.tokenOK(r.Header) {
+			return nil
+		}
+		return httpErr(http.StatusUnauthorized, "invalid access token")
+	}
+	q := r.URL.Query()
+	sig := q.Get("signature")
+	if sig == "" {
+		return httpErr(http.StatusUnauthorized, "missing access token or signature")
+	}
+	raw := q.Get("path") + ":" + op + ":" + q.Get("username") + ":" + token
+	var exp int64
+	hasExp := q.Has("signature_expiration")
+	if hasExp {
+		var err error
+		if exp, err = strconv.ParseInt(q.Get("signature_expiration"), 10, 64); err != nil {
+			return httpErr(http.StatusUnauthorized, "invalid signature expiration")
+		}
+		raw += ":" + strconv.FormatInt(exp, 10)
+	}
+	sum := sha256.Sum256([]byte(raw))
+	want := "v1_" + strings.TrimRight(base64.StdEncoding.EncodeToString(sum[:]), "=")
+	if subtle.ConstantTimeCompare([]byte(sig), []byte(want)) != 1 {
+		return httpErr(http.StatusUnauthorized, "invalid signature")
+	}
+	if hasExp && exp < time.Now().Unix() {
+		return httpErr(http.StatusUnauthorized, "signature has expired")
+	}
+	return nil
+}
+
+// filesUser is the user a /files request acts as.
+func (f *filesystemService) filesUser(q url.Values) (User, *httpError) {
+	name := q.Get("username")
+	if name == "" {
+		name = f.s.cfg.DefaultUser
+	}
+	u, err := LookupUser(f.s.cfg.Passwd, name)
+	if err != nil {
+		return User{}, httpErr(http.StatusBadRequest, "%v", err)
+	}
+	return u, nil
+}
+
+// filesRequest authorizes a /files request and opens the root for it.
+func (f *filesystemService) filesRequest(r *http.Request, op string) (User, *fsRoot, *httpError) {
+	if err := f.authorizeFiles(r, op); err != nil {
+		return User{}, nil, err
+	}
+	u, herr := f.filesUser(r.URL.Query())
+	if herr != nil {
+		return User{}, nil, herr
+	}
+	root, err := openFSRoot(f.s.cfg.Root)
+	if err != nil {
+		return User{}, nil, httpErr(http.StatusInternalServerError, "sandbox root is not available")
+	}
+	return u, root, nil
+}
+
+func (f *filesystemService) serveDownload(w http.ResponseWriter, r *http.Request) {
+	u, root, herr := f.filesRequest(r, "read")
+	if herr != nil {
+		writeHTTPError(w, herr)
+		return
+	}
+	defer root.Close()
+	raw := r.URL.Query().Get("path")
+	p, err := sandboxPath(raw, u)
+	if err != nil {
+		writeHTTPError(w, httpErr(http.StatusBadRequest, "invalid path %q: %v", raw, err))
+		return
+	}
+	file, st, herr := openDownload(root, p)
+	if herr != nil {
+		writeHTTPError(w, herr)
+		return
+	}
+	defer file.Close()
+	name := path.Base(p)
+	h := w.Header()
+	h.Set("Content-Type", "application/octet-stream")
+	h.Set("Content-Disposition", mime.FormatMediaType("attachment", map[string]string{"filename": name}))
+	h.Set("Vary", "Accept-Encoding")
+	ranged := r.Header.Get("Range") != "" || r.Header.Get("If-Range") != ""
+	if !ranged && acceptsGzip(r.Header.Get("Accept-Encoding")) {
+		h.Set("Content-Encoding", "gzip")
+		gz := gzip.NewWriter(w)
+		if _, err := io.Copy(gz, file); err != nil {
+			f.s.log.Warn("gzip download cut short", "path", p, "err", err)
+		}
+		_ = gz.Close()
+		return
+	}
+	http.ServeContent(w, r, name, time.Unix(st.Mtim.Sec, st.Mtim.Nsec), file)
+}
+
+// openDownload opens regular file p for reading.
+func openDownload(root *fsRoot, p string) (*os.File, *unix.Stat_t, *httpError) {
+	// O_NONBLOCK: a FIFO planted at p must not hang the request.
+	fd, err := root.open(p, unix.O_RDONLY|unix.O_NONBLOCK|unix.O_NOCTTY, 0)
+	if err != nil {
+		return nil, nil, fileHTTPError("read", p, err)
+	}
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil {
+		unix.Close(fd)
+		return nil, nil, fileHTTPError("read", p, err)
+	}
+	switch st.Mode & unix.S_IFMT {
+	case unix.S_IFREG:
+	case unix.S_IFDIR:
+		unix.Close(fd)
+		return nil, nil, httpErr(http.StatusBadRequest, "path %q is a directory", p)
+	default:
+		unix.Close(fd)
+		return nil, nil, httpErr(http.StatusBadRequest, "path %q is not a regular file", p)
+	}
+	_ = unix.SetNonblock(fd, false)
+	return os.NewFile(uintptr(fd), path.Base(p)), &st, nil
+}
+
+// acceptsGzip reports whether an Accept-Encoding header allows gzip.
+func acceptsGzip(header string) bool {
+	for _, part := range strings.Split(header, ",") {
+		enc, params, _ := strings.Cut(part, ";")
+		enc = strings.ToLower(strings.TrimSpace(enc))
+		if enc != "gzip" && enc != "x-gzip" {
+			continue
+		}
+		k, v, ok := strings.Cut(strings.TrimSpace(params), "=")
+		if ok && strings.TrimSpace(k) == "q" {
+			q, err := strconv.ParseFloat(strings.TrimSpace(v), 64)
+			return err == nil && q > 0
+		}
+		return true
+	}
+	return false
+}
+
+func (f *filesystemService) serveUpload(w http.ResponseWriter, r *http.Request) {
+	defer r.Body.Close()
+	u, root, herr := f.filesRequest(r, "write")
+	if herr != nil {
+		writeHTTPError(w, herr)
+		return
+	}
+	defer root.Close()
+	body := io.Reader(r.Body)
+	if enc := strings.ToLower(strings.TrimSpace(r.Header.Get("Content-Encoding"))); enc == "gzip" || enc == "x-gzip" {
+		gz, err := gzip.NewReader(r.Body)
+		if err != nil {
+			writeHTTPError(w, httpErr(http.StatusBadRequest, "invalid gzip body: %v", err))
+			return
+		}
+		defer gz.Close()
+		body = gz
+	} else if enc != "" && enc != "identity" {
+		writeHTTPError(w, httpErr(http.StatusBadRequest, "unsupported content encoding %q", enc))
+		return
+	}
+	up := uploader{root: root, u: u, q: r.URL.Query()}
+	var entries []uploadedEntry
+	media, params, _ := mime.ParseMediaType(r.Header.Get("Content-Type"))
+	switch {
+	case media == "application/octet-stream":
+		entries, herr = up.raw(body)
+	case strings.HasPrefix(media, "multipart/") && params["boundary"] != "":
+		entries, herr = up.multipart(multipart.NewReader(body, params["boundary"]))
+	default:
+		herr = httpErr(http.StatusBadRequest, "unsupported content type %q: expected multipart/form-data or application/octet-stream", media)
+	}
+	if herr != nil {
+		writeHTTPError(w, herr)
+		return
+	}
+	w.Header().Set("Content-Type", "application/json")
+	_ = json.NewEncoder(w).Encode(entries)
+}
+
+// uploader writes the files of one upload request.
+type uploader struct {
+	root *fsRoot
+	u    User
+	q    url.Values
+}
+
+func (up *uploader) resolve(raw string) (string, *httpError) {
+	p, err := sandboxPath(raw, up.u)
+	if err != nil {
+		return "", httpErr(http.StatusBadRequest, "invalid path %q: %v", raw, err)
+	}
+	return p, nil
+}
+
+func (up *uploader) raw(body io.Reader) ([]uploadedEntry, *httpError) {
+	if !up.q.Has("path") {
+		return nil, httpErr(http.StatusBadRequest, "the path query parameter is required for an octet-stream upload")
+	}
+	p, herr := up.resolve(up.q.Get("path"))
+	if herr != nil {
+		return nil, herr
+	}
+	if err := up.write(p, body); err != nil {
+		return nil, fileHTTPError("write", p, err)
+	}
+	return []uploadedEntry{{Path: p, Name: path.Base(p), Type: "file"}}, nil
+}
+
+func (up *uploader) multipart(mr *multipart.Reader) ([]uploadedEntry, *httpError) {
+	entries := []uploadedEntry{}
+	seen := map[string]bool{}
+	for {
+		part, err := mr.NextPart()
+		if err == io.EOF {
+			return entries, nil
+		}
+		if err != nil {
+			return nil, httpErr(http.StatusBadRequest, "reading multipart body: %v", err)
+		}
+		if part.FormName() != "file" {
+			continue
+		}
+		raw := up.q.Get("path")
+		if !up.q.Has("path") {
+			raw = partFileName(part)
+		}
+		p, herr := up.resolve(raw)
+		if herr != nil {
+			return nil, herr
+		}
+		if seen[p] {
+			return nil, httpErr(http.StatusBadRequest, "path %q appears more than once in one upload", p)
+		}
+		seen[p] = true
+		if err := up.write(p, part); err != nil {
+			return nil, fileHTTPError("write", p, err)
+		}
+		entries = append(entries, uploadedEntry{Path: p, Name: path.Base(p), Type: "file"})
+	}
+}
+
+// partFileName is a part's filename as sent: the full path, which
+// multipart.Part.FileName would cut down to its last element.
+func partFileName(part *multipart.Part) string {
+	_, params, err := mime.ParseMediaType(part.Header.Get("Content-Disposition"))
+	if err != nil {
+		return ""
+	}
+	return params["filename"]
+}
+
+// readTracker remembers a read error, to tell it from a write error.
+type readTracker struct {
+	r   io.Reader
+	err error
+}
+
+func (t *readTracker) Read(p []byte) (int, error) {
+	n, err := t.r.Read(p)
+	if err != nil && err != io.EOF {
+		t.err = err
+	}
+	return n, err
+}
+
+// write streams src into the file at sandbox path p, owned by the user.
+// A symlink at p that resolves to a file inside the root is written through.
+func (up *uploader) write(p string, src io.Reader) error {
+	if p == "/" {
+		return httpErr(http.StatusBadRequest, "path %q is a directory", p)
+	}
+	target := p
+	if st, err := up.root.lstat(p); err == nil && st.Mode&unix.S_IFMT == unix.S_IFLNK {
+		if fd, err := up.root.open(p, unix.O_PATH, 0); err == nil {
+			if real, ok := up.root.pathOf(fd); ok && real != "/" {
+				target = real
+			}
+			unix.Close(fd)
+		}
+	}
+	dfd, _, err := up.root.mkdirAll(path.Dir(target), up.u.UID, up.u.GID)
+	if err != nil {
+		return err
+	}
+	defer unix.Close(dfd)
+	name := path.Base(target)
+	mode := uint32(0o644)
+	var old unix.Stat_t
+	if unix.Fstatat(dfd, name, &old, unix.AT_SYMLINK_NOFOLLOW) == nil {
+		switch old.Mode & unix.S_IFMT {
+		case unix.S_IFDIR:
+			return httpErr(http.StatusBadRequest, "path %q is a directory", p)
+		case unix.S_IFREG:
+			mode = old.Mode & 0o777
+		}
+	}
+	return up.replace(dfd, name, mode, src)
+}
+
+// replace writes src to a new file in dfd and renames it over name.
+func (up *uploader) replace(dfd int, name string, mode uint32, src io.Reader) error {
+	var rnd [8]byte
+	_, _ = rand.Read(rnd[:])
+	tmp := uploadTempPrefix + hex.EncodeToString(rnd[:])
+	how := unix.OpenHow{Flags: unix.O_WRONLY | unix.O_CREAT | unix.O_EXCL | unix.O_NOFOLLOW | unix.O_CLOEXEC,
+		Mode: 0o600, Resolve: beneathNoLinks}
+	fd, err := openat2(dfd, tmp, &how)
+	if err != nil {
+		return err
+	}
+	file := os.NewFile(uintptr(fd), tmp)
+	done := false
+	defer func() {
+		if !done {
+			file.Close()
+			unix.Unlinkat(dfd, tmp, 0)
+		}
+	}()
+	if err := unix.Fchown(fd, up.u.UID, up.u.GID); err != nil {
+		return err
+	}
+	if err := unix.Fchmod(fd, mode); err != nil {
+		return err
+	}
+	rt := &readTracker{r: src}
+	if _, err := io.Copy(file, rt); err != nil {
+		if rt.err != nil {
+			return httpErr(http.StatusBadRequest, "reading upload body: %v", rt.err)
+		}
+		return err
+	}
+	done = true
+	if err := file.Close(); err != nil {
+		unix.Unlinkat(dfd, tmp, 0)
+		return err
+	}
+	if err := unix.Renameat(dfd, tmp, dfd, name); err != nil {
+		unix.Unlinkat(dfd, tmp, 0)
+		return err
+	}
+	return nil
+}

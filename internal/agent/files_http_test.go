@@ -1,0 +1,359 @@
+package agent
+
+import (
+	"bytes"
+	"compress/gzip"
+	"context"
+	"crypto/sha256"
+	"encoding/base64"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"mime/multipart"
+	"net/http"
+	"net/url"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"connectrpc.com/connect"
+	"golang.org/x/sys/unix"
+
+	pb "github.com/cagehq/cage/api/gen/filesystem"
+)
+
+// filesReq sends a /files request; hdr may carry a token or other headers.
+func (e *fsEnv) filesReq(method string, q url.Values, body io.Reader, hdr map[string]string) (int, []byte) {
+	e.t.Helper()
+	req, err := http.NewRequest(method, e.srv.URL+"/files?"+q.Encode(), body)
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	for k, v := range hdr {
+		req.Header.Set(k, v)
+	}
+	res, err := (&http.Transport{DisableCompression: true}).RoundTrip(req)
+	if err != nil {
+		return 0, nil
+	}
+	defer res.Body.Close()
+	data, _ := io.ReadAll(res.Body)
+	if res.StatusCode != http.StatusOK {
+		var je struct {
+			Code    int    `json:"code"`
+			Message string `json:"message"`
+		}
+		if err := json.Unmarshal(data, &je); err != nil || je.Code != res.StatusCode || je.Message == "" {
+			e.t.Errorf("error reply %d is not E2B-shaped JSON: %s", res.StatusCode, data)
+		}
+	}
+	return res.StatusCode, data
+}
+
+var fsTokenHeader = map[string]string{"X-Access-Token": fsTestToken}
+
+func (e *fsEnv) upload(p, data string) int {
+	code, _ := e.filesReq("POST", url.Values{"path": {p}}, strings.NewReader(data),
+		map[string]string{"X-Access-Token": fsTestToken, "Content-Type": "application/octet-stream"})
+	return code
+}
+
+func (e *fsEnv) download(p string) (int, string) {
+	code, data := e.filesReq("GET", url.Values{"path": {p}}, nil, fsTokenHeader)
+	return code, string(data)
+}
+
+func fsSign(path, op, user string, exp int64) string {
+	raw := path + ":" + op + ":" + user + ":" + fsTestToken
+	if exp != 0 {
+		raw += ":" + strconv.FormatInt(exp, 10)
+	}
+	sum := sha256.Sum256([]byte(raw))
+	return "v1_" + strings.TrimRight(base64.StdEncoding.EncodeToString(sum[:]), "=")
+}
+
+func TestFilesUploadDownload(t *testing.T) {
+	e := newFSEnv(t)
+	var body bytes.Buffer
+	mw := multipart.NewWriter(&body)
+	for name, data := range map[string]string{"one.txt": "1", "/home/user/new/dir/two.txt": "22", "~/three": "333"} {
+		fw, _ := mw.CreateFormFile("file", name)
+		fw.Write([]byte(data))
+	}
+	mw.WriteField("other", "ignored")
+	mw.Close()
+	code, data := e.filesReq("POST", url.Values{"username": {"user"}}, &body,
+		map[string]string{"X-Access-Token": fsTestToken, "Content-Type": mw.FormDataContentType()})
+	var got []map[string]string
+	if code != 200 || json.Unmarshal(data, &got) != nil || len(got) != 3 {
+		t.Fatalf("multipart upload: %d %s", code, data)
+	}
+	for _, en := range got {
+		if en["type"] != "file" || en["name"] != filepath.Base(en["path"]) || !strings.HasPrefix(en["path"], "/home/user/") {
+			t.Errorf("entry %v", en)
+		}
+	}
+	for p, want := range map[string]string{"one.txt": "1", "new/dir/two.txt": "22", "three": "333"} {
+		fi, err := os.Stat(filepath.Join(e.home, p))
+		if c, d := e.download("~/" + p); c != 200 || d != want || err != nil || fileOwner(fi) != [2]int{e.uid, e.gid} || fi.Mode() != 0o644 {
+			t.Errorf("%s: %d %q %v %v", p, c, d, err, fi)
+		}
+	}
+	if fi, err := os.Stat(filepath.Join(e.home, "new")); err != nil || fileOwner(fi) != [2]int{e.uid, e.gid} {
+		t.Errorf("created parent not owned by the user: %v", err)
+	}
+
+	// Raw bodies, plain and gzip-encoded; overwriting keeps the file's mode.
+	os.Chmod(filepath.Join(e.home, "one.txt"), 0o600)
+	if code := e.upload("one.txt", "raw"); code != 200 {
+		t.Fatal(code)
+	}
+	if fi, _ := os.Stat(filepath.Join(e.home, "one.txt")); fi.Mode() != 0o600 {
+		t.Errorf("mode after overwrite: %v", fi.Mode())
+	}
+	var gz bytes.Buffer
+	zw := gzip.NewWriter(&gz)
+	zw.Write(bytes.Repeat([]byte("zip"), 1000))
+	zw.Close()
+	code, _ = e.filesReq("POST", url.Values{"path": {"z"}}, &gz, map[string]string{"X-Access-Token": fsTestToken,
+		"Content-Type": "application/octet-stream", "Content-Encoding": "gzip"})
+	if c, d := e.download("z"); code != 200 || c != 200 || d != strings.Repeat("zip", 1000) {
+		t.Fatalf("gzip upload: %d %d %d bytes", code, c, len(d))
+	}
+
+	// Download compressed on request.
+	req, _ := http.NewRequest("GET", e.srv.URL+"/files?path=z", nil)
+	req.Header.Set("X-Access-Token", fsTestToken)
+	req.Header.Set("Accept-Encoding", "gzip")
+	res, err := (&http.Transport{DisableCompression: true}).RoundTrip(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer res.Body.Close()
+	zr, err := gzip.NewReader(res.Body)
+	if err != nil || res.Header.Get("Content-Encoding") != "gzip" || res.Header.Get("Content-Type") != "application/octet-stream" ||
+		!strings.Contains(res.Header.Get("Content-Disposition"), `filename=z`) {
+		t.Fatalf("gzip download: %v %v", err, res.Header)
+	}
+	if plain, _ := io.ReadAll(zr); string(plain) != strings.Repeat("zip", 1000) {
+		t.Fatalf("gzip download content: %d bytes", len(plain))
+	}
+
+	for p, want := range map[string]int{"~": 400, "missing": 404, "": 400} {
+		if c, _ := e.download(p); c != want {
+			t.Errorf("download %q: %d, want %d", p, c, want)
+		}
+	}
+	for p, want := range map[string]int{"~": 400, "/": 400, "z/under-a-file": 400} {
+		if c := e.upload(p, "x"); c != want {
+			t.Errorf("upload %q: %d, want %d", p, c, want)
+		}
+	}
+	code, _ = e.filesReq("POST", url.Values{"path": {"x"}}, strings.NewReader("x"), fsTokenHeader)
+	if code != 400 {
+		t.Errorf("upload without a content type: %d", code)
+	}
+	code, _ = e.filesReq("GET", url.Values{"path": {"z"}, "username": {"nobody"}}, nil, fsTokenHeader)
+	if code != 400 {
+		t.Errorf("unknown user: %d", code)
+	}
+	e.checkNoTemps()
+}
+
+// checkNoTemps fails if an upload left a temporary file anywhere in the root.
+func (e *fsEnv) checkNoTemps() {
+	e.t.Helper()
+	filepath.Walk(e.root, func(p string, fi os.FileInfo, err error) error {
+		if err == nil && strings.HasPrefix(fi.Name(), uploadTempPrefix) {
+			e.t.Errorf("temporary upload file left: %s", p)
+		}
+		return nil
+	})
+}
+
+// failingReader yields some data, then an error, like a client going away.
+type failingReader struct{ n int }
+
+func (f *failingReader) Read(p []byte) (int, error) {
+	if f.n <= 0 {
+		return 0, errors.New("client went away")
+	}
+	n := min(len(p), f.n)
+	f.n -= n
+	return n, nil
+}
+
+func TestFilesFailedUploadLeavesNothing(t *testing.T) {
+	e := newFSEnv(t)
+	e.mustWrite(filepath.Join(e.home, "keep"), "original")
+	for _, p := range []string{"fresh", "keep"} {
+		code, _ := e.filesReq("POST", url.Values{"path": {p}}, &failingReader{n: 1 << 20},
+			map[string]string{"X-Access-Token": fsTestToken, "Content-Type": "application/octet-stream"})
+		if code == 200 {
+			t.Fatalf("%s: broken upload accepted", p)
+		}
+	}
+	time.Sleep(200 * time.Millisecond) // let the handler notice and clean up
+	if _, err := os.Stat(filepath.Join(e.home, "fresh")); !os.IsNotExist(err) {
+		t.Errorf("half-written file left: %v", err)
+	}
+	if got, _ := os.ReadFile(filepath.Join(e.home, "keep")); string(got) != "original" {
+		t.Errorf("existing file changed to %q", got)
+	}
+	e.checkNoTemps()
+}
+
+func TestFilesAuth(t *testing.T) {
+	e := newFSEnv(t)
+	e.mustWrite(filepath.Join(e.home, "f"), "data")
+	future, past := time.Now().Add(time.Hour).Unix(), time.Now().Add(-time.Minute).Unix()
+	q := func(kv ...string) url.Values {
+		v := url.Values{}
+		for i := 0; i < len(kv); i += 2 {
+			v.Set(kv[i], kv[i+1])
+		}
+		return v
+	}
+	cases := []struct {
+		name string
+		q    url.Values
+		hdr  map[string]string
+		want int
+	}{
+		{"no token", q("path", "f"), nil, 401},
+		{"wrong token", q("path", "f"), map[string]string{"X-Access-Token": "nope"}, 401},
+		{"token", q("path", "f"), fsTokenHeader, 200},
+		{"signature", q("path", "f", "signature", fsSign("f", "read", "", 0)), nil, 200},
+		{"signature with user", q("path", "f", "username", "user", "signature", fsSign("f", "read", "user", 0)), nil, 200},
+		{"signature, other user", q("path", "f", "username", "root", "signature", fsSign("f", "read", "user", 0)), nil, 401},
+		{"signature, other path", q("path", "g", "signature", fsSign("f", "read", "", 0)), nil, 401},
+		{"write signature", q("path", "f", "signature", fsSign("f", "write", "", 0)), nil, 401},
+		{"wrong signature", q("path", "f", "signature", "v1_AAAA"), nil, 401},
+		{"expiring", q("path", "f", "signature", fsSign("f", "read", "", future),
+			"signature_expiration", fmt.Sprint(future)), nil, 200},
+		{"expired", q("path", "f", "signature", fsSign("f", "read", "", past),
+			"signature_expiration", fmt.Sprint(past)), nil, 401},
+		{"expiration not signed", q("path", "f", "signature", fsSign("f", "read", "", 0),
+			"signature_expiration", fmt.Sprint(future)), nil, 401},
+	}
+	for _, c := range cases {
+		if code, _ := e.filesReq("GET", c.q, nil, c.hdr); code != c.want {
+			t.Errorf("%s: %d, want %d", c.name, code, c.want)
+		}
+	}
+	wq := q("path", "up", "signature", fsSign("up", "write", "", future), "signature_expiration", fmt.Sprint(future))
+	code, _ := e.filesReq("POST", wq, strings.NewReader("signed"), map[string]string{"Content-Type": "application/octet-stream"})
+	if got, _ := os.ReadFile(filepath.Join(e.home, "up")); code != 200 || string(got) != "signed" {
+		t.Errorf("signed upload: %d %q", code, got)
+	}
+	code, _ = e.filesReq("POST", q("path", "up2"), strings.NewReader("x"), map[string]string{"Content-Type": "application/octet-stream"})
+	if code != 401 {
+		t.Errorf("unsigned upload: %d", code)
+	}
+}
+
+func TestFilesDiskFull(t *testing.T) {
+	e := newFSEnv(t)
+	small := filepath.Join(e.home, "small")
+	os.Mkdir(small, 0o755)
+	if err := unix.Mount("tmpfs", small, "tmpfs", 0, "size=64k"); err != nil {
+		t.Skipf("cannot mount a small tmpfs: %v", err)
+	}
+	defer unix.Unmount(small, unix.MNT_DETACH)
+	code, data := e.filesReq("POST", url.Values{"path": {"small/big"}}, bytes.NewReader(make([]byte, 1<<20)),
+		map[string]string{"X-Access-Token": fsTestToken, "Content-Type": "application/octet-stream"})
+	if code != http.StatusInsufficientStorage {
+		t.Fatalf("full disk: %d %s", code, data)
+	}
+	e.checkNoTemps()
+}
+
+// TestFilesHostile tries to read and write outside the root through /files.
+func TestFilesHostile(t *testing.T) {
+	e := newFSEnv(t)
+	rel := strings.Repeat("../", 12) + strings.TrimPrefix(e.outside, "/")
+	e.symlink(e.canary, "home/user/canarylink") // a link to a host file
+	e.symlink(e.outside, "home/user/outdir")    // a link to a host directory
+	e.symlink(rel, "home/user/climb")           // relative, climbing
+	e.symlink("/proc/self/root"+e.outside, "home/user/pr")
+	e.symlink("/proc/1/root"+e.outside, "home/user/p1")
+	e.symlink("/etc/passwd", "home/user/passwdlink") // the sandbox's, not the host's
+
+	if c, d := e.download("../../../../etc/passwd"); c != 200 || d != "sandbox passwd\n" {
+		t.Fatalf("../ download: %d %q", c, d)
+	}
+	if c, d := e.download("passwdlink"); c != 200 || d != "sandbox passwd\n" {
+		t.Fatalf("absolute link download: %d %q", c, d)
+	}
+	for _, p := range []string{"canarylink", "outdir/canary", "climb/canary", "pr/canary", "p1/canary",
+		rel + "/canary", "/proc/self/root" + e.canary} {
+		if c, d := e.download(p); c == 200 || strings.Contains(d, "canary:") {
+			t.Errorf("download %s escaped: %d %q", p, c, d)
+		}
+		e.upload(p, "EVIL")
+		e.upload(p+"-new", "EVIL")
+	}
+	// The write through canarylink replaced the dangling link, in the root.
+	if got, _ := os.ReadFile(filepath.Join(e.home, "canarylink")); string(got) != "EVIL" {
+		t.Errorf("upload over a dangling link: %q", got)
+	}
+	e.checkCanary()
+}
+
+// TestFilesSymlinkSwapRace flips a directory and a symlink to the outside
+// while files are read and written through it.
+func TestFilesSymlinkSwapRace(t *testing.T) {
+	e := newFSEnv(t)
+	e.mustWrite(filepath.Join(e.home, "race/canary"), "inside\n")
+	if err := os.Symlink(e.outside, filepath.Join(e.home, "race.alt")); err != nil {
+		t.Fatal(err)
+	}
+	rel := strings.Repeat("../", 12) + strings.TrimPrefix(e.outside, "/")
+	if err := os.Symlink(rel, filepath.Join(e.home, "race.rel")); err != nil {
+		t.Fatal(err)
+	}
+	var stop atomic.Bool
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		race, alt, relLink := filepath.Join(e.home, "race"), filepath.Join(e.home, "race.alt"), filepath.Join(e.home, "race.rel")
+		for i := 0; !stop.Load(); i++ {
+			other := alt
+			if i%2 == 1 {
+				other = relLink
+			}
+			unix.Renameat2(unix.AT_FDCWD, race, unix.AT_FDCWD, other, unix.RENAME_EXCHANGE)
+		}
+	}()
+	ctx := context.Background()
+	deadline := time.Now().Add(2 * time.Second)
+	for i := 0; time.Now().Before(deadline); i++ {
+		if _, d := e.download("race/canary"); strings.Contains(d, "canary:") {
+			t.Fatalf("read the outside canary")
+		}
+		e.upload("race/canary", "EVIL")
+		e.upload(fmt.Sprintf("race/new%d", i), "EVIL")
+		e.c().Stat(ctx, connect.NewRequest(&pb.StatRequest{Path: "race/canary"}))
+		if es, err := e.list("race", 1); err == nil {
+			for _, en := range es {
+				if en.GetSize() == int64(len(fsCanaryData)) {
+					t.Fatalf("listed the outside canary: %v", en)
+				}
+			}
+		}
+		e.c().MakeDir(ctx, connect.NewRequest(&pb.MakeDirRequest{Path: fmt.Sprintf("race/dir%d", i)}))
+		e.c().Move(ctx, connect.NewRequest(&pb.MoveRequest{Source: "race/canary", Destination: "race/canary"}))
+		e.c().Remove(ctx, connect.NewRequest(&pb.RemoveRequest{Path: fmt.Sprintf("race/new%d", i)}))
+		e.c().Remove(ctx, connect.NewRequest(&pb.RemoveRequest{Path: "race/canary"}))
+	}
+	stop.Store(true)
+	wg.Wait()
+	e.checkCanary()
+}

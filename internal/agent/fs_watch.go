@@ -1,0 +1,459 @@
+package agent
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/binary"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"net/http"
+	"os"
+	"path"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	"connectrpc.com/connect"
+	"golang.org/x/sys/unix"
+
+	pb "github.com/cagehq/cage/api/gen/filesystem"
+)
+
+// Directory watching with inotify. A watch holds the watched directory open
+// (resolved in the root) and adds each inotify watch on /proc/self/fd/<fd>
+// of a directory descriptor, so the kernel watches exactly the directory the
+// resolver found. Subdirectories are opened beneath that descriptor without
+// following symlinks: a recursive watch never wanders out of the tree.
+
+const (
+	// watchMask is what each watched directory reports.
+	watchMask = unix.IN_CREATE | unix.IN_MOVED_TO | unix.IN_MOVED_FROM | unix.IN_MODIFY |
+		unix.IN_ATTRIB | unix.IN_DELETE | unix.IN_ONLYDIR
+	inotifyHeader = 16 // sizeof(struct inotify_event) without the name
+
+	defaultKeepalive = 50 * time.Second
+	keepaliveHeader  = "Keepalive-Ping-Interval"
+
+	// maxWatcherEvents bounds a polling watcher's buffer; the oldest go first.
+	maxWatcherEvents = 10000
+)
+
+// dirWatch is one inotify instance watching a directory (and, when
+// recursive, every directory below it).
+type dirWatch struct {
+	r         *fsRoot
+	e         *entries
+	base      string // sandbox path of the watched directory
+	baseFd    int    // O_RDONLY descriptor of it
+	recursive bool
+	withEntry bool
+
+	ino   *os.File
+	raw   syscall.RawConn  // the inotify fd, held safely against Close
+	paths map[int32]string // watch descriptor → directory relative to base
+	temps map[uint32]bool  // cookies of upload temp files being renamed
+	stop  sync.Once
+	done  chan struct{} // closed once run has returned and fds are released
+}
+
+// watchDir starts watching sandbox path p. It takes ownership of r.
+func (f *filesystemService) watchDir(r *fsRoot, p string, recursive, withEntry bool) (*dirWatch, error) {
+	fd, err := r.open(p, unix.O_RDONLY|unix.O_DIRECTORY, 0)
+	if err == unix.ENOTDIR {
+		r.Close()
+		return nil, connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("path %q is not a directory", p))
+	}
+	if err != nil {
+		r.Close()
+		return nil, fsError("watch", p, err)
+	}
+	w := &dirWatch{r: r, e: f.newEntries(r), base: p, baseFd: fd, recursive: recursive,
+		withEntry: withEntry, paths: map[int32]string{}, temps: map[uint32]bool{}, done: make(chan struct{})}
+	ifd, err := unix.InotifyInit1(unix.IN_NONBLOCK | unix.IN_CLOEXEC)
+	if err != nil {
+		w.release()
+		return nil, fsError("watch", p, err)
+	}
+	w.ino = os.NewFile(uintptr(ifd), "inotify")
+	if w.raw, err = w.ino.SyscallConn(); err != nil {
+		w.release()
+		return nil, fsError("watch", p, err)
+	}
+	if err := w.add(fd, ""); err != nil {
+		w.release()
+		return nil, fsError("watch", p, err)
+	}
+	if recursive {
+		w.addTree(fd, "", nil)
+	}
+	return w, nil
+}
+
+// release frees everything the watch holds.
+func (w *dirWatch) release() {
+	if w.ino != nil {
+		w.ino.Close()
+	}
+	unix.Close(w.baseFd)
+	w.r.Close()
+}
+
+// Close stops the watch; its descriptors are released once run returns.
+func (w *dirWatch) Close() {
+	w.stop.Do(func() { w.ino.Close() })
+}
+
+// inotify runs fn on the inotify descriptor unless the watch is closed.
+func (w *dirWatch) inotify(fn func(ifd int) error) error {
+	var err error
+	if cerr := w.raw.Control(func(ifd uintptr) { err = fn(int(ifd)) }); cerr != nil {
+		return cerr
+	}
+	return err
+}
+
+// add watches the directory open as fd, which is rel below the base. The
+// watch goes on /proc/self/fd/<fd>, a magic link the kernel resolves to
+// exactly that directory; fd itself came from the in-root resolver.
+func (w *dirWatch) add(fd int, rel string) error {
+	return w.inotify(func(ifd int) error {
+		wd, err := unix.InotifyAddWatch(ifd, "/proc/self/fd/"+strconv.Itoa(fd), watchMask)
+		if err == nil {
+			w.paths[int32(wd)] = rel
+		}
+		return err
+	})
+}
+
+// addTree watches every directory below fd (which is rel below the base).
+// With emit set, it also reports each entry found as created: they may have
+// appeared before the watch was in place.
+func (w *dirWatch) addTree(fd int, rel string, emit func(*pb.FilesystemEvent) bool) bool {
+	names, err := readDirNames(fd, int(^uint(0)>>1))
+	if err != nil {
+		return true
+	}
+	for _, name := range names {
+		child := path.Join(rel, name)
+		if emit != nil && !emit(w.event(child, pb.EventType_EVENT_TYPE_CREATE)) {
+			return false
+		}
+		var st unix.Stat_t
+		if unix.Fstatat(fd, name, &st, unix.AT_SYMLINK_NOFOLLOW) != nil || st.Mode&unix.S_IFMT != unix.S_IFDIR {
+			continue
+		}
+		cfd, err := openBeneath(fd, name, unix.O_RDONLY|unix.O_DIRECTORY)
+		if err != nil {
+			continue
+		}
+		ok := w.add(cfd, child) == nil && w.addTree(cfd, child, emit)
+		unix.Close(cfd)
+		if !ok && emit != nil {
+			return false
+		}
+	}
+	return true
+}
+
+// addNew watches a directory that appeared at rel (a create or move into
+// the tree), reporting what it already holds.
+func (w *dirWatch) addNew(rel string, emit func(*pb.FilesystemEvent) bool) bool {
+	fd, err := openBeneath(w.baseFd, rel, unix.O_RDONLY|unix.O_DIRECTORY)
+	if err != nil {
+		return true
+	}
+	defer unix.Close(fd)
+	if w.add(fd, rel) != nil {
+		return true
+	}
+	return w.addTree(fd, rel, emit)
+}
+
+// forget drops the watches for rel and everything below it.
+func (w *dirWatch) forget(rel string) {
+	for wd, p := range w.paths {
+		if p == rel || strings.HasPrefix(p, rel+"/") {
+			_ = w.inotify(func(ifd int) error {
+				_, err := unix.InotifyRmWatch(ifd, uint32(wd))
+				return err
+			})
+			delete(w.paths, wd)
+		}
+	}
+}
+
+func (w *dirWatch) event(rel string, t pb.EventType) *pb.FilesystemEvent {
+	ev := &pb.FilesystemEvent{Name: rel, Type: t}
+	if w.withEntry && t != pb.EventType_EVENT_TYPE_REMOVE && t != pb.EventType_EVENT_TYPE_RENAME {
+		if e, err := w.e.stat(path.Join(w.base, rel)); err == nil {
+			ev.Entry = e
+		}
+	}
+	return ev
+}
+
+// run reads events and hands them to emit until Close, until emit returns
+// false, or until the watched directory is gone. It then releases the watch.
+func (w *dirWatch) run(emit func(*pb.FilesystemEvent) bool) {
+	defer close(w.done)
+	defer w.release()
+	buf := make([]byte, 64<<10)
+	for {
+		n, err := w.ino.Read(buf)
+		if err != nil {
+			return
+		}
+		for off := 0; off+inotifyHeader <= n; {
+			ev := inotifyEvent{
+				wd:     int32(binary.NativeEndian.Uint32(buf[off:])),
+				mask:   binary.NativeEndian.Uint32(buf[off+4:]),
+				cookie: binary.NativeEndian.Uint32(buf[off+8:]),
+			}
+			end := min(off+inotifyHeader+int(binary.NativeEndian.Uint32(buf[off+12:])), n)
+			ev.name = strings.TrimRight(string(buf[off+inotifyHeader:end]), "\x00")
+			off = end
+			if !w.handle(ev, emit) {
+				return
+			}
+		}
+	}
+}
+
+type inotifyEvent struct {
+	wd           int32
+	mask, cookie uint32
+	name         string
+}
+
+// handle turns one inotify event into filesystem events; false ends the watch.
+func (w *dirWatch) handle(ev inotifyEvent, emit func(*pb.FilesystemEvent) bool) bool {
+	rel, ok := w.paths[ev.wd]
+	if ev.mask&unix.IN_IGNORED != 0 {
+		delete(w.paths, ev.wd)
+		return !ok || rel != "" // false: the watched directory itself is gone
+	}
+	if !ok || ev.name == "" {
+		return true // queue overflow, or an event about a directory itself
+	}
+	child := path.Join(rel, ev.name)
+	mask := ev.mask
+	if strings.HasPrefix(ev.name, uploadTempPrefix) {
+		// An upload in progress: report it when it lands, under its name.
+		if mask&unix.IN_MOVED_FROM != 0 {
+			if len(w.temps) > 64 {
+				clear(w.temps)
+			}
+			w.temps[ev.cookie] = true
+		}
+		return true
+	}
+	if mask&unix.IN_MOVED_TO != 0 && w.temps[ev.cookie] {
+		delete(w.temps, ev.cookie)
+		mask |= unix.IN_MODIFY
+	}
+	for _, t := range eventTypes(mask) {
+		if !emit(w.event(child, t)) {
+			return false
+		}
+	}
+	if w.recursive && mask&unix.IN_ISDIR != 0 {
+		switch {
+		case mask&(unix.IN_MOVED_FROM|unix.IN_DELETE) != 0:
+			w.forget(child)
+		case mask&(unix.IN_CREATE|unix.IN_MOVED_TO) != 0:
+			return w.addNew(child, emit)
+		}
+	}
+	return true
+}
+
+// eventTypes lists the E2B event types an inotify mask stands for.
+func eventTypes(mask uint32) []pb.EventType {
+	var ts []pb.EventType
+	if mask&(unix.IN_CREATE|unix.IN_MOVED_TO) != 0 {
+		ts = append(ts, pb.EventType_EVENT_TYPE_CREATE)
+	}
+	if mask&unix.IN_MOVED_FROM != 0 {
+		ts = append(ts, pb.EventType_EVENT_TYPE_RENAME)
+	}
+	if mask&unix.IN_ATTRIB != 0 {
+		ts = append(ts, pb.EventType_EVENT_TYPE_CHMOD)
+	}
+	if mask&unix.IN_MODIFY != 0 {
+		ts = append(ts, pb.EventType_EVENT_TYPE_WRITE)
+	}
+	if mask&unix.IN_DELETE != 0 {
+		ts = append(ts, pb.EventType_EVENT_TYPE_REMOVE)
+	}
+	return ts
+}
+
+// startWatch resolves a watch request and starts the watch.
+func (f *filesystemService) startWatch(h http.Header, raw string, recursive, withEntry bool) (*dirWatch, error) {
+	_, p, err := f.target(h, raw)
+	if err != nil {
+		return nil, err
+	}
+	r, err := f.openRoot()
+	if err != nil {
+		return nil, err
+	}
+	return f.watchDir(r, p, recursive, withEntry)
+}
+
+func keepaliveInterval(h http.Header) time.Duration {
+	if n, err := strconv.Atoi(h.Get(keepaliveHeader)); err == nil && n > 0 {
+		return time.Duration(n) * time.Second
+	}
+	return defaultKeepalive
+}
+
+func (f *filesystemService) WatchDir(ctx context.Context, req *connect.Request[pb.WatchDirRequest], stream *connect.ServerStream[pb.WatchDirResponse]) error {
+	w, err := f.startWatch(req.Header(), req.Msg.GetPath(), req.Msg.GetRecursive(), req.Msg.GetIncludeEntry())
+	if err != nil {
+		return err
+	}
+	events := make(chan *pb.FilesystemEvent, 256)
+	go w.run(func(ev *pb.FilesystemEvent) bool {
+		select {
+		case events <- ev:
+			return true
+		case <-ctx.Done():
+			return false
+		}
+	})
+	defer func() { w.Close(); <-w.done }()
+	start := &pb.WatchDirResponse{Event: &pb.WatchDirResponse_Start{Start: &pb.WatchDirResponse_StartEvent{}}}
+	if err := stream.Send(start); err != nil {
+		return err
+	}
+	every := keepaliveInterval(req.Header())
+	tick := time.NewTicker(every)
+	defer tick.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return nil
+		case ev := <-events:
+			if err := sendEvent(stream, ev); err != nil {
+				return err
+			}
+			tick.Reset(every)
+		case <-w.done:
+			for {
+				select {
+				case ev := <-events:
+					if err := sendEvent(stream, ev); err != nil {
+						return err
+					}
+				default:
+					return nil
+				}
+			}
+		case <-tick.C:
+			ka := &pb.WatchDirResponse{Event: &pb.WatchDirResponse_Keepalive{Keepalive: &pb.WatchDirResponse_KeepAlive{}}}
+			if err := stream.Send(ka); err != nil {
+				return err
+			}
+		}
+	}
+}
+
+func sendEvent(stream *connect.ServerStream[pb.WatchDirResponse], ev *pb.FilesystemEvent) error {
+	return stream.Send(&pb.WatchDirResponse{Event: &pb.WatchDirResponse_Filesystem{Filesystem: ev}})
+}
+
+// pollWatcher buffers a watch's events for GetWatcherEvents.
+type pollWatcher struct {
+	w      *dirWatch
+	mu     sync.Mutex
+	events []*pb.FilesystemEvent
+}
+
+func (p *pollWatcher) push(ev *pb.FilesystemEvent) bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if len(p.events) >= maxWatcherEvents {
+		p.events[0] = nil
+		p.events = p.events[1:]
+	}
+	p.events = append(p.events, ev)
+	return true
+}
+
+func (p *pollWatcher) take() []*pb.FilesystemEvent {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	evs := p.events
+	p.events = nil
+	if evs == nil {
+		evs = []*pb.FilesystemEvent{}
+	}
+	return evs
+}
+
+func (f *filesystemService) CreateWatcher(ctx context.Context, req *connect.Request[pb.CreateWatcherRequest]) (*connect.Response[pb.CreateWatcherResponse], error) {
+	w, err := f.startWatch(req.Header(), req.Msg.GetPath(), req.Msg.GetRecursive(), req.Msg.GetIncludeEntry())
+	if err != nil {
+		return nil, err
+	}
+	pw := &pollWatcher{w: w}
+	var b [12]byte
+	if _, err := rand.Read(b[:]); err != nil {
+		w.release()
+		return nil, connect.NewError(connect.CodeInternal, errors.New("cannot generate a watcher id"))
+	}
+	id := "w" + hex.EncodeToString(b[:])
+	f.mu.Lock()
+	f.watchers[id] = pw
+	f.mu.Unlock()
+	go w.run(pw.push)
+	return connect.NewResponse(&pb.CreateWatcherResponse{WatcherId: id}), nil
+}
+
+func (f *filesystemService) watcher(id string) (*pollWatcher, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	pw, ok := f.watchers[id]
+	if !ok {
+		return nil, connect.NewError(connect.CodeNotFound, fmt.Errorf("watcher %q not found", id))
+	}
+	return pw, nil
+}
+
+func (f *filesystemService) GetWatcherEvents(ctx context.Context, req *connect.Request[pb.GetWatcherEventsRequest]) (*connect.Response[pb.GetWatcherEventsResponse], error) {
+	pw, err := f.watcher(req.Msg.GetWatcherId())
+	if err != nil {
+		return nil, err
+	}
+	return connect.NewResponse(&pb.GetWatcherEventsResponse{Events: pw.take()}), nil
+}
+
+func (f *filesystemService) RemoveWatcher(ctx context.Context, req *connect.Request[pb.RemoveWatcherRequest]) (*connect.Response[pb.RemoveWatcherResponse], error) {
+	id := req.Msg.GetWatcherId()
+	pw, err := f.watcher(id)
+	if err != nil {
+		return nil, err
+	}
+	f.mu.Lock()
+	delete(f.watchers, id)
+	f.mu.Unlock()
+	pw.w.Close()
+	<-pw.w.done
+	return connect.NewResponse(&pb.RemoveWatcherResponse{}), nil
+}
+
+// closeWatchers stops every polling watcher (on shutdown).
+func (f *filesystemService) closeWatchers() {
+	f.mu.Lock()
+	ws := f.watchers
+	f.watchers = map[string]*pollWatcher{}
+	f.mu.Unlock()
+	for _, pw := range ws {
+		pw.w.Close()
+		<-pw.w.done
+	}
+}

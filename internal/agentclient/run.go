@@ -1,0 +1,129 @@
+package agentclient
+
+import (
+	"context"
+	"encoding/base64"
+	"errors"
+	"fmt"
+	"io"
+
+	"connectrpc.com/connect"
+
+	pb "github.com/cagehq/cage/api/gen/process"
+)
+
+// RunOptions describes one command.
+type RunOptions struct {
+	Cmd  string
+	Args []string
+	Env  map[string]string
+	Cwd  string
+	User string // empty: the sandbox's default user
+
+	// Stdin, when set, is copied to the process until EOF, then closed.
+	Stdin          io.Reader
+	Stdout, Stderr io.Writer // PTY output goes to Stdout
+
+	PTY       *pb.PTY_Size // run in a PTY of this size
+	TimeoutMs uint32
+	MaxOutput uint64
+
+	// OnStart is called with the process's pid once it runs.
+	OnStart func(pid uint32)
+}
+
+// UserHeader is how envd learns the acting user: HTTP Basic with an empty password.
+func UserHeader(user string) string {
+	return "Basic " + base64.StdEncoding.EncodeToString([]byte(user+":"))
+}
+
+// Run starts a command, streams its output and input, and returns how it
+// ended. An error means it could not start or the stream broke.
+func (c *Client) Run(ctx context.Context, o RunOptions) (*pb.ProcessEvent_EndEvent, error) {
+	cfg := &pb.ProcessConfig{Cmd: o.Cmd, Args: o.Args, Envs: o.Env}
+	if o.Cwd != "" {
+		cfg.Cwd = &o.Cwd
+	}
+	withStdin := o.Stdin != nil
+	msg := &pb.StartRequest{Process: cfg, Stdin: &withStdin, TimeoutMs: o.TimeoutMs, MaxOutputBytes: o.MaxOutput}
+	if o.PTY != nil {
+		msg.Pty = &pb.PTY{Size: o.PTY}
+	}
+	req := connect.NewRequest(msg)
+	if o.User != "" {
+		req.Header().Set("Authorization", UserHeader(o.User))
+	}
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	stream, err := c.Process.Start(ctx, req)
+	if err != nil {
+		return nil, err
+	}
+	defer stream.Close()
+	for stream.Receive() {
+		ev := stream.Msg().GetEvent()
+		switch e := ev.GetEvent().(type) {
+		case *pb.ProcessEvent_Start:
+			if o.OnStart != nil {
+				o.OnStart(e.Start.GetPid())
+			}
+			if withStdin {
+				go c.feed(ctx, e.Start.GetPid(), o.Stdin, o.PTY != nil)
+			}
+		case *pb.ProcessEvent_Data:
+			if err := writeData(e.Data, o.Stdout, o.Stderr); err != nil {
+				return nil, err
+			}
+		case *pb.ProcessEvent_End:
+			return e.End, nil
+		}
+	}
+	if err := stream.Err(); err != nil {
+		return nil, err
+	}
+	return nil, errors.New("the agent closed the stream before the process ended")
+}
+
+func writeData(d *pb.ProcessEvent_DataEvent, stdout, stderr io.Writer) error {
+	var w io.Writer
+	var b []byte
+	switch {
+	case d.GetStdout() != nil:
+		w, b = stdout, d.GetStdout()
+	case d.GetStderr() != nil:
+		w, b = stderr, d.GetStderr()
+	case d.GetPty() != nil:
+		w, b = stdout, d.GetPty()
+	}
+	if w == nil || len(b) == 0 {
+		return nil
+	}
+	if _, err := w.Write(b); err != nil {
+		return fmt.Errorf("write output: %w", err)
+	}
+	return nil
+}
+
+// feed copies r to the process's stdin (or PTY) and closes stdin at EOF.
+func (c *Client) feed(ctx context.Context, pid uint32, r io.Reader, pty bool) {
+	sel := &pb.ProcessSelector{Selector: &pb.ProcessSelector_Pid{Pid: pid}}
+	buf := make([]byte, 32<<10)
+	for {
+		n, err := r.Read(buf)
+		if n > 0 {
+			in := &pb.ProcessInput{Input: &pb.ProcessInput_Stdin{Stdin: append([]byte(nil), buf[:n]...)}}
+			if pty {
+				in.Input = &pb.ProcessInput_Pty{Pty: append([]byte(nil), buf[:n]...)}
+			}
+			if _, serr := c.Process.SendInput(ctx, connect.NewRequest(&pb.SendInputRequest{Process: sel, Input: in})); serr != nil {
+				return
+			}
+		}
+		if err != nil {
+			if !pty {
+				_, _ = c.Process.CloseStdin(ctx, connect.NewRequest(&pb.CloseStdinRequest{Process: sel}))
+			}
+			return
+		}
+	}
+}

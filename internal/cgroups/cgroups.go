@@ -1,0 +1,380 @@
+// Package cgroups puts sandboxes in control groups and enforces their memory
+// (swap included), CPU and process-count limits from the host side. It works
+// on cgroup v2, on cgroup v1, and on the v1/v2 hybrid where the controllers
+// are v1 hierarchies and cgroup2 is mounted beside them without controllers.
+//
+// Every sandbox gets a group named after it below a parent ("cage") in each
+// hierarchy that has a controller cage uses.
+package cgroups
+
+import (
+	"bufio"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+)
+
+// Mode is the layout of the host's cgroup hierarchies.
+type Mode int
+
+const (
+	V1     Mode = iota + 1 // v1 controllers only
+	Hybrid                 // v1 controllers, cgroup2 mounted without them
+	V2                     // unified hierarchy with the controllers
+)
+
+func (m Mode) String() string {
+	switch m {
+	case V1:
+		return "v1"
+	case Hybrid:
+		return "hybrid (v1 controllers, v2 mounted empty)"
+	case V2:
+		return "v2"
+	}
+	return "unknown"
+}
+
+// controllers cage uses on v1. cpuacct feeds CPU usage figures.
+var v1Controllers = []string{"memory", "cpu", "cpuacct", "pids"}
+
+// v2Controllers must be enabled in the parents' cgroup.subtree_control.
+var v2Controllers = []string{"memory", "cpu", "pids"}
+
+// Limits are a sandbox's resource limits; a zero field means unlimited.
+type Limits struct {
+	MemoryBytes int64   // RAM, swap included (swap is never granted)
+	CPUs        float64 // CPU bandwidth in cores
+	Pids        int64   // tasks (processes and threads)
+}
+
+// Manager creates sandbox cgroups on this host.
+type Manager struct {
+	Mode   Mode
+	v1     map[string]string // controller -> mountpoint of its hierarchy (v1, hybrid)
+	v2     string            // cgroup2 mountpoint (v2, and hybrid's empty one)
+	Parent string            // parent group below each hierarchy's root
+}
+
+// Detect reads the host's cgroup layout from /proc/self/mountinfo.
+func Detect(parent string) (*Manager, error) {
+	f, err := os.Open("/proc/self/mountinfo")
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	m := &Manager{v1: map[string]string{}, Parent: parent}
+	sc := bufio.NewScanner(f)
+	for sc.Scan() {
+		fields := strings.Fields(sc.Text())
+		sep := -1
+		for i, s := range fields {
+			if s == "-" {
+				sep = i
+				break
+			}
+		}
+		if sep < 0 || len(fields) < sep+4 {
+			continue
+		}
+		mnt, fstype, opts := fields[4], fields[sep+1], fields[sep+3]
+		switch fstype {
+		case "cgroup2":
+			if m.v2 == "" {
+				m.v2 = mnt
+			}
+		case "cgroup":
+			for _, o := range strings.Split(opts, ",") {
+				for _, c := range v1Controllers {
+					if o == c && m.v1[c] == "" {
+						m.v1[c] = mnt
+					}
+				}
+			}
+		}
+	}
+	switch {
+	case len(m.v1) > 0 && m.v2 != "":
+		m.Mode = Hybrid
+	case len(m.v1) > 0:
+		m.Mode = V1
+	case m.v2 != "":
+		m.Mode = V2
+	default:
+		return nil, errors.New("no cgroup filesystem is mounted")
+	}
+	if m.Mode != V2 {
+		for _, c := range []string{"memory", "pids"} {
+			if m.v1[c] == "" {
+				return nil, fmt.Errorf("the cgroup v1 %s controller is not mounted", c)
+			}
+		}
+	} else if err := m.enableV2(); err != nil {
+		return nil, err
+	}
+	return m, nil
+}
+
+// enableV2 turns the controllers on for the root and cage's parent group.
+func (m *Manager) enableV2() error {
+	avail, err := os.ReadFile(filepath.Join(m.v2, "cgroup.controllers"))
+	if err != nil {
+		return err
+	}
+	for _, c := range v2Controllers {
+		if !strings.Contains(" "+strings.TrimSpace(string(avail))+" ", " "+c+" ") {
+			return fmt.Errorf("the cgroup v2 %s controller is not available", c)
+		}
+	}
+	parent := filepath.Join(m.v2, m.Parent)
+	if err := os.MkdirAll(parent, 0o755); err != nil {
+		return err
+	}
+	ctl := "+" + strings.Join(v2Controllers, " +")
+	for _, dir := range []string{m.v2, parent} {
+		if err := os.WriteFile(filepath.Join(dir, "cgroup.subtree_control"), []byte(ctl), 0); err != nil {
+			return fmt.Errorf("enable cgroup controllers in %s: %w", dir, err)
+		}
+	}
+	return nil
+}
+
+// Cgroup is one sandbox's group in every hierarchy.
+type Cgroup struct {
+	m    *Manager
+	Name string
+	dirs map[string]string // controller (or "unified") -> directory
+}
+
+// Create makes the sandbox's group and applies its limits. On failure nothing
+// is left behind.
+func (m *Manager) Create(name string, lim Limits) (cg *Cgroup, err error) {
+	cg = &Cgroup{m: m, Name: name, dirs: map[string]string{}}
+	defer func() {
+		if err != nil {
+			_ = cg.Destroy()
+			cg = nil
+		}
+	}()
+	if m.Mode == V2 {
+		dir := filepath.Join(m.v2, m.Parent, name)
+		if err := os.Mkdir(dir, 0o755); err != nil {
+			return nil, err
+		}
+		cg.dirs["unified"] = dir
+	} else {
+		for c, mnt := range m.v1 {
+			if err := os.MkdirAll(filepath.Join(mnt, m.Parent), 0o755); err != nil {
+				return nil, err
+			}
+			dir := filepath.Join(mnt, m.Parent, name)
+			if err := os.Mkdir(dir, 0o755); err != nil {
+				return nil, err
+			}
+			cg.dirs[c] = dir
+		}
+	}
+	return cg, cg.apply(lim)
+}
+
+// Open returns the group of an existing sandbox (after a restart).
+func (m *Manager) Open(name string) *Cgroup {
+	cg := &Cgroup{m: m, Name: name, dirs: map[string]string{}}
+	if m.Mode == V2 {
+		cg.dirs["unified"] = filepath.Join(m.v2, m.Parent, name)
+	} else {
+		for c, mnt := range m.v1 {
+			cg.dirs[c] = filepath.Join(mnt, m.Parent, name)
+		}
+	}
+	return cg
+}
+
+// List names the sandbox groups that exist under the parent.
+func (m *Manager) List() ([]string, error) {
+	dir := filepath.Join(m.v2, m.Parent)
+	if m.Mode != V2 {
+		dir = filepath.Join(m.v1["pids"], m.Parent)
+	}
+	ents, err := os.ReadDir(dir)
+	if errors.Is(err, os.ErrNotExist) {
+		return nil, nil
+	}
+	var names []string
+	for _, e := range ents {
+		if e.IsDir() {
+			names = append(names, e.Name())
+		}
+	}
+	return names, err
+}
+
+func (cg *Cgroup) write(ctrl, file, val string) error {
+	dir, ok := cg.dirs[ctrl]
+	if !ok {
+		return nil
+	}
+	if err := os.WriteFile(filepath.Join(dir, file), []byte(val), 0); err != nil {
+		return fmt.Errorf("cgroup %s: %w", file, err)
+	}
+	return nil
+}
+
+func exists(p string) bool { _, err := os.Stat(p); return err == nil }
+
+func (cg *Cgroup) apply(lim Limits) error {
+	if cg.m.Mode == V2 {
+		return cg.applyV2(lim)
+	}
+	if lim.MemoryBytes > 0 {
+		v := strconv.FormatInt(lim.MemoryBytes, 10)
+		if err := cg.write("memory", "memory.limit_in_bytes", v); err != nil {
+			return err
+		}
+		if exists(filepath.Join(cg.dirs["memory"], "memory.memsw.limit_in_bytes")) {
+			if err := cg.write("memory", "memory.memsw.limit_in_bytes", v); err != nil {
+				return err
+			}
+		}
+		_ = cg.write("memory", "memory.swappiness", "0")
+	}
+	if lim.CPUs > 0 {
+		if err := cg.write("cpu", "cpu.cfs_period_us", "100000"); err != nil {
+			return err
+		}
+		quota := int64(lim.CPUs * 100000)
+		if err := cg.write("cpu", "cpu.cfs_quota_us", strconv.FormatInt(quota, 10)); err != nil {
+			return err
+		}
+	}
+	if lim.Pids > 0 {
+		return cg.write("pids", "pids.max", strconv.FormatInt(lim.Pids, 10))
+	}
+	return nil
+}
+
+func (cg *Cgroup) applyV2(lim Limits) error {
+	if lim.MemoryBytes > 0 {
+		if err := cg.write("unified", "memory.max", strconv.FormatInt(lim.MemoryBytes, 10)); err != nil {
+			return err
+		}
+		if exists(filepath.Join(cg.dirs["unified"], "memory.swap.max")) {
+			if err := cg.write("unified", "memory.swap.max", "0"); err != nil {
+				return err
+			}
+		}
+	}
+	if lim.CPUs > 0 {
+		v := fmt.Sprintf("%d 100000", int64(lim.CPUs*100000))
+		if err := cg.write("unified", "cpu.max", v); err != nil {
+			return err
+		}
+	}
+	if lim.Pids > 0 {
+		return cg.write("unified", "pids.max", strconv.FormatInt(lim.Pids, 10))
+	}
+	return nil
+}
+
+// Dir returns the group's directory for a controller ("unified" on v2).
+func (cg *Cgroup) Dir(ctrl string) string {
+	if cg.m.Mode == V2 {
+		return cg.dirs["unified"]
+	}
+	return cg.dirs[ctrl]
+}
+
+// AddProc moves pid into the group in every hierarchy.
+func (cg *Cgroup) AddProc(pid int) error {
+	for _, dir := range cg.dirs {
+		if err := os.WriteFile(filepath.Join(dir, "cgroup.procs"), []byte(strconv.Itoa(pid)), 0); err != nil {
+			return fmt.Errorf("join cgroup %s: %w", dir, err)
+		}
+	}
+	return nil
+}
+
+// OOMEventsFile and PidsEventsFile hold the counters of limit hits: an
+// "oom_kill N" line and a "max N" line.
+func (cg *Cgroup) OOMEventsFile() string {
+	if cg.m.Mode == V2 {
+		return filepath.Join(cg.dirs["unified"], "memory.events")
+	}
+	return filepath.Join(cg.dirs["memory"], "memory.oom_control")
+}
+
+func (cg *Cgroup) PidsEventsFile() string {
+	return filepath.Join(cg.Dir("pids"), "pids.events")
+}
+
+// Procs lists the pids in the group.
+func (cg *Cgroup) Procs() []int {
+	var pids []int
+	data, err := os.ReadFile(filepath.Join(cg.Dir("pids"), "cgroup.procs"))
+	if err != nil {
+		return nil
+	}
+	for _, f := range strings.Fields(string(data)) {
+		if n, err := strconv.Atoi(f); err == nil {
+			pids = append(pids, n)
+		}
+	}
+	return pids
+}
+
+// Destroy kills whatever is still in the group and removes it everywhere.
+// It returns only after the directories are gone (or an error).
+func (cg *Cgroup) Destroy() error {
+	var firstErr error
+	for _, dir := range cg.dirs {
+		if err := removeGroup(dir); err != nil && firstErr == nil {
+			firstErr = err
+		}
+	}
+	return firstErr
+}
+
+func removeGroup(dir string) error {
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		err := syscall.Rmdir(dir)
+		if err == nil || errors.Is(err, syscall.ENOENT) {
+			return nil
+		}
+		if !errors.Is(err, syscall.EBUSY) || time.Now().After(deadline) {
+			return fmt.Errorf("remove cgroup %s: %w", dir, err)
+		}
+		// Something is still inside: kill it (a process that raced into the
+		// group, or a straggler of a sandbox whose init died).
+		if data, rerr := os.ReadFile(filepath.Join(dir, "cgroup.procs")); rerr == nil {
+			for _, f := range strings.Fields(string(data)) {
+				if pid, _ := strconv.Atoi(f); pid > 0 {
+					_ = syscall.Kill(pid, syscall.SIGKILL)
+				}
+			}
+		}
+		if exists(filepath.Join(dir, "cgroup.kill")) {
+			_ = os.WriteFile(filepath.Join(dir, "cgroup.kill"), []byte("1"), 0)
+		}
+		time.Sleep(2 * time.Millisecond)
+	}
+}
+
+// Counter reads a "key N" line from an open cgroup event file.
+func Counter(f *os.File, key string) uint64 {
+	buf := make([]byte, 1024)
+	n, _ := f.ReadAt(buf, 0)
+	for _, line := range strings.Split(string(buf[:n]), "\n") {
+		k, v, ok := strings.Cut(line, " ")
+		if ok && k == key {
+			n, _ := strconv.ParseUint(strings.TrimSpace(v), 10, 64)
+			return n
+		}
+	}
+	return 0
+}

@@ -1,0 +1,155 @@
+package cli
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"strings"
+	"time"
+
+	"github.com/spf13/cobra"
+	"golang.org/x/sys/unix"
+
+	"github.com/cagehq/cage/internal/agentclient"
+	"github.com/cagehq/cage/internal/cgroups"
+	"github.com/cagehq/cage/internal/sandbox"
+)
+
+func newDoctorCmd(g *globals) *cobra.Command {
+	return &cobra.Command{
+		Use:   "doctor",
+		Short: "Check what this host can run, wall by wall",
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			if !doctor(cmd.Context(), g, cmd.OutOrStdout()) {
+				return &exitError{code: ExitUnavailable}
+			}
+			return nil
+		},
+	}
+}
+
+type check struct {
+	name string
+	ok   bool
+	info string
+}
+
+func printChecks(w io.Writer, title string, cs []check) {
+	fmt.Fprintln(w, title)
+	for _, c := range cs {
+		mark := "ok  "
+		if !c.ok {
+			mark = "FAIL"
+		}
+		fmt.Fprintf(w, "  [%s] %-22s %s\n", mark, c.name, c.info)
+	}
+}
+
+// doctor prints the host's facts and each wall's state; it reports whether
+// the default wall works.
+func doctor(ctx context.Context, g *globals, w io.Writer) bool {
+	var uts unix.Utsname
+	_ = unix.Uname(&uts)
+	host := []check{
+		{"kernel", true, unix.ByteSliceToString(uts.Release[:])},
+		{"root", os.Geteuid() == 0, ifElse(os.Geteuid() == 0, "yes", "no: cage needs root (run with sudo)")},
+	}
+	userns, usernsInfo := probeUserns()
+	host = append(host, check{"user namespaces", userns, usernsInfo})
+	if cg, err := cgroups.Detect("cage"); err != nil {
+		host = append(host, check{"cgroups", false, err.Error()})
+	} else {
+		host = append(host, check{"cgroups", true, cg.Mode.String()})
+	}
+	host = append(host, probeLandlock(), probeMountAPI())
+	agentPath, err := sandbox.FindAgent()
+	host = append(host, check{"cage-agent", err == nil, ifElse(err == nil, agentPath, fmt.Sprint(err))})
+	printChecks(w, "host:", host)
+
+	processOK, info := probeProcessWall(ctx, g)
+	walls := []check{{"process", processOK, info}}
+	walls = append(walls, probeBinary("runc", "runc", "the runc wall is not in this build yet; it will use Debian's runc (apt-get install runc). crun 1.8 refuses hybrid cgroups"))
+	walls = append(walls, probeBinary("gvisor", "runsc", "the gvisor wall is not in this build yet; it will use runsc built from the Go module proxy"))
+	walls = append(walls, probeBinary("microvm", "qemu-system-x86_64", "the microvm wall is not in this build yet; it will use QEMU (apt-get install qemu-system-x86)"))
+	printChecks(w, "walls:", walls)
+	return processOK
+}
+
+func ifElse(c bool, a, b string) string {
+	if c {
+		return a
+	}
+	return b
+}
+
+func probeUserns() (bool, string) {
+	if _, err := os.Stat("/proc/self/ns/user"); err != nil {
+		return false, "the kernel has no user namespaces (CONFIG_USER_NS)"
+	}
+	b, err := os.ReadFile("/proc/sys/user/max_user_namespaces")
+	if err == nil && strings.TrimSpace(string(b)) == "0" {
+		return false, "disabled: sysctl user.max_user_namespaces=0 (set it above 0)"
+	}
+	return true, "available"
+}
+
+func probeLandlock() check {
+	v, _, errno := unix.Syscall(unix.SYS_LANDLOCK_CREATE_RULESET, 0, 0, unix.LANDLOCK_CREATE_RULESET_VERSION)
+	if errno != 0 {
+		return check{"landlock", true, "absent (optional: the read-only mounts still hold; boot with lsm=...,landlock for a second lock)"}
+	}
+	return check{"landlock", true, fmt.Sprintf("ABI %d", v)}
+}
+
+func probeMountAPI() check {
+	fd, err := unix.OpenTree(unix.AT_FDCWD, "/", unix.OPEN_TREE_CLOEXEC)
+	if err != nil {
+		return check{"mount API", false, "open_tree/mount_setattr missing: the process wall needs Linux 5.12 or newer"}
+	}
+	unix.Close(fd)
+	return check{"mount API", true, "open_tree, mount_setattr"}
+}
+
+func probeBinary(wall, bin, note string) check {
+	p, err := exec.LookPath(bin)
+	if err != nil {
+		return check{wall, false, bin + " not installed; " + note}
+	}
+	return check{wall, false, p + " found; " + note}
+}
+
+// probeProcessWall creates a real sandbox and runs `true` in it.
+func probeProcessWall(ctx context.Context, g *globals) (bool, string) {
+	h, err := sandbox.NewHost(g.runDir, "", g.log)
+	if err != nil {
+		return false, err.Error()
+	}
+	if ctx == nil {
+		ctx = context.Background()
+	}
+	ctx, cancel := context.WithTimeout(ctx, 20*time.Second)
+	defer cancel()
+	start := time.Now()
+	sb, err := h.Create(ctx, sandbox.Options{DieWithCaller: true})
+	if err != nil {
+		return false, "create failed: " + err.Error()
+	}
+	defer sb.Destroy()
+	c := agentclient.New(sb.Dial, sb.Token)
+	defer c.Close()
+	end, err := c.Run(ctx, agentclient.RunOptions{Cmd: "true", Stdout: io.Discard, Stderr: io.Discard})
+	if err != nil {
+		select {
+		case <-sb.Exited():
+			err = sb.Err()
+		default:
+		}
+		return false, "run failed: " + err.Error()
+	}
+	if end.GetExitCode() != 0 {
+		return false, fmt.Sprintf("`true` exited %d", end.GetExitCode())
+	}
+	return true, fmt.Sprintf("works: create → `true` ended in %v", time.Since(start).Round(100*time.Microsecond))
+}

@@ -1,0 +1,279 @@
+package cli
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"os/signal"
+	"strings"
+	"sync/atomic"
+	"syscall"
+	"time"
+
+	"connectrpc.com/connect"
+	"github.com/spf13/cobra"
+	"golang.org/x/term"
+
+	pb "github.com/cagehq/cage/api/gen/process"
+	"github.com/cagehq/cage/internal/agentclient"
+	"github.com/cagehq/cage/internal/sandbox"
+	"github.com/cagehq/cage/internal/units"
+	"github.com/cagehq/cage/internal/wall/process"
+)
+
+type runFlags struct {
+	template, memory, disk, shm, timeout, workdir, user, maxOutput string
+	cpus                                                           float64
+	pids                                                           int64
+	env, copyIn                                                    []string
+	pty                                                            string
+}
+
+func newRunCmd(g *globals) *cobra.Command {
+	f := &runFlags{}
+	cmd := &cobra.Command{
+		Use:   "run [flags] -- CMD [ARGS...]",
+		Short: "Run a command in a fresh sandbox, then destroy it",
+		Long: `Run a command in a fresh sandbox on the process wall and destroy the sandbox
+when it ends. cage exits with the command's exit code (128+N when a signal
+killed it, 124 when the timeout expired, 127 when the command does not exist).
+stdin, stdout and stderr are the caller's; when stdin is a terminal the
+command gets a PTY.`,
+		Args: cobra.MinimumNArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			return runCommand(cmd.Context(), g, f, args, cmd.OutOrStdout(), cmd.ErrOrStderr())
+		},
+	}
+	cmd.Flags().SetInterspersed(false)
+	fl := cmd.Flags()
+	fl.StringVar(&f.template, "template", "host", "template the sandbox's root is made from")
+	fl.StringVar(&f.memory, "memory", units.FormatSize(sandbox.DefaultMemory), "memory limit, swap included (e.g. 256M, 1G)")
+	fl.Float64Var(&f.cpus, "cpus", sandbox.DefaultCPUs, "CPU limit in cores")
+	fl.Int64Var(&f.pids, "pids", sandbox.DefaultPids, "limit on processes and threads")
+	fl.StringVar(&f.disk, "disk", units.FormatSize(sandbox.DefaultDisk), "size of the writable storage: /tmp, /var/tmp, /home (RAM-backed)")
+	fl.StringVar(&f.shm, "shm", "", "size of /dev/shm (default: the smaller of 64M and a quarter of --memory)")
+	fl.StringVar(&f.timeout, "timeout", "10m", "wall-clock limit for the whole sandbox (0: none)")
+	fl.StringArrayVarP(&f.env, "env", "e", nil, "environment variable K=V (repeatable)")
+	fl.StringVarP(&f.workdir, "workdir", "w", "", "working directory inside the sandbox (default: the user's home)")
+	fl.StringVarP(&f.user, "user", "u", "user", "user to run as inside the sandbox (user or root)")
+	fl.StringArrayVar(&f.copyIn, "copy-in", nil, "copy a host directory in before running: HOSTDIR:SANDBOXDIR (repeatable)")
+	fl.StringVar(&f.maxOutput, "max-output", "", "stop forwarding output after this many bytes (default 64M)")
+	fl.StringVar(&f.pty, "tty", "auto", "run in a PTY: auto (when stdin is a terminal), always, never")
+	return cmd
+}
+
+// parsed is a run's validated request.
+type parsed struct {
+	opts    sandbox.Options
+	timeout time.Duration
+	env     map[string]string
+	copyIn  [][2]string
+	maxOut  uint64
+}
+
+func (f *runFlags) parse() (*parsed, error) {
+	p := &parsed{env: map[string]string{}}
+	var err error
+	o := &p.opts
+	o.Template, o.CPUs, o.Pids = f.template, f.cpus, f.pids
+	if o.Memory, err = units.ParseSize(f.memory); err != nil {
+		return nil, exitf(ExitUsage, "--memory: %v", err)
+	}
+	if o.Disk, err = units.ParseSize(f.disk); err != nil {
+		return nil, exitf(ExitUsage, "--disk: %v", err)
+	}
+	if f.shm != "" {
+		if o.Shm, err = units.ParseSize(f.shm); err != nil {
+			return nil, exitf(ExitUsage, "--shm: %v", err)
+		}
+	}
+	if f.maxOutput != "" {
+		n, err := units.ParseSize(f.maxOutput)
+		if err != nil || n == 0 {
+			return nil, exitf(ExitUsage, "--max-output: must be a size above 0")
+		}
+		p.maxOut = uint64(n)
+	}
+	if p.timeout, err = units.ParseDuration(f.timeout); err != nil {
+		return nil, exitf(ExitUsage, "--timeout: %v", err)
+	}
+	for _, kv := range f.env {
+		k, v, ok := strings.Cut(kv, "=")
+		if !ok || k == "" {
+			return nil, exitf(ExitUsage, "--env %q: want K=V", kv)
+		}
+		p.env[k] = v
+	}
+	for _, c := range f.copyIn {
+		host, dst, ok := strings.Cut(c, ":")
+		if !ok || host == "" || !strings.HasPrefix(dst, "/") {
+			return nil, exitf(ExitUsage, "--copy-in %q: want HOSTDIR:/ABSOLUTE/SANDBOX/DIR", c)
+		}
+		if fi, err := os.Stat(host); err != nil || !fi.IsDir() {
+			return nil, exitf(ExitUsage, "--copy-in: %s is not a directory on this host", host)
+		}
+		p.copyIn = append(p.copyIn, [2]string{host, dst})
+	}
+	if f.pty != "auto" && f.pty != "always" && f.pty != "never" {
+		return nil, exitf(ExitUsage, "--tty %q: want auto, always or never", f.pty)
+	}
+	o.Env = p.env
+	o.DieWithCaller = true
+	if err := o.Validate(); err != nil {
+		return nil, err
+	}
+	return p, nil
+}
+
+func runCommand(ctx context.Context, g *globals, f *runFlags, args []string, stdout, stderr io.Writer) error {
+	p, err := f.parse()
+	if err != nil {
+		return err
+	}
+	host, err := sandbox.NewHost(g.runDir, "", g.log)
+	if err != nil {
+		return err
+	}
+	if ctx == nil {
+		ctx = context.Background()
+	}
+	sb, err := host.Create(ctx, p.opts)
+	if err != nil {
+		return err
+	}
+	defer sb.Destroy()
+
+	var timedOut atomic.Bool
+	if p.timeout > 0 {
+		t := time.AfterFunc(p.timeout, func() {
+			timedOut.Store(true)
+			_ = sb.Destroy()
+		})
+		defer t.Stop()
+	}
+	client := agentclient.New(sb.Dial, sb.Token)
+	defer client.Close()
+
+	for _, c := range p.copyIn {
+		if err := copyIn(ctx, client, f.user, c[0], c[1]); err != nil {
+			return sandboxFailure(sb, &timedOut, p.timeout, fmt.Errorf("--copy-in %s: %w", c[0], err))
+		}
+	}
+	opts := agentclient.RunOptions{
+		Cmd: args[0], Args: args[1:], Cwd: f.workdir, User: f.user, Env: p.env,
+		Stdout: stdout, Stderr: stderr, MaxOutput: p.maxOut,
+	}
+	usePTY := f.pty == "always" || (f.pty == "auto" && term.IsTerminal(int(os.Stdin.Fd())))
+	var restore func()
+	if usePTY {
+		restore = setupPTY(ctx, client, &opts)
+	} else {
+		opts.Stdin = os.Stdin
+		stop := forwardSignals(ctx, client, &opts, sb)
+		defer stop()
+	}
+	end, err := client.Run(ctx, opts)
+	if restore != nil {
+		restore()
+	}
+	if err != nil {
+		return sandboxFailure(sb, &timedOut, p.timeout, err)
+	}
+	return exitFromEnd(end, args[0], p, stderr)
+}
+
+// sandboxFailure explains a failed run: the timeout, a sandbox that died, or
+// the command that could not start.
+func sandboxFailure(sb *process.Sandbox, timedOut *atomic.Bool, timeout time.Duration, err error) error {
+	if timedOut.Load() {
+		return exitf(ExitTimeout, "timed out after %v; the sandbox was destroyed", timeout)
+	}
+	switch connect.CodeOf(err) {
+	case connect.CodeNotFound:
+		return exitf(ExitNotFound, "%s", connectMessage(err))
+	case connect.CodePermissionDenied:
+		return exitf(ExitNotExec, "%s", connectMessage(err))
+	case connect.CodeInvalidArgument:
+		return exitf(ExitUsage, "%s", connectMessage(err))
+	case connect.CodeResourceExhausted:
+		return exitf(ExitInternal, "%s", connectMessage(err))
+	}
+	select {
+	case <-sb.Exited():
+		return exitf(ExitInternal, "%v", sb.Err())
+	default:
+	}
+	return exitf(ExitInternal, "%v", err)
+}
+
+func connectMessage(err error) string {
+	var ce *connect.Error
+	if errors.As(err, &ce) {
+		return ce.Message()
+	}
+	return err.Error()
+}
+
+// exitFromEnd turns how the command ended into cage's exit code.
+func exitFromEnd(end *pb.ProcessEvent_EndEvent, cmd string, p *parsed, stderr io.Writer) error {
+	if end.GetTruncated() {
+		fmt.Fprintf(stderr, "cage: output truncated: the command wrote more than the output limit\n")
+	}
+	code := int(end.GetExitCode())
+	if !end.GetExited() {
+		code = 128 + signalNumber(end.GetStatus())
+	}
+	switch end.GetReason() {
+	case "oom":
+		return exitf(code, "%s was killed: out of memory (limit %s)", cmd, units.FormatSize(p.opts.Memory))
+	case "timeout":
+		return exitf(ExitTimeout, "%s timed out", cmd)
+	case "pids_limit":
+		return exitf(code, "%s failed: the process limit (%d) was reached", cmd, p.opts.Pids)
+	}
+	if code == 0 {
+		return nil
+	}
+	return &exitError{code: code}
+}
+
+// signalNumber reads "signal: killed" back into 9.
+func signalNumber(status string) int {
+	name := strings.TrimPrefix(status, "signal: ")
+	for i := 1; i < 65; i++ {
+		if syscall.Signal(i).String() == name {
+			return i
+		}
+	}
+	return int(syscall.SIGKILL)
+}
+
+// forwardSignals passes the first SIGINT/SIGTERM/SIGHUP to the command as
+// SIGTERM; a second one kills the sandbox.
+func forwardSignals(ctx context.Context, c *agentclient.Client, opts *agentclient.RunOptions, sb *process.Sandbox) func() {
+	ch := make(chan os.Signal, 2)
+	signal.Notify(ch, syscall.SIGINT, syscall.SIGTERM, syscall.SIGHUP)
+	var pid atomic.Uint32
+	opts.OnStart = func(p uint32) { pid.Store(p) }
+	done := make(chan struct{})
+	go func() {
+		n := 0
+		for {
+			select {
+			case <-ch:
+				n++
+				if n > 1 || pid.Load() == 0 {
+					_ = sb.Destroy()
+					continue
+				}
+				sel := &pb.ProcessSelector{Selector: &pb.ProcessSelector_Pid{Pid: pid.Load()}}
+				_, _ = c.Process.SendSignal(ctx, connect.NewRequest(&pb.SendSignalRequest{Process: sel, Signal: pb.Signal_SIGNAL_SIGTERM}))
+			case <-done:
+				return
+			}
+		}
+	}()
+	return func() { signal.Stop(ch); close(done) }
+}

@@ -1,0 +1,206 @@
+// Package sandbox creates sandboxes from user-facing options: it validates
+// limits, applies defaults, checks that the host can do it, and hands the
+// result to a wall. The CLI's `cage run` uses it directly; the daemon will
+// put its state machine and store on top.
+package sandbox
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"path/filepath"
+
+	"github.com/cagehq/cage/internal/cgroups"
+	"github.com/cagehq/cage/internal/template"
+	"github.com/cagehq/cage/internal/units"
+	"github.com/cagehq/cage/internal/wall/process"
+)
+
+// Error kinds; callers map them to exit codes and HTTP statuses at the edge.
+var (
+	ErrInvalid     = errors.New("invalid")
+	ErrNotFound    = template.ErrNotFound
+	ErrPermission  = errors.New("permission denied")
+	ErrUnavailable = errors.New("unavailable on this host")
+)
+
+// Defaults for a sandbox when the request names no limit.
+const (
+	DefaultMemory = 512 << 20
+	DefaultCPUs   = 1.0
+	DefaultPids   = 512
+	DefaultDisk   = 256 << 20
+	DefaultShm    = 64 << 20
+)
+
+// Minimums below which a sandbox cannot even start its agent.
+const (
+	MinMemory = 32 << 20
+	MinPids   = 16
+	MinDisk   = 1 << 20
+	MinCPUs   = 0.01
+)
+
+// Options are what a caller may choose for a sandbox.
+type Options struct {
+	Template  string
+	Memory    int64
+	CPUs      float64
+	Pids      int64
+	Disk      int64
+	Shm       int64
+	Env       map[string]string
+	MaxOutput int64
+	// DieWithCaller ties the sandbox to the creating process (cage run).
+	DieWithCaller bool
+}
+
+// Validate fills defaults and rejects limits that are malformed or too small.
+func (o *Options) Validate() error {
+	if o.Template == "" {
+		o.Template = "host"
+	}
+	if o.Memory == 0 {
+		o.Memory = DefaultMemory
+	}
+	if o.CPUs == 0 {
+		o.CPUs = DefaultCPUs
+	}
+	if o.Pids == 0 {
+		o.Pids = DefaultPids
+	}
+	if o.Disk == 0 {
+		o.Disk = DefaultDisk
+	}
+	if o.Shm == 0 {
+		o.Shm = min(DefaultShm, o.Memory/4)
+	}
+	switch {
+	case o.Memory < MinMemory:
+		return fmt.Errorf("%w: memory %s is too small (at least %s)", ErrInvalid, units.FormatSize(o.Memory), units.FormatSize(MinMemory))
+	case o.CPUs < MinCPUs:
+		return fmt.Errorf("%w: cpus %g is too small (at least %g)", ErrInvalid, o.CPUs, MinCPUs)
+	case o.Pids < MinPids:
+		return fmt.Errorf("%w: pids %d is too small (at least %d)", ErrInvalid, o.Pids, MinPids)
+	case o.Disk < MinDisk:
+		return fmt.Errorf("%w: disk %s is too small (at least %s)", ErrInvalid, units.FormatSize(o.Disk), units.FormatSize(MinDisk))
+	case o.Shm < 0:
+		return fmt.Errorf("%w: negative shm size", ErrInvalid)
+	}
+	for k := range o.Env {
+		if k == "" || containsAny(k, "=\x00") {
+			return fmt.Errorf("%w: environment variable name %q", ErrInvalid, k)
+		}
+	}
+	return nil
+}
+
+func containsAny(s, chars string) bool {
+	for _, c := range chars {
+		for _, d := range s {
+			if c == d {
+				return true
+			}
+		}
+	}
+	return false
+}
+
+// Host is what creating sandboxes on this machine needs.
+type Host struct {
+	RunDir    string // runtime state, e.g. /run/cage
+	AgentPath string
+	Cgroups   *cgroups.Manager
+	Log       *slog.Logger
+}
+
+// NewHost checks that this host can run process-wall sandboxes and returns
+// what is needed to create them. agentPath may be empty: cage-agent is then
+// looked for beside the running executable.
+func NewHost(runDir, agentPath string, log *slog.Logger) (*Host, error) {
+	if os.Geteuid() != 0 {
+		return nil, fmt.Errorf("%w: cage needs root to create sandboxes (user namespaces with private uid ranges and cgroup limits); run it with sudo", ErrPermission)
+	}
+	if agentPath == "" {
+		var err error
+		if agentPath, err = FindAgent(); err != nil {
+			return nil, err
+		}
+	}
+	if err := checkKernel(); err != nil {
+		return nil, err
+	}
+	cg, err := cgroups.Detect("cage")
+	if err != nil {
+		return nil, fmt.Errorf("%w: cgroups: %v", ErrUnavailable, err)
+	}
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	return &Host{RunDir: runDir, AgentPath: agentPath, Cgroups: cg, Log: log}, nil
+}
+
+// FindAgent locates cage-agent: $CAGE_AGENT, else beside the executable.
+func FindAgent() (string, error) {
+	if p := os.Getenv("CAGE_AGENT"); p != "" {
+		return p, nil
+	}
+	exe, err := os.Executable()
+	if err != nil {
+		return "", err
+	}
+	p := filepath.Join(filepath.Dir(exe), "cage-agent")
+	if _, err := os.Stat(p); err != nil {
+		return "", fmt.Errorf("%w: cage-agent not found beside %s (build both with `make`, or set CAGE_AGENT)", ErrUnavailable, exe)
+	}
+	return p, nil
+}
+
+// checkKernel probes the kernel features the process wall cannot do without.
+func checkKernel() error {
+	for _, ns := range []string{"user", "pid", "mnt", "ipc", "uts", "net", "cgroup"} {
+		if _, err := os.Stat("/proc/self/ns/" + ns); err != nil {
+			return fmt.Errorf("%w: the kernel lacks %s namespaces (CONFIG_%s_NS)", ErrUnavailable, ns, nsConfig[ns])
+		}
+	}
+	return nil
+}
+
+var nsConfig = map[string]string{"user": "USER", "pid": "PID", "mnt": "NAMESPACES", "ipc": "IPC", "uts": "UTS", "net": "NET", "cgroup": "CGROUP"}
+
+// Create starts a sandbox on the process wall.
+func (h *Host) Create(ctx context.Context, o Options) (*process.Sandbox, error) {
+	if err := o.Validate(); err != nil {
+		return nil, err
+	}
+	tmpl, err := template.Lookup(o.Template)
+	if err != nil {
+		return nil, err
+	}
+	return process.Create(ctx, process.Config{
+		ID:            process.NewID(),
+		AgentPath:     h.AgentPath,
+		RunDir:        h.RunDir,
+		Template:      tmpl,
+		Cgroups:       h.Cgroups,
+		Limits:        cgroups.Limits{MemoryBytes: o.Memory, CPUs: o.CPUs, Pids: o.Pids},
+		DiskBytes:     o.Disk,
+		ShmBytes:      o.Shm,
+		Token:         NewToken(),
+		Env:           o.Env,
+		MaxOutput:     o.MaxOutput,
+		DieWithParent: o.DieWithCaller,
+		Log:           h.Log,
+	})
+}
+
+// NewToken returns a fresh access token for a sandbox's agent.
+func NewToken() string {
+	b := make([]byte, 24)
+	_, _ = rand.Read(b)
+	return hex.EncodeToString(b)
+}

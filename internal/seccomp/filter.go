@@ -1,0 +1,313 @@
+//go:build linux && amd64
+
+package seccomp
+
+import (
+	"fmt"
+	"sort"
+
+	"golang.org/x/sys/unix"
+)
+
+// Offsets into struct seccomp_data (little-endian x86_64):
+//
+//	struct seccomp_data {
+//		int   nr;                  // 0
+//		__u32 arch;                // 4
+//		__u64 instruction_pointer; // 8
+//		__u64 args[6];             // 16 + 8*i
+//	};
+//
+// Classic BPF loads 32-bit words, so argument i is two loads: its low word
+// at 16+8i and its high word at 20+8i.
+const (
+	offNr   = 0
+	offArch = 4
+)
+
+func argLo(i uint32) uint32 { return 16 + 8*i }
+func argHi(i uint32) uint32 { return 20 + 8*i }
+
+// Verdicts.
+const (
+	retAllow  = unix.SECCOMP_RET_ALLOW
+	retENOSYS = unix.SECCOMP_RET_ERRNO | uint32(unix.ENOSYS)
+)
+
+// x32Bit is __X32_SYSCALL_BIT: x86_64 syscall numbers with it set use the x32
+// ABI, which shares AUDIT_ARCH_X86_64 with the 64-bit ABI.
+const x32Bit = 0x40000000
+
+// nsCloneFlags are the clone flags that create namespaces: CLONE_NEWNS,
+// CLONE_NEWCGROUP, CLONE_NEWUTS, CLONE_NEWIPC, CLONE_NEWUSER, CLONE_NEWPID,
+// CLONE_NEWNET (0x7E020000, Docker's mask) and CLONE_NEWTIME (0x80).
+// CLONE_NEWTIME sits in the exit-signal byte of clone(2)'s flags; no valid
+// exit signal has bit 0x80, so masking it costs nothing.
+const nsCloneFlags = unix.CLONE_NEWNS | unix.CLONE_NEWCGROUP | unix.CLONE_NEWUTS |
+	unix.CLONE_NEWIPC | unix.CLONE_NEWUSER | unix.CLONE_NEWPID | unix.CLONE_NEWNET |
+	unix.CLONE_NEWTIME
+
+// Denied socket arguments.
+var (
+	deniedFamilies = []uint32{
+		unix.AF_ALG,    // kernel crypto API: a large, bug-prone surface
+		unix.AF_VSOCK,  // host/guest sockets; Docker denies it too
+		unix.AF_PACKET, // raw link-layer access
+		unix.AF_KEY,    // IPsec key management
+	}
+	// For AF_INET and AF_INET6, SOCK_RAW is denied.
+	sockTypeMask uint32 = 0xf // SOCK_TYPE_MASK: strips SOCK_NONBLOCK and SOCK_CLOEXEC
+)
+
+// Denied ioctl requests: both inject input into a terminal, which lets code
+// that shares a terminal with a more privileged process type commands into it.
+var deniedIoctls = []uint32{unix.TIOCSTI, unix.TIOCLINUX}
+
+// allowedPersonalities are the personality(2) arguments Docker allows:
+// PER_LINUX, PER_LINUX32, UNAME26, UNAME26|PER_LINUX32 and 0xffffffff (query
+// the current personality). Flags such as READ_IMPLIES_EXEC or
+// ADDR_NO_RANDOMIZE are denied.
+var allowedPersonalities = []uint32{0x0, 0x8, 0x20000, 0x20008, 0xffffffff}
+
+// Labels of the shared blocks.
+const (
+	lAllow       label = "allow"
+	lDeny        label = "deny"
+	lENOSYS      label = "enosys"
+	lClone       label = "clone"
+	lSocket      label = "socket"
+	lSocketInet  label = "socket.inet"
+	lIoctl       label = "ioctl"
+	lPersonality label = "personality"
+)
+
+func actionLabel(a action) label {
+	switch a {
+	case actAllow:
+		return lAllow
+	case actENOSYS:
+		return lENOSYS
+	case actClone:
+		return lClone
+	case actSocket:
+		return lSocket
+	case actIoctl:
+		return lIoctl
+	case actPersonality:
+		return lPersonality
+	}
+	return lDeny
+}
+
+// policy returns the action of every syscall number in the table. It fails
+// if a number appears twice, so that a typo cannot silently allow a call.
+func policy() (map[uint32]action, error) {
+	m := make(map[uint32]action)
+	add := func(s sc, a action) error {
+		if s.nr >= x32Bit {
+			return fmt.Errorf("seccomp: %s: number %d out of range", s.name, s.nr)
+		}
+		if prev, dup := m[uint32(s.nr)]; dup {
+			return fmt.Errorf("seccomp: %s (%d) listed twice (%v and %v)", s.name, s.nr, prev, a)
+		}
+		m[uint32(s.nr)] = a
+		return nil
+	}
+	for _, s := range allowed {
+		if err := add(s, actAllow); err != nil {
+			return nil, err
+		}
+	}
+	for _, f := range filtered {
+		if err := add(f.sc, f.act); err != nil {
+			return nil, err
+		}
+	}
+	for _, s := range denied {
+		if a, ok := m[uint32(s.nr)]; ok {
+			return nil, fmt.Errorf("seccomp: %s (%d) is both denied and %v", s.name, s.nr, a)
+		}
+	}
+	return m, nil
+}
+
+// span is a run [start, next span's start) of syscall numbers with one action.
+type span struct {
+	start uint32
+	act   action
+}
+
+// spans turns the table into consecutive runs covering [0, 2^32). The last
+// run, past the highest listed number, is denied.
+func spans(m map[uint32]action) []span {
+	nrs := make([]uint32, 0, len(m))
+	for nr := range m {
+		nrs = append(nrs, nr)
+	}
+	sort.Slice(nrs, func(i, j int) bool { return nrs[i] < nrs[j] })
+
+	var out []span
+	push := func(start uint32, a action) {
+		if len(out) > 0 && out[len(out)-1].act == a {
+			return // extends the previous run
+		}
+		out = append(out, span{start, a})
+	}
+	expect := uint32(0)
+	for _, nr := range nrs {
+		if nr != expect {
+			push(expect, actDeny) // the gap before nr
+		}
+		push(nr, m[nr])
+		expect = nr + 1
+	}
+	push(expect, actDeny)
+	return out
+}
+
+// Program returns the filter as BPF instructions (for tests and inspection).
+//
+// Layout:
+//
+//  1. arch != AUDIT_ARCH_X86_64 → EPERM (denies the i386 int 0x80 and
+//     sysenter ABIs, whose numbers differ from x86_64's).
+//  2. nr has the x32 bit → EPERM.
+//  3. A binary search over the runs of syscall numbers with the same action
+//     (about 8 comparisons), whose leaves jump to allow, deny or one of the
+//     argument-checking blocks.
+//  4. The argument-checking blocks and the shared returns.
+func Program() ([]unix.SockFilter, error) { return program(unix.EPERM) }
+
+// program builds the filter with denied calls failing with denyErrno. Only
+// the tests pass anything but EPERM: a distinctive errno proves that a denial
+// came from the filter and not from the kernel's own permission checks.
+func program(denyErrno unix.Errno) ([]unix.SockFilter, error) {
+	if denyErrno == 0 || denyErrno > unix.SECCOMP_RET_DATA {
+		return nil, fmt.Errorf("seccomp: bad errno %d", denyErrno)
+	}
+	m, err := policy()
+	if err != nil {
+		return nil, err
+	}
+	a := newAsm()
+
+	a.ldAbs(offArch)
+	a.jeq(unix.AUDIT_ARCH_X86_64, next, lDeny)
+	a.ldAbs(offNr)
+	a.jset(x32Bit, lDeny, next)
+	emitSearch(a, spans(m))
+	emitClone(a)
+	emitSocket(a)
+	emitIoctl(a)
+	emitPersonality(a)
+
+	a.bind(lENOSYS)
+	a.ret(retENOSYS)
+	a.bind(lAllow)
+	a.ret(retAllow)
+	a.bind(lDeny)
+	a.ret(unix.SECCOMP_RET_ERRNO | uint32(denyErrno))
+	return a.assemble()
+}
+
+// emitSearch emits a binary search over spans, which must start at 0 and be
+// sorted. The syscall number must be in A. A subtree of one span is not
+// emitted: its parent jumps straight to the span's action label. Every
+// internal node is one JGE; its false branch falls through to the left
+// subtree, emitted right after it.
+func emitSearch(a *asm, ss []span) {
+	if len(ss) == 1 {
+		a.ja(actionLabel(ss[0].act))
+		return
+	}
+	n := 0
+	var node func(lo, hi int) label
+	var emit func(lo, hi int, l label)
+	// node returns the label to jump to for spans [lo, hi).
+	node = func(lo, hi int) label {
+		if hi-lo == 1 {
+			return actionLabel(ss[lo].act)
+		}
+		n++
+		return label(fmt.Sprintf("search.%d", n))
+	}
+	emit = func(lo, hi int, l label) {
+		mid := (lo + hi) / 2
+		left, right := node(lo, mid), node(mid, hi)
+		a.bind(l)
+		if hi-lo == 2 {
+			a.jge(ss[mid].start, right, left)
+			return
+		}
+		if mid-lo > 1 {
+			// The left subtree follows immediately; fall through into it.
+			a.jge(ss[mid].start, right, next)
+			emit(lo, mid, left)
+		} else {
+			a.jge(ss[mid].start, right, left)
+		}
+		if hi-mid > 1 {
+			emit(mid, hi, right)
+		}
+	}
+	root := node(0, len(ss))
+	emit(0, len(ss), root)
+}
+
+// emitClone: clone(flags, ...). Only the low word of flags is checked: the
+// kernel itself uses lower_32_bits(clone_flags) and ignores the high word, and
+// all namespace flags live in the low word.
+func emitClone(a *asm) {
+	a.bind(lClone)
+	a.ldAbs(argLo(0))
+	a.jset(nsCloneFlags, lDeny, lAllow)
+}
+
+// emitSocket: socket(family, type, protocol). Both are C ints, so the kernel
+// ignores their high words; a non-zero high word of family is nevertheless
+// denied (no legitimate caller passes one). The type is masked with
+// SOCK_TYPE_MASK, as the kernel does, before comparing with SOCK_RAW.
+func emitSocket(a *asm) {
+	a.bind(lSocket)
+	a.ldAbs(argHi(0))
+	a.jeq(0, next, lDeny)
+	a.ldAbs(argLo(0))
+	for _, f := range deniedFamilies {
+		a.jeq(f, lDeny, next)
+	}
+	a.jeq(unix.AF_INET, lSocketInet, next)
+	a.jeq(unix.AF_INET6, lSocketInet, lAllow)
+	a.bind(lSocketInet)
+	a.ldAbs(argLo(1))
+	a.and(sockTypeMask)
+	a.jeq(unix.SOCK_RAW, lDeny, lAllow)
+}
+
+// emitIoctl: ioctl(fd, request, ...). The kernel takes request as an
+// unsigned int, so only the low word matters; comparing all 64 bits would be
+// a bug (setting a high bit would slip TIOCSTI past a 64-bit equality test).
+func emitIoctl(a *asm) {
+	a.bind(lIoctl)
+	a.ldAbs(argLo(1))
+	for i, r := range deniedIoctls {
+		if i == len(deniedIoctls)-1 {
+			a.jeq(r, lDeny, lAllow)
+		} else {
+			a.jeq(r, lDeny, next)
+		}
+	}
+}
+
+// emitPersonality: personality(persona). The kernel takes an unsigned int,
+// so only the low word is compared.
+func emitPersonality(a *asm) {
+	a.bind(lPersonality)
+	a.ldAbs(argLo(0))
+	for i, p := range allowedPersonalities {
+		if i == len(allowedPersonalities)-1 {
+			a.jeq(p, lAllow, lDeny)
+		} else {
+			a.jeq(p, lAllow, next)
+		}
+	}
+}

@@ -1,0 +1,114 @@
+// Package template describes what a sandbox's root filesystem is made from.
+// Today there is one built-in template, "host": the host's own /usr, /bin,
+// /sbin and /lib*, and a minimal /etc, all read-only.
+package template
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"sort"
+)
+
+// ErrNotFound is returned for a template name that does not exist.
+var ErrNotFound = errors.New("template not found")
+
+// Kind is what a Mount puts at its destination.
+type Kind string
+
+const (
+	Dir     Kind = "dir"     // a read-only recursive bind of a host directory
+	File    Kind = "file"    // a read-only bind of a host file
+	Symlink Kind = "symlink" // a symlink with Target
+)
+
+// Mount is one entry of a sandbox's root filesystem taken from the host.
+type Mount struct {
+	Kind   Kind   `json:"kind"`
+	Source string `json:"source,omitempty"` // host path (Dir, File)
+	Dest   string `json:"dest"`             // path inside the sandbox
+	Target string `json:"target,omitempty"` // Symlink target
+}
+
+// Template is a resolved template: what to mount, in order.
+type Template struct {
+	Name   string
+	Mounts []Mount
+}
+
+// hostRoots are the host directories the "host" template shares.
+var hostRoots = []string{"/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"}
+
+// hostEtc are the host /etc entries the "host" template shares read-only.
+// Accounts, hosts and resolver files are generated per sandbox instead.
+var hostEtc = []string{
+	"alternatives", "bash.bashrc", "ca-certificates", "ca-certificates.conf",
+	"debian_version", "environment", "gai.conf", "host.conf", "inputrc",
+	"ld.so.cache", "ld.so.conf", "ld.so.conf.d", "locale.alias", "localtime",
+	"login.defs", "mime.types", "nsswitch.conf", "os-release", "profile",
+	"profile.d", "protocols", "python3", "python3.11", "rpc", "services",
+	"skel", "ssl", "terminfo", "timezone", "vim", "xattr.conf",
+}
+
+// Names lists the built-in templates.
+func Names() []string { return []string{"host"} }
+
+// Lookup resolves a template by name.
+func Lookup(name string) (*Template, error) {
+	switch name {
+	case "host", "":
+		return hostTemplate()
+	}
+	return nil, fmt.Errorf("%w: %q (available: %v)", ErrNotFound, name, Names())
+}
+
+func hostTemplate() (*Template, error) {
+	t := &Template{Name: "host"}
+	for _, p := range hostRoots {
+		m, ok, err := hostMount(p, p)
+		if err != nil {
+			return nil, err
+		}
+		if ok {
+			t.Mounts = append(t.Mounts, m)
+		}
+	}
+	etc := append([]string(nil), hostEtc...)
+	sort.Strings(etc)
+	for _, name := range etc {
+		m, ok, err := hostMount(filepath.Join("/etc", name), filepath.Join("/etc", name))
+		if err != nil {
+			return nil, err
+		}
+		if ok {
+			t.Mounts = append(t.Mounts, m)
+		}
+	}
+	return t, nil
+}
+
+// hostMount describes how to bring host path src to dest; ok is false when
+// src does not exist on this host.
+func hostMount(src, dest string) (Mount, bool, error) {
+	fi, err := os.Lstat(src)
+	if errors.Is(err, os.ErrNotExist) {
+		return Mount{}, false, nil
+	}
+	if err != nil {
+		return Mount{}, false, err
+	}
+	switch {
+	case fi.Mode()&os.ModeSymlink != 0:
+		target, err := os.Readlink(src)
+		if err != nil {
+			return Mount{}, false, err
+		}
+		return Mount{Kind: Symlink, Dest: dest, Target: target}, true, nil
+	case fi.IsDir():
+		return Mount{Kind: Dir, Source: src, Dest: dest}, true, nil
+	case fi.Mode().IsRegular():
+		return Mount{Kind: File, Source: src, Dest: dest}, true, nil
+	}
+	return Mount{}, false, nil
+}

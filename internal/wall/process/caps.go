@@ -1,0 +1,96 @@
+package process
+
+import (
+	"fmt"
+	"os"
+	"strconv"
+	"strings"
+	"syscall"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+)
+
+// Child side: privileges. The agent keeps only the capabilities it needs to
+// run commands as other users and to manage files for them; the bounding set
+// shrinks to the same, so nothing can ever regain the rest. With
+// SECBIT_NOROOT (locked), executing a program as uid 0 grants no
+// capabilities: a command run as root inside the sandbox has none, and one
+// run as `user` loses them at setuid. Every step runs on all of the Go
+// runtime's threads (credentials are per thread).
+var agentCaps = []uintptr{
+	unix.CAP_CHOWN, unix.CAP_DAC_OVERRIDE, unix.CAP_DAC_READ_SEARCH, unix.CAP_FOWNER,
+	unix.CAP_FSETID, unix.CAP_KILL, unix.CAP_SETGID, unix.CAP_SETUID,
+}
+
+// Securebits (linux/securebits.h).
+const (
+	secbitNoroot               = 1 << 0
+	secbitNorootLocked         = 1 << 1
+	secbitNoAmbientRaise       = 1 << 6
+	secbitNoAmbientRaiseLocked = 1 << 7
+)
+
+func allThreads(trap, a1, a2, a3 uintptr) error {
+	if _, _, errno := syscall.AllThreadsSyscall(trap, a1, a2, a3); errno != 0 {
+		return errno
+	}
+	return nil
+}
+
+func dropPrivileges() error {
+	// Securebits first: setting them needs CAP_SETPCAP, which goes next.
+	bits := uintptr(secbitNoroot | secbitNorootLocked | secbitNoAmbientRaise | secbitNoAmbientRaiseLocked)
+	if err := allThreads(unix.SYS_PRCTL, unix.PR_SET_SECUREBITS, bits, 0); err != nil {
+		return fmt.Errorf("securebits: %w", err)
+	}
+	last, err := lastCap()
+	if err != nil {
+		return err
+	}
+	keep := map[uintptr]bool{}
+	for _, c := range agentCaps {
+		keep[c] = true
+	}
+	for c := uintptr(0); c <= last; c++ {
+		if keep[c] {
+			continue
+		}
+		if err := allThreads(unix.SYS_PRCTL, unix.PR_CAPBSET_DROP, c, 0); err != nil {
+			return fmt.Errorf("drop capability %d from the bounding set: %w", c, err)
+		}
+	}
+	if err := allThreads(unix.SYS_PRCTL, unix.PR_CAP_AMBIENT, unix.PR_CAP_AMBIENT_CLEAR_ALL, 0); err != nil {
+		return fmt.Errorf("clear ambient capabilities: %w", err)
+	}
+	hdr := unix.CapUserHeader{Version: unix.LINUX_CAPABILITY_VERSION_3}
+	var data [2]unix.CapUserData
+	for _, c := range agentCaps {
+		data[c/32].Effective |= 1 << (c % 32)
+		data[c/32].Permitted |= 1 << (c % 32)
+	}
+	if err := allThreads(unix.SYS_CAPSET, uintptr(unsafe.Pointer(&hdr)), uintptr(unsafe.Pointer(&data[0])), 0); err != nil {
+		return fmt.Errorf("capset: %w", err)
+	}
+	// Not dumpable: /proc/1/{mem,environ,fd,root} stay closed to every
+	// process of the sandbox, root included (it holds no CAP_SYS_PTRACE).
+	if err := unix.Prctl(unix.PR_SET_DUMPABLE, 0, 0, 0, 0); err != nil {
+		return fmt.Errorf("set non-dumpable: %w", err)
+	}
+	if err := allThreads(unix.SYS_PRCTL, unix.PR_SET_NO_NEW_PRIVS, 1, 0); err != nil {
+		return fmt.Errorf("no_new_privs: %w", err)
+	}
+	return nil
+}
+
+func lastCap() (uintptr, error) {
+	b, err := os.ReadFile("/proc/sys/kernel/cap_last_cap")
+	if err != nil {
+		return 0, fmt.Errorf("read cap_last_cap: %w", err)
+	}
+	n, err := strconv.Atoi(strings.TrimSpace(string(b)))
+	if err != nil {
+		return 0, err
+	}
+	return uintptr(n), nil
+}

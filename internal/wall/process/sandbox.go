@@ -1,0 +1,349 @@
+package process
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"os"
+	"path/filepath"
+	"runtime"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	"github.com/cagehq/cage/internal/cgroups"
+	"github.com/cagehq/cage/internal/template"
+)
+
+// Config describes one sandbox to create.
+type Config struct {
+	ID        string             // sandbox id: [a-z0-9]+
+	AgentPath string             // host path of the cage-agent binary
+	RunDir    string             // runtime state directory (e.g. /run/cage)
+	Template  *template.Template // what the root is made of
+	Cgroups   *cgroups.Manager
+	Limits    cgroups.Limits
+	DiskBytes int64 // size of the writable storage (/tmp, /home, /var/tmp)
+	ShmBytes  int64 // size of /dev/shm
+	Token     string
+	Env       map[string]string
+	MaxOutput int64
+	// DieWithParent kills the sandbox when the creating thread dies (cage run).
+	DieWithParent bool
+	Log           *slog.Logger
+}
+
+// Sandbox is a running sandbox of the process wall, seen from the host.
+type Sandbox struct {
+	ID    string
+	Token string // the agent's access token
+	Pid   int    // the agent, PID 1 of the sandbox, as the host sees it
+	dir   string
+	sock  string
+	cg    *cgroups.Cgroup
+	ids   *idSlot
+	log   *slog.Logger
+
+	exited  chan struct{} // closed when the agent has been reaped
+	waitErr error
+	stderr  *tailBuffer
+	destroy sync.Once
+	destErr error
+}
+
+// NewID returns a fresh sandbox id (20 lowercase hex characters, as E2B's).
+func NewID() string {
+	b := make([]byte, 10)
+	_, _ = rand.Read(b)
+	return hex.EncodeToString(b)
+}
+
+// Create builds and starts a sandbox. The agent may still be setting up when
+// Create returns; Dial connects as soon as the agent accepts (connections
+// queue on the listening socket meanwhile). On error nothing is left behind.
+func Create(ctx context.Context, cfg Config) (sb *Sandbox, err error) {
+	if cfg.Log == nil {
+		cfg.Log = slog.New(slog.DiscardHandler)
+	}
+	sb = &Sandbox{ID: cfg.ID, dir: filepath.Join(cfg.RunDir, "sandboxes", cfg.ID), exited: make(chan struct{}),
+		log: cfg.Log.With("sandbox", cfg.ID)}
+	sb.sock = filepath.Join(sb.dir, "agent.sock")
+	sb.Token = cfg.Token
+	defer func() {
+		if err != nil {
+			_ = sb.Destroy()
+			sb = nil
+		}
+	}()
+	// The sandbox's root user must be able to reach its root directory.
+	if err := os.MkdirAll(cfg.RunDir, 0o711); err != nil {
+		return sb, err
+	}
+	if err := os.Chmod(cfg.RunDir, 0o711); err != nil {
+		return sb, err
+	}
+	if sb.ids, err = reserveIDs(cfg.RunDir); err != nil {
+		return sb, err
+	}
+	root, err := sb.makeDirs()
+	if err != nil {
+		return sb, err
+	}
+	if sb.cg, err = cfg.Cgroups.Create(cfg.ID, cfg.Limits); err != nil {
+		return sb, err
+	}
+	l, err := net.ListenUnix("unix", &net.UnixAddr{Name: sb.sock, Net: "unix"})
+	if err != nil {
+		return sb, fmt.Errorf("agent socket: %w", err)
+	}
+	l.SetUnlinkOnClose(false)
+	lf, err := l.File()
+	l.Close() // the child's copy keeps the socket listening
+	if err != nil {
+		return sb, err
+	}
+	defer lf.Close()
+
+	spec := &initSpec{
+		ID: cfg.ID, Hostname: "cage-" + cfg.ID[:min(8, len(cfg.ID))], Root: root,
+		Mounts: cfg.Template.Mounts, DiskBytes: cfg.DiskBytes, DiskInodes: inodesFor(cfg.DiskBytes),
+		ShmBytes: cfg.ShmBytes, UserName: userName, UserUID: userUID, UserGID: userUID,
+		OOMEvents: sb.cg.OOMEventsFile(), PidsEvents: sb.cg.PidsEventsFile(),
+		Token: cfg.Token, Env: cfg.Env, MaxOutput: cfg.MaxOutput,
+	}
+	if err := sb.start(cfg, lf, spec); err != nil {
+		return sb, err
+	}
+	return sb, nil
+}
+
+// inodesFor sizes the disk's inode table: one per 8 KiB, at least 4096.
+func inodesFor(bytes int64) int64 { return max(4096, bytes/8192) }
+
+// makeDirs creates the sandbox's state directory and the empty directory its
+// root is mounted on, which belongs to the sandbox's root user.
+func (sb *Sandbox) makeDirs() (string, error) {
+	if err := os.MkdirAll(filepath.Dir(sb.dir), 0o711); err != nil {
+		return "", err
+	}
+	if err := os.Mkdir(sb.dir, 0o711); err != nil {
+		return "", err
+	}
+	root := filepath.Join(sb.dir, "root")
+	if err := os.Mkdir(root, 0o700); err != nil {
+		return "", err
+	}
+	if err := os.Chown(root, sb.ids.hostID(0), sb.ids.hostID(0)); err != nil {
+		return "", err
+	}
+	return root, nil
+}
+
+// start forks the agent into new namespaces, puts it in its cgroups, and
+// only then hands it the spec that lets it proceed.
+func (sb *Sandbox) start(cfg Config, listener *os.File, spec *initSpec) error {
+	specR, specW, err := os.Pipe()
+	if err != nil {
+		return err
+	}
+	defer specR.Close()
+	defer specW.Close()
+	errR, errW, err := os.Pipe()
+	if err != nil {
+		return err
+	}
+	defer errW.Close()
+	sb.stderr = newTailBuffer(4096)
+	go sb.stderr.drain(errR, sb.log)
+
+	devnull, err := os.Open(os.DevNull)
+	if err != nil {
+		return err
+	}
+	defer devnull.Close()
+	attr := &syscall.ProcAttr{
+		Dir:   "/",
+		Env:   []string{"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"},
+		Files: []uintptr{devnull.Fd(), errW.Fd(), errW.Fd(), specR.Fd(), listener.Fd()},
+		Sys: &syscall.SysProcAttr{
+			Cloneflags: syscall.CLONE_NEWUSER | syscall.CLONE_NEWPID | syscall.CLONE_NEWNS |
+				syscall.CLONE_NEWIPC | syscall.CLONE_NEWUTS | syscall.CLONE_NEWNET,
+			UidMappings:                sb.ids.idMaps(),
+			GidMappings:                sb.ids.idMaps(),
+			GidMappingsEnableSetgroups: true,
+			Credential:                 &syscall.Credential{Uid: 0, Gid: 0},
+			Setsid:                     true,
+		},
+	}
+	if cfg.DieWithParent {
+		// The parent-death signal follows the thread that forked, so fork
+		// from a thread that lives as long as the process.
+		runtime.LockOSThread()
+		defer runtime.UnlockOSThread()
+		attr.Sys.Pdeathsig = syscall.SIGKILL
+	}
+	pid, err := syscall.ForkExec(cfg.AgentPath, []string{"cage-agent", "init"}, attr)
+	if err != nil {
+		return fmt.Errorf("start the sandbox's agent %s: %w", cfg.AgentPath, err)
+	}
+	sb.Pid = pid
+	go sb.reap()
+	if err := sb.cg.AddProc(pid); err != nil {
+		return err
+	}
+	data, err := json.Marshal(spec)
+	if err != nil {
+		return err
+	}
+	if _, err := specW.Write(data); err != nil {
+		return fmt.Errorf("send the sandbox spec: %w (agent: %s)", err, sb.stderr.String())
+	}
+	return nil
+}
+
+func (sb *Sandbox) reap() {
+	var ws syscall.WaitStatus
+	for {
+		_, err := syscall.Wait4(sb.Pid, &ws, 0, nil)
+		if err != syscall.EINTR {
+			if err != nil {
+				sb.waitErr = err
+			}
+			break
+		}
+	}
+	if sb.waitErr == nil && !(ws.Signaled() && ws.Signal() == syscall.SIGKILL) {
+		sb.waitErr = fmt.Errorf("agent exited (%v)", describe(ws))
+	}
+	close(sb.exited)
+}
+
+func describe(ws syscall.WaitStatus) string {
+	if ws.Signaled() {
+		return "signal " + ws.Signal().String()
+	}
+	return fmt.Sprintf("status %d", ws.ExitStatus())
+}
+
+// Dial connects to the sandbox's agent.
+func (sb *Sandbox) Dial(ctx context.Context) (net.Conn, error) {
+	var d net.Dialer
+	c, err := d.DialContext(ctx, "unix", sb.sock)
+	if err != nil {
+		select {
+		case <-sb.exited:
+			return nil, sb.Err()
+		default:
+		}
+		return nil, fmt.Errorf("dial sandbox %s: %w", sb.ID, err)
+	}
+	return c, nil
+}
+
+// Exited is closed when the sandbox's agent is gone.
+func (sb *Sandbox) Exited() <-chan struct{} { return sb.exited }
+
+// Err explains why the sandbox died, with the last words of its agent.
+func (sb *Sandbox) Err() error {
+	if sb.stderr != nil {
+		select {
+		case <-sb.stderr.done:
+		case <-time.After(200 * time.Millisecond):
+		}
+	}
+	msg := strings.TrimSpace(sb.stderr.String())
+	if msg != "" {
+		return fmt.Errorf("sandbox %s failed: %s", sb.ID, lastLine(msg))
+	}
+	if sb.waitErr != nil {
+		return fmt.Errorf("sandbox %s: %w", sb.ID, sb.waitErr)
+	}
+	return fmt.Errorf("sandbox %s is gone", sb.ID)
+}
+
+func lastLine(s string) string {
+	if i := strings.LastIndexByte(s, '\n'); i >= 0 {
+		return s[i+1:]
+	}
+	return s
+}
+
+// Cgroup is the sandbox's control group.
+func (sb *Sandbox) Cgroup() *cgroups.Cgroup { return sb.cg }
+
+// Destroy kills every process of the sandbox and removes everything it had
+// on the host: cgroups, state directory, uid range. Killing PID 1 of a PID
+// namespace kills every process in it, however it forked; namespaces and
+// mounts go with the last process. It is safe to call more than once.
+func (sb *Sandbox) Destroy() error {
+	sb.destroy.Do(func() { sb.destErr = sb.teardown() })
+	return sb.destErr
+}
+
+func (sb *Sandbox) teardown() error {
+	var errs []error
+	if sb.Pid > 0 {
+		_ = syscall.Kill(sb.Pid, syscall.SIGKILL)
+		<-sb.exited
+	}
+	if sb.cg != nil {
+		errs = append(errs, sb.cg.Destroy())
+	}
+	if sb.dir != "" {
+		_ = os.Remove(sb.sock)
+		_ = os.Remove(filepath.Join(sb.dir, "root"))
+		if err := os.Remove(sb.dir); err != nil && !errors.Is(err, os.ErrNotExist) {
+			errs = append(errs, err)
+		}
+	}
+	sb.ids.release()
+	return errors.Join(errs...)
+}
+
+// tailBuffer keeps the last bytes the agent wrote to stderr: what it says
+// when setup fails. The agent is untrusted, so only a bounded tail is kept.
+type tailBuffer struct {
+	mu   sync.Mutex
+	max  int
+	buf  []byte
+	done chan struct{}
+}
+
+func newTailBuffer(max int) *tailBuffer { return &tailBuffer{max: max, done: make(chan struct{})} }
+
+func (t *tailBuffer) drain(r io.ReadCloser, log *slog.Logger) {
+	defer close(t.done)
+	defer r.Close()
+	chunk := make([]byte, 4096)
+	for {
+		n, err := r.Read(chunk)
+		if n > 0 {
+			log.Debug("agent stderr", "text", string(chunk[:n]))
+			t.mu.Lock()
+			t.buf = append(t.buf, chunk[:n]...)
+			if len(t.buf) > t.max {
+				t.buf = append([]byte(nil), t.buf[len(t.buf)-t.max:]...)
+			}
+			t.mu.Unlock()
+		}
+		if err != nil {
+			return
+		}
+	}
+}
+
+func (t *tailBuffer) String() string {
+	if t == nil {
+		return ""
+	}
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return string(t.buf)
+}

@@ -1,0 +1,64 @@
+// Package process is cage's embedded default wall: a sandbox made of Linux
+// namespaces (user, PID, mount, IPC, UTS, cgroup, network), a pivot_root into
+// a root assembled from a template, cgroup limits, dropped capabilities,
+// no_new_privs, Landlock and a seccomp filter — pure Go, no external binary.
+//
+// Setup is a pipeline of steps that reads top to bottom, one file per step,
+// each with its host-side half (run by cage, as host root) and its child-side
+// half (run by cage-agent as it starts, inside the new namespaces, before it
+// serves):
+//
+//	userns.go    host: uid range per sandbox, id maps   child: —
+//	cgroups      host: create group, limits, join       child: own cgroup namespace
+//	mounts.go    host: —                                child: root, binds, /proc, disk
+//	dev.go       host: —                                child: minimal /dev
+//	etc.go       host: —                                child: generated /etc files
+//	net.go       host: —                                child: loopback up
+//	caps.go      host: —                                child: bounding set, securebits
+//	landlock.go  host: —                                child: filesystem rules
+//	seccomp      host: —                                child: syscall filter (internal/seccomp)
+//
+// The host reaches the agent through a unix socket that the host creates and
+// passes in as a listening descriptor; nothing of it is visible inside the
+// sandbox's filesystem.
+package process
+
+import "github.com/cagehq/cage/internal/template"
+
+// initSpec is what the host sends the child over a pipe. The child reads it
+// to EOF; the host writes it only after the child is in its cgroups.
+type initSpec struct {
+	ID       string           `json:"id"`
+	Hostname string           `json:"hostname"`
+	Root     string           `json:"root"` // host directory the new root is mounted on
+	Mounts   []template.Mount `json:"mounts"`
+
+	DiskBytes  int64 `json:"disk_bytes"`
+	DiskInodes int64 `json:"disk_inodes"`
+	ShmBytes   int64 `json:"shm_bytes"`
+
+	UserName string `json:"user_name"`
+	UserUID  int    `json:"user_uid"`
+	UserGID  int    `json:"user_gid"`
+
+	OOMEvents  string `json:"oom_events"`  // host path of the cgroup's OOM counter
+	PidsEvents string `json:"pids_events"` // host path of the pids-limit counter
+
+	Token     string            `json:"token"`
+	Env       map[string]string `json:"env"`
+	MaxOutput int64             `json:"max_output"`
+	Debug     bool              `json:"debug"`
+}
+
+// Descriptors the child inherits.
+const (
+	fdSpec     = 3 // read end of the spec pipe
+	fdListener = 4 // the agent's listening socket
+)
+
+// The sandbox's own user.
+const (
+	userName = "user"
+	userUID  = 1000
+	userHome = "/home/user"
+)

@@ -1,0 +1,81 @@
+package process
+
+import (
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"os"
+	"path/filepath"
+	"strconv"
+	"syscall"
+)
+
+// Each sandbox maps its uids 0..65535 onto its own range of host uids, so
+// that root inside is an unprivileged nobody outside, and two sandboxes never
+// share a host uid (per-uid kernel limits such as inotify instances and
+// RLIMIT_NPROC could otherwise be exhausted by one sandbox for all others).
+const (
+	idRangeSize = 65536
+	idBase      = 1 << 20 // first host uid used; far above any real account
+	idSlots     = 4096    // host uids up to idBase + idSlots*65536 ≈ 2^28
+)
+
+// idSlot is a host uid/gid range reserved for one sandbox. The reservation is
+// an flock on a file under the run directory, so it holds across processes
+// (several `cage run` at once, or a daemon) and is released by the kernel
+// if its holder dies.
+type idSlot struct {
+	Base int
+	lock *os.File
+}
+
+func reserveIDs(runDir string) (*idSlot, error) {
+	dir := filepath.Join(runDir, "ids")
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return nil, err
+	}
+	start := rand.IntN(idSlots)
+	for i := 0; i < idSlots; i++ {
+		n := (start + i) % idSlots
+		f, err := os.OpenFile(filepath.Join(dir, strconv.Itoa(n)), os.O_CREATE|os.O_RDWR|syscall.O_CLOEXEC, 0o600)
+		if err != nil {
+			return nil, err
+		}
+		err = syscall.Flock(int(f.Fd()), syscall.LOCK_EX|syscall.LOCK_NB)
+		if err == nil && sameFile(f) {
+			return &idSlot{Base: idBase + n*idRangeSize, lock: f}, nil
+		}
+		f.Close()
+		if err != nil && !errors.Is(err, syscall.EWOULDBLOCK) {
+			return nil, err
+		}
+	}
+	return nil, fmt.Errorf("all %d sandbox uid ranges are in use", idSlots)
+}
+
+// release frees the range and removes its lock file.
+func (s *idSlot) release() {
+	if s == nil || s.lock == nil {
+		return
+	}
+	_ = os.Remove(s.lock.Name())
+	s.lock.Close()
+	s.lock = nil
+}
+
+// idMaps maps the sandbox's ids 0..65535 to the slot's host range.
+func (s *idSlot) idMaps() []syscall.SysProcIDMap {
+	return []syscall.SysProcIDMap{{ContainerID: 0, HostID: s.Base, Size: idRangeSize}}
+}
+
+// hostID is the host uid (or gid) that sandbox id maps to.
+func (s *idSlot) hostID(id int) int { return s.Base + id }
+
+// sameFile reports whether f is still the file at its path: a holder that
+// releases a slot unlinks its lock file, and a lock won on the unlinked inode
+// reserves nothing.
+func sameFile(f *os.File) bool {
+	a, err1 := f.Stat()
+	b, err2 := os.Stat(f.Name())
+	return err1 == nil && err2 == nil && os.SameFile(a, b)
+}
