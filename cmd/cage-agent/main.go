@@ -19,14 +19,26 @@ func main() {
 		fmt.Fprintln(os.Stderr, "cage-agent: runs inside a sandbox; cage starts it (usage: cage-agent init)")
 		os.Exit(2)
 	}
-	l, cfg, err := process.Init()
+	process.Trace("agent main")
+	child, err := process.Init()
 	if err != nil {
-		fmt.Fprintln(os.Stderr, "cage-agent: sandbox setup:", err)
-		os.Exit(1)
+		fail("sandbox setup", err)
 	}
+	cfg := child.Config
 	cfg.Log = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
-	if err := agent.New(cfg).Serve(l); err != nil {
-		fmt.Fprintln(os.Stderr, "cage-agent:", err)
-		os.Exit(1)
+	srv, err := agent.New(cfg)
+	if err != nil {
+		fail("sandbox setup", err)
 	}
+	if err := child.Seal(); err != nil {
+		fail("sandbox setup", err)
+	}
+	if err := srv.Serve(child.Listener); err != nil {
+		fail("serve", err)
+	}
+}
+
+func fail(what string, err error) {
+	fmt.Fprintf(os.Stderr, "cage-agent: %s: %v\n", what, err)
+	os.Exit(1)
 }

@@ -179,16 +179,22 @@ func (f *filesystemService) serveDownload(w http.ResponseWriter, r *http.Request
 	h.Set("Content-Disposition", mime.FormatMediaType("attachment", map[string]string{"filename": name}))
 	h.Set("Vary", "Accept-Encoding")
 	ranged := r.Header.Get("Range") != "" || r.Header.Get("If-Range") != ""
-	if !ranged && acceptsGzip(r.Header.Get("Accept-Encoding")) {
+	switch {
+	case !ranged && acceptsGzip(r.Header.Get("Accept-Encoding")):
 		h.Set("Content-Encoding", "gzip")
 		gz := gzip.NewWriter(w)
 		if _, err := io.Copy(gz, file); err != nil {
 			f.s.log.Warn("gzip download cut short", "path", p, "err", err)
 		}
 		_ = gz.Close()
-		return
+	case st.Size == 0:
+		// Empty, or generated on read like /proc files: no size to serve by.
+		if _, err := io.Copy(w, file); err != nil {
+			f.s.log.Warn("download cut short", "path", p, "err", err)
+		}
+	default:
+		http.ServeContent(w, r, name, time.Unix(st.Mtim.Sec, st.Mtim.Nsec), file)
 	}
-	http.ServeContent(w, r, name, time.Unix(st.Mtim.Sec, st.Mtim.Nsec), file)
 }
 
 // openDownload opens regular file p for reading.

@@ -68,7 +68,11 @@ func newFSEnv(t *testing.T) *fsEnv {
 	}
 	// A sandbox /etc/passwd, to tell it from the host's.
 	e.mustWrite(filepath.Join(e.root, "etc/passwd"), "sandbox passwd\n")
-	e.s = New(Config{Root: e.root, Passwd: passwd, Group: group, Token: fsTestToken})
+	s, err := New(Config{Root: e.root, Passwd: passwd, Group: group, Token: fsTestToken})
+	if err != nil {
+		t.Fatal(err)
+	}
+	e.s = s
 	e.srv = httptest.NewServer(e.s.Handler())
 	t.Cleanup(func() {
 		e.srv.Close()

@@ -30,14 +30,20 @@ type processService struct {
 	mu    sync.Mutex
 	table map[int]*proc
 	init  bool // the agent is PID 1 and reaps every orphan
+
+	spawner *spawner
 }
 
-func newProcessService(s *Server) *processService {
-	ps := &processService{s: s, table: map[int]*proc{}, init: os.Getpid() == 1}
+func newProcessService(s *Server) (*processService, error) {
+	sp, err := newSpawner(s.cfg.SpawnThreadSetup)
+	if err != nil {
+		return nil, err
+	}
+	ps := &processService{s: s, table: map[int]*proc{}, init: os.Getpid() == 1, spawner: sp}
 	if ps.init {
 		go ps.reapLoop()
 	}
-	return ps
+	return ps, nil
 }
 
 func (ps *processService) lookup(sel *pb.ProcessSelector) (*proc, error) {
@@ -77,6 +83,7 @@ func (ps *processService) List(ctx context.Context, req *connect.Request[pb.List
 }
 
 func (ps *processService) Start(ctx context.Context, req *connect.Request[pb.StartRequest], stream *connect.ServerStream[pb.StartResponse]) error {
+	trace("agent: Start")
 	user, err := ps.s.requestUser(req.Header())
 	if err != nil {
 		return err

@@ -52,6 +52,9 @@ type Config struct {
 	Passwd, Group string
 	// MaxOutput caps each process's forwarded output (0: DefaultMaxOutput).
 	MaxOutput int64
+	// SpawnThreadSetup, when set, runs once on the OS thread that forks every
+	// process, before the first fork (see spawner).
+	SpawnThreadSetup func() error
 	// Limits, when set, tells why a process was killed (OOM, pids limit).
 	Limits LimitEvents
 	Log    *slog.Logger
@@ -77,7 +80,7 @@ type Server struct {
 }
 
 // New builds the agent's server.
-func New(cfg Config) *Server {
+func New(cfg Config) (*Server, error) {
 	if cfg.DefaultUser == "" {
 		cfg.DefaultUser = "user"
 	}
@@ -97,7 +100,10 @@ func New(cfg Config) *Server {
 		cfg.Log = slog.New(slog.DiscardHandler)
 	}
 	s := &Server{cfg: cfg, log: cfg.Log}
-	s.procs = newProcessService(s)
+	var err error
+	if s.procs, err = newProcessService(s); err != nil {
+		return nil, err
+	}
 	s.files = newFilesystemService(s)
 
 	mux := http.NewServeMux()
@@ -113,7 +119,7 @@ func New(cfg Config) *Server {
 	mux.HandleFunc("GET /files", s.files.serveDownload)
 	mux.HandleFunc("POST /files", s.files.serveUpload)
 	s.mux = mux
-	return s
+	return s, nil
 }
 
 // Handler returns the agent's HTTP handler.

@@ -64,8 +64,9 @@ func (ps *processService) start(req *pb.StartRequest, user User) (*proc, *sub, e
 	}
 	argv := append([]string{cfg.GetCmd()}, cfg.GetArgs()...)
 
+	trace("agent: fork")
 	ps.mu.Lock()
-	pid, err := syscall.ForkExec(bin, argv, attr)
+	pid, err := ps.spawner.forkExec(bin, argv, attr)
 	if err == nil {
 		p.pid = pid
 		ps.table[pid] = p
@@ -191,9 +192,12 @@ func (ps *processService) supervise(p *proc, pumps []*os.File) {
 		wg.Add(1)
 		go p.pump(f, kinds[i], &wg, exitedAt)
 	}
+	trace("agent: forked")
 	ws := <-p.exited
+	trace("agent: exited")
 	close(exitedAt)
 	wg.Wait()
+	trace("agent: drained")
 	p.inputMu.Lock()
 	if p.stdin != nil {
 		p.stdin.Close()
@@ -280,5 +284,13 @@ func (ps *processService) reapLoop() {
 			}
 		}
 		<-sigs
+	}
+}
+
+var tracing = os.Getenv("CAGE_TRACE") != ""
+
+func trace(what string) {
+	if tracing {
+		fmt.Fprintf(os.Stderr, "trace %s %s pid=%d\n", time.Now().Format("05.000000"), what, os.Getpid())
 	}
 }

@@ -132,6 +132,7 @@ func runCommand(ctx context.Context, g *globals, f *runFlags, args []string, std
 	if err != nil {
 		return err
 	}
+	process.Trace("cage main")
 	host, err := sandbox.NewHost(g.runDir, "", g.log)
 	if err != nil {
 		return err
@@ -174,7 +175,9 @@ func runCommand(ctx context.Context, g *globals, f *runFlags, args []string, std
 		stop := forwardSignals(ctx, client, &opts, sb)
 		defer stop()
 	}
+	process.Trace("run")
 	end, err := client.Run(ctx, opts)
+	process.Trace("ended")
 	if restore != nil {
 		restore()
 	}

@@ -23,6 +23,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"syscall"
 	"time"
 	"unsafe"
 
@@ -119,7 +120,8 @@ func cloneProbe(flags uintptr) outcome {
 	return outcome{Ret: int64(pid)}
 }
 
-func probes() []probe {
+// probes lists the probes; int80 adds the one that executes int $0x80.
+func probes(int80 bool) []probe {
 	const noSuchPath = "/nonexistent-cage-seccomp-probe"
 	const noSuchPid = 0x3ffffff0 // above PID_MAX_LIMIT
 	ps := []probe{
@@ -132,6 +134,7 @@ func probes() []probe {
 		}},
 		{"exec /bin/true", wantOK, func() outcome { return fromErr(exec.Command("/bin/true").Run()) }},
 		{"exec uses pidfd", wantOK, pidfdProbe},
+		{"exec like the agent", wantOK, agentExecProbe},
 		{"new threads", wantOK, threadsProbe},
 		{"all threads filtered", wantOK, allThreadsFilteredProbe},
 		{"go runtime", wantOK, runtimeProbe},
@@ -212,7 +215,7 @@ func probes() []probe {
 		{"syscall 1000", wantDenied, func() outcome { return sys(1000) }},
 		{"clone3", wantENOSYS, func() outcome { return sys(unix.SYS_CLONE3, 0, 0) }},
 	}
-	if os.Getenv(int80Env) == "1" {
+	if int80 {
 		ps = append(ps, probe{"int 0x80 getpid", wantDenied, func() outcome {
 			r := int80getpid()
 			if r < 0 {
@@ -279,6 +282,46 @@ func pidfdProbe() outcome {
 	return outcome{}
 }
 
+// agentExecProbe starts a process the way the agent starts user commands: in
+// a new session, with a pty as controlling terminal (open /dev/ptmx, the pty
+// ioctls, TIOCSCTTY) and with credentials (setgroups, setgid, setuid).
+func agentExecProbe() outcome {
+	attr := &syscall.SysProcAttr{Setsid: true}
+	if os.Geteuid() == 0 {
+		attr.Credential = &syscall.Credential{Uid: 65534, Gid: 65534, Groups: []uint32{}}
+	} else {
+		// Without CAP_SETGID the kernel refuses setgroups; keep our ids.
+		attr.Credential = &syscall.Credential{Uid: uint32(os.Getuid()), Gid: uint32(os.Getgid()), NoSetGroups: true}
+	}
+	cmd := exec.Command("/bin/true")
+	cmd.SysProcAttr = attr
+	ptmx, err := os.OpenFile("/dev/ptmx", os.O_RDWR|unix.O_NOCTTY, 0)
+	if err == nil {
+		defer ptmx.Close()
+		if err := unix.IoctlSetPointerInt(int(ptmx.Fd()), unix.TIOCSPTLCK, 0); err != nil {
+			return fail("unlockpt: %v", err)
+		}
+		n, err := unix.IoctlGetUint32(int(ptmx.Fd()), unix.TIOCGPTN)
+		if err != nil {
+			return fail("ptsname: %v", err)
+		}
+		tty, err := os.OpenFile(fmt.Sprintf("/dev/pts/%d", n), os.O_RDWR|unix.O_NOCTTY, 0)
+		if err != nil {
+			return fail("open pts: %v", err)
+		}
+		defer tty.Close()
+		if _, err := unix.IoctlGetTermios(int(tty.Fd()), unix.TCGETS); err != nil {
+			return fail("tcgetattr: %v", err)
+		}
+		cmd.Stdin, cmd.Stdout, cmd.Stderr = tty, tty, tty
+		attr.Setctty, attr.Ctty = true, 0
+	}
+	if err := cmd.Run(); err != nil {
+		return fail("run: %v", err)
+	}
+	return outcome{}
+}
+
 // allThreadsFilteredProbe checks that TSYNC reached every thread.
 func allThreadsFilteredProbe() outcome {
 	tasks, err := os.ReadDir("/proc/self/task")
@@ -313,7 +356,7 @@ func threadCount() int {
 // flags): goroutines locked to their threads and blocked in read(2) each pin
 // a thread, so the runtime needs new ones to go on.
 func threadsProbe() outcome {
-	const n = 8
+	const n = 16
 	var p [2]int
 	if err := unix.Pipe(p[:]); err != nil { // blocking, outside the netpoller
 		return fromErr(err)
@@ -332,14 +375,18 @@ func threadsProbe() outcome {
 			unix.Read(p[0], b[:])
 		}()
 	}
+	// n blocked threads plus this goroutine's: at least n+1 in all, some
+	// of them new unless the runtime already had that many.
+	enough := func(c int) bool { return c >= n+1 && c > before }
 	deadline := time.Now().Add(10 * time.Second)
-	for threadCount() < before+n && time.Now().Before(deadline) {
-		time.Sleep(5 * time.Millisecond)
-	}
 	got := threadCount()
+	for !enough(got) && time.Now().Before(deadline) {
+		time.Sleep(5 * time.Millisecond)
+		got = threadCount()
+	}
 	unix.Write(p[1], make([]byte, n))
 	wg.Wait()
-	if got < before+n {
+	if !enough(got) {
 		return fail("threads: %d before, %d after starting %d blocked goroutines", before, got, n)
 	}
 	return outcome{Ret: int64(got - before)}

@@ -55,7 +55,7 @@ func TestHelperProcess(t *testing.T) {
 	result := map[string]outcome{}
 	switch mode {
 	case modeReal, modeMarker:
-		ps := probes()
+		ps := probes(os.Getenv(int80Env) == "1")
 		var err error
 		if mode == modeReal {
 			err = Install()
@@ -162,10 +162,7 @@ func TestFilterInChild(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			for _, p := range probes() {
-				if p.name == "int 0x80 getpid" && !int80 {
-					continue
-				}
+			for _, p := range probes(int80) {
 				if p.name == "exec uses pidfd" && pidfdErr != nil {
 					t.Logf("skipping %q: no pidfd_open here even without a filter (%v)", p.name, pidfdErr)
 					continue

@@ -12,12 +12,13 @@ import (
 )
 
 // Child side: privileges. The agent keeps only the capabilities it needs to
-// run commands as other users and to manage files for them; the bounding set
-// shrinks to the same, so nothing can ever regain the rest. With
-// SECBIT_NOROOT (locked), executing a program as uid 0 grants no
-// capabilities: a command run as root inside the sandbox has none, and one
-// run as `user` loses them at setuid. Every step runs on all of the Go
-// runtime's threads (credentials are per thread).
+// run commands as other users and to manage files for them. Commands are
+// forked from one thread whose bounding set is shrunk to the same, so nothing
+// they run can regain the rest, and whose securebits include SECBIT_NOROOT
+// (locked): executing a program as uid 0 grants no capabilities, so a command
+// run as root inside the sandbox has none, and one run as `user` loses them
+// at setuid. Credentials are per thread; changes that every thread needs go
+// through AllThreadsSyscall, which stops the world each time, so they are few.
 var agentCaps = []uintptr{
 	unix.CAP_CHOWN, unix.CAP_DAC_OVERRIDE, unix.CAP_DAC_READ_SEARCH, unix.CAP_FOWNER,
 	unix.CAP_FSETID, unix.CAP_KILL, unix.CAP_SETGID, unix.CAP_SETUID,
@@ -38,10 +39,13 @@ func allThreads(trap, a1, a2, a3 uintptr) error {
 	return nil
 }
 
-func dropPrivileges() error {
-	// Securebits first: setting them needs CAP_SETPCAP, which goes next.
+// spawnThreadSetup runs on the agent's spawning thread (the one thread that
+// forks commands): securebits and the bounding set are per thread, and
+// commands inherit them from it. It needs CAP_SETPCAP, so it runs before
+// dropPrivileges.
+func spawnThreadSetup() error {
 	bits := uintptr(secbitNoroot | secbitNorootLocked | secbitNoAmbientRaise | secbitNoAmbientRaiseLocked)
-	if err := allThreads(unix.SYS_PRCTL, unix.PR_SET_SECUREBITS, bits, 0); err != nil {
+	if err := unix.Prctl(unix.PR_SET_SECUREBITS, bits, 0, 0, 0); err != nil {
 		return fmt.Errorf("securebits: %w", err)
 	}
 	last, err := lastCap()
@@ -56,13 +60,16 @@ func dropPrivileges() error {
 		if keep[c] {
 			continue
 		}
-		if err := allThreads(unix.SYS_PRCTL, unix.PR_CAPBSET_DROP, c, 0); err != nil {
+		if err := unix.Prctl(unix.PR_CAPBSET_DROP, c, 0, 0, 0); err != nil {
 			return fmt.Errorf("drop capability %d from the bounding set: %w", c, err)
 		}
 	}
-	if err := allThreads(unix.SYS_PRCTL, unix.PR_CAP_AMBIENT, unix.PR_CAP_AMBIENT_CLEAR_ALL, 0); err != nil {
-		return fmt.Errorf("clear ambient capabilities: %w", err)
-	}
+	return nil
+}
+
+// dropPrivileges leaves every thread of the agent with only agentCaps,
+// makes it non-dumpable and sets no_new_privs.
+func dropPrivileges() error {
 	hdr := unix.CapUserHeader{Version: unix.LINUX_CAPABILITY_VERSION_3}
 	var data [2]unix.CapUserData
 	for _, c := range agentCaps {

@@ -14,24 +14,30 @@ import (
 	"github.com/cagehq/cage/internal/seccomp"
 )
 
+// Child is the sandbox's side of the wall, set up by Init.
+type Child struct {
+	Listener net.Listener
+	Config   agent.Config // the agent's configuration, SpawnThreadSetup included
+}
+
 // Init is the child side of the wall, run by cage-agent as the sandbox's
-// PID 1 before it serves. It returns the agent's listener and configuration
-// once the sandbox is sealed; after an error the caller must exit.
-func Init() (net.Listener, agent.Config, error) {
-	var cfg agent.Config
+// PID 1 before it serves: it builds the root and enters it. The caller then
+// builds the agent (whose spawning thread runs Config.SpawnThreadSetup) and
+// calls Seal before serving. After an error the caller must exit.
+func Init() (*Child, error) {
 	spec, err := readSpec()
 	if err != nil {
-		return nil, cfg, err
+		return nil, err
 	}
 	// The host put this process in the sandbox's cgroups before sending the
 	// spec; a new cgroup namespace now roots /proc/self/cgroup there.
 	if err := allThreads(unix.SYS_UNSHARE, unix.CLONE_NEWCGROUP, 0, 0); err != nil {
-		return nil, cfg, fmt.Errorf("cgroup namespace: %w", err)
+		return nil, fmt.Errorf("cgroup namespace: %w", err)
 	}
 	// Opened while the host's paths are still reachable; read after pivot.
 	limits, err := openLimitEvents(spec)
 	if err != nil {
-		return nil, cfg, err
+		return nil, err
 	}
 	steps := []struct {
 		name string
@@ -41,27 +47,46 @@ func Init() (net.Listener, agent.Config, error) {
 		{"pivot_root", func() error { return pivot(spec.Root) }},
 		{"hostname", func() error { return unix.Sethostname([]byte(spec.Hostname)) }},
 		{"loopback", loopbackUp},
-		{"privileges", dropPrivileges},
-		{"landlock", func() error { _, err := applyLandlock(); return err }},
-		{"seccomp", seccomp.Install},
 	}
+	tracing = spec.Debug
+	trace("spec read")
 	for _, s := range steps {
+		trace(s.name)
 		if err := s.run(); err != nil {
-			return nil, cfg, fmt.Errorf("%s: %w", s.name, err)
+			return nil, fmt.Errorf("%s: %w", s.name, err)
 		}
 	}
 	l, err := net.FileListener(os.NewFile(fdListener, "agent.sock"))
 	if err != nil {
-		return nil, cfg, fmt.Errorf("agent listener: %w", err)
+		return nil, fmt.Errorf("agent listener: %w", err)
 	}
-	cfg = agent.Config{
-		Token:       spec.Token,
-		DefaultUser: spec.UserName,
-		Env:         spec.Env,
-		MaxOutput:   spec.MaxOutput,
-		Limits:      limits,
+	return &Child{Listener: l, Config: agent.Config{
+		Token:            spec.Token,
+		DefaultUser:      spec.UserName,
+		Env:              spec.Env,
+		MaxOutput:        spec.MaxOutput,
+		Limits:           limits,
+		SpawnThreadSetup: spawnThreadSetup,
+	}}, nil
+}
+
+// Seal takes every privilege the agent does not need, for good: capabilities
+// down to agentCaps, no_new_privs, Landlock, then the seccomp filter.
+func (c *Child) Seal() error {
+	trace("privileges")
+	if err := dropPrivileges(); err != nil {
+		return fmt.Errorf("privileges: %w", err)
 	}
-	return l, cfg, nil
+	trace("landlock")
+	if _, err := applyLandlock(); err != nil {
+		return fmt.Errorf("landlock: %w", err)
+	}
+	trace("seccomp")
+	if err := seccomp.Install(); err != nil {
+		return fmt.Errorf("seccomp: %w", err)
+	}
+	trace("sealed")
+	return nil
 }
 
 func readSpec() (*initSpec, error) {

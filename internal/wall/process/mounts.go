@@ -30,23 +30,29 @@ func buildRoot(spec *initSpec) error {
 	if err := unix.Mount("tmpfs", root, "tmpfs", unix.MS_NOSUID|unix.MS_NODEV, "size=2m,nr_inodes=4096,mode=755"); err != nil {
 		return fmt.Errorf("mount root tmpfs: %w", err)
 	}
+	trace("root: mounts")
 	for _, m := range spec.Mounts {
 		if err := placeMount(root, m); err != nil {
 			return err
 		}
 	}
+	trace("root: etc")
 	if err := writeEtc(root, spec); err != nil {
 		return err
 	}
+	trace("root: disk")
 	if err := mountDisk(root, spec); err != nil {
 		return err
 	}
+	trace("root: dev")
 	if err := buildDev(root, spec); err != nil {
 		return err
 	}
+	trace("root: proc")
 	if err := mountProc(root); err != nil {
 		return err
 	}
+	trace("root: done")
 	for _, d := range []string{"run", "mnt", "opt", "srv", "root", "var"} {
 		if err := os.MkdirAll(filepath.Join(root, d), 0o755); err != nil {
 			return err

@@ -89,6 +89,7 @@ func Create(ctx context.Context, cfg Config) (sb *Sandbox, err error) {
 	if err := os.Chmod(cfg.RunDir, 0o711); err != nil {
 		return sb, err
 	}
+	trace("create")
 	if sb.ids, err = reserveIDs(cfg.RunDir); err != nil {
 		return sb, err
 	}
@@ -116,11 +117,12 @@ func Create(ctx context.Context, cfg Config) (sb *Sandbox, err error) {
 		Mounts: cfg.Template.Mounts, DiskBytes: cfg.DiskBytes, DiskInodes: inodesFor(cfg.DiskBytes),
 		ShmBytes: cfg.ShmBytes, UserName: userName, UserUID: userUID, UserGID: userUID,
 		OOMEvents: sb.cg.OOMEventsFile(), PidsEvents: sb.cg.PidsEventsFile(),
-		Token: cfg.Token, Env: cfg.Env, MaxOutput: cfg.MaxOutput,
+		Token: cfg.Token, Env: cfg.Env, MaxOutput: cfg.MaxOutput, Debug: os.Getenv("CAGE_TRACE") != "",
 	}
 	if err := sb.start(cfg, lf, spec); err != nil {
 		return sb, err
 	}
+	trace("spec sent")
 	return sb, nil
 }
 
@@ -170,7 +172,7 @@ func (sb *Sandbox) start(cfg Config, listener *os.File, spec *initSpec) error {
 	defer devnull.Close()
 	attr := &syscall.ProcAttr{
 		Dir:   "/",
-		Env:   []string{"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"},
+		Env:   []string{"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "CAGE_TRACE=" + os.Getenv("CAGE_TRACE")},
 		Files: []uintptr{devnull.Fd(), errW.Fd(), errW.Fd(), specR.Fd(), listener.Fd()},
 		Sys: &syscall.SysProcAttr{
 			Cloneflags: syscall.CLONE_NEWUSER | syscall.CLONE_NEWPID | syscall.CLONE_NEWNS |
@@ -189,15 +191,18 @@ func (sb *Sandbox) start(cfg Config, listener *os.File, spec *initSpec) error {
 		defer runtime.UnlockOSThread()
 		attr.Sys.Pdeathsig = syscall.SIGKILL
 	}
+	trace("fork")
 	pid, err := syscall.ForkExec(cfg.AgentPath, []string{"cage-agent", "init"}, attr)
 	if err != nil {
 		return fmt.Errorf("start the sandbox's agent %s: %w", cfg.AgentPath, err)
 	}
 	sb.Pid = pid
 	go sb.reap()
+	trace("forked")
 	if err := sb.cg.AddProc(pid); err != nil {
 		return err
 	}
+	trace("in cgroups")
 	data, err := json.Marshal(spec)
 	if err != nil {
 		return err
@@ -288,14 +293,18 @@ func (sb *Sandbox) Destroy() error {
 }
 
 func (sb *Sandbox) teardown() error {
+	trace("teardown")
+	defer trace("torn down")
 	var errs []error
 	if sb.Pid > 0 {
 		_ = syscall.Kill(sb.Pid, syscall.SIGKILL)
 		<-sb.exited
 	}
+	trace("reaped")
 	if sb.cg != nil {
 		errs = append(errs, sb.cg.Destroy())
 	}
+	trace("cgroups removed")
 	if sb.dir != "" {
 		_ = os.Remove(sb.sock)
 		_ = os.Remove(filepath.Join(sb.dir, "root"))

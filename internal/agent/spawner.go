@@ -1,0 +1,60 @@
+package agent
+
+import (
+	"runtime"
+	"syscall"
+)
+
+// spawner forks every process the agent starts from one dedicated OS thread.
+// Credentials are per thread in Linux, and a child inherits its forking
+// thread's: a wall can give this one thread state that would be costly to
+// give every Go thread (the process wall shrinks its capability bounding set
+// and sets securebits here, see Config.SpawnThreadSetup).
+type spawner struct {
+	reqs chan spawnReq
+}
+
+type spawnReq struct {
+	bin   string
+	argv  []string
+	attr  *syscall.ProcAttr
+	reply chan spawnResult
+}
+
+type spawnResult struct {
+	pid int
+	err error
+}
+
+// newSpawner starts the spawning thread and runs setup on it first.
+func newSpawner(setup func() error) (*spawner, error) {
+	s := &spawner{reqs: make(chan spawnReq)}
+	ready := make(chan error, 1)
+	go func() {
+		// Never unlocked: the thread carries the setup's state for good,
+		// and the runtime will not clone new threads from a locked one.
+		runtime.LockOSThread()
+		if setup != nil {
+			if err := setup(); err != nil {
+				ready <- err
+				return
+			}
+		}
+		ready <- nil
+		for r := range s.reqs {
+			pid, err := syscall.ForkExec(r.bin, r.argv, r.attr)
+			r.reply <- spawnResult{pid, err}
+		}
+	}()
+	if err := <-ready; err != nil {
+		return nil, err
+	}
+	return s, nil
+}
+
+func (s *spawner) forkExec(bin string, argv []string, attr *syscall.ProcAttr) (int, error) {
+	reply := make(chan spawnResult, 1)
+	s.reqs <- spawnReq{bin: bin, argv: argv, attr: attr, reply: reply}
+	r := <-reply
+	return r.pid, r.err
+}
