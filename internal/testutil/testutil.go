@@ -1,0 +1,121 @@
+// Package testutil holds the helpers every integration test shares: skips
+// that probe the host for a feature (never the kernel version) and say why,
+// and building cage's binaries once per test process.
+package testutil
+
+import (
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"runtime"
+	"strings"
+	"sync"
+	"testing"
+
+	"golang.org/x/sys/unix"
+)
+
+// RequireRoot skips a test that needs root.
+func RequireRoot(t testing.TB) {
+	t.Helper()
+	if os.Geteuid() != 0 {
+		t.Skip("SKIP: needs root (run the suite with sudo, as CI does)")
+	}
+}
+
+// Feature is a kernel feature a test can require.
+type Feature string
+
+const (
+	UserNamespaces Feature = "user namespaces"
+	MountAPI       Feature = "open_tree/mount_setattr"
+	Landlock       Feature = "landlock"
+	Cgroups        Feature = "cgroups"
+)
+
+// RequireKernelFeature skips a test when the host lacks f, printing why.
+func RequireKernelFeature(t testing.TB, f Feature) {
+	t.Helper()
+	if why := probe(f); why != "" {
+		t.Skipf("SKIP: needs %s: %s", f, why)
+	}
+}
+
+func probe(f Feature) string {
+	switch f {
+	case UserNamespaces:
+		if _, err := os.Stat("/proc/self/ns/user"); err != nil {
+			return "the kernel has no user namespaces"
+		}
+	case MountAPI:
+		fd, err := unix.OpenTree(unix.AT_FDCWD, "/", unix.OPEN_TREE_CLOEXEC)
+		if err != nil {
+			return "open_tree: " + err.Error()
+		}
+		unix.Close(fd)
+	case Landlock:
+		if _, _, e := unix.Syscall(unix.SYS_LANDLOCK_CREATE_RULESET, 0, 0, unix.LANDLOCK_CREATE_RULESET_VERSION); e != 0 {
+			return "landlock_create_ruleset: " + e.Error()
+		}
+	case Cgroups:
+		b, err := os.ReadFile("/proc/self/mountinfo")
+		if err != nil || !strings.Contains(string(b), " - cgroup") {
+			return "no cgroup filesystem mounted"
+		}
+	}
+	return ""
+}
+
+var (
+	buildOnce sync.Once
+	buildDir  string
+	buildErr  error
+)
+
+// Binaries builds bin/cage and bin/cage-agent (static, as `make` does) once
+// per test process and returns the directory holding them.
+func Binaries(t testing.TB) string {
+	t.Helper()
+	buildOnce.Do(func() {
+		buildDir, buildErr = os.MkdirTemp("", "cage-bin-")
+		if buildErr != nil {
+			return
+		}
+		// Readable by the unprivileged users tests run cage as.
+		_ = os.Chmod(buildDir, 0o755)
+		root := RepoRoot()
+		for _, name := range []string{"cage", "cage-agent"} {
+			cmd := exec.Command("go", "build", "-trimpath", "-o", filepath.Join(buildDir, name), "./cmd/"+name)
+			cmd.Dir = root
+			cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
+			if out, err := cmd.CombinedOutput(); err != nil {
+				buildErr = fmt.Errorf("go build %s: %v\n%s", name, err, out)
+				return
+			}
+		}
+	})
+	if buildErr != nil {
+		t.Fatal(buildErr)
+	}
+	return buildDir
+}
+
+// RepoRoot is the repository's top directory.
+func RepoRoot() string {
+	_, file, _, _ := runtime.Caller(0)
+	return filepath.Join(filepath.Dir(file), "..", "..")
+}
+
+// RunDir makes a runtime directory for a test's sandboxes that the
+// sandboxes' own root users can traverse (t.TempDir's parents are 0700).
+func RunDir(t testing.TB) string {
+	t.Helper()
+	dir, err := os.MkdirTemp("/run", "cage-test-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	_ = os.Chmod(dir, 0o711)
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	return dir
+}

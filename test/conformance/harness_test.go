@@ -1,0 +1,150 @@
+// Package conformance is the behaviour suite every wall must pass: the agent
+// protocol, limits, exit reasons, hostile workloads and teardown. Each test
+// runs once per wall available on this machine; a wall that is missing is
+// skipped with the reason printed.
+package conformance
+
+import (
+	"bytes"
+	"context"
+	"io"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"sync"
+	"testing"
+	"time"
+
+	pb "github.com/cagehq/cage/api/gen/process"
+	"github.com/cagehq/cage/internal/agentclient"
+	"github.com/cagehq/cage/internal/sandbox"
+	"github.com/cagehq/cage/internal/testutil"
+	"github.com/cagehq/cage/internal/wall/process"
+)
+
+// wall is one isolation tier under test.
+type wall struct {
+	name string
+	// newBox creates a sandbox on this wall; the test's cleanup destroys it.
+	newBox func(t *testing.T, o sandbox.Options) *box
+}
+
+// box is a live sandbox seen by a test.
+type box struct {
+	*agentclient.Client
+	sb *process.Sandbox
+	t  *testing.T
+}
+
+var (
+	hostOnce sync.Once
+	host     *sandbox.Host
+	hostErr  error
+)
+
+func processHost(t *testing.T) *sandbox.Host {
+	testutil.RequireRoot(t)
+	testutil.RequireKernelFeature(t, testutil.UserNamespaces)
+	testutil.RequireKernelFeature(t, testutil.MountAPI)
+	testutil.RequireKernelFeature(t, testutil.Cgroups)
+	bin := testutil.Binaries(t)
+	hostOnce.Do(func() {
+		dir, err := os.MkdirTemp("/run", "cage-conformance-")
+		if err != nil {
+			hostErr = err
+			return
+		}
+		_ = os.Chmod(dir, 0o711)
+		host, hostErr = sandbox.NewHost(dir, filepath.Join(bin, "cage-agent"), slog.New(slog.DiscardHandler))
+	})
+	if hostErr != nil {
+		t.Fatal(hostErr)
+	}
+	return host
+}
+
+// walls lists the walls this suite runs on. Only the process wall exists in
+// this build; each later wall adds an entry here.
+func walls() []wall {
+	return []wall{{
+		name: "process",
+		newBox: func(t *testing.T, o sandbox.Options) *box {
+			h := processHost(t)
+			sb, err := h.Create(context.Background(), o)
+			if err != nil {
+				t.Fatalf("create sandbox: %v", err)
+			}
+			c := agentclient.New(sb.Dial, sb.Token)
+			t.Cleanup(func() {
+				c.Close()
+				if err := sb.Destroy(); err != nil {
+					t.Errorf("destroy: %v", err)
+				}
+			})
+			return &box{Client: c, sb: sb, t: t}
+		},
+	}}
+}
+
+// forEachWall runs fn as a subtest per wall.
+func forEachWall(t *testing.T, fn func(t *testing.T, w wall)) {
+	for _, w := range walls() {
+		t.Run(w.name, func(t *testing.T) { fn(t, w) })
+	}
+}
+
+// result is how a command went.
+type result struct {
+	stdout, stderr string
+	end            *pb.ProcessEvent_EndEvent
+	err            error
+}
+
+func (r result) code() int32 {
+	if r.end == nil {
+		return -999
+	}
+	return r.end.GetExitCode()
+}
+
+// sh runs a shell command (as E2B's commands.run does) and returns its result.
+func (b *box) sh(script string, mods ...func(*agentclient.RunOptions)) result {
+	return b.run(append([]func(*agentclient.RunOptions){func(o *agentclient.RunOptions) {
+		o.Cmd, o.Args = "/bin/bash", []string{"-l", "-c", script}
+	}}, mods...)...)
+}
+
+func (b *box) run(mods ...func(*agentclient.RunOptions)) result {
+	b.t.Helper()
+	var out, errb bytes.Buffer
+	o := agentclient.RunOptions{Stdout: &out, Stderr: &errb}
+	for _, m := range mods {
+		m(&o)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	end, err := b.Run(ctx, o)
+	return result{stdout: out.String(), stderr: errb.String(), end: end, err: err}
+}
+
+func asUser(u string) func(*agentclient.RunOptions) {
+	return func(o *agentclient.RunOptions) { o.User = u }
+}
+
+func withStdin(r io.Reader) func(*agentclient.RunOptions) {
+	return func(o *agentclient.RunOptions) { o.Stdin = r }
+}
+
+func withTimeout(d time.Duration) func(*agentclient.RunOptions) {
+	return func(o *agentclient.RunOptions) { o.TimeoutMs = uint32(d.Milliseconds()) }
+}
+
+// mustSh runs script and fails the test unless it exits 0.
+func (b *box) mustSh(script string, mods ...func(*agentclient.RunOptions)) string {
+	b.t.Helper()
+	r := b.sh(script, mods...)
+	if r.err != nil || r.code() != 0 {
+		b.t.Fatalf("%q: err=%v code=%d stdout=%q stderr=%q", script, r.err, r.code(), r.stdout, r.stderr)
+	}
+	return r.stdout
+}
