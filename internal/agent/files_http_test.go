@@ -78,7 +78,7 @@ func fsSign(path, op, user string, exp int64) string {
 	return "v1_" + strings.TrimRight(base64.StdEncoding.EncodeToString(sum[:]), "=")
 }
 
-func TestFilesUploadDownload(t *testing.T) {
+func TestFilesUpload(t *testing.T) {
 	e := newFSEnv(t)
 	var body bytes.Buffer
 	mw := multipart.NewWriter(&body)
@@ -127,7 +127,29 @@ func TestFilesUploadDownload(t *testing.T) {
 		t.Fatalf("gzip upload: %d %d %d bytes", code, c, len(d))
 	}
 
-	// Download compressed on request.
+	for p, want := range map[string]int{"~": 400, "/": 400, "z/under-a-file": 400} {
+		if c := e.upload(p, "x"); c != want {
+			t.Errorf("upload %q: %d, want %d", p, c, want)
+		}
+	}
+	code, _ = e.filesReq("POST", url.Values{"path": {"x"}}, strings.NewReader("x"), fsTokenHeader)
+	if code != 400 {
+		t.Errorf("upload without a content type: %d", code)
+	}
+	e.checkNoTemps()
+}
+
+func TestFilesDownload(t *testing.T) {
+	e := newFSEnv(t)
+	e.mustWrite(filepath.Join(e.home, "z"), strings.Repeat("zip", 1000))
+	e.mustWrite(filepath.Join(e.home, "empty"), "")
+	if err := unix.Mkfifo(filepath.Join(e.home, "fifo"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if c, d := e.download("empty"); c != 200 || d != "" {
+		t.Errorf("empty file: %d %q", c, d)
+	}
+	// Compressed on request.
 	req, _ := http.NewRequest("GET", e.srv.URL+"/files?path=z", nil)
 	req.Header.Set("X-Access-Token", fsTestToken)
 	req.Header.Set("Accept-Encoding", "gzip")
@@ -145,25 +167,27 @@ func TestFilesUploadDownload(t *testing.T) {
 		t.Fatalf("gzip download content: %d bytes", len(plain))
 	}
 
-	for p, want := range map[string]int{"~": 400, "missing": 404, "": 400} {
+	// Ranges are served from the plain file.
+	req, _ = http.NewRequest("GET", e.srv.URL+"/files?path=z", nil)
+	req.Header.Set("X-Access-Token", fsTestToken)
+	req.Header.Set("Range", "bytes=3-5")
+	res2, err := http.DefaultTransport.RoundTrip(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer res2.Body.Close()
+	if part, _ := io.ReadAll(res2.Body); res2.StatusCode != http.StatusPartialContent || string(part) != "zip" {
+		t.Errorf("range: %d %q", res2.StatusCode, part)
+	}
+	for p, want := range map[string]int{"~": 400, "missing": 404, "": 400, "fifo": 400} {
 		if c, _ := e.download(p); c != want {
 			t.Errorf("download %q: %d, want %d", p, c, want)
 		}
 	}
-	for p, want := range map[string]int{"~": 400, "/": 400, "z/under-a-file": 400} {
-		if c := e.upload(p, "x"); c != want {
-			t.Errorf("upload %q: %d, want %d", p, c, want)
-		}
-	}
-	code, _ = e.filesReq("POST", url.Values{"path": {"x"}}, strings.NewReader("x"), fsTokenHeader)
-	if code != 400 {
-		t.Errorf("upload without a content type: %d", code)
-	}
-	code, _ = e.filesReq("GET", url.Values{"path": {"z"}, "username": {"nobody"}}, nil, fsTokenHeader)
+	code, _ := e.filesReq("GET", url.Values{"path": {"z"}, "username": {"nobody"}}, nil, fsTokenHeader)
 	if code != 400 {
 		t.Errorf("unknown user: %d", code)
 	}
-	e.checkNoTemps()
 }
 
 // checkNoTemps fails if an upload left a temporary file anywhere in the root.

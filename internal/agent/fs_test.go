@@ -492,7 +492,9 @@ func TestFSWatchDir(t *testing.T) {
 		t.Fatalf("upload: %d", code)
 	}
 	waitEvent(t, ch, "old", pb.EventType_EVENT_TYPE_WRITE)
-	time.Sleep(1200 * time.Millisecond)
+	for deadline := time.Now().Add(5 * time.Second); keepalives.Load() == 0 && time.Now().Before(deadline); {
+		time.Sleep(20 * time.Millisecond)
+	}
 	if keepalives.Load() == 0 {
 		t.Error("no keepalive within the requested interval")
 	}

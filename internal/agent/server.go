@@ -145,6 +145,7 @@ func (s *Server) Serve(l net.Listener) error {
 // Shutdown stops serving and kills every process the agent started.
 func (s *Server) Shutdown(ctx context.Context) error {
 	s.procs.killAll()
+	s.files.closeWatchers()
 	s.mu.Lock()
 	srv := s.srv
 	s.mu.Unlock()
