@@ -1,0 +1,289 @@
+// Package bench measures what users feel: how long a sandbox takes to start
+// and answer, and what it costs the host. Figures are percentiles from one
+// run, next to a peer measured in the same run, because these machines are
+// shared and noisy: only ratios from one run compare.
+package bench
+
+import (
+	"bufio"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"sort"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/cagehq/cage/internal/agentclient"
+	"github.com/cagehq/cage/internal/sandbox"
+	"github.com/cagehq/cage/internal/wall/process"
+)
+
+// Stats summarises samples.
+type Stats struct {
+	N                  int
+	Min, P50, P95, P99 time.Duration
+	Max                time.Duration
+}
+
+// Summarize computes percentiles (nearest rank).
+func Summarize(samples []time.Duration) Stats {
+	if len(samples) == 0 {
+		return Stats{}
+	}
+	s := append([]time.Duration(nil), samples...)
+	sort.Slice(s, func(i, j int) bool { return s[i] < s[j] })
+	pct := func(p float64) time.Duration {
+		i := int(p*float64(len(s))+0.999999) - 1
+		return s[max(0, min(i, len(s)-1))]
+	}
+	return Stats{N: len(s), Min: s[0], P50: pct(0.50), P95: pct(0.95), P99: pct(0.99), Max: s[len(s)-1]}
+}
+
+func (s Stats) String() string {
+	ms := func(d time.Duration) string { return fmt.Sprintf("%.2f", float64(d.Microseconds())/1000) }
+	return fmt.Sprintf("n=%d p50=%sms p95=%sms p99=%sms min=%sms max=%sms", s.N, ms(s.P50), ms(s.P95), ms(s.P99), ms(s.Min), ms(s.Max))
+}
+
+// Ratio is a's median over b's.
+func Ratio(a, b Stats) float64 {
+	if b.P50 == 0 {
+		return 0
+	}
+	return float64(a.P50) / float64(b.P50)
+}
+
+// WholeProcess times argv run to completion, runs times, after 3 warm-ups.
+func WholeProcess(argv []string, runs int) (Stats, error) {
+	var samples []time.Duration
+	for i := -3; i < runs; i++ {
+		cmd := exec.Command(argv[0], argv[1:]...)
+		start := time.Now()
+		out, err := cmd.CombinedOutput()
+		d := time.Since(start)
+		if err != nil {
+			return Stats{}, fmt.Errorf("%s: %v: %s", strings.Join(argv, " "), err, bytesLine(out))
+		}
+		if i >= 0 {
+			samples = append(samples, d)
+		}
+	}
+	return Summarize(samples), nil
+}
+
+// Interleaved times several commands round-robin, so drift on a shared
+// machine hits them alike.
+func Interleaved(argvs [][]string, runs int) ([]Stats, error) {
+	samples := make([][]time.Duration, len(argvs))
+	for i := -3; i < runs; i++ {
+		for k, argv := range argvs {
+			cmd := exec.Command(argv[0], argv[1:]...)
+			start := time.Now()
+			out, err := cmd.CombinedOutput()
+			d := time.Since(start)
+			if err != nil {
+				return nil, fmt.Errorf("%s: %v: %s", strings.Join(argv, " "), err, bytesLine(out))
+			}
+			if i >= 0 {
+				samples[k] = append(samples[k], d)
+			}
+		}
+	}
+	stats := make([]Stats, len(argvs))
+	for k := range samples {
+		stats[k] = Summarize(samples[k])
+	}
+	return stats, nil
+}
+
+func bytesLine(b []byte) string {
+	s := strings.TrimSpace(string(b))
+	if i := strings.IndexByte(s, '\n'); i >= 0 {
+		s = s[:i]
+	}
+	return s
+}
+
+// BwrapArgv is the peer for `cage run -- true`: bubblewrap with every
+// namespace, the same host directories read-only, fresh /proc, /dev and /tmp.
+func BwrapArgv(cmd ...string) ([]string, error) {
+	bw, err := exec.LookPath("bwrap")
+	if err != nil {
+		return nil, errors.New("bwrap is not installed (apt-get install bubblewrap)")
+	}
+	argv := []string{bw, "--unshare-all", "--die-with-parent"}
+	for _, d := range []string{"/usr", "/bin", "/sbin", "/lib", "/lib64", "/lib32", "/libx32"} {
+		if fi, err := os.Lstat(d); err == nil {
+			if fi.Mode()&os.ModeSymlink != 0 {
+				t, _ := os.Readlink(d)
+				argv = append(argv, "--symlink", t, d)
+			} else {
+				argv = append(argv, "--ro-bind", d, d)
+			}
+		}
+	}
+	argv = append(argv, "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--tmpfs", "/home")
+	return append(argv, cmd...), nil
+}
+
+// CreateToFirstOutput times, in this process, create → the first byte of
+// `echo ready` on stdout, then destroys the sandbox (not timed).
+func CreateToFirstOutput(ctx context.Context, h *sandbox.Host, runs int) (Stats, error) {
+	var samples []time.Duration
+	for i := -3; i < runs; i++ {
+		start := time.Now()
+		sb, err := h.Create(ctx, sandbox.Options{})
+		if err != nil {
+			return Stats{}, err
+		}
+		c := agentclient.New(sb.Dial, sb.Token)
+		fw := &firstWrite{start: start}
+		_, err = c.Run(ctx, agentclient.RunOptions{Cmd: "echo", Args: []string{"ready"}, Stdout: fw, Stderr: io.Discard})
+		c.Close()
+		if derr := sb.Destroy(); err == nil {
+			err = derr
+		}
+		if err != nil {
+			return Stats{}, err
+		}
+		if i >= 0 {
+			samples = append(samples, fw.at)
+		}
+	}
+	return Summarize(samples), nil
+}
+
+type firstWrite struct {
+	start time.Time
+	at    time.Duration
+}
+
+func (f *firstWrite) Write(p []byte) (int, error) {
+	if f.at == 0 {
+		f.at = time.Since(f.start)
+	}
+	return len(p), nil
+}
+
+// RoundTrip times Start → end of `true` in one live sandbox.
+func RoundTrip(ctx context.Context, h *sandbox.Host, runs int) (Stats, error) {
+	sb, err := h.Create(ctx, sandbox.Options{})
+	if err != nil {
+		return Stats{}, err
+	}
+	defer sb.Destroy()
+	c := agentclient.New(sb.Dial, sb.Token)
+	defer c.Close()
+	var samples []time.Duration
+	for i := -5; i < runs; i++ {
+		start := time.Now()
+		end, err := c.Run(ctx, agentclient.RunOptions{Cmd: "true", Stdout: io.Discard, Stderr: io.Discard})
+		d := time.Since(start)
+		if err != nil {
+			return Stats{}, err
+		}
+		if end.GetExitCode() != 0 {
+			return Stats{}, fmt.Errorf("true exited %d", end.GetExitCode())
+		}
+		if i >= 0 {
+			samples = append(samples, d)
+		}
+	}
+	return Summarize(samples), nil
+}
+
+// Memory is the host memory that n idle sandboxes cost.
+type Memory struct {
+	N               int
+	PerSandboxBytes int64 // drop of MemAvailable, divided by N
+	AgentPSSBytes   int64 // mean proportional set size of an idle agent
+	CgroupBytes     int64 // mean memory charged to a sandbox's cgroup
+	CreateRate      float64
+}
+
+// IdleMemory creates n sandboxes, lets them idle, and measures.
+func IdleMemory(ctx context.Context, h *sandbox.Host, n int) (Memory, error) {
+	before, err := memAvailable()
+	if err != nil {
+		return Memory{}, err
+	}
+	var sbs []*process.Sandbox
+	defer func() {
+		for _, sb := range sbs {
+			_ = sb.Destroy()
+		}
+	}()
+	start := time.Now()
+	for i := 0; i < n; i++ {
+		sb, err := h.Create(ctx, sandbox.Options{})
+		if err != nil {
+			return Memory{}, fmt.Errorf("sandbox %d: %w", i, err)
+		}
+		sbs = append(sbs, sb)
+		// Wait until it answers, so it is a fully started, idle sandbox.
+		c := agentclient.New(sb.Dial, sb.Token)
+		_, err = c.Run(ctx, agentclient.RunOptions{Cmd: "true", Stdout: io.Discard, Stderr: io.Discard})
+		c.Close()
+		if err != nil {
+			return Memory{}, fmt.Errorf("sandbox %d: %w", i, err)
+		}
+	}
+	rate := float64(n) / time.Since(start).Seconds()
+	time.Sleep(2 * time.Second) // let the agents settle
+	after, err := memAvailable()
+	if err != nil {
+		return Memory{}, err
+	}
+	var pss, cg int64
+	for _, sb := range sbs {
+		pss += readPSS(sb.Pid)
+		cg += readCgroupMemory(sb)
+	}
+	return Memory{N: n, PerSandboxBytes: (before - after) / int64(n), AgentPSSBytes: pss / int64(n),
+		CgroupBytes: cg / int64(n), CreateRate: rate}, nil
+}
+
+func memAvailable() (int64, error) {
+	f, err := os.Open("/proc/meminfo")
+	if err != nil {
+		return 0, err
+	}
+	defer f.Close()
+	sc := bufio.NewScanner(f)
+	for sc.Scan() {
+		if v, ok := strings.CutPrefix(sc.Text(), "MemAvailable:"); ok {
+			kb, err := strconv.ParseInt(strings.TrimSpace(strings.TrimSuffix(strings.TrimSpace(v), "kB")), 10, 64)
+			return kb << 10, err
+		}
+	}
+	return 0, errors.New("no MemAvailable in /proc/meminfo")
+}
+
+func readPSS(pid int) int64 {
+	data, err := os.ReadFile(fmt.Sprintf("/proc/%d/smaps_rollup", pid))
+	if err != nil {
+		return 0
+	}
+	for _, line := range strings.Split(string(data), "\n") {
+		if v, ok := strings.CutPrefix(line, "Pss:"); ok {
+			kb, _ := strconv.ParseInt(strings.TrimSpace(strings.TrimSuffix(strings.TrimSpace(v), "kB")), 10, 64)
+			return kb << 10
+		}
+	}
+	return 0
+}
+
+func readCgroupMemory(sb *process.Sandbox) int64 {
+	dir := sb.Cgroup().Dir("memory")
+	for _, f := range []string{"memory.usage_in_bytes", "memory.current"} {
+		if b, err := os.ReadFile(filepath.Join(dir, f)); err == nil {
+			n, _ := strconv.ParseInt(strings.TrimSpace(string(b)), 10, 64)
+			return n
+		}
+	}
+	return 0
+}

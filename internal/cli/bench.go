@@ -1,0 +1,110 @@
+package cli
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"os"
+	"strings"
+
+	"github.com/spf13/cobra"
+
+	"github.com/cagehq/cage/internal/bench"
+	"github.com/cagehq/cage/internal/sandbox"
+	"github.com/cagehq/cage/internal/units"
+)
+
+func newBenchCmd(g *globals) *cobra.Command {
+	var runs, idle int
+	var only string
+	cmd := &cobra.Command{
+		Use:   "bench",
+		Short: "Measure start latency, round trip and memory against peers in the same run",
+		Long: `Measure what users feel, with the peer measured in the same run:
+  run        cage run -- true as a whole process, against bwrap --unshare-all (interleaved)
+  create     in-process create -> first output of a command
+  roundtrip  Start -> end of true in a live sandbox
+  memory     host memory per idle sandbox with --idle sandboxes alive at once`,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			ctx := cmd.Context()
+			if ctx == nil {
+				ctx = context.Background()
+			}
+			return runBench(ctx, g, cmd.OutOrStdout(), runs, idle, only)
+		},
+	}
+	cmd.Flags().IntVar(&runs, "runs", 30, "samples per measurement")
+	cmd.Flags().IntVar(&idle, "idle", 200, "sandboxes alive at once for the memory measurement")
+	cmd.Flags().StringVar(&only, "only", "run,create,roundtrip,memory", "measurements to take")
+	return cmd
+}
+
+func runBench(ctx context.Context, g *globals, w io.Writer, runs, idle int, only string) error {
+	if runs < 1 || idle < 1 {
+		return exitf(ExitUsage, "--runs and --idle must be at least 1")
+	}
+	want := map[string]bool{}
+	for _, s := range strings.Split(only, ",") {
+		want[strings.TrimSpace(s)] = true
+	}
+	h, err := sandbox.NewHost(g.runDir, "", g.log)
+	if err != nil {
+		return err
+	}
+	if want["run"] {
+		if err := benchRun(w, g, runs); err != nil {
+			return err
+		}
+	}
+	if want["create"] {
+		s, err := bench.CreateToFirstOutput(ctx, h, runs)
+		if err != nil {
+			return exitf(ExitInternal, "create: %v", err)
+		}
+		fmt.Fprintf(w, "create -> first output (in process)   %s\n", s)
+	}
+	if want["roundtrip"] {
+		s, err := bench.RoundTrip(ctx, h, max(runs, 200))
+		if err != nil {
+			return exitf(ExitInternal, "roundtrip: %v", err)
+		}
+		fmt.Fprintf(w, "round trip Start -> end of true      %s\n", s)
+	}
+	if want["memory"] {
+		m, err := bench.IdleMemory(ctx, h, idle)
+		if err != nil {
+			return exitf(ExitInternal, "memory: %v", err)
+		}
+		fmt.Fprintf(w, "memory with %d idle sandboxes: %s per sandbox (MemAvailable drop), agent PSS %s, cgroup charge %s; created %.1f sandboxes/s\n",
+			m.N, units.FormatSize(roundKiB(m.PerSandboxBytes)), units.FormatSize(roundKiB(m.AgentPSSBytes)),
+			units.FormatSize(roundKiB(m.CgroupBytes)), m.CreateRate)
+	}
+	return nil
+}
+
+func roundKiB(n int64) int64 { return n / 1024 * 1024 }
+
+func benchRun(w io.Writer, g *globals, runs int) error {
+	exe, err := os.Executable()
+	if err != nil {
+		return err
+	}
+	cage := []string{exe, "--run-dir", g.runDir, "run", "--", "true"}
+	bw, bwErr := bench.BwrapArgv("true")
+	if bwErr != nil {
+		s, err := bench.WholeProcess(cage, runs)
+		if err != nil {
+			return exitf(ExitInternal, "run: %v", err)
+		}
+		fmt.Fprintf(w, "cage run -- true (whole process)       %s\n  (no peer: %v)\n", s, bwErr)
+		return nil
+	}
+	st, err := bench.Interleaved([][]string{cage, bw}, runs)
+	if err != nil {
+		return exitf(ExitInternal, "run: %v", err)
+	}
+	fmt.Fprintf(w, "cage run -- true (whole process)       %s\n", st[0])
+	fmt.Fprintf(w, "bwrap --unshare-all true (peer)        %s\n", st[1])
+	fmt.Fprintf(w, "ratio of medians cage/bwrap            %.2fx\n", bench.Ratio(st[0], st[1]))
+	return nil
+}

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The whole test suite, as CI runs it: installs what the tests need, checks
+# formatting and vet, then runs every package's tests (integration tests need
+# root; without it they skip and say so).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+need=()
+command -v python3 >/dev/null || need+=(python3)
+command -v ps >/dev/null || need+=(procps)
+command -v unshare >/dev/null || need+=(util-linux)
+command -v ip >/dev/null || need+=(iproute2)
+if [ ${#need[@]} -gt 0 ]; then
+  if [ "$(id -u)" = 0 ]; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
+  else
+    echo "test.sh: missing ${need[*]}; install them (apt-get install ${need[*]})" >&2
+    exit 1
+  fi
+fi
+if [ "$(id -u)" != 0 ]; then
+  echo "test.sh: not root: the integration tests (sandboxes) will be skipped; run with sudo for the full suite" >&2
+fi
+
+echo "== gofmt"
+bad=$(gofmt -l $(git ls-files '*.go'))
+if [ -n "$bad" ]; then echo "gofmt would change: $bad" >&2; exit 1; fi
+echo "== go vet"
+go vet ./...
+echo "== build"
+make -s build
+echo "== go test"
+go test -count=1 -timeout 25m ./... "$@"
