@@ -179,7 +179,7 @@ func (m *Manager) Create(name string, lim Limits) (cg *Cgroup, err error) {
 			cg.dirs[c] = dir
 		}
 	}
-	return cg, cg.apply(lim)
+	return cg, cg.Apply(lim)
 }
 
 // Open returns the group of an existing sandbox (after a restart).
@@ -227,7 +227,8 @@ func (cg *Cgroup) write(ctrl, file, val string) error {
 
 func exists(p string) bool { _, err := os.Stat(p); return err == nil }
 
-func (cg *Cgroup) apply(lim Limits) error {
+// Apply writes the limits (zero fields are left as they are).
+func (cg *Cgroup) Apply(lim Limits) error {
 	if cg.m.Mode == V2 {
 		return cg.applyV2(lim)
 	}

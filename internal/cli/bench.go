@@ -6,6 +6,7 @@ import (
 	"io"
 	"os"
 	"strings"
+	"time"
 
 	"github.com/spf13/cobra"
 
@@ -62,6 +63,18 @@ func runBench(ctx context.Context, g *globals, w io.Writer, runs, idle int, only
 			return exitf(ExitInternal, "create: %v", err)
 		}
 		fmt.Fprintf(w, "create -> first output (in process)   %s\n", s)
+		pooled, err := sandbox.NewHost(g.runDir, "", g.log)
+		if err != nil {
+			return err
+		}
+		pooled.StartPool(4)
+		time.Sleep(500 * time.Millisecond) // let it fill
+		s, err = bench.CreateToFirstOutput(ctx, pooled, runs)
+		pooled.Close()
+		if err != nil {
+			return exitf(ExitInternal, "create (pool): %v", err)
+		}
+		fmt.Fprintf(w, "  ... from a pool of 4 prepared        %s (pool empty %d times)\n", s, pooled.PoolMisses.Load())
 	}
 	if want["roundtrip"] {
 		s, err := bench.RoundTrip(ctx, h, max(runs, 200))

@@ -13,6 +13,8 @@ import (
 	"log/slog"
 	"os"
 	"path/filepath"
+	"sync/atomic"
+	"time"
 
 	"github.com/cagehq/cage/internal/cgroups"
 	"github.com/cagehq/cage/internal/template"
@@ -116,6 +118,11 @@ type Host struct {
 	AgentPath string
 	Cgroups   *cgroups.Manager
 	Log       *slog.Logger
+
+	pool       chan *process.Sandbox // prepared sandboxes, when a pool runs
+	PoolMisses atomic.Int64          // creates that found the pool empty
+	stopPool   context.CancelFunc
+	poolDone   chan struct{}
 }
 
 // NewHost checks that this host can run process-wall sandboxes and returns
@@ -181,21 +188,96 @@ func (h *Host) Create(ctx context.Context, o Options) (*process.Sandbox, error) 
 	if err != nil {
 		return nil, err
 	}
-	return process.Create(ctx, process.Config{
+	spec := process.Spec{
+		Template:  tmpl,
+		Limits:    cgroups.Limits{MemoryBytes: o.Memory, CPUs: o.CPUs, Pids: o.Pids},
+		DiskBytes: o.Disk,
+		ShmBytes:  o.Shm,
+		Token:     NewToken(),
+		Env:       o.Env,
+		MaxOutput: o.MaxOutput,
+	}
+	if sb := h.takePrepared(o); sb != nil {
+		if err := sb.Start(spec); err != nil {
+			_ = sb.Destroy()
+			return nil, err
+		}
+		return sb, nil
+	}
+	cfg := h.config(o.DieWithCaller)
+	cfg.Spec = spec
+	return process.Create(ctx, cfg)
+}
+
+func (h *Host) config(dieWithCaller bool) process.Config {
+	return process.Config{
 		ID:            process.NewID(),
 		AgentPath:     h.AgentPath,
 		RunDir:        h.RunDir,
-		Template:      tmpl,
 		Cgroups:       h.Cgroups,
-		Limits:        cgroups.Limits{MemoryBytes: o.Memory, CPUs: o.CPUs, Pids: o.Pids},
-		DiskBytes:     o.Disk,
-		ShmBytes:      o.Shm,
-		Token:         NewToken(),
-		Env:           o.Env,
-		MaxOutput:     o.MaxOutput,
-		DieWithParent: o.DieWithCaller,
+		DieWithParent: dieWithCaller,
 		Log:           h.Log,
-	})
+	}
+}
+
+// StartPool keeps n sandboxes prepared (forked into their namespaces and
+// cgroups, runtime started, waiting for a spec), so that a create only sends
+// the spec. Sandboxes tied to their caller (cage run) never come from it.
+func (h *Host) StartPool(n int) {
+	if n <= 0 || h.pool != nil {
+		return
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	h.pool, h.stopPool, h.poolDone = make(chan *process.Sandbox, n), cancel, make(chan struct{})
+	go func() {
+		defer close(h.poolDone)
+		for ctx.Err() == nil {
+			sb, err := process.Prepare(ctx, h.config(false))
+			if err != nil {
+				h.Log.Warn("pool: prepare a sandbox", "err", err)
+				select {
+				case <-time.After(time.Second):
+				case <-ctx.Done():
+				}
+				continue
+			}
+			select {
+			case h.pool <- sb:
+			case <-ctx.Done():
+				_ = sb.Destroy()
+			}
+		}
+	}()
+}
+
+// Close stops the pool and destroys the sandboxes waiting in it.
+func (h *Host) Close() {
+	if h.pool == nil {
+		return
+	}
+	h.stopPool()
+	<-h.poolDone
+	for {
+		select {
+		case sb := <-h.pool:
+			_ = sb.Destroy()
+		default:
+			return
+		}
+	}
+}
+
+func (h *Host) takePrepared(o Options) *process.Sandbox {
+	if h.pool == nil || o.DieWithCaller {
+		return nil
+	}
+	select {
+	case sb := <-h.pool:
+		return sb
+	default:
+		h.PoolMisses.Add(1)
+		return nil
+	}
 }
 
 // NewToken returns a fresh access token for a sandbox's agent.

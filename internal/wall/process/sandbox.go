@@ -24,20 +24,25 @@ import (
 
 // Config describes one sandbox to create.
 type Config struct {
-	ID        string             // sandbox id: [a-z0-9]+
-	AgentPath string             // host path of the cage-agent binary
-	RunDir    string             // runtime state directory (e.g. /run/cage)
-	Template  *template.Template // what the root is made of
+	ID        string // sandbox id: [a-z0-9]+
+	AgentPath string // host path of the cage-agent binary
+	RunDir    string // runtime state directory (e.g. /run/cage)
 	Cgroups   *cgroups.Manager
+	// DieWithParent kills the sandbox when the creating thread dies (cage run).
+	DieWithParent bool
+	Log           *slog.Logger
+	Spec
+}
+
+// Spec is what a prepared sandbox is started with.
+type Spec struct {
+	Template  *template.Template // what the root is made of
 	Limits    cgroups.Limits
 	DiskBytes int64 // size of the writable storage (/tmp, /home, /var/tmp)
 	ShmBytes  int64 // size of /dev/shm
 	Token     string
 	Env       map[string]string
 	MaxOutput int64
-	// DieWithParent kills the sandbox when the creating thread dies (cage run).
-	DieWithParent bool
-	Log           *slog.Logger
 }
 
 // Sandbox is a running sandbox of the process wall, seen from the host.
@@ -50,6 +55,10 @@ type Sandbox struct {
 	cg    *cgroups.Cgroup
 	ids   *idSlot
 	log   *slog.Logger
+
+	root    string   // host directory the sandbox's root is mounted on
+	specW   *os.File // the agent waits for its spec on the other end
+	started bool
 
 	exited  chan struct{} // closed when the agent has been reaped
 	waitErr error
@@ -68,14 +77,31 @@ func NewID() string {
 // Create builds and starts a sandbox. The agent may still be setting up when
 // Create returns; Dial connects as soon as the agent accepts (connections
 // queue on the listening socket meanwhile). On error nothing is left behind.
-func Create(ctx context.Context, cfg Config) (sb *Sandbox, err error) {
+func Create(ctx context.Context, cfg Config) (*Sandbox, error) {
+	sb, err := Prepare(ctx, cfg)
+	if err != nil {
+		return nil, err
+	}
+	if err := sb.Start(cfg.Spec); err != nil {
+		_ = sb.Destroy()
+		return nil, err
+	}
+	return sb, nil
+}
+
+// Prepare does everything that does not depend on what the sandbox is for:
+// it reserves ids, makes the directories and the agent's socket, forks the
+// agent into its namespaces and puts it in its cgroups (without limits yet).
+// The agent then waits for Start. A pool keeps prepared sandboxes, so that a
+// create pays none of this; if the host goes away, the agent sees its spec
+// pipe close and exits.
+func Prepare(ctx context.Context, cfg Config) (sb *Sandbox, err error) {
 	if cfg.Log == nil {
 		cfg.Log = slog.New(slog.DiscardHandler)
 	}
 	sb = &Sandbox{ID: cfg.ID, dir: filepath.Join(cfg.RunDir, "sandboxes", cfg.ID), exited: make(chan struct{}),
 		log: cfg.Log.With("sandbox", cfg.ID)}
 	sb.sock = filepath.Join(sb.dir, "agent.sock")
-	sb.Token = cfg.Token
 	defer func() {
 		if err != nil {
 			_ = sb.Destroy()
@@ -93,11 +119,7 @@ func Create(ctx context.Context, cfg Config) (sb *Sandbox, err error) {
 	if sb.ids, err = reserveIDs(cfg.RunDir); err != nil {
 		return sb, err
 	}
-	root, err := sb.makeDirs()
-	if err != nil {
-		return sb, err
-	}
-	if sb.cg, err = cfg.Cgroups.Create(cfg.ID, cfg.Limits); err != nil {
+	if sb.root, err = sb.makeDirs(); err != nil {
 		return sb, err
 	}
 	l, err := net.ListenUnix("unix", &net.UnixAddr{Name: sb.sock, Net: "unix"})
@@ -111,19 +133,42 @@ func Create(ctx context.Context, cfg Config) (sb *Sandbox, err error) {
 		return sb, err
 	}
 	defer lf.Close()
-
-	spec := &initSpec{
-		ID: cfg.ID, Hostname: "cage-" + cfg.ID[:min(8, len(cfg.ID))], Root: root,
-		Mounts: cfg.Template.Mounts, DiskBytes: cfg.DiskBytes, DiskInodes: inodesFor(cfg.DiskBytes),
-		ShmBytes: cfg.ShmBytes, UserName: userName, UserUID: userUID, UserGID: userUID,
-		OOMEvents: sb.cg.OOMEventsFile(), PidsEvents: sb.cg.PidsEventsFile(),
-		Token: cfg.Token, Env: cfg.Env, MaxOutput: cfg.MaxOutput, Debug: os.Getenv("CAGE_TRACE") != "",
-	}
-	if err := sb.start(cfg, lf, spec); err != nil {
+	if err := sb.fork(cfg, lf); err != nil {
 		return sb, err
 	}
-	trace("spec sent")
 	return sb, nil
+}
+
+// Start applies the limits and sends the agent its spec: from here the
+// sandbox builds its root, seals itself and serves.
+func (sb *Sandbox) Start(s Spec) error {
+	if sb.started {
+		return errors.New("sandbox already started")
+	}
+	sb.started = true
+	sb.Token = s.Token
+	if err := sb.cg.Apply(s.Limits); err != nil {
+		return err
+	}
+	spec := &initSpec{
+		ID: sb.ID, Hostname: "cage-" + sb.ID[:min(8, len(sb.ID))], Root: sb.root,
+		Mounts: s.Template.Mounts, DiskBytes: s.DiskBytes, DiskInodes: inodesFor(s.DiskBytes),
+		ShmBytes: s.ShmBytes, UserName: userName, UserUID: userUID, UserGID: userUID,
+		OOMEvents: sb.cg.OOMEventsFile(), PidsEvents: sb.cg.PidsEventsFile(),
+		Token: s.Token, Env: s.Env, MaxOutput: s.MaxOutput, Debug: tracing,
+	}
+	data, err := json.Marshal(spec)
+	if err != nil {
+		return err
+	}
+	_, err = sb.specW.Write(data)
+	sb.specW.Close()
+	sb.specW = nil
+	if err != nil {
+		return fmt.Errorf("send the sandbox spec: %w (agent: %s)", err, sb.stderr.String())
+	}
+	trace("spec sent")
+	return nil
 }
 
 // inodesFor sizes the disk's inode table: one per 8 KiB, at least 4096.
@@ -148,15 +193,15 @@ func (sb *Sandbox) makeDirs() (string, error) {
 	return root, nil
 }
 
-// start forks the agent into new namespaces, puts it in its cgroups, and
-// only then hands it the spec that lets it proceed.
-func (sb *Sandbox) start(cfg Config, listener *os.File, spec *initSpec) error {
+// fork starts the agent in new namespaces and puts it in new cgroups; it
+// then waits for its spec (Start).
+func (sb *Sandbox) fork(cfg Config, listener *os.File) error {
 	specR, specW, err := os.Pipe()
 	if err != nil {
 		return err
 	}
 	defer specR.Close()
-	defer specW.Close()
+	sb.specW = specW
 	errR, errW, err := os.Pipe()
 	if err != nil {
 		return err
@@ -199,17 +244,15 @@ func (sb *Sandbox) start(cfg Config, listener *os.File, spec *initSpec) error {
 	sb.Pid = pid
 	go sb.reap()
 	trace("forked")
+	// The cgroups are made while the agent's runtime starts; it waits for
+	// the spec, which comes only once it is inside them (and limited).
+	if sb.cg, err = cfg.Cgroups.Create(cfg.ID, cgroups.Limits{}); err != nil {
+		return err
+	}
 	if err := sb.cg.AddProc(pid); err != nil {
 		return err
 	}
 	trace("in cgroups")
-	data, err := json.Marshal(spec)
-	if err != nil {
-		return err
-	}
-	if _, err := specW.Write(data); err != nil {
-		return fmt.Errorf("send the sandbox spec: %w (agent: %s)", err, sb.stderr.String())
-	}
 	return nil
 }
 
@@ -296,6 +339,9 @@ func (sb *Sandbox) teardown() error {
 	trace("teardown")
 	defer trace("torn down")
 	var errs []error
+	if sb.specW != nil {
+		sb.specW.Close()
+	}
 	if sb.Pid > 0 {
 		_ = syscall.Kill(sb.Pid, syscall.SIGKILL)
 		<-sb.exited
