@@ -105,12 +105,17 @@ func writeData(d *pb.ProcessEvent_DataEvent, stdout, stderr io.Writer) error {
 }
 
 // feed copies r to the process's stdin (or PTY) and closes stdin at EOF.
+// At the end of input into a PTY, the terminal's end-of-file character
+// (Ctrl-D) is sent, twice when the last line is unfinished, as typing it
+// would.
 func (c *Client) feed(ctx context.Context, pid uint32, r io.Reader, pty bool) {
 	sel := &pb.ProcessSelector{Selector: &pb.ProcessSelector_Pid{Pid: pid}}
 	buf := make([]byte, 32<<10)
+	var last byte = '\n'
 	for {
 		n, err := r.Read(buf)
 		if n > 0 {
+			last = buf[n-1]
 			in := &pb.ProcessInput{Input: &pb.ProcessInput_Stdin{Stdin: append([]byte(nil), buf[:n]...)}}
 			if pty {
 				in.Input = &pb.ProcessInput_Pty{Pty: append([]byte(nil), buf[:n]...)}
@@ -122,7 +127,14 @@ func (c *Client) feed(ctx context.Context, pid uint32, r io.Reader, pty bool) {
 		if err != nil {
 			if !pty {
 				_, _ = c.Process.CloseStdin(ctx, connect.NewRequest(&pb.CloseStdinRequest{Process: sel}))
+				return
 			}
+			eof := []byte{4}
+			if last != '\n' {
+				eof = []byte{4, 4}
+			}
+			in := &pb.ProcessInput{Input: &pb.ProcessInput_Pty{Pty: eof}}
+			_, _ = c.Process.SendInput(ctx, connect.NewRequest(&pb.SendInputRequest{Process: sel, Input: in}))
 			return
 		}
 	}

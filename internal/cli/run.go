@@ -41,7 +41,12 @@ when it ends. cage exits with the command's exit code (128+N when a signal
 killed it, 124 when the timeout expired, 127 when the command does not exist).
 stdin, stdout and stderr are the caller's; when stdin is a terminal the
 command gets a PTY.`,
-		Args: cobra.MinimumNArgs(1),
+		Args: func(_ *cobra.Command, args []string) error {
+			if len(args) == 0 {
+				return exitf(ExitUsage, "no command given (usage: cage run [flags] -- CMD [ARGS...])")
+			}
+			return nil
+		},
 		RunE: func(cmd *cobra.Command, args []string) error {
 			return runCommand(cmd.Context(), g, f, args, cmd.OutOrStdout(), cmd.ErrOrStderr())
 		},
@@ -144,8 +149,13 @@ func runCommand(ctx context.Context, g *globals, f *runFlags, args []string, std
 	if err != nil {
 		return err
 	}
+	defer host.GC() // after the command: leftovers of runs that were killed
 	defer sb.Destroy()
 
+	// A closed stdout must not kill cage before it has destroyed the sandbox:
+	// writes then fail with EPIPE instead, and cage exits 141 as a shell would.
+	signal.Ignore(syscall.SIGPIPE)
+	defer signal.Reset(syscall.SIGPIPE)
 	var timedOut atomic.Bool
 	if p.timeout > 0 {
 		t := time.AfterFunc(p.timeout, func() {
@@ -168,11 +178,12 @@ func runCommand(ctx context.Context, g *globals, f *runFlags, args []string, std
 	}
 	usePTY := f.pty == "always" || (f.pty == "auto" && term.IsTerminal(int(os.Stdin.Fd())))
 	var restore func()
+	var interrupted atomic.Bool
 	if usePTY {
 		restore = setupPTY(ctx, client, &opts)
 	} else {
 		opts.Stdin = os.Stdin
-		stop := forwardSignals(ctx, client, &opts, sb)
+		stop := forwardSignals(ctx, client, &opts, sb, &interrupted)
 		defer stop()
 	}
 	process.Trace("run")
@@ -180,6 +191,12 @@ func runCommand(ctx context.Context, g *globals, f *runFlags, args []string, std
 	process.Trace("ended")
 	if restore != nil {
 		restore()
+	}
+	if errors.Is(err, syscall.EPIPE) {
+		return &exitError{code: 128 + int(syscall.SIGPIPE)}
+	}
+	if interrupted.Load() {
+		return exitf(130, "interrupted; the sandbox was destroyed")
 	}
 	if err != nil {
 		return sandboxFailure(sb, &timedOut, p.timeout, err)
@@ -193,6 +210,19 @@ func sandboxFailure(sb *process.Sandbox, timedOut *atomic.Bool, timeout time.Dur
 	if timedOut.Load() {
 		return exitf(ExitTimeout, "timed out after %v; the sandbox was destroyed", timeout)
 	}
+	select {
+	case <-sb.Exited():
+		return exitf(ExitInternal, "%v", sb.Err())
+	default:
+	}
+	if _, ok := err.(*connect.Error); !ok || connect.CodeOf(err) == connect.CodeUnavailable || connect.CodeOf(err) == connect.CodeUnknown {
+		// The stream broke: most likely the sandbox died meanwhile.
+		select {
+		case <-sb.Exited():
+			return exitf(ExitInternal, "%v", sb.Err())
+		case <-time.After(200 * time.Millisecond):
+		}
+	}
 	switch connect.CodeOf(err) {
 	case connect.CodeNotFound:
 		return exitf(ExitNotFound, "%s", connectMessage(err))
@@ -202,11 +232,6 @@ func sandboxFailure(sb *process.Sandbox, timedOut *atomic.Bool, timeout time.Dur
 		return exitf(ExitUsage, "%s", connectMessage(err))
 	case connect.CodeResourceExhausted:
 		return exitf(ExitInternal, "%s", connectMessage(err))
-	}
-	select {
-	case <-sb.Exited():
-		return exitf(ExitInternal, "%v", sb.Err())
-	default:
 	}
 	return exitf(ExitInternal, "%v", err)
 }
@@ -255,7 +280,7 @@ func signalNumber(status string) int {
 
 // forwardSignals passes the first SIGINT/SIGTERM/SIGHUP to the command as
 // SIGTERM; a second one kills the sandbox.
-func forwardSignals(ctx context.Context, c *agentclient.Client, opts *agentclient.RunOptions, sb *process.Sandbox) func() {
+func forwardSignals(ctx context.Context, c *agentclient.Client, opts *agentclient.RunOptions, sb *process.Sandbox, interrupted *atomic.Bool) func() {
 	ch := make(chan os.Signal, 2)
 	signal.Notify(ch, syscall.SIGINT, syscall.SIGTERM, syscall.SIGHUP)
 	var pid atomic.Uint32
@@ -268,6 +293,7 @@ func forwardSignals(ctx context.Context, c *agentclient.Client, opts *agentclien
 			case <-ch:
 				n++
 				if n > 1 || pid.Load() == 0 {
+					interrupted.Store(true)
 					_ = sb.Destroy()
 					continue
 				}

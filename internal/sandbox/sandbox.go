@@ -220,6 +220,15 @@ func (h *Host) config(dieWithCaller bool) process.Config {
 	}
 }
 
+// GC removes the leftovers of sandboxes whose owner died (see process.GC).
+func (h *Host) GC() {
+	if ids, err := process.GC(h.RunDir, h.Cgroups); err != nil {
+		h.Log.Warn("gc", "err", err)
+	} else if len(ids) > 0 {
+		h.Log.Info("gc: removed the leftovers of dead sandboxes", "sandboxes", ids)
+	}
+}
+
 // StartPool keeps n sandboxes prepared (forked into their namespaces and
 // cgroups, runtime started, waiting for a spec), so that a create only sends
 // the spec. Sandboxes tied to their caller (cage run) never come from it.

@@ -56,6 +56,7 @@ type Sandbox struct {
 	ids   *idSlot
 	log   *slog.Logger
 
+	owner   *os.File // flock'ed while this process owns the sandbox (see GC)
 	root    string   // host directory the sandbox's root is mounted on
 	specW   *os.File // the agent waits for its spec on the other end
 	started bool
@@ -116,10 +117,13 @@ func Prepare(ctx context.Context, cfg Config) (sb *Sandbox, err error) {
 		return sb, err
 	}
 	trace("create")
-	if sb.ids, err = reserveIDs(cfg.RunDir); err != nil {
+	if sb.ids, err = reserveIDs(); err != nil {
 		return sb, err
 	}
 	if sb.root, err = sb.makeDirs(); err != nil {
+		return sb, err
+	}
+	if sb.owner, err = lockOwner(sb.dir); err != nil {
 		return sb, err
 	}
 	l, err := net.ListenUnix("unix", &net.UnixAddr{Name: sb.sock, Net: "unix"})
@@ -352,11 +356,12 @@ func (sb *Sandbox) teardown() error {
 	}
 	trace("cgroups removed")
 	if sb.dir != "" {
-		_ = os.Remove(sb.sock)
-		_ = os.Remove(filepath.Join(sb.dir, "root"))
-		if err := os.Remove(sb.dir); err != nil && !errors.Is(err, os.ErrNotExist) {
+		if err := removeState(sb.dir); err != nil {
 			errs = append(errs, err)
 		}
+	}
+	if sb.owner != nil {
+		sb.owner.Close()
 	}
 	sb.ids.release()
 	return errors.Join(errs...)

@@ -29,8 +29,16 @@ type idSlot struct {
 	lock *os.File
 }
 
-func reserveIDs(runDir string) (*idSlot, error) {
-	dir := filepath.Join(runDir, "ids")
+// IDLockDir holds the uid-range locks. It is one directory for the whole
+// host, whatever run directory each cage process uses, so that no two
+// sandboxes ever get the same range.
+var IDLockDir = "/run/cage/ids"
+
+func reserveIDs() (*idSlot, error) {
+	dir := IDLockDir
+	if err := os.MkdirAll(filepath.Dir(dir), 0o711); err != nil {
+		return nil, err
+	}
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return nil, err
 	}
@@ -78,4 +86,23 @@ func sameFile(f *os.File) bool {
 	a, err1 := f.Stat()
 	b, err2 := os.Stat(f.Name())
 	return err1 == nil && err2 == nil && os.SameFile(a, b)
+}
+
+// gcIDLocks removes lock files of uid ranges nobody holds (their holder died
+// without releasing them).
+func gcIDLocks() {
+	ents, err := os.ReadDir(IDLockDir)
+	if err != nil {
+		return
+	}
+	for _, e := range ents {
+		f, err := os.OpenFile(filepath.Join(IDLockDir, e.Name()), os.O_RDWR|syscall.O_CLOEXEC, 0)
+		if err != nil {
+			continue
+		}
+		if syscall.Flock(int(f.Fd()), syscall.LOCK_EX|syscall.LOCK_NB) == nil && sameFile(f) {
+			_ = os.Remove(f.Name())
+		}
+		f.Close()
+	}
 }

@@ -1,0 +1,85 @@
+package process
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"syscall"
+	"time"
+
+	"github.com/cagehq/cage/internal/cgroups"
+)
+
+// Each sandbox's state directory holds an owner lock, flock'ed by the process
+// that created it for as long as it lives. A sandbox whose owner died (a
+// `cage run` killed with SIGKILL takes its sandbox's processes with it, but
+// not its directories and cgroups) is found by GC and removed.
+
+const ownerLockName = "owner.lock"
+
+func lockOwner(dir string) (*os.File, error) {
+	f, err := os.OpenFile(filepath.Join(dir, ownerLockName), os.O_CREATE|os.O_RDWR|syscall.O_CLOEXEC, 0o600)
+	if err != nil {
+		return nil, err
+	}
+	if err := syscall.Flock(int(f.Fd()), syscall.LOCK_EX|syscall.LOCK_NB); err != nil {
+		f.Close()
+		return nil, fmt.Errorf("lock sandbox state: %w", err)
+	}
+	return f, nil
+}
+
+// removeState removes a sandbox's state directory: its socket, the (by now
+// unmounted) root directory and the owner lock.
+func removeState(dir string) error {
+	for _, name := range []string{"agent.sock", "root", ownerLockName} {
+		if err := os.Remove(filepath.Join(dir, name)); err != nil && !errors.Is(err, os.ErrNotExist) {
+			return err
+		}
+	}
+	if err := os.Remove(dir); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return err
+	}
+	return nil
+}
+
+// GC removes what dead owners left behind under runDir: the state directory
+// and cgroups of each sandbox whose owner is gone and which has no process
+// left, and uid-range locks nobody holds. A sandbox that still has processes
+// is left alone (a daemon may adopt it). It returns the ids it removed.
+func GC(runDir string, cg *cgroups.Manager) ([]string, error) {
+	base := filepath.Join(runDir, "sandboxes")
+	ents, err := os.ReadDir(base)
+	if err != nil && !errors.Is(err, os.ErrNotExist) {
+		return nil, err
+	}
+	var removed []string
+	var errs []error
+	for _, e := range ents {
+		id := e.Name()
+		dir := filepath.Join(base, id)
+		if fi, err := e.Info(); err != nil || time.Since(fi.ModTime()) < 10*time.Second {
+			continue // being created: its owner may not hold the lock yet
+		}
+		lock, err := lockOwner(dir)
+		if err != nil {
+			continue // its owner is alive
+		}
+		group := cg.Open(id)
+		if len(group.Procs()) > 0 {
+			lock.Close()
+			continue
+		}
+		if err := group.Destroy(); err != nil {
+			errs = append(errs, err)
+		} else if err := removeState(dir); err != nil {
+			errs = append(errs, err)
+		} else {
+			removed = append(removed, id)
+		}
+		lock.Close()
+	}
+	gcIDLocks()
+	return removed, errors.Join(errs...)
+}

@@ -1,0 +1,857 @@
+// Package clitest runs the cage binary as a user meets it: exit codes,
+// stdout and stderr, stdin, flags, copy-in, a terminal, signals, and the
+// state a run leaves behind (none).
+package clitest
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/cagehq/cage/internal/testutil"
+)
+
+// Exit codes of cage itself (internal/cli/cli.go).
+const (
+	exitUsage      = 64
+	exitNoTemplate = 66
+	exitNoPerm     = 77
+	exitTimeout    = 124
+	exitNotExec    = 126
+	exitNotFound   = 127
+)
+
+// env is one test's cage: the binary and a private run directory.
+type env struct {
+	t      *testing.T
+	bin    string
+	runDir string
+	// cgroups holds the sandbox cgroups under the cage parent that existed
+	// when the test started (other tests' sandboxes may live beside ours).
+	cgroups map[string][]string
+}
+
+func setup(t *testing.T) *env {
+	t.Helper()
+	testutil.RequireRoot(t)
+	testutil.RequireKernelFeature(t, testutil.UserNamespaces)
+	testutil.RequireKernelFeature(t, testutil.MountAPI)
+	testutil.RequireKernelFeature(t, testutil.Cgroups)
+	bin := filepath.Join(testutil.Binaries(t), "cage")
+	return &env{t: t, bin: bin, runDir: testutil.RunDir(t), cgroups: cageCgroups()}
+}
+
+// result is how one cage invocation went.
+type result struct {
+	stdout, stderr string
+	code           int
+	took           time.Duration
+	// ids are the sandbox ids seen in RUN_DIR/sandboxes while it ran.
+	ids []string
+}
+
+func (r result) String() string {
+	return fmt.Sprintf("exit %d after %v, stdout %q, stderr %q", r.code, r.took.Round(time.Millisecond), r.stdout, r.stderr)
+}
+
+// command builds `cage --run-dir RUN_DIR ARGS...` with cage's own
+// environment variables removed, so that it finds cage-agent beside itself.
+func (e *env) command(ctx context.Context, args ...string) *exec.Cmd {
+	cmd := exec.CommandContext(ctx, e.bin, append([]string{"--run-dir", e.runDir}, args...)...)
+	for _, kv := range os.Environ() {
+		if !strings.HasPrefix(kv, "CAGE_") {
+			cmd.Env = append(cmd.Env, kv)
+		}
+	}
+	cmd.WaitDelay = 5 * time.Second
+	return cmd
+}
+
+// cage runs cage to its end with stdin (nil: /dev/null) and checks what
+// every invocation must honour: no Go panic or stack trace on stderr.
+func (e *env) cage(stdin io.Reader, args ...string) result {
+	e.t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	cmd := e.command(ctx, args...)
+	cmd.Stdin = stdin
+	var out, errb bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &out, &errb
+	start := time.Now()
+	if err := cmd.Start(); err != nil {
+		e.t.Fatalf("start cage: %v", err)
+	}
+	stop := e.watchIDs()
+	err := cmd.Wait()
+	r := result{stdout: out.String(), stderr: errb.String(), took: time.Since(start), ids: stop()}
+	r.code = exitCodeOf(e.t, err)
+	e.t.Logf("cage %s: %v", strings.Join(args, " "), r)
+	noPanic(e.t, r.stderr)
+	return r
+}
+
+func exitCodeOf(t *testing.T, err error) int {
+	t.Helper()
+	var ee *exec.ExitError
+	switch {
+	case err == nil:
+		return 0
+	case errors.As(err, &ee):
+		if ws, ok := ee.Sys().(syscall.WaitStatus); ok && ws.Signaled() {
+			t.Errorf("cage itself was killed by %v", ws.Signal())
+			return 128 + int(ws.Signal())
+		}
+		return ee.ExitCode()
+	}
+	t.Fatalf("wait for cage: %v", err)
+	return -1
+}
+
+func noPanic(t *testing.T, stderr string) {
+	t.Helper()
+	if strings.Contains(stderr, "goroutine ") || strings.Contains(stderr, "panic:") {
+		t.Errorf("cage printed a Go panic or stack trace:\n%s", stderr)
+	}
+}
+
+// watchIDs records the sandbox ids that appear in RUN_DIR/sandboxes until
+// the returned function is called.
+func (e *env) watchIDs() func() []string {
+	done := make(chan struct{})
+	var mu sync.Mutex
+	seen := map[string]bool{}
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		for {
+			ents, _ := os.ReadDir(filepath.Join(e.runDir, "sandboxes"))
+			mu.Lock()
+			for _, d := range ents {
+				seen[d.Name()] = true
+			}
+			mu.Unlock()
+			select {
+			case <-done:
+				return
+			case <-time.After(2 * time.Millisecond):
+			}
+		}
+	}()
+	return func() []string {
+		close(done)
+		wg.Wait()
+		var ids []string
+		for id := range seen {
+			ids = append(ids, id)
+		}
+		return ids
+	}
+}
+
+// oneLine checks that stderr is exactly one line starting with "cage: " and
+// that it contains each of want.
+func oneLine(t *testing.T, what, stderr string, want ...string) {
+	t.Helper()
+	if !strings.HasPrefix(stderr, "cage: ") || !strings.HasSuffix(stderr, "\n") || strings.Count(stderr, "\n") != 1 {
+		t.Errorf("%s: stderr must be one line starting with \"cage: \", got %q", what, stderr)
+	}
+	for _, w := range want {
+		if !strings.Contains(stderr, w) {
+			t.Errorf("%s: stderr %q does not mention %q", what, stderr, w)
+		}
+	}
+}
+
+// cageCgroups lists the sandbox cgroups under the cage parent, in every
+// hierarchy: name -> directories.
+func cageCgroups() map[string][]string {
+	groups := map[string][]string{}
+	for _, pattern := range []string{"/sys/fs/cgroup/*/cage/*", "/sys/fs/cgroup/cage/*"} {
+		paths, _ := filepath.Glob(pattern)
+		for _, p := range paths {
+			if fi, err := os.Stat(p); err == nil && fi.IsDir() {
+				groups[filepath.Base(p)] = append(groups[filepath.Base(p)], p)
+			}
+		}
+	}
+	return groups
+}
+
+// foreign reports whether a cgroup belongs to a live sandbox of some other
+// creator: its agent (the process whose parent is outside the group) has a
+// live parent other than init. cage's own runs have ended by the time this
+// is asked, and their agents die with them, so a group with such an agent is
+// another process's (a test running beside this one).
+func foreign(dirs []string) bool {
+	for _, dir := range dirs {
+		data, err := os.ReadFile(filepath.Join(dir, "cgroup.procs"))
+		if err != nil {
+			continue
+		}
+		in := map[int]bool{}
+		for _, f := range strings.Fields(string(data)) {
+			if pid, err := strconv.Atoi(f); err == nil {
+				in[pid] = true
+			}
+		}
+		for pid := range in {
+			pp := ppid(pid)
+			if pp > 1 && !in[pp] && ppid(pp) >= 0 {
+				return true
+			}
+		}
+	}
+	return false
+}
+
+// ppid returns pid's parent, or -1 when pid is gone.
+func ppid(pid int) int {
+	data, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
+	if err != nil {
+		return -1
+	}
+	for _, line := range strings.Split(string(data), "\n") {
+		if v, ok := strings.CutPrefix(line, "PPid:"); ok {
+			n, _ := strconv.Atoi(strings.TrimSpace(v))
+			return n
+		}
+	}
+	return -1
+}
+
+// noLeftovers checks that the runs so far left nothing: RUN_DIR/sandboxes
+// and RUN_DIR/ids are empty (or were never made), the cgroups of the
+// sandboxes in ids are gone, and no new cgroup is left under the cage parent.
+func (e *env) noLeftovers(ids ...string) {
+	e.t.Helper()
+	for _, sub := range []string{"sandboxes", "ids"} {
+		ents, err := os.ReadDir(filepath.Join(e.runDir, sub))
+		if err != nil && !errors.Is(err, os.ErrNotExist) {
+			e.t.Errorf("read %s: %v", sub, err)
+		}
+		for _, d := range ents {
+			e.t.Errorf("left behind: %s", filepath.Join(e.runDir, sub, d.Name()))
+		}
+	}
+	now := cageCgroups()
+	for _, id := range ids {
+		for _, dir := range now[id] {
+			e.t.Errorf("left behind: cgroup %s of sandbox %s", dir, id)
+		}
+	}
+	// Other sandboxes (of tests running beside this one) come and go: give
+	// new groups a moment to disappear, then fail for any that is not a
+	// live sandbox of someone else.
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		var left []string
+		for name, dirs := range cageCgroups() {
+			if _, ok := e.cgroups[name]; !ok && !foreign(dirs) {
+				left = append(left, dirs...)
+			}
+		}
+		if len(left) == 0 {
+			return
+		}
+		if time.Now().After(deadline) {
+			e.t.Errorf("cgroups left behind under the cage parent: %v", left)
+			return
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+func TestRunEcho(t *testing.T) {
+	e := setup(t)
+	r := e.cage(nil, "run", "--", "echo", "hello")
+	if r.code != 0 || r.stdout != "hello\n" || r.stderr != "" {
+		t.Errorf("cage run -- echo hello: %v; want exit 0, stdout \"hello\\n\", empty stderr", r)
+	}
+	e.noLeftovers(r.ids...)
+}
+
+func TestExitCodes(t *testing.T) {
+	e := setup(t)
+	for _, tc := range []struct {
+		name string
+		args []string
+		code int
+	}{
+		{"exit 42", []string{"sh", "-c", "exit 42"}, 42},
+		{"killed by SIGTERM", []string{"sh", "-c", "kill -TERM $$"}, 128 + 15},
+		{"killed by SIGKILL", []string{"sh", "-c", "kill -KILL $$"}, 128 + 9},
+		{"false", []string{"false"}, 1},
+	} {
+		r := e.cage(nil, append([]string{"run", "--"}, tc.args...)...)
+		if r.code != tc.code || r.stdout != "" || r.stderr != "" {
+			t.Errorf("%s: %v; want exit %d and no output", tc.name, r, tc.code)
+		}
+	}
+	e.noLeftovers()
+}
+
+func TestCommandNotRunnable(t *testing.T) {
+	e := setup(t)
+	r := e.cage(nil, "run", "--", "no-such-cmd")
+	if r.code != exitNotFound || r.stdout != "" {
+		t.Errorf("command not found: %v; want exit %d", r, exitNotFound)
+	}
+	oneLine(t, "command not found", r.stderr, "no-such-cmd")
+
+	r = e.cage(nil, "run", "--", "/etc/passwd")
+	if r.code != exitNotExec || r.stdout != "" {
+		t.Errorf("not executable: %v; want exit %d", r, exitNotExec)
+	}
+	oneLine(t, "not executable", r.stderr, "/etc/passwd")
+
+	r = e.cage(nil, "run", "--", "/no/such/dir/cmd")
+	if r.code != exitNotFound {
+		t.Errorf("missing path: %v; want exit %d", r, exitNotFound)
+	}
+	oneLine(t, "missing path", r.stderr, "/no/such/dir/cmd")
+	e.noLeftovers()
+}
+
+func TestBadInput(t *testing.T) {
+	e := setup(t)
+	for _, tc := range []struct {
+		args []string
+		code int
+		want string // the message mentions it
+	}{
+		{[]string{"run", "--template", "nope", "--", "true"}, exitNoTemplate, "nope"},
+		{[]string{"run", "--memory", "abc", "--", "true"}, exitUsage, "memory"},
+		{[]string{"run", "--memory", "1M", "--", "true"}, exitUsage, "memory"},
+		{[]string{"run", "--pids", "1", "--", "true"}, exitUsage, "pids"},
+		{[]string{"run", "--pids", "many", "--", "true"}, exitUsage, "pids"},
+		{[]string{"run", "--cpus", "0.001", "--", "true"}, exitUsage, "cpus"},
+		{[]string{"run", "--disk", "10", "--", "true"}, exitUsage, "disk"},
+		{[]string{"run", "--timeout", "soon", "--", "true"}, exitUsage, "timeout"},
+		{[]string{"run", "--env", "NOEQUALS", "--", "true"}, exitUsage, "NOEQUALS"},
+		{[]string{"run", "--copy-in", "/nonexistent:/x", "--", "true"}, exitUsage, "/nonexistent"},
+		{[]string{"run", "--tty", "sometimes", "--", "true"}, exitUsage, "sometimes"},
+		{[]string{"run", "--frobnicate", "--", "true"}, exitUsage, "frobnicate"},
+		{[]string{"run"}, exitUsage, ""},
+	} {
+		name := strings.Join(tc.args, " ")
+		r := e.cage(nil, tc.args...)
+		if r.code != tc.code {
+			t.Errorf("cage %s: exit %d, want %d (stderr %q)", name, r.code, tc.code, r.stderr)
+		}
+		if r.stdout != "" {
+			t.Errorf("cage %s: stdout %q, want none", name, r.stdout)
+		}
+		oneLine(t, "cage "+name, r.stderr, tc.want)
+		e.noLeftovers(r.ids...)
+	}
+}
+
+func TestTimeout(t *testing.T) {
+	e := setup(t)
+	r := e.cage(nil, "run", "--timeout", "1s", "--", "sleep", "30")
+	if r.code != exitTimeout {
+		t.Errorf("--timeout 1s -- sleep 30: %v; want exit %d", r, exitTimeout)
+	}
+	if r.took > 15*time.Second {
+		t.Errorf("--timeout 1s took %v", r.took)
+	}
+	oneLine(t, "timeout", r.stderr, "timed out")
+	if len(r.ids) == 0 {
+		t.Errorf("never saw the sandbox in %s/sandboxes", e.runDir)
+	}
+	e.noLeftovers(r.ids...)
+}
+
+func TestOutOfMemory(t *testing.T) {
+	e := setup(t)
+	r := e.cage(nil, "run", "--memory", "64M", "--", "python3", "-c", "b=bytearray(500*1024*1024)")
+	if r.code != 128+9 {
+		t.Errorf("OOM: %v; want exit 137", r)
+	}
+	if !strings.Contains(r.stderr, "out of memory") {
+		t.Errorf("OOM: stderr %q does not say out of memory", r.stderr)
+	}
+	e.noLeftovers(r.ids...)
+}
+
+func TestStdin(t *testing.T) {
+	e := setup(t)
+	r := e.cage(strings.NewReader("hi\n"), "run", "--", "cat")
+	if r.code != 0 || r.stdout != "hi\n" || r.stderr != "" {
+		t.Errorf("echo hi | cage run -- cat: %v", r)
+	}
+	r = e.cage(bytes.NewReader(make([]byte, 5<<20)), "run", "--", "wc", "-c")
+	if r.code != 0 || strings.TrimSpace(r.stdout) != "5242880" {
+		t.Errorf("5 MiB through wc -c: %v", r)
+	}
+	// No stdin at all (/dev/null): reading gets EOF at once.
+	r = e.cage(nil, "run", "--", "sh", "-c", "cat; echo done")
+	if r.code != 0 || r.stdout != "done\n" {
+		t.Errorf("stdin /dev/null: %v", r)
+	}
+	e.noLeftovers()
+}
+
+func TestEnvWorkdirUser(t *testing.T) {
+	e := setup(t)
+	for _, tc := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"--env", "A=1", "--env", "B=two", "--", "sh", "-c", "echo $A$B"}, "1two\n"},
+		{[]string{"-e", "X=a=b", "--", "sh", "-c", "echo $X"}, "a=b\n"},
+		{[]string{"--workdir", "/tmp", "--", "pwd"}, "/tmp\n"},
+		{[]string{"--", "pwd"}, "/home/user\n"},
+		{[]string{"--user", "root", "--", "id", "-u"}, "0\n"},
+		{[]string{"--", "id", "-un"}, "user\n"},
+		{[]string{"--", "id", "-u"}, "1000\n"},
+	} {
+		r := e.cage(nil, append([]string{"run"}, tc.args...)...)
+		if r.code != 0 || r.stdout != tc.want || r.stderr != "" {
+			t.Errorf("cage run %s: %v; want stdout %q", strings.Join(tc.args, " "), r, tc.want)
+		}
+	}
+	r := e.cage(nil, "run", "--user", "nosuchuser", "--", "true")
+	if r.code != exitUsage {
+		t.Errorf("unknown user: %v; want exit %d", r, exitUsage)
+	}
+	oneLine(t, "unknown user", r.stderr)
+	r = e.cage(nil, "run", "--workdir", "/does/not/exist", "--", "true")
+	if r.code != exitUsage {
+		t.Errorf("missing workdir: %v; want exit %d", r, exitUsage)
+	}
+	oneLine(t, "missing workdir", r.stderr)
+	e.noLeftovers()
+}
+
+func TestCopyIn(t *testing.T) {
+	e := setup(t)
+	dir := t.TempDir()
+	for p, content := range map[string]string{
+		"README":           "top\n",
+		"src/main.txt":     "main\n",
+		"src/deep/er/leaf": "leaf\n",
+	} {
+		path := filepath.Join(dir, p)
+		if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(path, []byte(content), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := os.WriteFile(filepath.Join(dir, "run.sh"), []byte("#!/bin/sh\necho script-ran\n"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Symlink("src/deep/er/leaf", filepath.Join(dir, "link")); err != nil {
+		t.Fatal(err)
+	}
+	// t.TempDir's directories are 0700; the copy reads them as root anyway,
+	// but make them what a user's project looks like.
+	_ = filepath.WalkDir(dir, func(p string, d os.DirEntry, err error) error {
+		if err == nil && d.IsDir() {
+			err = os.Chmod(p, 0o755)
+		}
+		return err
+	})
+
+	r := e.cage(nil, "run", "--copy-in", dir+":/home/user/proj", "--", "sh", "-c",
+		`cd proj && ls -R && ./run.sh && readlink link && cat link && test -x run.sh && echo exec-ok &&
+		 stat -c '%U:%G %n' . README run.sh src src/deep/er/leaf && find . -type l`)
+	want := `.:
+README
+link
+run.sh
+src
+
+./src:
+deep
+main.txt
+
+./src/deep:
+er
+
+./src/deep/er:
+leaf
+script-ran
+src/deep/er/leaf
+leaf
+exec-ok
+user:user .
+user:user README
+user:user run.sh
+user:user src
+user:user src/deep/er/leaf
+./link
+`
+	if r.code != 0 || r.stdout != want || r.stderr != "" {
+		t.Errorf("copy-in: %v\nwant stdout:\n%s", r, want)
+	}
+
+	// A copy-in to writable storage outside the home, as root.
+	r = e.cage(nil, "run", "--user", "root", "--copy-in", dir+"/src:/tmp/code", "--", "sh", "-c",
+		`cat /tmp/code/main.txt; stat -c %U /tmp/code/main.txt`)
+	if r.code != 0 || r.stdout != "main\nroot\n" {
+		t.Errorf("copy-in as root to /tmp/code: %v", r)
+	}
+	e.noLeftovers()
+}
+
+func TestHostIsInvisible(t *testing.T) {
+	e := setup(t)
+	b := make([]byte, 12)
+	_, _ = rand.Read(b)
+	name := "cage-canary-" + hex.EncodeToString(b[:6])
+	secret := "secret-" + hex.EncodeToString(b[6:])
+	canary := filepath.Join("/root", name)
+	if err := os.WriteFile(canary, []byte(secret+"\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.Remove(canary) })
+	for _, user := range []string{"user", "root"} {
+		r := e.cage(nil, "run", "--user", user, "--", "sh", "-c", "ls -a /root; cat /root/"+name)
+		if r.code == 0 {
+			t.Errorf("as %s: reading the host's %s succeeded: %v", user, canary, r)
+		}
+		if strings.Contains(r.stdout+r.stderr, secret) || strings.Contains(r.stdout, name) {
+			t.Errorf("as %s: the sandbox saw the host's canary: %v", user, r)
+		}
+	}
+	e.noLeftovers()
+}
+
+func TestNotRoot(t *testing.T) {
+	e := setup(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	cmd := e.command(ctx, "run", "--", "true")
+	cmd.Dir = "/"
+	cmd.SysProcAttr = &syscall.SysProcAttr{Credential: &syscall.Credential{Uid: 65534, Gid: 65534}}
+	var out, errb bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &out, &errb
+	err := cmd.Run()
+	var ee *exec.ExitError
+	if err != nil && !errors.As(err, &ee) {
+		t.Fatalf("cannot run %s as nobody (uid 65534): %v; the built binaries must be readable and executable by all", e.bin, err)
+	}
+	code := exitCodeOf(t, err)
+	t.Logf("cage run as nobody: exit %d, stdout %q, stderr %q", code, out.String(), errb.String())
+	if code != exitNoPerm || out.String() != "" {
+		t.Errorf("as nobody: exit %d, stdout %q; want exit %d", code, out.String(), exitNoPerm)
+	}
+	oneLine(t, "as nobody", errb.String(), "root")
+	noPanic(t, errb.String())
+	e.noLeftovers()
+}
+
+func TestDoctor(t *testing.T) {
+	e := setup(t)
+	r := e.cage(nil, "doctor")
+	if r.code != 0 {
+		t.Errorf("cage doctor: %v; want exit 0", r)
+	}
+	walls := map[string]string{}
+	for _, line := range strings.Split(r.stdout, "\n") {
+		f := strings.Fields(line)
+		if len(f) >= 3 && strings.HasPrefix(f[0], "[") {
+			// "[ok  ] name info" splits "[ok" "]" or "[FAIL]".
+			mark := strings.Trim(f[0], "[]")
+			rest := f[1:]
+			if rest[0] == "]" {
+				rest = rest[1:]
+			}
+			if len(rest) > 0 {
+				walls[rest[0]] = mark
+			}
+		}
+	}
+	for _, w := range []string{"process", "runc", "gvisor", "microvm"} {
+		if _, ok := walls[w]; !ok {
+			t.Errorf("cage doctor has no line for the %s wall:\n%s", w, r.stdout)
+		}
+	}
+	if walls["process"] != "ok" {
+		t.Errorf("cage doctor: the process wall is not ok:\n%s", r.stdout)
+	}
+	e.noLeftovers(r.ids...)
+}
+
+func TestInterruptForwarded(t *testing.T) {
+	e := setup(t)
+	l := e.startCage("run", "--", "sh", "-c", `trap "echo got-term; exit 7" TERM; echo READY; sleep 30 & wait`)
+	if err := l.cmd.Process.Signal(os.Interrupt); err != nil {
+		t.Fatal(err)
+	}
+	code, took := l.wait(t)
+	out := l.output()
+	t.Logf("after SIGINT: exit %d after %v, stdout %q, stderr %q", code, took.Round(time.Millisecond), out, l.stderr.String())
+	if code != 7 || out != "READY\ngot-term\n" {
+		t.Errorf("SIGINT to cage: exit %d, stdout %q; want the command to get SIGTERM (READY, got-term, exit 7)", code, out)
+	}
+	if took > 25*time.Second {
+		t.Errorf("cage waited for the background sleep (%v)", took)
+	}
+	noPanic(t, l.stderr.String())
+	e.noLeftovers()
+}
+
+// liveCage is a running cage whose stdout is read line by line.
+type liveCage struct {
+	cmd    *exec.Cmd
+	stderr bytes.Buffer
+	mu     sync.Mutex
+	out    strings.Builder
+	ready  chan struct{}
+	eof    chan struct{}
+	start  time.Time
+	cancel context.CancelFunc
+}
+
+// startCage starts cage and returns once the command has printed READY as
+// its first line.
+func (e *env) startCage(args ...string) *liveCage {
+	e.t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	l := &liveCage{cmd: e.command(ctx, args...), ready: make(chan struct{}), eof: make(chan struct{}), cancel: cancel}
+	stdout, err := l.cmd.StdoutPipe()
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	l.cmd.Stderr = &l.stderr
+	l.start = time.Now()
+	if err := l.cmd.Start(); err != nil {
+		e.t.Fatal(err)
+	}
+	go func() {
+		defer close(l.eof)
+		sc := bufio.NewScanner(stdout)
+		first := true
+		for sc.Scan() {
+			l.mu.Lock()
+			l.out.WriteString(sc.Text() + "\n")
+			l.mu.Unlock()
+			if first && sc.Text() == "READY" {
+				close(l.ready)
+			}
+			first = false
+		}
+	}()
+	select {
+	case <-l.ready:
+	case <-l.eof:
+		l.cmd.Wait()
+		e.t.Fatalf("cage ended before the command printed READY: stdout %q, stderr %q", l.output(), l.stderr.String())
+	case <-time.After(30 * time.Second):
+		e.t.Fatal("the command never printed READY")
+	}
+	return l
+}
+
+func (l *liveCage) output() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.out.String()
+}
+
+// wait waits for cage's end and returns its exit code and how long it ran.
+func (l *liveCage) wait(t *testing.T) (int, time.Duration) {
+	t.Helper()
+	defer l.cancel()
+	<-l.eof
+	code := exitCodeOf(t, l.cmd.Wait())
+	return code, time.Since(l.start)
+}
+
+// A second Ctrl-C destroys the sandbox even when the command ignores the
+// forwarded SIGTERM; cage then reports the interruption, 128+SIGINT as a
+// shell would, never as a usage error.
+func TestSecondInterruptDestroys(t *testing.T) {
+	e := setup(t)
+	l := e.startCage("run", "--", "sh", "-c", `trap "echo ignoring-term" TERM; echo READY; while :; do sleep 1; done`)
+	if err := l.cmd.Process.Signal(os.Interrupt); err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(10 * time.Second)
+	for !strings.Contains(l.output(), "ignoring-term") && time.Now().Before(deadline) {
+		time.Sleep(10 * time.Millisecond)
+	}
+	if err := l.cmd.Process.Signal(os.Interrupt); err != nil {
+		t.Fatal(err)
+	}
+	code, took := l.wait(t)
+	stderr := l.stderr.String()
+	t.Logf("two SIGINTs: exit %d after %v, stdout %q, stderr %q", code, took.Round(time.Millisecond), l.output(), stderr)
+	if took > 20*time.Second {
+		t.Errorf("the second SIGINT did not end the run (%v)", took)
+	}
+	if code != 128+int(syscall.SIGINT) {
+		t.Errorf("two SIGINTs: exit %d, stderr %q; want %d (interrupted), not a usage or protocol error", code, stderr, 128+int(syscall.SIGINT))
+	}
+	// The command's own stderr comes first (sh reports its killed sleep);
+	// cage's word is the last line.
+	lines := strings.SplitAfter(strings.TrimSuffix(stderr, "\n"), "\n")
+	oneLine(t, "two SIGINTs", lines[len(lines)-1]+"\n")
+	if strings.Contains(stderr, "protocol error") {
+		t.Errorf("two SIGINTs: cage blames the protocol: %q", stderr)
+	}
+	noPanic(t, stderr)
+	e.noLeftovers()
+}
+
+// When cage itself is killed (SIGKILL, no chance to clean up), the sandbox
+// dies with it: no process of it keeps running.
+func TestCageKilled(t *testing.T) {
+	e := setup(t)
+	l := e.startCage("run", "--", "sh", "-c", "echo READY; sleep 100")
+	ids := dirNames(filepath.Join(e.runDir, "sandboxes"))
+	if len(ids) != 1 {
+		t.Fatalf("RUN_DIR/sandboxes holds %v while the command runs, want one sandbox", ids)
+	}
+	groups := cageCgroups()[ids[0]]
+	if len(groups) == 0 {
+		t.Fatalf("no cgroup for sandbox %s", ids[0])
+	}
+	// cage cannot clean up after SIGKILL; remove what it leaves so that the
+	// host stays clean.
+	t.Cleanup(func() {
+		for _, dir := range groups {
+			_ = syscall.Rmdir(dir)
+		}
+	})
+	if err := l.cmd.Process.Kill(); err != nil {
+		t.Fatal(err)
+	}
+	<-l.eof
+	err := l.cmd.Wait()
+	l.cancel()
+	var ee *exec.ExitError
+	if !errors.As(err, &ee) || ee.Sys().(syscall.WaitStatus).Signal() != syscall.SIGKILL {
+		t.Errorf("cage killed: wait says %v", err)
+	}
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		var alive []string
+		for _, dir := range groups {
+			data, _ := os.ReadFile(filepath.Join(dir, "cgroup.procs"))
+			for _, pid := range strings.Fields(string(data)) {
+				alive = append(alive, pid+" in "+dir)
+			}
+		}
+		if len(alive) == 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the sandbox's processes outlived cage: %v", alive)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	t.Logf("after SIGKILL, cage left (expected: it had no chance to clean up): state %v, uid locks %v, cgroups %v",
+		dirNames(filepath.Join(e.runDir, "sandboxes")), dirNames(filepath.Join(e.runDir, "ids")), groups)
+}
+
+func dirNames(dir string) []string {
+	ents, _ := os.ReadDir(dir)
+	var names []string
+	for _, d := range ents {
+		names = append(names, d.Name())
+	}
+	return names
+}
+
+// A reader that stops early (`cage run -- cmd | head`) must not leave the
+// sandbox behind: cage ends as a filter does (128+SIGPIPE) and cleans up.
+func TestStdoutClosedEarly(t *testing.T) {
+	e := setup(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	cmd := e.command(ctx, "run", "--timeout", "30s", "--", "sh", "-c", "echo READY; exec yes")
+	stdout, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var errb bytes.Buffer
+	cmd.Stderr = &errb
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	stop := e.watchIDs()
+	buf := make([]byte, 4096)
+	if _, err := io.ReadFull(stdout, buf); err != nil {
+		t.Fatalf("read the command's output: %v", err)
+	}
+	stdout.Close() // as head does after its first lines
+	start := time.Now()
+	err = cmd.Wait()
+	ids := stop()
+	var ee *exec.ExitError
+	code := -1
+	switch {
+	case err == nil:
+		code = 0
+	case errors.As(err, &ee):
+		code = ee.ExitCode()
+		if ws := ee.Sys().(syscall.WaitStatus); ws.Signaled() {
+			code = 128 + int(ws.Signal())
+		}
+	default:
+		t.Fatalf("wait for cage: %v", err)
+	}
+	t.Logf("stdout closed early: cage ended %v later with %d, stderr %q, sandboxes %v", time.Since(start).Round(time.Millisecond), code, errb.String(), ids)
+	if code != 128+int(syscall.SIGPIPE) {
+		t.Errorf("stdout closed early: exit %d, want %d (SIGPIPE, as a filter ends)", code, 128+int(syscall.SIGPIPE))
+	}
+	if time.Since(start) > 20*time.Second {
+		t.Errorf("cage kept running %v after its stdout was closed", time.Since(start))
+	}
+	noPanic(t, errb.String())
+	if len(ids) == 0 {
+		t.Errorf("never saw the sandbox in %s/sandboxes", e.runDir)
+	}
+	e.noLeftovers(ids...)
+	removeLeftovers(e, ids)
+}
+
+// removeLeftovers removes what a failed cleanup left, so that one product
+// bug does not spill into later tests or the host.
+func removeLeftovers(e *env, ids []string) {
+	for _, id := range ids {
+		for _, dir := range cageCgroups()[id] {
+			_ = syscall.Rmdir(dir)
+		}
+	}
+	for _, sub := range []string{"sandboxes", "ids"} {
+		for _, name := range dirNames(filepath.Join(e.runDir, sub)) {
+			_ = os.RemoveAll(filepath.Join(e.runDir, sub, name))
+		}
+	}
+}
+
+// --tty always with stdin that is not a terminal: the command gets a PTY,
+// and the end of the input still reaches it, so `cat` ends.
+func TestTTYAlwaysWithPipedStdin(t *testing.T) {
+	e := setup(t)
+	r := e.cage(strings.NewReader("hi\n"), "run", "--tty", "always", "--timeout", "8s", "--", "cat")
+	if r.code != 0 || !strings.Contains(r.stdout, "hi") {
+		t.Errorf("echo hi | cage run --tty always -- cat: %v; want exit 0 once the input ends", r)
+	}
+	r = e.cage(nil, "run", "--tty", "always", "--", "sh", "-c", "test -t 0 && test -t 1 && echo TTY; stty size")
+	if r.code != 0 || r.stdout != "TTY\r\n24 80\r\n" {
+		t.Errorf("--tty always without a terminal: %v; want a 24x80 PTY", r)
+	}
+	e.noLeftovers(r.ids...)
+}
