@@ -184,7 +184,7 @@ func (h *Host) Create(ctx context.Context, o Options) (*process.Sandbox, error) 
 	if err := o.Validate(); err != nil {
 		return nil, err
 	}
-	tmpl, err := template.Lookup(o.Template)
+	tmpl, err := template.Lookup(o.Template, filepath.Join(h.RunDir, "templates"))
 	if err != nil {
 		return nil, err
 	}
@@ -226,6 +226,9 @@ func (h *Host) GC() {
 		h.Log.Warn("gc", "err", err)
 	} else if len(ids) > 0 {
 		h.Log.Info("gc: removed the leftovers of dead sandboxes", "sandboxes", ids)
+	}
+	if ents, err := os.ReadDir(filepath.Join(h.RunDir, "sandboxes")); err == nil && len(ents) == 0 {
+		template.PruneCaches(filepath.Join(h.RunDir, "templates"))
 	}
 }
 

@@ -33,8 +33,9 @@ type Mount struct {
 
 // Template is a resolved template: what to mount, in order.
 type Template struct {
-	Name   string
-	Mounts []Mount
+	Name     string
+	Mounts   []Mount
+	EtcCache string // the prepared /etc directory in use
 }
 
 // hostRoots are the host directories the "host" template shares.
@@ -54,16 +55,17 @@ var hostEtc = []string{
 // Names lists the built-in templates.
 func Names() []string { return []string{"host"} }
 
-// Lookup resolves a template by name.
-func Lookup(name string) (*Template, error) {
+// Lookup resolves a template by name. cacheDir holds what templates prepare
+// once for every sandbox (the host template's /etc).
+func Lookup(name, cacheDir string) (*Template, error) {
 	switch name {
 	case "host", "":
-		return hostTemplate()
+		return hostTemplate(filepath.Join(cacheDir, "host"))
 	}
 	return nil, fmt.Errorf("%w: %q (available: %v)", ErrNotFound, name, Names())
 }
 
-func hostTemplate() (*Template, error) {
+func hostTemplate(cacheDir string) (*Template, error) {
 	t := &Template{Name: "host"}
 	for _, p := range hostRoots {
 		m, ok, err := hostMount(p, p)
@@ -76,15 +78,12 @@ func hostTemplate() (*Template, error) {
 	}
 	etc := append([]string(nil), hostEtc...)
 	sort.Strings(etc)
-	for _, name := range etc {
-		m, ok, err := hostMount(filepath.Join("/etc", name), filepath.Join("/etc", name))
-		if err != nil {
-			return nil, err
-		}
-		if ok {
-			t.Mounts = append(t.Mounts, m)
-		}
+	dir, err := etcCache(cacheDir, "/etc", etc)
+	if err != nil {
+		return nil, err
 	}
+	t.EtcCache = dir
+	t.Mounts = append(t.Mounts, Mount{Kind: Dir, Source: dir, Dest: "/etc"})
 	return t, nil
 }
 

@@ -37,7 +37,7 @@ func buildRoot(spec *initSpec) error {
 		}
 	}
 	trace("root: etc")
-	if err := writeEtc(root, spec); err != nil {
+	if err := writeIdentity(root, spec); err != nil {
 		return err
 	}
 	trace("root: disk")

@@ -56,9 +56,8 @@ const (
 	fdListener = 4 // the agent's listening socket
 )
 
-// The sandbox's own user.
+// The sandbox's own user, as the template's accounts define it.
 const (
-	userName = "user"
-	userUID  = 1000
-	userHome = "/home/user"
+	userName = template.UserName
+	userUID  = template.UserUID
 )

@@ -1,0 +1,220 @@
+package template
+
+import (
+	"crypto/sha256"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"io"
+	"io/fs"
+	"os"
+	"path/filepath"
+	"sort"
+	"strings"
+	"time"
+)
+
+// The host template's /etc is a copy of the listed host entries plus the
+// sandbox's own accounts, kept in a cache directory that every sandbox binds
+// read-only: one mount per sandbox instead of one per entry. The copy is
+// named after a fingerprint of the sources (every directory's and top-level
+// file's size and mtime, which change when a package manager adds, removes
+// or renames a file), so a changed host gets a fresh copy while sandboxes
+// still running keep the one they started with.
+
+// Accounts of every sandbox: root, the default user (uid 1000) and nobody.
+const (
+	UserName = "user"
+	UserUID  = 1000
+)
+
+var generatedEtc = map[string]string{
+	"passwd": fmt.Sprintf("root:x:0:0:root:/root:/bin/bash\n%s:x:%d:%d:%s:/home/%s:/bin/bash\nnobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n",
+		UserName, UserUID, UserUID, UserName, UserName),
+	"group":       fmt.Sprintf("root:x:0:\ntty:x:5:\n%s:x:%d:\nnogroup:x:65534:\n", UserName, UserUID),
+	"shadow":      "",
+	"resolv.conf": "# cage: this sandbox has no network\n",
+}
+
+// Per-sandbox files live in the sandbox's /run/cage; /etc links to them.
+var etcLinks = map[string]string{
+	"hosts":    "/run/cage/hosts",
+	"hostname": "/run/cage/hostname",
+	"mtab":     "/proc/self/mounts",
+}
+
+// etcCache returns the cache directory for the current state of the host's
+// /etc entries, building it if needed.
+func etcCache(cacheDir, srcRoot string, entries []string) (string, error) {
+	sum, err := fingerprint(srcRoot, entries)
+	if err != nil {
+		return "", err
+	}
+	dst := filepath.Join(cacheDir, "etc-"+sum)
+	if _, err := os.Stat(filepath.Join(dst, ".complete")); err == nil {
+		return dst, nil
+	}
+	if err := os.MkdirAll(cacheDir, 0o755); err != nil {
+		return "", err
+	}
+	tmp, err := os.MkdirTemp(cacheDir, ".building-")
+	if err != nil {
+		return "", err
+	}
+	defer os.RemoveAll(tmp)
+	if err := os.Chmod(tmp, 0o755); err != nil {
+		return "", err
+	}
+	if err := fillEtc(tmp, srcRoot, entries); err != nil {
+		return "", fmt.Errorf("template /etc: %w", err)
+	}
+	if err := os.Rename(tmp, dst); err != nil {
+		// Another cage process built the same copy meanwhile.
+		if _, serr := os.Stat(filepath.Join(dst, ".complete")); serr == nil {
+			return dst, nil
+		}
+		return "", err
+	}
+	return dst, nil
+}
+
+func fillEtc(dir, srcRoot string, entries []string) error {
+	for _, name := range entries {
+		src := filepath.Join(srcRoot, name)
+		if _, err := os.Lstat(src); errors.Is(err, os.ErrNotExist) {
+			continue
+		}
+		if err := copyTree(src, filepath.Join(dir, name)); err != nil {
+			return err
+		}
+	}
+	for name, content := range generatedEtc {
+		mode := os.FileMode(0o644)
+		if name == "shadow" {
+			mode = 0o600
+		}
+		if err := os.WriteFile(filepath.Join(dir, name), []byte(content), mode); err != nil {
+			return err
+		}
+	}
+	for name, target := range etcLinks {
+		if err := os.Symlink(target, filepath.Join(dir, name)); err != nil {
+			return err
+		}
+	}
+	return os.WriteFile(filepath.Join(dir, ".complete"), nil, 0o644)
+}
+
+// copyTree copies files, directories and symlinks (nothing else) with their
+// permission bits; owners become root.
+func copyTree(src, dst string) error {
+	return filepath.WalkDir(src, func(p string, d fs.DirEntry, err error) error {
+		if err != nil {
+			return err
+		}
+		rel, _ := filepath.Rel(src, p)
+		target := filepath.Join(dst, rel)
+		fi, err := d.Info()
+		if err != nil {
+			return err
+		}
+		switch {
+		case fi.Mode()&fs.ModeSymlink != 0:
+			link, err := os.Readlink(p)
+			if err != nil {
+				return err
+			}
+			return os.Symlink(link, target)
+		case fi.IsDir():
+			if err := os.Mkdir(target, fi.Mode().Perm()); err != nil {
+				return err
+			}
+			return os.Chmod(target, fi.Mode().Perm())
+		case fi.Mode().IsRegular():
+			return copyFile(p, target, fi.Mode().Perm())
+		}
+		return nil
+	})
+}
+
+func copyFile(src, dst string, mode os.FileMode) error {
+	in, err := os.Open(src)
+	if err != nil {
+		return err
+	}
+	defer in.Close()
+	out, err := os.OpenFile(dst, os.O_CREATE|os.O_EXCL|os.O_WRONLY, mode)
+	if err != nil {
+		return err
+	}
+	if _, err := io.Copy(out, in); err != nil {
+		out.Close()
+		return err
+	}
+	if err := out.Close(); err != nil {
+		return err
+	}
+	return os.Chmod(dst, mode)
+}
+
+// fingerprint hashes what identifies the sources' current state.
+func fingerprint(srcRoot string, entries []string) (string, error) {
+	h := sha256.New()
+	var lines []string
+	add := func(p string, fi fs.FileInfo) {
+		lines = append(lines, fmt.Sprintf("%s %o %d %d", p, fi.Mode(), fi.Size(), fi.ModTime().UnixNano()))
+	}
+	for _, name := range entries {
+		src := filepath.Join(srcRoot, name)
+		fi, err := os.Lstat(src)
+		if errors.Is(err, os.ErrNotExist) {
+			continue
+		}
+		if err != nil {
+			return "", err
+		}
+		add(src, fi)
+		if fi.IsDir() {
+			err := filepath.WalkDir(src, func(p string, d fs.DirEntry, err error) error {
+				if err != nil || !d.IsDir() || p == src {
+					return err
+				}
+				dfi, err := d.Info()
+				if err == nil {
+					add(p, dfi)
+				}
+				return err
+			})
+			if err != nil {
+				return "", err
+			}
+		}
+	}
+	sort.Strings(lines)
+	io.WriteString(h, strings.Join(lines, "\n"))
+	io.WriteString(h, fmt.Sprint(generatedEtc, etcLinks))
+	return hex.EncodeToString(h.Sum(nil))[:16], nil
+}
+
+// PruneCaches removes the host template's cached /etc copies except the
+// newest, once they are a minute old. Callers run it only when no sandbox
+// exists, since a running sandbox keeps using the copy it started with.
+func PruneCaches(cacheDir string) {
+	dir := filepath.Join(cacheDir, "host")
+	ents, _ := os.ReadDir(dir)
+	var newest string
+	var newestTime time.Time
+	for _, e := range ents {
+		if fi, err := e.Info(); err == nil && strings.HasPrefix(e.Name(), "etc-") && fi.ModTime().After(newestTime) {
+			newest, newestTime = e.Name(), fi.ModTime()
+		}
+	}
+	for _, e := range ents {
+		if e.Name() == newest || !strings.HasPrefix(e.Name(), "etc-") {
+			continue
+		}
+		if fi, err := e.Info(); err == nil && time.Since(fi.ModTime()) > time.Minute {
+			_ = os.RemoveAll(filepath.Join(dir, e.Name()))
+		}
+	}
+}
