@@ -15,6 +15,7 @@ import (
 	"crypto/subtle"
 	"encoding/base64"
 	"encoding/json"
+	"fmt"
 	"log/slog"
 	"net"
 	"net/http"
@@ -55,6 +56,12 @@ type Config struct {
 	// SpawnThreadSetup, when set, runs once on the OS thread that forks every
 	// process, before the first fork (see spawner).
 	SpawnThreadSetup func() error
+	// Threads, when set, is how many OS threads the agent takes before it
+	// serves (see reserveThreads).
+	Threads int
+	// AgentUID, when not 0, is the agent's own uid inside the sandbox, which
+	// no request may act as.
+	AgentUID int
 	// Limits, when set, tells why a process was killed (OOM, pids limit).
 	Limits LimitEvents
 	Log    *slog.Logger
@@ -236,6 +243,11 @@ func (s *Server) lookupUser(name string) (User, error) {
 	u, err := LookupUser(s.cfg.Passwd, name)
 	if err != nil {
 		return User{}, connect.NewError(connect.CodeInvalidArgument, err)
+	}
+	if s.cfg.AgentUID != 0 && (u.UID == s.cfg.AgentUID || u.GID == s.cfg.AgentUID) {
+		// Nothing may run as the agent: its uid is what keeps the
+		// sandbox's processes away from it.
+		return User{}, connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("user %q is reserved for the agent", name))
 	}
 	return u, nil
 }

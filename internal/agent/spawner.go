@@ -3,6 +3,8 @@ package agent
 import (
 	"runtime"
 	"syscall"
+
+	"golang.org/x/sys/unix"
 )
 
 // spawner forks every process the agent starts from one dedicated OS thread.
@@ -42,7 +44,14 @@ func newSpawner(setup func() error) (*spawner, error) {
 		}
 		ready <- nil
 		for r := range s.reqs {
+			dumpable, _ := unix.PrctlRetInt(unix.PR_GET_DUMPABLE, 0, 0, 0, 0)
 			pid, err := syscall.ForkExec(r.bin, r.argv, r.attr)
+			if dumpable == 1 {
+				// The child shares the agent's memory until it execs (vfork),
+				// and its setuid resets the dumpable flag of that memory:
+				// restore it, or /proc/1 would belong to sandbox root.
+				_ = unix.Prctl(unix.PR_SET_DUMPABLE, 1, 0, 0, 0)
+			}
 			r.reply <- spawnResult{pid, err}
 		}
 	}()

@@ -190,7 +190,7 @@ func (h *Host) Create(ctx context.Context, o Options) (*process.Sandbox, error) 
 	}
 	spec := process.Spec{
 		Template:  tmpl,
-		Limits:    cgroups.Limits{MemoryBytes: o.Memory, CPUs: o.CPUs, Pids: o.Pids},
+		Limits:    cgroups.Limits{MemoryBytes: o.Memory, CPUs: o.CPUs, Pids: o.Pids + process.AgentThreads},
 		DiskBytes: o.Disk,
 		ShmBytes:  o.Shm,
 		Token:     NewToken(),

@@ -11,6 +11,7 @@ import (
 	"path/filepath"
 	"sort"
 	"strings"
+	"syscall"
 	"time"
 )
 
@@ -22,16 +23,19 @@ import (
 // or renames a file), so a changed host gets a fresh copy while sandboxes
 // still running keep the one they started with.
 
-// Accounts of every sandbox: root, the default user (uid 1000) and nobody.
+// Accounts of every sandbox: root, the default user (uid 1000), the agent's
+// own account, and nobody.
 const (
-	UserName = "user"
-	UserUID  = 1000
+	UserName  = "user"
+	UserUID   = 1000
+	AgentName = "cage-agent"
+	AgentUID  = 65533
 )
 
 var generatedEtc = map[string]string{
-	"passwd": fmt.Sprintf("root:x:0:0:root:/root:/bin/bash\n%s:x:%d:%d:%s:/home/%s:/bin/bash\nnobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n",
-		UserName, UserUID, UserUID, UserName, UserName),
-	"group":       fmt.Sprintf("root:x:0:\ntty:x:5:\n%s:x:%d:\nnogroup:x:65534:\n", UserName, UserUID),
+	"passwd": fmt.Sprintf("root:x:0:0:root:/root:/bin/bash\n%s:x:%d:%d:%s:/home/%s:/bin/bash\n%s:x:%d:%d::/nonexistent:/usr/sbin/nologin\nnobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n",
+		UserName, UserUID, UserUID, UserName, UserName, AgentName, AgentUID, AgentUID),
+	"group":       fmt.Sprintf("root:x:0:\ntty:x:5:\n%s:x:%d:\n%s:x:%d:\nnogroup:x:65534:\n", UserName, UserUID, AgentName, AgentUID),
 	"shadow":      "",
 	"resolv.conf": "# cage: this sandbox has no network\n",
 }
@@ -44,38 +48,67 @@ var etcLinks = map[string]string{
 }
 
 // etcCache returns the cache directory for the current state of the host's
-// /etc entries, building it if needed.
+// /etc entries, building it if needed. Each copy is a read-only tmpfs of its
+// own, so that a sandbox's mountinfo shows "/" as the root of its /etc, not
+// a path of the host.
 func etcCache(cacheDir, srcRoot string, entries []string) (string, error) {
 	sum, err := fingerprint(srcRoot, entries)
 	if err != nil {
 		return "", err
 	}
 	dst := filepath.Join(cacheDir, "etc-"+sum)
-	if _, err := os.Stat(filepath.Join(dst, ".complete")); err == nil {
+	if ready(dst) {
 		return dst, nil
 	}
 	if err := os.MkdirAll(cacheDir, 0o755); err != nil {
 		return "", err
 	}
-	tmp, err := os.MkdirTemp(cacheDir, ".building-")
+	// One builder at a time, across cage processes.
+	lock, err := os.OpenFile(filepath.Join(cacheDir, ".lock"), os.O_CREATE|os.O_RDWR|syscall.O_CLOEXEC, 0o600)
 	if err != nil {
 		return "", err
 	}
-	defer os.RemoveAll(tmp)
-	if err := os.Chmod(tmp, 0o755); err != nil {
+	defer lock.Close()
+	if err := syscall.Flock(int(lock.Fd()), syscall.LOCK_EX); err != nil {
 		return "", err
 	}
-	if err := fillEtc(tmp, srcRoot, entries); err != nil {
+	if ready(dst) {
+		return dst, nil
+	}
+	if err := buildEtc(dst, srcRoot, entries); err != nil {
+		_ = syscall.Unmount(dst, syscall.MNT_DETACH)
+		_ = os.Remove(dst)
 		return "", fmt.Errorf("template /etc: %w", err)
 	}
-	if err := os.Rename(tmp, dst); err != nil {
-		// Another cage process built the same copy meanwhile.
-		if _, serr := os.Stat(filepath.Join(dst, ".complete")); serr == nil {
-			return dst, nil
-		}
-		return "", err
-	}
 	return dst, nil
+}
+
+// ready reports whether dst is a finished copy on its own mount.
+func ready(dst string) bool {
+	var st, parent syscall.Stat_t
+	if syscall.Stat(filepath.Join(dst, ".complete"), &st) != nil || syscall.Stat(filepath.Dir(dst), &parent) != nil {
+		return false
+	}
+	return st.Dev != parent.Dev
+}
+
+func buildEtc(dst, srcRoot string, entries []string) error {
+	// Whatever is there is unfinished: a half-built copy of a builder that
+	// crashed, or a plain directory left by an older cage.
+	_ = syscall.Unmount(dst, syscall.MNT_DETACH)
+	if err := os.RemoveAll(dst); err != nil {
+		return err
+	}
+	if err := os.Mkdir(dst, 0o755); err != nil {
+		return err
+	}
+	if err := syscall.Mount("tmpfs", dst, "tmpfs", syscall.MS_NOSUID|syscall.MS_NODEV, "size=64m,mode=755"); err != nil {
+		return err
+	}
+	if err := fillEtc(dst, srcRoot, entries); err != nil {
+		return err
+	}
+	return syscall.Mount("", dst, "", syscall.MS_REMOUNT|syscall.MS_RDONLY|syscall.MS_NOSUID|syscall.MS_NODEV, "")
 }
 
 func fillEtc(dir, srcRoot string, entries []string) error {
@@ -214,7 +247,13 @@ func PruneCaches(cacheDir string) {
 			continue
 		}
 		if fi, err := e.Info(); err == nil && time.Since(fi.ModTime()) > time.Minute {
-			_ = os.RemoveAll(filepath.Join(dir, e.Name()))
+			RemoveCache(filepath.Join(dir, e.Name()))
 		}
 	}
+}
+
+// RemoveCache unmounts and removes one cached copy.
+func RemoveCache(path string) {
+	_ = syscall.Unmount(path, syscall.MNT_DETACH)
+	_ = os.Remove(path)
 }

@@ -116,6 +116,19 @@ func RunDir(t testing.TB) string {
 		t.Fatal(err)
 	}
 	_ = os.Chmod(dir, 0o711)
-	t.Cleanup(func() { os.RemoveAll(dir) })
+	t.Cleanup(func() { RemoveRunDir(dir) })
 	return dir
+}
+
+// RemoveRunDir unmounts what cage mounted under dir (template caches) and
+// removes it.
+func RemoveRunDir(dir string) {
+	data, _ := os.ReadFile("/proc/self/mountinfo")
+	for _, line := range strings.Split(string(data), "\n") {
+		f := strings.Fields(line)
+		if len(f) > 4 && strings.HasPrefix(f[4], dir+"/") {
+			_ = unix.Unmount(f[4], unix.MNT_DETACH)
+		}
+	}
+	os.RemoveAll(dir)
 }

@@ -275,7 +275,7 @@ func takeLeakSnapshot(runDir string) *leakSnapshot {
 		s.ns[typ] = map[string][]int{}
 	}
 	s.sandboxes = leakDirNames(filepath.Join(runDir, "sandboxes"))
-	s.ids = leakDirNames(filepath.Join(runDir, "ids"))
+	s.ids = leakDirNames(process.IDLockDir)
 	for _, pattern := range []string{"/sys/fs/cgroup/*/cage/*", "/sys/fs/cgroup/cage/*"} {
 		paths, _ := filepath.Glob(pattern)
 		for _, p := range paths {

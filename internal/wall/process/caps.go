@@ -67,9 +67,23 @@ func spawnThreadSetup() error {
 	return nil
 }
 
-// dropPrivileges leaves every thread of the agent with only agentCaps,
-// makes it non-dumpable and sets no_new_privs.
+// dropPrivileges moves the agent to its own uid and gid (not root: root
+// inside the sandbox holds no capabilities, and so can neither signal the
+// agent nor touch its /proc files, which belong to the agent's uid), leaves
+// every thread with only agentCaps, and sets no_new_privs.
 func dropPrivileges() error {
+	if err := allThreads(unix.SYS_PRCTL, unix.PR_SET_KEEPCAPS, 1, 0); err != nil {
+		return fmt.Errorf("keep capabilities across setuid: %w", err)
+	}
+	if err := allThreads(unix.SYS_SETGROUPS, 0, 0, 0); err != nil {
+		return fmt.Errorf("setgroups: %w", err)
+	}
+	if err := allThreads(unix.SYS_SETRESGID, agentUID, agentUID, agentUID); err != nil {
+		return fmt.Errorf("setresgid: %w", err)
+	}
+	if err := allThreads(unix.SYS_SETRESUID, agentUID, agentUID, agentUID); err != nil {
+		return fmt.Errorf("setresuid: %w", err)
+	}
 	hdr := unix.CapUserHeader{Version: unix.LINUX_CAPABILITY_VERSION_3}
 	var data [2]unix.CapUserData
 	for _, c := range agentCaps {
@@ -79,10 +93,14 @@ func dropPrivileges() error {
 	if err := allThreads(unix.SYS_CAPSET, uintptr(unsafe.Pointer(&hdr)), uintptr(unsafe.Pointer(&data[0])), 0); err != nil {
 		return fmt.Errorf("capset: %w", err)
 	}
-	// Not dumpable: /proc/1/{mem,environ,fd,root} stay closed to every
-	// process of the sandbox, root included (it holds no CAP_SYS_PTRACE).
-	if err := unix.Prctl(unix.PR_SET_DUMPABLE, 0, 0, 0, 0); err != nil {
-		return fmt.Errorf("set non-dumpable: %w", err)
+	if err := allThreads(unix.SYS_PRCTL, unix.PR_SET_KEEPCAPS, 0, 0); err != nil {
+		return fmt.Errorf("keepcaps off: %w", err)
+	}
+	// Dumpable, so that /proc/1 belongs to the agent's uid rather than to
+	// sandbox root; nothing else runs as that uid, so /proc/1/{mem,environ,
+	// fd,oom_score_adj} stay closed to every process of the sandbox.
+	if err := unix.Prctl(unix.PR_SET_DUMPABLE, 1, 0, 0, 0); err != nil {
+		return fmt.Errorf("set dumpable: %w", err)
 	}
 	if err := allThreads(unix.SYS_PRCTL, unix.PR_SET_NO_NEW_PRIVS, 1, 0); err != nil {
 		return fmt.Errorf("no_new_privs: %w", err)

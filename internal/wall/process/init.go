@@ -16,8 +16,9 @@ import (
 
 // Child is the sandbox's side of the wall, set up by Init.
 type Child struct {
-	Listener net.Listener
-	Config   agent.Config // the agent's configuration, SpawnThreadSetup included
+	Listener      net.Listener
+	Config        agent.Config // the agent's configuration, SpawnThreadSetup included
+	dieWithParent bool
 }
 
 // Init is the child side of the wall, run by cage-agent as the sandbox's
@@ -60,13 +61,15 @@ func Init() (*Child, error) {
 	if err != nil {
 		return nil, fmt.Errorf("agent listener: %w", err)
 	}
-	return &Child{Listener: l, Config: agent.Config{
+	return &Child{Listener: l, dieWithParent: spec.DieWithParent, Config: agent.Config{
 		Token:            spec.Token,
 		DefaultUser:      spec.UserName,
 		Env:              spec.Env,
 		MaxOutput:        spec.MaxOutput,
 		Limits:           limits,
 		SpawnThreadSetup: spawnThreadSetup,
+		AgentUID:         agentUID,
+		Threads:          AgentThreads,
 	}}, nil
 }
 
@@ -77,6 +80,12 @@ func (c *Child) Seal() error {
 	if err := dropPrivileges(); err != nil {
 		return fmt.Errorf("privileges: %w", err)
 	}
+	if c.dieWithParent {
+		// Changing uid cleared the parent-death signal; arm it again.
+		if err := allThreads(unix.SYS_PRCTL, unix.PR_SET_PDEATHSIG, uintptr(unix.SIGKILL), 0); err != nil {
+			return fmt.Errorf("parent-death signal: %w", err)
+		}
+	}
 	trace("landlock")
 	if _, err := applyLandlock(); err != nil {
 		return fmt.Errorf("landlock: %w", err)
@@ -85,7 +94,10 @@ func (c *Child) Seal() error {
 	if err := seccomp.Install(); err != nil {
 		return fmt.Errorf("seccomp: %w", err)
 	}
-	trace("sealed")
+	if tracing {
+		d, _ := unix.PrctlRetInt(unix.PR_GET_DUMPABLE, 0, 0, 0, 0)
+		trace(fmt.Sprintf("sealed (dumpable=%d)", d))
+	}
 	return nil
 }
 

@@ -11,6 +11,7 @@ import (
 // Child side: Landlock, where the kernel has it, as a second lock behind the
 // read-only mounts: the sandbox may write only its own storage, /dev's
 // harmless nodes and its own /proc entries, and read or execute the rest.
+// (/root is writable for root inside; it lives on the sandbox disk.)
 
 // Filesystem rights by ABI version.
 const (
@@ -76,6 +77,7 @@ func applyLandlock() (int, error) {
 		{"/tmp", writable},
 		{"/var/tmp", writable},
 		{"/home", writable},
+		{"/root", writable},
 		{"/dev", devRW},
 		{"/dev/shm", writable},
 		{"/proc", (llRead | unix.LANDLOCK_ACCESS_FS_WRITE_FILE | llTruncate) & handled},

@@ -53,12 +53,11 @@ func buildRoot(spec *initSpec) error {
 		return err
 	}
 	trace("root: done")
-	for _, d := range []string{"run", "mnt", "opt", "srv", "root", "var"} {
+	for _, d := range []string{"run", "mnt", "opt", "srv", "var"} {
 		if err := os.MkdirAll(filepath.Join(root, d), 0o755); err != nil {
 			return err
 		}
 	}
-	_ = os.Chmod(filepath.Join(root, "root"), 0o700)
 	return nil
 }
 
@@ -118,8 +117,8 @@ func setAttr(path string, attrs uint64) error {
 }
 
 // mountDisk makes the sandbox's writable storage: one size- and inode-limited
-// tmpfs whose directories appear as /tmp, /var/tmp and /home, so that the
-// limit covers them together.
+// tmpfs whose directories appear as /tmp, /var/tmp, /home and /root, so that
+// the limit covers them together.
 func mountDisk(root string, spec *initSpec) error {
 	stage := filepath.Join(root, ".disk")
 	if err := os.Mkdir(stage, 0o700); err != nil {
@@ -133,7 +132,8 @@ func mountDisk(root string, spec *initSpec) error {
 	dirs := []struct {
 		path string
 		mode os.FileMode
-	}{{filepath.Join(stage, "tmp"), os.ModeSticky | 0o777}, {filepath.Join(stage, "vartmp"), os.ModeSticky | 0o777}, {filepath.Join(stage, "home"), 0o755}, {home, 0o750}}
+	}{{filepath.Join(stage, "tmp"), os.ModeSticky | 0o777}, {filepath.Join(stage, "vartmp"), os.ModeSticky | 0o777},
+		{filepath.Join(stage, "home"), 0o755}, {home, 0o750}, {filepath.Join(stage, "root"), 0o700}}
 	for _, d := range dirs {
 		if err := os.Mkdir(d.path, d.mode); err != nil {
 			return err
@@ -145,7 +145,7 @@ func mountDisk(root string, spec *initSpec) error {
 	if err := os.Chown(home, spec.UserUID, spec.UserGID); err != nil {
 		return err
 	}
-	for src, dst := range map[string]string{"tmp": "tmp", "vartmp": "var/tmp", "home": "home"} {
+	for src, dst := range map[string]string{"tmp": "tmp", "vartmp": "var/tmp", "home": "home", "root": "root"} {
 		target := filepath.Join(root, dst)
 		if err := os.MkdirAll(target, 0o755); err != nil {
 			return err

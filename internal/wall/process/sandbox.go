@@ -56,10 +56,11 @@ type Sandbox struct {
 	ids   *idSlot
 	log   *slog.Logger
 
-	owner   *os.File // flock'ed while this process owns the sandbox (see GC)
-	root    string   // host directory the sandbox's root is mounted on
-	specW   *os.File // the agent waits for its spec on the other end
-	started bool
+	owner         *os.File // flock'ed while this process owns the sandbox (see GC)
+	root          string   // host directory the sandbox's root is mounted on
+	specW         *os.File // the agent waits for its spec on the other end
+	started       bool
+	dieWithParent bool
 
 	exited  chan struct{} // closed when the agent has been reaped
 	waitErr error
@@ -159,7 +160,7 @@ func (sb *Sandbox) Start(s Spec) error {
 		Mounts: s.Template.Mounts, DiskBytes: s.DiskBytes, DiskInodes: inodesFor(s.DiskBytes),
 		ShmBytes: s.ShmBytes, UserName: userName, UserUID: userUID, UserGID: userUID,
 		OOMEvents: sb.cg.OOMEventsFile(), PidsEvents: sb.cg.PidsEventsFile(),
-		Token: s.Token, Env: s.Env, MaxOutput: s.MaxOutput, Debug: tracing,
+		Token: s.Token, Env: s.Env, MaxOutput: s.MaxOutput, Debug: tracing, DieWithParent: sb.dieWithParent,
 	}
 	data, err := json.Marshal(spec)
 	if err != nil {
@@ -233,6 +234,7 @@ func (sb *Sandbox) fork(cfg Config, listener *os.File) error {
 			Setsid:                     true,
 		},
 	}
+	sb.dieWithParent = cfg.DieWithParent
 	if cfg.DieWithParent {
 		// The parent-death signal follows the thread that forked, so fork
 		// from a thread that lives as long as the process.

@@ -48,6 +48,9 @@ type initSpec struct {
 	Env       map[string]string `json:"env"`
 	MaxOutput int64             `json:"max_output"`
 	Debug     bool              `json:"debug"`
+	// DieWithParent re-arms the parent-death signal after the agent changes
+	// its uid (which clears it).
+	DieWithParent bool `json:"die_with_parent"`
 }
 
 // Descriptors the child inherits.
@@ -56,8 +59,14 @@ const (
 	fdListener = 4 // the agent's listening socket
 )
 
+// AgentThreads is how many threads the agent holds (it takes them before it
+// serves); the pids limit is raised by as much, so that the workload's
+// budget is what was asked.
+const AgentThreads = 24
+
 // The sandbox's own user, as the template's accounts define it.
 const (
 	userName = template.UserName
 	userUID  = template.UserUID
+	agentUID = template.AgentUID
 )

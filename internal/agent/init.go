@@ -1,0 +1,75 @@
+package agent
+
+import (
+	"os"
+	"os/signal"
+	"runtime"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+)
+
+// Duties of the agent when it is PID 1 of a sandbox, beyond reaping.
+
+// absorbSignals keeps PID 1 alive whatever is sent to it. The kernel drops
+// signals without a handler sent to a namespace's init, but the Go runtime
+// installs handlers for most, and its default on SIGTERM, SIGINT, SIGHUP,
+// SIGSEGV and friends is to exit. Handled (rather than ignored) signals are
+// reset to their defaults in the commands the agent starts.
+func absorbSignals() {
+	ch := make(chan os.Signal, 32)
+	var sigs []os.Signal
+	for i := 1; i <= 64; i++ {
+		switch s := syscall.Signal(i); s {
+		case syscall.SIGCHLD, syscall.SIGKILL, syscall.SIGSTOP:
+		default:
+			sigs = append(sigs, s)
+		}
+	}
+	signal.Notify(ch, sigs...)
+	go func() {
+		for range ch {
+		}
+	}()
+}
+
+// reserveThreads makes the Go runtime start OS threads now, until the agent
+// has total; the runtime keeps them idle for later. The sandbox's workload
+// shares the agent's pids cgroup: once it has used every pid the runtime
+// could not start a thread and would abort, so the agent takes what it needs
+// before serving. The host adds total to the pids limit, so the workload's
+// budget is what was asked. Each held goroutine pins a thread; a new one
+// takes an idle thread or makes the runtime start another.
+func reserveThreads(total int) {
+	release := make(chan struct{})
+	var done sync.WaitGroup
+	for i := 0; i < 4*total && threadCount() < total; i++ {
+		started := make(chan struct{})
+		done.Add(1)
+		go func() {
+			defer done.Done()
+			runtime.LockOSThread()
+			close(started)
+			<-release
+			runtime.UnlockOSThread()
+		}()
+		<-started
+	}
+	close(release)
+	done.Wait()
+}
+
+func threadCount() int {
+	b, err := os.ReadFile("/proc/self/status")
+	if err != nil {
+		return 0
+	}
+	for _, line := range strings.Split(string(b), "\n") {
+		if v, ok := strings.CutPrefix(line, "Threads:"); ok {
+			n, _ := strconv.Atoi(strings.TrimSpace(v))
+			return n
+		}
+	}
+	return 0
+}

@@ -1,0 +1,118 @@
+package conformance
+
+import (
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/cagehq/cage/internal/agentclient"
+	"github.com/cagehq/cage/internal/sandbox"
+)
+
+// Limits: each cgroup limit stops a workload that exceeds it, the end event
+// says which limit did, and the sandbox keeps working afterwards.
+
+// pyRun runs a python program (with pyPrelude) in b.
+func (b *box) pyRun(code string, mods ...func(*agentclient.RunOptions)) result {
+	argv := py(code)
+	return b.run(append([]func(*agentclient.RunOptions){func(o *agentclient.RunOptions) {
+		o.Cmd, o.Args = argv[0], argv[1:]
+	}}, mods...)...)
+}
+
+func TestOOMReason(t *testing.T) {
+	forEachWall(t, func(t *testing.T, w wall) {
+		b := w.newBox(t, sandbox.Options{Memory: 64 << 20})
+		r := b.pyRun(`b = bytearray(200 * 1024 * 1024); print("ALLOCATED")`, withTimeout(30*time.Second))
+		if r.err != nil {
+			t.Fatalf("the stream broke (is the agent dead?): %v", r.err)
+		}
+		if r.end.GetReason() != "oom" || r.code() == 0 || r.end.GetExited() || strings.Contains(r.stdout, "ALLOCATED") {
+			t.Errorf(`200MB with memory=64MiB: want reason "oom", killed, got %+v stdout=%q`, r.end, r.stdout)
+		}
+		if r.end.GetError() == "" {
+			t.Errorf("the end event of an OOM kill carries no error message")
+		}
+		if out := b.mustSh("echo after-oom"); out != "after-oom\n" {
+			t.Errorf("follow-up: %q", out)
+		}
+		// A process that stays under the limit is not affected.
+		r = b.pyRun(`b = bytearray(16 * 1024 * 1024); print("ok", len(b))`)
+		if r.err != nil || r.code() != 0 || r.end.GetReason() != "exited" {
+			t.Errorf("16MB under a 64MiB limit: %+v %v", r.end, r.err)
+		}
+	})
+}
+
+func TestPidsLimit(t *testing.T) {
+	forEachWall(t, func(t *testing.T, w wall) {
+		b := w.newBox(t, sandbox.Options{Pids: 32})
+		// Fork sleepers until fork fails, then clean up and exit 1.
+		r := b.pyRun(`
+import signal, time
+kids = []
+failed = None
+for i in range(100):
+    try:
+        pid = os.fork()
+    except BlockingIOError as e:
+        failed = e
+        break
+    if pid == 0:
+        time.sleep(30)
+        os._exit(0)
+    kids.append(pid)
+print("forked", len(kids), "then", failed)
+for pid in kids:
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+sys.exit(1 if failed else 0)
+`, withTimeout(30*time.Second))
+		if r.err != nil {
+			t.Fatalf("the stream broke (is the agent dead?): %v", r.err)
+		}
+		if r.code() != 1 || r.end.GetReason() != "pids_limit" || !strings.Contains(r.stdout, "then [Errno 11]") {
+			t.Errorf(`forking 100 with pids=32: want exit 1, reason "pids_limit", got %+v stdout=%q stderr=%q`, r.end, r.stdout, clip(r.stderr))
+		}
+		if f := strings.Fields(r.stdout); len(f) > 1 {
+			if n, _ := strconv.Atoi(f[1]); n >= 32 || n == 0 {
+				t.Errorf("forked %d processes under pids=32", n)
+			}
+		}
+		// Once the processes are gone the sandbox runs commands again, and
+		// a command that does not hit the limit ends as "exited".
+		r = b.sh("echo after; exit 3")
+		if r.err != nil || r.stdout != "after\n" || r.code() != 3 || r.end.GetReason() != "exited" {
+			t.Errorf("after the limit: %+v %v %q", r.end, r.err, r.stdout)
+		}
+	})
+}
+
+func TestCPULimit(t *testing.T) {
+	forEachWall(t, func(t *testing.T, w wall) {
+		b := w.newBox(t, sandbox.Options{CPUs: 0.2})
+		// Busy-loop for 1s of wall time and report the CPU time it got.
+		const spin = `
+import time
+t0 = time.monotonic(); c0 = os.times()
+while time.monotonic() - t0 < 1.0:
+    pass
+c1 = os.times()
+print("%.3f" % ((c1.user - c0.user) + (c1.system - c0.system)))
+`
+		r := b.pyRun(spin, withTimeout(30*time.Second))
+		if r.err != nil || r.code() != 0 {
+			t.Fatalf("spin: %v %+v %q", r.err, r.end, r.stderr)
+		}
+		cpu, err := strconv.ParseFloat(strings.TrimSpace(r.stdout), 64)
+		if err != nil {
+			t.Fatalf("spin output %q", r.stdout)
+		}
+		t.Logf("with cpus=0.2 a 1s busy loop got %.3fs of CPU", cpu)
+		// 0.2 CPUs over 1s is about 0.2s; the bound is loose for noisy CI.
+		if cpu > 0.5 {
+			t.Errorf("with cpus=0.2 a 1s busy loop got %.3fs of CPU, want at most ~0.5s", cpu)
+		}
+	})
+}
