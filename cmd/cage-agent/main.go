@@ -26,8 +26,18 @@ func main() {
 	}
 	cfg := child.Config
 	cfg.Log = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
-	srv, err := agent.New(cfg)
-	if err != nil {
+	// The agent is built while the root is: neither needs the other.
+	var srv *agent.Server
+	built := make(chan error, 1)
+	go func() {
+		var err error
+		srv, err = agent.New(cfg)
+		built <- err
+	}()
+	if err := child.Build(); err != nil {
+		fail("sandbox setup", err)
+	}
+	if err := <-built; err != nil {
 		fail("sandbox setup", err)
 	}
 	if err := child.Seal(); err != nil {

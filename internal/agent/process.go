@@ -42,9 +42,6 @@ func newProcessService(s *Server) (*processService, error) {
 	ps := &processService{s: s, table: map[int]*proc{}, init: os.Getpid() == 1, spawner: sp}
 	if ps.init {
 		absorbSignals()
-		if s.cfg.Threads > 0 {
-			reserveThreads(s.cfg.Threads)
-		}
 		go ps.reapLoop()
 	}
 	return ps, nil

@@ -82,8 +82,9 @@ type Server struct {
 	files *filesystemService
 	mux   *http.ServeMux
 
-	mu  sync.Mutex
-	srv *http.Server
+	mu       sync.Mutex
+	srv      *http.Server
+	openGate sync.Once
 }
 
 // New builds the agent's server.
@@ -108,9 +109,11 @@ func New(cfg Config) (*Server, error) {
 	}
 	s := &Server{cfg: cfg, log: cfg.Log}
 	var err error
+	trace("agent: new")
 	if s.procs, err = newProcessService(s); err != nil {
 		return nil, err
 	}
+	trace("agent: process service")
 	s.files = newFilesystemService(s)
 
 	mux := http.NewServeMux()
@@ -126,6 +129,10 @@ func New(cfg Config) (*Server, error) {
 	mux.HandleFunc("GET /files", s.files.serveDownload)
 	mux.HandleFunc("POST /files", s.files.serveUpload)
 	s.mux = mux
+	trace("agent: handlers")
+	if cfg.Threads <= 0 || !s.procs.init {
+		s.openGate.Do(func() { close(s.procs.spawner.gate) })
+	}
 	return s, nil
 }
 
@@ -134,7 +141,18 @@ func (s *Server) Handler() http.Handler { return s.mux }
 
 // Serve accepts connections on l until Shutdown. It speaks HTTP/1.1 and
 // HTTP/2 without TLS (client-streaming RPCs need HTTP/2).
+//
+// Serve first opens the spawner's gate: at once, or, when Config.Threads is
+// set, once the agent holds its threads (taken after the caller has sealed
+// the process, so that sealing, which touches every thread, has few to
+// touch). Requests are accepted meanwhile; forks wait.
 func (s *Server) Serve(l net.Listener) error {
+	s.openGate.Do(func() {
+		go func() {
+			reserveThreads(s.cfg.Threads)
+			close(s.procs.spawner.gate)
+		}()
+	})
 	var p http.Protocols
 	p.SetHTTP1(true)
 	p.SetUnencryptedHTTP2(true)

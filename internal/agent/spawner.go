@@ -14,6 +14,7 @@ import (
 // and sets securebits here, see Config.SpawnThreadSetup).
 type spawner struct {
 	reqs chan spawnReq
+	gate chan struct{} // closed when the first fork may happen
 }
 
 type spawnReq struct {
@@ -30,7 +31,7 @@ type spawnResult struct {
 
 // newSpawner starts the spawning thread and runs setup on it first.
 func newSpawner(setup func() error) (*spawner, error) {
-	s := &spawner{reqs: make(chan spawnReq)}
+	s := &spawner{reqs: make(chan spawnReq), gate: make(chan struct{})}
 	ready := make(chan error, 1)
 	go func() {
 		// Never unlocked: the thread carries the setup's state for good,
@@ -43,6 +44,7 @@ func newSpawner(setup func() error) (*spawner, error) {
 			}
 		}
 		ready <- nil
+		<-s.gate
 		for r := range s.reqs {
 			dumpable, _ := unix.PrctlRetInt(unix.PR_GET_DUMPABLE, 0, 0, 0, 0)
 			pid, err := syscall.ForkExec(r.bin, r.argv, r.attr)

@@ -75,9 +75,8 @@ func dropPrivileges() error {
 	if err := allThreads(unix.SYS_PRCTL, unix.PR_SET_KEEPCAPS, 1, 0); err != nil {
 		return fmt.Errorf("keep capabilities across setuid: %w", err)
 	}
-	if err := allThreads(unix.SYS_SETGROUPS, 0, 0, 0); err != nil {
-		return fmt.Errorf("setgroups: %w", err)
-	}
+	// Supplementary groups are already empty: the host forked the agent
+	// with Credential{0, 0}, which clears them.
 	if err := allThreads(unix.SYS_SETRESGID, agentUID, agentUID, agentUID); err != nil {
 		return fmt.Errorf("setresgid: %w", err)
 	}
@@ -93,16 +92,14 @@ func dropPrivileges() error {
 	if err := allThreads(unix.SYS_CAPSET, uintptr(unsafe.Pointer(&hdr)), uintptr(unsafe.Pointer(&data[0])), 0); err != nil {
 		return fmt.Errorf("capset: %w", err)
 	}
-	if err := allThreads(unix.SYS_PRCTL, unix.PR_SET_KEEPCAPS, 0, 0); err != nil {
-		return fmt.Errorf("keepcaps off: %w", err)
-	}
 	// Dumpable, so that /proc/1 belongs to the agent's uid rather than to
 	// sandbox root; nothing else runs as that uid, so /proc/1/{mem,environ,
 	// fd,oom_score_adj} stay closed to every process of the sandbox.
 	if err := unix.Prctl(unix.PR_SET_DUMPABLE, 1, 0, 0, 0); err != nil {
 		return fmt.Errorf("set dumpable: %w", err)
 	}
-	if err := allThreads(unix.SYS_PRCTL, unix.PR_SET_NO_NEW_PRIVS, 1, 0); err != nil {
+	// no_new_privs: this thread now; seccomp's TSYNC gives it to the rest.
+	if err := unix.Prctl(unix.PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0); err != nil {
 		return fmt.Errorf("no_new_privs: %w", err)
 	}
 	return nil

@@ -16,20 +16,24 @@ import (
 
 // Child is the sandbox's side of the wall, set up by Init.
 type Child struct {
-	Listener      net.Listener
-	Config        agent.Config // the agent's configuration, SpawnThreadSetup included
-	dieWithParent bool
+	Listener net.Listener
+	Config   agent.Config // the agent's configuration, SpawnThreadSetup included
+	spec     *initSpec
 }
 
 // Init is the child side of the wall, run by cage-agent as the sandbox's
-// PID 1 before it serves: it builds the root and enters it. The caller then
-// builds the agent (whose spawning thread runs Config.SpawnThreadSetup) and
-// calls Seal before serving. After an error the caller must exit.
+// PID 1: it waits for the spec and takes what must be taken while the host's
+// paths are reachable. The caller then calls Build (which builds the root
+// and enters it) and, at the same time, builds the agent (whose spawning
+// thread runs Config.SpawnThreadSetup); then Seal, then serve. After an
+// error the caller must exit.
 func Init() (*Child, error) {
 	spec, err := readSpec()
 	if err != nil {
 		return nil, err
 	}
+	tracing = spec.Debug
+	trace("spec read")
 	// The host put this process in the sandbox's cgroups before sending the
 	// spec; a new cgroup namespace now roots /proc/self/cgroup there.
 	if err := allThreads(unix.SYS_UNSHARE, unix.CLONE_NEWCGROUP, 0, 0); err != nil {
@@ -40,28 +44,11 @@ func Init() (*Child, error) {
 	if err != nil {
 		return nil, err
 	}
-	steps := []struct {
-		name string
-		run  func() error
-	}{
-		{"root filesystem", func() error { return buildRoot(spec) }},
-		{"pivot_root", func() error { return pivot(spec.Root) }},
-		{"hostname", func() error { return unix.Sethostname([]byte(spec.Hostname)) }},
-		{"loopback", loopbackUp},
-	}
-	tracing = spec.Debug
-	trace("spec read")
-	for _, s := range steps {
-		trace(s.name)
-		if err := s.run(); err != nil {
-			return nil, fmt.Errorf("%s: %w", s.name, err)
-		}
-	}
 	l, err := net.FileListener(os.NewFile(fdListener, "agent.sock"))
 	if err != nil {
 		return nil, fmt.Errorf("agent listener: %w", err)
 	}
-	return &Child{Listener: l, dieWithParent: spec.DieWithParent, Config: agent.Config{
+	return &Child{Listener: l, spec: spec, Config: agent.Config{
 		Token:            spec.Token,
 		DefaultUser:      spec.UserName,
 		Env:              spec.Env,
@@ -73,22 +60,47 @@ func Init() (*Child, error) {
 	}}, nil
 }
 
-// Seal takes every privilege the agent does not need, for good: capabilities
-// down to agentCaps, no_new_privs, Landlock, then the seccomp filter.
+// Build assembles the sandbox's root, enters it, names the host and brings
+// the loopback up.
+func (c *Child) Build() error {
+	spec := c.spec
+	steps := []struct {
+		name string
+		run  func() error
+	}{
+		{"root filesystem", func() error { return buildRoot(spec) }},
+		{"pivot_root", func() error { return pivot(spec.Root) }},
+		{"hostname", func() error { return unix.Sethostname([]byte(spec.Hostname)) }},
+		{"loopback", loopbackUp},
+	}
+	for _, s := range steps {
+		trace(s.name)
+		if err := s.run(); err != nil {
+			return fmt.Errorf("%s: %w", s.name, err)
+		}
+	}
+	return nil
+}
+
+// Seal takes every privilege the agent does not need, for good: Landlock,
+// its own uid with capabilities down to agentCaps, no_new_privs, then the
+// seccomp filter (whose TSYNC also spreads no_new_privs to every thread).
 func (c *Child) Seal() error {
+	// Landlock first, while every thread still holds CAP_SYS_ADMIN (it
+	// needs that or no_new_privs on each thread it restricts).
+	trace("landlock")
+	if _, err := applyLandlock(); err != nil {
+		return fmt.Errorf("landlock: %w", err)
+	}
 	trace("privileges")
 	if err := dropPrivileges(); err != nil {
 		return fmt.Errorf("privileges: %w", err)
 	}
-	if c.dieWithParent {
+	if c.spec.DieWithParent {
 		// Changing uid cleared the parent-death signal; arm it again.
 		if err := allThreads(unix.SYS_PRCTL, unix.PR_SET_PDEATHSIG, uintptr(unix.SIGKILL), 0); err != nil {
 			return fmt.Errorf("parent-death signal: %w", err)
 		}
-	}
-	trace("landlock")
-	if _, err := applyLandlock(); err != nil {
-		return fmt.Errorf("landlock: %w", err)
 	}
 	trace("seccomp")
 	if err := seccomp.Install(); err != nil {
