@@ -40,9 +40,18 @@ var (
 	hostOnce sync.Once
 	host     *sandbox.Host
 	hostErr  error
+	hostDir  string
 )
 
-func processHost(t *testing.T) *sandbox.Host {
+func TestMain(m *testing.M) {
+	code := m.Run()
+	if hostDir != "" {
+		testutil.RemoveRunDir(hostDir)
+	}
+	os.Exit(code)
+}
+
+func processHost(t testing.TB) *sandbox.Host {
 	testutil.RequireRoot(t)
 	testutil.RequireKernelFeature(t, testutil.UserNamespaces)
 	testutil.RequireKernelFeature(t, testutil.MountAPI)
@@ -54,6 +63,7 @@ func processHost(t *testing.T) *sandbox.Host {
 			hostErr = err
 			return
 		}
+		hostDir = dir
 		_ = os.Chmod(dir, 0o711)
 		host, hostErr = sandbox.NewHost(dir, filepath.Join(bin, "cage-agent"), slog.New(slog.DiscardHandler))
 	})
