@@ -62,7 +62,7 @@ const (
 // AgentThreads is how many threads the agent holds (it takes them before it
 // serves); the pids limit is raised by as much, so that the workload's
 // budget is what was asked.
-const AgentThreads = 16
+const AgentThreads = 12
 
 // The sandbox's own user, as the template's accounts define it.
 const (
