@@ -3,11 +3,17 @@
 package main
 
 import (
+	"math"
 	"os"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/cagehq/cage/internal/cli"
 )
 
 func main() {
+	// Descriptors inherited from the caller must never reach a sandbox:
+	// everything above stderr becomes close-on-exec before anything forks.
+	_ = unix.CloseRange(3, math.MaxUint32, unix.CLOSE_RANGE_CLOEXEC)
 	os.Exit(cli.Main(os.Args[1:], os.Stdout, os.Stderr))
 }

@@ -855,3 +855,37 @@ func TestTTYAlwaysWithPipedStdin(t *testing.T) {
 	}
 	e.noLeftovers(r.ids...)
 }
+
+// TestInheritedDescriptorsStayOutside: a descriptor cage inherits from its
+// caller (here an open file holding a secret, as fd 3) must not reach the
+// sandbox's agent or commands.
+func TestInheritedDescriptorsStayOutside(t *testing.T) {
+	e := setup(t)
+	secretFile := filepath.Join(t.TempDir(), "secret")
+	if err := os.WriteFile(secretFile, []byte("inherited-secret\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	f, err := os.Open(secretFile)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	cmd := e.command(ctx, "run", "--", "python3", "-c",
+		`import os; print(sorted(int(f) for f in os.listdir("/proc/self/fd")))
+for fd in range(3, 300):
+    try:
+        print(os.pread(fd, 100, 0))
+    except OSError:
+        pass`)
+	cmd.ExtraFiles = []*os.File{f}
+	out, err := cmd.CombinedOutput()
+	if err != nil {
+		t.Fatalf("cage: %v: %s", err, out)
+	}
+	if strings.Contains(string(out), "inherited-secret") || !strings.HasPrefix(string(out), "[0, 1, 2, 3]\n") {
+		t.Errorf("the command saw descriptors beyond its own stdio (3 is the listing's): %q", out)
+	}
+	e.noLeftovers()
+}

@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"math"
 	"net"
 	"os"
 
@@ -28,6 +29,15 @@ type Child struct {
 // thread runs Config.SpawnThreadSetup); then Seal, then serve. After an
 // error the caller must exit.
 func Init() (*Child, error) {
+	// Inherited descriptors must not reach the commands: the uid-range lock
+	// (one of them could release it) is kept, close-on-exec, for as long as
+	// the agent lives, so the range stays reserved even if the host's cage
+	// process dies and a new one adopts the sandbox.
+	unix.CloseOnExec(fdIDLock)
+	// Anything else inherited (cage makes its own inherited descriptors
+	// close-on-exec, but a caller may start the agent differently) must not
+	// reach the commands either.
+	_ = unix.CloseRange(fdIDLock+1, math.MaxUint32, unix.CLOSE_RANGE_CLOEXEC)
 	spec, err := readSpec()
 	if err != nil {
 		return nil, err
@@ -44,7 +54,9 @@ func Init() (*Child, error) {
 	if err != nil {
 		return nil, err
 	}
-	l, err := net.FileListener(os.NewFile(fdListener, "agent.sock"))
+	lf := os.NewFile(fdListener, "agent.sock")
+	l, err := net.FileListener(lf) // a close-on-exec duplicate
+	lf.Close()
 	if err != nil {
 		return nil, fmt.Errorf("agent listener: %w", err)
 	}

@@ -223,7 +223,7 @@ func (sb *Sandbox) fork(cfg Config, listener *os.File) error {
 	attr := &syscall.ProcAttr{
 		Dir:   "/",
 		Env:   []string{"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "CAGE_TRACE=" + os.Getenv("CAGE_TRACE")},
-		Files: []uintptr{devnull.Fd(), errW.Fd(), errW.Fd(), specR.Fd(), listener.Fd()},
+		Files: []uintptr{devnull.Fd(), errW.Fd(), errW.Fd(), specR.Fd(), listener.Fd(), sb.ids.lock.Fd()},
 		Sys: &syscall.SysProcAttr{
 			Cloneflags: syscall.CLONE_NEWUSER | syscall.CLONE_NEWPID | syscall.CLONE_NEWNS |
 				syscall.CLONE_NEWIPC | syscall.CLONE_NEWUTS | syscall.CLONE_NEWNET,

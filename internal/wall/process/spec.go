@@ -57,6 +57,7 @@ type initSpec struct {
 const (
 	fdSpec     = 3 // read end of the spec pipe
 	fdListener = 4 // the agent's listening socket
+	fdIDLock   = 5 // the sandbox's uid-range lock, held for as long as the agent lives
 )
 
 // AgentThreads is how many threads the agent holds (it takes them before it

@@ -1,0 +1,249 @@
+package store
+
+import (
+	"context"
+	"crypto/rand"
+	"crypto/sha256"
+	"crypto/subtle"
+	"database/sql"
+	"encoding/hex"
+	"fmt"
+	"strings"
+	"time"
+)
+
+// API keys look like E2B's: KeyPrefix followed by 40 lowercase hex
+// characters (160 random bits). Only their SHA-256 is stored: with that much
+// entropy a fast hash is enough, no slow KDF is needed.
+const (
+	KeyPrefix     = "e2b_"
+	keyHexLen     = 40
+	displayLen    = 8 // APIKey.Prefix length
+	lastUsedEvery = time.Minute
+)
+
+// APIKey describes a key; the key itself is shown once, by CreateKey.
+type APIKey struct {
+	ID        string // short public id, "key_" + 12 hex
+	Name      string
+	Prefix    string // first 8 characters of the key after "e2b_", for display
+	CreatedAt time.Time
+	RevokedAt *time.Time
+	LastUsed  *time.Time
+}
+
+const keyCols = "id, name, prefix, created_at, revoked_at, last_used"
+
+func scanKey(r scanner, extra ...any) (*APIKey, error) {
+	var (
+		k                 APIKey
+		created           int64
+		revoked, lastUsed sql.NullInt64
+	)
+	dest := append([]any{&k.ID, &k.Name, &k.Prefix, &created, &revoked, &lastUsed}, extra...)
+	if err := r.Scan(dest...); err != nil {
+		return nil, err
+	}
+	k.CreatedAt = fromNanos(created)
+	k.RevokedAt = fromNullNanos(revoked)
+	k.LastUsed = fromNullNanos(lastUsed)
+	return &k, nil
+}
+
+func hashKey(plaintext string) []byte {
+	h := sha256.Sum256([]byte(plaintext))
+	return h[:]
+}
+
+// wellFormed reports whether s is "e2b_" + 40 lowercase hex characters.
+func wellFormed(s string) bool {
+	body, ok := strings.CutPrefix(s, KeyPrefix)
+	if !ok || len(body) != keyHexLen {
+		return false
+	}
+	for i := 0; i < len(body); i++ {
+		c := body[i]
+		if (c < '0' || c > '9') && (c < 'a' || c > 'f') {
+			return false
+		}
+	}
+	return true
+}
+
+func randomHex(n int) (string, error) {
+	b := make([]byte, n)
+	if _, err := rand.Read(b); err != nil {
+		return "", err
+	}
+	return hex.EncodeToString(b), nil
+}
+
+// CreateKey makes a new API key named name and returns it in plaintext; this
+// is the only time the plaintext exists, the database keeps its hash.
+func (s *Store) CreateKey(name string) (plaintext string, key *APIKey, err error) {
+	for attempt := 0; attempt < 5; attempt++ {
+		body, err := randomHex(keyHexLen / 2)
+		if err != nil {
+			return "", nil, fmt.Errorf("store: create key: %w", err)
+		}
+		idHex, err := randomHex(6)
+		if err != nil {
+			return "", nil, fmt.Errorf("store: create key: %w", err)
+		}
+		plaintext = KeyPrefix + body
+		k := &APIKey{
+			ID:        "key_" + idHex,
+			Name:      name,
+			Prefix:    body[:displayLen],
+			CreatedAt: fromNanos(nanos(s.now())),
+		}
+		// An id or hash collision (48 resp. 160 random bits) inserts
+		// nothing; try again with fresh randomness.
+		res, err := s.db.ExecContext(context.Background(),
+			`INSERT INTO api_keys (id, name, prefix, hash, created_at) VALUES (?, ?, ?, ?, ?)
+			ON CONFLICT DO NOTHING`,
+			k.ID, k.Name, k.Prefix, hashKey(plaintext), nanos(k.CreatedAt))
+		if err != nil {
+			return "", nil, fmt.Errorf("store: create key: %w", err)
+		}
+		if n, err := res.RowsAffected(); err != nil {
+			return "", nil, fmt.Errorf("store: create key: %w", err)
+		} else if n == 1 {
+			return plaintext, k, nil
+		}
+	}
+	return "", nil, fmt.Errorf("store: create key: %w", ErrConflict)
+}
+
+// ListKeys returns every key, revoked ones included, oldest first.
+func (s *Store) ListKeys() ([]*APIKey, error) {
+	rows, err := s.db.QueryContext(context.Background(),
+		"SELECT "+keyCols+" FROM api_keys ORDER BY created_at, id")
+	if err != nil {
+		return nil, fmt.Errorf("store: list keys: %w", err)
+	}
+	defer rows.Close()
+	var keys []*APIKey
+	for rows.Next() {
+		k, err := scanKey(rows)
+		if err != nil {
+			return nil, fmt.Errorf("store: list keys: %w", err)
+		}
+		keys = append(keys, k)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, fmt.Errorf("store: list keys: %w", err)
+	}
+	return keys, nil
+}
+
+// RevokeKey revokes the key whose ID is idOrPrefix, or else whose display
+// prefix is idOrPrefix (with or without "e2b_" in front). It returns the key
+// as revoked. Revoking a revoked key is not an error and keeps the first
+// revocation time. ErrNotFound if nothing matches, ErrAmbiguous if a prefix
+// matches several keys.
+func (s *Store) RevokeKey(idOrPrefix string) (*APIKey, error) {
+	if idOrPrefix == "" {
+		return nil, fmt.Errorf("store: key %q: %w", idOrPrefix, ErrNotFound)
+	}
+	ctx := context.Background()
+	tx, err := s.db.BeginTx(ctx, nil)
+	if err != nil {
+		return nil, fmt.Errorf("store: revoke key: %w", err)
+	}
+	defer tx.Rollback()
+	prefix := strings.TrimPrefix(idOrPrefix, KeyPrefix)
+	rows, err := tx.QueryContext(ctx,
+		"SELECT "+keyCols+" FROM api_keys WHERE id = ? OR prefix = ? ORDER BY id = ? DESC, created_at",
+		idOrPrefix, prefix, idOrPrefix)
+	if err != nil {
+		return nil, fmt.Errorf("store: revoke key: %w", err)
+	}
+	var matches []*APIKey
+	for rows.Next() {
+		k, err := scanKey(rows)
+		if err != nil {
+			rows.Close()
+			return nil, fmt.Errorf("store: revoke key: %w", err)
+		}
+		matches = append(matches, k)
+	}
+	rows.Close()
+	if err := rows.Err(); err != nil {
+		return nil, fmt.Errorf("store: revoke key: %w", err)
+	}
+	var k *APIKey
+	switch {
+	case len(matches) == 0:
+		return nil, fmt.Errorf("store: key %q: %w", idOrPrefix, ErrNotFound)
+	case matches[0].ID == idOrPrefix: // an exact id wins over prefixes
+		k = matches[0]
+	case len(matches) > 1:
+		return nil, fmt.Errorf("store: key prefix %q matches %d keys, use the id: %w", idOrPrefix, len(matches), ErrAmbiguous)
+	default:
+		k = matches[0]
+	}
+	if k.RevokedAt != nil {
+		return k, nil
+	}
+	now := fromNanos(nanos(s.now()))
+	if _, err := tx.ExecContext(ctx, "UPDATE api_keys SET revoked_at = ? WHERE id = ?", nanos(now), k.ID); err != nil {
+		return nil, fmt.Errorf("store: revoke key %s: %w", k.ID, err)
+	}
+	if err := tx.Commit(); err != nil {
+		return nil, fmt.Errorf("store: revoke key %s: %w", k.ID, err)
+	}
+	k.RevokedAt = &now
+	return k, nil
+}
+
+// VerifyKey returns the live key whose plaintext is given. Unknown, malformed
+// and revoked keys all give ErrNotFound. It records the use in LastUsed, at
+// most once a minute per key so that authenticating is mostly a read.
+func (s *Store) VerifyKey(plaintext string) (*APIKey, error) {
+	if !wellFormed(plaintext) {
+		return nil, fmt.Errorf("store: verify key: %w", ErrNotFound)
+	}
+	ctx := context.Background()
+	want := hashKey(plaintext)
+	// Look up by the display prefix (not secret) and compare the hashes in
+	// constant time; a 32-bit prefix may be shared, so check every match.
+	rows, err := s.db.QueryContext(ctx,
+		"SELECT "+keyCols+", hash FROM api_keys WHERE prefix = ?", plaintext[len(KeyPrefix):len(KeyPrefix)+displayLen])
+	if err != nil {
+		return nil, fmt.Errorf("store: verify key: %w", err)
+	}
+	var found *APIKey
+	for rows.Next() {
+		var hash []byte
+		k, err := scanKey(rows, &hash)
+		if err != nil {
+			rows.Close()
+			return nil, fmt.Errorf("store: verify key: %w", err)
+		}
+		if subtle.ConstantTimeCompare(hash, want) == 1 {
+			found = k
+		}
+	}
+	rows.Close()
+	if err := rows.Err(); err != nil {
+		return nil, fmt.Errorf("store: verify key: %w", err)
+	}
+	if found == nil || found.RevokedAt != nil {
+		return nil, fmt.Errorf("store: verify key: %w", ErrNotFound)
+	}
+	now := fromNanos(nanos(s.now()))
+	if found.LastUsed == nil || now.Sub(*found.LastUsed) >= lastUsedEvery {
+		// Best effort: failing to record the use must not fail the request.
+		// The WHERE keeps concurrent verifications from moving it backwards.
+		res, err := s.db.ExecContext(ctx,
+			"UPDATE api_keys SET last_used = ? WHERE id = ? AND (last_used IS NULL OR last_used <= ?)",
+			nanos(now), found.ID, nanos(now.Add(-lastUsedEvery)))
+		if err == nil {
+			if n, _ := res.RowsAffected(); n == 1 {
+				found.LastUsed = &now
+			}
+		}
+	}
+	return found, nil
+}
