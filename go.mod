@@ -11,7 +11,6 @@ require (
 
 require (
 	github.com/dustin/go-humanize v1.1.0 // indirect
-	github.com/getkin/kin-openapi v0.153.0 // indirect
 	github.com/go-openapi/jsonpointer v0.22.5 // indirect
 	github.com/go-openapi/swag/jsonname v0.25.5 // indirect
 	github.com/google/uuid v1.6.0 // indirect
@@ -31,6 +30,7 @@ require (
 
 require (
 	github.com/creack/pty v1.1.24
+	github.com/getkin/kin-openapi v0.153.0
 	golang.org/x/sys v0.50.0
 	modernc.org/sqlite v1.62.0
 )

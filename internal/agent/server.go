@@ -85,6 +85,49 @@ type Server struct {
 	mu       sync.Mutex
 	srv      *http.Server
 	openGate sync.Once
+	fileWork chan struct{} // a slot per file operation in progress
+}
+
+// fileWorkers bounds the file operations in progress. Each may block an OS
+// thread in a system call, and the agent's threads are a fixed budget (a
+// workload can take every other pid of the sandbox), so requests beyond
+// this wait their turn rather than make the runtime start threads.
+const fileWorkers = 4
+
+func (s *Server) limitFileWork(next http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		select {
+		case s.fileWork <- struct{}{}:
+		case <-r.Context().Done():
+			return
+		}
+		defer func() { <-s.fileWork }()
+		next.ServeHTTP(w, r)
+	})
+}
+
+// fileWorkLimit applies the same bound to the unary filesystem RPCs; the
+// WatchDir stream reads inotify through the poller and needs no thread.
+type fileWorkLimit struct{ slots chan struct{} }
+
+func (l fileWorkLimit) WrapUnary(next connect.UnaryFunc) connect.UnaryFunc {
+	return func(ctx context.Context, req connect.AnyRequest) (connect.AnyResponse, error) {
+		select {
+		case l.slots <- struct{}{}:
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		}
+		defer func() { <-l.slots }()
+		return next(ctx, req)
+	}
+}
+
+func (l fileWorkLimit) WrapStreamingClient(next connect.StreamingClientFunc) connect.StreamingClientFunc {
+	return next
+}
+
+func (l fileWorkLimit) WrapStreamingHandler(next connect.StreamingHandlerFunc) connect.StreamingHandlerFunc {
+	return next
 }
 
 // New builds the agent's server.
@@ -107,7 +150,7 @@ func New(cfg Config) (*Server, error) {
 	if cfg.Log == nil {
 		cfg.Log = slog.New(slog.DiscardHandler)
 	}
-	s := &Server{cfg: cfg, log: cfg.Log}
+	s := &Server{cfg: cfg, log: cfg.Log, fileWork: make(chan struct{}, fileWorkers)}
 	var err error
 	trace("agent: new")
 	if s.procs, err = newProcessService(s); err != nil {
@@ -120,14 +163,15 @@ func New(cfg Config) (*Server, error) {
 	opts := []connect.HandlerOption{connect.WithInterceptors(s.authInterceptor())}
 	path, h := processconnect.NewProcessHandler(s.procs, opts...)
 	mux.Handle(path, h)
-	path, h = filesystemconnect.NewFilesystemHandler(s.files, opts...)
+	fsOpts := append(opts, connect.WithInterceptors(fileWorkLimit{s.fileWork}))
+	path, h = filesystemconnect.NewFilesystemHandler(s.files, fsOpts...)
 	mux.Handle(path, h)
 	mux.HandleFunc("GET /health", func(w http.ResponseWriter, r *http.Request) {
 		w.WriteHeader(http.StatusNoContent)
 	})
 	mux.Handle("GET /envs", s.requireToken(http.HandlerFunc(s.serveEnvs)))
-	mux.HandleFunc("GET /files", s.files.serveDownload)
-	mux.HandleFunc("POST /files", s.files.serveUpload)
+	mux.Handle("GET /files", s.limitFileWork(http.HandlerFunc(s.files.serveDownload)))
+	mux.Handle("POST /files", s.limitFileWork(http.HandlerFunc(s.files.serveUpload)))
 	s.mux = mux
 	trace("agent: handlers")
 	if cfg.Threads <= 0 || !s.procs.init {

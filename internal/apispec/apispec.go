@@ -23,6 +23,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"mime"
 	"net/http"
 	"slices"
 	"strconv"
@@ -76,8 +77,9 @@ func Doc() (*openapi3.T, error) {
 
 // ValidateResponse checks a response (status, headers, JSON body) against the operation the
 // request matches. It returns an error naming the route and what did not match.
-// A status the operation does not document is an error, and so is a body on a
-// response documented without one (204).
+// A status the operation does not document is an error, and so are a body on a
+// response documented without one (204) and an error body whose code is not
+// the status.
 func ValidateResponse(req *http.Request, status int, header http.Header, body []byte) error {
 	in, name, err := find(req)
 	if err != nil {
@@ -88,9 +90,10 @@ func ValidateResponse(req *http.Request, status int, header http.Header, body []
 	if resp == nil {
 		resp = op.Responses.Default()
 	}
-	if resp == nil {
+	if resp == nil || resp.Value == nil {
 		return fmt.Errorf("%s: response status %d is not documented (documented: %s)", name, status, documented(op))
 	}
+	documentedBody := len(resp.Value.Content) > 0
 	if header == nil {
 		header = http.Header{}
 	}
@@ -101,11 +104,26 @@ func ValidateResponse(req *http.Request, status int, header http.Header, body []
 		Options:                in.Options,
 	}
 	out.SetBodyBytes(body)
+	// kin-openapi decodes only the first JSON value of a body: "404 page not
+	// found" would pass for the number 404, and trailing bytes go unseen.
+	if documentedBody && isJSON(header.Get("Content-Type")) && !json.Valid(body) {
+		return fmt.Errorf("%s: response %d: body is not one JSON value: %.80q", name, status, body)
+	}
 	if err := openapi3filter.ValidateResponse(context.Background(), out); err != nil {
 		return fmt.Errorf("%s: response %d: %s", name, status, describe(err))
 	}
-	if resp.Value != nil && len(resp.Value.Content) == 0 && len(bytes.TrimSpace(body)) > 0 {
+	if !documentedBody && len(bytes.TrimSpace(body)) > 0 {
 		return fmt.Errorf("%s: response %d: documented without a body, but has %d bytes: %.80q", name, status, len(body), body)
+	}
+	if status >= 400 {
+		// The E2B SDKs branch on the body's code (error.code === 404), so it
+		// must repeat the status.
+		var e struct {
+			Code *int `json:"code"`
+		}
+		if json.Unmarshal(body, &e) == nil && e.Code != nil && *e.Code != status {
+			return fmt.Errorf("%s: response %d: error body has code %d; it must equal the HTTP status", name, status, *e.Code)
+		}
 	}
 	return nil
 }
@@ -125,7 +143,40 @@ func ValidateRequest(req *http.Request, body []byte) error {
 	if err := openapi3filter.ValidateRequest(context.Background(), in); err != nil {
 		return fmt.Errorf("%s: request: %s", name, describe(err))
 	}
+	if err := repeatedQuery(in); err != nil {
+		return fmt.Errorf("%s: request: %w", name, err)
+	}
 	return nil
+}
+
+// repeatedQuery rejects a query parameter given more than once unless it is
+// an exploded array: kin-openapi quietly reads only the first of
+// `state=running&state=paused`, where the document (and the E2B SDKs) have
+// `state=running,paused`.
+func repeatedQuery(in *openapi3filter.RequestValidationInput) error {
+	q := in.Request.URL.Query()
+	params := append(slices.Clone(in.Route.PathItem.Parameters), in.Route.Operation.Parameters...)
+	for _, ref := range params {
+		p := ref.Value
+		if p == nil || p.In != openapi3.ParameterInQuery || len(q[p.Name]) < 2 {
+			continue
+		}
+		sm, err := p.SerializationMethod()
+		if err != nil {
+			return err
+		}
+		array := p.Schema != nil && p.Schema.Value != nil && p.Schema.Value.Type.Is(openapi3.TypeArray)
+		if !array || !sm.Explode {
+			return fmt.Errorf("parameter %q in query: given %d times; send it once (style %s, explode %t: %s=a,b)",
+				p.Name, len(q[p.Name]), sm.Style, sm.Explode, p.Name)
+		}
+	}
+	return nil
+}
+
+func isJSON(contentType string) bool {
+	mt, _, err := mime.ParseMediaType(contentType)
+	return err == nil && (mt == "application/json" || strings.HasSuffix(mt, "+json"))
 }
 
 // find matches req to an operation and names it for error messages.
@@ -145,10 +196,11 @@ func find(req *http.Request) (*openapi3filter.RequestValidationInput, string, er
 		name += " (" + id + ")"
 	}
 	opts := &openapi3filter.Options{
-		AuthenticationFunc:    openapi3filter.NoopAuthenticationFunc,
-		IncludeResponseStatus: true,
-		MultiError:            true,
-		SkipSettingDefaults:   true,
+		AuthenticationFunc:                openapi3filter.NoopAuthenticationFunc,
+		IncludeResponseStatus:             true,
+		RejectWhenRequestBodyNotSpecified: true,
+		MultiError:                        true,
+		SkipSettingDefaults:               true,
 	}
 	opts.WithCustomSchemaErrorFunc(schemaMessage)
 	return &openapi3filter.RequestValidationInput{
@@ -169,50 +221,44 @@ func documented(op *openapi3.Operation) string {
 	return strings.Join(codes, ", ")
 }
 
-// describe flattens kin-openapi's nested and multiple errors into one line per
-// failure.
+// describe flattens kin-openapi's nested and multiple errors into one line:
+// each group (a parameter, the body) once, then what failed in it.
 func describe(err error) string {
-	var lines []string
-	var walk func(error)
-	walk = func(err error) {
-		var me openapi3.MultiError
-		if errors.As(err, &me) && len(me) > 0 {
-			prefix := ""
-			switch e := err.(type) {
-			case *openapi3filter.RequestError:
-				prefix = requestPrefix(e)
-			case *openapi3filter.ResponseError:
-				if e.Reason != "" {
-					prefix = e.Reason + ": "
-				}
-			}
-			for _, e := range me {
-				n := len(lines)
-				walk(e)
-				for i := n; i < len(lines); i++ {
-					lines[i] = prefix + lines[i]
-				}
-			}
-			return
-		}
-		lines = append(lines, err.Error())
+	return strings.Join(flatten(err), "; ")
+}
+
+func flatten(err error) []string {
+	var me openapi3.MultiError
+	if !errors.As(err, &me) || len(me) == 0 {
+		return []string{err.Error()}
 	}
-	walk(err)
+	var lines []string
+	for _, e := range me {
+		lines = append(lines, flatten(e)...)
+	}
 	slices.Sort(lines)
 	lines = slices.Compact(lines)
-	return strings.Join(lines, "; ")
+	prefix := ""
+	switch e := err.(type) {
+	case *openapi3filter.RequestError:
+		prefix = requestPrefix(e)
+	case *openapi3filter.ResponseError:
+		prefix = e.Reason
+	}
+	if prefix == "" {
+		return lines
+	}
+	return []string{prefix + ": " + strings.Join(lines, "; ")}
 }
 
 func requestPrefix(e *openapi3filter.RequestError) string {
 	switch {
 	case e.Parameter != nil:
-		return fmt.Sprintf("parameter %q in %s: ", e.Parameter.Name, e.Parameter.In)
+		return fmt.Sprintf("parameter %q in %s", e.Parameter.Name, e.Parameter.In)
 	case e.RequestBody != nil:
-		return "body: "
-	case e.Reason != "":
-		return e.Reason + ": "
+		return "body"
 	}
-	return ""
+	return e.Reason
 }
 
 // schemaMessage is a short form of a schema error: where, why, and the value
@@ -225,6 +271,9 @@ func schemaMessage(err *openapi3.SchemaError) string {
 	}
 	if err.Origin != nil {
 		reason = err.Origin.Error()
+	}
+	if err.SchemaField == "required" {
+		return fmt.Sprintf("at %s: %s", where, reason)
 	}
 	v, _ := json.Marshal(err.Value)
 	if len(v) > 120 {
