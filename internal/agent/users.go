@@ -1,12 +1,29 @@
 package agent
 
 import (
-	"bufio"
 	"fmt"
 	"os"
 	"strconv"
 	"strings"
+	"sync"
 )
+
+// accounts caches the account files: they are read-only in a sandbox, and
+// reading them on every request would block an OS thread each time, which a
+// sandbox whose workload holds every other pid cannot afford.
+var accounts sync.Map // path -> []byte
+
+func readAccounts(path string) ([]byte, error) {
+	if v, ok := accounts.Load(path); ok {
+		return v.([]byte), nil
+	}
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return nil, err
+	}
+	accounts.Store(path, data)
+	return data, nil
+}
 
 // User is an account inside the sandbox, read from the sandbox's /etc/passwd.
 type User struct {
@@ -22,12 +39,9 @@ func LookupUser(passwd, name string) (User, error) {
 	if name == "" {
 		return User{}, fmt.Errorf("empty user name")
 	}
-	f, err := os.Open(passwd)
-	if err == nil {
-		defer f.Close()
-		sc := bufio.NewScanner(f)
-		for sc.Scan() {
-			fields := strings.Split(sc.Text(), ":")
+	if data, err := readAccounts(passwd); err == nil {
+		for _, line := range strings.Split(string(data), "\n") {
+			fields := strings.Split(line, ":")
 			if len(fields) < 7 || fields[0] != name {
 				continue
 			}
@@ -48,7 +62,7 @@ func LookupUser(passwd, name string) (User, error) {
 // lookupName returns the name for id in an /etc/passwd- or /etc/group-shaped
 // file, or the number itself when it is not listed.
 func lookupName(file string, id uint32) string {
-	data, err := os.ReadFile(file)
+	data, err := readAccounts(file)
 	if err == nil {
 		want := strconv.FormatUint(uint64(id), 10)
 		for _, line := range strings.Split(string(data), "\n") {
