@@ -30,6 +30,12 @@ type Client struct {
 // New builds a client. All RPCs share one HTTP/2 (h2c) connection, which
 // also carries client streams (StreamInput).
 func New(dial DialFunc, token string) *Client {
+	return NewWithHeaders(dial, token, nil)
+}
+
+// NewWithHeaders is New with headers added to every request (the daemon's
+// proxy routes by E2b-Sandbox-Id).
+func NewWithHeaders(dial DialFunc, token string, headers http.Header) *Client {
 	var p http.Protocols
 	p.SetUnencryptedHTTP2(true)
 	tr := &http.Transport{
@@ -39,7 +45,7 @@ func New(dial DialFunc, token string) *Client {
 		},
 		IdleConnTimeout: 90 * time.Second,
 	}
-	hc := &http.Client{Transport: tokenTransport{token: token, next: tr}}
+	hc := &http.Client{Transport: tokenTransport{token: token, headers: headers, next: tr}}
 	return &Client{
 		Process: processconnect.NewProcessClient(hc, BaseURL),
 		FS:      filesystemconnect.NewFilesystemClient(hc, BaseURL),
@@ -52,14 +58,20 @@ func New(dial DialFunc, token string) *Client {
 func (c *Client) Close() { c.h2.CloseIdleConnections() }
 
 type tokenTransport struct {
-	token string
-	next  http.RoundTripper
+	token   string
+	headers http.Header
+	next    http.RoundTripper
 }
 
 func (t tokenTransport) RoundTrip(r *http.Request) (*http.Response, error) {
-	if t.token != "" {
+	if t.token != "" || len(t.headers) > 0 {
 		r = r.Clone(r.Context())
-		r.Header.Set("X-Access-Token", t.token)
+		if t.token != "" {
+			r.Header.Set("X-Access-Token", t.token)
+		}
+		for k, v := range t.headers {
+			r.Header[k] = v
+		}
 	}
 	return t.next.RoundTrip(r)
 }

@@ -379,3 +379,48 @@ func Counter(f *os.File, key string) uint64 {
 	}
 	return 0
 }
+
+// Usage is what a sandbox's group has used.
+type Usage struct {
+	CPUNanos    uint64 // CPU time consumed since creation
+	MemoryBytes int64  // memory charged now
+	CacheBytes  int64  // of which page cache (files, tmpfs)
+	MemoryLimit int64
+}
+
+// Usage reads the group's counters.
+func (cg *Cgroup) Usage() (Usage, error) {
+	var u Usage
+	read := func(ctrl, file string) string {
+		b, _ := os.ReadFile(filepath.Join(cg.Dir(ctrl), file))
+		return strings.TrimSpace(string(b))
+	}
+	num := func(s string) int64 { n, _ := strconv.ParseInt(s, 10, 64); return n }
+	stat := func(ctrl, file, key string) int64 {
+		for _, line := range strings.Split(read(ctrl, file), "\n") {
+			if k, v, ok := strings.Cut(line, " "); ok && k == key {
+				return num(v)
+			}
+		}
+		return 0
+	}
+	if cg.m.Mode == V2 {
+		u.CPUNanos = uint64(stat("cpu", "cpu.stat", "usage_usec")) * 1000
+		u.MemoryBytes = num(read("memory", "memory.current"))
+		u.CacheBytes = stat("memory", "memory.stat", "file")
+		if l := read("memory", "memory.max"); l != "max" {
+			u.MemoryLimit = num(l)
+		}
+	} else {
+		u.CPUNanos = uint64(num(read("cpuacct", "cpuacct.usage")))
+		u.MemoryBytes = num(read("memory", "memory.usage_in_bytes"))
+		u.CacheBytes = stat("memory", "memory.stat", "cache")
+		u.MemoryLimit = num(read("memory", "memory.limit_in_bytes"))
+	}
+	if u.MemoryBytes == 0 && u.CPUNanos == 0 {
+		if _, err := os.Stat(cg.Dir("memory")); err != nil {
+			return u, err
+		}
+	}
+	return u, nil
+}

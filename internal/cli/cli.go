@@ -22,6 +22,7 @@ import (
 const (
 	ExitUsage       = 64  // malformed flags or limits, limits too small
 	ExitNoTemplate  = 66  // unknown template
+	ExitNotFoundObj = 66  // no such sandbox (the daemon's commands)
 	ExitUnavailable = 69  // the host lacks a kernel feature or a part
 	ExitNoPerm      = 77  // not root
 	ExitTimeout     = 124 // the sandbox's wall-clock timeout expired
@@ -93,7 +94,9 @@ func Main(args []string, stdout, stderr io.Writer) (code int) {
 	}
 	root.PersistentFlags().BoolVar(&g.debug, "debug", false, "log what cage does")
 	root.PersistentFlags().StringVar(&g.runDir, "run-dir", envOr("CAGE_RUN_DIR", "/run/cage"), "runtime state directory")
-	root.AddCommand(newRunCmd(g), newDoctorCmd(g), newBenchCmd(g))
+	root.AddCommand(newRunCmd(g), newDoctorCmd(g), newBenchCmd(g), newServeCmd(g), newKeysCmd(g))
+	root.AddCommand(newClientCmds(g)...)
+	usageErrors(root)
 	root.SetArgs(args)
 	root.SetOut(stdout)
 	root.SetErr(stderr)
@@ -116,4 +119,24 @@ func envOr(key, def string) string {
 		return v
 	}
 	return def
+}
+
+// usageErrors makes every argument-count error of the command tree a usage
+// error (exit 64) with the command's usage line.
+func usageErrors(cmd *cobra.Command) {
+	if check := cmd.Args; check != nil {
+		cmd.Args = func(c *cobra.Command, args []string) error {
+			if err := check(c, args); err != nil {
+				var ee *exitError
+				if errors.As(err, &ee) {
+					return err
+				}
+				return exitf(ExitUsage, "%v (usage: %s)", err, c.UseLine())
+			}
+			return nil
+		}
+	}
+	for _, sub := range cmd.Commands() {
+		usageErrors(sub)
+	}
 }

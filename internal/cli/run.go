@@ -183,7 +183,10 @@ func runCommand(ctx context.Context, g *globals, f *runFlags, args []string, std
 		restore = setupPTY(ctx, client, &opts)
 	} else {
 		opts.Stdin = os.Stdin
-		stop := forwardSignals(ctx, client, &opts, sb, &interrupted)
+		stop := forwardSignals(ctx, client, &opts, func() {
+			interrupted.Store(true)
+			_ = sb.Destroy()
+		})
 		defer stop()
 	}
 	process.Trace("run")
@@ -201,7 +204,7 @@ func runCommand(ctx context.Context, g *globals, f *runFlags, args []string, std
 	if err != nil {
 		return sandboxFailure(sb, &timedOut, p.timeout, err)
 	}
-	return exitFromEnd(end, args[0], p, stderr)
+	return exitFromEnd(end, args[0], p.opts.Memory, p.opts.Pids, stderr)
 }
 
 // sandboxFailure explains a failed run: the timeout, a sandbox that died, or
@@ -245,7 +248,7 @@ func connectMessage(err error) string {
 }
 
 // exitFromEnd turns how the command ended into cage's exit code.
-func exitFromEnd(end *pb.ProcessEvent_EndEvent, cmd string, p *parsed, stderr io.Writer) error {
+func exitFromEnd(end *pb.ProcessEvent_EndEvent, cmd string, memory, pids int64, stderr io.Writer) error {
 	if end.GetTruncated() {
 		fmt.Fprintf(stderr, "cage: output truncated: the command wrote more than the output limit\n")
 	}
@@ -255,11 +258,11 @@ func exitFromEnd(end *pb.ProcessEvent_EndEvent, cmd string, p *parsed, stderr io
 	}
 	switch end.GetReason() {
 	case "oom":
-		return exitf(code, "%s was killed: out of memory (limit %s)", cmd, units.FormatSize(p.opts.Memory))
+		return exitf(code, "%s was killed: out of memory (limit %s)", cmd, units.FormatSize(memory))
 	case "timeout":
 		return exitf(ExitTimeout, "%s timed out", cmd)
 	case "pids_limit":
-		return exitf(code, "%s failed: the process limit (%d) was reached", cmd, p.opts.Pids)
+		return exitf(code, "%s failed: the process limit (%d) was reached", cmd, pids)
 	}
 	if code == 0 {
 		return nil
@@ -279,8 +282,8 @@ func signalNumber(status string) int {
 }
 
 // forwardSignals passes the first SIGINT/SIGTERM/SIGHUP to the command as
-// SIGTERM; a second one kills the sandbox.
-func forwardSignals(ctx context.Context, c *agentclient.Client, opts *agentclient.RunOptions, sb *process.Sandbox, interrupted *atomic.Bool) func() {
+// SIGTERM; a second one (or one before the command started) calls second.
+func forwardSignals(ctx context.Context, c *agentclient.Client, opts *agentclient.RunOptions, second func()) func() {
 	ch := make(chan os.Signal, 2)
 	signal.Notify(ch, syscall.SIGINT, syscall.SIGTERM, syscall.SIGHUP)
 	var pid atomic.Uint32
@@ -293,8 +296,7 @@ func forwardSignals(ctx context.Context, c *agentclient.Client, opts *agentclien
 			case <-ch:
 				n++
 				if n > 1 || pid.Load() == 0 {
-					interrupted.Store(true)
-					_ = sb.Destroy()
+					second()
 					continue
 				}
 				sel := &pb.ProcessSelector{Selector: &pb.ProcessSelector_Pid{Pid: pid.Load()}}

@@ -49,6 +49,8 @@ const (
 
 // Options are what a caller may choose for a sandbox.
 type Options struct {
+	ID        string // "" = a fresh one
+	Token     string // the agent's access token; "" = a fresh one
 	Template  string
 	Memory    int64
 	CPUs      float64
@@ -181,32 +183,56 @@ var nsConfig = map[string]string{"user": "USER", "pid": "PID", "mnt": "NAMESPACE
 
 // Create starts a sandbox on the process wall.
 func (h *Host) Create(ctx context.Context, o Options) (*process.Sandbox, error) {
-	if err := o.Validate(); err != nil {
-		return nil, err
-	}
-	tmpl, err := template.Lookup(o.Template, filepath.Join(h.RunDir, "templates"))
+	sb, err := h.Prepare(ctx, &o)
 	if err != nil {
 		return nil, err
 	}
-	spec := process.Spec{
+	if err := h.Start(sb, o); err != nil {
+		_ = sb.Destroy()
+		return nil, err
+	}
+	return sb, nil
+}
+
+// Prepare validates o (filling its defaults) and returns a sandbox ready to
+// start: one from the pool when there is one, else a freshly forked one.
+// Callers that record sandboxes (the daemon) learn its id here, before it
+// runs anything.
+func (h *Host) Prepare(ctx context.Context, o *Options) (*process.Sandbox, error) {
+	if err := o.Validate(); err != nil {
+		return nil, err
+	}
+	if _, err := template.Lookup(o.Template, filepath.Join(h.RunDir, "templates")); err != nil {
+		return nil, err
+	}
+	if sb := h.takePrepared(*o); sb != nil {
+		return sb, nil
+	}
+	cfg := h.config(o.DieWithCaller)
+	if o.ID != "" {
+		cfg.ID = o.ID
+	}
+	return process.Prepare(ctx, cfg)
+}
+
+// Start starts a prepared sandbox with o's limits and template.
+func (h *Host) Start(sb *process.Sandbox, o Options) error {
+	tmpl, err := template.Lookup(o.Template, filepath.Join(h.RunDir, "templates"))
+	if err != nil {
+		return err
+	}
+	if o.Token == "" {
+		o.Token = NewToken()
+	}
+	return sb.Start(process.Spec{
 		Template:  tmpl,
 		Limits:    cgroups.Limits{MemoryBytes: o.Memory, CPUs: o.CPUs, Pids: o.Pids + process.AgentThreads},
 		DiskBytes: o.Disk,
 		ShmBytes:  o.Shm,
-		Token:     NewToken(),
+		Token:     o.Token,
 		Env:       o.Env,
 		MaxOutput: o.MaxOutput,
-	}
-	if sb := h.takePrepared(o); sb != nil {
-		if err := sb.Start(spec); err != nil {
-			_ = sb.Destroy()
-			return nil, err
-		}
-		return sb, nil
-	}
-	cfg := h.config(o.DieWithCaller)
-	cfg.Spec = spec
-	return process.Create(ctx, cfg)
+	})
 }
 
 func (h *Host) config(dieWithCaller bool) process.Config {
@@ -280,7 +306,7 @@ func (h *Host) Close() {
 }
 
 func (h *Host) takePrepared(o Options) *process.Sandbox {
-	if h.pool == nil || o.DieWithCaller {
+	if h.pool == nil || o.DieWithCaller || o.ID != "" {
 		return nil
 	}
 	select {
@@ -297,4 +323,12 @@ func NewToken() string {
 	b := make([]byte, 24)
 	_, _ = rand.Read(b)
 	return hex.EncodeToString(b)
+}
+
+// Adopt takes charge of a running sandbox created by another process (see
+// process.Adopt).
+func (h *Host) Adopt(id string, pid int, startTime uint64, token string) (*process.Sandbox, error) {
+	cfg := h.config(false)
+	cfg.ID = id
+	return process.Adopt(cfg, pid, startTime, token)
 }

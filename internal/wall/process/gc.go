@@ -83,3 +83,35 @@ func GC(runDir string, cg *cgroups.Manager) ([]string, error) {
 	gcIDLocks()
 	return removed, errors.Join(errs...)
 }
+
+// Remove kills whatever is left of sandbox id (every process in its cgroups)
+// and removes its cgroups and state directory. For a sandbox whose owner is
+// gone and which nobody will adopt.
+func Remove(runDir string, cg *cgroups.Manager, id string) error {
+	if err := cg.Open(id).Destroy(); err != nil {
+		return err
+	}
+	return removeState(filepath.Join(runDir, "sandboxes", id))
+}
+
+// Orphans lists sandboxes under runDir that no live process owns: state
+// directories whose owner lock is free (a directory younger than 10 s may
+// still be getting its lock, and is left alone). Cgroups are not scanned:
+// other run directories share the cgroup parent.
+func Orphans(runDir string) []string {
+	var out []string
+	base := filepath.Join(runDir, "sandboxes")
+	ents, _ := os.ReadDir(base)
+	for _, e := range ents {
+		if fi, err := e.Info(); err != nil || time.Since(fi.ModTime()) < 10*time.Second {
+			continue
+		}
+		lock, err := lockOwner(filepath.Join(base, e.Name()))
+		if err != nil {
+			continue
+		}
+		lock.Close()
+		out = append(out, e.Name())
+	}
+	return out
+}

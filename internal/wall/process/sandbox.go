@@ -18,6 +18,8 @@ import (
 	"syscall"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/cagehq/cage/internal/cgroups"
 	"github.com/cagehq/cage/internal/template"
 )
@@ -61,6 +63,7 @@ type Sandbox struct {
 	specW         *os.File // the agent waits for its spec on the other end
 	started       bool
 	dieWithParent bool
+	pidfd         int // set for an adopted sandbox (not this process's child)
 
 	exited  chan struct{} // closed when the agent has been reaped
 	waitErr error
@@ -348,7 +351,12 @@ func (sb *Sandbox) teardown() error {
 	if sb.specW != nil {
 		sb.specW.Close()
 	}
-	if sb.Pid > 0 {
+	switch {
+	case sb.pidfd > 0:
+		_ = unix.PidfdSendSignal(sb.pidfd, unix.SIGKILL, nil, 0)
+		<-sb.exited
+		unix.Close(sb.pidfd)
+	case sb.Pid > 0:
 		_ = syscall.Kill(sb.Pid, syscall.SIGKILL)
 		<-sb.exited
 	}

@@ -1,0 +1,195 @@
+// Package api is the daemon's control API: E2B's REST API (so the E2B SDKs
+// work unchanged) with cage's own fields added. The document is
+// api/openapi.yaml. Errors are E2B's JSON {code, message}; kinds of errors
+// become statuses only here.
+package api
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net/http"
+	"strconv"
+	"time"
+
+	"github.com/cagehq/cage/internal/manager"
+	"github.com/cagehq/cage/internal/sandbox"
+	"github.com/cagehq/cage/internal/store"
+)
+
+// EnvdVersion is the envd version cage reports for its agent.
+const EnvdVersion = "0.6.13"
+
+// maxBody bounds request bodies.
+const maxBody = 1 << 20
+
+// Config configures the API.
+type Config struct {
+	Manager *manager.Manager
+	Store   *store.Store
+	Log     *slog.Logger
+	Domain  string // for E2B's {port}-{id}.{domain} hosts; "" leaves it null
+	// V1Timeout and V2Timeout are the defaults when a create names none
+	// (E2B: 15 s for POST /sandboxes, 300 s for POST /v2/sandboxes).
+	V1Timeout, V2Timeout time.Duration
+}
+
+type server struct {
+	cfg Config
+	log *slog.Logger
+}
+
+// Handler returns the API's HTTP handler.
+func Handler(cfg Config) http.Handler {
+	if cfg.Log == nil {
+		cfg.Log = slog.New(slog.DiscardHandler)
+	}
+	if cfg.V1Timeout == 0 {
+		cfg.V1Timeout = 15 * time.Second
+	}
+	if cfg.V2Timeout == 0 {
+		cfg.V2Timeout = 300 * time.Second
+	}
+	s := &server{cfg: cfg, log: cfg.Log}
+	mux := http.NewServeMux()
+	mux.HandleFunc("GET /health", func(w http.ResponseWriter, r *http.Request) {
+		writeJSON(w, http.StatusOK, map[string]string{"status": "ok"})
+	})
+	auth := s.authenticated
+	mux.Handle("POST /sandboxes", auth(s.create(false)))
+	mux.Handle("POST /v2/sandboxes", auth(s.create(true)))
+	mux.Handle("GET /sandboxes", auth(http.HandlerFunc(s.listV1)))
+	mux.Handle("GET /v2/sandboxes", auth(http.HandlerFunc(s.listV2)))
+	mux.Handle("GET /sandboxes/{sandboxID}", auth(http.HandlerFunc(s.get)))
+	mux.Handle("DELETE /sandboxes/{sandboxID}", auth(http.HandlerFunc(s.kill)))
+	mux.Handle("POST /sandboxes/{sandboxID}/timeout", auth(http.HandlerFunc(s.timeout)))
+	mux.Handle("POST /sandboxes/{sandboxID}/refreshes", auth(http.HandlerFunc(s.refresh)))
+	mux.Handle("POST /sandboxes/{sandboxID}/connect", auth(s.connect(false)))
+	mux.Handle("POST /v2/sandboxes/{sandboxID}/connect", auth(s.connect(true)))
+	mux.Handle("GET /sandboxes/{sandboxID}/metrics", auth(http.HandlerFunc(s.metrics)))
+	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
+		writeError(w, http.StatusNotFound, "no such route: "+r.Method+" "+r.URL.Path)
+	})
+	return recoverer(s.log, mux)
+}
+
+type ctxKey struct{}
+
+// authenticated checks X-API-Key and puts the key's id in the context.
+func (s *server) authenticated(next http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		key := r.Header.Get("X-API-Key")
+		if key == "" {
+			writeError(w, http.StatusUnauthorized, "missing API key: send it in the X-API-Key header")
+			return
+		}
+		k, err := s.cfg.Store.VerifyKey(key)
+		if err != nil {
+			if !errors.Is(err, store.ErrNotFound) {
+				s.log.Error("verify key", "err", err)
+				writeError(w, http.StatusInternalServerError, "internal error")
+				return
+			}
+			writeError(w, http.StatusUnauthorized, "invalid API key")
+			return
+		}
+		r.Body = http.MaxBytesReader(w, r.Body, maxBody)
+		next.ServeHTTP(w, r.WithContext(context.WithValue(r.Context(), ctxKey{}, k.ID)))
+	})
+}
+
+func keyID(r *http.Request) string { v, _ := r.Context().Value(ctxKey{}).(string); return v }
+
+// recoverer turns a panic into a 500 without a stack trace for the client.
+func recoverer(log *slog.Logger, next http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		defer func() {
+			if v := recover(); v != nil {
+				if v == http.ErrAbortHandler {
+					panic(v)
+				}
+				log.Error("panic in handler", "route", r.Method+" "+r.URL.Path, "panic", fmt.Sprint(v))
+				writeError(w, http.StatusInternalServerError, "internal error")
+			}
+		}()
+		next.ServeHTTP(w, r)
+	})
+}
+
+type apiError struct {
+	Code    int    `json:"code"`
+	Message string `json:"message"`
+}
+
+func writeJSON(w http.ResponseWriter, status int, v any) {
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(status)
+	_ = json.NewEncoder(w).Encode(v)
+}
+
+func writeError(w http.ResponseWriter, status int, msg string) {
+	writeJSON(w, status, apiError{Code: status, Message: msg})
+}
+
+// fail maps an error kind to its status.
+func (s *server) fail(w http.ResponseWriter, r *http.Request, err error) {
+	var tooBig *http.MaxBytesError
+	switch {
+	case errors.As(err, &tooBig):
+		writeError(w, http.StatusRequestEntityTooLarge, fmt.Sprintf("request body larger than %d bytes", maxBody))
+	case errors.Is(err, manager.ErrNotFound), errors.Is(err, sandbox.ErrNotFound):
+		writeError(w, http.StatusNotFound, err.Error())
+	case errors.Is(err, sandbox.ErrInvalid), errors.Is(err, errBadRequest):
+		writeError(w, http.StatusBadRequest, err.Error())
+	case errors.Is(err, manager.ErrLimit):
+		w.Header().Set("Retry-After", "1")
+		writeError(w, http.StatusTooManyRequests, err.Error())
+	case errors.Is(err, sandbox.ErrUnavailable), errors.Is(err, sandbox.ErrPermission):
+		writeError(w, http.StatusServiceUnavailable, err.Error())
+	default:
+		s.log.Error("request failed", "route", r.Method+" "+r.URL.Path, "err", err)
+		writeError(w, http.StatusInternalServerError, "internal error: "+err.Error())
+	}
+}
+
+var errBadRequest = errors.New("bad request")
+
+// decode reads a JSON body into v; an empty body leaves v as it is when
+// optional.
+func decode(r *http.Request, v any, optional bool) error {
+	dec := json.NewDecoder(r.Body)
+	err := dec.Decode(v)
+	var tooBig *http.MaxBytesError
+	switch {
+	case err == nil:
+		return nil
+	case errors.As(err, &tooBig):
+		return err
+	case optional && err.Error() == "EOF":
+		return nil
+	}
+	return fmt.Errorf("%w: malformed JSON body: %v", errBadRequest, err)
+}
+
+func seconds(n *int64, def time.Duration) (time.Duration, error) {
+	if n == nil {
+		return def, nil
+	}
+	if *n <= 0 {
+		return 0, fmt.Errorf("%w: timeout must be at least 1 second", errBadRequest)
+	}
+	return time.Duration(*n) * time.Second, nil
+}
+
+func atoiDefault(s string, def int) (int, error) {
+	if s == "" {
+		return def, nil
+	}
+	n, err := strconv.Atoi(s)
+	if err != nil {
+		return 0, fmt.Errorf("%w: %q is not a number", errBadRequest, s)
+	}
+	return n, nil
+}

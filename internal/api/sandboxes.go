@@ -1,0 +1,349 @@
+package api
+
+import (
+	"fmt"
+	"net/http"
+	"net/url"
+	"strings"
+	"time"
+
+	"github.com/cagehq/cage/internal/manager"
+	"github.com/cagehq/cage/internal/store"
+)
+
+// newSandbox is the create body of both API versions (v1 adds `secure`).
+type newSandbox struct {
+	TemplateID          string            `json:"templateID"`
+	Timeout             *int64            `json:"timeout"`
+	Metadata            map[string]string `json:"metadata"`
+	EnvVars             map[string]string `json:"envVars"`
+	Secure              *bool             `json:"secure"`
+	AllowInternetAccess *bool             `json:"allow_internet_access"`
+	AutoPause           bool              `json:"autoPause"`
+	Wall                string            `json:"wall"`
+	CPUCount            float64           `json:"cpuCount"`
+	MemoryMB            int64             `json:"memoryMB"`
+	DiskSizeMB          int64             `json:"diskSizeMB"`
+	Pids                int64             `json:"pids"`
+}
+
+// sandboxJSON is E2B's Sandbox (create and connect) with cage's fields.
+type sandboxJSON struct {
+	SandboxID          string  `json:"sandboxID"`
+	TemplateID         string  `json:"templateID"`
+	ClientID           string  `json:"clientID"`
+	EnvdVersion        string  `json:"envdVersion"`
+	EnvdAccessToken    string  `json:"envdAccessToken"`
+	TrafficAccessToken *string `json:"trafficAccessToken"`
+	Domain             *string `json:"domain"`
+	Wall               string  `json:"wall"`
+	CPUCount           float64 `json:"cpuCount"`
+	MemoryMB           int64   `json:"memoryMB"`
+	DiskSizeMB         int64   `json:"diskSizeMB"`
+	Pids               int64   `json:"pids"`
+}
+
+// listedJSON is E2B's ListedSandbox; detailJSON its SandboxDetail.
+type listedJSON struct {
+	SandboxID   string            `json:"sandboxID"`
+	TemplateID  string            `json:"templateID"`
+	ClientID    string            `json:"clientID"`
+	StartedAt   time.Time         `json:"startedAt"`
+	EndAt       time.Time         `json:"endAt"`
+	CPUCount    float64           `json:"cpuCount"`
+	MemoryMB    int64             `json:"memoryMB"`
+	DiskSizeMB  int64             `json:"diskSizeMB"`
+	Metadata    map[string]string `json:"metadata"`
+	State       string            `json:"state"`
+	EnvdVersion string            `json:"envdVersion"`
+	Wall        string            `json:"wall"`
+	Pids        int64             `json:"pids"`
+}
+
+type detailJSON struct {
+	listedJSON
+	EnvdAccessToken string  `json:"envdAccessToken"`
+	Domain          *string `json:"domain"`
+}
+
+const clientID = "cage"
+
+func (s *server) domain() *string {
+	if s.cfg.Domain == "" {
+		return nil
+	}
+	d := s.cfg.Domain
+	return &d
+}
+
+func (s *server) sandboxOf(rec *store.Sandbox) sandboxJSON {
+	traffic := rec.TrafficToken
+	return sandboxJSON{SandboxID: rec.ID, TemplateID: rec.TemplateID, ClientID: clientID,
+		EnvdVersion: EnvdVersion, EnvdAccessToken: rec.AccessToken, TrafficAccessToken: &traffic,
+		Domain: s.domain(), Wall: rec.Wall, CPUCount: rec.CPUs, MemoryMB: rec.MemoryMB,
+		DiskSizeMB: rec.DiskMB, Pids: rec.Pids}
+}
+
+func listedOf(rec *store.Sandbox) listedJSON {
+	md := rec.Metadata
+	if md == nil {
+		md = map[string]string{}
+	}
+	return listedJSON{SandboxID: rec.ID, TemplateID: rec.TemplateID, ClientID: clientID,
+		StartedAt: rec.StartedAt.UTC(), EndAt: rec.EndAt.UTC(), CPUCount: rec.CPUs, MemoryMB: rec.MemoryMB,
+		DiskSizeMB: rec.DiskMB, Metadata: md, State: rec.State, EnvdVersion: EnvdVersion,
+		Wall: rec.Wall, Pids: rec.Pids}
+}
+
+func (s *server) create(v2 bool) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		var body newSandbox
+		if err := decode(r, &body, false); err != nil {
+			s.fail(w, r, err)
+			return
+		}
+		if body.TemplateID == "" {
+			s.fail(w, r, fmt.Errorf("%w: templateID is required", errBadRequest))
+			return
+		}
+		if body.Wall != "" && body.Wall != "process" {
+			s.fail(w, r, fmt.Errorf("%w: wall %q is not available on this server (available: process)", errBadRequest, body.Wall))
+			return
+		}
+		def := s.cfg.V1Timeout
+		if v2 {
+			def = s.cfg.V2Timeout
+		}
+		timeout, err := seconds(body.Timeout, def)
+		if err != nil {
+			s.fail(w, r, err)
+			return
+		}
+		for _, v := range []int64{body.MemoryMB, body.DiskSizeMB, body.Pids} {
+			if v < 0 {
+				s.fail(w, r, fmt.Errorf("%w: limits must be positive", errBadRequest))
+				return
+			}
+		}
+		internet := true // E2B's default when omitted
+		if body.AllowInternetAccess != nil {
+			internet = *body.AllowInternetAccess
+		}
+		rec, err := s.cfg.Manager.Create(r.Context(), manager.CreateRequest{
+			KeyID: keyID(r), Template: body.TemplateID, Timeout: timeout, Metadata: body.Metadata,
+			Env: body.EnvVars, CPUs: body.CPUCount, MemoryMB: body.MemoryMB, DiskMB: body.DiskSizeMB,
+			Pids: body.Pids, AllowInternet: internet, AutoPause: body.AutoPause,
+		})
+		if err != nil {
+			s.fail(w, r, err)
+			return
+		}
+		writeJSON(w, http.StatusCreated, s.sandboxOf(rec))
+	})
+}
+
+// listFilter reads E2B's list query: metadata (URL-encoded k=v&k2=v2),
+// state (running,paused), limit, nextToken.
+func listFilter(r *http.Request) (store.ListFilter, error) {
+	q := r.URL.Query()
+	f := store.ListFilter{KeyID: keyID(r), Cursor: q.Get("nextToken")}
+	if md := q.Get("metadata"); md != "" {
+		vals, err := url.ParseQuery(md)
+		if err != nil {
+			return f, fmt.Errorf("%w: metadata filter: %v", errBadRequest, err)
+		}
+		f.Metadata = map[string]string{}
+		for k, v := range vals {
+			f.Metadata[k] = v[len(v)-1]
+		}
+	}
+	if st := q.Get("state"); st != "" {
+		for _, s := range strings.Split(st, ",") {
+			if s != store.StateRunning && s != store.StatePaused {
+				return f, fmt.Errorf("%w: state %q (want running or paused)", errBadRequest, s)
+			}
+			f.States = append(f.States, s)
+		}
+	}
+	limit, err := atoiDefault(q.Get("limit"), 100)
+	if err != nil {
+		return f, err
+	}
+	if limit < 1 || limit > 100 {
+		return f, fmt.Errorf("%w: limit must be between 1 and 100", errBadRequest)
+	}
+	f.Limit = limit
+	return f, nil
+}
+
+func (s *server) listV2(w http.ResponseWriter, r *http.Request) {
+	f, err := listFilter(r)
+	if err != nil {
+		s.fail(w, r, err)
+		return
+	}
+	items, next, err := s.cfg.Manager.List(f)
+	if err != nil {
+		s.fail(w, r, err)
+		return
+	}
+	if next != "" {
+		w.Header().Set("X-Next-Token", next)
+	}
+	out := make([]listedJSON, 0, len(items))
+	for _, rec := range items {
+		out = append(out, listedOf(rec))
+	}
+	writeJSON(w, http.StatusOK, out)
+}
+
+// listV1 is the older SDKs' list: every running sandbox of the key, no pages.
+func (s *server) listV1(w http.ResponseWriter, r *http.Request) {
+	f, err := listFilter(r)
+	if err != nil {
+		s.fail(w, r, err)
+		return
+	}
+	f.Limit, f.States = 0, []string{store.StateRunning}
+	items, _, err := s.cfg.Manager.List(f)
+	if err != nil {
+		s.fail(w, r, err)
+		return
+	}
+	out := make([]listedJSON, 0, len(items))
+	for _, rec := range items {
+		out = append(out, listedOf(rec))
+	}
+	writeJSON(w, http.StatusOK, out)
+}
+
+func (s *server) get(w http.ResponseWriter, r *http.Request) {
+	rec, err := s.cfg.Manager.Get(keyID(r), r.PathValue("sandboxID"))
+	if err != nil {
+		s.fail(w, r, err)
+		return
+	}
+	writeJSON(w, http.StatusOK, detailJSON{listedJSON: listedOf(rec), EnvdAccessToken: rec.AccessToken, Domain: s.domain()})
+}
+
+func (s *server) kill(w http.ResponseWriter, r *http.Request) {
+	if err := s.cfg.Manager.Kill(keyID(r), r.PathValue("sandboxID")); err != nil {
+		s.fail(w, r, err)
+		return
+	}
+	w.WriteHeader(http.StatusNoContent)
+}
+
+func (s *server) timeout(w http.ResponseWriter, r *http.Request) {
+	var body struct {
+		Timeout *int64 `json:"timeout"`
+	}
+	if err := decode(r, &body, false); err != nil {
+		s.fail(w, r, err)
+		return
+	}
+	if body.Timeout == nil {
+		s.fail(w, r, fmt.Errorf("%w: timeout is required", errBadRequest))
+		return
+	}
+	d, err := seconds(body.Timeout, 0)
+	if err == nil {
+		_, err = s.cfg.Manager.SetTimeout(keyID(r), r.PathValue("sandboxID"), d)
+	}
+	if err != nil {
+		s.fail(w, r, err)
+		return
+	}
+	w.WriteHeader(http.StatusNoContent)
+}
+
+// refresh is the older SDKs' keep-alive: extend by duration (default 60 s).
+func (s *server) refresh(w http.ResponseWriter, r *http.Request) {
+	var body struct {
+		Duration *int64 `json:"duration"`
+	}
+	if err := decode(r, &body, true); err != nil {
+		s.fail(w, r, err)
+		return
+	}
+	d, err := seconds(body.Duration, 60*time.Second)
+	if err == nil {
+		_, err = s.cfg.Manager.SetTimeout(keyID(r), r.PathValue("sandboxID"), d)
+	}
+	if err != nil {
+		s.fail(w, r, err)
+		return
+	}
+	w.WriteHeader(http.StatusNoContent)
+}
+
+// connect returns a running sandbox and extends its life to at least timeout
+// from now (E2B's connect never shortens it). Paused sandboxes do not exist
+// yet, so it is always 200.
+func (s *server) connect(v2 bool) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		var body struct {
+			Timeout *int64 `json:"timeout"`
+		}
+		if err := decode(r, &body, v2); err != nil {
+			s.fail(w, r, err)
+			return
+		}
+		if !v2 && body.Timeout == nil {
+			s.fail(w, r, fmt.Errorf("%w: timeout is required", errBadRequest))
+			return
+		}
+		d, err := seconds(body.Timeout, s.cfg.V2Timeout)
+		if err != nil {
+			s.fail(w, r, err)
+			return
+		}
+		id := r.PathValue("sandboxID")
+		rec, err := s.cfg.Manager.Get(keyID(r), id)
+		if err != nil {
+			s.fail(w, r, err)
+			return
+		}
+		if time.Until(rec.EndAt) < d {
+			if rec, err = s.cfg.Manager.SetTimeout(keyID(r), id, d); err != nil {
+				s.fail(w, r, err)
+				return
+			}
+		}
+		writeJSON(w, http.StatusOK, s.sandboxOf(rec))
+	})
+}
+
+type metricJSON struct {
+	Timestamp     time.Time `json:"timestamp"`
+	TimestampUnix int64     `json:"timestampUnix"`
+	CPUCount      float64   `json:"cpuCount"`
+	CPUUsedPct    float64   `json:"cpuUsedPct"`
+	MemUsed       int64     `json:"memUsed"`
+	MemTotal      int64     `json:"memTotal"`
+	MemCache      int64     `json:"memCache"`
+	DiskUsed      int64     `json:"diskUsed"`
+	DiskTotal     int64     `json:"diskTotal"`
+}
+
+func (s *server) metrics(w http.ResponseWriter, r *http.Request) {
+	q := r.URL.Query()
+	for _, p := range []string{"start", "end"} {
+		if _, err := atoiDefault(q.Get(p), 0); err != nil {
+			s.fail(w, r, err)
+			return
+		}
+	}
+	ms, err := s.cfg.Manager.Metrics(keyID(r), r.PathValue("sandboxID"))
+	if err != nil {
+		s.fail(w, r, err)
+		return
+	}
+	out := make([]metricJSON, 0, len(ms))
+	for _, m := range ms {
+		out = append(out, metricJSON{Timestamp: m.Time.UTC(), TimestampUnix: m.Time.Unix(), CPUCount: m.CPUCount,
+			CPUUsedPct: m.CPUUsedPct, MemUsed: m.MemUsed, MemTotal: m.MemTotal, MemCache: m.MemCache,
+			DiskUsed: m.DiskUsed, DiskTotal: m.DiskTotal})
+	}
+	writeJSON(w, http.StatusOK, out)
+}

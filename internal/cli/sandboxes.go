@@ -1,0 +1,359 @@
+package cli
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"strings"
+	"sync/atomic"
+	"text/tabwriter"
+	"time"
+
+	"connectrpc.com/connect"
+	"github.com/spf13/cobra"
+	"golang.org/x/term"
+
+	pb "github.com/cagehq/cage/api/gen/process"
+	"github.com/cagehq/cage/internal/agentclient"
+	"github.com/cagehq/cage/internal/client"
+	"github.com/cagehq/cage/internal/units"
+)
+
+// The daemon's client commands: create, ls, exec, cp, rm, inspect.
+
+type daemonFlags struct {
+	host, proxy, key string
+	json             bool
+}
+
+func (d *daemonFlags) register(cmd *cobra.Command) {
+	fl := cmd.PersistentFlags()
+	fl.StringVar(&d.host, "host", envOr("CAGE_HOST", "http://127.0.0.1:3000"), "the daemon's control API ($CAGE_HOST)")
+	fl.StringVar(&d.proxy, "proxy-url", envOr("CAGE_PROXY_URL", "http://127.0.0.1:3001"), "the daemon's sandbox proxy ($CAGE_PROXY_URL)")
+	fl.StringVar(&d.key, "key", os.Getenv("CAGE_API_KEY"), "API key ($CAGE_API_KEY)")
+	fl.BoolVar(&d.json, "json", false, "print JSON")
+}
+
+func (d *daemonFlags) client() (*client.Client, error) {
+	if d.key == "" {
+		return nil, exitf(ExitUsage, "no API key: set CAGE_API_KEY or pass --key (create one with `cage keys create`)")
+	}
+	return client.New(d.host, d.proxy, d.key), nil
+}
+
+// apiFailure turns a client error into cage's exit codes.
+func apiFailure(err error) error {
+	var ae *client.APIError
+	switch {
+	case errors.Is(err, client.ErrNotRunning):
+		return exitf(ExitUnavailable, "%v (start it with `cage serve`, or point CAGE_HOST / --host at it)", err)
+	case errors.As(err, &ae):
+		switch ae.Status {
+		case 400, 413:
+			return exitf(ExitUsage, "%s", ae.Message)
+		case 401:
+			return exitf(ExitNoPerm, "%s", ae.Message)
+		case 404:
+			return exitf(ExitNotFoundObj, "%s", ae.Message)
+		}
+		return exitf(ExitInternal, "%s (HTTP %d)", ae.Message, ae.Status)
+	}
+	return exitf(ExitInternal, "%v", err)
+}
+
+func jsonEncoder(w io.Writer) *json.Encoder {
+	enc := json.NewEncoder(w)
+	enc.SetIndent("", "  ")
+	return enc
+}
+
+func parseKV(flag string, kvs []string) (map[string]string, error) {
+	m := map[string]string{}
+	for _, kv := range kvs {
+		k, v, ok := strings.Cut(kv, "=")
+		if !ok || k == "" {
+			return nil, exitf(ExitUsage, "--%s %q: want K=V", flag, kv)
+		}
+		m[k] = v
+	}
+	return m, nil
+}
+
+func newClientCmds(g *globals) []*cobra.Command {
+	d := &daemonFlags{}
+	cmds := []*cobra.Command{newCreateCmd(d), newLsCmd(d), newExecCmd(d), newCpCmd(d), newRmCmd(d), newInspectCmd(d)}
+	for _, c := range cmds {
+		d.register(c)
+	}
+	return cmds
+}
+
+func newCreateCmd(d *daemonFlags) *cobra.Command {
+	var template, memory, disk, timeout string
+	var cpus float64
+	var pids int64
+	var env, meta []string
+	cmd := &cobra.Command{
+		Use:   "create",
+		Short: "Create a sandbox in the daemon; prints its id",
+		Args:  cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			c, err := d.client()
+			if err != nil {
+				return err
+			}
+			body := map[string]any{"templateID": template}
+			if timeout != "" {
+				t, err := units.ParseDuration(timeout)
+				if err != nil || t < time.Second {
+					return exitf(ExitUsage, "--timeout %q: want at least 1s", timeout)
+				}
+				body["timeout"] = int64(t / time.Second)
+			}
+			for flag, v := range map[string]string{"memoryMB": memory, "diskSizeMB": disk} {
+				if v == "" {
+					continue
+				}
+				n, err := units.ParseSize(v)
+				if err != nil {
+					return exitf(ExitUsage, "%v", err)
+				}
+				body[flag] = n >> 20
+			}
+			if cpus > 0 {
+				body["cpuCount"] = cpus
+			}
+			if pids > 0 {
+				body["pids"] = pids
+			}
+			if body["envVars"], err = parseKV("env", env); err != nil {
+				return err
+			}
+			if body["metadata"], err = parseKV("metadata", meta); err != nil {
+				return err
+			}
+			sb, err := c.Create(ctx(cmd), body)
+			if err != nil {
+				return apiFailure(err)
+			}
+			if d.json {
+				return jsonEncoder(cmd.OutOrStdout()).Encode(sb)
+			}
+			fmt.Fprintln(cmd.OutOrStdout(), sb.SandboxID)
+			return nil
+		},
+	}
+	fl := cmd.Flags()
+	fl.StringVar(&template, "template", "host", "template")
+	fl.StringVar(&timeout, "timeout", "", "lifetime (default: the server's, 300s)")
+	fl.StringVar(&memory, "memory", "", "memory limit (e.g. 512M)")
+	fl.StringVar(&disk, "disk", "", "writable storage size")
+	fl.Float64Var(&cpus, "cpus", 0, "CPU limit in cores")
+	fl.Int64Var(&pids, "pids", 0, "process limit")
+	fl.StringArrayVarP(&env, "env", "e", nil, "environment K=V (repeatable)")
+	fl.StringArrayVar(&meta, "metadata", nil, "metadata K=V (repeatable)")
+	return cmd
+}
+
+func ctx(cmd *cobra.Command) context.Context {
+	if c := cmd.Context(); c != nil {
+		return c
+	}
+	return context.Background()
+}
+
+func newLsCmd(d *daemonFlags) *cobra.Command {
+	var meta []string
+	cmd := &cobra.Command{
+		Use:   "ls",
+		Short: "List running sandboxes",
+		Args:  cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			c, err := d.client()
+			if err != nil {
+				return err
+			}
+			md, err := parseKV("metadata", meta)
+			if err != nil {
+				return err
+			}
+			list, err := c.List(ctx(cmd), md)
+			if err != nil {
+				return apiFailure(err)
+			}
+			if d.json {
+				if list == nil {
+					list = []client.Sandbox{}
+				}
+				return jsonEncoder(cmd.OutOrStdout()).Encode(list)
+			}
+			tw := tabwriter.NewWriter(cmd.OutOrStdout(), 0, 4, 2, ' ', 0)
+			fmt.Fprintln(tw, "ID\tTEMPLATE\tWALL\tSTARTED\tENDS IN\tCPUS\tMEMORY")
+			for _, s := range list {
+				fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%g\t%dMiB\n", s.SandboxID, s.TemplateID, s.Wall,
+					s.StartedAt.Local().Format("15:04:05"), time.Until(s.EndAt).Round(time.Second), s.CPUCount, s.MemoryMB)
+			}
+			return tw.Flush()
+		},
+	}
+	cmd.Flags().StringArrayVar(&meta, "metadata", nil, "only sandboxes with metadata K=V (repeatable)")
+	return cmd
+}
+
+func newInspectCmd(d *daemonFlags) *cobra.Command {
+	return &cobra.Command{
+		Use:   "inspect ID",
+		Short: "Show a sandbox",
+		Args:  cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			c, err := d.client()
+			if err != nil {
+				return err
+			}
+			sb, err := c.Get(ctx(cmd), args[0])
+			if err != nil {
+				return apiFailure(err)
+			}
+			if d.json {
+				return jsonEncoder(cmd.OutOrStdout()).Encode(sb)
+			}
+			w := cmd.OutOrStdout()
+			fmt.Fprintf(w, "id:        %s\ntemplate:  %s\nwall:      %s\nstate:     %s\nstarted:   %s\nends:      %s (in %s)\n",
+				sb.SandboxID, sb.TemplateID, sb.Wall, sb.State, sb.StartedAt.Local().Format(time.RFC3339),
+				sb.EndAt.Local().Format(time.RFC3339), time.Until(sb.EndAt).Round(time.Second))
+			fmt.Fprintf(w, "limits:    %g cpus, %d MiB memory, %d MiB disk, %d pids\n", sb.CPUCount, sb.MemoryMB, sb.DiskSizeMB, sb.Pids)
+			for k, v := range sb.Metadata {
+				fmt.Fprintf(w, "metadata:  %s=%s\n", k, v)
+			}
+			return nil
+		},
+	}
+}
+
+func newRmCmd(d *daemonFlags) *cobra.Command {
+	return &cobra.Command{
+		Use:   "rm ID...",
+		Short: "Destroy sandboxes",
+		Args:  cobra.MinimumNArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			c, err := d.client()
+			if err != nil {
+				return err
+			}
+			var first error
+			for _, id := range args {
+				if err := c.Kill(ctx(cmd), id); err != nil {
+					fmt.Fprintf(cmd.ErrOrStderr(), "cage: %s: %v\n", id, err)
+					if first == nil {
+						first = apiFailure(err)
+					}
+					continue
+				}
+				if !d.json {
+					fmt.Fprintln(cmd.OutOrStdout(), id)
+				}
+			}
+			if first != nil {
+				var ee *exitError
+				if errors.As(first, &ee) {
+					return &exitError{code: ee.code}
+				}
+			}
+			return nil
+		},
+	}
+}
+
+func newExecCmd(d *daemonFlags) *cobra.Command {
+	var workdir, user, tty string
+	var env []string
+	cmd := &cobra.Command{
+		Use:   "exec ID -- CMD [ARGS...]",
+		Short: "Run a command in a running sandbox; exits with its code",
+		Args: func(_ *cobra.Command, args []string) error {
+			if len(args) < 2 || (args[1] == "--" && len(args) < 3) {
+				return exitf(ExitUsage, "usage: cage exec ID -- CMD [ARGS...]")
+			}
+			return nil
+		},
+		RunE: func(cmd *cobra.Command, args []string) error {
+			if args[1] == "--" { // flags stop at the id, so "--" arrives as an argument
+				args = append(args[:1], args[2:]...)
+			}
+			c, err := d.client()
+			if err != nil {
+				return err
+			}
+			envs, err := parseKV("env", env)
+			if err != nil {
+				return err
+			}
+			sb, err := c.Get(ctx(cmd), args[0])
+			if err != nil {
+				return apiFailure(err)
+			}
+			ac, err := c.Agent(sb.SandboxID, sb.EnvdAccessToken)
+			if err != nil {
+				return exitf(ExitUsage, "%v", err)
+			}
+			defer ac.Close()
+			opts := agentclient.RunOptions{Cmd: args[1], Args: args[2:], Cwd: workdir, User: user, Env: envs,
+				Stdout: cmd.OutOrStdout(), Stderr: cmd.ErrOrStderr()}
+			return execIn(ctx(cmd), ac, opts, tty, sb)
+		},
+	}
+	cmd.Flags().SetInterspersed(false)
+	fl := cmd.Flags()
+	fl.StringVarP(&workdir, "workdir", "w", "", "working directory")
+	fl.StringVarP(&user, "user", "u", "", "user (default: the sandbox's)")
+	fl.StringArrayVarP(&env, "env", "e", nil, "environment K=V (repeatable)")
+	fl.StringVar(&tty, "tty", "auto", "PTY: auto, always, never")
+	return cmd
+}
+
+// execIn runs a command in a daemon's sandbox with the caller's terminal.
+func execIn(ctx context.Context, ac *agentclient.Client, opts agentclient.RunOptions, tty string, sb *client.Sandbox) error {
+	var restore func()
+	if tty == "always" || (tty == "auto" && term.IsTerminal(int(os.Stdin.Fd()))) {
+		restore = setupPTY(ctx, ac, &opts)
+	} else {
+		opts.Stdin = os.Stdin
+		var pid atomic.Uint32
+		stop := forwardSignals(ctx, ac, &opts, func() {
+			if p := pid.Load(); p != 0 {
+				sel := &pb.ProcessSelector{Selector: &pb.ProcessSelector_Pid{Pid: p}}
+				_, _ = ac.Process.SendSignal(ctx, connect.NewRequest(&pb.SendSignalRequest{Process: sel, Signal: pb.Signal_SIGNAL_SIGKILL}))
+			}
+		})
+		prev := opts.OnStart
+		opts.OnStart = func(p uint32) {
+			pid.Store(p)
+			if prev != nil {
+				prev(p)
+			}
+		}
+		defer stop()
+	}
+	end, err := ac.Run(ctx, opts)
+	if restore != nil {
+		restore()
+	}
+	if err != nil {
+		switch connect.CodeOf(err) {
+		case connect.CodeNotFound:
+			return exitf(ExitNotFound, "%s", connectMessage(err))
+		case connect.CodePermissionDenied:
+			return exitf(ExitNotExec, "%s", connectMessage(err))
+		case connect.CodeInvalidArgument:
+			return exitf(ExitUsage, "%s", connectMessage(err))
+		}
+		if errors.Is(err, client.ErrNotRunning) {
+			return apiFailure(err)
+		}
+		return exitf(ExitInternal, "%v", err)
+	}
+	return exitFromEnd(end, opts.Cmd, sb.MemoryMB<<20, sb.Pids, os.Stderr)
+}

@@ -1,0 +1,193 @@
+package cli
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"os/signal"
+	"syscall"
+	"text/tabwriter"
+	"time"
+
+	"github.com/spf13/cobra"
+
+	"github.com/cagehq/cage/internal/daemon"
+	"github.com/cagehq/cage/internal/store"
+)
+
+func newServeCmd(g *globals) *cobra.Command {
+	cfg := daemon.Defaults()
+	var configFile, maxTimeout string
+	cmd := &cobra.Command{
+		Use:   "serve",
+		Short: "Run the daemon: E2B-compatible API and sandbox proxy",
+		Long: `Run the daemon in the foreground. Settings come from flags, then the
+environment (CAGE_API, CAGE_PROXY, CAGE_DATA, CAGE_DOMAIN, CAGE_CONFIG), then
+the JSON config file, then defaults. Sandboxes outlive the daemon: the next
+start adopts those still running and removes what a crash left behind.
+
+Point an E2B SDK at it with E2B_API_URL=http://API and E2B_SANDBOX_URL=http://PROXY
+and E2B_API_KEY set to a key from 'cage keys create'.`,
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			final := daemon.Defaults()
+			if configFile == "" {
+				configFile = os.Getenv("CAGE_CONFIG")
+			}
+			if configFile != "" {
+				if err := daemon.LoadFile(configFile, &final); err != nil {
+					return exitf(ExitUsage, "%v", err)
+				}
+			}
+			for env, dst := range map[string]*string{"CAGE_API": &final.API, "CAGE_PROXY": &final.Proxy,
+				"CAGE_DATA": &final.Data, "CAGE_DOMAIN": &final.Domain} {
+				if v := os.Getenv(env); v != "" {
+					*dst = v
+				}
+			}
+			fl := cmd.Flags()
+			if fl.Changed("api") {
+				final.API = cfg.API
+			}
+			if fl.Changed("proxy") {
+				final.Proxy = cfg.Proxy
+			}
+			if fl.Changed("data") {
+				final.Data = cfg.Data
+			}
+			if fl.Changed("domain") {
+				final.Domain = cfg.Domain
+			}
+			if fl.Changed("pool") {
+				final.Pool = cfg.Pool
+			}
+			if fl.Changed("max-sandboxes") {
+				final.MaxSandboxes = cfg.MaxSandboxes
+			}
+			if fl.Changed("max-timeout") {
+				d, err := time.ParseDuration(maxTimeout)
+				if err != nil || d <= 0 {
+					return exitf(ExitUsage, "--max-timeout %q: want a duration such as 1h", maxTimeout)
+				}
+				final.MaxTimeout = daemon.Duration(d)
+			}
+			if cmd.Root().PersistentFlags().Changed("run-dir") || os.Getenv("CAGE_RUN_DIR") != "" {
+				final.RunDir = g.runDir
+			}
+			ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
+			defer stop()
+			return daemon.Run(ctx, final, g.log, nil)
+		},
+	}
+	fl := cmd.Flags()
+	fl.StringVar(&configFile, "config", "", "JSON config file")
+	fl.StringVar(&cfg.API, "api", cfg.API, "control API address")
+	fl.StringVar(&cfg.Proxy, "proxy", cfg.Proxy, "sandbox traffic address")
+	fl.StringVar(&cfg.Data, "data", cfg.Data, "state directory")
+	fl.StringVar(&cfg.Domain, "domain", "", "domain of {port}-{sandboxID}.{domain} hosts")
+	fl.IntVar(&cfg.Pool, "pool", cfg.Pool, "prepared sandboxes kept ready")
+	fl.IntVar(&cfg.MaxSandboxes, "max-sandboxes", 0, "sandboxes alive at once (0: no limit); beyond it creates get 429")
+	fl.StringVar(&maxTimeout, "max-timeout", "24h", "longest timeout a sandbox may ask for")
+	return cmd
+}
+
+func newKeysCmd(g *globals) *cobra.Command {
+	var data string
+	var asJSON bool
+	open := func() (*store.Store, error) {
+		if data == "" {
+			data = envOr("CAGE_DATA", "/var/lib/cage")
+		}
+		st, err := store.Open(data)
+		if err != nil {
+			return nil, exitf(ExitInternal, "open the store in %s: %v", data, err)
+		}
+		return st, nil
+	}
+	cmd := &cobra.Command{Use: "keys", Short: "Manage API keys (create | ls | revoke)"}
+	cmd.PersistentFlags().StringVar(&data, "data", "", "the daemon's state directory (default $CAGE_DATA or /var/lib/cage)")
+	var name string
+	create := &cobra.Command{
+		Use:   "create",
+		Short: "Create an API key; the key alone is printed on the last line",
+		Args:  cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			st, err := open()
+			if err != nil {
+				return err
+			}
+			defer st.Close()
+			plain, k, err := st.CreateKey(name)
+			if err != nil {
+				return err
+			}
+			if asJSON {
+				return printJSON(cmd.OutOrStdout(), map[string]any{"id": k.ID, "name": k.Name, "key": plain})
+			}
+			fmt.Fprintf(cmd.ErrOrStderr(), "created API key %s (%s); it is shown once:\n", k.ID, k.Name)
+			fmt.Fprintln(cmd.OutOrStdout(), plain)
+			return nil
+		},
+	}
+	create.Flags().StringVar(&name, "name", "", "a name to recognise the key by")
+	ls := &cobra.Command{
+		Use:   "ls",
+		Short: "List API keys",
+		Args:  cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			st, err := open()
+			if err != nil {
+				return err
+			}
+			defer st.Close()
+			keys, err := st.ListKeys()
+			if err != nil {
+				return err
+			}
+			if asJSON {
+				return printJSON(cmd.OutOrStdout(), keys)
+			}
+			tw := tabwriter.NewWriter(cmd.OutOrStdout(), 0, 4, 2, ' ', 0)
+			fmt.Fprintln(tw, "ID\tNAME\tKEY\tCREATED\tSTATUS")
+			for _, k := range keys {
+				status := "active"
+				if k.RevokedAt != nil {
+					status = "revoked " + k.RevokedAt.Format(time.RFC3339)
+				}
+				fmt.Fprintf(tw, "%s\t%s\te2b_%s…\t%s\t%s\n", k.ID, k.Name, k.Prefix, k.CreatedAt.Format(time.RFC3339), status)
+			}
+			return tw.Flush()
+		},
+	}
+	revoke := &cobra.Command{
+		Use:   "revoke ID",
+		Short: "Revoke an API key (by id or prefix)",
+		Args:  cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			st, err := open()
+			if err != nil {
+				return err
+			}
+			defer st.Close()
+			k, err := st.RevokeKey(args[0])
+			if errors.Is(err, store.ErrNotFound) {
+				return exitf(ExitUsage, "no API key %q", args[0])
+			}
+			if err != nil {
+				return err
+			}
+			fmt.Fprintf(cmd.OutOrStdout(), "revoked %s\n", k.ID)
+			return nil
+		},
+	}
+	cmd.PersistentFlags().BoolVar(&asJSON, "json", false, "print JSON")
+	cmd.AddCommand(create, ls, revoke)
+	return cmd
+}
+
+func printJSON(w io.Writer, v any) error {
+	enc := jsonEncoder(w)
+	return enc.Encode(v)
+}

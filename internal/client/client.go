@@ -1,0 +1,175 @@
+// Package client is how the CLI reaches a running daemon: the control API
+// (E2B's REST with cage's fields) and, through the daemon's proxy, a
+// sandbox's agent. Like tailscale's CLI, the CLI never touches daemon state
+// directly.
+package client
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"net/url"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/cagehq/cage/internal/agentclient"
+)
+
+// ErrNotRunning means nothing answers at the daemon's address.
+var ErrNotRunning = errors.New("the daemon is not running")
+
+// APIError is an error answer of the API.
+type APIError struct {
+	Status  int
+	Message string
+}
+
+func (e *APIError) Error() string { return e.Message }
+
+// Client talks to one daemon.
+type Client struct {
+	API   string // e.g. http://127.0.0.1:3000
+	Proxy string // e.g. http://127.0.0.1:3001
+	Key   string
+	http  *http.Client
+}
+
+// New returns a client.
+func New(api, proxy, key string) *Client {
+	return &Client{API: strings.TrimRight(api, "/"), Proxy: strings.TrimRight(proxy, "/"), Key: key,
+		http: &http.Client{Timeout: 5 * time.Minute}}
+}
+
+// Sandbox is what the API says of a sandbox (the union of E2B's Sandbox
+// and SandboxDetail, with cage's fields).
+type Sandbox struct {
+	SandboxID       string            `json:"sandboxID"`
+	TemplateID      string            `json:"templateID"`
+	ClientID        string            `json:"clientID"`
+	EnvdVersion     string            `json:"envdVersion"`
+	EnvdAccessToken string            `json:"envdAccessToken"`
+	StartedAt       time.Time         `json:"startedAt"`
+	EndAt           time.Time         `json:"endAt"`
+	CPUCount        float64           `json:"cpuCount"`
+	MemoryMB        int64             `json:"memoryMB"`
+	DiskSizeMB      int64             `json:"diskSizeMB"`
+	Pids            int64             `json:"pids"`
+	Metadata        map[string]string `json:"metadata"`
+	State           string            `json:"state"`
+	Wall            string            `json:"wall"`
+}
+
+func (c *Client) do(ctx context.Context, method, path string, body, out any) (http.Header, error) {
+	var rd io.Reader
+	if body != nil {
+		b, err := json.Marshal(body)
+		if err != nil {
+			return nil, err
+		}
+		rd = bytes.NewReader(b)
+	}
+	req, err := http.NewRequestWithContext(ctx, method, c.API+path, rd)
+	if err != nil {
+		return nil, err
+	}
+	req.Header.Set("X-API-Key", c.Key)
+	if body != nil {
+		req.Header.Set("Content-Type", "application/json")
+	}
+	resp, err := c.http.Do(req)
+	if err != nil {
+		if errors.Is(err, syscall.ECONNREFUSED) {
+			return nil, fmt.Errorf("%w at %s", ErrNotRunning, c.API)
+		}
+		return nil, err
+	}
+	defer resp.Body.Close()
+	data, _ := io.ReadAll(io.LimitReader(resp.Body, 16<<20))
+	if resp.StatusCode >= 300 {
+		var e struct {
+			Message string `json:"message"`
+		}
+		if json.Unmarshal(data, &e) != nil || e.Message == "" {
+			e.Message = strings.TrimSpace(string(data))
+		}
+		return nil, &APIError{Status: resp.StatusCode, Message: e.Message}
+	}
+	if out != nil && len(data) > 0 {
+		if err := json.Unmarshal(data, out); err != nil {
+			return nil, fmt.Errorf("decode %s %s: %w", method, path, err)
+		}
+	}
+	return resp.Header, nil
+}
+
+// Create makes a sandbox; body is E2B's NewSandbox with cage's fields.
+func (c *Client) Create(ctx context.Context, body map[string]any) (*Sandbox, error) {
+	var sb Sandbox
+	_, err := c.do(ctx, http.MethodPost, "/v2/sandboxes", body, &sb)
+	return &sb, err
+}
+
+// List returns every running sandbox of the key, following pages.
+func (c *Client) List(ctx context.Context, metadata map[string]string) ([]Sandbox, error) {
+	q := url.Values{"limit": {"100"}}
+	if len(metadata) > 0 {
+		md := url.Values{}
+		for k, v := range metadata {
+			md.Set(k, v)
+		}
+		q.Set("metadata", md.Encode())
+	}
+	var all []Sandbox
+	for {
+		var page []Sandbox
+		h, err := c.do(ctx, http.MethodGet, "/v2/sandboxes?"+q.Encode(), nil, &page)
+		if err != nil {
+			return nil, err
+		}
+		all = append(all, page...)
+		next := h.Get("X-Next-Token")
+		if next == "" {
+			return all, nil
+		}
+		q.Set("nextToken", next)
+	}
+}
+
+// Get returns one sandbox.
+func (c *Client) Get(ctx context.Context, id string) (*Sandbox, error) {
+	var sb Sandbox
+	_, err := c.do(ctx, http.MethodGet, "/sandboxes/"+url.PathEscape(id), nil, &sb)
+	return &sb, err
+}
+
+// Kill destroys a sandbox.
+func (c *Client) Kill(ctx context.Context, id string) error {
+	_, err := c.do(ctx, http.MethodDelete, "/sandboxes/"+url.PathEscape(id), nil, nil)
+	return err
+}
+
+// Agent returns a client of the sandbox's agent, through the daemon's proxy.
+func (c *Client) Agent(id, token string) (*agentclient.Client, error) {
+	u, err := url.Parse(c.Proxy)
+	if err != nil || u.Host == "" {
+		return nil, fmt.Errorf("proxy address %q: want http://HOST:PORT", c.Proxy)
+	}
+	dial := func(ctx context.Context) (net.Conn, error) {
+		var d net.Dialer
+		conn, err := d.DialContext(ctx, "tcp", u.Host)
+		if errors.Is(err, syscall.ECONNREFUSED) {
+			return nil, fmt.Errorf("%w at %s", ErrNotRunning, c.Proxy)
+		}
+		return conn, err
+	}
+	h := http.Header{}
+	h.Set("E2b-Sandbox-Id", id)
+	h.Set("E2b-Sandbox-Port", "49983")
+	return agentclient.NewWithHeaders(dial, token, h), nil
+}

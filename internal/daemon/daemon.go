@@ -1,0 +1,156 @@
+// Package daemon runs `cage serve`: the store, the sandbox manager, the
+// E2B-compatible control API and the sandbox-traffic proxy, wired together
+// and stopped cleanly. Sandboxes outlive the daemon: a restart adopts them.
+package daemon
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"os"
+	"path/filepath"
+	"syscall"
+	"time"
+
+	"github.com/cagehq/cage/internal/api"
+	"github.com/cagehq/cage/internal/manager"
+	"github.com/cagehq/cage/internal/proxy"
+	"github.com/cagehq/cage/internal/sandbox"
+	"github.com/cagehq/cage/internal/store"
+)
+
+// Config is the daemon's configuration. JSON field names are those of the
+// config file.
+type Config struct {
+	API             string   `json:"api"`     // control API address
+	Proxy           string   `json:"proxy"`   // sandbox traffic address
+	Data            string   `json:"data"`    // state directory (SQLite database)
+	RunDir          string   `json:"run_dir"` // runtime state of sandboxes
+	Domain          string   `json:"domain"`  // for {port}-{id}.{domain} hosts
+	DefaultTemplate string   `json:"default_template"`
+	MaxTimeout      Duration `json:"max_timeout"`
+	MaxSandboxes    int      `json:"max_sandboxes"`
+	Pool            int      `json:"pool"` // prepared sandboxes kept ready
+	AgentPath       string   `json:"agent"`
+}
+
+// Defaults for Config.
+func Defaults() Config {
+	return Config{API: "127.0.0.1:3000", Proxy: "127.0.0.1:3001", Data: "/var/lib/cage", RunDir: "/run/cage",
+		DefaultTemplate: "host", MaxTimeout: Duration(24 * time.Hour), Pool: 2}
+}
+
+// Duration is a time.Duration written as "90s", "1h" in the config file.
+type Duration time.Duration
+
+func (d *Duration) UnmarshalJSON(b []byte) error {
+	var s string
+	if err := json.Unmarshal(b, &s); err != nil {
+		return fmt.Errorf("duration: want a string such as \"1h\"")
+	}
+	v, err := time.ParseDuration(s)
+	if err != nil {
+		return err
+	}
+	*d = Duration(v)
+	return nil
+}
+
+// LoadFile reads a JSON config file over cfg.
+func LoadFile(path string, cfg *Config) error {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return err
+	}
+	dec := json.NewDecoder(bytes.NewReader(b))
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(cfg); err != nil {
+		return fmt.Errorf("config %s: %v", path, err)
+	}
+	return nil
+}
+
+// Run serves until ctx ends. ready, when not nil, is called once both
+// listeners accept.
+func Run(ctx context.Context, cfg Config, log *slog.Logger, ready func(apiAddr, proxyAddr string)) error {
+	if err := os.MkdirAll(cfg.Data, 0o700); err != nil {
+		return err
+	}
+	lock, err := lockData(cfg.Data)
+	if err != nil {
+		return err
+	}
+	defer lock.Close()
+	st, err := store.Open(cfg.Data)
+	if err != nil {
+		return err
+	}
+	defer st.Close()
+	host, err := sandbox.NewHost(cfg.RunDir, cfg.AgentPath, log)
+	if err != nil {
+		return err
+	}
+	mgr := manager.New(manager.Config{Store: st, Host: host, Log: log, MaxTimeout: time.Duration(cfg.MaxTimeout),
+		DefaultTemplate: cfg.DefaultTemplate, MaxSandboxes: cfg.MaxSandboxes})
+	if err := mgr.Recover(); err != nil {
+		return fmt.Errorf("recover sandboxes: %w", err)
+	}
+	defer mgr.Close()
+	host.StartPool(cfg.Pool)
+	defer host.Close()
+
+	apiL, err := net.Listen("tcp", cfg.API)
+	if err != nil {
+		return fmt.Errorf("control API address %s: %w", cfg.API, err)
+	}
+	proxyL, err := net.Listen("tcp", cfg.Proxy)
+	if err != nil {
+		apiL.Close()
+		return fmt.Errorf("proxy address %s: %w", cfg.Proxy, err)
+	}
+	var protos http.Protocols
+	protos.SetHTTP1(true)
+	protos.SetUnencryptedHTTP2(true)
+	apiSrv := &http.Server{Handler: api.Handler(api.Config{Manager: mgr, Store: st, Log: log, Domain: cfg.Domain}),
+		ReadHeaderTimeout: 30 * time.Second}
+	proxySrv := &http.Server{Handler: proxy.New(mgr, cfg.Domain, log), Protocols: &protos, ReadHeaderTimeout: 30 * time.Second}
+	errs := make(chan error, 2)
+	go func() { errs <- apiSrv.Serve(apiL) }()
+	go func() { errs <- proxySrv.Serve(proxyL) }()
+	log.Info("cage serve: ready", "api", apiL.Addr().String(), "proxy", proxyL.Addr().String(),
+		"data", cfg.Data, "sandboxes", mgr.Count())
+	if ready != nil {
+		ready(apiL.Addr().String(), proxyL.Addr().String())
+	}
+	select {
+	case <-ctx.Done():
+	case err := <-errs:
+		if !errors.Is(err, http.ErrServerClosed) {
+			return err
+		}
+	}
+	sctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	_ = apiSrv.Shutdown(sctx)
+	_ = proxySrv.Shutdown(sctx)
+	log.Info("cage serve: stopped; sandboxes keep running for the next start", "sandboxes", mgr.Count())
+	return nil
+}
+
+// lockData makes sure one daemon at a time uses a data directory.
+func lockData(dir string) (*os.File, error) {
+	f, err := os.OpenFile(filepath.Join(dir, "daemon.lock"), os.O_CREATE|os.O_RDWR|syscall.O_CLOEXEC, 0o600)
+	if err != nil {
+		return nil, err
+	}
+	if err := syscall.Flock(int(f.Fd()), syscall.LOCK_EX|syscall.LOCK_NB); err != nil {
+		f.Close()
+		return nil, fmt.Errorf("another cage serve is using %s", dir)
+	}
+	return f, nil
+}

@@ -1,0 +1,322 @@
+// Package manager is the daemon's sandbox manager: it creates sandboxes and
+// records them in the store before they run anything, kills them at their
+// end time, extends them, and after a restart of the daemon re-adopts the
+// ones still running and removes whatever a crash left half-made. The store
+// is the truth about which sandboxes exist; the host is made to agree with it.
+package manager
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"log/slog"
+	"sync"
+	"time"
+
+	"github.com/cagehq/cage/internal/sandbox"
+	"github.com/cagehq/cage/internal/store"
+	"github.com/cagehq/cage/internal/wall/process"
+)
+
+// Error kinds, mapped to HTTP statuses by the API.
+var (
+	ErrNotFound = errors.New("not found")
+	ErrInvalid  = sandbox.ErrInvalid
+	ErrLimit    = errors.New("limit reached")
+)
+
+// Config configures a Manager.
+type Config struct {
+	Store           *store.Store
+	Host            *sandbox.Host
+	Log             *slog.Logger
+	DefaultTimeout  time.Duration // E2B's: 300 s
+	MaxTimeout      time.Duration // a create or extension beyond it is refused
+	DefaultTemplate string
+	MaxSandboxes    int // alive at once; 0 = no limit
+}
+
+// Manager owns the daemon's sandboxes.
+type Manager struct {
+	cfg Config
+	log *slog.Logger
+
+	mu       sync.Mutex
+	live     map[string]*entry
+	creating int
+	closed   bool
+}
+
+type entry struct {
+	sb    *process.Sandbox
+	timer *time.Timer
+}
+
+// New returns a manager; call Recover before serving.
+func New(cfg Config) *Manager {
+	if cfg.Log == nil {
+		cfg.Log = slog.New(slog.DiscardHandler)
+	}
+	if cfg.DefaultTimeout == 0 {
+		cfg.DefaultTimeout = 300 * time.Second
+	}
+	if cfg.MaxTimeout == 0 {
+		cfg.MaxTimeout = 24 * time.Hour
+	}
+	if cfg.DefaultTemplate == "" {
+		cfg.DefaultTemplate = "host"
+	}
+	return &Manager{cfg: cfg, log: cfg.Log, live: map[string]*entry{}}
+}
+
+// CreateRequest is what a client asks for.
+type CreateRequest struct {
+	KeyID         string
+	Template      string
+	Timeout       time.Duration // 0: the default
+	Metadata, Env map[string]string
+	CPUs          float64
+	MemoryMB      int64
+	DiskMB        int64
+	Pids          int64
+	AllowInternet bool
+	AutoPause     bool
+}
+
+func (m *Manager) checkTimeout(d time.Duration) error {
+	if d <= 0 {
+		return fmt.Errorf("%w: timeout must be at least 1 second", ErrInvalid)
+	}
+	if d > m.cfg.MaxTimeout {
+		return fmt.Errorf("%w: timeout %v is above this server's maximum of %v", ErrInvalid, d, m.cfg.MaxTimeout)
+	}
+	return nil
+}
+
+func randomToken() string {
+	b := make([]byte, 24)
+	_, _ = rand.Read(b)
+	return hex.EncodeToString(b)
+}
+
+// Create makes a sandbox and starts its timer. The record is written before
+// the sandbox starts, so a crash at any point leaves either a record that
+// Recover cleans up, or a prepared agent that exits when its creator dies.
+func (m *Manager) Create(ctx context.Context, req CreateRequest) (*store.Sandbox, error) {
+	if req.Timeout == 0 {
+		req.Timeout = m.cfg.DefaultTimeout
+	}
+	if err := m.checkTimeout(req.Timeout); err != nil {
+		return nil, err
+	}
+	if req.Template == "" {
+		req.Template = m.cfg.DefaultTemplate
+	}
+	if err := m.admit(); err != nil {
+		return nil, err
+	}
+	defer m.admitted()
+
+	opts := sandbox.Options{
+		Template: req.Template, Token: randomToken(), Env: req.Env, CPUs: req.CPUs,
+		Memory: req.MemoryMB << 20, Disk: req.DiskMB << 20, Pids: req.Pids,
+	}
+	sb, err := m.cfg.Host.Prepare(ctx, &opts)
+	if err != nil {
+		return nil, err
+	}
+	now := time.Now()
+	rec := &store.Sandbox{
+		ID: sb.ID, KeyID: req.KeyID, TemplateID: req.Template, Wall: "process",
+		State: store.StateCreating, Metadata: req.Metadata, EnvVars: req.Env,
+		CPUs: opts.CPUs, MemoryMB: opts.Memory >> 20, DiskMB: opts.Disk >> 20, Pids: opts.Pids,
+		AccessToken: opts.Token, TrafficToken: randomToken(), AgentPID: sb.Pid,
+		StartedAt: now, EndAt: now.Add(req.Timeout), AllowInternet: req.AllowInternet, AutoPause: req.AutoPause,
+	}
+	rec.AgentStart, _ = process.StartTime(sb.Pid)
+	if err := m.cfg.Store.InsertSandbox(rec); err != nil {
+		_ = sb.Destroy()
+		return nil, err
+	}
+	if err := m.cfg.Host.Start(sb, opts); err != nil {
+		m.discard(sb, "create failed: "+err.Error())
+		return nil, err
+	}
+	rec.State = store.StateRunning
+	if err := m.cfg.Store.SetState(rec.ID, store.StateRunning); err != nil {
+		m.discard(sb, "record failed: "+err.Error())
+		return nil, err
+	}
+	m.track(sb, rec.EndAt)
+	_ = m.cfg.Store.AddEvent(rec.ID, "created", fmt.Sprintf("template=%s key=%s", rec.TemplateID, rec.KeyID))
+	m.log.Info("sandbox created", "sandbox", rec.ID, "template", rec.TemplateID)
+	return rec, nil
+}
+
+func (m *Manager) admit() error {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.closed {
+		return fmt.Errorf("%w: the server is stopping", ErrLimit)
+	}
+	if m.cfg.MaxSandboxes > 0 && len(m.live)+m.creating >= m.cfg.MaxSandboxes {
+		return fmt.Errorf("%w: %d sandboxes are running, this server's maximum", ErrLimit, m.cfg.MaxSandboxes)
+	}
+	m.creating++
+	return nil
+}
+
+func (m *Manager) admitted() {
+	m.mu.Lock()
+	m.creating--
+	m.mu.Unlock()
+}
+
+// track starts the sandbox's end timer and watches for its death.
+func (m *Manager) track(sb *process.Sandbox, end time.Time) {
+	e := &entry{sb: sb}
+	m.mu.Lock()
+	m.live[sb.ID] = e
+	e.timer = time.AfterFunc(time.Until(end), func() { m.expire(sb.ID) })
+	m.mu.Unlock()
+	go func() {
+		<-sb.Exited()
+		m.mu.Lock()
+		cur := m.live[sb.ID]
+		m.mu.Unlock()
+		if cur == e {
+			m.log.Warn("sandbox died", "sandbox", sb.ID, "err", sb.Err())
+			m.remove(sb.ID, "died: "+sb.Err().Error())
+		}
+	}()
+}
+
+func (m *Manager) expire(id string) {
+	m.log.Info("sandbox timed out", "sandbox", id)
+	m.remove(id, "timed out")
+}
+
+// remove destroys a tracked sandbox and forgets it.
+func (m *Manager) remove(id, why string) {
+	m.mu.Lock()
+	e := m.live[id]
+	delete(m.live, id)
+	m.mu.Unlock()
+	if e == nil {
+		return
+	}
+	e.timer.Stop()
+	samples.Delete(id)
+	m.discard(e.sb, why)
+}
+
+// discard destroys a sandbox and deletes its record.
+func (m *Manager) discard(sb *process.Sandbox, why string) {
+	if err := sb.Destroy(); err != nil {
+		m.log.Warn("destroy", "sandbox", sb.ID, "err", err)
+	}
+	if err := m.cfg.Store.DeleteSandbox(sb.ID); err != nil && !errors.Is(err, store.ErrNotFound) {
+		m.log.Warn("delete record", "sandbox", sb.ID, "err", err)
+	}
+	_ = m.cfg.Store.AddEvent(sb.ID, "killed", why)
+}
+
+// Get returns a sandbox that keyID may see ("" sees all).
+func (m *Manager) Get(keyID, id string) (*store.Sandbox, error) {
+	rec, err := m.cfg.Store.GetSandbox(id)
+	if errors.Is(err, store.ErrNotFound) || (err == nil && keyID != "" && rec.KeyID != keyID) {
+		return nil, fmt.Errorf("%w: sandbox %q", ErrNotFound, id)
+	}
+	if err == nil && rec.State == store.StateCreating {
+		return nil, fmt.Errorf("%w: sandbox %q", ErrNotFound, id)
+	}
+	return rec, err
+}
+
+// List returns a page of keyID's sandboxes.
+func (m *Manager) List(f store.ListFilter) ([]*store.Sandbox, string, error) {
+	if len(f.States) == 0 {
+		f.States = []string{store.StateRunning, store.StatePaused}
+	}
+	items, next, err := m.cfg.Store.ListSandboxes(f)
+	if errors.Is(err, store.ErrInvalidCursor) {
+		return nil, "", fmt.Errorf("%w: %v", ErrInvalid, err)
+	}
+	return items, next, err
+}
+
+// Kill destroys a sandbox now.
+func (m *Manager) Kill(keyID, id string) error {
+	if _, err := m.Get(keyID, id); err != nil {
+		return err
+	}
+	m.mu.Lock()
+	_, ok := m.live[id]
+	m.mu.Unlock()
+	if !ok {
+		return fmt.Errorf("%w: sandbox %q", ErrNotFound, id)
+	}
+	m.remove(id, "killed by request")
+	return nil
+}
+
+// SetTimeout makes the sandbox end d from now.
+func (m *Manager) SetTimeout(keyID, id string, d time.Duration) (*store.Sandbox, error) {
+	if err := m.checkTimeout(d); err != nil {
+		return nil, err
+	}
+	rec, err := m.Get(keyID, id)
+	if err != nil {
+		return nil, err
+	}
+	m.mu.Lock()
+	e := m.live[id]
+	if e == nil {
+		m.mu.Unlock()
+		return nil, fmt.Errorf("%w: sandbox %q", ErrNotFound, id)
+	}
+	rec.EndAt = time.Now().Add(d)
+	e.timer.Reset(d)
+	m.mu.Unlock()
+	if err := m.cfg.Store.SetEndAt(id, rec.EndAt); err != nil {
+		return nil, err
+	}
+	return rec, nil
+}
+
+// Sandbox returns a running sandbox for the traffic proxy (the agent's
+// token guards it there, not the API key).
+func (m *Manager) Sandbox(id string) (*process.Sandbox, bool) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	e := m.live[id]
+	if e == nil {
+		return nil, false
+	}
+	return e.sb, true
+}
+
+// Records returns the stored record of a running sandbox.
+func (m *Manager) Record(id string) (*store.Sandbox, error) {
+	return m.Get("", id)
+}
+
+// Close stops the timers; the sandboxes keep running for the next daemon
+// to adopt.
+func (m *Manager) Close() {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	m.closed = true
+	for _, e := range m.live {
+		e.timer.Stop()
+	}
+}
+
+// Count is the number of running sandboxes.
+func (m *Manager) Count() int {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return len(m.live)
+}

@@ -1,0 +1,56 @@
+package manager
+
+import (
+	"time"
+
+	"github.com/cagehq/cage/internal/store"
+	"github.com/cagehq/cage/internal/wall/process"
+)
+
+// Recover makes the host agree with the store after a start: every sandbox
+// recorded as running whose agent is still alive is adopted and its timer
+// restarted (or it is killed if its time is up); every other record is
+// removed with whatever it left; sandboxes on the host that no record and no
+// live process own are destroyed.
+func (m *Manager) Recover() error {
+	recs, err := m.cfg.Store.AllSandboxes()
+	if err != nil {
+		return err
+	}
+	h := m.cfg.Host
+	known := map[string]bool{}
+	for _, rec := range recs {
+		known[rec.ID] = true
+		if rec.State == store.StateRunning {
+			sb, err := h.Adopt(rec.ID, rec.AgentPID, rec.AgentStart, rec.AccessToken)
+			if err == nil {
+				if time.Now().After(rec.EndAt) {
+					m.discard(sb, "timed out while the daemon was down")
+					continue
+				}
+				m.track(sb, rec.EndAt)
+				_ = m.cfg.Store.AddEvent(rec.ID, "adopted", "")
+				m.log.Info("sandbox adopted", "sandbox", rec.ID)
+				continue
+			}
+			m.log.Warn("sandbox lost while the daemon was down", "sandbox", rec.ID, "err", err)
+		}
+		// Half-created, or gone: remove what is left and the record.
+		if err := process.Remove(h.RunDir, h.Cgroups, rec.ID); err != nil {
+			m.log.Warn("remove leftovers", "sandbox", rec.ID, "err", err)
+		}
+		_ = m.cfg.Store.DeleteSandbox(rec.ID)
+		_ = m.cfg.Store.AddEvent(rec.ID, "removed", "state "+rec.State+" at daemon start")
+	}
+	for _, id := range process.Orphans(h.RunDir) {
+		if known[id] {
+			continue
+		}
+		m.log.Warn("removing an orphaned sandbox", "sandbox", id)
+		if err := process.Remove(h.RunDir, h.Cgroups, id); err != nil {
+			m.log.Warn("remove orphan", "sandbox", id, "err", err)
+		}
+	}
+	h.GC()
+	return nil
+}
