@@ -25,7 +25,11 @@ func newBenchCmd(g *globals) *cobra.Command {
   run        cage run -- true as a whole process, against bwrap --unshare-all (interleaved)
   create     in-process create -> first output of a command
   roundtrip  Start -> end of true in a live sandbox
-  memory     host memory per idle sandbox with --idle sandboxes alive at once`,
+  memory     host memory per idle sandbox with --idle sandboxes alive at once
+  serve      against a cage serve it starts: time to interactive (create -> first
+             output through the API and proxy) sequential and 20 at once, the
+             round trip through the proxy, and --idle sandboxes created through
+             the API (rate, daemon memory)`,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			ctx := cmd.Context()
 			if ctx == nil {
@@ -36,7 +40,7 @@ func newBenchCmd(g *globals) *cobra.Command {
 	}
 	cmd.Flags().IntVar(&runs, "runs", 30, "samples per measurement")
 	cmd.Flags().IntVar(&idle, "idle", 200, "sandboxes alive at once for the memory measurement")
-	cmd.Flags().StringVar(&only, "only", "run,create,roundtrip,memory", "measurements to take")
+	cmd.Flags().StringVar(&only, "only", "run,create,roundtrip,memory,serve", "measurements to take")
 	return cmd
 }
 
@@ -83,6 +87,11 @@ func runBench(ctx context.Context, g *globals, w io.Writer, runs, idle int, only
 		}
 		fmt.Fprintf(w, "round trip Start -> end of true      %s\n", s)
 	}
+	if want["serve"] {
+		if err := benchServe(ctx, w, runs, idle); err != nil {
+			return err
+		}
+	}
 	if want["memory"] {
 		m, err := bench.IdleMemory(ctx, h, idle)
 		if err != nil {
@@ -119,5 +128,40 @@ func benchRun(w io.Writer, g *globals, runs int) error {
 	fmt.Fprintf(w, "cage run -- true (whole process)       %s\n", st[0])
 	fmt.Fprintf(w, "bwrap --unshare-all true (peer)        %s\n", st[1])
 	fmt.Fprintf(w, "ratio of medians cage/bwrap            %.2fx\n", bench.Ratio(st[0], st[1]))
+	return nil
+}
+
+func benchServe(ctx context.Context, w io.Writer, runs, idle int) error {
+	exe, err := os.Executable()
+	if err != nil {
+		return err
+	}
+	d, err := bench.StartDaemon(exe, 4)
+	if err != nil {
+		return exitf(ExitInternal, "serve: %v", err)
+	}
+	defer d.Stop()
+	c := d.Client()
+	s, err := bench.TimeToInteractive(ctx, c, runs, 1)
+	if err != nil {
+		return exitf(ExitInternal, "serve: %v", err)
+	}
+	fmt.Fprintf(w, "serve: time to interactive, sequential  %s\n", s)
+	s, err = bench.TimeToInteractive(ctx, c, max(runs, 40), 20)
+	if err != nil {
+		return exitf(ExitInternal, "serve: %v", err)
+	}
+	fmt.Fprintf(w, "serve: time to interactive, 20 at once  %s\n", s)
+	s, err = bench.ProxyRoundTrip(ctx, c, max(runs, 200))
+	if err != nil {
+		return exitf(ExitInternal, "serve: %v", err)
+	}
+	fmt.Fprintf(w, "serve: round trip through the proxy     %s\n", s)
+	rate, before, after, err := bench.DaemonLoad(ctx, d, idle, 4)
+	if err != nil {
+		return exitf(ExitInternal, "serve: %v", err)
+	}
+	fmt.Fprintf(w, "serve: %d sandboxes created through the API at %.1f/s; daemon RSS %s idle, %s with them alive\n",
+		idle, rate, units.FormatSize(roundKiB(before)), units.FormatSize(roundKiB(after)))
 	return nil
 }

@@ -123,9 +123,30 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (*store.Sandbox
 		Template: req.Template, Token: randomToken(), Env: req.Env, CPUs: req.CPUs,
 		Memory: req.MemoryMB << 20, Disk: req.DiskMB << 20, Pids: req.Pids,
 	}
-	sb, err := m.cfg.Host.Prepare(ctx, &opts)
+	var sb *process.Sandbox
+	var rec *store.Sandbox
+	for attempt := 0; ; attempt++ {
+		var err error
+		sb, rec, err = m.start(ctx, req, &opts)
+		if errors.Is(err, process.ErrStale) && attempt < 8 {
+			continue // a pooled sandbox older than its template's files; the next is fresher
+		}
+		if err != nil {
+			return nil, err
+		}
+		break
+	}
+	m.track(sb, rec.EndAt)
+	_ = m.cfg.Store.AddEvent(rec.ID, "created", fmt.Sprintf("template=%s key=%s", rec.TemplateID, rec.KeyID))
+	m.log.Info("sandbox created", "sandbox", rec.ID, "template", rec.TemplateID)
+	return rec, nil
+}
+
+// start prepares a sandbox, records it, then starts it.
+func (m *Manager) start(ctx context.Context, req CreateRequest, opts *sandbox.Options) (*process.Sandbox, *store.Sandbox, error) {
+	sb, err := m.cfg.Host.Prepare(ctx, opts)
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	now := time.Now()
 	rec := &store.Sandbox{
@@ -138,21 +159,18 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (*store.Sandbox
 	rec.AgentStart, _ = process.StartTime(sb.Pid)
 	if err := m.cfg.Store.InsertSandbox(rec); err != nil {
 		_ = sb.Destroy()
-		return nil, err
+		return nil, nil, err
 	}
-	if err := m.cfg.Host.Start(sb, opts); err != nil {
+	if err := m.cfg.Host.Start(sb, *opts); err != nil {
 		m.discard(sb, "create failed: "+err.Error())
-		return nil, err
+		return nil, nil, err
 	}
 	rec.State = store.StateRunning
 	if err := m.cfg.Store.SetState(rec.ID, store.StateRunning); err != nil {
 		m.discard(sb, "record failed: "+err.Error())
-		return nil, err
+		return nil, nil, err
 	}
-	m.track(sb, rec.EndAt)
-	_ = m.cfg.Store.AddEvent(rec.ID, "created", fmt.Sprintf("template=%s key=%s", rec.TemplateID, rec.KeyID))
-	m.log.Info("sandbox created", "sandbox", rec.ID, "template", rec.TemplateID)
-	return rec, nil
+	return sb, rec, nil
 }
 
 func (m *Manager) admit() error {

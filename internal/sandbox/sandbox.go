@@ -187,8 +187,19 @@ func (h *Host) Create(ctx context.Context, o Options) (*process.Sandbox, error) 
 	if err != nil {
 		return nil, err
 	}
-	if err := h.Start(sb, o); err != nil {
+	err = h.Start(sb, o)
+	if errors.Is(err, process.ErrStale) {
+		// A pooled sandbox older than its template's files: start afresh.
 		_ = sb.Destroy()
+		o.ID = ""
+		if sb, err = h.prepareFresh(ctx, o); err == nil {
+			err = h.Start(sb, o)
+		}
+	}
+	if err != nil {
+		if sb != nil {
+			_ = sb.Destroy()
+		}
 		return nil, err
 	}
 	return sb, nil
@@ -208,6 +219,10 @@ func (h *Host) Prepare(ctx context.Context, o *Options) (*process.Sandbox, error
 	if sb := h.takePrepared(*o); sb != nil {
 		return sb, nil
 	}
+	return h.prepareFresh(ctx, *o)
+}
+
+func (h *Host) prepareFresh(ctx context.Context, o Options) (*process.Sandbox, error) {
 	cfg := h.config(o.DieWithCaller)
 	if o.ID != "" {
 		cfg.ID = o.ID
@@ -264,6 +279,11 @@ func (h *Host) GC() {
 func (h *Host) StartPool(n int) {
 	if n <= 0 || h.pool != nil {
 		return
+	}
+	// The default template's files must exist before anything is forked:
+	// a prepared sandbox's mount namespace is a copy of the host's.
+	if _, err := template.Lookup("host", filepath.Join(h.RunDir, "templates")); err != nil {
+		h.Log.Warn("pool: template", "err", err)
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	h.pool, h.stopPool, h.poolDone = make(chan *process.Sandbox, n), cancel, make(chan struct{})

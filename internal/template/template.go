@@ -9,6 +9,7 @@ import (
 	"os"
 	"path/filepath"
 	"sort"
+	"time"
 )
 
 // ErrNotFound is returned for a template name that does not exist.
@@ -35,7 +36,8 @@ type Mount struct {
 type Template struct {
 	Name     string
 	Mounts   []Mount
-	EtcCache string // the prepared /etc directory in use
+	EtcCache string    // the prepared /etc directory in use
+	Since    time.Time // when what the template mounts came to exist on the host
 }
 
 // hostRoots are the host directories the "host" template shares.
@@ -83,6 +85,9 @@ func hostTemplate(cacheDir string) (*Template, error) {
 		return nil, err
 	}
 	t.EtcCache = dir
+	if fi, err := os.Stat(filepath.Join(dir, ".complete")); err == nil {
+		t.Since = fi.ModTime()
+	}
 	t.Mounts = append(t.Mounts, Mount{Kind: Dir, Source: dir, Dest: "/etc"})
 	return t, nil
 }

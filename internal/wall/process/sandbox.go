@@ -62,6 +62,7 @@ type Sandbox struct {
 	root          string   // host directory the sandbox's root is mounted on
 	specW         *os.File // the agent waits for its spec on the other end
 	started       bool
+	preparedAt    time.Time // when its mount namespace was copied from the host's
 	dieWithParent bool
 	pidfd         int // set for an adopted sandbox (not this process's child)
 
@@ -147,11 +148,19 @@ func Prepare(ctx context.Context, cfg Config) (sb *Sandbox, err error) {
 	return sb, nil
 }
 
+// ErrStale is returned by Start for a prepared sandbox that cannot see what
+// its template mounts: its mount namespace was copied from the host's before
+// the template's files were mounted there. Its creator starts a fresh one.
+var ErrStale = errors.New("prepared sandbox predates its template's files")
+
 // Start applies the limits and sends the agent its spec: from here the
 // sandbox builds its root, seals itself and serves.
 func (sb *Sandbox) Start(s Spec) error {
 	if sb.started {
 		return errors.New("sandbox already started")
+	}
+	if !sb.preparedAt.After(s.Template.Since) {
+		return ErrStale
 	}
 	sb.started = true
 	sb.Token = s.Token
@@ -251,6 +260,7 @@ func (sb *Sandbox) fork(cfg Config, listener *os.File) error {
 		return fmt.Errorf("start the sandbox's agent %s: %w", cfg.AgentPath, err)
 	}
 	sb.Pid = pid
+	sb.preparedAt = time.Now()
 	go sb.reap()
 	trace("forked")
 	// The cgroups are made while the agent's runtime starts; it waits for

@@ -1,0 +1,239 @@
+package bench
+
+import (
+	"bufio"
+	"context"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/cagehq/cage/internal/agentclient"
+	"github.com/cagehq/cage/internal/client"
+)
+
+// Daemon is a `cage serve` started for a benchmark, with its own state.
+type Daemon struct {
+	API, Proxy, Key string
+	cmd             *exec.Cmd
+	data, run       string
+}
+
+func freeAddr() (string, error) {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return "", err
+	}
+	defer l.Close()
+	return l.Addr().String(), nil
+}
+
+// StartDaemon runs exe serve with fresh state and an API key.
+func StartDaemon(exe string, pool int) (*Daemon, error) {
+	d := &Daemon{}
+	var err error
+	if d.data, err = os.MkdirTemp("", "cage-bench-data-"); err != nil {
+		return nil, err
+	}
+	if d.run, err = os.MkdirTemp("/run", "cage-bench-"); err != nil {
+		return nil, err
+	}
+	_ = os.Chmod(d.run, 0o711)
+	out, err := exec.Command(exe, "keys", "create", "--data", d.data).Output()
+	if err != nil {
+		return nil, fmt.Errorf("keys create: %v", err)
+	}
+	lines := strings.Split(strings.TrimSpace(string(out)), "\n")
+	d.Key = lines[len(lines)-1]
+	api, err := freeAddr()
+	if err != nil {
+		return nil, err
+	}
+	px, err := freeAddr()
+	if err != nil {
+		return nil, err
+	}
+	d.API, d.Proxy = "http://"+api, "http://"+px
+	d.cmd = exec.Command(exe, "--run-dir", d.run, "serve", "--data", d.data, "--api", api, "--proxy", px,
+		"--pool", strconv.Itoa(pool))
+	d.cmd.Stderr = io.Discard
+	if err := d.cmd.Start(); err != nil {
+		return nil, err
+	}
+	for i := 0; i < 300; i++ {
+		resp, err := http.Get(d.API + "/health")
+		if err == nil {
+			resp.Body.Close()
+			if resp.StatusCode == 200 {
+				return d, nil
+			}
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	d.Stop()
+	return nil, fmt.Errorf("cage serve did not become ready")
+}
+
+// Pid is the daemon's process id.
+func (d *Daemon) Pid() int { return d.cmd.Process.Pid }
+
+// Stop ends the daemon and removes its sandboxes and state.
+func (d *Daemon) Stop() {
+	c := d.Client()
+	if list, err := c.List(context.Background(), nil); err == nil {
+		for _, s := range list {
+			_ = c.Kill(context.Background(), s.SandboxID)
+		}
+	}
+	if d.cmd != nil && d.cmd.Process != nil {
+		_ = d.cmd.Process.Signal(os.Interrupt)
+		_ = d.cmd.Wait()
+	}
+	os.RemoveAll(d.data)
+	unmountUnder(d.run)
+	os.RemoveAll(d.run)
+}
+
+func unmountUnder(dir string) {
+	data, _ := os.ReadFile("/proc/self/mountinfo")
+	for _, line := range strings.Split(string(data), "\n") {
+		f := strings.Fields(line)
+		if len(f) > 4 && strings.HasPrefix(f[4], dir+"/") {
+			_ = exec.Command("umount", "-l", f[4]).Run()
+		}
+	}
+}
+
+// Client is a client of the daemon.
+func (d *Daemon) Client() *client.Client { return client.New(d.API, d.Proxy, d.Key) }
+
+// TimeToInteractive is the public ComputeSDK benchmark's measure: create a
+// sandbox through the API, run a command through the proxy, time to its
+// first output byte. concurrency > 1 runs that many at once (a burst).
+func TimeToInteractive(ctx context.Context, c *client.Client, runs, concurrency int) (Stats, error) {
+	var mu sync.Mutex
+	var samples []time.Duration
+	var firstErr error
+	one := func(record bool) {
+		start := time.Now()
+		sb, err := c.Create(ctx, map[string]any{"templateID": "host", "timeout": 120})
+		if err == nil {
+			var ac *agentclient.Client
+			if ac, err = c.Agent(sb.SandboxID, sb.EnvdAccessToken); err == nil {
+				fw := &firstWrite{start: start}
+				_, err = ac.Run(ctx, agentclient.RunOptions{Cmd: "echo", Args: []string{"ready"}, Stdout: fw, Stderr: io.Discard})
+				ac.Close()
+				if err == nil && record {
+					mu.Lock()
+					samples = append(samples, fw.at)
+					mu.Unlock()
+				}
+			}
+			_ = c.Kill(ctx, sb.SandboxID)
+		}
+		if err != nil {
+			mu.Lock()
+			if firstErr == nil {
+				firstErr = err
+			}
+			mu.Unlock()
+		}
+	}
+	for i := 0; i < 3; i++ {
+		one(false)
+	}
+	for done := 0; done < runs; done += concurrency {
+		var wg sync.WaitGroup
+		for k := 0; k < concurrency && done+k < runs; k++ {
+			wg.Add(1)
+			go func() { defer wg.Done(); one(true) }()
+		}
+		wg.Wait()
+	}
+	return Summarize(samples), firstErr
+}
+
+// ProxyRoundTrip times Start -> end of `true` in one sandbox through the
+// daemon's proxy, as an SDK's commands.run does.
+func ProxyRoundTrip(ctx context.Context, c *client.Client, runs int) (Stats, error) {
+	sb, err := c.Create(ctx, map[string]any{"templateID": "host", "timeout": 600})
+	if err != nil {
+		return Stats{}, err
+	}
+	defer c.Kill(ctx, sb.SandboxID)
+	ac, err := c.Agent(sb.SandboxID, sb.EnvdAccessToken)
+	if err != nil {
+		return Stats{}, err
+	}
+	defer ac.Close()
+	var samples []time.Duration
+	for i := -5; i < runs; i++ {
+		start := time.Now()
+		if _, err := ac.Run(ctx, agentclient.RunOptions{Cmd: "true", Stdout: io.Discard, Stderr: io.Discard}); err != nil {
+			return Stats{}, err
+		}
+		if i >= 0 {
+			samples = append(samples, time.Since(start))
+		}
+	}
+	return Summarize(samples), nil
+}
+
+// DaemonLoad creates n sandboxes through the API and reports the creation
+// rate and the daemon's resident memory with all of them alive.
+func DaemonLoad(ctx context.Context, d *Daemon, n, concurrency int) (rate float64, rssBefore, rssAfter int64, err error) {
+	c := d.Client()
+	rssBefore = rss(d.Pid())
+	start := time.Now()
+	var wg sync.WaitGroup
+	var mu sync.Mutex
+	next := 0
+	for w := 0; w < concurrency; w++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for {
+				mu.Lock()
+				if next >= n || err != nil {
+					mu.Unlock()
+					return
+				}
+				next++
+				mu.Unlock()
+				if _, cerr := c.Create(ctx, map[string]any{"templateID": "host", "timeout": 600}); cerr != nil {
+					mu.Lock()
+					err = cerr
+					mu.Unlock()
+					return
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	rate = float64(n) / time.Since(start).Seconds()
+	time.Sleep(time.Second)
+	return rate, rssBefore, rss(d.Pid()), err
+}
+
+func rss(pid int) int64 {
+	f, err := os.Open(filepath.Join("/proc", strconv.Itoa(pid), "status"))
+	if err != nil {
+		return 0
+	}
+	defer f.Close()
+	sc := bufio.NewScanner(f)
+	for sc.Scan() {
+		if v, ok := strings.CutPrefix(sc.Text(), "VmRSS:"); ok {
+			kb, _ := strconv.ParseInt(strings.TrimSpace(strings.TrimSuffix(strings.TrimSpace(v), "kB")), 10, 64)
+			return kb << 10
+		}
+	}
+	return 0
+}
