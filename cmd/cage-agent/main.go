@@ -40,6 +40,12 @@ func main() {
 	if err := <-built; err != nil {
 		fail("sandbox setup", err)
 	}
+	// Built; now wait for the request (at once, unless kept in a pool).
+	token, env, maxOutput, err := child.WaitStart()
+	if err != nil {
+		fail("sandbox setup", err)
+	}
+	srv.Configure(token, env, maxOutput)
 	if err := child.Seal(); err != nil {
 		fail("sandbox setup", err)
 	}

@@ -180,6 +180,16 @@ func New(cfg Config) (*Server, error) {
 	return s, nil
 }
 
+// Configure sets what is particular to one sandbox's request: the access
+// token, the sandbox-wide environment and the output cap. It must come before
+// Serve (a pool builds the agent before the sandbox is asked for).
+func (s *Server) Configure(token string, env map[string]string, maxOutput int64) {
+	s.cfg.Token, s.cfg.Env = token, env
+	if maxOutput > 0 {
+		s.cfg.MaxOutput = maxOutput
+	}
+}
+
 // Handler returns the agent's HTTP handler.
 func (s *Server) Handler() http.Handler { return s.mux }
 

@@ -223,7 +223,10 @@ func (h *Host) Prepare(ctx context.Context, o *Options) (*process.Sandbox, error
 }
 
 func (h *Host) prepareFresh(ctx context.Context, o Options) (*process.Sandbox, error) {
-	cfg := h.config(o.DieWithCaller)
+	cfg, err := h.config(o.DieWithCaller, o.Template, o.Disk, o.Shm)
+	if err != nil {
+		return nil, err
+	}
 	if o.ID != "" {
 		cfg.ID = o.ID
 	}
@@ -250,7 +253,13 @@ func (h *Host) Start(sb *process.Sandbox, o Options) error {
 	})
 }
 
-func (h *Host) config(dieWithCaller bool) process.Config {
+// config is how to prepare a sandbox of template name with the given
+// storage sizes (a pool uses the defaults; Start resizes).
+func (h *Host) config(dieWithCaller bool, name string, disk, shm int64) (process.Config, error) {
+	tmpl, err := template.Lookup(name, filepath.Join(h.RunDir, "templates"))
+	if err != nil {
+		return process.Config{}, err
+	}
 	return process.Config{
 		ID:            process.NewID(),
 		AgentPath:     h.AgentPath,
@@ -258,7 +267,8 @@ func (h *Host) config(dieWithCaller bool) process.Config {
 		Cgroups:       h.Cgroups,
 		DieWithParent: dieWithCaller,
 		Log:           h.Log,
-	}
+		Spec:          process.Spec{Template: tmpl, DiskBytes: disk, ShmBytes: shm},
+	}, nil
 }
 
 // GC removes the leftovers of sandboxes whose owner died (see process.GC).
@@ -280,17 +290,16 @@ func (h *Host) StartPool(n int) {
 	if n <= 0 || h.pool != nil {
 		return
 	}
-	// The default template's files must exist before anything is forked:
-	// a prepared sandbox's mount namespace is a copy of the host's.
-	if _, err := template.Lookup("host", filepath.Join(h.RunDir, "templates")); err != nil {
-		h.Log.Warn("pool: template", "err", err)
-	}
 	ctx, cancel := context.WithCancel(context.Background())
 	h.pool, h.stopPool, h.poolDone = make(chan *process.Sandbox, n), cancel, make(chan struct{})
 	go func() {
 		defer close(h.poolDone)
 		for ctx.Err() == nil {
-			sb, err := process.Prepare(ctx, h.config(false))
+			cfg, err := h.config(false, "host", DefaultDisk, DefaultShm)
+			var sb *process.Sandbox
+			if err == nil {
+				sb, err = process.Prepare(ctx, cfg)
+			}
 			if err != nil {
 				h.Log.Warn("pool: prepare a sandbox", "err", err)
 				select {
@@ -348,7 +357,6 @@ func NewToken() string {
 // Adopt takes charge of a running sandbox created by another process (see
 // process.Adopt).
 func (h *Host) Adopt(id string, pid int, startTime uint64, token string) (*process.Sandbox, error) {
-	cfg := h.config(false)
-	cfg.ID = id
+	cfg := process.Config{ID: id, AgentPath: h.AgentPath, RunDir: h.RunDir, Cgroups: h.Cgroups, Log: h.Log}
 	return process.Adopt(cfg, pid, startTime, token)
 }

@@ -9,7 +9,6 @@ import (
 	"os"
 	"path/filepath"
 	"sort"
-	"time"
 )
 
 // ErrNotFound is returned for a template name that does not exist.
@@ -36,8 +35,7 @@ type Mount struct {
 type Template struct {
 	Name     string
 	Mounts   []Mount
-	EtcCache string    // the prepared /etc directory in use
-	Since    time.Time // when what the template mounts came to exist on the host
+	EtcCache string // the prepared /etc directory in use
 }
 
 // hostRoots are the host directories the "host" template shares.
@@ -85,9 +83,6 @@ func hostTemplate(cacheDir string) (*Template, error) {
 		return nil, err
 	}
 	t.EtcCache = dir
-	if fi, err := os.Stat(filepath.Join(dir, ".complete")); err == nil {
-		t.Since = fi.ModTime()
-	}
 	t.Mounts = append(t.Mounts, Mount{Kind: Dir, Source: dir, Dest: "/etc"})
 	return t, nil
 }

@@ -2,6 +2,7 @@ package process
 
 import (
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"math"
@@ -20,6 +21,8 @@ type Child struct {
 	Listener net.Listener
 	Config   agent.Config // the agent's configuration, SpawnThreadSetup included
 	spec     *initSpec
+	specs    *json.Decoder // the spec pipe; the start document comes later
+	specFile *os.File
 }
 
 // Init is the child side of the wall, run by cage-agent as the sandbox's
@@ -38,8 +41,10 @@ func Init() (*Child, error) {
 	// close-on-exec, but a caller may start the agent differently) must not
 	// reach the commands either.
 	_ = unix.CloseRange(fdIDLock+1, math.MaxUint32, unix.CLOSE_RANGE_CLOEXEC)
-	spec, err := readSpec()
-	if err != nil {
+	specFile := os.NewFile(fdSpec, "spec")
+	specs := json.NewDecoder(io.LimitReader(specFile, 1<<20))
+	spec := &initSpec{}
+	if err := readDoc(specs, spec); err != nil {
 		return nil, err
 	}
 	tracing = spec.Debug
@@ -60,11 +65,8 @@ func Init() (*Child, error) {
 	if err != nil {
 		return nil, fmt.Errorf("agent listener: %w", err)
 	}
-	return &Child{Listener: l, spec: spec, Config: agent.Config{
-		Token:            spec.Token,
+	return &Child{Listener: l, spec: spec, specs: specs, specFile: specFile, Config: agent.Config{
 		DefaultUser:      spec.UserName,
-		Env:              spec.Env,
-		MaxOutput:        spec.MaxOutput,
 		Limits:           limits,
 		SpawnThreadSetup: spawnThreadSetup,
 		AgentUID:         agentUID,
@@ -125,21 +127,39 @@ func (c *Child) Seal() error {
 	return nil
 }
 
-func readSpec() (*initSpec, error) {
-	f := os.NewFile(fdSpec, "spec")
-	defer f.Close()
-	data, err := io.ReadAll(io.LimitReader(f, 1<<20))
+func readDoc(dec *json.Decoder, v any) error {
+	if err := dec.Decode(v); err != nil {
+		if errors.Is(err, io.EOF) {
+			return fmt.Errorf("no sandbox spec: the host gave up on this sandbox")
+		}
+		return fmt.Errorf("read sandbox spec: %w", err)
+	}
+	return nil
+}
+
+// WaitStart waits for the request's own settings (the second document),
+// applies its disk and shm sizes, and returns them.
+func (c *Child) WaitStart() (token string, env map[string]string, maxOutput int64, err error) {
+	st := &startSpec{}
+	err = readDoc(c.specs, st)
+	c.specFile.Close()
 	if err != nil {
-		return nil, fmt.Errorf("read sandbox spec: %w", err)
+		return "", nil, 0, err
 	}
-	if len(data) == 0 {
-		return nil, fmt.Errorf("no sandbox spec: the host gave up on this sandbox")
+	trace("start read")
+	if st.DiskBytes != c.spec.DiskBytes || st.DiskInodes != c.spec.DiskInodes {
+		opts := fmt.Sprintf("size=%d,nr_inodes=%d", st.DiskBytes, st.DiskInodes)
+		if err := unix.Mount("", "/tmp", "", unix.MS_REMOUNT|unix.MS_NOSUID|unix.MS_NODEV, opts); err != nil {
+			return "", nil, 0, fmt.Errorf("resize the disk: %w", err)
+		}
 	}
-	spec := &initSpec{}
-	if err := json.Unmarshal(data, spec); err != nil {
-		return nil, fmt.Errorf("decode sandbox spec: %w", err)
+	if st.ShmBytes != c.spec.ShmBytes {
+		opts := fmt.Sprintf("size=%d", st.ShmBytes)
+		if err := unix.Mount("", "/dev/shm", "", unix.MS_REMOUNT|unix.MS_NOSUID|unix.MS_NODEV|unix.MS_NOEXEC, opts); err != nil {
+			return "", nil, 0, fmt.Errorf("resize /dev/shm: %w", err)
+		}
 	}
-	return spec, nil
+	return st.Token, st.Env, st.MaxOutput, nil
 }
 
 // limitEvents reads the host cgroup's counters through descriptors opened

@@ -62,7 +62,8 @@ type Sandbox struct {
 	root          string   // host directory the sandbox's root is mounted on
 	specW         *os.File // the agent waits for its spec on the other end
 	started       bool
-	preparedAt    time.Time // when its mount namespace was copied from the host's
+	etc           string // the template /etc copy it was built with
+	disk, shm     int64  // the sizes it was built with
 	dieWithParent bool
 	pidfd         int // set for an adopted sandbox (not this process's child)
 
@@ -145,21 +146,44 @@ func Prepare(ctx context.Context, cfg Config) (sb *Sandbox, err error) {
 	if err := sb.fork(cfg, lf); err != nil {
 		return sb, err
 	}
-	return sb, nil
+	// The child builds the sandbox now, from the template and the default
+	// sizes in cfg, and then waits for Start.
+	sb.etc = cfg.Template.EtcCache
+	sb.disk, sb.shm = cfg.DiskBytes, cfg.ShmBytes
+	err = sb.send(&initSpec{
+		ID: sb.ID, Hostname: "cage-" + sb.ID[:min(8, len(sb.ID))], Root: sb.root,
+		Mounts: cfg.Template.Mounts, DiskBytes: sb.disk, DiskInodes: inodesFor(sb.disk),
+		ShmBytes: sb.shm, UserName: userName, UserUID: userUID, UserGID: userUID,
+		OOMEvents: sb.cg.OOMEventsFile(), PidsEvents: sb.cg.PidsEventsFile(),
+		Debug: tracing, DieWithParent: sb.dieWithParent,
+	})
+	return sb, err
 }
 
-// ErrStale is returned by Start for a prepared sandbox that cannot see what
-// its template mounts: its mount namespace was copied from the host's before
-// the template's files were mounted there. Its creator starts a fresh one.
-var ErrStale = errors.New("prepared sandbox predates its template's files")
+// send writes one spec document to the child.
+func (sb *Sandbox) send(doc any) error {
+	data, err := json.Marshal(doc)
+	if err != nil {
+		return err
+	}
+	if _, err := sb.specW.Write(append(data, '\n')); err != nil {
+		return fmt.Errorf("send the sandbox spec: %w (agent: %s)", err, sb.stderr.String())
+	}
+	return nil
+}
 
-// Start applies the limits and sends the agent its spec: from here the
-// sandbox builds its root, seals itself and serves.
+// ErrStale is returned by Start for a prepared sandbox built from another
+// copy of its template's files than the one now current (the host's /etc
+// changed meanwhile). Its creator starts a fresh one.
+var ErrStale = errors.New("prepared sandbox was built from an older copy of its template")
+
+// Start applies the limits and sends the agent the request's own settings:
+// from here the sandbox seals itself and serves.
 func (sb *Sandbox) Start(s Spec) error {
 	if sb.started {
 		return errors.New("sandbox already started")
 	}
-	if !sb.preparedAt.After(s.Template.Since) {
+	if s.Template.EtcCache != sb.etc {
 		return ErrStale
 	}
 	sb.started = true
@@ -167,22 +191,19 @@ func (sb *Sandbox) Start(s Spec) error {
 	if err := sb.cg.Apply(s.Limits); err != nil {
 		return err
 	}
-	spec := &initSpec{
-		ID: sb.ID, Hostname: "cage-" + sb.ID[:min(8, len(sb.ID))], Root: sb.root,
-		Mounts: s.Template.Mounts, DiskBytes: s.DiskBytes, DiskInodes: inodesFor(s.DiskBytes),
-		ShmBytes: s.ShmBytes, UserName: userName, UserUID: userUID, UserGID: userUID,
-		OOMEvents: sb.cg.OOMEventsFile(), PidsEvents: sb.cg.PidsEventsFile(),
-		Token: s.Token, Env: s.Env, MaxOutput: s.MaxOutput, Debug: tracing, DieWithParent: sb.dieWithParent,
+	disk, shm := s.DiskBytes, s.ShmBytes
+	if disk == 0 {
+		disk = sb.disk
 	}
-	data, err := json.Marshal(spec)
-	if err != nil {
-		return err
+	if shm == 0 {
+		shm = sb.shm
 	}
-	_, err = sb.specW.Write(data)
+	err := sb.send(&startSpec{Token: s.Token, Env: s.Env, MaxOutput: s.MaxOutput,
+		DiskBytes: disk, DiskInodes: inodesFor(disk), ShmBytes: shm})
 	sb.specW.Close()
 	sb.specW = nil
 	if err != nil {
-		return fmt.Errorf("send the sandbox spec: %w (agent: %s)", err, sb.stderr.String())
+		return err
 	}
 	trace("spec sent")
 	return nil
@@ -260,7 +281,6 @@ func (sb *Sandbox) fork(cfg Config, listener *os.File) error {
 		return fmt.Errorf("start the sandbox's agent %s: %w", cfg.AgentPath, err)
 	}
 	sb.Pid = pid
-	sb.preparedAt = time.Now()
 	go sb.reap()
 	trace("forked")
 	// The cgroups are made while the agent's runtime starts; it waits for

@@ -25,8 +25,11 @@ package process
 
 import "github.com/cagehq/cage/internal/template"
 
-// initSpec is what the host sends the child over a pipe. The child reads it
-// to EOF; the host writes it only after the child is in its cgroups.
+// The host sends the child two JSON documents over a pipe. initSpec, once
+// the child is in its cgroups, says how to build the sandbox: the child
+// builds it and waits. startSpec, when the sandbox is wanted, carries what is
+// particular to one request; the child then seals itself and serves. A pool
+// keeps sandboxes between the two.
 type initSpec struct {
 	ID       string           `json:"id"`
 	Hostname string           `json:"hostname"`
@@ -44,13 +47,21 @@ type initSpec struct {
 	OOMEvents  string `json:"oom_events"`  // host path of the cgroup's OOM counter
 	PidsEvents string `json:"pids_events"` // host path of the pids-limit counter
 
-	Token     string            `json:"token"`
-	Env       map[string]string `json:"env"`
-	MaxOutput int64             `json:"max_output"`
-	Debug     bool              `json:"debug"`
+	Debug bool `json:"debug"`
 	// DieWithParent re-arms the parent-death signal after the agent changes
 	// its uid (which clears it).
 	DieWithParent bool `json:"die_with_parent"`
+}
+
+// startSpec is the second document: one request's own settings. Disk and
+// shm sizes that differ from initSpec's are applied by remounting.
+type startSpec struct {
+	Token      string            `json:"token"`
+	Env        map[string]string `json:"env"`
+	MaxOutput  int64             `json:"max_output"`
+	DiskBytes  int64             `json:"disk_bytes"`
+	DiskInodes int64             `json:"disk_inodes"`
+	ShmBytes   int64             `json:"shm_bytes"`
 }
 
 // Descriptors the child inherits.
