@@ -298,6 +298,7 @@ func (h *Host) StartPool(n int) {
 			cfg, err := h.config(false, "host", DefaultDisk, DefaultShm)
 			var sb *process.Sandbox
 			if err == nil {
+				cfg.Background = true
 				sb, err = process.Prepare(ctx, cfg)
 			}
 			if err != nil {

@@ -13,6 +13,7 @@ import (
 	"os"
 	"path/filepath"
 	"runtime"
+	"strconv"
 	"strings"
 	"sync"
 	"syscall"
@@ -32,7 +33,10 @@ type Config struct {
 	Cgroups   *cgroups.Manager
 	// DieWithParent kills the sandbox when the creating thread dies (cage run).
 	DieWithParent bool
-	Log           *slog.Logger
+	// Background prepares at low CPU priority (a pool refilling must not slow
+	// the creates it serves); Start restores the normal priority.
+	Background bool
+	Log        *slog.Logger
 	Spec
 }
 
@@ -63,6 +67,7 @@ type Sandbox struct {
 	specW         *os.File // the agent waits for its spec on the other end
 	started       bool
 	etc           string // the template /etc copy it was built with
+	niced         bool   // prepared at background priority
 	disk, shm     int64  // the sizes it was built with
 	dieWithParent bool
 	pidfd         int // set for an adopted sandbox (not this process's child)
@@ -188,6 +193,9 @@ func (sb *Sandbox) Start(s Spec) error {
 	}
 	sb.started = true
 	sb.Token = s.Token
+	if sb.niced {
+		sb.renice()
+	}
 	if err := sb.cg.Apply(s.Limits); err != nil {
 		return err
 	}
@@ -207,6 +215,21 @@ func (sb *Sandbox) Start(s Spec) error {
 	}
 	trace("spec sent")
 	return nil
+}
+
+// backgroundNice is the priority prepared sandboxes are built at.
+const backgroundNice = 15
+
+// renice puts every thread of the agent back to normal priority (nice is
+// per thread in Linux; threads inherited the background value).
+func (sb *Sandbox) renice() {
+	tasks, _ := os.ReadDir(fmt.Sprintf("/proc/%d/task", sb.Pid))
+	for _, t := range tasks {
+		if tid, err := strconv.Atoi(t.Name()); err == nil {
+			_ = unix.Setpriority(unix.PRIO_PROCESS, tid, 0)
+		}
+	}
+	sb.niced = false
 }
 
 // inodesFor sizes the disk's inode table: one per 8 KiB, at least 4096.
@@ -281,6 +304,10 @@ func (sb *Sandbox) fork(cfg Config, listener *os.File) error {
 		return fmt.Errorf("start the sandbox's agent %s: %w", cfg.AgentPath, err)
 	}
 	sb.Pid = pid
+	if cfg.Background {
+		_ = unix.Setpriority(unix.PRIO_PROCESS, pid, backgroundNice)
+		sb.niced = true
+	}
 	go sb.reap()
 	trace("forked")
 	// The cgroups are made while the agent's runtime starts; it waits for
