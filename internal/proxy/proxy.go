@@ -127,6 +127,10 @@ func (p *Proxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 			}
 		},
 	}
+	// The agent answers (headers, then a stream's first event) before it has
+	// read the request body; without full duplex, Go's HTTP/1 server closes
+	// the unread body at the first flush, and the stream breaks.
+	_ = http.NewResponseController(w).EnableFullDuplex()
 	rp.ServeHTTP(w, r)
 }
 

@@ -31,6 +31,10 @@ export async function withSandbox(opts, fn) {
   const sbx = await sdk.Sandbox.create(TEMPLATE, { timeoutMs: 120_000, ...opts })
   try {
     return await fn(sbx)
+  } catch (err) {
+    // The id ties a failure to the daemon's log.
+    console.log(`# failed in sandbox ${sbx.sandboxId}: ${errText(err)}`)
+    throw err
   } finally {
     await sbx.kill().catch((err) => console.error(`# kill ${sbx.sandboxId}: ${err}`))
   }

@@ -187,16 +187,23 @@ test('files.watchDir sees a file created after the watch starts', T, async () =>
     const dir = `${HOME}/watched`
     assert.equal(await sbx.files.makeDir(dir), true)
     const events = []
-    const handle = await sbx.files.watchDir(dir, (ev) => {
-      events.push(ev)
-    })
+    let exited = null
+    const handle = await sbx.files.watchDir(
+      dir,
+      (ev) => {
+        events.push(ev)
+      },
+      { onExit: (err) => (exited = { err: err ? errText(err) : null }) },
+    )
     try {
       await sbx.files.write(`${dir}/new.txt`, 'x')
       const want = [FilesystemEventType.CREATE, FilesystemEventType.WRITE]
       await waitFor(
         () => events.some((ev) => ev.name === 'new.txt' && want.includes(ev.type)),
         10_000,
-        () => `a create/write event for new.txt, have ${JSON.stringify(events)}`,
+        () =>
+          `a create/write event for new.txt, have ${JSON.stringify(events)}` +
+          (exited ? `; the watch stream ended early: ${exited.err ?? 'without an error'}` : ''),
       )
     } finally {
       await handle.stop()
