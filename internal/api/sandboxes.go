@@ -257,7 +257,8 @@ func (s *server) timeout(w http.ResponseWriter, r *http.Request) {
 	w.WriteHeader(http.StatusNoContent)
 }
 
-// refresh is the older SDKs' keep-alive: extend by duration (default 60 s).
+// refresh is the older SDKs' keep-alive: live at least duration (default
+// 60 s) from now.
 func (s *server) refresh(w http.ResponseWriter, r *http.Request) {
 	var body struct {
 		Duration *int64 `json:"duration"`
@@ -266,15 +267,32 @@ func (s *server) refresh(w http.ResponseWriter, r *http.Request) {
 		s.fail(w, r, err)
 		return
 	}
-	d, err := seconds(body.Duration, 60*time.Second)
-	if err == nil {
-		_, err = s.cfg.Manager.SetTimeout(keyID(r), r.PathValue("sandboxID"), d)
+	if body.Duration != nil && *body.Duration == 0 {
+		body.Duration = nil // the server chooses
 	}
+	d, err := seconds(body.Duration, 60*time.Second)
 	if err != nil {
 		s.fail(w, r, err)
 		return
 	}
+	if err := s.extend(r, d); err != nil {
+		s.fail(w, r, err)
+		return
+	}
 	w.WriteHeader(http.StatusNoContent)
+}
+
+// extend makes a sandbox live at least d from now; it never shortens it.
+func (s *server) extend(r *http.Request, d time.Duration) error {
+	id := r.PathValue("sandboxID")
+	rec, err := s.cfg.Manager.Get(keyID(r), id)
+	if err != nil {
+		return err
+	}
+	if time.Until(rec.EndAt) < d {
+		_, err = s.cfg.Manager.SetTimeout(keyID(r), id, d)
+	}
+	return err
 }
 
 // connect returns a running sandbox and extends its life to at least timeout
@@ -298,17 +316,14 @@ func (s *server) connect(v2 bool) http.Handler {
 			s.fail(w, r, err)
 			return
 		}
-		id := r.PathValue("sandboxID")
-		rec, err := s.cfg.Manager.Get(keyID(r), id)
-		if err != nil {
+		if err := s.extend(r, d); err != nil {
 			s.fail(w, r, err)
 			return
 		}
-		if time.Until(rec.EndAt) < d {
-			if rec, err = s.cfg.Manager.SetTimeout(keyID(r), id, d); err != nil {
-				s.fail(w, r, err)
-				return
-			}
+		rec, err := s.cfg.Manager.Get(keyID(r), r.PathValue("sandboxID"))
+		if err != nil {
+			s.fail(w, r, err)
+			return
 		}
 		writeJSON(w, http.StatusOK, s.sandboxOf(rec))
 	})

@@ -66,6 +66,9 @@ func newCpCmd(d *daemonFlags) *cobra.Command {
 			} else {
 				err = copyFromSandbox(ctx(cmd), ac, user, srcPath, dstPath)
 			}
+			if errors.Is(err, os.ErrNotExist) {
+				return exitf(ExitNotFoundObj, "cp: %v", err)
+			}
 			if err != nil {
 				return exitf(ExitInternal, "cp: %v", err)
 			}

@@ -140,7 +140,12 @@ func newCreateCmd(d *daemonFlags) *cobra.Command {
 				return apiFailure(err)
 			}
 			if d.json {
-				return jsonEncoder(cmd.OutOrStdout()).Encode(sb)
+				// The create answer lacks the times, state and metadata.
+				full, err := c.Get(ctx(cmd), sb.SandboxID)
+				if err != nil {
+					return apiFailure(err)
+				}
+				return jsonEncoder(cmd.OutOrStdout()).Encode(full)
 			}
 			fmt.Fprintln(cmd.OutOrStdout(), sb.SandboxID)
 			return nil

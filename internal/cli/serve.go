@@ -147,7 +147,19 @@ func newKeysCmd(g *globals) *cobra.Command {
 				return err
 			}
 			if asJSON {
-				return printJSON(cmd.OutOrStdout(), keys)
+				type keyJSON struct {
+					ID        string     `json:"id"`
+					Name      string     `json:"name"`
+					Prefix    string     `json:"prefix"`
+					CreatedAt time.Time  `json:"createdAt"`
+					RevokedAt *time.Time `json:"revokedAt,omitempty"`
+					LastUsed  *time.Time `json:"lastUsed,omitempty"`
+				}
+				out := []keyJSON{}
+				for _, k := range keys {
+					out = append(out, keyJSON{k.ID, k.Name, k.Prefix, k.CreatedAt, k.RevokedAt, k.LastUsed})
+				}
+				return printJSON(cmd.OutOrStdout(), out)
 			}
 			tw := tabwriter.NewWriter(cmd.OutOrStdout(), 0, 4, 2, ' ', 0)
 			fmt.Fprintln(tw, "ID\tNAME\tKEY\tCREATED\tSTATUS")

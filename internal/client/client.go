@@ -53,15 +53,15 @@ type Sandbox struct {
 	TemplateID      string            `json:"templateID"`
 	ClientID        string            `json:"clientID"`
 	EnvdVersion     string            `json:"envdVersion"`
-	EnvdAccessToken string            `json:"envdAccessToken"`
-	StartedAt       time.Time         `json:"startedAt"`
-	EndAt           time.Time         `json:"endAt"`
+	EnvdAccessToken string            `json:"envdAccessToken,omitempty"`
+	StartedAt       time.Time         `json:"startedAt,omitzero"`
+	EndAt           time.Time         `json:"endAt,omitzero"`
 	CPUCount        float64           `json:"cpuCount"`
 	MemoryMB        int64             `json:"memoryMB"`
 	DiskSizeMB      int64             `json:"diskSizeMB"`
 	Pids            int64             `json:"pids"`
-	Metadata        map[string]string `json:"metadata"`
-	State           string            `json:"state"`
+	Metadata        map[string]string `json:"metadata,omitempty"`
+	State           string            `json:"state,omitempty"`
 	Wall            string            `json:"wall"`
 }
 

@@ -101,6 +101,9 @@ func Run(ctx context.Context, cfg Config, log *slog.Logger, ready func(apiAddr, 
 		return fmt.Errorf("recover sandboxes: %w", err)
 	}
 	defer mgr.Close()
+	sweepCtx, stopSweep := context.WithCancel(ctx)
+	defer stopSweep()
+	go mgr.Sweep(sweepCtx, 5*time.Second)
 	host.StartPool(cfg.Pool)
 	defer host.Close()
 

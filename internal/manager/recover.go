@@ -1,6 +1,7 @@
 package manager
 
 import (
+	"context"
 	"time"
 
 	"github.com/cagehq/cage/internal/store"
@@ -18,9 +19,7 @@ func (m *Manager) Recover() error {
 		return err
 	}
 	h := m.cfg.Host
-	known := map[string]bool{}
 	for _, rec := range recs {
-		known[rec.ID] = true
 		if rec.State == store.StateRunning {
 			sb, err := h.Adopt(rec.ID, rec.AgentPID, rec.AgentStart, rec.AccessToken)
 			if err == nil {
@@ -42,9 +41,18 @@ func (m *Manager) Recover() error {
 		_ = m.cfg.Store.DeleteSandbox(rec.ID)
 		_ = m.cfg.Store.AddEvent(rec.ID, "removed", "state "+rec.State+" at daemon start")
 	}
+	m.sweep()
+	return nil
+}
+
+// sweep removes sandboxes on the host that no record and no live process
+// own (a crash mid-create leaves such; the newest are only recognisable a
+// few seconds later, so the daemon sweeps again periodically).
+func (m *Manager) sweep() {
+	h := m.cfg.Host
 	for _, id := range process.Orphans(h.RunDir) {
-		if known[id] {
-			continue
+		if _, err := m.cfg.Store.GetSandbox(id); err == nil {
+			continue // recorded: adopted or being created
 		}
 		m.log.Warn("removing an orphaned sandbox", "sandbox", id)
 		if err := process.Remove(h.RunDir, h.Cgroups, id); err != nil {
@@ -52,5 +60,18 @@ func (m *Manager) Recover() error {
 		}
 	}
 	h.GC()
-	return nil
+}
+
+// Sweep runs sweep every interval until ctx ends.
+func (m *Manager) Sweep(ctx context.Context, interval time.Duration) {
+	t := time.NewTicker(interval)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+			m.sweep()
+		}
+	}
 }

@@ -59,7 +59,7 @@ func GC(runDir string, cg *cgroups.Manager) ([]string, error) {
 	for _, e := range ents {
 		id := e.Name()
 		dir := filepath.Join(base, id)
-		if fi, err := e.Info(); err != nil || time.Since(fi.ModTime()) < 10*time.Second {
+		if fi, err := e.Info(); err != nil || time.Since(fi.ModTime()) < orphanGrace {
 			continue // being created: its owner may not hold the lock yet
 		}
 		lock, err := lockOwner(dir)
@@ -95,7 +95,7 @@ func Remove(runDir string, cg *cgroups.Manager, id string) error {
 }
 
 // Orphans lists sandboxes under runDir that no live process owns: state
-// directories whose owner lock is free (a directory younger than 10 s may
+// directories whose owner lock is free (a directory younger than orphanGrace may
 // still be getting its lock, and is left alone). Cgroups are not scanned:
 // other run directories share the cgroup parent.
 func Orphans(runDir string) []string {
@@ -103,7 +103,7 @@ func Orphans(runDir string) []string {
 	base := filepath.Join(runDir, "sandboxes")
 	ents, _ := os.ReadDir(base)
 	for _, e := range ents {
-		if fi, err := e.Info(); err != nil || time.Since(fi.ModTime()) < 10*time.Second {
+		if fi, err := e.Info(); err != nil || time.Since(fi.ModTime()) < orphanGrace {
 			continue
 		}
 		lock, err := lockOwner(filepath.Join(base, e.Name()))
@@ -115,3 +115,7 @@ func Orphans(runDir string) []string {
 	}
 	return out
 }
+
+// orphanGrace is how old a state directory must be before GC and Orphans
+// judge it: its creator takes the owner lock microseconds after making it.
+const orphanGrace = 2 * time.Second
