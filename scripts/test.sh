@@ -30,4 +30,6 @@ go vet ./...
 echo "== build"
 make -s build
 echo "== go test"
-go test -count=1 -timeout 25m ./... "$@"
+# One package at a time: the integration suites count what is on the host
+# (processes, cgroups, namespaces) and must not see each other's sandboxes.
+go test -count=1 -p 1 -timeout 25m ./... "$@"
