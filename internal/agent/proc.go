@@ -135,7 +135,16 @@ const (
 // the command from ending.
 func (p *proc) pump(f *os.File, kind int, wg *sync.WaitGroup, exitedAt <-chan struct{}) {
 	defer wg.Done()
-	defer f.Close()
+	defer func() {
+		if kind == outPTY {
+			// A PTY master reads EIO whenever no process holds the
+			// terminal open, which coreutils programs cause as they exit
+			// (they close stdout first). Closing the master then would hang
+			// the terminal up and kill them with SIGHUP: wait for the exit.
+			<-exitedAt
+		}
+		f.Close()
+	}()
 	buf := make([]byte, 32<<10)
 	go func() {
 		<-exitedAt
