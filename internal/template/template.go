@@ -9,6 +9,8 @@ import (
 	"os"
 	"path/filepath"
 	"sort"
+	"sync"
+	"time"
 )
 
 // ErrNotFound is returned for a template name that does not exist.
@@ -57,12 +59,41 @@ func Names() []string { return []string{"host"} }
 
 // Lookup resolves a template by name. cacheDir holds what templates prepare
 // once for every sandbox (the host template's /etc).
+//
+// Resolving the host template checks the host's /etc for changes (a walk of
+// its directories, a few milliseconds), so a result is reused for a second:
+// creates in a burst resolve it once.
 func Lookup(name, cacheDir string) (*Template, error) {
 	switch name {
 	case "host", "":
-		return hostTemplate(filepath.Join(cacheDir, "host"))
+	default:
+		return nil, fmt.Errorf("%w: %q (available: %v)", ErrNotFound, name, Names())
 	}
-	return nil, fmt.Errorf("%w: %q (available: %v)", ErrNotFound, name, Names())
+	dir := filepath.Join(cacheDir, "host")
+	recent.Lock()
+	defer recent.Unlock()
+	if r, ok := recent.m[dir]; ok && time.Since(r.at) < reuseFor {
+		return r.t, nil
+	}
+	t, err := hostTemplate(dir)
+	if err != nil {
+		return nil, err
+	}
+	recent.m[dir] = resolved{t: t, at: time.Now()}
+	return t, nil
+}
+
+// reuseFor is how long a resolved template is reused.
+const reuseFor = time.Second
+
+var recent = struct {
+	sync.Mutex
+	m map[string]resolved
+}{m: map[string]resolved{}}
+
+type resolved struct {
+	t  *Template
+	at time.Time
 }
 
 func hostTemplate(cacheDir string) (*Template, error) {
