@@ -140,7 +140,7 @@ func CreateToFirstOutput(ctx context.Context, h *sandbox.Host, runs int) (Stats,
 		if err != nil {
 			return Stats{}, err
 		}
-		c := agentclient.New(sb.Dial, sb.Token)
+		c := agentclient.New(sb.Dial, sb.Token())
 		fw := &firstWrite{start: start}
 		_, err = c.Run(ctx, agentclient.RunOptions{Cmd: "echo", Args: []string{"ready"}, Stdout: fw, Stderr: io.Discard})
 		c.Close()
@@ -176,7 +176,7 @@ func RoundTrip(ctx context.Context, h *sandbox.Host, runs int) (Stats, error) {
 		return Stats{}, err
 	}
 	defer sb.Destroy()
-	c := agentclient.New(sb.Dial, sb.Token)
+	c := agentclient.New(sb.Dial, sb.Token())
 	defer c.Close()
 	var samples []time.Duration
 	for i := -5; i < runs; i++ {
@@ -225,7 +225,7 @@ func IdleMemory(ctx context.Context, h *sandbox.Host, n int) (Memory, error) {
 		}
 		sbs = append(sbs, sb)
 		// Wait until it answers, so it is a fully started, idle sandbox.
-		c := agentclient.New(sb.Dial, sb.Token)
+		c := agentclient.New(sb.Dial, sb.Token())
 		_, err = c.Run(ctx, agentclient.RunOptions{Cmd: "true", Stdout: io.Discard, Stderr: io.Discard})
 		c.Close()
 		if err != nil {
@@ -240,7 +240,7 @@ func IdleMemory(ctx context.Context, h *sandbox.Host, n int) (Memory, error) {
 	}
 	var pss, cg int64
 	for _, sb := range sbs {
-		pss += readPSS(sb.Pid)
+		pss += readPSS(sb.AgentPID())
 		cg += readCgroupMemory(sb)
 	}
 	return Memory{N: n, PerSandboxBytes: (before - after) / int64(n), AgentPSSBytes: pss / int64(n),

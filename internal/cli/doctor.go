@@ -138,7 +138,7 @@ func probeProcessWall(ctx context.Context, g *globals) (bool, string) {
 		return false, "create failed: " + err.Error()
 	}
 	defer sb.Destroy()
-	c := agentclient.New(sb.Dial, sb.Token)
+	c := agentclient.New(sb.Dial, sb.Token())
 	defer c.Close()
 	end, err := c.Run(ctx, agentclient.RunOptions{Cmd: "true", Stdout: io.Discard, Stderr: io.Discard})
 	if err != nil {

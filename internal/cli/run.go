@@ -164,7 +164,7 @@ func runCommand(ctx context.Context, g *globals, f *runFlags, args []string, std
 		})
 		defer t.Stop()
 	}
-	client := agentclient.New(sb.Dial, sb.Token)
+	client := agentclient.New(sb.Dial, sb.Token())
 	defer client.Close()
 
 	for _, c := range p.copyIn {

@@ -150,13 +150,13 @@ func (m *Manager) start(ctx context.Context, req CreateRequest, opts *sandbox.Op
 	}
 	now := time.Now()
 	rec := &store.Sandbox{
-		ID: sb.ID, KeyID: req.KeyID, TemplateID: req.Template, Wall: "process",
+		ID: sb.ID(), KeyID: req.KeyID, TemplateID: req.Template, Wall: "process",
 		State: store.StateCreating, Metadata: req.Metadata, EnvVars: req.Env,
 		CPUs: opts.CPUs, MemoryMB: opts.Memory >> 20, DiskMB: opts.Disk >> 20, Pids: opts.Pids,
-		AccessToken: opts.Token, TrafficToken: randomToken(), AgentPID: sb.Pid,
+		AccessToken: opts.Token, TrafficToken: randomToken(), AgentPID: sb.AgentPID(),
 		StartedAt: now, EndAt: now.Add(req.Timeout), AllowInternet: req.AllowInternet, AutoPause: req.AutoPause,
 	}
-	rec.AgentStart, _ = process.StartTime(sb.Pid)
+	rec.AgentStart, _ = process.StartTime(sb.AgentPID())
 	if err := m.cfg.Store.InsertSandbox(rec); err != nil {
 		_ = sb.Destroy()
 		return nil, nil, err
@@ -196,17 +196,17 @@ func (m *Manager) admitted() {
 func (m *Manager) track(sb *process.Sandbox, end time.Time) {
 	e := &entry{sb: sb}
 	m.mu.Lock()
-	m.live[sb.ID] = e
-	e.timer = time.AfterFunc(time.Until(end), func() { m.expire(sb.ID) })
+	m.live[sb.ID()] = e
+	e.timer = time.AfterFunc(time.Until(end), func() { m.expire(sb.ID()) })
 	m.mu.Unlock()
 	go func() {
 		<-sb.Exited()
 		m.mu.Lock()
-		cur := m.live[sb.ID]
+		cur := m.live[sb.ID()]
 		m.mu.Unlock()
 		if cur == e {
-			m.log.Warn("sandbox died", "sandbox", sb.ID, "err", sb.Err())
-			m.remove(sb.ID, "died: "+sb.Err().Error())
+			m.log.Warn("sandbox died", "sandbox", sb.ID(), "err", sb.Err())
+			m.remove(sb.ID(), "died: "+sb.Err().Error())
 		}
 	}()
 }
@@ -233,12 +233,12 @@ func (m *Manager) remove(id, why string) {
 // discard destroys a sandbox and deletes its record.
 func (m *Manager) discard(sb *process.Sandbox, why string) {
 	if err := sb.Destroy(); err != nil {
-		m.log.Warn("destroy", "sandbox", sb.ID, "err", err)
+		m.log.Warn("destroy", "sandbox", sb.ID(), "err", err)
 	}
-	if err := m.cfg.Store.DeleteSandbox(sb.ID); err != nil && !errors.Is(err, store.ErrNotFound) {
-		m.log.Warn("delete record", "sandbox", sb.ID, "err", err)
+	if err := m.cfg.Store.DeleteSandbox(sb.ID()); err != nil && !errors.Is(err, store.ErrNotFound) {
+		m.log.Warn("delete record", "sandbox", sb.ID(), "err", err)
 	}
-	_ = m.cfg.Store.AddEvent(sb.ID, "killed", why)
+	_ = m.cfg.Store.AddEvent(sb.ID(), "killed", why)
 }
 
 // Get returns a sandbox that keyID may see ("" sees all).

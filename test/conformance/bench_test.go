@@ -32,7 +32,7 @@ func BenchmarkCreateToFirstOutput(b *testing.B) {
 		if err != nil {
 			b.Fatal(err)
 		}
-		c := agentclient.New(sb.Dial, sb.Token)
+		c := agentclient.New(sb.Dial, sb.Token())
 		fw := &firstByte{}
 		if _, err := c.Run(ctx, agentclient.RunOptions{Cmd: "echo", Args: []string{"x"}, Stdout: fw, Stderr: io.Discard}); err != nil {
 			b.Fatal(err)
@@ -55,7 +55,7 @@ func BenchmarkRoundTrip(b *testing.B) {
 		b.Fatal(err)
 	}
 	defer sb.Destroy()
-	c := agentclient.New(sb.Dial, sb.Token)
+	c := agentclient.New(sb.Dial, sb.Token())
 	defer c.Close()
 	var samples []time.Duration
 	b.ResetTimer()

@@ -84,7 +84,7 @@ func walls() []wall {
 			if err != nil {
 				t.Fatalf("create sandbox: %v", err)
 			}
-			c := agentclient.New(sb.Dial, sb.Token)
+			c := agentclient.New(sb.Dial, sb.Token())
 			t.Cleanup(func() {
 				c.Close()
 				if err := sb.Destroy(); err != nil {

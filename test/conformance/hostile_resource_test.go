@@ -265,7 +265,7 @@ sleep 0.3; ps -eo ppid=,args= | grep -c '^ *1 sleep 4[23]4[23]'`, asUser(user))
 	if strings.TrimSpace(out) == "0" {
 		t.Errorf("no orphan was reparented to PID 1: %q", out)
 	}
-	base, ok := hostUID(strconv.Itoa(b.sb.Pid))
+	base, ok := hostUID(strconv.Itoa(b.sb.AgentPID()))
 	if !ok {
 		t.Fatal("cannot read the agent's host uid")
 	}

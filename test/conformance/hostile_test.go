@@ -174,7 +174,7 @@ func (e *hostileEnv) noLeak(t *testing.T, b *box, out string) {
 	if strings.Contains(out, e.secret) {
 		t.Errorf("LEAK: the host canary's secret appears in the sandbox's output")
 	}
-	if b.sb != nil && b.sb.Token != "" && strings.Contains(out, b.sb.Token) {
+	if b.sb != nil && b.sb.Token() != "" && strings.Contains(out, b.sb.Token()) {
 		t.Errorf("LEAK: the agent's access token appears in the sandbox's output")
 	}
 }

@@ -154,13 +154,13 @@ func (r *leakRun) one(k leakKind) (err error) {
 		return fmt.Errorf("create: %w", err)
 	}
 	r.mu.Lock()
-	r.ids[sb.ID] = true
+	r.ids[sb.ID()] = true
 	r.mu.Unlock()
-	c := agentclient.New(sb.Dial, sb.Token)
+	c := agentclient.New(sb.Dial, sb.Token())
 	defer func() {
 		c.Close()
 		if derr := sb.Destroy(); derr != nil {
-			err = errors.Join(err, fmt.Errorf("destroy %s: %w", sb.ID, derr))
+			err = errors.Join(err, fmt.Errorf("destroy %s: %w", sb.ID(), derr))
 		}
 		err = errors.Join(err, leakDestroyed(r.h, sb))
 	}()
@@ -231,14 +231,14 @@ func leakDestroyWhileRunning(ctx context.Context, sb *process.Sandbox, c *agentc
 // its cgroups before it returned.
 func leakDestroyed(h *sandbox.Host, sb *process.Sandbox) error {
 	var errs []error
-	if _, err := os.Stat(filepath.Join(h.RunDir, "sandboxes", sb.ID)); !errors.Is(err, os.ErrNotExist) {
-		errs = append(errs, fmt.Errorf("%s: state directory still there after Destroy", sb.ID))
+	if _, err := os.Stat(filepath.Join(h.RunDir, "sandboxes", sb.ID())); !errors.Is(err, os.ErrNotExist) {
+		errs = append(errs, fmt.Errorf("%s: state directory still there after Destroy", sb.ID()))
 	}
 	if cg := sb.Cgroup(); cg != nil {
 		for _, ctrl := range []string{"memory", "cpu", "pids"} {
 			if dir := cg.Dir(ctrl); dir != "" {
 				if _, err := os.Stat(dir); !errors.Is(err, os.ErrNotExist) {
-					errs = append(errs, fmt.Errorf("%s: cgroup %s still there after Destroy", sb.ID, dir))
+					errs = append(errs, fmt.Errorf("%s: cgroup %s still there after Destroy", sb.ID(), dir))
 				}
 			}
 		}

@@ -52,7 +52,7 @@ func Adopt(cfg Config, pid int, startTime uint64, token string) (*Sandbox, error
 	if err != nil {
 		return nil, fmt.Errorf("sandbox %s: pidfd: %w", cfg.ID, err)
 	}
-	sb := &Sandbox{ID: cfg.ID, Token: token, Pid: pid, cg: cg, started: true, pidfd: pidfd,
+	sb := &Sandbox{id: cfg.ID, token: token, pid: pid, cg: cg, started: true, pidfd: pidfd,
 		dir: filepath.Join(cfg.RunDir, "sandboxes", cfg.ID), exited: make(chan struct{}),
 		log: cfg.Log.With("sandbox", cfg.ID)}
 	sb.sock = filepath.Join(sb.dir, "agent.sock")

@@ -13,7 +13,7 @@ import (
 
 	"github.com/cagehq/cage/internal/agent"
 	"github.com/cagehq/cage/internal/cgroups"
-	"github.com/cagehq/cage/internal/seccomp"
+	"github.com/cagehq/cage/internal/seal"
 )
 
 // Child is the sandbox's side of the wall, set up by Init.
@@ -51,7 +51,7 @@ func Init() (*Child, error) {
 	trace("spec read")
 	// The host put this process in the sandbox's cgroups before sending the
 	// spec; a new cgroup namespace now roots /proc/self/cgroup there.
-	if err := allThreads(unix.SYS_UNSHARE, unix.CLONE_NEWCGROUP, 0, 0); err != nil {
+	if err := seal.AllThreads(unix.SYS_UNSHARE, unix.CLONE_NEWCGROUP, 0, 0); err != nil {
 		return nil, fmt.Errorf("cgroup namespace: %w", err)
 	}
 	// Opened while the host's paths are still reachable; read after pivot.
@@ -68,7 +68,7 @@ func Init() (*Child, error) {
 	return &Child{Listener: l, spec: spec, specs: specs, specFile: specFile, Config: agent.Config{
 		DefaultUser:      spec.UserName,
 		Limits:           limits,
-		SpawnThreadSetup: spawnThreadSetup,
+		SpawnThreadSetup: seal.SpawnThread,
 		AgentUID:         agentUID,
 		Threads:          AgentThreads,
 	}}, nil
@@ -100,25 +100,8 @@ func (c *Child) Build() error {
 // its own uid with capabilities down to agentCaps, no_new_privs, then the
 // seccomp filter (whose TSYNC also spreads no_new_privs to every thread).
 func (c *Child) Seal() error {
-	// Landlock first, while every thread still holds CAP_SYS_ADMIN (it
-	// needs that or no_new_privs on each thread it restricts).
-	trace("landlock")
-	if _, err := applyLandlock(); err != nil {
-		return fmt.Errorf("landlock: %w", err)
-	}
-	trace("privileges")
-	if err := dropPrivileges(); err != nil {
-		return fmt.Errorf("privileges: %w", err)
-	}
-	if c.spec.DieWithParent {
-		// Changing uid cleared the parent-death signal; arm it again.
-		if err := allThreads(unix.SYS_PRCTL, unix.PR_SET_PDEATHSIG, uintptr(unix.SIGKILL), 0); err != nil {
-			return fmt.Errorf("parent-death signal: %w", err)
-		}
-	}
-	trace("seccomp")
-	if err := seccomp.Install(); err != nil {
-		return fmt.Errorf("seccomp: %w", err)
+	if _, err := seal.Seal(seal.Options{AgentUID: agentUID, DieWithParent: c.spec.DieWithParent, Trace: trace}); err != nil {
+		return err
 	}
 	if tracing {
 		d, _ := unix.PrctlRetInt(unix.PR_GET_DUMPABLE, 0, 0, 0, 0)

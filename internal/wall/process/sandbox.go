@@ -53,9 +53,9 @@ type Spec struct {
 
 // Sandbox is a running sandbox of the process wall, seen from the host.
 type Sandbox struct {
-	ID    string
-	Token string // the agent's access token
-	Pid   int    // the agent, PID 1 of the sandbox, as the host sees it
+	id    string
+	token string // the agent's access token
+	pid   int    // the agent, PID 1 of the sandbox, as the host sees it
 	dir   string
 	sock  string
 	cg    *cgroups.Cgroup
@@ -78,6 +78,18 @@ type Sandbox struct {
 	destroy sync.Once
 	destErr error
 }
+
+// ID is the sandbox's id.
+func (sb *Sandbox) ID() string { return sb.id }
+
+// Token is the agent's access token.
+func (sb *Sandbox) Token() string { return sb.token }
+
+// AgentPID is the host pid of the sandbox's agent (its PID 1).
+func (sb *Sandbox) AgentPID() int { return sb.pid }
+
+// Wall is "process".
+func (sb *Sandbox) Wall() string { return "process" }
 
 // NewID returns a fresh sandbox id (20 lowercase hex characters, as E2B's).
 func NewID() string {
@@ -111,7 +123,7 @@ func Prepare(ctx context.Context, cfg Config) (sb *Sandbox, err error) {
 	if cfg.Log == nil {
 		cfg.Log = slog.New(slog.DiscardHandler)
 	}
-	sb = &Sandbox{ID: cfg.ID, dir: filepath.Join(cfg.RunDir, "sandboxes", cfg.ID), exited: make(chan struct{}),
+	sb = &Sandbox{id: cfg.ID, dir: filepath.Join(cfg.RunDir, "sandboxes", cfg.ID), exited: make(chan struct{}),
 		log: cfg.Log.With("sandbox", cfg.ID)}
 	sb.sock = filepath.Join(sb.dir, "agent.sock")
 	defer func() {
@@ -156,7 +168,7 @@ func Prepare(ctx context.Context, cfg Config) (sb *Sandbox, err error) {
 	sb.etc = cfg.Template.EtcCache
 	sb.disk, sb.shm = cfg.DiskBytes, cfg.ShmBytes
 	err = sb.send(&initSpec{
-		ID: sb.ID, Hostname: "cage-" + sb.ID[:min(8, len(sb.ID))], Root: sb.root,
+		ID: sb.id, Hostname: "cage-" + sb.id[:min(8, len(sb.id))], Root: sb.root,
 		Mounts: cfg.Template.Mounts, DiskBytes: sb.disk, DiskInodes: inodesFor(sb.disk),
 		ShmBytes: sb.shm, UserName: userName, UserUID: userUID, UserGID: userUID,
 		OOMEvents: sb.cg.OOMEventsFile(), PidsEvents: sb.cg.PidsEventsFile(),
@@ -192,7 +204,7 @@ func (sb *Sandbox) Start(s Spec) error {
 		return ErrStale
 	}
 	sb.started = true
-	sb.Token = s.Token
+	sb.token = s.Token
 	if sb.niced {
 		sb.renice()
 	}
@@ -223,7 +235,7 @@ const backgroundNice = 15
 // renice puts every thread of the agent back to normal priority (nice is
 // per thread in Linux; threads inherited the background value).
 func (sb *Sandbox) renice() {
-	tasks, _ := os.ReadDir(fmt.Sprintf("/proc/%d/task", sb.Pid))
+	tasks, _ := os.ReadDir(fmt.Sprintf("/proc/%d/task", sb.pid))
 	for _, t := range tasks {
 		if tid, err := strconv.Atoi(t.Name()); err == nil {
 			_ = unix.Setpriority(unix.PRIO_PROCESS, tid, 0)
@@ -303,7 +315,7 @@ func (sb *Sandbox) fork(cfg Config, listener *os.File) error {
 	if err != nil {
 		return fmt.Errorf("start the sandbox's agent %s: %w", cfg.AgentPath, err)
 	}
-	sb.Pid = pid
+	sb.pid = pid
 	if cfg.Background {
 		_ = unix.Setpriority(unix.PRIO_PROCESS, pid, backgroundNice)
 		sb.niced = true
@@ -325,7 +337,7 @@ func (sb *Sandbox) fork(cfg Config, listener *os.File) error {
 func (sb *Sandbox) reap() {
 	var ws syscall.WaitStatus
 	for {
-		_, err := syscall.Wait4(sb.Pid, &ws, 0, nil)
+		_, err := syscall.Wait4(sb.pid, &ws, 0, nil)
 		if err != syscall.EINTR {
 			if err != nil {
 				sb.waitErr = err
@@ -356,7 +368,7 @@ func (sb *Sandbox) Dial(ctx context.Context) (net.Conn, error) {
 			return nil, sb.Err()
 		default:
 		}
-		return nil, fmt.Errorf("dial sandbox %s: %w", sb.ID, err)
+		return nil, fmt.Errorf("dial sandbox %s: %w", sb.id, err)
 	}
 	return c, nil
 }
@@ -374,12 +386,12 @@ func (sb *Sandbox) Err() error {
 	}
 	msg := strings.TrimSpace(sb.stderr.String())
 	if msg != "" {
-		return fmt.Errorf("sandbox %s failed: %s", sb.ID, lastLine(msg))
+		return fmt.Errorf("sandbox %s failed: %s", sb.id, lastLine(msg))
 	}
 	if sb.waitErr != nil {
-		return fmt.Errorf("sandbox %s: %w", sb.ID, sb.waitErr)
+		return fmt.Errorf("sandbox %s: %w", sb.id, sb.waitErr)
 	}
-	return fmt.Errorf("sandbox %s is gone", sb.ID)
+	return fmt.Errorf("sandbox %s is gone", sb.id)
 }
 
 func lastLine(s string) string {
@@ -413,8 +425,8 @@ func (sb *Sandbox) teardown() error {
 		_ = unix.PidfdSendSignal(sb.pidfd, unix.SIGKILL, nil, 0)
 		<-sb.exited
 		unix.Close(sb.pidfd)
-	case sb.Pid > 0:
-		_ = syscall.Kill(sb.Pid, syscall.SIGKILL)
+	case sb.pid > 0:
+		_ = syscall.Kill(sb.pid, syscall.SIGKILL)
 		<-sb.exited
 	}
 	trace("reaped")

@@ -1,4 +1,4 @@
-package process
+package seal
 
 import (
 	"fmt"
@@ -11,7 +11,7 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// Child side: privileges. The agent keeps only the capabilities it needs to
+// Privileges. The agent keeps only the capabilities it needs to
 // run commands as other users and to manage files for them. Commands are
 // forked from one thread whose bounding set is shrunk to the same, so nothing
 // they run can regain the rest, and whose securebits include SECBIT_NOROOT
@@ -71,16 +71,16 @@ func spawnThreadSetup() error {
 // inside the sandbox holds no capabilities, and so can neither signal the
 // agent nor touch its /proc files, which belong to the agent's uid), leaves
 // every thread with only agentCaps, and sets no_new_privs.
-func dropPrivileges() error {
+func dropPrivileges(agentUID int) error {
 	if err := allThreads(unix.SYS_PRCTL, unix.PR_SET_KEEPCAPS, 1, 0); err != nil {
 		return fmt.Errorf("keep capabilities across setuid: %w", err)
 	}
 	// Supplementary groups are already empty: the host forked the agent
 	// with Credential{0, 0}, which clears them.
-	if err := allThreads(unix.SYS_SETRESGID, agentUID, agentUID, agentUID); err != nil {
+	if err := allThreads(unix.SYS_SETRESGID, uintptr(agentUID), uintptr(agentUID), uintptr(agentUID)); err != nil {
 		return fmt.Errorf("setresgid: %w", err)
 	}
-	if err := allThreads(unix.SYS_SETRESUID, agentUID, agentUID, agentUID); err != nil {
+	if err := allThreads(unix.SYS_SETRESUID, uintptr(agentUID), uintptr(agentUID), uintptr(agentUID)); err != nil {
 		return fmt.Errorf("setresuid: %w", err)
 	}
 	hdr := unix.CapUserHeader{Version: unix.LINUX_CAPABILITY_VERSION_3}

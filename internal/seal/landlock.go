@@ -1,4 +1,4 @@
-package process
+package seal
 
 import (
 	"errors"
@@ -8,7 +8,7 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// Child side: Landlock, where the kernel has it, as a second lock behind the
+// Landlock, where the kernel has it, as a second lock behind the
 // read-only mounts: the sandbox may write only its own storage, /dev's
 // harmless nodes and its own /proc entries, and read or execute the rest.
 // (/root is writable for root inside; it lives on the sandbox disk.)

@@ -1,0 +1,26 @@
+// Package wall is what every wall (isolation tier) offers the host once a
+// sandbox runs behind it. A wall only starts cage-agent behind its isolation
+// and hands the host a way to reach it; commands, files and PTYs then behave
+// the same on every wall, through the agent. The walls are subpackages:
+// process (namespaces, pure Go), oci (runc and gVisor's runsc).
+package wall
+
+import (
+	"context"
+	"net"
+
+	"github.com/cagehq/cage/internal/cgroups"
+)
+
+// Sandbox is a running sandbox, seen from the host.
+type Sandbox interface {
+	ID() string
+	Token() string // the agent's access token
+	AgentPID() int // the agent's host pid
+	Wall() string  // "process", "runc", "gvisor"
+	Dial(ctx context.Context) (net.Conn, error)
+	Exited() <-chan struct{} // closed when the sandbox is gone
+	Err() error              // why it died, once Exited is closed
+	Cgroup() *cgroups.Cgroup // where its limits and counters are
+	Destroy() error          // kill everything and remove it; idempotent
+}
