@@ -5,7 +5,7 @@ import (
 	"time"
 
 	"github.com/cagehq/cage/internal/store"
-	"github.com/cagehq/cage/internal/wall/process"
+	"github.com/cagehq/cage/internal/wall/state"
 )
 
 // Recover makes the host agree with the store after a start: every sandbox
@@ -35,7 +35,7 @@ func (m *Manager) Recover() error {
 			m.log.Warn("sandbox lost while the daemon was down", "sandbox", rec.ID, "err", err)
 		}
 		// Half-created, or gone: remove what is left and the record.
-		if err := process.Remove(h.RunDir, h.Cgroups, rec.ID); err != nil {
+		if err := state.Remove(h.RunDir, h.Cgroups, rec.ID); err != nil {
 			m.log.Warn("remove leftovers", "sandbox", rec.ID, "err", err)
 		}
 		_ = m.cfg.Store.DeleteSandbox(rec.ID)
@@ -50,12 +50,12 @@ func (m *Manager) Recover() error {
 // few seconds later, so the daemon sweeps again periodically).
 func (m *Manager) sweep() {
 	h := m.cfg.Host
-	for _, id := range process.Orphans(h.RunDir) {
+	for _, id := range state.Orphans(h.RunDir) {
 		if _, err := m.cfg.Store.GetSandbox(id); err == nil {
 			continue // recorded: adopted or being created
 		}
 		m.log.Warn("removing an orphaned sandbox", "sandbox", id)
-		if err := process.Remove(h.RunDir, h.Cgroups, id); err != nil {
+		if err := state.Remove(h.RunDir, h.Cgroups, id); err != nil {
 			m.log.Warn("remove orphan", "sandbox", id, "err", err)
 		}
 	}

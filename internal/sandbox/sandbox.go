@@ -20,6 +20,7 @@ import (
 	"github.com/cagehq/cage/internal/template"
 	"github.com/cagehq/cage/internal/units"
 	"github.com/cagehq/cage/internal/wall/process"
+	"github.com/cagehq/cage/internal/wall/state"
 )
 
 // Error kinds; callers map them to exit codes and HTTP statuses at the edge.
@@ -273,7 +274,7 @@ func (h *Host) config(dieWithCaller bool, name string, disk, shm int64) (process
 
 // GC removes the leftovers of sandboxes whose owner died (see process.GC).
 func (h *Host) GC() {
-	if ids, err := process.GC(h.RunDir, h.Cgroups); err != nil {
+	if ids, err := state.GC(h.RunDir, h.Cgroups); err != nil {
 		h.Log.Warn("gc", "err", err)
 	} else if len(ids) > 0 {
 		h.Log.Info("gc: removed the leftovers of dead sandboxes", "sandboxes", ids)

@@ -18,6 +18,7 @@ import (
 	"github.com/cagehq/cage/internal/agentclient"
 	"github.com/cagehq/cage/internal/sandbox"
 	"github.com/cagehq/cage/internal/wall/process"
+	"github.com/cagehq/cage/internal/wall/state"
 )
 
 // TestLeakCheck creates and destroys many sandboxes, some of them killed by
@@ -275,7 +276,7 @@ func takeLeakSnapshot(runDir string) *leakSnapshot {
 		s.ns[typ] = map[string][]int{}
 	}
 	s.sandboxes = leakDirNames(filepath.Join(runDir, "sandboxes"))
-	s.ids = leakDirNames(process.IDLockDir)
+	s.ids = leakDirNames(state.IDLockDir)
 	for _, pattern := range []string{"/sys/fs/cgroup/*/cage/*", "/sys/fs/cgroup/cage/*"} {
 		paths, _ := filepath.Glob(pattern)
 		for _, p := range paths {

@@ -10,6 +10,8 @@ import (
 	"strings"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/cagehq/cage/internal/wall/state"
 )
 
 // A sandbox outlives the process that created it (a daemon that crashed or
@@ -56,7 +58,7 @@ func Adopt(cfg Config, pid int, startTime uint64, token string) (*Sandbox, error
 		dir: filepath.Join(cfg.RunDir, "sandboxes", cfg.ID), exited: make(chan struct{}),
 		log: cfg.Log.With("sandbox", cfg.ID)}
 	sb.sock = filepath.Join(sb.dir, "agent.sock")
-	if sb.owner, err = lockOwner(sb.dir); err != nil {
+	if sb.owner, err = state.LockOwner(sb.dir); err != nil {
 		unix.Close(pidfd)
 		return nil, fmt.Errorf("sandbox %s: %w", cfg.ID, err)
 	}

@@ -23,6 +23,7 @@ import (
 
 	"github.com/cagehq/cage/internal/cgroups"
 	"github.com/cagehq/cage/internal/template"
+	"github.com/cagehq/cage/internal/wall/state"
 )
 
 // Config describes one sandbox to create.
@@ -59,7 +60,7 @@ type Sandbox struct {
 	dir   string
 	sock  string
 	cg    *cgroups.Cgroup
-	ids   *idSlot
+	ids   *state.IDRange
 	log   *slog.Logger
 
 	owner         *os.File // flock'ed while this process owns the sandbox (see GC)
@@ -140,13 +141,13 @@ func Prepare(ctx context.Context, cfg Config) (sb *Sandbox, err error) {
 		return sb, err
 	}
 	trace("create")
-	if sb.ids, err = reserveIDs(); err != nil {
+	if sb.ids, err = state.ReserveIDs(); err != nil {
 		return sb, err
 	}
 	if sb.root, err = sb.makeDirs(); err != nil {
 		return sb, err
 	}
-	if sb.owner, err = lockOwner(sb.dir); err != nil {
+	if sb.owner, err = state.LockOwner(sb.dir); err != nil {
 		return sb, err
 	}
 	l, err := net.ListenUnix("unix", &net.UnixAddr{Name: sb.sock, Net: "unix"})
@@ -260,7 +261,7 @@ func (sb *Sandbox) makeDirs() (string, error) {
 	if err := os.Mkdir(root, 0o700); err != nil {
 		return "", err
 	}
-	if err := os.Chown(root, sb.ids.hostID(0), sb.ids.hostID(0)); err != nil {
+	if err := os.Chown(root, sb.ids.HostID(0), sb.ids.HostID(0)); err != nil {
 		return "", err
 	}
 	return root, nil
@@ -291,12 +292,12 @@ func (sb *Sandbox) fork(cfg Config, listener *os.File) error {
 	attr := &syscall.ProcAttr{
 		Dir:   "/",
 		Env:   []string{"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "CAGE_TRACE=" + os.Getenv("CAGE_TRACE")},
-		Files: []uintptr{devnull.Fd(), errW.Fd(), errW.Fd(), specR.Fd(), listener.Fd(), sb.ids.lock.Fd()},
+		Files: []uintptr{devnull.Fd(), errW.Fd(), errW.Fd(), specR.Fd(), listener.Fd(), sb.ids.Lock.Fd()},
 		Sys: &syscall.SysProcAttr{
 			Cloneflags: syscall.CLONE_NEWUSER | syscall.CLONE_NEWPID | syscall.CLONE_NEWNS |
 				syscall.CLONE_NEWIPC | syscall.CLONE_NEWUTS | syscall.CLONE_NEWNET,
-			UidMappings:                sb.ids.idMaps(),
-			GidMappings:                sb.ids.idMaps(),
+			UidMappings:                sb.ids.Maps(),
+			GidMappings:                sb.ids.Maps(),
 			GidMappingsEnableSetgroups: true,
 			Credential:                 &syscall.Credential{Uid: 0, Gid: 0},
 			Setsid:                     true,
@@ -435,14 +436,14 @@ func (sb *Sandbox) teardown() error {
 	}
 	trace("cgroups removed")
 	if sb.dir != "" {
-		if err := removeState(sb.dir); err != nil {
+		if err := state.RemoveState(sb.dir); err != nil {
 			errs = append(errs, err)
 		}
 	}
 	if sb.owner != nil {
 		sb.owner.Close()
 	}
-	sb.ids.release()
+	sb.ids.Release()
 	return errors.Join(errs...)
 }
 

@@ -1,4 +1,4 @@
-package process
+package state
 
 import (
 	"errors"
@@ -10,6 +10,10 @@ import (
 	"syscall"
 )
 
+// Package state is the host-side state every wall shares: reserved uid
+// ranges, and sandbox state directories with their owner locks and the
+// garbage collection of those whose owner died.
+//
 // Each sandbox maps its uids 0..65535 onto its own range of host uids, so
 // that root inside is an unprivileged nobody outside, and two sandboxes never
 // share a host uid (per-uid kernel limits such as inotify instances and
@@ -20,13 +24,13 @@ const (
 	idSlots     = 4096    // host uids up to idBase + idSlots*65536 ≈ 2^28
 )
 
-// idSlot is a host uid/gid range reserved for one sandbox. The reservation is
+// IDRange is a host uid/gid range reserved for one sandbox. The reservation is
 // an flock on a file under the run directory, so it holds across processes
 // (several `cage run` at once, or a daemon) and is released by the kernel
 // if its holder dies.
-type idSlot struct {
+type IDRange struct {
 	Base int
-	lock *os.File
+	Lock *os.File // flock'ed while reserved; pass it to whatever must hold the range
 }
 
 // IDLockDir holds the uid-range locks. It is one directory for the whole
@@ -34,7 +38,7 @@ type idSlot struct {
 // sandboxes ever get the same range.
 var IDLockDir = "/run/cage/ids"
 
-func reserveIDs() (*idSlot, error) {
+func ReserveIDs() (*IDRange, error) {
 	dir := IDLockDir
 	if err := os.MkdirAll(filepath.Dir(dir), 0o711); err != nil {
 		return nil, err
@@ -51,7 +55,7 @@ func reserveIDs() (*idSlot, error) {
 		}
 		err = syscall.Flock(int(f.Fd()), syscall.LOCK_EX|syscall.LOCK_NB)
 		if err == nil && sameFile(f) {
-			return &idSlot{Base: idBase + n*idRangeSize, lock: f}, nil
+			return &IDRange{Base: idBase + n*idRangeSize, Lock: f}, nil
 		}
 		f.Close()
 		if err != nil && !errors.Is(err, syscall.EWOULDBLOCK) {
@@ -62,22 +66,22 @@ func reserveIDs() (*idSlot, error) {
 }
 
 // release frees the range and removes its lock file.
-func (s *idSlot) release() {
-	if s == nil || s.lock == nil {
+func (s *IDRange) Release() {
+	if s == nil || s.Lock == nil {
 		return
 	}
-	_ = os.Remove(s.lock.Name())
-	s.lock.Close()
-	s.lock = nil
+	_ = os.Remove(s.Lock.Name())
+	s.Lock.Close()
+	s.Lock = nil
 }
 
 // idMaps maps the sandbox's ids 0..65535 to the slot's host range.
-func (s *idSlot) idMaps() []syscall.SysProcIDMap {
+func (s *IDRange) Maps() []syscall.SysProcIDMap {
 	return []syscall.SysProcIDMap{{ContainerID: 0, HostID: s.Base, Size: idRangeSize}}
 }
 
 // hostID is the host uid (or gid) that sandbox id maps to.
-func (s *idSlot) hostID(id int) int { return s.Base + id }
+func (s *IDRange) HostID(id int) int { return s.Base + id }
 
 // sameFile reports whether f is still the file at its path: a holder that
 // releases a slot unlinks its lock file, and a lock won on the unlinked inode

@@ -1,4 +1,4 @@
-package process
+package state
 
 import (
 	"errors"
@@ -18,7 +18,7 @@ import (
 
 const ownerLockName = "owner.lock"
 
-func lockOwner(dir string) (*os.File, error) {
+func LockOwner(dir string) (*os.File, error) {
 	f, err := os.OpenFile(filepath.Join(dir, ownerLockName), os.O_CREATE|os.O_RDWR|syscall.O_CLOEXEC, 0o600)
 	if err != nil {
 		return nil, err
@@ -32,7 +32,7 @@ func lockOwner(dir string) (*os.File, error) {
 
 // removeState removes a sandbox's state directory: its socket, the (by now
 // unmounted) root directory and the owner lock.
-func removeState(dir string) error {
+func RemoveState(dir string) error {
 	for _, name := range []string{"agent.sock", "root", ownerLockName} {
 		if err := os.Remove(filepath.Join(dir, name)); err != nil && !errors.Is(err, os.ErrNotExist) {
 			return err
@@ -62,7 +62,7 @@ func GC(runDir string, cg *cgroups.Manager) ([]string, error) {
 		if fi, err := e.Info(); err != nil || time.Since(fi.ModTime()) < orphanGrace {
 			continue // being created: its owner may not hold the lock yet
 		}
-		lock, err := lockOwner(dir)
+		lock, err := LockOwner(dir)
 		if err != nil {
 			continue // its owner is alive
 		}
@@ -73,7 +73,7 @@ func GC(runDir string, cg *cgroups.Manager) ([]string, error) {
 		}
 		if err := group.Destroy(); err != nil {
 			errs = append(errs, err)
-		} else if err := removeState(dir); err != nil {
+		} else if err := RemoveState(dir); err != nil {
 			errs = append(errs, err)
 		} else {
 			removed = append(removed, id)
@@ -91,7 +91,7 @@ func Remove(runDir string, cg *cgroups.Manager, id string) error {
 	if err := cg.Open(id).Destroy(); err != nil {
 		return err
 	}
-	return removeState(filepath.Join(runDir, "sandboxes", id))
+	return RemoveState(filepath.Join(runDir, "sandboxes", id))
 }
 
 // Orphans lists sandboxes under runDir that no live process owns: state
@@ -106,7 +106,7 @@ func Orphans(runDir string) []string {
 		if fi, err := e.Info(); err != nil || time.Since(fi.ModTime()) < orphanGrace {
 			continue
 		}
-		lock, err := lockOwner(filepath.Join(base, e.Name()))
+		lock, err := LockOwner(filepath.Join(base, e.Name()))
 		if err != nil {
 			continue
 		}
