@@ -11,12 +11,20 @@ import (
 	"os"
 
 	"github.com/cagehq/cage/internal/agent"
+	"github.com/cagehq/cage/internal/wall/oci"
 	"github.com/cagehq/cage/internal/wall/process"
 )
 
 func main() {
+	if len(os.Args) == 2 && os.Args[1] == "serve" {
+		// The OCI walls: runc or runsc made the container; seal and serve.
+		if err := oci.Serve(); err != nil {
+			fail("serve", err)
+		}
+		return
+	}
 	if len(os.Args) < 2 || os.Args[1] != "init" {
-		fmt.Fprintln(os.Stderr, "cage-agent: runs inside a sandbox; cage starts it (usage: cage-agent init)")
+		fmt.Fprintln(os.Stderr, "cage-agent: runs inside a sandbox; cage starts it (usage: cage-agent init | serve)")
 		os.Exit(2)
 	}
 	process.Trace("agent main")

@@ -20,7 +20,7 @@ import (
 
 	"github.com/cagehq/cage/internal/agentclient"
 	"github.com/cagehq/cage/internal/sandbox"
-	"github.com/cagehq/cage/internal/wall/process"
+	"github.com/cagehq/cage/internal/wall"
 )
 
 // Stats summarises samples.
@@ -211,7 +211,7 @@ func IdleMemory(ctx context.Context, h *sandbox.Host, n int) (Memory, error) {
 	if err != nil {
 		return Memory{}, err
 	}
-	var sbs []*process.Sandbox
+	var sbs []wall.Sandbox
 	defer func() {
 		for _, sb := range sbs {
 			_ = sb.Destroy()
@@ -277,7 +277,7 @@ func readPSS(pid int) int64 {
 	return 0
 }
 
-func readCgroupMemory(sb *process.Sandbox) int64 {
+func readCgroupMemory(sb wall.Sandbox) int64 {
 	dir := sb.Cgroup().Dir("memory")
 	for _, f := range []string{"memory.usage_in_bytes", "memory.current"} {
 		if b, err := os.ReadFile(filepath.Join(dir, f)); err == nil {

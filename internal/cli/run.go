@@ -20,11 +20,12 @@ import (
 	"github.com/cagehq/cage/internal/agentclient"
 	"github.com/cagehq/cage/internal/sandbox"
 	"github.com/cagehq/cage/internal/units"
+	"github.com/cagehq/cage/internal/wall"
 	"github.com/cagehq/cage/internal/wall/process"
 )
 
 type runFlags struct {
-	template, memory, disk, shm, timeout, workdir, user, maxOutput string
+	wall, template, memory, disk, shm, timeout, workdir, user, maxOutput string
 	cpus                                                           float64
 	pids                                                           int64
 	env, copyIn                                                    []string
@@ -53,6 +54,7 @@ command gets a PTY.`,
 	}
 	cmd.Flags().SetInterspersed(false)
 	fl := cmd.Flags()
+	fl.StringVar(&f.wall, "wall", "process", "isolation: process (namespaces), runc, gvisor (own kernel in user space)")
 	fl.StringVar(&f.template, "template", "host", "template the sandbox's root is made from")
 	fl.StringVar(&f.memory, "memory", units.FormatSize(sandbox.DefaultMemory), "memory limit, swap included (e.g. 256M, 1G)")
 	fl.Float64Var(&f.cpus, "cpus", sandbox.DefaultCPUs, "CPU limit in cores")
@@ -82,7 +84,7 @@ func (f *runFlags) parse() (*parsed, error) {
 	p := &parsed{env: map[string]string{}}
 	var err error
 	o := &p.opts
-	o.Template, o.CPUs, o.Pids = f.template, f.cpus, f.pids
+	o.Wall, o.Template, o.CPUs, o.Pids = f.wall, f.template, f.cpus, f.pids
 	if o.Memory, err = units.ParseSize(f.memory); err != nil {
 		return nil, exitf(ExitUsage, "--memory: %v", err)
 	}
@@ -209,7 +211,7 @@ func runCommand(ctx context.Context, g *globals, f *runFlags, args []string, std
 
 // sandboxFailure explains a failed run: the timeout, a sandbox that died, or
 // the command that could not start.
-func sandboxFailure(sb *process.Sandbox, timedOut *atomic.Bool, timeout time.Duration, err error) error {
+func sandboxFailure(sb wall.Sandbox, timedOut *atomic.Bool, timeout time.Duration, err error) error {
 	if timedOut.Load() {
 		return exitf(ExitTimeout, "timed out after %v; the sandbox was destroyed", timeout)
 	}

@@ -17,6 +17,7 @@ import (
 
 	"github.com/cagehq/cage/internal/sandbox"
 	"github.com/cagehq/cage/internal/store"
+	"github.com/cagehq/cage/internal/wall"
 	"github.com/cagehq/cage/internal/wall/process"
 )
 
@@ -50,7 +51,7 @@ type Manager struct {
 }
 
 type entry struct {
-	sb    *process.Sandbox
+	sb    wall.Sandbox
 	timer *time.Timer
 }
 
@@ -123,7 +124,7 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (*store.Sandbox
 		Template: req.Template, Token: randomToken(), Env: req.Env, CPUs: req.CPUs,
 		Memory: req.MemoryMB << 20, Disk: req.DiskMB << 20, Pids: req.Pids,
 	}
-	var sb *process.Sandbox
+	var sb wall.Sandbox
 	var rec *store.Sandbox
 	for attempt := 0; ; attempt++ {
 		var err error
@@ -143,7 +144,7 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (*store.Sandbox
 }
 
 // start prepares a sandbox, records it, then starts it.
-func (m *Manager) start(ctx context.Context, req CreateRequest, opts *sandbox.Options) (*process.Sandbox, *store.Sandbox, error) {
+func (m *Manager) start(ctx context.Context, req CreateRequest, opts *sandbox.Options) (wall.Sandbox, *store.Sandbox, error) {
 	sb, err := m.cfg.Host.Prepare(ctx, opts)
 	if err != nil {
 		return nil, nil, err
@@ -193,7 +194,7 @@ func (m *Manager) admitted() {
 }
 
 // track starts the sandbox's end timer and watches for its death.
-func (m *Manager) track(sb *process.Sandbox, end time.Time) {
+func (m *Manager) track(sb wall.Sandbox, end time.Time) {
 	e := &entry{sb: sb}
 	m.mu.Lock()
 	m.live[sb.ID()] = e
@@ -231,7 +232,7 @@ func (m *Manager) remove(id, why string) {
 }
 
 // discard destroys a sandbox and deletes its record.
-func (m *Manager) discard(sb *process.Sandbox, why string) {
+func (m *Manager) discard(sb wall.Sandbox, why string) {
 	if err := sb.Destroy(); err != nil {
 		m.log.Warn("destroy", "sandbox", sb.ID(), "err", err)
 	}
@@ -306,7 +307,7 @@ func (m *Manager) SetTimeout(keyID, id string, d time.Duration) (*store.Sandbox,
 
 // Sandbox returns a running sandbox for the traffic proxy (the agent's
 // token guards it there, not the API key).
-func (m *Manager) Sandbox(id string) (*process.Sandbox, bool) {
+func (m *Manager) Sandbox(id string) (wall.Sandbox, bool) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	e := m.live[id]

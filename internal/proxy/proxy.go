@@ -17,7 +17,7 @@ import (
 	"sync"
 	"time"
 
-	"github.com/cagehq/cage/internal/wall/process"
+	"github.com/cagehq/cage/internal/wall"
 )
 
 // EnvdPort is the port E2B's SDKs address the agent (envd) on.
@@ -25,7 +25,7 @@ const EnvdPort = 49983
 
 // Sandboxes finds a running sandbox by id.
 type Sandboxes interface {
-	Sandbox(id string) (*process.Sandbox, bool)
+	Sandbox(id string) (wall.Sandbox, bool)
 }
 
 // Proxy forwards sandbox traffic.
@@ -35,7 +35,7 @@ type Proxy struct {
 	log       *slog.Logger
 
 	mu         sync.Mutex
-	transports map[*process.Sandbox]*http.Transport
+	transports map[wall.Sandbox]*http.Transport
 }
 
 // New returns a proxy; domain is the suffix of host-routed requests ("" to
@@ -44,7 +44,7 @@ func New(sandboxes Sandboxes, domain string, log *slog.Logger) *Proxy {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	p := &Proxy{sandboxes: sandboxes, domain: domain, log: log, transports: map[*process.Sandbox]*http.Transport{}}
+	p := &Proxy{sandboxes: sandboxes, domain: domain, log: log, transports: map[wall.Sandbox]*http.Transport{}}
 	return p
 }
 
@@ -135,7 +135,7 @@ func (p *Proxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 }
 
 // transport returns the connection pool to a sandbox's agent.
-func (p *Proxy) transport(sb *process.Sandbox) *http.Transport {
+func (p *Proxy) transport(sb wall.Sandbox) *http.Transport {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if t, ok := p.transports[sb]; ok {

@@ -19,6 +19,8 @@ import (
 	"github.com/cagehq/cage/internal/cgroups"
 	"github.com/cagehq/cage/internal/template"
 	"github.com/cagehq/cage/internal/units"
+	"github.com/cagehq/cage/internal/wall"
+	"github.com/cagehq/cage/internal/wall/oci"
 	"github.com/cagehq/cage/internal/wall/process"
 	"github.com/cagehq/cage/internal/wall/state"
 )
@@ -50,6 +52,7 @@ const (
 
 // Options are what a caller may choose for a sandbox.
 type Options struct {
+	Wall      string // "process" (default), "runc" or "gvisor"
 	ID        string // "" = a fresh one
 	Token     string // the agent's access token; "" = a fresh one
 	Template  string
@@ -121,6 +124,8 @@ type Host struct {
 	AgentPath string
 	Cgroups   *cgroups.Manager
 	Log       *slog.Logger
+	// Runtimes are the OCI walls this host has (by wall name).
+	Runtimes map[string]*oci.Runtime
 
 	pool       chan *process.Sandbox // prepared sandboxes, when a pool runs
 	PoolMisses atomic.Int64          // creates that found the pool empty
@@ -151,7 +156,7 @@ func NewHost(runDir, agentPath string, log *slog.Logger) (*Host, error) {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	return &Host{RunDir: runDir, AgentPath: agentPath, Cgroups: cg, Log: log}, nil
+	return &Host{RunDir: runDir, AgentPath: agentPath, Cgroups: cg, Log: log, Runtimes: ProbeRuntimes()}, nil
 }
 
 // FindAgent locates cage-agent: $CAGE_AGENT, else beside the executable.
@@ -183,7 +188,10 @@ func checkKernel() error {
 var nsConfig = map[string]string{"user": "USER", "pid": "PID", "mnt": "NAMESPACES", "ipc": "IPC", "uts": "UTS", "net": "NET", "cgroup": "CGROUP"}
 
 // Create starts a sandbox on the process wall.
-func (h *Host) Create(ctx context.Context, o Options) (*process.Sandbox, error) {
+func (h *Host) Create(ctx context.Context, o Options) (wall.Sandbox, error) {
+	if o.Wall != "" && o.Wall != "process" {
+		return h.createOCI(ctx, o)
+	}
 	sb, err := h.Prepare(ctx, &o)
 	if err != nil {
 		return nil, err

@@ -1,6 +1,7 @@
 package seal
 
 import (
+	"errors"
 	"fmt"
 	"os"
 	"strconv"
@@ -40,26 +41,23 @@ func allThreads(trap, a1, a2, a3 uintptr) error {
 }
 
 // spawnThreadSetup runs on the agent's spawning thread (the one thread that
-// forks commands): securebits and the bounding set are per thread, and
-// commands inherit them from it. It needs CAP_SETPCAP, so it runs before
-// dropPrivileges.
+// forks commands): the bounding set and securebits are per thread, and
+// commands inherit them from it. The bounding set is emptied: the thread
+// keeps the capabilities it holds (a forked child still switches to the
+// command's uid with them), but nothing it executes can gain any, root or
+// not. SECBIT_NOROOT (locked) says the same a second time where the kernel
+// allows it (gVisor refuses securebits; the empty bounding set still holds).
+// It needs CAP_SETPCAP, so it runs before dropPrivileges.
 func spawnThreadSetup() error {
-	bits := uintptr(secbitNoroot | secbitNorootLocked | secbitNoAmbientRaise | secbitNoAmbientRaiseLocked)
-	if err := unix.Prctl(unix.PR_SET_SECUREBITS, bits, 0, 0, 0); err != nil {
-		return fmt.Errorf("securebits: %w", err)
-	}
 	last, err := lastCap()
 	if err != nil {
 		return err
 	}
-	keep := map[uintptr]bool{}
-	for _, c := range agentCaps {
-		keep[c] = true
+	bits := uintptr(secbitNoroot | secbitNorootLocked | secbitNoAmbientRaise | secbitNoAmbientRaiseLocked)
+	if err := unix.Prctl(unix.PR_SET_SECUREBITS, bits, 0, 0, 0); err != nil && !errors.Is(err, unix.EPERM) && !errors.Is(err, unix.EINVAL) {
+		return fmt.Errorf("securebits: %w", err)
 	}
 	for c := uintptr(0); c <= last; c++ {
-		if keep[c] {
-			continue
-		}
 		if err := unix.Prctl(unix.PR_CAPBSET_DROP, c, 0, 0, 0); err != nil {
 			return fmt.Errorf("drop capability %d from the bounding set: %w", c, err)
 		}

@@ -257,3 +257,17 @@ func RemoveCache(path string) {
 	_ = syscall.Unmount(path, syscall.MNT_DETACH)
 	_ = os.Remove(path)
 }
+
+// WriteIdentity writes the files that name one sandbox, hosts and hostname,
+// into dir, which the sandbox sees as /run/cage (its /etc links there).
+func WriteIdentity(dir, hostname string) error {
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return err
+	}
+	hosts := strings.Join([]string{"127.0.0.1\tlocalhost", "::1\tlocalhost ip6-localhost ip6-loopback",
+		"127.0.1.1\t" + hostname, ""}, "\n")
+	if err := os.WriteFile(filepath.Join(dir, "hosts"), []byte(hosts), 0o644); err != nil {
+		return err
+	}
+	return os.WriteFile(filepath.Join(dir, "hostname"), []byte(hostname+"\n"), 0o644)
+}

@@ -19,7 +19,7 @@ import (
 	"github.com/cagehq/cage/internal/agentclient"
 	"github.com/cagehq/cage/internal/sandbox"
 	"github.com/cagehq/cage/internal/testutil"
-	"github.com/cagehq/cage/internal/wall/process"
+	cagewall "github.com/cagehq/cage/internal/wall"
 )
 
 // wall is one isolation tier under test.
@@ -32,7 +32,7 @@ type wall struct {
 // box is a live sandbox seen by a test.
 type box struct {
 	*agentclient.Client
-	sb *process.Sandbox
+	sb cagewall.Sandbox
 	t  *testing.T
 }
 

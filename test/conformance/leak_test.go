@@ -17,7 +17,7 @@ import (
 
 	"github.com/cagehq/cage/internal/agentclient"
 	"github.com/cagehq/cage/internal/sandbox"
-	"github.com/cagehq/cage/internal/wall/process"
+	cagewall "github.com/cagehq/cage/internal/wall"
 	"github.com/cagehq/cage/internal/wall/state"
 )
 
@@ -191,7 +191,7 @@ func (r *leakRun) one(k leakKind) (err error) {
 }
 
 // leakDestroyWhileRunning starts `sleep 100` and destroys the sandbox under it.
-func leakDestroyWhileRunning(ctx context.Context, sb *process.Sandbox, c *agentclient.Client) error {
+func leakDestroyWhileRunning(ctx context.Context, sb cagewall.Sandbox, c *agentclient.Client) error {
 	started := make(chan struct{})
 	var once sync.Once
 	done := make(chan error, 1)
@@ -230,7 +230,7 @@ func leakDestroyWhileRunning(ctx context.Context, sb *process.Sandbox, c *agentc
 
 // leakDestroyed checks that Destroy removed the sandbox's state directory and
 // its cgroups before it returned.
-func leakDestroyed(h *sandbox.Host, sb *process.Sandbox) error {
+func leakDestroyed(h *sandbox.Host, sb cagewall.Sandbox) error {
 	var errs []error
 	if _, err := os.Stat(filepath.Join(h.RunDir, "sandboxes", sb.ID())); !errors.Is(err, os.ErrNotExist) {
 		errs = append(errs, fmt.Errorf("%s: state directory still there after Destroy", sb.ID()))

@@ -85,7 +85,7 @@ func (c *Child) Build() error {
 		{"root filesystem", func() error { return buildRoot(spec) }},
 		{"pivot_root", func() error { return pivot(spec.Root) }},
 		{"hostname", func() error { return unix.Sethostname([]byte(spec.Hostname)) }},
-		{"loopback", loopbackUp},
+		{"loopback", LoopbackUp},
 	}
 	for _, s := range steps {
 		trace(s.name)

@@ -6,9 +6,10 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// Child side: the sandbox's network namespace starts with a loopback
-// interface that is down; bring it up. Nothing else exists: no route out.
-func loopbackUp() error {
+// LoopbackUp is a child-side step the OCI walls' agent uses too: a new
+// network namespace starts with a loopback interface that is down; bring it
+// up. Nothing else exists: no route out.
+func LoopbackUp() error {
 	fd, err := unix.Socket(unix.AF_INET, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)
 	if err != nil {
 		return fmt.Errorf("loopback: %w", err)

@@ -1,0 +1,84 @@
+package sandbox
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+
+	"github.com/cagehq/cage/internal/cgroups"
+	"github.com/cagehq/cage/internal/template"
+	"github.com/cagehq/cage/internal/wall"
+	"github.com/cagehq/cage/internal/wall/oci"
+	"github.com/cagehq/cage/internal/wall/process"
+)
+
+// Walls lists every wall cage knows, in order of hardness.
+var Walls = []string{"process", "runc", "gvisor"}
+
+// ProbeRuntimes finds the OCI runtimes this host has: runc on the PATH, and
+// runsc ($CAGE_RUNSC, else on the PATH). gVisor runs with the systrap
+// platform (KVM is used only where a probe shows it works; not yet) and no
+// network.
+func ProbeRuntimes() map[string]*oci.Runtime {
+	rts := map[string]*oci.Runtime{}
+	if p, err := exec.LookPath("runc"); err == nil {
+		rts["runc"] = &oci.Runtime{Wall: "runc", Binary: p}
+	}
+	runsc := os.Getenv("CAGE_RUNSC")
+	if runsc == "" {
+		runsc, _ = exec.LookPath("runsc")
+	}
+	if runsc != "" {
+		if _, err := os.Stat(runsc); err == nil {
+			rts["gvisor"] = &oci.Runtime{Wall: "gvisor", Binary: runsc,
+				Flags: []string{"--platform=systrap", "--network=none", "--host-uds=create"}}
+		}
+	}
+	return rts
+}
+
+// WallMissing explains why a wall is not available here.
+func (h *Host) WallMissing(name string) error {
+	switch name {
+	case "", "process":
+		return nil
+	case "runc":
+		if h.Runtimes["runc"] == nil {
+			return fmt.Errorf("%w: the runc wall needs runc (apt-get install runc)", ErrUnavailable)
+		}
+	case "gvisor":
+		if h.Runtimes["gvisor"] == nil {
+			return fmt.Errorf("%w: the gvisor wall needs runsc (make runsc, or set CAGE_RUNSC)", ErrUnavailable)
+		}
+	default:
+		return fmt.Errorf("%w: unknown wall %q (walls: %v)", ErrInvalid, name, Walls)
+	}
+	return nil
+}
+
+func (h *Host) createOCI(ctx context.Context, o Options) (wall.Sandbox, error) {
+	if err := o.Validate(); err != nil {
+		return nil, err
+	}
+	if err := h.WallMissing(o.Wall); err != nil {
+		return nil, err
+	}
+	tmpl, err := template.Lookup(o.Template, filepath.Join(h.RunDir, "templates"))
+	if err != nil {
+		return nil, err
+	}
+	if o.ID == "" {
+		o.ID = process.NewID()
+	}
+	if o.Token == "" {
+		o.Token = NewToken()
+	}
+	return oci.Create(ctx, oci.Config{
+		ID: o.ID, AgentPath: h.AgentPath, RunDir: h.RunDir, Cgroups: h.Cgroups, Runtime: h.Runtimes[o.Wall],
+		Template: tmpl, Limits: cgroups.Limits{MemoryBytes: o.Memory, CPUs: o.CPUs, Pids: o.Pids + process.AgentThreads},
+		DiskBytes: o.Disk, ShmBytes: o.Shm, Token: o.Token, Env: o.Env, MaxOutput: o.MaxOutput,
+		Threads: process.AgentThreads, Log: h.Log,
+	})
+}

@@ -1,0 +1,388 @@
+// Package oci is the runc and gVisor walls: cage writes an OCI bundle whose
+// init is cage-agent, and runs it with runc or gVisor's runsc. The agent
+// then seals itself as on the process wall and serves on a socket the host
+// reaches through Dial: passed in as a listening descriptor under runc, a
+// host socket gVisor creates on a shared directory under runsc.
+package oci
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/cagehq/cage/internal/cgroups"
+	"github.com/cagehq/cage/internal/template"
+	"github.com/cagehq/cage/internal/wall/state"
+)
+
+// Runtime is an OCI runtime binary and how cage invokes it.
+type Runtime struct {
+	Wall   string   // "runc" or "gvisor"
+	Binary string   // path of runc or runsc
+	Flags  []string // global flags (runsc: --platform=systrap --network=none ...)
+}
+
+func (r *Runtime) gvisor() bool { return r.Wall == "gvisor" }
+
+// Config describes one sandbox.
+type Config struct {
+	ID        string
+	AgentPath string
+	RunDir    string
+	Cgroups   *cgroups.Manager
+	Runtime   *Runtime
+	Template  *template.Template
+	Limits    cgroups.Limits
+	DiskBytes int64
+	ShmBytes  int64
+	Token     string
+	Env       map[string]string
+	MaxOutput int64
+	Threads   int // the agent's threads, added to the pids limit by the caller
+	Log       *slog.Logger
+}
+
+// Sandbox is a running sandbox of an OCI wall.
+type Sandbox struct {
+	id, token string
+	rt        *Runtime
+	pid       int
+	pidfd     int
+	dir, sock string
+	root      string // runtime state root
+	cg        *cgroups.Cgroup
+	ids       *state.IDRange
+	owner     *os.File
+	diskMount string
+	exited    chan struct{}
+	log       *slog.Logger
+
+	mu      sync.Mutex
+	stderr  []byte
+	destroy sync.Once
+	destErr error
+}
+
+func (sb *Sandbox) ID() string              { return sb.id }
+func (sb *Sandbox) Token() string           { return sb.token }
+func (sb *Sandbox) AgentPID() int           { return sb.pid }
+func (sb *Sandbox) Wall() string            { return sb.rt.Wall }
+func (sb *Sandbox) Exited() <-chan struct{} { return sb.exited }
+func (sb *Sandbox) Cgroup() *cgroups.Cgroup { return sb.cg }
+
+// Dial connects to the agent. Under gVisor the agent makes its socket only
+// once it runs, so a missing or refusing socket is retried until the
+// sandbox is up (or gone, or ctx ends).
+func (sb *Sandbox) Dial(ctx context.Context) (net.Conn, error) {
+	var d net.Dialer
+	c, err := d.DialContext(ctx, "unix", sb.sock)
+	for wait := time.Millisecond; err != nil && sb.rt.gvisor() && (errors.Is(err, syscall.ENOENT) || errors.Is(err, syscall.ECONNREFUSED)); wait = min(2*wait, 50*time.Millisecond) {
+		select {
+		case <-sb.exited:
+			return nil, sb.Err()
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		case <-time.After(wait):
+		}
+		c, err = d.DialContext(ctx, "unix", sb.sock)
+	}
+	if err != nil {
+		select {
+		case <-sb.exited:
+			return nil, sb.Err()
+		default:
+		}
+		return nil, fmt.Errorf("dial sandbox %s: %w", sb.id, err)
+	}
+	return c, nil
+}
+
+// Err says why the sandbox is gone.
+func (sb *Sandbox) Err() error {
+	sb.mu.Lock()
+	msg := strings.TrimSpace(string(sb.stderr))
+	sb.mu.Unlock()
+	if msg != "" {
+		if i := strings.LastIndexByte(msg, '\n'); i >= 0 {
+			msg = msg[i+1:]
+		}
+		return fmt.Errorf("sandbox %s (%s) failed: %s", sb.id, sb.rt.Wall, msg)
+	}
+	return fmt.Errorf("sandbox %s (%s) is gone", sb.id, sb.rt.Wall)
+}
+
+// Create builds the bundle and starts the container. On error nothing is
+// left behind.
+func Create(ctx context.Context, cfg Config) (sb *Sandbox, err error) {
+	if cfg.Log == nil {
+		cfg.Log = slog.New(slog.DiscardHandler)
+	}
+	sb = &Sandbox{id: cfg.ID, token: cfg.Token, rt: cfg.Runtime, exited: make(chan struct{}), pidfd: -1,
+		dir: filepath.Join(cfg.RunDir, "sandboxes", cfg.ID), root: filepath.Join(cfg.RunDir, cfg.Runtime.Wall),
+		log: cfg.Log.With("sandbox", cfg.ID, "wall", cfg.Runtime.Wall)}
+	defer func() {
+		if err != nil {
+			_ = sb.Destroy()
+			sb = nil
+		}
+	}()
+	if err := os.MkdirAll(cfg.RunDir, 0o711); err != nil {
+		return sb, err
+	}
+	if sb.ids, err = state.ReserveIDs(); err != nil {
+		return sb, err
+	}
+	if err := os.MkdirAll(filepath.Dir(sb.dir), 0o711); err != nil {
+		return sb, err
+	}
+	if err := os.Mkdir(sb.dir, 0o711); err != nil {
+		return sb, err
+	}
+	if sb.owner, err = state.LockOwner(sb.dir); err != nil {
+		return sb, err
+	}
+	if sb.cg, err = cfg.Cgroups.Create(cfg.ID, cfg.Limits); err != nil {
+		return sb, err
+	}
+	if err := sb.makeDisk(cfg); err != nil {
+		return sb, err
+	}
+	hostname := "cage-" + cfg.ID[:min(8, len(cfg.ID))]
+	identity := filepath.Join(sb.dir, "identity")
+	if err := template.WriteIdentity(identity, hostname); err != nil {
+		return sb, err
+	}
+	b := &bundleConfig{dir: filepath.Join(sb.dir, "bundle"), id: cfg.ID, hostname: hostname,
+		agentPath: cfg.AgentPath, template: cfg.Template, disk: sb.diskMount, identity: identity,
+		cgroupPath: cgroupsPath(cfg.Cgroups, cfg.ID), limits: cfg.Limits, shmBytes: cfg.ShmBytes,
+		idBase: uint32(sb.ids.Base), userns: !cfg.Runtime.gvisor()}
+	if cfg.Runtime.gvisor() {
+		b.sockDir = filepath.Join(sb.dir, "sock")
+		if err := os.Mkdir(b.sockDir, 0o777); err != nil {
+			return sb, err
+		}
+		sb.sock = filepath.Join(b.sockDir, "agent.sock")
+	} else {
+		sb.sock = filepath.Join(sb.dir, "agent.sock")
+	}
+	if err := os.MkdirAll(b.dir, 0o711); err != nil {
+		return sb, err
+	}
+	if err := b.write(); err != nil {
+		return sb, err
+	}
+	return sb, sb.run(ctx, cfg)
+}
+
+// cgroupsPath is the runtime's cgroupsPath for the group cage made.
+func cgroupsPath(m *cgroups.Manager, id string) string { return "/" + m.Parent + "/" + id }
+
+// makeDisk mounts the sandbox's writable storage on the host: one size- and
+// inode-limited tmpfs whose directories the container sees as /tmp,
+// /var/tmp, /home and /root.
+func (sb *Sandbox) makeDisk(cfg Config) error {
+	sb.diskMount = filepath.Join(sb.dir, "disk")
+	if err := os.Mkdir(sb.diskMount, 0o711); err != nil {
+		return err
+	}
+	opts := fmt.Sprintf("size=%d,nr_inodes=%d,mode=711", cfg.DiskBytes, max(4096, cfg.DiskBytes/8192))
+	if err := unix.Mount("tmpfs", sb.diskMount, "tmpfs", unix.MS_NOSUID|unix.MS_NODEV, opts); err != nil {
+		return fmt.Errorf("mount the sandbox disk: %w", err)
+	}
+	// Owners as the container sees them: through its uid map under runc;
+	// gVisor serves files with their host ids as they are.
+	host := func(id int) int { return id }
+	if !cfg.Runtime.gvisor() {
+		host = sb.ids.HostID
+	}
+	dirs := []struct {
+		name string
+		mode os.FileMode
+		uid  int
+	}{{"tmp", os.ModeSticky | 0o777, 0}, {"vartmp", os.ModeSticky | 0o777, 0}, {"home", 0o755, 0},
+		{"home/user", 0o750, template.UserUID}, {"root", 0o700, 0}}
+	for _, d := range dirs {
+		p := filepath.Join(sb.diskMount, d.name)
+		if err := os.Mkdir(p, d.mode); err != nil {
+			return err
+		}
+		if err := os.Chmod(p, d.mode); err != nil {
+			return err
+		}
+		if err := os.Chown(p, host(d.uid), host(d.uid)); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// run starts the container with the agent's spec on fd 3 and waits for
+// the runtime to have started it (detached).
+func (sb *Sandbox) run(ctx context.Context, cfg Config) error {
+	specR, specW, err := os.Pipe()
+	if err != nil {
+		return err
+	}
+	defer specR.Close()
+	oom, err := os.Open(sb.cg.OOMEventsFile())
+	if err != nil {
+		specW.Close()
+		return err
+	}
+	defer oom.Close()
+	pids, err := os.Open(sb.cg.PidsEventsFile())
+	if err != nil {
+		specW.Close()
+		return err
+	}
+	defer pids.Close()
+	spec := serveSpec{Token: cfg.Token, Env: cfg.Env, MaxOutput: cfg.MaxOutput, UserName: template.UserName,
+		AgentUID: template.AgentUID, Threads: cfg.Threads, OOMFD: 4, PidsFD: 5, LoopbackUp: !cfg.Runtime.gvisor()}
+	files := []*os.File{specR, oom, pids, sb.ids.Lock}
+	args := append([]string{}, cfg.Runtime.Flags...)
+	args = append(args, "--root", sb.root, "run", "--detach", "--bundle", filepath.Join(sb.dir, "bundle"),
+		"--pid-file", filepath.Join(sb.dir, "pid"))
+	if cfg.Runtime.gvisor() {
+		spec.Listen = "/.cage/sock/agent.sock"
+		for fd := 3; fd < 3+len(files); fd++ {
+			args = append(args, "--pass-fd", fmt.Sprintf("%d:%d", fd, fd))
+		}
+	} else {
+		l, err := net.ListenUnix("unix", &net.UnixAddr{Name: sb.sock, Net: "unix"})
+		if err != nil {
+			specW.Close()
+			return fmt.Errorf("agent socket: %w", err)
+		}
+		l.SetUnlinkOnClose(false)
+		lf, err := l.File()
+		l.Close()
+		if err != nil {
+			specW.Close()
+			return err
+		}
+		defer lf.Close()
+		// fd 4 is the listener; the counters follow it.
+		files = []*os.File{specR, lf, oom, pids, sb.ids.Lock}
+		spec.OOMFD, spec.PidsFD = 5, 6
+		args = append(args, "--preserve-fds", strconv.Itoa(len(files)-1))
+	}
+	data, _ := json.Marshal(spec)
+	_, err = specW.Write(data)
+	specW.Close()
+	if err != nil {
+		return err
+	}
+	args = append(args, sb.id)
+	cmd := exec.CommandContext(ctx, cfg.Runtime.Binary, args...)
+	cmd.ExtraFiles = files
+	errR, errW, err := os.Pipe()
+	if err != nil {
+		return err
+	}
+	cmd.Stdout, cmd.Stderr = errW, errW
+	go sb.drain(errR)
+	err = cmd.Run()
+	errW.Close()
+	if err != nil {
+		time.Sleep(50 * time.Millisecond) // let the drain catch the runtime's last words
+		return fmt.Errorf("%s run: %v: %s", filepath.Base(cfg.Runtime.Binary), err, sb.Err())
+	}
+	pidb, err := os.ReadFile(filepath.Join(sb.dir, "pid"))
+	if err != nil {
+		return fmt.Errorf("%s left no pid file: %w", filepath.Base(cfg.Runtime.Binary), err)
+	}
+	if sb.pid, err = strconv.Atoi(strings.TrimSpace(string(pidb))); err != nil {
+		return err
+	}
+	if sb.pidfd, err = unix.PidfdOpen(sb.pid, 0); err != nil {
+		return fmt.Errorf("watch the container: %w", err)
+	}
+	go sb.watch()
+	return nil
+}
+
+func (sb *Sandbox) drain(r *os.File) {
+	defer r.Close()
+	buf := make([]byte, 4096)
+	for {
+		n, err := r.Read(buf)
+		if n > 0 {
+			sb.mu.Lock()
+			sb.stderr = append(sb.stderr, buf[:n]...)
+			if len(sb.stderr) > 4096 {
+				sb.stderr = append([]byte(nil), sb.stderr[len(sb.stderr)-4096:]...)
+			}
+			sb.mu.Unlock()
+		}
+		if err != nil {
+			return
+		}
+	}
+}
+
+func (sb *Sandbox) watch() {
+	fds := []unix.PollFd{{Fd: int32(sb.pidfd), Events: unix.POLLIN}}
+	for {
+		_, err := unix.Poll(fds, -1)
+		if err == nil || !errors.Is(err, unix.EINTR) {
+			break
+		}
+	}
+	close(sb.exited)
+}
+
+// Destroy kills the container and removes everything it had on the host.
+func (sb *Sandbox) Destroy() error {
+	sb.destroy.Do(func() { sb.destErr = sb.teardown() })
+	return sb.destErr
+}
+
+func (sb *Sandbox) teardown() error {
+	var errs []error
+	if sb.rt != nil {
+		rt := func(args ...string) {
+			a := append(append([]string{}, sb.rt.Flags...), append([]string{"--root", sb.root}, args...)...)
+			_ = exec.Command(sb.rt.Binary, a...).Run()
+		}
+		rt("kill", sb.id, "KILL")
+		if sb.pidfd >= 0 {
+			_ = unix.PidfdSendSignal(sb.pidfd, unix.SIGKILL, nil, 0)
+			select {
+			case <-sb.exited:
+			case <-time.After(10 * time.Second):
+				errs = append(errs, fmt.Errorf("sandbox %s: the container did not exit", sb.id))
+			}
+			unix.Close(sb.pidfd)
+		}
+		rt("delete", "--force", sb.id)
+	}
+	if sb.cg != nil {
+		errs = append(errs, sb.cg.Destroy())
+	}
+	if sb.diskMount != "" {
+		if err := unix.Unmount(sb.diskMount, unix.MNT_DETACH); err != nil && !errors.Is(err, syscall.EINVAL) {
+			errs = append(errs, err)
+		}
+	}
+	if err := os.RemoveAll(sb.dir); err != nil {
+		errs = append(errs, err)
+	}
+	if sb.owner != nil {
+		sb.owner.Close()
+	}
+	sb.ids.Release()
+	return errors.Join(errs...)
+}
