@@ -3,7 +3,10 @@ GO      ?= go
 BIN     ?= bin
 GOFLAGS_BUILD = -trimpath -ldflags '-s -w'
 
-.PHONY: all build demo test test-unit proto vet fmt bench clean
+# gVisor's runsc at a pinned version that works on these hosts (systrap).
+RUNSC_VERSION ?= v0.0.0-20260905035102-160fafc42237
+
+.PHONY: all build demo test test-unit proto vet fmt bench clean runsc
 
 all: build
 
@@ -19,6 +22,10 @@ test:
 
 proto:
 	./scripts/gen-proto.sh
+
+runsc:
+	mkdir -p .tools/bin
+	CGO_ENABLED=0 GOBIN=$(CURDIR)/.tools/bin $(GO) install gvisor.dev/gvisor/runsc@$(RUNSC_VERSION)
 
 vet:
 	$(GO) vet ./...

@@ -10,6 +10,7 @@ command -v python3 >/dev/null || need+=(python3)
 command -v ps >/dev/null || need+=(procps)
 command -v unshare >/dev/null || need+=(util-linux)
 command -v ip >/dev/null || need+=(iproute2)
+command -v runc >/dev/null || need+=(runc)
 if [ ${#need[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ]; then
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
@@ -20,6 +21,21 @@ if [ ${#need[@]} -gt 0 ]; then
 fi
 if [ "$(id -u)" != 0 ]; then
   echo "test.sh: not root: the integration tests (sandboxes) will be skipped; run with sudo for the full suite" >&2
+fi
+
+# gVisor's runsc, built from the Go module proxy at a pinned version (static;
+# a cgo build fails at start), kept in .tools/bin.
+if [ -z "${CAGE_RUNSC:-}" ]; then
+  export CAGE_RUNSC="$PWD/.tools/bin/runsc"
+  if [ ! -x "$CAGE_RUNSC" ]; then
+    echo "== building runsc (gVisor) from the module proxy (about 2 minutes, once)"
+    make -s runsc
+  fi
+fi
+# As root (CI) every wall must run: a missing one fails the suite instead of
+# being skipped.
+if [ "$(id -u)" = 0 ]; then
+  export CAGE_REQUIRE_WALLS="${CAGE_REQUIRE_WALLS-process,runc,gvisor}"
 fi
 
 echo "== gofmt"

@@ -26,10 +26,10 @@ import (
 
 type runFlags struct {
 	wall, template, memory, disk, shm, timeout, workdir, user, maxOutput string
-	cpus                                                           float64
-	pids                                                           int64
-	env, copyIn                                                    []string
-	pty                                                            string
+	cpus                                                                 float64
+	pids                                                                 int64
+	env, copyIn                                                          []string
+	pty                                                                  string
 }
 
 func newRunCmd(g *globals) *cobra.Command {

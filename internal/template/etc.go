@@ -11,8 +11,8 @@ import (
 	"path/filepath"
 	"sort"
 	"strings"
-	"syscall"
-	"time"
+
+	"github.com/cagehq/cage/internal/rocache"
 )
 
 // The host template's /etc is a copy of the listed host entries plus the
@@ -56,59 +56,7 @@ func etcCache(cacheDir, srcRoot string, entries []string) (string, error) {
 	if err != nil {
 		return "", err
 	}
-	dst := filepath.Join(cacheDir, "etc-"+sum)
-	if ready(dst) {
-		return dst, nil
-	}
-	if err := os.MkdirAll(cacheDir, 0o755); err != nil {
-		return "", err
-	}
-	// One builder at a time, across cage processes.
-	lock, err := os.OpenFile(filepath.Join(cacheDir, ".lock"), os.O_CREATE|os.O_RDWR|syscall.O_CLOEXEC, 0o600)
-	if err != nil {
-		return "", err
-	}
-	defer lock.Close()
-	if err := syscall.Flock(int(lock.Fd()), syscall.LOCK_EX); err != nil {
-		return "", err
-	}
-	if ready(dst) {
-		return dst, nil
-	}
-	if err := buildEtc(dst, srcRoot, entries); err != nil {
-		_ = syscall.Unmount(dst, syscall.MNT_DETACH)
-		_ = os.Remove(dst)
-		return "", fmt.Errorf("template /etc: %w", err)
-	}
-	return dst, nil
-}
-
-// ready reports whether dst is a finished copy on its own mount.
-func ready(dst string) bool {
-	var st, parent syscall.Stat_t
-	if syscall.Stat(filepath.Join(dst, ".complete"), &st) != nil || syscall.Stat(filepath.Dir(dst), &parent) != nil {
-		return false
-	}
-	return st.Dev != parent.Dev
-}
-
-func buildEtc(dst, srcRoot string, entries []string) error {
-	// Whatever is there is unfinished: a half-built copy of a builder that
-	// crashed, or a plain directory left by an older cage.
-	_ = syscall.Unmount(dst, syscall.MNT_DETACH)
-	if err := os.RemoveAll(dst); err != nil {
-		return err
-	}
-	if err := os.Mkdir(dst, 0o755); err != nil {
-		return err
-	}
-	if err := syscall.Mount("tmpfs", dst, "tmpfs", syscall.MS_NOSUID|syscall.MS_NODEV, "size=64m,mode=755"); err != nil {
-		return err
-	}
-	if err := fillEtc(dst, srcRoot, entries); err != nil {
-		return err
-	}
-	return syscall.Mount("", dst, "", syscall.MS_REMOUNT|syscall.MS_RDONLY|syscall.MS_NOSUID|syscall.MS_NODEV, "")
+	return rocache.Get(cacheDir, "etc-"+sum, "64m", func(dst string) error { return fillEtc(dst, srcRoot, entries) })
 }
 
 func fillEtc(dir, srcRoot string, entries []string) error {
@@ -135,7 +83,7 @@ func fillEtc(dir, srcRoot string, entries []string) error {
 			return err
 		}
 	}
-	return os.WriteFile(filepath.Join(dir, ".complete"), nil, 0o644)
+	return nil
 }
 
 // copyTree copies files, directories and symlinks (nothing else) with their
@@ -230,33 +178,11 @@ func fingerprint(srcRoot string, entries []string) (string, error) {
 }
 
 // PruneCaches removes the host template's cached /etc copies except the
-// newest, once they are a minute old. Callers run it only when no sandbox
-// exists, since a running sandbox keeps using the copy it started with.
-func PruneCaches(cacheDir string) {
-	dir := filepath.Join(cacheDir, "host")
-	ents, _ := os.ReadDir(dir)
-	var newest string
-	var newestTime time.Time
-	for _, e := range ents {
-		if fi, err := e.Info(); err == nil && strings.HasPrefix(e.Name(), "etc-") && fi.ModTime().After(newestTime) {
-			newest, newestTime = e.Name(), fi.ModTime()
-		}
-	}
-	for _, e := range ents {
-		if e.Name() == newest || !strings.HasPrefix(e.Name(), "etc-") {
-			continue
-		}
-		if fi, err := e.Info(); err == nil && time.Since(fi.ModTime()) > time.Minute {
-			RemoveCache(filepath.Join(dir, e.Name()))
-		}
-	}
-}
+// newest (see rocache.Prune).
+func PruneCaches(cacheDir string) { rocache.Prune(filepath.Join(cacheDir, "host"), "etc-") }
 
 // RemoveCache unmounts and removes one cached copy.
-func RemoveCache(path string) {
-	_ = syscall.Unmount(path, syscall.MNT_DETACH)
-	_ = os.Remove(path)
-}
+func RemoveCache(path string) { rocache.Remove(path) }
 
 // WriteIdentity writes the files that name one sandbox, hosts and hostname,
 // into dir, which the sandbox sees as /run/cage (its /etc links there).

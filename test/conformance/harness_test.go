@@ -11,6 +11,7 @@ import (
 	"log/slog"
 	"os"
 	"path/filepath"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -73,27 +74,40 @@ func processHost(t testing.TB) *sandbox.Host {
 	return host
 }
 
-// walls lists the walls this suite runs on. Only the process wall exists in
-// this build; each later wall adds an entry here.
+// walls lists the walls this suite runs on: every wall cage has. A wall
+// whose runtime this machine lacks is skipped with the reason printed (CI
+// installs them all: runc from Debian, runsc built by scripts/test.sh).
 func walls() []wall {
-	return []wall{{
-		name: "process",
-		newBox: func(t *testing.T, o sandbox.Options) *box {
-			h := processHost(t)
-			sb, err := h.Create(context.Background(), o)
-			if err != nil {
-				t.Fatalf("create sandbox: %v", err)
-			}
-			c := agentclient.New(sb.Dial, sb.Token())
-			t.Cleanup(func() {
-				c.Close()
-				if err := sb.Destroy(); err != nil {
-					t.Errorf("destroy: %v", err)
+	var ws []wall
+	for _, name := range sandbox.Walls {
+		name := name
+		ws = append(ws, wall{
+			name: name,
+			newBox: func(t *testing.T, o sandbox.Options) *box {
+				h := processHost(t)
+				if err := h.WallMissing(name); err != nil {
+					if strings.Contains(","+os.Getenv("CAGE_REQUIRE_WALLS")+",", ","+name+",") {
+						t.Fatalf("wall %s is required here (CAGE_REQUIRE_WALLS) but missing: %v", name, err)
+					}
+					t.Skipf("SKIP wall %s: %v", name, err)
 				}
-			})
-			return &box{Client: c, sb: sb, t: t}
-		},
-	}}
+				o.Wall = name
+				sb, err := h.Create(context.Background(), o)
+				if err != nil {
+					t.Fatalf("create sandbox on %s: %v", name, err)
+				}
+				c := agentclient.New(sb.Dial, sb.Token())
+				t.Cleanup(func() {
+					c.Close()
+					if err := sb.Destroy(); err != nil {
+						t.Errorf("destroy: %v", err)
+					}
+				})
+				return &box{Client: c, sb: sb, t: t}
+			},
+		})
+	}
+	return ws
 }
 
 // forEachWall runs fn as a subtest per wall.
@@ -157,4 +171,14 @@ func (b *box) mustSh(script string, mods ...func(*agentclient.RunOptions)) strin
 		b.t.Fatalf("%q: err=%v code=%d stdout=%q stderr=%q", script, r.err, r.code(), r.stdout, r.stderr)
 	}
 	return r.stdout
+}
+
+// agentArgv is how PID 1's command line reads on a wall (space-joined): the
+// process wall forks cage-agent init, the OCI walls run cage-agent serve
+// from where the bundle mounts it.
+func agentArgv(wall string) string {
+	if wall == "process" {
+		return "cage-agent init"
+	}
+	return "/run/cage-agent serve"
 }

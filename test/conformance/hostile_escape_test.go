@@ -172,7 +172,7 @@ func otherSandboxes(t *testing.T, e *hostileEnv, a *box, _ string) {
 	out := a.mustSh(`cat /proc/1/cmdline | tr '\0' ' '; echo
 for d in /proc/[0-9]*; do printf '%s ' "$(tr '\0' ' ' < $d/cmdline 2>/dev/null)"; done; echo
 ps -eo args=`, asUser("root"))
-	if !strings.HasPrefix(out, "cage-agent init \n") {
+	if !strings.HasPrefix(out, agentArgv(e.w.name)+" \n") {
 		t.Errorf("PID 1 in A is not the agent: %q", out)
 	}
 	if strings.Contains(out, "4747") {

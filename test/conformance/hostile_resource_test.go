@@ -19,6 +19,7 @@ import (
 	fspb "github.com/cagehq/cage/api/gen/filesystem"
 	"github.com/cagehq/cage/internal/agentclient"
 	"github.com/cagehq/cage/internal/sandbox"
+	"github.com/cagehq/cage/internal/template"
 )
 
 // Resource-exhaustion rows.
@@ -31,12 +32,19 @@ func resourceRows() []hostileRow {
 			opts:   &sandbox.Options{Pids: 64},
 			custom: forkBomb,
 			mayDie: true,
+			on:     map[string]wallOutcome{"gvisor": sentryMayDie(`:(){ :|:& };:; sleep 30`, 2*time.Second)},
 		},
 		{
 			name:   "pids_exhausted_agent_busy",
 			expect: "while the workload holds every pid of pids=32, concurrent file-API and process requests fail or succeed cleanly; the agent survives and the workload's command ends normally",
 			opts:   &sandbox.Options{Pids: 32},
 			custom: pidsExhaustedAgentBusy,
+			on: map[string]wallOutcome{"gvisor": sentryMayDie(
+				`python3 -c 'import os,time
+while True:
+    try: os.fork() or time.sleep(60)
+    except OSError: break
+time.sleep(1)'`, 10*time.Second)},
 		},
 		{
 			name:   "memory_bomb",
@@ -48,6 +56,7 @@ func resourceRows() []hostileRow {
 					t.Errorf(`want reason "oom" and a non-zero exit, got %+v`, r.end)
 				}
 			},
+			on: map[string]wallOutcome{"gvisor": sentryMayDie(`python3 -c 'x = b"\x01" * (1 << 30); print("ALLOCATED", len(x))'`, 30*time.Second)},
 		},
 		{
 			name:   "shm_bomb",
@@ -94,6 +103,8 @@ except OSError as e:
 echo 15 > /proc/1/oom_adj 2>/dev/null && echo "RAISED oom_adj"
 python3 -c 'x = b"\x01" * (1 << 30)'`,
 			check: noneOf(fails(), "RAISED"),
+			on: map[string]wallOutcome{"gvisor": sentryMayDie(`echo 1000 > /proc/1/oom_score_adj 2>/dev/null
+python3 -c 'x = b"\x01" * (1 << 30)'`, 30*time.Second)},
 		},
 		{
 			name:   "fd_exhaustion",
@@ -224,6 +235,9 @@ func outputFlood(t *testing.T, e *hostileEnv, b *box, user string) {
 }
 
 // procStart is a host process's start time (field 22 of /proc/PID/stat).
+// procStart is a process's start time, "" when it is gone. A zombie is
+// gone: it holds nothing but its exit status, which its parent (the host's
+// init, for an OCI container whose runtime detached) collects.
 func procStart(pid int) string {
 	b, err := os.ReadFile(filepath.Join("/proc", strconv.Itoa(pid), "stat"))
 	if err != nil {
@@ -231,7 +245,7 @@ func procStart(pid int) string {
 	}
 	s := string(b)
 	if i := strings.LastIndexByte(s, ')'); i >= 0 {
-		if f := strings.Fields(s[i+1:]); len(f) > 19 {
+		if f := strings.Fields(s[i+1:]); len(f) > 19 && f[0] != "Z" {
 			return f[19]
 		}
 	}
@@ -265,10 +279,15 @@ sleep 0.3; ps -eo ppid=,args= | grep -c '^ *1 sleep 4[23]4[23]'`, asUser(user))
 	if strings.TrimSpace(out) == "0" {
 		t.Errorf("no orphan was reparented to PID 1: %q", out)
 	}
-	base, ok := hostUID(strconv.Itoa(b.sb.AgentPID()))
+	// The agent runs as the sandbox's uid 65533 (template.AgentUID); the
+	// range starts 65533 below its host uid. gVisor's processes are not host
+	// processes at all (the sentry runs them), so there is no range to scan.
+	agentUID, ok := hostUID(strconv.Itoa(b.sb.AgentPID()))
 	if !ok {
 		t.Fatal("cannot read the agent's host uid")
 	}
+	base := agentUID - template.AgentUID
+	scanRange := b.sb.Wall() != "gvisor"
 	starts := map[int]string{}
 	for _, pid := range b.sb.Cgroup().Procs() {
 		starts[pid] = procStart(pid)
@@ -287,7 +306,8 @@ sleep 0.3; ps -eo ppid=,args= | grep -c '^ *1 sleep 4[23]4[23]'`, asUser(user))
 	}
 	ents, _ := os.ReadDir("/proc")
 	for _, d := range ents {
-		if uid, ok := hostUID(d.Name()); ok && uid >= base && uid < base+65536 {
+		pid, _ := strconv.Atoi(d.Name())
+		if uid, ok := hostUID(d.Name()); scanRange && ok && uid >= base && uid < base+65536 && procStart(pid) != "" {
 			t.Errorf("host process %s still runs with uid %d of the destroyed sandbox's range", d.Name(), uid)
 		}
 	}
@@ -341,5 +361,28 @@ time.sleep(3)
 	}
 	if r.err != nil || r.code() != 0 {
 		t.Errorf("the pid-holding command: %v %+v", r.err, r.end)
+	}
+}
+
+// sentryMayDie is the outcome under gVisor of probes that exhaust the
+// sandbox's memory or pids: the application's processes are threads and
+// memory of gVisor's sentry, which the host's cgroup limits as one; when
+// the limit is hit the host's OOM killer (or the pids limit) takes the whole
+// sentry, so the sandbox may die. The probe must end within its time; the
+// host and the other sandboxes must be untouched (runRow checks them).
+func sentryMayDie(script string, timeout time.Duration) wallOutcome {
+	return wallOutcome{
+		expect: "gVisor: the whole sentry is one cgroup member, so the sandbox may die (the host's OOM killer or pids limit takes the sentry); the probe ends and the host and other sandboxes are untouched",
+		mayDie: true,
+		custom: func(t *testing.T, e *hostileEnv, b *box, user string) {
+			done := make(chan result, 1)
+			go func() { done <- b.sh(script, asUser(user), withTimeout(timeout)) }()
+			select {
+			case r := <-done:
+				t.Logf("under gVisor the probe ended: end=%+v err=%v", r.end, r.err)
+			case <-time.After(timeout + 60*time.Second):
+				t.Fatal("the probe did not end")
+			}
+		},
 	}
 }

@@ -122,15 +122,21 @@ var (
 	readonlyPaths = []string{"/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger"}
 )
 
+// Where the agent and (under gVisor) its socket directory are inside.
+const (
+	agentInside = "/run/cage-agent"
+	sockInside  = "/run/cage-sock"
+)
+
 // bundleConfig is what a bundle needs.
 type bundleConfig struct {
-	dir        string // the bundle directory (config.json, rootfs/)
+	dir        string // the bundle directory (config.json)
+	rootfs     string // the sandbox's root: an empty tmpfs of its own on the host
 	id         string
 	hostname   string
-	agentPath  string // host path of cage-agent
+	agentPath  string // host path of the agent's read-only copy (see agentCopy)
 	template   *template.Template
 	disk       string // host directory holding the disk's tmp, vartmp, home, root
-	identity   string // host directory with hosts and hostname (for /run/cage)
 	sockDir    string // host directory shared for the agent's socket ("" = fd)
 	idBase     uint32 // host uid/gid of the container's 0, or 0 for no user namespace
 	cgroupPath string
@@ -140,15 +146,18 @@ type bundleConfig struct {
 }
 
 func (b *bundleConfig) write() error {
-	rootfs := filepath.Join(b.dir, "rootfs")
-	dirs := []string{"usr", "etc", "tmp", "home", "root", "var/tmp", "proc", "dev", "run", "sys", ".cage", "mnt", "opt", "srv"}
+	rootfs := b.rootfs
+	dirs := []string{"usr", "etc", "tmp", "home", "root", "var/tmp", "proc", "dev", "run", "mnt", "opt", "srv"}
 	for _, d := range dirs {
 		if err := os.MkdirAll(filepath.Join(rootfs, d), 0o755); err != nil {
 			return err
 		}
 	}
-	agentBin := filepath.Join(rootfs, ".cage", "cage-agent")
-	if f, err := os.OpenFile(agentBin, os.O_CREATE|os.O_WRONLY, 0o755); err == nil {
+	// The files that name the sandbox, and the mount point of the agent.
+	if err := template.WriteIdentity(filepath.Join(rootfs, "run", "cage"), b.hostname); err != nil {
+		return err
+	}
+	if f, err := os.OpenFile(filepath.Join(rootfs, agentInside), os.O_CREATE|os.O_WRONLY, 0o755); err == nil {
 		f.Close()
 	} else {
 		return err
@@ -175,13 +184,11 @@ func (b *bundleConfig) write() error {
 		ociMnt{"/var/tmp", "bind", filepath.Join(b.disk, "vartmp"), []string{"rbind", "rw", "nosuid", "nodev"}},
 		ociMnt{"/home", "bind", filepath.Join(b.disk, "home"), []string{"rbind", "rw", "nosuid", "nodev"}},
 		ociMnt{"/root", "bind", filepath.Join(b.disk, "root"), []string{"rbind", "rw", "nosuid", "nodev"}},
-		ociMnt{"/run", "tmpfs", "tmpfs", []string{"nosuid", "nodev", "mode=755", "size=1m"}},
-		ociMnt{"/run/cage", "bind", b.identity, []string{"rbind", "ro", "nosuid", "nodev"}},
-		ociMnt{"/.cage/cage-agent", "bind", b.agentPath, []string{"bind", "ro", "nosuid", "nodev"}},
+		ociMnt{agentInside, "bind", b.agentPath, []string{"bind", "ro", "nosuid", "nodev"}},
 	)
 	if b.sockDir != "" {
-		mounts = append(mounts, ociMnt{"/.cage/sock", "bind", b.sockDir, []string{"rbind", "rw", "nosuid", "nodev", "noexec"}})
-		if err := os.MkdirAll(filepath.Join(rootfs, ".cage", "sock"), 0o755); err != nil {
+		mounts = append(mounts, ociMnt{sockInside, "bind", b.sockDir, []string{"rbind", "rw", "nosuid", "nodev", "noexec"}})
+		if err := os.MkdirAll(filepath.Join(rootfs, sockInside), 0o755); err != nil {
 			return err
 		}
 	}
@@ -195,14 +202,14 @@ func (b *bundleConfig) write() error {
 	spec := ociSpec{
 		Version: "1.0.2",
 		Process: ociProc{
-			User: ociUser{0, 0}, Args: []string{"/.cage/cage-agent", "serve"}, Cwd: "/",
+			User: ociUser{0, 0}, Args: []string{agentInside, "serve"}, Cwd: "/",
 			Env: []string{"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"},
 			Capabilities: ociCaps{Bounding: containerCaps, Effective: containerCaps, Permitted: containerCaps,
 				Inheritable: []string{}},
 			Rlimits:         []ociRlim{{"RLIMIT_NOFILE", nofile, nofile}},
 			NoNewPrivileges: true,
 		},
-		Root:     ociRoot{Path: "rootfs", Readonly: true},
+		Root:     ociRoot{Path: rootfs, Readonly: true},
 		Hostname: b.hostname,
 		Mounts:   mounts,
 		Linux: ociLinux{

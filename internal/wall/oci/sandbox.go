@@ -10,6 +10,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
 	"net"
 	"os"
@@ -24,6 +25,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/cagehq/cage/internal/cgroups"
+	"github.com/cagehq/cage/internal/rocache"
 	"github.com/cagehq/cage/internal/template"
 	"github.com/cagehq/cage/internal/wall/state"
 )
@@ -67,6 +69,7 @@ type Sandbox struct {
 	ids       *state.IDRange
 	owner     *os.File
 	diskMount string
+	rootfs    string
 	exited    chan struct{}
 	log       *slog.Logger
 
@@ -161,12 +164,19 @@ func Create(ctx context.Context, cfg Config) (sb *Sandbox, err error) {
 		return sb, err
 	}
 	hostname := "cage-" + cfg.ID[:min(8, len(cfg.ID))]
-	identity := filepath.Join(sb.dir, "identity")
-	if err := template.WriteIdentity(identity, hostname); err != nil {
+	agentCopy, err := agentCopy(cfg.RunDir, cfg.AgentPath)
+	if err != nil {
 		return sb, err
 	}
-	b := &bundleConfig{dir: filepath.Join(sb.dir, "bundle"), id: cfg.ID, hostname: hostname,
-		agentPath: cfg.AgentPath, template: cfg.Template, disk: sb.diskMount, identity: identity,
+	sb.rootfs = filepath.Join(sb.dir, "rootfs")
+	if err := os.Mkdir(sb.rootfs, 0o755); err != nil {
+		return sb, err
+	}
+	if err := unix.Mount("tmpfs", sb.rootfs, "tmpfs", unix.MS_NOSUID|unix.MS_NODEV, "size=1m,nr_inodes=1024,mode=755"); err != nil {
+		return sb, fmt.Errorf("mount the sandbox root: %w", err)
+	}
+	b := &bundleConfig{dir: filepath.Join(sb.dir, "bundle"), rootfs: sb.rootfs, id: cfg.ID, hostname: hostname,
+		agentPath: agentCopy, template: cfg.Template, disk: sb.diskMount,
 		cgroupPath: cgroupsPath(cfg.Cgroups, cfg.ID), limits: cfg.Limits, shmBytes: cfg.ShmBytes,
 		idBase: uint32(sb.ids.Base), userns: !cfg.Runtime.gvisor()}
 	if cfg.Runtime.gvisor() {
@@ -256,7 +266,7 @@ func (sb *Sandbox) run(ctx context.Context, cfg Config) error {
 	args = append(args, "--root", sb.root, "run", "--detach", "--bundle", filepath.Join(sb.dir, "bundle"),
 		"--pid-file", filepath.Join(sb.dir, "pid"))
 	if cfg.Runtime.gvisor() {
-		spec.Listen = "/.cage/sock/agent.sock"
+		spec.Listen = sockInside + "/agent.sock"
 		for fd := 3; fd < 3+len(files); fd++ {
 			args = append(args, "--pass-fd", fmt.Sprintf("%d:%d", fd, fd))
 		}
@@ -372,8 +382,11 @@ func (sb *Sandbox) teardown() error {
 	if sb.cg != nil {
 		errs = append(errs, sb.cg.Destroy())
 	}
-	if sb.diskMount != "" {
-		if err := unix.Unmount(sb.diskMount, unix.MNT_DETACH); err != nil && !errors.Is(err, syscall.EINVAL) {
+	for _, m := range []string{sb.diskMount, sb.rootfs} {
+		if m == "" {
+			continue
+		}
+		if err := unix.Unmount(m, unix.MNT_DETACH); err != nil && !errors.Is(err, syscall.EINVAL) && !errors.Is(err, syscall.ENOENT) {
 			errs = append(errs, err)
 		}
 	}
@@ -385,4 +398,40 @@ func (sb *Sandbox) teardown() error {
 	}
 	sb.ids.Release()
 	return errors.Join(errs...)
+}
+
+// agentCopy returns a read-only copy of the agent binary on a tmpfs of its
+// own (rocache), named after the source's size, mtime and inode: what a
+// sandbox mounts shows no path of the host.
+func agentCopy(runDir, agentPath string) (string, error) {
+	fi, err := os.Stat(agentPath)
+	if err != nil {
+		return "", err
+	}
+	st := fi.Sys().(*syscall.Stat_t)
+	key := fmt.Sprintf("agent-%d-%d-%d", fi.Size(), fi.ModTime().UnixNano(), st.Ino)
+	dir, err := rocache.Get(filepath.Join(runDir, "agents"), key, strconv.FormatInt(fi.Size()+1<<20, 10), func(dst string) error {
+		return copyFile(agentPath, filepath.Join(dst, "cage-agent"))
+	})
+	if err != nil {
+		return "", err
+	}
+	return filepath.Join(dir, "cage-agent"), nil
+}
+
+func copyFile(src, dst string) error {
+	in, err := os.Open(src)
+	if err != nil {
+		return err
+	}
+	defer in.Close()
+	out, err := os.OpenFile(dst, os.O_CREATE|os.O_EXCL|os.O_WRONLY, 0o755)
+	if err != nil {
+		return err
+	}
+	if _, err := io.Copy(out, in); err != nil {
+		out.Close()
+		return err
+	}
+	return out.Close()
 }

@@ -1,0 +1,104 @@
+// Package rocache keeps read-only copies of host files that every sandbox
+// mounts (a template's /etc, the agent binary): each copy is a tmpfs of its
+// own, filled once, then remounted read-only, so that a sandbox's mountinfo
+// shows "/" as the root of what it mounts rather than a path of the host.
+// Copies are named by a key their user derives from the sources, so a
+// changed source gets a fresh copy while running sandboxes keep theirs.
+package rocache
+
+import (
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"time"
+)
+
+// Get returns dir/name, building it with fill (which writes into the
+// directory it is given) unless a finished copy exists. One builder at a
+// time, across processes.
+func Get(dir, name, size string, fill func(dst string) error) (string, error) {
+	dst := filepath.Join(dir, name)
+	if ready(dst) {
+		return dst, nil
+	}
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return "", err
+	}
+	lock, err := os.OpenFile(filepath.Join(dir, ".lock"), os.O_CREATE|os.O_RDWR|syscall.O_CLOEXEC, 0o600)
+	if err != nil {
+		return "", err
+	}
+	defer lock.Close()
+	if err := syscall.Flock(int(lock.Fd()), syscall.LOCK_EX); err != nil {
+		return "", err
+	}
+	if ready(dst) {
+		return dst, nil
+	}
+	if err := build(dst, size, fill); err != nil {
+		Remove(dst)
+		return "", fmt.Errorf("%s: %w", dst, err)
+	}
+	return dst, nil
+}
+
+// ready reports whether dst is a finished copy on its own mount.
+func ready(dst string) bool {
+	var st, parent syscall.Stat_t
+	if syscall.Stat(filepath.Join(dst, ".complete"), &st) != nil || syscall.Stat(filepath.Dir(dst), &parent) != nil {
+		return false
+	}
+	return st.Dev != parent.Dev
+}
+
+func build(dst, size string, fill func(string) error) error {
+	// Whatever is there is unfinished: a half-built copy of a builder that
+	// crashed, or a plain directory left by an older cage.
+	_ = syscall.Unmount(dst, syscall.MNT_DETACH)
+	if err := os.RemoveAll(dst); err != nil {
+		return err
+	}
+	if err := os.Mkdir(dst, 0o755); err != nil {
+		return err
+	}
+	if err := syscall.Mount("tmpfs", dst, "tmpfs", syscall.MS_NOSUID|syscall.MS_NODEV, "size="+size+",mode=755"); err != nil {
+		return err
+	}
+	if err := fill(dst); err != nil {
+		return err
+	}
+	if err := os.WriteFile(filepath.Join(dst, ".complete"), nil, 0o644); err != nil {
+		return err
+	}
+	return syscall.Mount("", dst, "", syscall.MS_REMOUNT|syscall.MS_RDONLY|syscall.MS_NOSUID|syscall.MS_NODEV, "")
+}
+
+// Remove unmounts and removes one copy.
+func Remove(path string) {
+	_ = syscall.Unmount(path, syscall.MNT_DETACH)
+	_ = os.Remove(path)
+}
+
+// Prune removes the copies in dir whose names start with prefix, except the
+// newest, once they are a minute old. Callers run it only when no sandbox
+// exists, since a running sandbox keeps using the copy it started with.
+func Prune(dir, prefix string) {
+	ents, _ := os.ReadDir(dir)
+	var newest string
+	var newestTime time.Time
+	for _, e := range ents {
+		if fi, err := e.Info(); err == nil && strings.HasPrefix(e.Name(), prefix) && fi.ModTime().After(newestTime) {
+			newest, newestTime = e.Name(), fi.ModTime()
+		}
+	}
+	for _, e := range ents {
+		if e.Name() == newest || !strings.HasPrefix(e.Name(), prefix) {
+			continue
+		}
+		if fi, err := e.Info(); err == nil && time.Since(fi.ModTime()) > time.Minute {
+			Remove(filepath.Join(dir, e.Name()))
+		}
+	}
+}
