@@ -31,6 +31,8 @@ type Config struct {
 	Store   *store.Store
 	Log     *slog.Logger
 	Domain  string // for E2B's {port}-{id}.{domain} hosts; "" leaves it null
+	// DefaultWall is the wall of a create that names none.
+	DefaultWall string
 	// V1Timeout and V2Timeout are the defaults when a create names none
 	// (E2B: 15 s for POST /sandboxes, 300 s for POST /v2/sandboxes).
 	V1Timeout, V2Timeout time.Duration

@@ -106,9 +106,8 @@ func (s *server) create(v2 bool) http.Handler {
 			s.fail(w, r, fmt.Errorf("%w: templateID is required", errBadRequest))
 			return
 		}
-		if body.Wall != "" && body.Wall != "process" {
-			s.fail(w, r, fmt.Errorf("%w: wall %q is not available on this server (available: process)", errBadRequest, body.Wall))
-			return
+		if body.Wall == "" {
+			body.Wall = s.cfg.DefaultWall
 		}
 		def := s.cfg.V1Timeout
 		if v2 {
@@ -132,7 +131,7 @@ func (s *server) create(v2 bool) http.Handler {
 		rec, err := s.cfg.Manager.Create(r.Context(), manager.CreateRequest{
 			KeyID: keyID(r), Template: body.TemplateID, Timeout: timeout, Metadata: body.Metadata,
 			Env: body.EnvVars, CPUs: body.CPUCount, MemoryMB: body.MemoryMB, DiskMB: body.DiskSizeMB,
-			Pids: body.Pids, AllowInternet: internet, AutoPause: body.AutoPause,
+			Pids: body.Pids, AllowInternet: internet, AutoPause: body.AutoPause, Wall: body.Wall,
 		})
 		if err != nil {
 			s.fail(w, r, err)

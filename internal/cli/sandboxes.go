@@ -92,7 +92,7 @@ func newClientCmds(g *globals) []*cobra.Command {
 }
 
 func newCreateCmd(d *daemonFlags) *cobra.Command {
-	var template, memory, disk, timeout string
+	var template, memory, disk, timeout, wallName string
 	var cpus float64
 	var pids int64
 	var env, meta []string
@@ -106,6 +106,9 @@ func newCreateCmd(d *daemonFlags) *cobra.Command {
 				return err
 			}
 			body := map[string]any{"templateID": template}
+			if wallName != "" {
+				body["wall"] = wallName
+			}
 			if timeout != "" {
 				t, err := units.ParseDuration(timeout)
 				if err != nil || t < time.Second {
@@ -153,6 +156,7 @@ func newCreateCmd(d *daemonFlags) *cobra.Command {
 	}
 	fl := cmd.Flags()
 	fl.StringVar(&template, "template", "host", "template")
+	fl.StringVar(&wallName, "wall", "", "isolation: process, runc, gvisor (default: the server's)")
 	fl.StringVar(&timeout, "timeout", "", "lifetime (default: the server's, 300s)")
 	fl.StringVar(&memory, "memory", "", "memory limit (e.g. 512M)")
 	fl.StringVar(&disk, "disk", "", "writable storage size")

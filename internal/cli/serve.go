@@ -60,6 +60,9 @@ and E2B_API_KEY set to a key from 'cage keys create'.`,
 			if fl.Changed("domain") {
 				final.Domain = cfg.Domain
 			}
+			if fl.Changed("wall") {
+				final.DefaultWall = cfg.DefaultWall
+			}
 			if fl.Changed("pool") {
 				final.Pool = cfg.Pool
 			}
@@ -87,7 +90,8 @@ and E2B_API_KEY set to a key from 'cage keys create'.`,
 	fl.StringVar(&cfg.Proxy, "proxy", cfg.Proxy, "sandbox traffic address")
 	fl.StringVar(&cfg.Data, "data", cfg.Data, "state directory")
 	fl.StringVar(&cfg.Domain, "domain", "", "domain of {port}-{sandboxID}.{domain} hosts")
-	fl.IntVar(&cfg.Pool, "pool", cfg.Pool, "prepared sandboxes kept ready")
+	fl.IntVar(&cfg.Pool, "pool", cfg.Pool, "prepared sandboxes kept ready (process wall)")
+	fl.StringVar(&cfg.DefaultWall, "wall", cfg.DefaultWall, "wall of a create that names none: process, runc, gvisor")
 	fl.IntVar(&cfg.MaxSandboxes, "max-sandboxes", 0, "sandboxes alive at once (0: no limit); beyond it creates get 429")
 	fl.StringVar(&maxTimeout, "max-timeout", "24h", "longest timeout a sandbox may ask for")
 	return cmd

@@ -33,6 +33,7 @@ type Config struct {
 	RunDir          string   `json:"run_dir"` // runtime state of sandboxes
 	Domain          string   `json:"domain"`  // for {port}-{id}.{domain} hosts
 	DefaultTemplate string   `json:"default_template"`
+	DefaultWall     string   `json:"default_wall"` // process, runc or gvisor
 	MaxTimeout      Duration `json:"max_timeout"`
 	MaxSandboxes    int      `json:"max_sandboxes"`
 	Pool            int      `json:"pool"` // prepared sandboxes kept ready
@@ -42,7 +43,7 @@ type Config struct {
 // Defaults for Config.
 func Defaults() Config {
 	return Config{API: "127.0.0.1:3000", Proxy: "127.0.0.1:3001", Data: "/var/lib/cage", RunDir: "/run/cage",
-		DefaultTemplate: "host", MaxTimeout: Duration(24 * time.Hour), Pool: 2}
+		DefaultTemplate: "host", DefaultWall: "process", MaxTimeout: Duration(24 * time.Hour), Pool: 2}
 }
 
 // Duration is a time.Duration written as "90s", "1h" in the config file.
@@ -119,7 +120,16 @@ func Run(ctx context.Context, cfg Config, log *slog.Logger, ready func(apiAddr, 
 	var protos http.Protocols
 	protos.SetHTTP1(true)
 	protos.SetUnencryptedHTTP2(true)
-	apiSrv := &http.Server{Handler: api.Handler(api.Config{Manager: mgr, Store: st, Log: log, Domain: cfg.Domain}),
+	if err := host.WallMissing(cfg.DefaultWall); err != nil {
+		return fmt.Errorf("default wall: %w", err)
+	}
+	for _, w := range []string{"runc", "gvisor"} {
+		if err := host.WallMissing(w); err != nil {
+			log.Warn("wall not available", "wall", w, "why", err)
+		}
+	}
+	apiSrv := &http.Server{Handler: api.Handler(api.Config{Manager: mgr, Store: st, Log: log, Domain: cfg.Domain,
+		DefaultWall: cfg.DefaultWall}),
 		ReadHeaderTimeout: 30 * time.Second}
 	proxySrv := &http.Server{Handler: proxy.New(mgr, cfg.Domain, log), Protocols: &protos, ReadHeaderTimeout: 30 * time.Second}
 	errs := make(chan error, 2)

@@ -74,6 +74,7 @@ func New(cfg Config) *Manager {
 
 // CreateRequest is what a client asks for.
 type CreateRequest struct {
+	Wall          string // "" or "process", "runc", "gvisor"
 	KeyID         string
 	Template      string
 	Timeout       time.Duration // 0: the default
@@ -120,8 +121,14 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (*store.Sandbox
 	}
 	defer m.admitted()
 
+	if req.Wall == "" {
+		req.Wall = "process"
+	}
+	if err := m.cfg.Host.WallMissing(req.Wall); err != nil {
+		return nil, err
+	}
 	opts := sandbox.Options{
-		Template: req.Template, Token: randomToken(), Env: req.Env, CPUs: req.CPUs,
+		Wall: req.Wall, Template: req.Template, Token: randomToken(), Env: req.Env, CPUs: req.CPUs,
 		Memory: req.MemoryMB << 20, Disk: req.DiskMB << 20, Pids: req.Pids,
 	}
 	var sb wall.Sandbox
@@ -145,13 +152,16 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (*store.Sandbox
 
 // start prepares a sandbox, records it, then starts it.
 func (m *Manager) start(ctx context.Context, req CreateRequest, opts *sandbox.Options) (wall.Sandbox, *store.Sandbox, error) {
+	if opts.Wall != "process" {
+		return m.startOCI(ctx, req, opts)
+	}
 	sb, err := m.cfg.Host.Prepare(ctx, opts)
 	if err != nil {
 		return nil, nil, err
 	}
 	now := time.Now()
 	rec := &store.Sandbox{
-		ID: sb.ID(), KeyID: req.KeyID, TemplateID: req.Template, Wall: "process",
+		ID: sb.ID(), KeyID: req.KeyID, TemplateID: req.Template, Wall: opts.Wall,
 		State: store.StateCreating, Metadata: req.Metadata, EnvVars: req.Env,
 		CPUs: opts.CPUs, MemoryMB: opts.Memory >> 20, DiskMB: opts.Disk >> 20, Pids: opts.Pids,
 		AccessToken: opts.Token, TrafficToken: randomToken(), AgentPID: sb.AgentPID(),
@@ -168,6 +178,37 @@ func (m *Manager) start(ctx context.Context, req CreateRequest, opts *sandbox.Op
 	}
 	rec.State = store.StateRunning
 	if err := m.cfg.Store.SetState(rec.ID, store.StateRunning); err != nil {
+		m.discard(sb, "record failed: "+err.Error())
+		return nil, nil, err
+	}
+	return sb, rec, nil
+}
+
+// startOCI records an OCI-wall sandbox (state creating) and then creates it.
+func (m *Manager) startOCI(ctx context.Context, req CreateRequest, opts *sandbox.Options) (wall.Sandbox, *store.Sandbox, error) {
+	if err := opts.Validate(); err != nil {
+		return nil, nil, err
+	}
+	opts.ID = process.NewID()
+	now := time.Now()
+	rec := &store.Sandbox{
+		ID: opts.ID, KeyID: req.KeyID, TemplateID: req.Template, Wall: opts.Wall,
+		State: store.StateCreating, Metadata: req.Metadata, EnvVars: req.Env,
+		CPUs: opts.CPUs, MemoryMB: opts.Memory >> 20, DiskMB: opts.Disk >> 20, Pids: opts.Pids,
+		AccessToken: opts.Token, TrafficToken: randomToken(),
+		StartedAt: now, EndAt: now.Add(req.Timeout), AllowInternet: req.AllowInternet, AutoPause: req.AutoPause,
+	}
+	if err := m.cfg.Store.InsertSandbox(rec); err != nil {
+		return nil, nil, err
+	}
+	sb, err := m.cfg.Host.Create(ctx, *opts)
+	if err != nil {
+		_ = m.cfg.Store.DeleteSandbox(rec.ID)
+		return nil, nil, err
+	}
+	rec.State, rec.AgentPID = store.StateRunning, sb.AgentPID()
+	rec.AgentStart, _ = process.StartTime(sb.AgentPID())
+	if err := m.cfg.Store.UpdateSandbox(rec); err != nil {
 		m.discard(sb, "record failed: "+err.Error())
 		return nil, nil, err
 	}

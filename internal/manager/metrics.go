@@ -57,7 +57,7 @@ func (m *Manager) Metrics(keyID, id string) ([]Metric, error) {
 		MemTotal: u.MemoryLimit, MemCache: u.CacheBytes}
 	// The sandbox's disk, seen through its agent's root.
 	var st unix.Statfs_t
-	if err := unix.Statfs(fmt.Sprintf("/proc/%d/root/tmp", sb.AgentPID()), &st); err == nil {
+	if err := unix.Statfs(sb.DiskPath(), &st); err == nil {
 		mt.DiskTotal = int64(st.Blocks) * st.Bsize
 		mt.DiskUsed = int64(st.Blocks-st.Bfree) * st.Bsize
 	}

@@ -21,7 +21,7 @@ func (m *Manager) Recover() error {
 	h := m.cfg.Host
 	for _, rec := range recs {
 		if rec.State == store.StateRunning {
-			sb, err := h.Adopt(rec.ID, rec.AgentPID, rec.AgentStart, rec.AccessToken)
+			sb, err := h.Adopt(rec.ID, rec.Wall, rec.AgentPID, rec.AgentStart, rec.AccessToken)
 			if err == nil {
 				if time.Now().After(rec.EndAt) {
 					m.discard(sb, "timed out while the daemon was down")

@@ -378,7 +378,14 @@ func NewToken() string {
 
 // Adopt takes charge of a running sandbox created by another process (see
 // process.Adopt).
-func (h *Host) Adopt(id string, pid int, startTime uint64, token string) (*process.Sandbox, error) {
+func (h *Host) Adopt(id, wallName string, pid int, startTime uint64, token string) (wall.Sandbox, error) {
+	if wallName != "" && wallName != "process" {
+		if err := h.WallMissing(wallName); err != nil {
+			return nil, err
+		}
+		return oci.Adopt(oci.Config{ID: id, RunDir: h.RunDir, Cgroups: h.Cgroups, Runtime: h.Runtimes[wallName],
+			Token: token, Log: h.Log}, pid, startTime)
+	}
 	cfg := process.Config{ID: id, AgentPath: h.AgentPath, RunDir: h.RunDir, Cgroups: h.Cgroups, Log: h.Log}
 	return process.Adopt(cfg, pid, startTime, token)
 }

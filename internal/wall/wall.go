@@ -22,5 +22,6 @@ type Sandbox interface {
 	Exited() <-chan struct{} // closed when the sandbox is gone
 	Err() error              // why it died, once Exited is closed
 	Cgroup() *cgroups.Cgroup // where its limits and counters are
+	DiskPath() string        // a host path on the sandbox's writable storage (for its usage)
 	Destroy() error          // kill everything and remove it; idempotent
 }

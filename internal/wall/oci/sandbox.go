@@ -85,6 +85,7 @@ func (sb *Sandbox) AgentPID() int           { return sb.pid }
 func (sb *Sandbox) Wall() string            { return sb.rt.Wall }
 func (sb *Sandbox) Exited() <-chan struct{} { return sb.exited }
 func (sb *Sandbox) Cgroup() *cgroups.Cgroup { return sb.cg }
+func (sb *Sandbox) DiskPath() string        { return sb.diskMount }
 
 // Dial connects to the agent. Under gVisor the agent makes its socket only
 // once it runs, so a missing or refusing socket is retried until the
@@ -434,4 +435,52 @@ func copyFile(src, dst string) error {
 		return err
 	}
 	return out.Close()
+}
+
+// Adopt takes charge again of a running OCI sandbox whose creator is gone:
+// its container init is pid (started at startTime); the runtime's own state
+// and the sandbox's directories are where Create put them.
+func Adopt(cfg Config, pid int, startTime uint64) (*Sandbox, error) {
+	if cfg.Log == nil {
+		cfg.Log = slog.New(slog.DiscardHandler)
+	}
+	if st, err := processStart(pid); err != nil || st != startTime {
+		return nil, fmt.Errorf("sandbox %s: its container (pid %d) is gone", cfg.ID, pid)
+	}
+	sb := &Sandbox{id: cfg.ID, token: cfg.Token, rt: cfg.Runtime, pid: pid, exited: make(chan struct{}),
+		dir: filepath.Join(cfg.RunDir, "sandboxes", cfg.ID), root: filepath.Join(cfg.RunDir, cfg.Runtime.Wall),
+		cg: cfg.Cgroups.Open(cfg.ID), log: cfg.Log.With("sandbox", cfg.ID, "wall", cfg.Runtime.Wall)}
+	sb.diskMount, sb.rootfs = filepath.Join(sb.dir, "disk"), filepath.Join(sb.dir, "rootfs")
+	sb.sock = filepath.Join(sb.dir, "agent.sock")
+	if cfg.Runtime.gvisor() {
+		sb.sock = filepath.Join(sb.dir, "sock", "agent.sock")
+	}
+	var err error
+	if sb.pidfd, err = unix.PidfdOpen(pid, 0); err != nil {
+		return nil, fmt.Errorf("sandbox %s: pidfd: %w", cfg.ID, err)
+	}
+	if sb.owner, err = state.LockOwner(sb.dir); err != nil {
+		unix.Close(sb.pidfd)
+		return nil, fmt.Errorf("sandbox %s: %w", cfg.ID, err)
+	}
+	go sb.watch()
+	return sb, nil
+}
+
+// processStart is field 22 of /proc/PID/stat.
+func processStart(pid int) (uint64, error) {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return 0, err
+	}
+	s := string(b)
+	i := strings.LastIndexByte(s, ')')
+	if i < 0 {
+		return 0, errors.New("malformed stat")
+	}
+	f := strings.Fields(s[i+1:])
+	if len(f) < 20 {
+		return 0, errors.New("malformed stat")
+	}
+	return strconv.ParseUint(f[19], 10, 64)
 }

@@ -89,6 +89,9 @@ func (sb *Sandbox) Token() string { return sb.token }
 // AgentPID is the host pid of the sandbox's agent (its PID 1).
 func (sb *Sandbox) AgentPID() int { return sb.pid }
 
+// DiskPath reaches the sandbox's storage through its agent's root.
+func (sb *Sandbox) DiskPath() string { return fmt.Sprintf("/proc/%d/root/tmp", sb.pid) }
+
 // Wall is "process".
 func (sb *Sandbox) Wall() string { return "process" }
 
