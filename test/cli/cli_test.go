@@ -73,7 +73,7 @@ func (r result) String() string {
 func (e *env) command(ctx context.Context, args ...string) *exec.Cmd {
 	cmd := exec.CommandContext(ctx, e.bin, append([]string{"--run-dir", e.runDir}, args...)...)
 	for _, kv := range os.Environ() {
-		if !strings.HasPrefix(kv, "CAGE_") {
+		if !strings.HasPrefix(kv, "CAGE_") || strings.HasPrefix(kv, "CAGE_RUNSC=") { // where runsc is, not a setting
 			cmd.Env = append(cmd.Env, kv)
 		}
 	}

@@ -127,7 +127,7 @@ func freePort(t *testing.T) string {
 func (d *daemon) cageCmd(ctx context.Context, env []string, args ...string) *exec.Cmd {
 	cmd := exec.CommandContext(ctx, d.bin, args...)
 	for _, kv := range os.Environ() {
-		if !strings.HasPrefix(kv, "CAGE_") {
+		if !strings.HasPrefix(kv, "CAGE_") || strings.HasPrefix(kv, "CAGE_RUNSC=") { // where runsc is, not a setting
 			cmd.Env = append(cmd.Env, kv)
 		}
 	}

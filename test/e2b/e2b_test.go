@@ -65,6 +65,44 @@ func TestE2BSDK(t *testing.T) {
 	d.stop(t)
 }
 
+// TestE2BSDKOtherWalls runs the SDK suite (2.51.0) against daemons whose
+// sandboxes are on the runc and gVisor walls: the agent and its protocol are
+// the same on every wall, and so must be what the SDK sees.
+func TestE2BSDKOtherWalls(t *testing.T) {
+	for _, wall := range []string{"runc", "gvisor"} {
+		t.Run(wall, func(t *testing.T) {
+			requireWall(t, wall)
+			d := startDaemon(t, "--wall", wall)
+			dir := sdkDir(t)
+			args := []string{"--test", "--test-reporter=spec", "sdk.test.mjs"}
+			if err := runNode(t, dir, d.sdkEnv("e2b", d.key), 10*time.Minute, args...); err != nil {
+				t.Errorf("E2B SDK suite on the %s wall failed: %v (the daemon's log follows the test)", wall, err)
+			}
+			d.checkNoSandboxesLeft(t)
+			d.stop(t)
+		})
+	}
+}
+
+// requireWall skips (or, where CAGE_REQUIRE_WALLS names the wall, fails) a
+// test of a wall whose runtime this machine lacks.
+func requireWall(t *testing.T, wall string) {
+	t.Helper()
+	bin := map[string]string{"runc": "runc", "gvisor": "runsc"}[wall]
+	if wall == "gvisor" && os.Getenv("CAGE_RUNSC") != "" {
+		if _, err := os.Stat(os.Getenv("CAGE_RUNSC")); err == nil {
+			return
+		}
+	}
+	if _, err := exec.LookPath(bin); err == nil {
+		return
+	}
+	if strings.Contains(","+os.Getenv("CAGE_REQUIRE_WALLS")+",", ","+wall+",") {
+		t.Fatalf("wall %s is required here (CAGE_REQUIRE_WALLS) but %s is missing", wall, bin)
+	}
+	t.Skipf("SKIP wall %s: %s is not installed", wall, bin)
+}
+
 // badKeyScript creates a sandbox and lists sandboxes with the (wrong) key in
 // E2B_API_KEY; both must reject with the SDK's AuthenticationError.
 const badKeyScript = `
@@ -124,7 +162,7 @@ type daemon struct {
 // startDaemon skips unless this host can run the suite, builds cage, makes
 // an API key, starts `cage serve` on two free loopback ports and waits for
 // /health. Its log is printed if the test fails.
-func startDaemon(t *testing.T) *daemon {
+func startDaemon(t *testing.T, extra ...string) *daemon {
 	t.Helper()
 	testutil.RequireRoot(t)
 	testutil.RequireKernelFeature(t, testutil.UserNamespaces)
@@ -165,8 +203,8 @@ func startDaemon(t *testing.T) *daemon {
 		log:      &syncBuffer{},
 		done:     make(chan struct{}),
 	}
-	d.cmd = cageCommand(context.Background(), bin, "serve",
-		"--api", api, "--proxy", proxy, "--data", data, "--run-dir", runDir)
+	d.cmd = cageCommand(context.Background(), bin, append([]string{"serve",
+		"--api", api, "--proxy", proxy, "--data", data, "--run-dir", runDir}, extra...)...)
 	d.cmd.Stdout = d.log
 	d.cmd.Stderr = d.log
 	// Should this test process die, the daemon stops too.
@@ -296,7 +334,7 @@ func (d *daemon) stop(t *testing.T) {
 func cageCommand(ctx context.Context, bin string, args ...string) *exec.Cmd {
 	cmd := exec.CommandContext(ctx, bin, args...)
 	for _, kv := range os.Environ() {
-		if !strings.HasPrefix(kv, "CAGE_") {
+		if !strings.HasPrefix(kv, "CAGE_") || strings.HasPrefix(kv, "CAGE_RUNSC=") { // where runsc is, not a setting
 			cmd.Env = append(cmd.Env, kv)
 		}
 	}
