@@ -133,10 +133,16 @@ func BwrapArgv(cmd ...string) ([]string, error) {
 // CreateToFirstOutput times, in this process, create → the first byte of
 // `echo ready` on stdout, then destroys the sandbox (not timed).
 func CreateToFirstOutput(ctx context.Context, h *sandbox.Host, runs int) (Stats, error) {
+	return WallToFirstOutput(ctx, h, "process", runs, 3)
+}
+
+// WallToFirstOutput is CreateToFirstOutput on a given wall, after warm
+// unmeasured runs.
+func WallToFirstOutput(ctx context.Context, h *sandbox.Host, wallName string, runs, warm int) (Stats, error) {
 	var samples []time.Duration
-	for i := -3; i < runs; i++ {
+	for i := -warm; i < runs; i++ {
 		start := time.Now()
-		sb, err := h.Create(ctx, sandbox.Options{})
+		sb, err := h.Create(ctx, sandbox.Options{Wall: wallName})
 		if err != nil {
 			return Stats{}, err
 		}
@@ -167,6 +173,23 @@ func (f *firstWrite) Write(p []byte) (int, error) {
 		f.at = time.Since(f.start)
 	}
 	return len(p), nil
+}
+
+// BareToFirstOutput times the peer of an OCI wall: the runtime running
+// `echo ready` as the container process of an equivalent bundle, to the
+// first byte of its output (cleaning up is not timed).
+func BareToFirstOutput(ctx context.Context, h *sandbox.Host, wallName string, runs, warm int) (Stats, error) {
+	var samples []time.Duration
+	for i := -warm; i < runs; i++ {
+		fw := &firstWrite{start: time.Now()}
+		if err := h.RunBare(ctx, wallName, []string{"/bin/echo", "ready"}, fw); err != nil {
+			return Stats{}, err
+		}
+		if i >= 0 {
+			samples = append(samples, fw.at)
+		}
+	}
+	return Summarize(samples), nil
 }
 
 // RoundTrip times Start → end of `true` in one live sandbox.
@@ -207,6 +230,11 @@ type Memory struct {
 
 // IdleMemory creates n sandboxes, lets them idle, and measures.
 func IdleMemory(ctx context.Context, h *sandbox.Host, n int) (Memory, error) {
+	return WallIdleMemory(ctx, h, "process", n)
+}
+
+// WallIdleMemory is IdleMemory on a given wall.
+func WallIdleMemory(ctx context.Context, h *sandbox.Host, wallName string, n int) (Memory, error) {
 	before, err := memAvailable()
 	if err != nil {
 		return Memory{}, err
@@ -219,7 +247,7 @@ func IdleMemory(ctx context.Context, h *sandbox.Host, n int) (Memory, error) {
 	}()
 	start := time.Now()
 	for i := 0; i < n; i++ {
-		sb, err := h.Create(ctx, sandbox.Options{})
+		sb, err := h.Create(ctx, sandbox.Options{Wall: wallName})
 		if err != nil {
 			return Memory{}, fmt.Errorf("sandbox %d: %w", i, err)
 		}

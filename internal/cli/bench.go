@@ -26,6 +26,9 @@ func newBenchCmd(g *globals) *cobra.Command {
   create     in-process create -> first output of a command
   roundtrip  Start -> end of true in a live sandbox
   memory     host memory per idle sandbox with --idle sandboxes alive at once
+  walls      each OCI wall (runc, gvisor): create -> first output against the
+             runtime running the same command bare in an equivalent bundle
+             (interleaved), and memory with 50 idle sandboxes of each
   serve      against a cage serve it starts: time to interactive (create -> first
              output through the API and proxy) sequential and 20 at once, the
              round trip through the proxy, and --idle sandboxes created through
@@ -40,7 +43,7 @@ func newBenchCmd(g *globals) *cobra.Command {
 	}
 	cmd.Flags().IntVar(&runs, "runs", 30, "samples per measurement")
 	cmd.Flags().IntVar(&idle, "idle", 200, "sandboxes alive at once for the memory measurement")
-	cmd.Flags().StringVar(&only, "only", "run,create,roundtrip,memory,serve", "measurements to take")
+	cmd.Flags().StringVar(&only, "only", "run,create,roundtrip,memory,serve,walls", "measurements to take")
 	return cmd
 }
 
@@ -89,6 +92,11 @@ func runBench(ctx context.Context, g *globals, w io.Writer, runs, idle int, only
 	}
 	if want["serve"] {
 		if err := benchServe(ctx, w, runs, idle); err != nil {
+			return err
+		}
+	}
+	if want["walls"] {
+		if err := benchWalls(ctx, w, h, runs); err != nil {
 			return err
 		}
 	}
@@ -163,5 +171,44 @@ func benchServe(ctx context.Context, w io.Writer, runs, idle int) error {
 	}
 	fmt.Fprintf(w, "serve: %d sandboxes created through the API at %.1f/s; daemon RSS %s idle, %s with them alive\n",
 		idle, rate, units.FormatSize(roundKiB(before)), units.FormatSize(roundKiB(after)))
+	return nil
+}
+
+func benchWalls(ctx context.Context, w io.Writer, h *sandbox.Host, runs int) error {
+	for _, name := range []string{"runc", "gvisor"} {
+		if err := h.WallMissing(name); err != nil {
+			fmt.Fprintf(w, "%s: skipped: %v\n", name, err)
+			continue
+		}
+		var cage, bare []time.Duration
+		if _, err := bench.WallToFirstOutput(ctx, h, name, 0, 2); err != nil {
+			return exitf(ExitInternal, "%s: %v", name, err)
+		}
+		if _, err := bench.BareToFirstOutput(ctx, h, name, 0, 2); err != nil {
+			return exitf(ExitInternal, "%s bare: %v", name, err)
+		}
+		for i := 0; i < runs; i++ { // interleaved: drift hits both alike
+			c, err := bench.WallToFirstOutput(ctx, h, name, 1, 0)
+			if err != nil {
+				return exitf(ExitInternal, "%s: %v", name, err)
+			}
+			b, err := bench.BareToFirstOutput(ctx, h, name, 1, 0)
+			if err != nil {
+				return exitf(ExitInternal, "%s bare: %v", name, err)
+			}
+			cage, bare = append(cage, c.P50), append(bare, b.P50)
+		}
+		cs, bs := bench.Summarize(cage), bench.Summarize(bare)
+		fmt.Fprintf(w, "%s: cage create -> first output      %s\n", name, cs)
+		fmt.Fprintf(w, "%s: raw %s run of the same bundle  %s\n", name, h.Runtimes[name].Binary, bs)
+		fmt.Fprintf(w, "%s: ratio of medians cage/raw         %.2fx\n", name, bench.Ratio(cs, bs))
+		m, err := bench.WallIdleMemory(ctx, h, name, 50)
+		if err != nil {
+			return exitf(ExitInternal, "%s memory: %v", name, err)
+		}
+		fmt.Fprintf(w, "%s: 50 idle sandboxes: %s per sandbox (MemAvailable drop), init PSS %s, cgroup charge %s\n",
+			name, units.FormatSize(roundKiB(m.PerSandboxBytes)), units.FormatSize(roundKiB(m.AgentPSSBytes)),
+			units.FormatSize(roundKiB(m.CgroupBytes)))
+	}
 	return nil
 }

@@ -3,6 +3,7 @@ package sandbox
 import (
 	"context"
 	"fmt"
+	"io"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -81,4 +82,26 @@ func (h *Host) createOCI(ctx context.Context, o Options) (wall.Sandbox, error) {
 		DiskBytes: o.Disk, ShmBytes: o.Shm, Token: o.Token, Env: o.Env, MaxOutput: o.MaxOutput,
 		Threads: process.AgentThreads, Log: h.Log,
 	})
+}
+
+// RunBare runs argv directly as the container process of an OCI wall, in a
+// bundle built as a sandbox's, without the agent: the peer cage's OCI walls
+// are measured against.
+func (h *Host) RunBare(ctx context.Context, wallName string, argv []string, out io.Writer) error {
+	if err := h.WallMissing(wallName); err != nil {
+		return err
+	}
+	o := Options{Wall: wallName}
+	if err := o.Validate(); err != nil {
+		return err
+	}
+	tmpl, err := template.Lookup(o.Template, filepath.Join(h.RunDir, "templates"))
+	if err != nil {
+		return err
+	}
+	return oci.RunBare(ctx, oci.Config{
+		ID: process.NewID(), AgentPath: h.AgentPath, RunDir: h.RunDir, Cgroups: h.Cgroups, Runtime: h.Runtimes[wallName],
+		Template: tmpl, Limits: cgroups.Limits{MemoryBytes: o.Memory, CPUs: o.CPUs, Pids: o.Pids},
+		DiskBytes: o.Disk, ShmBytes: o.Shm, Log: h.Log,
+	}, argv, out)
 }

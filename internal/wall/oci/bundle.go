@@ -143,6 +143,7 @@ type bundleConfig struct {
 	limits     cgroups.Limits
 	shmBytes   int64
 	userns     bool
+	args       []string // the container's process: the agent, or a bare command (RunBare)
 }
 
 func (b *bundleConfig) write() error {
@@ -202,7 +203,7 @@ func (b *bundleConfig) write() error {
 	spec := ociSpec{
 		Version: "1.0.2",
 		Process: ociProc{
-			User: ociUser{0, 0}, Args: []string{agentInside, "serve"}, Cwd: "/",
+			User: ociUser{0, 0}, Args: b.args, Cwd: "/",
 			Env: []string{"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"},
 			Capabilities: ociCaps{Bounding: containerCaps, Effective: containerCaps, Permitted: containerCaps,
 				Inheritable: []string{}},

@@ -55,6 +55,9 @@ type Config struct {
 	MaxOutput int64
 	Threads   int // the agent's threads, added to the pids limit by the caller
 	Log       *slog.Logger
+
+	bare    []string // RunBare's command
+	bareOut io.Writer
 }
 
 // Sandbox is a running sandbox of an OCI wall.
@@ -179,7 +182,10 @@ func Create(ctx context.Context, cfg Config) (sb *Sandbox, err error) {
 	b := &bundleConfig{dir: filepath.Join(sb.dir, "bundle"), rootfs: sb.rootfs, id: cfg.ID, hostname: hostname,
 		agentPath: agentCopy, template: cfg.Template, disk: sb.diskMount,
 		cgroupPath: cgroupsPath(cfg.Cgroups, cfg.ID), limits: cfg.Limits, shmBytes: cfg.ShmBytes,
-		idBase: uint32(sb.ids.Base), userns: !cfg.Runtime.gvisor()}
+		idBase: uint32(sb.ids.Base), userns: !cfg.Runtime.gvisor(), args: []string{agentInside, "serve"}}
+	if cfg.bare != nil {
+		b.args = cfg.bare
+	}
 	if cfg.Runtime.gvisor() {
 		b.sockDir = filepath.Join(sb.dir, "sock")
 		if err := os.Mkdir(b.sockDir, 0o777); err != nil {
@@ -195,7 +201,38 @@ func Create(ctx context.Context, cfg Config) (sb *Sandbox, err error) {
 	if err := b.write(); err != nil {
 		return sb, err
 	}
+	if cfg.bare != nil {
+		return sb, sb.runBare(ctx, cfg)
+	}
 	return sb, sb.run(ctx, cfg)
+}
+
+// RunBare runs argv as the container's process, without the agent, in the
+// foreground, with stdout to out, in a bundle built exactly as a sandbox's
+// (same root, mounts, namespaces, cgroups): the peer `cage bench` measures
+// the wall against. Everything is removed afterwards.
+func RunBare(ctx context.Context, cfg Config, argv []string, out io.Writer) error {
+	cfg.bare, cfg.bareOut = argv, out
+	sb, err := Create(ctx, cfg)
+	if sb != nil {
+		if derr := sb.Destroy(); err == nil {
+			err = derr
+		}
+	}
+	return err
+}
+
+func (sb *Sandbox) runBare(ctx context.Context, cfg Config) error {
+	args := append(append([]string{}, cfg.Runtime.Flags...), "--root", sb.root, "run", "--bundle",
+		filepath.Join(sb.dir, "bundle"), sb.id)
+	cmd := exec.CommandContext(ctx, cfg.Runtime.Binary, args...)
+	cmd.Stdout = cfg.bareOut
+	var stderr strings.Builder
+	cmd.Stderr = &stderr
+	if err := cmd.Run(); err != nil {
+		return fmt.Errorf("%s run: %v: %s", filepath.Base(cfg.Runtime.Binary), err, strings.TrimSpace(stderr.String()))
+	}
+	return nil
 }
 
 // cgroupsPath is the runtime's cgroupsPath for the group cage made.
