@@ -129,8 +129,9 @@ func (w *dirWatch) add(fd int, rel string) error {
 }
 
 // addTree watches every directory below fd (which is rel below the base).
-// With emit set, it also reports each entry found as created: they may have
-// appeared before the watch was in place.
+// With emit set, it also reports each entry found as created (and a file
+// with content as written): they may have appeared, and been written,
+// before the watch was in place.
 func (w *dirWatch) addTree(fd int, rel string, emit func(*pb.FilesystemEvent) bool) bool {
 	names, err := readDirNames(fd, int(^uint(0)>>1))
 	if err != nil {
@@ -142,7 +143,13 @@ func (w *dirWatch) addTree(fd int, rel string, emit func(*pb.FilesystemEvent) bo
 			return false
 		}
 		var st unix.Stat_t
-		if unix.Fstatat(fd, name, &st, unix.AT_SYMLINK_NOFOLLOW) != nil || st.Mode&unix.S_IFMT != unix.S_IFDIR {
+		if unix.Fstatat(fd, name, &st, unix.AT_SYMLINK_NOFOLLOW) != nil {
+			continue
+		}
+		if st.Mode&unix.S_IFMT == unix.S_IFREG && st.Size > 0 && emit != nil && !emit(w.event(child, pb.EventType_EVENT_TYPE_WRITE)) {
+			return false
+		}
+		if st.Mode&unix.S_IFMT != unix.S_IFDIR {
 			continue
 		}
 		cfd, err := openBeneath(fd, name, unix.O_RDONLY|unix.O_DIRECTORY)
