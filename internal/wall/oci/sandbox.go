@@ -96,7 +96,7 @@ func (sb *Sandbox) DiskPath() string        { return sb.diskMount }
 func (sb *Sandbox) Dial(ctx context.Context) (net.Conn, error) {
 	var d net.Dialer
 	c, err := d.DialContext(ctx, "unix", sb.sock)
-	for wait := time.Millisecond; err != nil && sb.rt.gvisor() && (errors.Is(err, syscall.ENOENT) || errors.Is(err, syscall.ECONNREFUSED)); wait = min(2*wait, 50*time.Millisecond) {
+	for wait := time.Millisecond; err != nil && sb.rt.gvisor() && (errors.Is(err, syscall.ENOENT) || errors.Is(err, syscall.ECONNREFUSED)); wait = min(2*wait, 5*time.Millisecond) {
 		select {
 		case <-sb.exited:
 			return nil, sb.Err()
