@@ -58,6 +58,7 @@ type Manager struct {
 	Mode   Mode
 	v1     map[string]string // controller -> mountpoint of its hierarchy (v1, hybrid)
 	v2     string            // cgroup2 mountpoint (v2, and hybrid's empty one)
+	all    []string          // every cgroup hierarchy mounted (runtimes use them all)
 	Parent string            // parent group below each hierarchy's root
 }
 
@@ -83,6 +84,9 @@ func Detect(parent string) (*Manager, error) {
 			continue
 		}
 		mnt, fstype, opts := fields[4], fields[sep+1], fields[sep+3]
+		if fstype == "cgroup" || fstype == "cgroup2" {
+			m.all = append(m.all, mnt)
+		}
 		switch fstype {
 		case "cgroup2":
 			if m.v2 == "" {
@@ -328,11 +332,27 @@ func (cg *Cgroup) Procs() []int {
 	return pids
 }
 
-// Destroy kills whatever is still in the group and removes it everywhere.
-// It returns only after the directories are gone (or an error).
+// Destroy kills whatever is still in the group and removes it everywhere:
+// in the hierarchies cage uses and in every other one (an OCI runtime makes
+// the group in all of them). It returns only after the directories are gone
+// (or an error).
 func (cg *Cgroup) Destroy() error {
 	var firstErr error
+	done := map[string]bool{}
 	for _, dir := range cg.dirs {
+		done[dir] = true
+		if err := removeGroup(dir); err != nil && firstErr == nil {
+			firstErr = err
+		}
+	}
+	for _, mnt := range cg.m.all {
+		dir := filepath.Join(mnt, cg.m.Parent, cg.Name)
+		if done[dir] {
+			continue
+		}
+		if _, err := os.Stat(dir); err != nil {
+			continue
+		}
 		if err := removeGroup(dir); err != nil && firstErr == nil {
 			firstErr = err
 		}

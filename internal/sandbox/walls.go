@@ -80,7 +80,7 @@ func (h *Host) createOCI(ctx context.Context, o Options) (wall.Sandbox, error) {
 		ID: o.ID, AgentPath: h.AgentPath, RunDir: h.RunDir, Cgroups: h.Cgroups, Runtime: h.Runtimes[o.Wall],
 		Template: tmpl, Limits: cgroups.Limits{MemoryBytes: o.Memory, CPUs: o.CPUs, Pids: o.Pids + process.AgentThreads},
 		DiskBytes: o.Disk, ShmBytes: o.Shm, Token: o.Token, Env: o.Env, MaxOutput: o.MaxOutput,
-		Threads: process.AgentThreads, Log: h.Log,
+		Threads: process.AgentThreads, DieWithCaller: o.DieWithCaller, Log: h.Log,
 	})
 }
 

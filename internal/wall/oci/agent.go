@@ -37,6 +37,11 @@ type serveSpec struct {
 	PidsFD int `json:"pids_fd"`
 	// LoopbackUp: the runtime leaves lo down (runc); gVisor brings it up.
 	LoopbackUp bool `json:"loopback_up"`
+	// LifelineFD, when not -1, is the read end of a pipe whose write end
+	// the creator holds: at EOF the creator is gone (a cage run killed with
+	// SIGKILL) and the agent exits, taking the sandbox down with it. The
+	// runtime detaches containers, so no parent-death signal reaches them.
+	LifelineFD int `json:"lifeline_fd"`
 }
 
 // Serve is cage-agent's `serve` mode. It returns only on error.
@@ -66,6 +71,17 @@ func Serve() error {
 		if err != nil {
 			return fmt.Errorf("agent listener: %w", err)
 		}
+	}
+	if spec.LifelineFD >= 0 {
+		go func(f *os.File) {
+			buf := make([]byte, 1)
+			for {
+				if _, err := f.Read(buf); err != nil {
+					fmt.Fprintf(os.Stderr, "cage-agent: the sandbox's creator is gone (%v)\n", err)
+					os.Exit(3) // PID 1 exits: every process of the sandbox dies
+				}
+			}
+		}(os.NewFile(uintptr(spec.LifelineFD), "lifeline"))
 	}
 	if spec.LoopbackUp {
 		if err := process.LoopbackUp(); err != nil {

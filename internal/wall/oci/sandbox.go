@@ -54,7 +54,9 @@ type Config struct {
 	Env       map[string]string
 	MaxOutput int64
 	Threads   int // the agent's threads, added to the pids limit by the caller
-	Log       *slog.Logger
+	// DieWithCaller ends the sandbox when this process dies (cage run).
+	DieWithCaller bool
+	Log           *slog.Logger
 
 	bare    []string // RunBare's command
 	bareOut io.Writer
@@ -73,6 +75,7 @@ type Sandbox struct {
 	owner     *os.File
 	diskMount string
 	rootfs    string
+	lifeline  *os.File // write end of the lifeline (DieWithCaller)
 	exited    chan struct{}
 	log       *slog.Logger
 
@@ -298,8 +301,22 @@ func (sb *Sandbox) run(ctx context.Context, cfg Config) error {
 	}
 	defer pids.Close()
 	spec := serveSpec{Token: cfg.Token, Env: cfg.Env, MaxOutput: cfg.MaxOutput, UserName: template.UserName,
-		AgentUID: template.AgentUID, Threads: cfg.Threads, OOMFD: 4, PidsFD: 5, LoopbackUp: !cfg.Runtime.gvisor()}
+		AgentUID: template.AgentUID, Threads: cfg.Threads, OOMFD: 4, PidsFD: 5, LoopbackUp: !cfg.Runtime.gvisor(),
+		LifelineFD: -1}
 	files := []*os.File{specR, oom, pids, sb.ids.Lock}
+	var lifeR *os.File
+	if cfg.DieWithCaller {
+		// Our end stays open (close-on-exec) for as long as this process
+		// lives; the kernel closes it when the process dies.
+		var err error
+		if lifeR, sb.lifeline, err = os.Pipe(); err != nil {
+			specW.Close()
+			return err
+		}
+		defer lifeR.Close()
+		files = append(files, lifeR)
+		spec.LifelineFD = 2 + len(files)
+	}
 	args := append([]string{}, cfg.Runtime.Flags...)
 	args = append(args, "--root", sb.root, "run", "--detach", "--bundle", filepath.Join(sb.dir, "bundle"),
 		"--pid-file", filepath.Join(sb.dir, "pid"))
@@ -322,10 +339,13 @@ func (sb *Sandbox) run(ctx context.Context, cfg Config) error {
 			return err
 		}
 		defer lf.Close()
-		// fd 4 is the listener; the counters follow it.
-		files = []*os.File{specR, lf, oom, pids, sb.ids.Lock}
+		// fd 4 is the listener; the others follow it.
+		files = append([]*os.File{specR, lf}, files[1:]...)
 		spec.OOMFD, spec.PidsFD = 5, 6
-		args = append(args, "--preserve-fds", strconv.Itoa(len(files)-1))
+		if lifeR != nil {
+			spec.LifelineFD = 2 + len(files)
+		}
+		args = append(args, "--preserve-fds", strconv.Itoa(len(files))) // fds 3 .. 3+len-1
 	}
 	data, _ := json.Marshal(spec)
 	_, err = specW.Write(data)
@@ -433,6 +453,9 @@ func (sb *Sandbox) teardown() error {
 	}
 	if sb.owner != nil {
 		sb.owner.Close()
+	}
+	if sb.lifeline != nil {
+		sb.lifeline.Close()
 	}
 	sb.ids.Release()
 	return errors.Join(errs...)

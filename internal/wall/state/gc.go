@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"strings"
 	"syscall"
 	"time"
 
@@ -32,13 +33,29 @@ func LockOwner(dir string) (*os.File, error) {
 
 // removeState removes a sandbox's state directory: its socket, the (by now
 // unmounted) root directory and the owner lock.
+//
+// What an OCI wall leaves there too is removed: its host mounts (the
+// sandbox's root and disk tmpfs) are unmounted first, and the runtime's own
+// state for the sandbox (RUN_DIR/<wall>/<id>) goes with it.
 func RemoveState(dir string) error {
-	for _, name := range []string{"agent.sock", "root", ownerLockName} {
-		if err := os.Remove(filepath.Join(dir, name)); err != nil && !errors.Is(err, os.ErrNotExist) {
-			return err
+	data, _ := os.ReadFile("/proc/self/mountinfo")
+	for _, line := range strings.Split(string(data), "\n") {
+		if f := strings.Fields(line); len(f) > 4 && strings.HasPrefix(f[4], dir+"/") {
+			_ = syscall.Unmount(f[4], syscall.MNT_DETACH)
 		}
 	}
-	if err := os.Remove(dir); err != nil && !errors.Is(err, os.ErrNotExist) {
+	id := filepath.Base(dir)
+	runDir := filepath.Dir(filepath.Dir(dir))
+	for _, w := range []string{"runc", "gvisor"} {
+		// runc keeps a directory per container; runsc files named after it.
+		ents, _ := os.ReadDir(filepath.Join(runDir, w))
+		for _, e := range ents {
+			if strings.Contains(e.Name(), id) {
+				_ = os.RemoveAll(filepath.Join(runDir, w, e.Name()))
+			}
+		}
+	}
+	if err := os.RemoveAll(dir); err != nil && !errors.Is(err, os.ErrNotExist) {
 		return err
 	}
 	return nil
