@@ -59,29 +59,44 @@ func (f *filesystemService) target(h http.Header, raw string) (User, string, err
 	return u, p, nil
 }
 
-func (f *filesystemService) Stat(ctx context.Context, req *connect.Request[pb.StatRequest]) (*connect.Response[pb.StatResponse], error) {
-	_, p, err := f.target(req.Header(), req.Msg.GetPath())
+// resolve is target plus the sandbox root to resolve the path under; the
+// caller closes the root.
+func (f *filesystemService) resolve(h http.Header, raw string) (User, string, *fsRoot, error) {
+	u, p, err := f.target(h, raw)
 	if err != nil {
-		return nil, err
+		return User{}, "", nil, err
 	}
 	r, err := f.openRoot()
+	if err != nil {
+		return User{}, "", nil, err
+	}
+	return u, p, r, nil
+}
+
+// entry describes p after an operation on it.
+func (f *filesystemService) entry(r *fsRoot, p string) (*pb.EntryInfo, error) {
+	e, err := f.newEntries(r).stat(p)
+	if err != nil {
+		return nil, fsError("stat", p, err)
+	}
+	return e, nil
+}
+
+func (f *filesystemService) Stat(ctx context.Context, req *connect.Request[pb.StatRequest]) (*connect.Response[pb.StatResponse], error) {
+	_, p, r, err := f.resolve(req.Header(), req.Msg.GetPath())
 	if err != nil {
 		return nil, err
 	}
 	defer r.Close()
-	e, err := f.newEntries(r).stat(p)
+	e, err := f.entry(r, p)
 	if err != nil {
-		return nil, fsError("stat", p, err)
+		return nil, err
 	}
 	return connect.NewResponse(&pb.StatResponse{Entry: e}), nil
 }
 
 func (f *filesystemService) MakeDir(ctx context.Context, req *connect.Request[pb.MakeDirRequest]) (*connect.Response[pb.MakeDirResponse], error) {
-	u, p, err := f.target(req.Header(), req.Msg.GetPath())
-	if err != nil {
-		return nil, err
-	}
-	r, err := f.openRoot()
+	u, p, r, err := f.resolve(req.Header(), req.Msg.GetPath())
 	if err != nil {
 		return nil, err
 	}
@@ -102,9 +117,9 @@ func (f *filesystemService) MakeDir(ctx context.Context, req *connect.Request[pb
 		return nil, fsError("make directory", p, err)
 	}
 	unix.Close(fd)
-	e, err := f.newEntries(r).stat(p)
+	e, err := f.entry(r, p)
 	if err != nil {
-		return nil, fsError("stat", p, err)
+		return nil, err
 	}
 	return connect.NewResponse(&pb.MakeDirResponse{Entry: e}), nil
 }
@@ -114,11 +129,7 @@ func (f *filesystemService) Move(ctx context.Context, req *connect.Request[pb.Mo
 	if err != nil {
 		return nil, err
 	}
-	_, dst, err := f.target(req.Header(), req.Msg.GetDestination())
-	if err != nil {
-		return nil, err
-	}
-	r, err := f.openRoot()
+	_, dst, r, err := f.resolve(req.Header(), req.Msg.GetDestination())
 	if err != nil {
 		return nil, err
 	}
@@ -129,19 +140,15 @@ func (f *filesystemService) Move(ctx context.Context, req *connect.Request[pb.Mo
 	if err := r.rename(src, dst, u.UID, u.GID); err != nil {
 		return nil, fsError(fmt.Sprintf("move %q to", src), dst, err)
 	}
-	e, err := f.newEntries(r).stat(dst)
+	e, err := f.entry(r, dst)
 	if err != nil {
-		return nil, fsError("stat", dst, err)
+		return nil, err
 	}
 	return connect.NewResponse(&pb.MoveResponse{Entry: e}), nil
 }
 
 func (f *filesystemService) Remove(ctx context.Context, req *connect.Request[pb.RemoveRequest]) (*connect.Response[pb.RemoveResponse], error) {
-	_, p, err := f.target(req.Header(), req.Msg.GetPath())
-	if err != nil {
-		return nil, err
-	}
-	r, err := f.openRoot()
+	_, p, r, err := f.resolve(req.Header(), req.Msg.GetPath())
 	if err != nil {
 		return nil, err
 	}
@@ -153,16 +160,12 @@ func (f *filesystemService) Remove(ctx context.Context, req *connect.Request[pb.
 }
 
 func (f *filesystemService) ListDir(ctx context.Context, req *connect.Request[pb.ListDirRequest]) (*connect.Response[pb.ListDirResponse], error) {
-	_, p, err := f.target(req.Header(), req.Msg.GetPath())
-	if err != nil {
-		return nil, err
-	}
-	depth := int(min(max(req.Msg.GetDepth(), 1), maxWalkDepth))
-	r, err := f.openRoot()
+	_, p, r, err := f.resolve(req.Header(), req.Msg.GetPath())
 	if err != nil {
 		return nil, err
 	}
 	defer r.Close()
+	depth := int(min(max(req.Msg.GetDepth(), 1), maxWalkDepth))
 	fd, err := r.open(p, unix.O_RDONLY|unix.O_DIRECTORY, 0)
 	if err == unix.ENOTDIR {
 		return nil, connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("path %q is not a directory", p))

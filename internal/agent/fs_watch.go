@@ -300,11 +300,7 @@ func eventTypes(mask uint32) []pb.EventType {
 
 // startWatch resolves a watch request and starts the watch.
 func (f *filesystemService) startWatch(h http.Header, raw string, recursive, withEntry bool) (*dirWatch, error) {
-	_, p, err := f.target(h, raw)
-	if err != nil {
-		return nil, err
-	}
-	r, err := f.openRoot()
+	_, p, r, err := f.resolve(h, raw)
 	if err != nil {
 		return nil, err
 	}

@@ -400,6 +400,27 @@ func Counter(f *os.File, key string) uint64 {
 	return 0
 }
 
+// EventFiles are a group's event counters opened on the host, for an agent
+// that reads them from inside the sandbox, where the files are not visible.
+// A nil file reads as zero.
+type EventFiles struct{ OOM, Pids *os.File }
+
+// OOMKills is how many processes the OOM killer has killed in the group.
+func (e EventFiles) OOMKills() uint64 {
+	if e.OOM == nil {
+		return 0
+	}
+	return Counter(e.OOM, "oom_kill")
+}
+
+// PidsMax is how many forks the pids limit has refused.
+func (e EventFiles) PidsMax() uint64 {
+	if e.Pids == nil {
+		return 0
+	}
+	return Counter(e.Pids, "max")
+}
+
 // Usage is what a sandbox's group has used.
 type Usage struct {
 	CPUNanos    uint64 // CPU time consumed since creation

@@ -228,6 +228,16 @@ func sandboxFailure(sb wall.Sandbox, timedOut *atomic.Bool, timeout time.Duratio
 		case <-time.After(200 * time.Millisecond):
 		}
 	}
+	if e := commandRefused(err); e != nil {
+		return e
+	}
+	return exitf(ExitInternal, "%v", err)
+}
+
+// commandRefused maps the agent's refusal of a command (no such program, not
+// executable, bad request, out of a resource) to cage's exit code and the
+// agent's message; nil for any other error.
+func commandRefused(err error) error {
 	switch connect.CodeOf(err) {
 	case connect.CodeNotFound:
 		return exitf(ExitNotFound, "%s", connectMessage(err))
@@ -238,7 +248,7 @@ func sandboxFailure(sb wall.Sandbox, timedOut *atomic.Bool, timeout time.Duratio
 	case connect.CodeResourceExhausted:
 		return exitf(ExitInternal, "%s", connectMessage(err))
 	}
-	return exitf(ExitInternal, "%v", err)
+	return nil
 }
 
 func connectMessage(err error) string {

@@ -351,13 +351,8 @@ func execIn(ctx context.Context, ac *agentclient.Client, opts agentclient.RunOpt
 		restore()
 	}
 	if err != nil {
-		switch connect.CodeOf(err) {
-		case connect.CodeNotFound:
-			return exitf(ExitNotFound, "%s", connectMessage(err))
-		case connect.CodePermissionDenied:
-			return exitf(ExitNotExec, "%s", connectMessage(err))
-		case connect.CodeInvalidArgument:
-			return exitf(ExitUsage, "%s", connectMessage(err))
+		if e := commandRefused(err); e != nil {
+			return e
 		}
 		if errors.Is(err, client.ErrNotRunning) {
 			return apiFailure(err)

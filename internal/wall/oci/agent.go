@@ -90,7 +90,7 @@ func Serve() error {
 	}
 	cfg := agent.Config{
 		Token: spec.Token, DefaultUser: spec.UserName, Env: spec.Env, MaxOutput: spec.MaxOutput,
-		Limits: fdLimits{fileOrNil(spec.OOMFD), fileOrNil(spec.PidsFD)}, SpawnThreadSetup: seal.SpawnThread,
+		Limits: cgroups.EventFiles{OOM: fileOrNil(spec.OOMFD), Pids: fileOrNil(spec.PidsFD)}, SpawnThreadSetup: seal.SpawnThread,
 		AgentUID: spec.AgentUID, Threads: spec.Threads,
 	}
 	srv, err := agent.New(cfg)
@@ -108,21 +108,4 @@ func fileOrNil(fd int) *os.File {
 		return nil
 	}
 	return os.NewFile(uintptr(fd), "cgroup-events")
-}
-
-// fdLimits reads the host cgroup's counters through passed descriptors.
-type fdLimits struct{ oom, pids *os.File }
-
-func (l fdLimits) OOMKills() uint64 {
-	if l.oom == nil {
-		return 0
-	}
-	return cgroups.Counter(l.oom, "oom_kill")
-}
-
-func (l fdLimits) PidsMax() uint64 {
-	if l.pids == nil {
-		return 0
-	}
-	return cgroups.Counter(l.pids, "max")
 }

@@ -27,6 +27,7 @@ import (
 	"github.com/cagehq/cage/internal/cgroups"
 	"github.com/cagehq/cage/internal/rocache"
 	"github.com/cagehq/cage/internal/template"
+	"github.com/cagehq/cage/internal/wall/process"
 	"github.com/cagehq/cage/internal/wall/state"
 )
 
@@ -402,13 +403,7 @@ func (sb *Sandbox) drain(r *os.File) {
 }
 
 func (sb *Sandbox) watch() {
-	fds := []unix.PollFd{{Fd: int32(sb.pidfd), Events: unix.POLLIN}}
-	for {
-		_, err := unix.Poll(fds, -1)
-		if err == nil || !errors.Is(err, unix.EINTR) {
-			break
-		}
-	}
+	process.WaitPidfd(sb.pidfd)
 	close(sb.exited)
 }
 
@@ -504,7 +499,7 @@ func Adopt(cfg Config, pid int, startTime uint64) (*Sandbox, error) {
 	if cfg.Log == nil {
 		cfg.Log = slog.New(slog.DiscardHandler)
 	}
-	if st, err := processStart(pid); err != nil || st != startTime {
+	if st, err := process.StartTime(pid); err != nil || st != startTime {
 		return nil, fmt.Errorf("sandbox %s: its container (pid %d) is gone", cfg.ID, pid)
 	}
 	sb := &Sandbox{id: cfg.ID, token: cfg.Token, rt: cfg.Runtime, pid: pid, exited: make(chan struct{}),
@@ -525,22 +520,4 @@ func Adopt(cfg Config, pid int, startTime uint64) (*Sandbox, error) {
 	}
 	go sb.watch()
 	return sb, nil
-}
-
-// processStart is field 22 of /proc/PID/stat.
-func processStart(pid int) (uint64, error) {
-	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
-	if err != nil {
-		return 0, err
-	}
-	s := string(b)
-	i := strings.LastIndexByte(s, ')')
-	if i < 0 {
-		return 0, errors.New("malformed stat")
-	}
-	f := strings.Fields(s[i+1:])
-	if len(f) < 20 {
-		return 0, errors.New("malformed stat")
-	}
-	return strconv.ParseUint(f[19], 10, 64)
 }

@@ -67,14 +67,20 @@ func Adopt(cfg Config, pid int, startTime uint64, token string) (*Sandbox, error
 }
 
 func (sb *Sandbox) watchPidfd() {
-	fds := []unix.PollFd{{Fd: int32(sb.pidfd), Events: unix.POLLIN}}
+	WaitPidfd(sb.pidfd)
+	close(sb.exited)
+}
+
+// WaitPidfd blocks until the process behind pidfd has exited (or the poll
+// fails for good).
+func WaitPidfd(pidfd int) {
+	fds := []unix.PollFd{{Fd: int32(pidfd), Events: unix.POLLIN}}
 	for {
 		_, err := unix.Poll(fds, -1)
 		if err == nil || !errors.Is(err, unix.EINTR) {
-			break
+			return
 		}
 	}
-	close(sb.exited)
 }
 
 func contains(pids []int, pid int) bool {

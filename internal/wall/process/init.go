@@ -145,36 +145,20 @@ func (c *Child) WaitStart() (token string, env map[string]string, maxOutput int6
 	return st.Token, st.Env, st.MaxOutput, nil
 }
 
-// limitEvents reads the host cgroup's counters through descriptors opened
-// before pivot_root; the files themselves are never visible in the sandbox.
-type limitEvents struct{ oom, pids *os.File }
-
-func openLimitEvents(spec *initSpec) (*limitEvents, error) {
-	le := &limitEvents{}
+// openLimitEvents opens the host cgroup's counters before pivot_root; the
+// files themselves are never visible in the sandbox.
+func openLimitEvents(spec *initSpec) (cgroups.EventFiles, error) {
+	var ev cgroups.EventFiles
 	var err error
 	if spec.OOMEvents != "" {
-		if le.oom, err = os.Open(spec.OOMEvents); err != nil {
-			return nil, fmt.Errorf("open OOM counter: %w", err)
+		if ev.OOM, err = os.Open(spec.OOMEvents); err != nil {
+			return ev, fmt.Errorf("open OOM counter: %w", err)
 		}
 	}
 	if spec.PidsEvents != "" {
-		if le.pids, err = os.Open(spec.PidsEvents); err != nil {
-			return nil, fmt.Errorf("open pids counter: %w", err)
+		if ev.Pids, err = os.Open(spec.PidsEvents); err != nil {
+			return ev, fmt.Errorf("open pids counter: %w", err)
 		}
 	}
-	return le, nil
-}
-
-func (le *limitEvents) OOMKills() uint64 {
-	if le.oom == nil {
-		return 0
-	}
-	return cgroups.Counter(le.oom, "oom_kill")
-}
-
-func (le *limitEvents) PidsMax() uint64 {
-	if le.pids == nil {
-		return 0
-	}
-	return cgroups.Counter(le.pids, "max")
+	return ev, nil
 }
