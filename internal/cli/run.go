@@ -14,10 +14,12 @@ import (
 
 	"connectrpc.com/connect"
 	"github.com/spf13/cobra"
+	"github.com/spf13/pflag"
 	"golang.org/x/term"
 
 	pb "github.com/cagehq/cage/api/gen/process"
 	"github.com/cagehq/cage/internal/agentclient"
+	"github.com/cagehq/cage/internal/network"
 	"github.com/cagehq/cage/internal/sandbox"
 	"github.com/cagehq/cage/internal/units"
 	"github.com/cagehq/cage/internal/wall"
@@ -30,6 +32,50 @@ type runFlags struct {
 	pids                                                                 int64
 	env, copyIn                                                          []string
 	pty                                                                  string
+	net                                                                  netFlags
+}
+
+// netFlags are --net, --allow and --deny.
+type netFlags struct {
+	mode        string
+	allow, deny []string
+}
+
+func (n *netFlags) add(fl *pflag.FlagSet) {
+	fl.StringVar(&n.mode, "net", "", "network: none (loopback only; the default), internet (the public internet), allowlist (only --allow)")
+	fl.StringArrayVar(&n.allow, "allow", nil, "let the sandbox reach NAME_OR_CIDR[:PORT], e.g. pypi.org, *.github.com:443, 1.2.3.0/24 (repeatable; implies --net allowlist)")
+	fl.StringArrayVar(&n.deny, "deny", nil, "with --net internet: keep the sandbox from NAME_OR_CIDR[:PORT] (repeatable)")
+}
+
+// policy is the network policy the flags ask for.
+func (n *netFlags) policy() (network.Policy, error) {
+	var p network.Policy
+	if n.mode != "" {
+		m, err := network.ParseMode(n.mode)
+		if err != nil {
+			return p, exitf(ExitUsage, "--net %q: want none, internet or allowlist", n.mode)
+		}
+		p.Mode = m
+	} else if len(n.allow) > 0 {
+		p.Mode = network.Allowlist
+	}
+	for _, list := range []struct {
+		flag  string
+		in    []string
+		rules *[]network.Rule
+	}{{"--allow", n.allow, &p.Allow}, {"--deny", n.deny, &p.Deny}} {
+		for _, s := range list.in {
+			r, err := network.ParseRule(s)
+			if err != nil {
+				return p, exitf(ExitUsage, "%s: %v", list.flag, strings.TrimPrefix(err.Error(), network.ErrPolicy.Error()+": "))
+			}
+			*list.rules = append(*list.rules, r)
+		}
+	}
+	if err := p.Validate(); err != nil {
+		return p, exitf(ExitUsage, "%s", strings.TrimPrefix(err.Error(), network.ErrPolicy.Error()+": "))
+	}
+	return p, nil
 }
 
 func newRunCmd(g *globals) *cobra.Command {
@@ -68,6 +114,7 @@ command gets a PTY.`,
 	fl.StringArrayVar(&f.copyIn, "copy-in", nil, "copy a host directory in before running: HOSTDIR:SANDBOXDIR (repeatable)")
 	fl.StringVar(&f.maxOutput, "max-output", "", "stop forwarding output after this many bytes (default 64M)")
 	fl.StringVar(&f.pty, "tty", "auto", "run in a PTY: auto (when stdin is a terminal), always, never")
+	f.net.add(fl)
 	return cmd
 }
 
@@ -126,6 +173,9 @@ func (f *runFlags) parse() (*parsed, error) {
 	if f.pty != "auto" && f.pty != "always" && f.pty != "never" {
 		return nil, exitf(ExitUsage, "--tty %q: want auto, always or never", f.pty)
 	}
+	if o.Net, err = f.net.policy(); err != nil {
+		return nil, err
+	}
 	o.Env = p.env
 	o.DieWithCaller = true
 	if err := o.Validate(); err != nil {
@@ -143,6 +193,9 @@ func runCommand(ctx context.Context, g *globals, f *runFlags, args []string, std
 	host, err := sandbox.NewHost(g.runDir, "", g.log)
 	if err != nil {
 		return err
+	}
+	if host.NetConfig.Upstreams, err = network.ParseUpstreams(strings.Split(os.Getenv("CAGE_DNS"), ",")); err != nil {
+		return exitf(ExitUsage, "CAGE_DNS: %v", err)
 	}
 	if ctx == nil {
 		ctx = context.Background()

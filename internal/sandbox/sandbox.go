@@ -13,10 +13,12 @@ import (
 	"log/slog"
 	"os"
 	"path/filepath"
+	"sync"
 	"sync/atomic"
 	"time"
 
 	"github.com/cagehq/cage/internal/cgroups"
+	"github.com/cagehq/cage/internal/network"
 	"github.com/cagehq/cage/internal/template"
 	"github.com/cagehq/cage/internal/units"
 	"github.com/cagehq/cage/internal/wall"
@@ -65,6 +67,9 @@ type Options struct {
 	MaxOutput int64
 	// DieWithCaller ties the sandbox to the creating process (cage run).
 	DieWithCaller bool
+	// Net is what the sandbox may reach; mode none (the default) is
+	// loopback only.
+	Net network.Policy
 }
 
 // Validate fills defaults and rejects limits that are malformed or too small.
@@ -104,6 +109,9 @@ func (o *Options) Validate() error {
 			return fmt.Errorf("%w: environment variable name %q", ErrInvalid, k)
 		}
 	}
+	if err := o.Net.Validate(); err != nil {
+		return fmt.Errorf("%w: %v", ErrInvalid, err)
+	}
 	return nil
 }
 
@@ -126,6 +134,12 @@ type Host struct {
 	Log       *slog.Logger
 	// Runtimes are the OCI walls this host has (by wall name).
 	Runtimes map[string]*oci.Runtime
+	// NetConfig configures sandbox networks, set up at the first sandbox
+	// that has one.
+	NetConfig network.Config
+
+	netMu sync.Mutex
+	net   *network.Host
 
 	pool       chan *process.Sandbox // prepared sandboxes, when a pool runs
 	PoolMisses atomic.Int64          // creates that found the pool empty
@@ -251,6 +265,10 @@ func (h *Host) Start(sb *process.Sandbox, o Options) error {
 	if o.Token == "" {
 		o.Token = NewToken()
 	}
+	netHost, err := h.network(o.Net)
+	if err != nil {
+		return err
+	}
 	return sb.Start(process.Spec{
 		Template:  tmpl,
 		Limits:    cgroups.Limits{MemoryBytes: o.Memory, CPUs: o.CPUs, Pids: o.Pids + process.AgentThreads},
@@ -259,7 +277,45 @@ func (h *Host) Start(sb *process.Sandbox, o Options) error {
 		Token:     o.Token,
 		Env:       o.Env,
 		MaxOutput: o.MaxOutput,
+		Net:       netHost,
+		NetPolicy: o.Net,
 	})
+}
+
+// network returns the host's sandbox network when p needs one, setting it
+// up the first time.
+func (h *Host) network(p network.Policy) (*network.Host, error) {
+	if !p.Networked() {
+		return nil, nil
+	}
+	h.netMu.Lock()
+	defer h.netMu.Unlock()
+	if h.net != nil {
+		return h.net, nil
+	}
+	cfg := h.NetConfig
+	if cfg.Log == nil {
+		cfg.Log = h.Log
+	}
+	if cfg.LockDir == "" {
+		cfg.LockDir = h.RunDir
+	}
+	n, err := network.NewHost(cfg)
+	if err != nil {
+		return nil, fmt.Errorf("%w: sandbox network: %v", ErrUnavailable, err)
+	}
+	if removed := n.GC(state.SlotHeld); len(removed) > 0 {
+		h.Log.Info("gc: removed the network of dead sandboxes", "slots", removed)
+	}
+	h.net = n
+	return n, nil
+}
+
+// Network is the host's sandbox network, nil until a sandbox had one.
+func (h *Host) Network() *network.Host {
+	h.netMu.Lock()
+	defer h.netMu.Unlock()
+	return h.net
 }
 
 // config is how to prepare a sandbox of template name with the given
@@ -286,6 +342,11 @@ func (h *Host) GC() {
 		h.Log.Warn("gc", "err", err)
 	} else if len(ids) > 0 {
 		h.Log.Info("gc: removed the leftovers of dead sandboxes", "sandboxes", ids)
+	}
+	if n := h.Network(); n != nil {
+		if removed := n.GC(state.SlotHeld); len(removed) > 0 {
+			h.Log.Info("gc: removed the network of dead sandboxes", "slots", removed)
+		}
 	}
 	if ents, err := os.ReadDir(filepath.Join(h.RunDir, "sandboxes")); err == nil && len(ents) == 0 {
 		template.PruneCaches(filepath.Join(h.RunDir, "templates"))
@@ -339,8 +400,17 @@ func (h *Host) StartPool(n int) {
 	}()
 }
 
-// Close stops the pool and destroys the sandboxes waiting in it.
+// Close stops the pool and destroys the sandboxes waiting in it, and stops
+// the network's resolver.
 func (h *Host) Close() {
+	defer func() {
+		h.netMu.Lock()
+		if h.net != nil {
+			h.net.Close()
+			h.net = nil
+		}
+		h.netMu.Unlock()
+	}()
 	if h.pool == nil {
 		return
 	}

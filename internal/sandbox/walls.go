@@ -76,11 +76,16 @@ func (h *Host) createOCI(ctx context.Context, o Options) (wall.Sandbox, error) {
 	if o.Token == "" {
 		o.Token = NewToken()
 	}
+	netHost, err := h.network(o.Net)
+	if err != nil {
+		return nil, err
+	}
 	return oci.Create(ctx, oci.Config{
 		ID: o.ID, AgentPath: h.AgentPath, RunDir: h.RunDir, Cgroups: h.Cgroups, Runtime: h.Runtimes[o.Wall],
 		Template: tmpl, Limits: cgroups.Limits{MemoryBytes: o.Memory, CPUs: o.CPUs, Pids: o.Pids + process.AgentThreads},
 		DiskBytes: o.Disk, ShmBytes: o.Shm, Token: o.Token, Env: o.Env, MaxOutput: o.MaxOutput,
 		Threads: process.AgentThreads, DieWithCaller: o.DieWithCaller, Log: h.Log,
+		Net: netHost, NetPolicy: o.Net,
 	})
 }
 

@@ -35,15 +35,15 @@ const (
 var generatedEtc = map[string]string{
 	"passwd": fmt.Sprintf("root:x:0:0:root:/root:/bin/bash\n%s:x:%d:%d:%s:/home/%s:/bin/bash\n%s:x:%d:%d::/nonexistent:/usr/sbin/nologin\nnobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n",
 		UserName, UserUID, UserUID, UserName, UserName, AgentName, AgentUID, AgentUID),
-	"group":       fmt.Sprintf("root:x:0:\ntty:x:5:\n%s:x:%d:\n%s:x:%d:\nnogroup:x:65534:\n", UserName, UserUID, AgentName, AgentUID),
-	"shadow":      "",
-	"resolv.conf": "# cage: this sandbox has no network\n",
+	"group":  fmt.Sprintf("root:x:0:\ntty:x:5:\n%s:x:%d:\n%s:x:%d:\nnogroup:x:65534:\n", UserName, UserUID, AgentName, AgentUID),
+	"shadow": "",
 }
 
 // Per-sandbox files live in the sandbox's /run/cage; /etc links to them.
 var etcLinks = map[string]string{
-	"hosts":    "/run/cage/hosts",
-	"hostname": "/run/cage/hostname",
+	"hosts":       "/run/cage/hosts",
+	"hostname":    "/run/cage/hostname",
+	"resolv.conf": "/run/cage/resolv.conf",
 	"mtab":     "/proc/self/mounts",
 }
 
@@ -184,15 +184,22 @@ func PruneCaches(cacheDir string) { rocache.Prune(filepath.Join(cacheDir, "host"
 // RemoveCache unmounts and removes one cached copy.
 func RemoveCache(path string) { rocache.Remove(path) }
 
+// NoNetworkResolvConf is the resolv.conf of a sandbox without a network.
+const NoNetworkResolvConf = "# cage: this sandbox has no network\n"
+
 // WriteIdentity writes the files that name one sandbox, hosts and hostname,
-// into dir, which the sandbox sees as /run/cage (its /etc links there).
-func WriteIdentity(dir, hostname string) error {
+// and its resolv.conf into dir, which the sandbox sees as /run/cage (its
+// /etc links there).
+func WriteIdentity(dir, hostname, resolvConf string) error {
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		return err
 	}
 	hosts := strings.Join([]string{"127.0.0.1\tlocalhost", "::1\tlocalhost ip6-localhost ip6-loopback",
 		"127.0.1.1\t" + hostname, ""}, "\n")
 	if err := os.WriteFile(filepath.Join(dir, "hosts"), []byte(hosts), 0o644); err != nil {
+		return err
+	}
+	if err := os.WriteFile(filepath.Join(dir, "resolv.conf"), []byte(resolvConf), 0o644); err != nil {
 		return err
 	}
 	return os.WriteFile(filepath.Join(dir, "hostname"), []byte(hostname+"\n"), 0o644)

@@ -10,6 +10,7 @@ import (
 	"net"
 
 	"github.com/cagehq/cage/internal/cgroups"
+	"github.com/cagehq/cage/internal/network"
 )
 
 // Sandbox is a running sandbox, seen from the host.
@@ -19,9 +20,10 @@ type Sandbox interface {
 	AgentPID() int // the agent's host pid
 	Wall() string  // "process", "runc", "gvisor"
 	Dial(ctx context.Context) (net.Conn, error)
-	Exited() <-chan struct{} // closed when the sandbox is gone
-	Err() error              // why it died, once Exited is closed
-	Cgroup() *cgroups.Cgroup // where its limits and counters are
-	DiskPath() string        // a host path on the sandbox's writable storage (for its usage)
-	Destroy() error          // kill everything and remove it; idempotent
+	Exited() <-chan struct{}   // closed when the sandbox is gone
+	Err() error                // why it died, once Exited is closed
+	Cgroup() *cgroups.Cgroup   // where its limits and counters are
+	DiskPath() string          // a host path on the sandbox's writable storage (for its usage)
+	Network() *network.Sandbox // its network; nil when it has none (loopback only)
+	Destroy() error            // kill everything and remove it; idempotent
 }

@@ -45,7 +45,9 @@ var (
 )
 
 func TestMain(m *testing.M) {
-	code := m.Run()
+	// In a network namespace of its own: the network tests build their
+	// outside there, and nothing they do reaches the machine's network.
+	code := testutil.InOwnNetwork(m)
 	if hostDir != "" {
 		testutil.RemoveRunDir(hostDir)
 	}

@@ -82,6 +82,7 @@ type ociIDMap struct {
 
 type ociNS struct {
 	Type string `json:"type"`
+	Path string `json:"path,omitempty"`
 }
 
 type ociResources struct {
@@ -144,6 +145,8 @@ type bundleConfig struct {
 	shmBytes   int64
 	userns     bool
 	args       []string // the container's process: the agent, or a bare command (RunBare)
+	netns      string   // a network namespace to join ("" = a new one, loopback only)
+	resolvConf string
 }
 
 func (b *bundleConfig) write() error {
@@ -155,7 +158,11 @@ func (b *bundleConfig) write() error {
 		}
 	}
 	// The files that name the sandbox, and the mount point of the agent.
-	if err := template.WriteIdentity(filepath.Join(rootfs, "run", "cage"), b.hostname); err != nil {
+	resolvConf := b.resolvConf
+	if resolvConf == "" {
+		resolvConf = template.NoNetworkResolvConf
+	}
+	if err := template.WriteIdentity(filepath.Join(rootfs, "run", "cage"), b.hostname, resolvConf); err != nil {
 		return err
 	}
 	if f, err := os.OpenFile(filepath.Join(rootfs, agentInside), os.O_CREATE|os.O_WRONLY, 0o755); err == nil {
@@ -214,13 +221,20 @@ func (b *bundleConfig) write() error {
 		Hostname: b.hostname,
 		Mounts:   mounts,
 		Linux: ociLinux{
-			Namespaces:  []ociNS{{"pid"}, {"network"}, {"ipc"}, {"uts"}, {"mount"}, {"cgroup"}},
+			Namespaces:  []ociNS{{Type: "pid"}, {Type: "network"}, {Type: "ipc"}, {Type: "uts"}, {Type: "mount"}, {Type: "cgroup"}},
 			CgroupsPath: b.cgroupPath, MaskedPaths: maskedPaths, ReadonlyPaths: readonlyPaths,
 			Resources: resources(b.limits),
 		},
 	}
+	if b.netns != "" {
+		for i := range spec.Linux.Namespaces {
+			if spec.Linux.Namespaces[i].Type == "network" {
+				spec.Linux.Namespaces[i].Path = b.netns
+			}
+		}
+	}
 	if b.userns {
-		spec.Linux.Namespaces = append(spec.Linux.Namespaces, ociNS{"user"})
+		spec.Linux.Namespaces = append(spec.Linux.Namespaces, ociNS{Type: "user"})
 		m := []ociIDMap{{0, b.idBase, 65536}}
 		spec.Linux.UIDMappings, spec.Linux.GIDMappings = m, m
 	}

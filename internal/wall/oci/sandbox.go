@@ -25,6 +25,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/cagehq/cage/internal/cgroups"
+	"github.com/cagehq/cage/internal/network"
 	"github.com/cagehq/cage/internal/rocache"
 	"github.com/cagehq/cage/internal/template"
 	"github.com/cagehq/cage/internal/wall/process"
@@ -39,6 +40,44 @@ type Runtime struct {
 }
 
 func (r *Runtime) gvisor() bool { return r.Wall == "gvisor" }
+
+// flags are the runtime's global flags for a sandbox: gVisor's netstack
+// takes over the sandbox's interface when it has a network.
+func (r *Runtime) flags(networked bool) []string {
+	out := append([]string{}, r.Flags...)
+	for i, f := range out {
+		if f == "--network=none" && networked {
+			out[i] = "--network=sandbox"
+		}
+	}
+	return out
+}
+
+// attachNetwork makes the sandbox's network namespace with its veth, before
+// the runtime starts (gVisor reads the interfaces it finds as it starts),
+// and returns its resolv.conf.
+func (sb *Sandbox) attachNetwork(cfg Config) (string, error) {
+	if cfg.Net == nil || !cfg.NetPolicy.Networked() {
+		return template.NoNetworkResolvConf, nil
+	}
+	path := filepath.Join(sb.dir, "netns")
+	if err := network.NewNamespace(path); err != nil {
+		return "", fmt.Errorf("sandbox network namespace: %w", err)
+	}
+	sb.netns = path
+	ns, err := os.Open(path)
+	if err != nil {
+		return "", err
+	}
+	defer ns.Close()
+	if sb.net, err = cfg.Net.Attach(sb.id, sb.ids.Slot(), int(ns.Fd()), cfg.NetPolicy); err != nil {
+		return "", fmt.Errorf("sandbox network: %w", err)
+	}
+	return cfg.Net.ResolvConf(), nil
+}
+
+// Network is the sandbox's network, nil when it has none.
+func (sb *Sandbox) Network() *network.Sandbox { return sb.net }
 
 // Config describes one sandbox.
 type Config struct {
@@ -57,7 +96,11 @@ type Config struct {
 	Threads   int // the agent's threads, added to the pids limit by the caller
 	// DieWithCaller ends the sandbox when this process dies (cage run).
 	DieWithCaller bool
-	Log           *slog.Logger
+	// Net gives the sandbox a network under NetPolicy (nil, or a policy of
+	// mode none: loopback only).
+	Net       *network.Host
+	NetPolicy network.Policy
+	Log       *slog.Logger
 
 	bare    []string // RunBare's command
 	bareOut io.Writer
@@ -77,6 +120,8 @@ type Sandbox struct {
 	diskMount string
 	rootfs    string
 	lifeline  *os.File // write end of the lifeline (DieWithCaller)
+	net       *network.Sandbox
+	netns     string // the network namespace made for it (a network's)
 	exited    chan struct{}
 	log       *slog.Logger
 
@@ -172,6 +217,10 @@ func Create(ctx context.Context, cfg Config) (sb *Sandbox, err error) {
 		return sb, err
 	}
 	hostname := "cage-" + cfg.ID[:min(8, len(cfg.ID))]
+	resolvConf, err := sb.attachNetwork(cfg)
+	if err != nil {
+		return sb, err
+	}
 	agentCopy, err := agentCopy(cfg.RunDir, cfg.AgentPath)
 	if err != nil {
 		return sb, err
@@ -186,7 +235,8 @@ func Create(ctx context.Context, cfg Config) (sb *Sandbox, err error) {
 	b := &bundleConfig{dir: filepath.Join(sb.dir, "bundle"), rootfs: sb.rootfs, id: cfg.ID, hostname: hostname,
 		agentPath: agentCopy, template: cfg.Template, disk: sb.diskMount,
 		cgroupPath: cgroupsPath(cfg.Cgroups, cfg.ID), limits: cfg.Limits, shmBytes: cfg.ShmBytes,
-		idBase: uint32(sb.ids.Base), userns: !cfg.Runtime.gvisor(), args: []string{agentInside, "serve"}}
+		idBase: uint32(sb.ids.Base), userns: !cfg.Runtime.gvisor(), args: []string{agentInside, "serve"},
+		netns: sb.netns, resolvConf: resolvConf}
 	if cfg.bare != nil {
 		b.args = cfg.bare
 	}
@@ -302,8 +352,8 @@ func (sb *Sandbox) run(ctx context.Context, cfg Config) error {
 	}
 	defer pids.Close()
 	spec := serveSpec{Token: cfg.Token, Env: cfg.Env, MaxOutput: cfg.MaxOutput, UserName: template.UserName,
-		AgentUID: template.AgentUID, Threads: cfg.Threads, OOMFD: 4, PidsFD: 5, LoopbackUp: !cfg.Runtime.gvisor(),
-		LifelineFD: -1}
+		AgentUID: template.AgentUID, Threads: cfg.Threads, OOMFD: 4, PidsFD: 5,
+		LoopbackUp: !cfg.Runtime.gvisor() && sb.netns == "", LifelineFD: -1}
 	files := []*os.File{specR, oom, pids, sb.ids.Lock}
 	var lifeR *os.File
 	if cfg.DieWithCaller {
@@ -318,7 +368,7 @@ func (sb *Sandbox) run(ctx context.Context, cfg Config) error {
 		files = append(files, lifeR)
 		spec.LifelineFD = 2 + len(files)
 	}
-	args := append([]string{}, cfg.Runtime.Flags...)
+	args := cfg.Runtime.flags(sb.netns != "")
 	args = append(args, "--root", sb.root, "run", "--detach", "--bundle", filepath.Join(sb.dir, "bundle"),
 		"--pid-file", filepath.Join(sb.dir, "pid"))
 	if cfg.Runtime.gvisor() {
@@ -434,6 +484,12 @@ func (sb *Sandbox) teardown() error {
 	}
 	if sb.cg != nil {
 		errs = append(errs, sb.cg.Destroy())
+	}
+	if sb.net != nil {
+		errs = append(errs, sb.net.Close()) // before the slot can be reused
+	}
+	if sb.netns != "" {
+		network.RemoveNamespace(sb.netns)
 	}
 	for _, m := range []string{sb.diskMount, sb.rootfs} {
 		if m == "" {

@@ -7,7 +7,9 @@ import (
 )
 
 // Child side: the files that name this sandbox. The template's /etc links
-// hosts and hostname to /run/cage, which is part of the sandbox's own root.
+// hosts, hostname and resolv.conf to /run/cage, which is part of the
+// sandbox's own root. A sandbox is built without a network; Start rewrites
+// resolv.conf when it gets one (see Child.WaitStart).
 func writeIdentity(root string, spec *initSpec) error {
-	return template.WriteIdentity(filepath.Join(root, "run", "cage"), spec.Hostname)
+	return template.WriteIdentity(filepath.Join(root, "run", "cage"), spec.Hostname, template.NoNetworkResolvConf)
 }

@@ -136,6 +136,11 @@ func (c *Child) WaitStart() (token string, env map[string]string, maxOutput int6
 			return "", nil, 0, fmt.Errorf("resize the disk: %w", err)
 		}
 	}
+	if st.ResolvConf != "" {
+		if err := writeRootFile("/run/cage/resolv.conf", st.ResolvConf); err != nil {
+			return "", nil, 0, fmt.Errorf("resolv.conf: %w", err)
+		}
+	}
 	if st.ShmBytes != c.spec.ShmBytes {
 		opts := fmt.Sprintf("size=%d", st.ShmBytes)
 		if err := unix.Mount("", "/dev/shm", "", unix.MS_REMOUNT|unix.MS_NOSUID|unix.MS_NODEV|unix.MS_NOEXEC, opts); err != nil {
@@ -161,4 +166,19 @@ func openLimitEvents(spec *initSpec) (cgroups.EventFiles, error) {
 		}
 	}
 	return ev, nil
+}
+
+// writeRootFile writes a file of the read-only root: the root is made
+// writable for the moment (nothing of the workload runs yet).
+func writeRootFile(path, content string) error {
+	rw := &unix.MountAttr{Attr_clr: unix.MOUNT_ATTR_RDONLY}
+	if err := unix.MountSetattr(unix.AT_FDCWD, "/", 0, rw); err != nil {
+		return err
+	}
+	err := os.WriteFile(path, []byte(content), 0o644)
+	ro := &unix.MountAttr{Attr_set: unix.MOUNT_ATTR_RDONLY}
+	if err2 := unix.MountSetattr(unix.AT_FDCWD, "/", 0, ro); err2 != nil && err == nil {
+		err = err2
+	}
+	return err
 }

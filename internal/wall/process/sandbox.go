@@ -22,6 +22,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/cagehq/cage/internal/cgroups"
+	"github.com/cagehq/cage/internal/network"
 	"github.com/cagehq/cage/internal/template"
 	"github.com/cagehq/cage/internal/wall/state"
 )
@@ -50,6 +51,10 @@ type Spec struct {
 	Token     string
 	Env       map[string]string
 	MaxOutput int64
+	// Net gives the sandbox a network under NetPolicy (nil, or a policy
+	// of mode none: loopback only).
+	Net       *network.Host
+	NetPolicy network.Policy
 }
 
 // Sandbox is a running sandbox of the process wall, seen from the host.
@@ -72,6 +77,7 @@ type Sandbox struct {
 	disk, shm     int64  // the sizes it was built with
 	dieWithParent bool
 	pidfd         int // set for an adopted sandbox (not this process's child)
+	net           *network.Sandbox
 
 	exited  chan struct{} // closed when the agent has been reaped
 	waitErr error
@@ -215,6 +221,10 @@ func (sb *Sandbox) Start(s Spec) error {
 	if err := sb.cg.Apply(s.Limits); err != nil {
 		return err
 	}
+	resolvConf, err := sb.attachNetwork(s)
+	if err != nil {
+		return err
+	}
 	disk, shm := s.DiskBytes, s.ShmBytes
 	if disk == 0 {
 		disk = sb.disk
@@ -222,8 +232,8 @@ func (sb *Sandbox) Start(s Spec) error {
 	if shm == 0 {
 		shm = sb.shm
 	}
-	err := sb.send(&startSpec{Token: s.Token, Env: s.Env, MaxOutput: s.MaxOutput,
-		DiskBytes: disk, DiskInodes: inodesFor(disk), ShmBytes: shm})
+	err = sb.send(&startSpec{Token: s.Token, Env: s.Env, MaxOutput: s.MaxOutput,
+		DiskBytes: disk, DiskInodes: inodesFor(disk), ShmBytes: shm, ResolvConf: resolvConf})
 	sb.specW.Close()
 	sb.specW = nil
 	if err != nil {
@@ -232,6 +242,26 @@ func (sb *Sandbox) Start(s Spec) error {
 	trace("spec sent")
 	return nil
 }
+
+// attachNetwork gives the sandbox's own network namespace a veth under the
+// policy, and returns the resolv.conf that goes with it ("" for none).
+func (sb *Sandbox) attachNetwork(s Spec) (string, error) {
+	if s.Net == nil || !s.NetPolicy.Networked() {
+		return "", nil
+	}
+	ns, err := os.Open(fmt.Sprintf("/proc/%d/ns/net", sb.pid))
+	if err != nil {
+		return "", fmt.Errorf("the sandbox's network namespace: %w", err)
+	}
+	defer ns.Close()
+	if sb.net, err = s.Net.Attach(sb.id, sb.ids.Slot(), int(ns.Fd()), s.NetPolicy); err != nil {
+		return "", fmt.Errorf("sandbox network: %w", err)
+	}
+	return s.Net.ResolvConf(), nil
+}
+
+// Network is the sandbox's network, nil when it has none.
+func (sb *Sandbox) Network() *network.Sandbox { return sb.net }
 
 // backgroundNice is the priority prepared sandboxes are built at.
 const backgroundNice = 15
@@ -438,6 +468,9 @@ func (sb *Sandbox) teardown() error {
 		errs = append(errs, sb.cg.Destroy())
 	}
 	trace("cgroups removed")
+	if sb.net != nil {
+		errs = append(errs, sb.net.Close()) // before the slot can be reused
+	}
 	if sb.dir != "" {
 		if err := state.RemoveState(sb.dir); err != nil {
 			errs = append(errs, err)

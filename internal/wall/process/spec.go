@@ -62,6 +62,7 @@ type startSpec struct {
 	DiskBytes  int64             `json:"disk_bytes"`
 	DiskInodes int64             `json:"disk_inodes"`
 	ShmBytes   int64             `json:"shm_bytes"`
+	ResolvConf string            `json:"resolv_conf,omitempty"` // set when the sandbox has a network
 }
 
 // Descriptors the child inherits.

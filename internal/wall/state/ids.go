@@ -83,6 +83,24 @@ func (s *IDRange) Maps() []syscall.SysProcIDMap {
 // hostID is the host uid (or gid) that sandbox id maps to.
 func (s *IDRange) HostID(id int) int { return s.Base + id }
 
+// Slot is the range's index, unique among live sandboxes on the host (the
+// network gives each slot its own address and interface).
+func (s *IDRange) Slot() int { return (s.Base - idBase) / idRangeSize }
+
+// SlotHeld reports whether a live sandbox holds slot n.
+func SlotHeld(n int) bool {
+	f, err := os.OpenFile(filepath.Join(IDLockDir, strconv.Itoa(n)), os.O_RDWR|syscall.O_CLOEXEC, 0)
+	if err != nil {
+		return false
+	}
+	defer f.Close()
+	if err := syscall.Flock(int(f.Fd()), syscall.LOCK_EX|syscall.LOCK_NB); err != nil {
+		return true
+	}
+	_ = syscall.Flock(int(f.Fd()), syscall.LOCK_UN)
+	return false
+}
+
 // sameFile reports whether f is still the file at its path: a holder that
 // releases a slot unlinks its lock file, and a lock won on the unlinked inode
 // reserves nothing.

@@ -1,0 +1,158 @@
+package network
+
+import (
+	"errors"
+	"fmt"
+	"net"
+	"net/netip"
+	"os"
+	"runtime"
+
+	"github.com/vishvananda/netlink"
+	"github.com/vishvananda/netns"
+	"golang.org/x/sys/unix"
+)
+
+// Each sandbox with a network has a veth pair: cage<slot> on the host and
+// eth0 in the sandbox's network namespace. The sandbox's address is a /32;
+// the gateway address, the same for every sandbox, sits on every host end,
+// so that one resolv.conf serves all:
+//
+//	sandbox: eth0 <ip>/32; route <gateway> dev eth0; default via <gateway>
+//	host:    cage<slot> <gateway>/32; route <ip>/32 dev cage<slot>
+//
+// The host end has IPv6 disabled and nftables drops any IPv6 from a sandbox:
+// sandboxes are IPv4 only.
+
+// attachLink makes the pair with its peer inside the namespace nsFD.
+func attachLink(slot, nsFD int, ip, gw netip.Addr) (err error) {
+	name := ifName(slot)
+	if old, err := netlink.LinkByName(name); err == nil {
+		_ = netlink.LinkDel(old) // a leftover of a sandbox whose owner died
+	}
+	veth := &netlink.Veth{LinkAttrs: netlink.LinkAttrs{Name: name, TxQLen: 1000}, PeerName: "eth0", PeerNamespace: netlink.NsFd(nsFD)}
+	if err := netlink.LinkAdd(veth); err != nil {
+		return fmt.Errorf("create veth %s: %w", name, err)
+	}
+	defer func() {
+		if err != nil {
+			_ = netlink.LinkDel(veth)
+		}
+	}()
+	// Before the link is up, so that it never gets an IPv6 link-local address.
+	if err := os.WriteFile("/proc/sys/net/ipv6/conf/"+name+"/disable_ipv6", []byte("1"), 0); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return fmt.Errorf("disable IPv6 on %s: %w", name, err)
+	}
+	host, err := netlink.LinkByName(name)
+	if err != nil {
+		return err
+	}
+	if err := netlink.AddrAdd(host, &netlink.Addr{IPNet: ipnet(gw), Flags: unix.IFA_F_NOPREFIXROUTE}); err != nil {
+		return fmt.Errorf("address %s on %s: %w", gw, name, err)
+	}
+	if err := netlink.LinkSetUp(host); err != nil {
+		return fmt.Errorf("bring %s up: %w", name, err)
+	}
+	if err := netlink.RouteAdd(&netlink.Route{LinkIndex: host.Attrs().Index, Dst: ipnet(ip), Scope: netlink.SCOPE_LINK}); err != nil {
+		return fmt.Errorf("route to %s: %w", ip, err)
+	}
+	return configureInside(nsFD, ip, gw)
+}
+
+// configureInside gives the sandbox's eth0 its address and routes.
+func configureInside(nsFD int, ip, gw netip.Addr) error {
+	h, err := netlink.NewHandleAt(netns.NsHandle(nsFD), unix.NETLINK_ROUTE)
+	if err != nil {
+		return fmt.Errorf("netlink in the sandbox's namespace: %w", err)
+	}
+	defer h.Close()
+	eth0, err := h.LinkByName("eth0")
+	if err != nil {
+		return fmt.Errorf("the sandbox's eth0: %w", err)
+	}
+	if err := h.AddrAdd(eth0, &netlink.Addr{IPNet: ipnet(ip)}); err != nil {
+		return fmt.Errorf("address %s in the sandbox: %w", ip, err)
+	}
+	if err := h.LinkSetUp(eth0); err != nil {
+		return err
+	}
+	if lo, err := h.LinkByName("lo"); err == nil {
+		_ = h.LinkSetUp(lo)
+	}
+	if err := h.RouteAdd(&netlink.Route{LinkIndex: eth0.Attrs().Index, Dst: ipnet(gw), Scope: netlink.SCOPE_LINK}); err != nil {
+		return fmt.Errorf("route to the gateway in the sandbox: %w", err)
+	}
+	if err := h.RouteAdd(&netlink.Route{LinkIndex: eth0.Attrs().Index, Gw: gw.AsSlice()}); err != nil {
+		return fmt.Errorf("default route in the sandbox: %w", err)
+	}
+	return nil
+}
+
+// removeLink deletes cage<slot> (its peer goes with it).
+func removeLink(slot int) error {
+	l, err := netlink.LinkByName(ifName(slot))
+	if err != nil {
+		var nf netlink.LinkNotFoundError
+		if errors.As(err, &nf) {
+			return nil
+		}
+		return err
+	}
+	if err := netlink.LinkDel(l); err != nil && !errors.Is(err, unix.ENODEV) {
+		return err // (ENODEV: the namespace went and took the pair with it)
+	}
+	return nil
+}
+
+// hostLinks lists the slots of the cage<slot> links on the host.
+func hostLinks() []int {
+	links, err := netlink.LinkList()
+	if err != nil {
+		return nil
+	}
+	var out []int
+	for _, l := range links {
+		var slot int
+		if n, _ := fmt.Sscanf(l.Attrs().Name, ifPrefix+"%d", &slot); n == 1 && ifName(slot) == l.Attrs().Name {
+			out = append(out, slot)
+		}
+	}
+	return out
+}
+
+func ipnet(a netip.Addr) *net.IPNet {
+	return &net.IPNet{IP: a.AsSlice(), Mask: net.CIDRMask(32, 32)}
+}
+
+// NewNamespace makes a network namespace (owned by the host's user
+// namespace, so that nothing inside can reconfigure it) and bind-mounts it
+// at path, for a runtime that joins a namespace by path (gVisor needs its
+// interfaces to exist when it starts).
+func NewNamespace(path string) error {
+	f, err := os.OpenFile(path, os.O_CREATE|os.O_EXCL|os.O_RDONLY, 0o444)
+	if err != nil {
+		return err
+	}
+	f.Close()
+	errc := make(chan error, 1)
+	go func() {
+		// This thread changes namespace and is then thrown away.
+		runtime.LockOSThread()
+		if err := unix.Unshare(unix.CLONE_NEWNET); err != nil {
+			errc <- fmt.Errorf("unshare the network namespace: %w", err)
+			return
+		}
+		errc <- unix.Mount(fmt.Sprintf("/proc/self/task/%d/ns/net", unix.Gettid()), path, "", unix.MS_BIND, "")
+	}()
+	if err := <-errc; err != nil {
+		_ = os.Remove(path)
+		return err
+	}
+	return nil
+}
+
+// RemoveNamespace unmounts and removes what NewNamespace made.
+func RemoveNamespace(path string) {
+	_ = unix.Unmount(path, unix.MNT_DETACH)
+	_ = os.Remove(path)
+}

@@ -1,0 +1,356 @@
+// Package network gives sandboxes a network the host controls. A sandbox
+// with a network has a veth pair into its network namespace; what it may
+// reach is decided outside the wall, by nftables rules on the host and by a
+// resolver on the host that answers only the names its policy allows. Cloud
+// metadata, the host itself, other sandboxes and private ranges are denied
+// in every mode. Every wall uses it: the process and runc walls join the
+// veth to the sandbox's own namespace, gVisor to a namespace made for it
+// beforehand (its netstack takes the interface over).
+package network
+
+import (
+	"errors"
+	"fmt"
+	"log/slog"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"sync"
+	"syscall"
+	"time"
+)
+
+// DefaultSubnet holds the sandboxes' addresses: the gateway is its first
+// address, sandbox slot N has address 256+N.
+var DefaultSubnet = netip.MustParsePrefix("10.209.0.0/16")
+
+// maxSlots is how many sandbox slots there are (state's uid-range slots).
+const maxSlots = 4096
+
+// Config is a host's network configuration.
+type Config struct {
+	Subnet netip.Prefix // sandbox addresses; DefaultSubnet when zero
+	// Upstreams are the resolvers allowed names are asked of (host:port);
+	// the host's /etc/resolv.conf when empty.
+	Upstreams []string
+	// Open are always-denied ranges the operator allows (e.g. a company
+	// network); the sandbox subnet stays denied.
+	Open []netip.Prefix
+	// Record receives every connection and DNS decision (may be nil).
+	Record func(Record)
+	// LockDir holds the host-wide lock for creating the nftables table.
+	LockDir string
+	Log     *slog.Logger
+}
+
+// Record is one allowed or denied connection or DNS answer.
+type Record struct {
+	Time     time.Time `json:"time"`
+	Sandbox  string    `json:"sandbox"`
+	Kind     string    `json:"kind"` // "connect" or "dns"
+	Decision string    `json:"decision"`
+	Proto    string    `json:"proto,omitempty"`
+	Dest     string    `json:"dest,omitempty"` // address:port
+	Name     string    `json:"name,omitempty"`
+	QType    string    `json:"qtype,omitempty"`
+	Detail   string    `json:"detail,omitempty"`
+}
+
+// Host is this process's share of the host's sandbox network.
+type Host struct {
+	cfg     Config
+	gateway netip.Addr
+	denied  []span
+	nft     *nft
+	res     *resolver
+	flog    *nflog
+	log     *slog.Logger
+
+	mu     sync.Mutex
+	bySlot map[int]*Sandbox
+	byIP   map[netip.Addr]*Sandbox
+}
+
+// NewHost sets the host up for sandbox networks: forwarding on, the
+// nftables table, a resolver and a log reader of this process's own.
+func NewHost(cfg Config) (*Host, error) {
+	if !cfg.Subnet.IsValid() {
+		cfg.Subnet = DefaultSubnet
+	}
+	if !cfg.Subnet.Addr().Is4() || cfg.Subnet.Bits() > 19 {
+		return nil, fmt.Errorf("%w: sandbox subnet %s: want an IPv4 prefix of /19 or larger (%d slots)", ErrPolicy, cfg.Subnet, maxSlots)
+	}
+	cfg.Subnet = cfg.Subnet.Masked()
+	if cfg.Log == nil {
+		cfg.Log = slog.New(slog.DiscardHandler)
+	}
+	if cfg.LockDir == "" {
+		cfg.LockDir = "/run/cage"
+	}
+	if len(cfg.Upstreams) == 0 {
+		cfg.Upstreams = HostResolvers("/etc/resolv.conf")
+	}
+	h := &Host{cfg: cfg, gateway: cfg.Subnet.Addr().Next(), denied: deniedSpans(cfg.Open, cfg.Subnet), log: cfg.Log,
+		bySlot: map[int]*Sandbox{}, byIP: map[netip.Addr]*Sandbox{}}
+	if err := os.WriteFile("/proc/sys/net/ipv4/ip_forward", []byte("1"), 0); err != nil {
+		return nil, fmt.Errorf("enable IPv4 forwarding: %w", err)
+	}
+	var err error
+	if h.nft, err = newNFT(); err != nil {
+		return nil, err
+	}
+	unlock, err := lockHost(cfg.LockDir)
+	if err != nil {
+		h.nft.close()
+		return nil, err
+	}
+	err = h.nft.ensureBase()
+	unlock()
+	if err != nil {
+		h.nft.close()
+		return nil, err
+	}
+	if h.res, err = startResolver(h, cfg.Upstreams); err != nil {
+		h.nft.close()
+		return nil, err
+	}
+	if h.flog, err = openLog(h.logged); err != nil {
+		h.res.close()
+		h.nft.close()
+		return nil, err
+	}
+	return h, nil
+}
+
+// lockHost serialises the creation of the shared table between processes.
+func lockHost(dir string) (func(), error) {
+	if err := os.MkdirAll(dir, 0o711); err != nil {
+		return nil, err
+	}
+	f, err := os.OpenFile(filepath.Join(dir, "network.lock"), os.O_CREATE|os.O_RDWR|syscall.O_CLOEXEC, 0o600)
+	if err != nil {
+		return nil, err
+	}
+	if err := syscall.Flock(int(f.Fd()), syscall.LOCK_EX); err != nil {
+		f.Close()
+		return nil, err
+	}
+	return func() { f.Close() }, nil
+}
+
+// Close stops the resolver and the log reader. Sandboxes keep their rules
+// (a process that adopts them takes them over); Sandbox.Close removes them.
+func (h *Host) Close() {
+	h.flog.close()
+	h.res.close()
+	h.nft.close()
+}
+
+// Gateway is the address sandboxes reach the host's resolver at.
+func (h *Host) Gateway() netip.Addr { return h.gateway }
+
+// IP is the address of the sandbox in slot.
+func (h *Host) IP(slot int) netip.Addr {
+	return addr(u32(h.cfg.Subnet.Addr()) + 256 + uint32(slot))
+}
+
+// ResolvConf is the resolv.conf of a sandbox with a network.
+func (h *Host) ResolvConf() string {
+	return fmt.Sprintf("# cage: the host's resolver answers the names this sandbox may reach\nnameserver %s\noptions ndots:1 timeout:2 attempts:2\n", h.gateway)
+}
+
+// Sandbox is the network of one sandbox.
+type Sandbox struct {
+	ID   string
+	Slot int
+	IP   netip.Addr
+	h    *Host
+
+	mu      sync.Mutex
+	policy  Policy
+	learned map[string]bool // names whose addresses are in the learned sets
+	closed  bool
+}
+
+// Attach gives sandbox id (holding uid slot) a network: rules first, so that
+// nothing passes before they exist, then the veth into the namespace nsFD.
+func (h *Host) Attach(id string, slot int, nsFD int, p Policy) (*Sandbox, error) {
+	if err := p.Validate(); err != nil {
+		return nil, err
+	}
+	if !p.Networked() {
+		return nil, fmt.Errorf("%w: mode %s has no network to attach", ErrPolicy, p.Mode)
+	}
+	if slot < 0 || slot >= maxSlots {
+		return nil, fmt.Errorf("sandbox slot %d out of range", slot)
+	}
+	sb := &Sandbox{ID: id, Slot: slot, IP: h.IP(slot), h: h, policy: p, learned: map[string]bool{}}
+	if err := h.nft.add(h.rules(sb, p), false); err != nil {
+		_ = h.nft.remove(slot) // a leftover of a dead owner, or half of ours
+		if err = h.nft.add(h.rules(sb, p), false); err != nil {
+			_ = h.nft.remove(slot)
+			return nil, err
+		}
+	}
+	if err := attachLink(slot, nsFD, sb.IP, h.gateway); err != nil {
+		_ = h.nft.remove(slot)
+		return nil, err
+	}
+	h.register(sb)
+	return sb, nil
+}
+
+// Adopt takes over the network of a running sandbox another process made:
+// its rules are rewritten for this process's resolver and log group.
+func (h *Host) Adopt(id string, slot int, p Policy) (*Sandbox, error) {
+	if err := p.Validate(); err != nil {
+		return nil, err
+	}
+	sb := &Sandbox{ID: id, Slot: slot, IP: h.IP(slot), h: h, policy: p, learned: map[string]bool{}}
+	if err := h.nft.add(h.rules(sb, p), true); err != nil {
+		return nil, err
+	}
+	_ = h.nft.forget(slot)
+	h.register(sb)
+	return sb, nil
+}
+
+func (h *Host) register(sb *Sandbox) {
+	h.mu.Lock()
+	h.bySlot[sb.Slot] = sb
+	h.byIP[sb.IP] = sb
+	h.mu.Unlock()
+}
+
+func (h *Host) rules(sb *Sandbox, p Policy) *sandboxRules {
+	return &sandboxRules{slot: sb.Slot, ip: sb.IP, gateway: h.gateway, policy: p, denied: h.denied,
+		resolver: h.res.port, group: h.flog.group}
+}
+
+func (h *Host) bySource(a netip.Addr) *Sandbox {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return h.byIP[a]
+}
+
+// Policy is the sandbox's current policy.
+func (sb *Sandbox) Policy() Policy {
+	sb.mu.Lock()
+	defer sb.mu.Unlock()
+	return sb.policy
+}
+
+// SetPolicy replaces the policy of a running sandbox. Connections already
+// open stay open; addresses learned for names are forgotten, so a name must
+// be resolved again under the new policy. Mode none leaves the interface
+// in place with nothing allowed.
+func (sb *Sandbox) SetPolicy(p Policy) error {
+	if p.Mode == None && len(p.Allow) == 0 && len(p.Deny) == 0 {
+		p.Mode = Allowlist
+	}
+	if err := p.Validate(); err != nil {
+		return err
+	}
+	sb.mu.Lock()
+	defer sb.mu.Unlock()
+	if sb.closed {
+		return errors.New("the sandbox's network is gone")
+	}
+	if err := sb.h.nft.add(sb.h.rules(sb, p), true); err != nil {
+		return err
+	}
+	if err := sb.h.nft.forget(sb.Slot); err != nil {
+		return err
+	}
+	sb.policy = p
+	sb.learned = map[string]bool{}
+	return nil
+}
+
+func (sb *Sandbox) learn(name string, addrs []netip.Addr, ports []uint16, ttl time.Duration) error {
+	sb.mu.Lock()
+	defer sb.mu.Unlock()
+	if sb.closed {
+		return errors.New("the sandbox's network is gone")
+	}
+	sb.learned[name] = true
+	return sb.h.nft.learn(sb.Slot, addrs, ports, ttl)
+}
+
+// Close removes the sandbox's rules and interface.
+func (sb *Sandbox) Close() error {
+	sb.mu.Lock()
+	if sb.closed {
+		sb.mu.Unlock()
+		return nil
+	}
+	sb.closed = true
+	sb.mu.Unlock()
+	h := sb.h
+	h.mu.Lock()
+	if h.bySlot[sb.Slot] == sb {
+		delete(h.bySlot, sb.Slot)
+		delete(h.byIP, sb.IP)
+	}
+	h.mu.Unlock()
+	return errors.Join(removeLink(sb.Slot), h.nft.remove(sb.Slot))
+}
+
+// GC removes the rules and interfaces of slots that no live sandbox holds
+// (held reports whether one does).
+func (h *Host) GC(held func(slot int) bool) []int {
+	var removed []int
+	slots, _ := h.nft.slots()
+	seen := map[int]bool{}
+	for _, s := range append(slots, hostLinks()...) {
+		if seen[s] || held(s) {
+			continue
+		}
+		seen[s] = true
+		h.mu.Lock()
+		_, ours := h.bySlot[s]
+		h.mu.Unlock()
+		if ours {
+			continue
+		}
+		_ = removeLink(s)
+		_ = h.nft.remove(s)
+		removed = append(removed, s)
+	}
+	return removed
+}
+
+// HostLinks lists the slots that have an interface on the host.
+func HostLinks() []int { return hostLinks() }
+
+// RuleSlots lists the slots that have rules in the shared table.
+func (h *Host) RuleSlots() ([]int, error) { return h.nft.slots() }
+
+// logged turns a kernel log record into a Record.
+func (h *Host) logged(slot int, decision string, pkt []byte) {
+	h.mu.Lock()
+	sb := h.bySlot[slot]
+	h.mu.Unlock()
+	if sb == nil {
+		return
+	}
+	proto, dst, ok := packetDest(pkt)
+	if !ok {
+		return
+	}
+	d := "allow"
+	if decision == logDeny {
+		d = "deny"
+	}
+	h.record(Record{Sandbox: sb.ID, Kind: "connect", Decision: d, Proto: proto, Dest: dst.String()})
+}
+
+func (h *Host) record(r Record) {
+	if r.Time.IsZero() {
+		r.Time = time.Now()
+	}
+	h.log.Debug("network", "sandbox", r.Sandbox, "kind", r.Kind, "decision", r.Decision, "dest", r.Dest, "name", r.Name)
+	if h.cfg.Record != nil {
+		h.cfg.Record(r)
+	}
+}
