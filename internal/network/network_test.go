@@ -246,7 +246,9 @@ func TestInternetMode(t *testing.T) {
 	}) {
 		t.Error("no record of the allowed connection")
 	}
-	if !rec.find(func(r Record) bool { return r.Kind == "dns" && r.Name == "metadata.google.internal" && r.Decision == "deny" }) {
+	if !rec.find(func(r Record) bool {
+		return r.Kind == "dns" && r.Name == "metadata.google.internal" && r.Decision == "deny"
+	}) {
 		t.Error("no record of the denied name")
 	}
 }

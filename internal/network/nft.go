@@ -91,7 +91,9 @@ func (n *nft) ensureBase() error {
 	snat := c.AddChain(&nftables.Chain{Name: "srcnat", Table: n.table, Type: nftables.ChainTypeNAT,
 		Hooknum: nftables.ChainHookPostrouting, Priority: nftables.ChainPriorityNATSource, Policy: &accept})
 
-	rule := func(ch *nftables.Chain, e ...expr.Any) { c.AddRule(&nftables.Rule{Table: n.table, Chain: ch, Exprs: e}) }
+	rule := func(ch *nftables.Chain, e ...expr.Any) {
+		c.AddRule(&nftables.Rule{Table: n.table, Chain: ch, Exprs: e})
+	}
 	// forward: each sandbox's own chain decides what leaves it.
 	rule(fwd, cat(ifname(expr.MetaKeyIIFNAME), vmap("fwd"))...)
 	rule(fwd, cat(ifnamePrefix(expr.MetaKeyIIFNAME, true), verdict(expr.VerdictDrop))...)

@@ -44,7 +44,7 @@ var etcLinks = map[string]string{
 	"hosts":       "/run/cage/hosts",
 	"hostname":    "/run/cage/hostname",
 	"resolv.conf": "/run/cage/resolv.conf",
-	"mtab":     "/proc/self/mounts",
+	"mtab":        "/proc/self/mounts",
 }
 
 // etcCache returns the cache directory for the current state of the host's

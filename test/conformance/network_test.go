@@ -109,10 +109,14 @@ func expectOutcomes(t *testing.T, got map[string]string, want map[string]func(st
 	}
 }
 
-func is(s string) func(string) bool        { return func(v string) bool { return v == s } }
-func refused() func(string) bool           { return func(v string) bool { return !strings.HasPrefix(v, "OK:") } }
-func notResolved() func(string) bool       { return func(v string) bool { return !strings.HasPrefix(v, "A:") } }
-func hasPrefix(p string) func(string) bool { return func(v string) bool { return strings.HasPrefix(v, p) } }
+func is(s string) func(string) bool { return func(v string) bool { return v == s } }
+func refused() func(string) bool    { return func(v string) bool { return !strings.HasPrefix(v, "OK:") } }
+func notResolved() func(string) bool {
+	return func(v string) bool { return !strings.HasPrefix(v, "A:") }
+}
+func hasPrefix(p string) func(string) bool {
+	return func(v string) bool { return strings.HasPrefix(v, p) }
+}
 
 func TestNetworkInternet(t *testing.T) {
 	forEachWall(t, func(t *testing.T, w wall) {
