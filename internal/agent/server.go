@@ -191,7 +191,16 @@ func (s *Server) Configure(token string, env map[string]string, maxOutput int64)
 }
 
 // Handler returns the agent's HTTP handler.
-func (s *Server) Handler() http.Handler { return s.mux }
+func (s *Server) Handler() http.Handler { return http.HandlerFunc(s.route) }
+
+// route sends CONNECT (a port forward) to serveForward, the rest to the mux.
+func (s *Server) route(w http.ResponseWriter, r *http.Request) {
+	if r.Method == http.MethodConnect {
+		s.serveForward(w, r)
+		return
+	}
+	s.mux.ServeHTTP(w, r)
+}
 
 // Serve accepts connections on l until Shutdown. It speaks HTTP/1.1 and
 // HTTP/2 without TLS (client-streaming RPCs need HTTP/2).
@@ -210,7 +219,7 @@ func (s *Server) Serve(l net.Listener) error {
 	var p http.Protocols
 	p.SetHTTP1(true)
 	p.SetUnencryptedHTTP2(true)
-	srv := &http.Server{Handler: s.mux, Protocols: &p, ReadHeaderTimeout: 30 * time.Second}
+	srv := &http.Server{Handler: http.HandlerFunc(s.route), Protocols: &p, ReadHeaderTimeout: 30 * time.Second}
 	s.mu.Lock()
 	s.srv = srv
 	s.mu.Unlock()

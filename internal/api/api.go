@@ -71,6 +71,8 @@ func Handler(cfg Config) http.Handler {
 	mux.Handle("POST /sandboxes/{sandboxID}/connect", auth(s.connect(false)))
 	mux.Handle("POST /v2/sandboxes/{sandboxID}/connect", auth(s.connect(true)))
 	mux.Handle("GET /sandboxes/{sandboxID}/metrics", auth(http.HandlerFunc(s.metrics)))
+	mux.Handle("PUT /sandboxes/{sandboxID}/network", auth(http.HandlerFunc(s.updateNetwork)))
+	mux.Handle("GET /sandboxes/{sandboxID}/network/records", auth(http.HandlerFunc(s.networkRecords)))
 	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
 		writeError(w, http.StatusNotFound, "no such route: "+r.Method+" "+r.URL.Path)
 	})
@@ -145,6 +147,8 @@ func (s *server) fail(w http.ResponseWriter, r *http.Request, err error) {
 		writeError(w, http.StatusNotFound, err.Error())
 	case errors.Is(err, sandbox.ErrInvalid), errors.Is(err, errBadRequest):
 		writeError(w, http.StatusBadRequest, err.Error())
+	case errors.Is(err, manager.ErrConflict):
+		writeError(w, http.StatusConflict, err.Error())
 	case errors.Is(err, manager.ErrLimit):
 		w.Header().Set("Retry-After", "1")
 		writeError(w, http.StatusTooManyRequests, err.Error())

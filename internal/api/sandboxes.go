@@ -19,6 +19,7 @@ type newSandbox struct {
 	EnvVars             map[string]string `json:"envVars"`
 	Secure              *bool             `json:"secure"`
 	AllowInternetAccess *bool             `json:"allow_internet_access"`
+	Network             *networkJSON      `json:"network"`
 	AutoPause           bool              `json:"autoPause"`
 	Wall                string            `json:"wall"`
 	CPUCount            float64           `json:"cpuCount"`
@@ -62,8 +63,10 @@ type listedJSON struct {
 
 type detailJSON struct {
 	listedJSON
-	EnvdAccessToken string  `json:"envdAccessToken"`
-	Domain          *string `json:"domain"`
+	EnvdAccessToken     string       `json:"envdAccessToken"`
+	Domain              *string      `json:"domain"`
+	AllowInternetAccess bool         `json:"allowInternetAccess"`
+	Network             *networkJSON `json:"network"`
 }
 
 const clientID = "cage"
@@ -124,14 +127,18 @@ func (s *server) create(v2 bool) http.Handler {
 				return
 			}
 		}
-		internet := true // E2B's default when omitted
-		if body.AllowInternetAccess != nil {
-			internet = *body.AllowInternetAccess
+		// E2B's defaults: the internet, and exposed ports open to anyone
+		// who has the URL.
+		policy, err := policyOf(body.AllowInternetAccess, body.Network)
+		if err != nil {
+			s.fail(w, r, err)
+			return
 		}
+		public := body.Network == nil || body.Network.AllowPublicTraffic == nil || *body.Network.AllowPublicTraffic
 		rec, err := s.cfg.Manager.Create(r.Context(), manager.CreateRequest{
 			KeyID: keyID(r), Template: body.TemplateID, Timeout: timeout, Metadata: body.Metadata,
 			Env: body.EnvVars, CPUs: body.CPUCount, MemoryMB: body.MemoryMB, DiskMB: body.DiskSizeMB,
-			Pids: body.Pids, AllowInternet: internet, AutoPause: body.AutoPause, Wall: body.Wall,
+			Pids: body.Pids, Net: policy, PublicTraffic: public, AutoPause: body.AutoPause, Wall: body.Wall,
 		})
 		if err != nil {
 			s.fail(w, r, err)
@@ -222,7 +229,9 @@ func (s *server) get(w http.ResponseWriter, r *http.Request) {
 		s.fail(w, r, err)
 		return
 	}
-	writeJSON(w, http.StatusOK, detailJSON{listedJSON: listedOf(rec), EnvdAccessToken: rec.AccessToken, Domain: s.domain()})
+	n, internet := networkOf(rec)
+	writeJSON(w, http.StatusOK, detailJSON{listedJSON: listedOf(rec), EnvdAccessToken: rec.AccessToken, Domain: s.domain(),
+		AllowInternetAccess: internet, Network: n})
 }
 
 func (s *server) kill(w http.ResponseWriter, r *http.Request) {

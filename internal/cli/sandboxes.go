@@ -19,6 +19,7 @@ import (
 	pb "github.com/cagehq/cage/api/gen/process"
 	"github.com/cagehq/cage/internal/agentclient"
 	"github.com/cagehq/cage/internal/client"
+	"github.com/cagehq/cage/internal/network"
 	"github.com/cagehq/cage/internal/units"
 )
 
@@ -96,6 +97,7 @@ func newCreateCmd(d *daemonFlags) *cobra.Command {
 	var cpus float64
 	var pids int64
 	var env, meta []string
+	var nf netFlags
 	cmd := &cobra.Command{
 		Use:   "create",
 		Short: "Create a sandbox in the daemon; prints its id",
@@ -138,6 +140,13 @@ func newCreateCmd(d *daemonFlags) *cobra.Command {
 			if body["metadata"], err = parseKV("metadata", meta); err != nil {
 				return err
 			}
+			// cage's default is no network (E2B's routes default to the
+			// internet when a client says nothing).
+			p, err := nf.policy()
+			if err != nil {
+				return err
+			}
+			body["network"] = networkBody(p)
 			sb, err := c.Create(ctx(cmd), body)
 			if err != nil {
 				return apiFailure(err)
@@ -164,7 +173,27 @@ func newCreateCmd(d *daemonFlags) *cobra.Command {
 	fl.Int64Var(&pids, "pids", 0, "process limit")
 	fl.StringArrayVarP(&env, "env", "e", nil, "environment K=V (repeatable)")
 	fl.StringArrayVar(&meta, "metadata", nil, "metadata K=V (repeatable)")
+	nf.add(fl)
 	return cmd
+}
+
+// networkBody is a policy as the API's network field.
+func networkBody(p network.Policy) map[string]any {
+	n := map[string]any{"mode": string(p.Mode)}
+	var allow, deny []string
+	for _, r := range p.Allow {
+		allow = append(allow, r.String())
+	}
+	for _, r := range p.Deny {
+		deny = append(deny, r.String())
+	}
+	if len(allow) > 0 {
+		n["allowOut"] = allow
+	}
+	if len(deny) > 0 {
+		n["denyOut"] = deny
+	}
+	return n
 }
 
 func ctx(cmd *cobra.Command) context.Context {

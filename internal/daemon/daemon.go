@@ -12,6 +12,7 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"net/netip"
 	"os"
 	"path/filepath"
 	"syscall"
@@ -19,6 +20,7 @@ import (
 
 	"github.com/cagehq/cage/internal/api"
 	"github.com/cagehq/cage/internal/manager"
+	"github.com/cagehq/cage/internal/network"
 	"github.com/cagehq/cage/internal/proxy"
 	"github.com/cagehq/cage/internal/sandbox"
 	"github.com/cagehq/cage/internal/store"
@@ -38,6 +40,43 @@ type Config struct {
 	MaxSandboxes    int      `json:"max_sandboxes"`
 	Pool            int      `json:"pool"` // prepared sandboxes kept ready
 	AgentPath       string   `json:"agent"`
+	Network         Network  `json:"network"`
+}
+
+// Network configures sandbox networks.
+type Network struct {
+	// Subnet holds the sandboxes' addresses (default 10.209.0.0/16).
+	Subnet string `json:"subnet"`
+	// DNS are the resolvers allowed names are asked of ("ip" or "ip:port";
+	// default: the host's /etc/resolv.conf).
+	DNS []string `json:"dns"`
+	// Open are always-denied ranges sandboxes may reach after all (e.g. a
+	// company network, "10.20.0.0/16"); the sandbox subnet stays denied.
+	Open []string `json:"open"`
+}
+
+// config turns the file's network section into the network package's.
+func (n Network) config() (network.Config, error) {
+	var c network.Config
+	if n.Subnet != "" {
+		p, err := netip.ParsePrefix(n.Subnet)
+		if err != nil {
+			return c, fmt.Errorf("network.subnet %q: %v", n.Subnet, err)
+		}
+		c.Subnet = p
+	}
+	var err error
+	if c.Upstreams, err = network.ParseUpstreams(n.DNS); err != nil {
+		return c, fmt.Errorf("network.dns: %v", err)
+	}
+	for _, s := range n.Open {
+		p, err := netip.ParsePrefix(s)
+		if err != nil || !p.Addr().Is4() {
+			return c, fmt.Errorf("network.open %q: want an IPv4 CIDR", s)
+		}
+		c.Open = append(c.Open, p)
+	}
+	return c, nil
 }
 
 // Defaults for Config.
@@ -92,12 +131,18 @@ func Run(ctx context.Context, cfg Config, log *slog.Logger, ready func(apiAddr, 
 		return err
 	}
 	defer st.Close()
+	netCfg, err := cfg.Network.config()
+	if err != nil {
+		return err
+	}
 	host, err := sandbox.NewHost(cfg.RunDir, cfg.AgentPath, log)
 	if err != nil {
 		return err
 	}
 	mgr := manager.New(manager.Config{Store: st, Host: host, Log: log, MaxTimeout: time.Duration(cfg.MaxTimeout),
 		DefaultTemplate: cfg.DefaultTemplate, MaxSandboxes: cfg.MaxSandboxes})
+	netCfg.Record = mgr.NetRecord
+	host.NetConfig = netCfg
 	if err := mgr.Recover(); err != nil {
 		return fmt.Errorf("recover sandboxes: %w", err)
 	}

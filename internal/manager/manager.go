@@ -9,12 +9,16 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"log/slog"
+	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
+	"github.com/cagehq/cage/internal/network"
 	"github.com/cagehq/cage/internal/sandbox"
 	"github.com/cagehq/cage/internal/store"
 	"github.com/cagehq/cage/internal/wall"
@@ -26,6 +30,7 @@ var (
 	ErrNotFound = errors.New("not found")
 	ErrInvalid  = sandbox.ErrInvalid
 	ErrLimit    = errors.New("limit reached")
+	ErrConflict = errors.New("conflict")
 )
 
 // Config configures a Manager.
@@ -48,11 +53,16 @@ type Manager struct {
 	live     map[string]*entry
 	creating int
 	closed   bool
+
+	recOnce sync.Once
+	rec     *recorder
 }
 
 type entry struct {
-	sb    wall.Sandbox
-	timer *time.Timer
+	sb      wall.Sandbox
+	timer   *time.Timer
+	traffic string // the traffic token, wanted at exposed ports unless public
+	public  bool
 }
 
 // New returns a manager; call Recover before serving.
@@ -83,7 +93,8 @@ type CreateRequest struct {
 	MemoryMB      int64
 	DiskMB        int64
 	Pids          int64
-	AllowInternet bool
+	Net           network.Policy // what the sandbox may reach
+	PublicTraffic bool           // exposed ports answer without the traffic token
 	AutoPause     bool
 }
 
@@ -129,7 +140,7 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (*store.Sandbox
 	}
 	opts := sandbox.Options{
 		Wall: req.Wall, Template: req.Template, Token: randomToken(), Env: req.Env, CPUs: req.CPUs,
-		Memory: req.MemoryMB << 20, Disk: req.DiskMB << 20, Pids: req.Pids,
+		Memory: req.MemoryMB << 20, Disk: req.DiskMB << 20, Pids: req.Pids, Net: req.Net,
 	}
 	var sb wall.Sandbox
 	var rec *store.Sandbox
@@ -144,7 +155,7 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (*store.Sandbox
 		}
 		break
 	}
-	m.track(sb, rec.EndAt)
+	m.track(sb, rec)
 	_ = m.cfg.Store.AddEvent(rec.ID, "created", fmt.Sprintf("template=%s key=%s", rec.TemplateID, rec.KeyID))
 	m.log.Info("sandbox created", "sandbox", rec.ID, "template", rec.TemplateID)
 	return rec, nil
@@ -165,7 +176,8 @@ func (m *Manager) start(ctx context.Context, req CreateRequest, opts *sandbox.Op
 		State: store.StateCreating, Metadata: req.Metadata, EnvVars: req.Env,
 		CPUs: opts.CPUs, MemoryMB: opts.Memory >> 20, DiskMB: opts.Disk >> 20, Pids: opts.Pids,
 		AccessToken: opts.Token, TrafficToken: randomToken(), AgentPID: sb.AgentPID(),
-		StartedAt: now, EndAt: now.Add(req.Timeout), AllowInternet: req.AllowInternet, AutoPause: req.AutoPause,
+		StartedAt: now, EndAt: now.Add(req.Timeout), AllowInternet: req.Net.Mode == network.Internet, AutoPause: req.AutoPause,
+		NetSlot: -1, PublicTraffic: req.PublicTraffic,
 	}
 	rec.AgentStart, _ = process.StartTime(sb.AgentPID())
 	if err := m.cfg.Store.InsertSandbox(rec); err != nil {
@@ -177,7 +189,8 @@ func (m *Manager) start(ctx context.Context, req CreateRequest, opts *sandbox.Op
 		return nil, nil, err
 	}
 	rec.State = store.StateRunning
-	if err := m.cfg.Store.SetState(rec.ID, store.StateRunning); err != nil {
+	setNetwork(rec, sb)
+	if err := m.cfg.Store.UpdateSandbox(rec); err != nil {
 		m.discard(sb, "record failed: "+err.Error())
 		return nil, nil, err
 	}
@@ -196,7 +209,8 @@ func (m *Manager) startOCI(ctx context.Context, req CreateRequest, opts *sandbox
 		State: store.StateCreating, Metadata: req.Metadata, EnvVars: req.Env,
 		CPUs: opts.CPUs, MemoryMB: opts.Memory >> 20, DiskMB: opts.Disk >> 20, Pids: opts.Pids,
 		AccessToken: opts.Token, TrafficToken: randomToken(),
-		StartedAt: now, EndAt: now.Add(req.Timeout), AllowInternet: req.AllowInternet, AutoPause: req.AutoPause,
+		StartedAt: now, EndAt: now.Add(req.Timeout), AllowInternet: req.Net.Mode == network.Internet, AutoPause: req.AutoPause,
+		NetSlot: -1, PublicTraffic: req.PublicTraffic,
 	}
 	if err := m.cfg.Store.InsertSandbox(rec); err != nil {
 		return nil, nil, err
@@ -208,11 +222,67 @@ func (m *Manager) startOCI(ctx context.Context, req CreateRequest, opts *sandbox
 	}
 	rec.State, rec.AgentPID = store.StateRunning, sb.AgentPID()
 	rec.AgentStart, _ = process.StartTime(sb.AgentPID())
+	setNetwork(rec, sb)
 	if err := m.cfg.Store.UpdateSandbox(rec); err != nil {
 		m.discard(sb, "record failed: "+err.Error())
 		return nil, nil, err
 	}
 	return sb, rec, nil
+}
+
+// setNetwork records a started sandbox's network (its policy and slot).
+func setNetwork(rec *store.Sandbox, sb wall.Sandbox) {
+	rec.Network, rec.NetSlot = "", -1
+	if n := sb.Network(); n != nil {
+		rec.Network, rec.NetSlot = EncodePolicy(n.Policy()), n.Slot
+	}
+}
+
+// EncodePolicy is a policy as the store keeps it.
+func EncodePolicy(p network.Policy) string {
+	b, _ := json.Marshal(p)
+	return string(b)
+}
+
+// DecodePolicy reads a stored policy ("" is none).
+func DecodePolicy(s string) (network.Policy, error) {
+	var p network.Policy
+	if s == "" {
+		return network.Policy{Mode: network.None}, nil
+	}
+	err := json.Unmarshal([]byte(s), &p)
+	return p, err
+}
+
+// SetNetwork replaces the network policy of a running sandbox.
+func (m *Manager) SetNetwork(keyID, id string, p network.Policy) (*store.Sandbox, error) {
+	rec, err := m.Get(keyID, id)
+	if err != nil {
+		return nil, err
+	}
+	m.mu.Lock()
+	e := m.live[id]
+	m.mu.Unlock()
+	if e == nil {
+		return nil, fmt.Errorf("%w: sandbox %q", ErrNotFound, id)
+	}
+	n := e.sb.Network()
+	if n == nil {
+		return nil, fmt.Errorf("%w: sandbox %q was created without a network (loopback only); its policy cannot change", ErrConflict, id)
+	}
+	if err := n.SetPolicy(p); err != nil {
+		if errors.Is(err, network.ErrPolicy) {
+			return nil, fmt.Errorf("%w: %v", ErrInvalid, err)
+		}
+		return nil, err
+	}
+	setNetwork(rec, e.sb)
+	rec.AllowInternet = n.Policy().Mode == network.Internet
+	if err := m.cfg.Store.UpdateSandbox(rec); err != nil {
+		return nil, err
+	}
+	_ = m.cfg.Store.AddEvent(id, "network", rec.Network)
+	return rec, nil
 }
 
 func (m *Manager) admit() error {
@@ -235,11 +305,11 @@ func (m *Manager) admitted() {
 }
 
 // track starts the sandbox's end timer and watches for its death.
-func (m *Manager) track(sb wall.Sandbox, end time.Time) {
-	e := &entry{sb: sb}
+func (m *Manager) track(sb wall.Sandbox, rec *store.Sandbox) {
+	e := &entry{sb: sb, traffic: rec.TrafficToken, public: rec.PublicTraffic}
 	m.mu.Lock()
 	m.live[sb.ID()] = e
-	e.timer = time.AfterFunc(time.Until(end), func() { m.expire(sb.ID()) })
+	e.timer = time.AfterFunc(time.Until(rec.EndAt), func() { m.expire(sb.ID()) })
 	m.mu.Unlock()
 	go func() {
 		<-sb.Exited()
@@ -358,6 +428,18 @@ func (m *Manager) Sandbox(id string) (wall.Sandbox, bool) {
 	return e.sb, true
 }
 
+// Traffic says whether a running sandbox's exposed ports want its traffic
+// token, and which.
+func (m *Manager) Traffic(id string) (token string, public, ok bool) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	e := m.live[id]
+	if e == nil {
+		return "", false, false
+	}
+	return e.traffic, e.public, true
+}
+
 // Records returns the stored record of a running sandbox.
 func (m *Manager) Record(id string) (*store.Sandbox, error) {
 	return m.Get("", id)
@@ -366,6 +448,7 @@ func (m *Manager) Record(id string) (*store.Sandbox, error) {
 // Close stops the timers; the sandboxes keep running for the next daemon
 // to adopt.
 func (m *Manager) Close() {
+	m.FlushRecords()
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	m.closed = true
@@ -379,4 +462,107 @@ func (m *Manager) Count() int {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	return len(m.live)
+}
+
+// Network records (every allowed and denied connection and DNS answer) go to
+// the audit trail as events "network.connect" and "network.dns" whose detail
+// is the record as JSON. They come in bursts, so they are written in
+// batches; when the queue is full they are dropped and the drop is counted
+// in an event of its own.
+const (
+	recordQueue = 4096
+	recordBatch = 256
+)
+
+type recorder struct {
+	ch      chan network.Record
+	dropped atomic.Int64
+	done    chan struct{}
+}
+
+// NetRecord queues a network record for the audit trail.
+func (m *Manager) NetRecord(r network.Record) {
+	m.recOnce.Do(m.startRecorder)
+	select {
+	case m.rec.ch <- r:
+	default:
+		m.rec.dropped.Add(1)
+	}
+}
+
+func (m *Manager) startRecorder() {
+	m.rec = &recorder{ch: make(chan network.Record, recordQueue), done: make(chan struct{})}
+	go func() {
+		defer close(m.rec.done)
+		tick := time.NewTicker(100 * time.Millisecond)
+		defer tick.Stop()
+		var batch []store.Event
+		flush := func() {
+			if n := m.rec.dropped.Swap(0); n > 0 {
+				batch = append(batch, store.Event{Kind: "network.dropped", Detail: fmt.Sprintf("%d records dropped (queue full)", n)})
+			}
+			if len(batch) == 0 {
+				return
+			}
+			if err := m.cfg.Store.AddEvents(batch); err != nil {
+				m.log.Warn("network records", "err", err)
+			}
+			batch = batch[:0]
+		}
+		for {
+			select {
+			case r, ok := <-m.rec.ch:
+				if !ok {
+					flush()
+					return
+				}
+				detail, _ := json.Marshal(r)
+				batch = append(batch, store.Event{SandboxID: r.Sandbox, Time: r.Time, Kind: "network." + r.Kind, Detail: string(detail)})
+				if len(batch) >= recordBatch {
+					flush()
+				}
+			case <-tick.C:
+				flush()
+			}
+		}
+	}()
+}
+
+// FlushRecords writes the queued network records now (for a reader that
+// wants what happened up to this moment).
+func (m *Manager) FlushRecords() {
+	if m.rec == nil {
+		return
+	}
+	deadline := time.Now().Add(2 * time.Second)
+	for len(m.rec.ch) > 0 && time.Now().Before(deadline) {
+		time.Sleep(10 * time.Millisecond)
+	}
+	time.Sleep(150 * time.Millisecond) // the batch in hand goes at the next tick
+}
+
+// NetRecords returns a running sandbox's network records, newest first.
+func (m *Manager) NetRecords(keyID, id string, limit int) ([]network.Record, error) {
+	if _, err := m.Get(keyID, id); err != nil {
+		return nil, err
+	}
+	m.FlushRecords()
+	evs, err := m.cfg.Store.Events(id, 0)
+	if err != nil {
+		return nil, err
+	}
+	out := []network.Record{}
+	for _, e := range evs {
+		if !strings.HasPrefix(e.Kind, "network.") || e.Kind == "network.dropped" {
+			continue
+		}
+		var r network.Record
+		if json.Unmarshal([]byte(e.Detail), &r) == nil {
+			out = append(out, r)
+		}
+		if limit > 0 && len(out) >= limit {
+			break
+		}
+	}
+	return out, nil
 }

@@ -2,9 +2,11 @@ package manager
 
 import (
 	"context"
+	"fmt"
 	"time"
 
 	"github.com/cagehq/cage/internal/store"
+	"github.com/cagehq/cage/internal/wall"
 	"github.com/cagehq/cage/internal/wall/state"
 )
 
@@ -22,12 +24,15 @@ func (m *Manager) Recover() error {
 	for _, rec := range recs {
 		if rec.State == store.StateRunning {
 			sb, err := h.Adopt(rec.ID, rec.Wall, rec.AgentPID, rec.AgentStart, rec.AccessToken)
+			if err == nil && rec.Network != "" {
+				err = m.adoptNetwork(sb, rec)
+			}
 			if err == nil {
 				if time.Now().After(rec.EndAt) {
 					m.discard(sb, "timed out while the daemon was down")
 					continue
 				}
-				m.track(sb, rec.EndAt)
+				m.track(sb, rec)
 				_ = m.cfg.Store.AddEvent(rec.ID, "adopted", "")
 				m.log.Info("sandbox adopted", "sandbox", rec.ID)
 				continue
@@ -74,4 +79,21 @@ func (m *Manager) Sweep(ctx context.Context, interval time.Duration) {
 			m.sweep()
 		}
 	}
+}
+
+// adoptNetwork takes over the network of an adopted sandbox: its rules now
+// point at this daemon's resolver and log.
+func (m *Manager) adoptNetwork(sb wall.Sandbox, rec *store.Sandbox) error {
+	p, err := DecodePolicy(rec.Network)
+	if err != nil {
+		return fmt.Errorf("stored network policy: %w", err)
+	}
+	if !p.Networked() {
+		return nil
+	}
+	if err := m.cfg.Host.AdoptNetwork(sb, rec.NetSlot, p); err != nil {
+		_ = sb.Destroy()
+		return err
+	}
+	return nil
 }

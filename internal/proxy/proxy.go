@@ -1,13 +1,21 @@
 // Package proxy is the daemon's sandbox-traffic listener: it forwards a
 // request to the sandbox it names, routing by E2B's headers (E2b-Sandbox-Id,
 // E2b-Sandbox-Port) or else by a Host of the form {port}-{sandboxID}.{domain},
-// without buffering, so streams pass as they come. The agent checks the
-// sandbox's access token itself; the proxy only finds the sandbox.
+// without buffering, so streams and WebSockets pass as they come.
+//
+// Port 49983 is the agent itself, which checks the sandbox's access token.
+// Any other port is a server inside the sandbox, reached through the agent's
+// port forward (agentclient.DialPort); unless the sandbox allows public
+// traffic, such a request must carry the sandbox's traffic token in
+// E2b-Traffic-Access-Token.
 package proxy
 
 import (
 	"context"
+	"crypto/subtle"
 	"encoding/json"
+	"errors"
+	"fmt"
 	"log/slog"
 	"net"
 	"net/http"
@@ -17,6 +25,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/cagehq/cage/internal/agentclient"
 	"github.com/cagehq/cage/internal/wall"
 )
 
@@ -26,7 +35,13 @@ const EnvdPort = 49983
 // Sandboxes finds a running sandbox by id.
 type Sandboxes interface {
 	Sandbox(id string) (wall.Sandbox, bool)
+	// Traffic is the sandbox's traffic token and whether its ports are
+	// public (answer without it).
+	Traffic(id string) (token string, public, ok bool)
 }
+
+// TrafficHeader carries the traffic token of a sandbox whose ports are not public.
+const TrafficHeader = "E2b-Traffic-Access-Token"
 
 // Proxy forwards sandbox traffic.
 type Proxy struct {
@@ -35,7 +50,13 @@ type Proxy struct {
 	log       *slog.Logger
 
 	mu         sync.Mutex
-	transports map[wall.Sandbox]*http.Transport
+	transports map[target]*http.Transport
+}
+
+// target is one port of one sandbox.
+type target struct {
+	sb   wall.Sandbox
+	port int
 }
 
 // New returns a proxy; domain is the suffix of host-routed requests ("" to
@@ -44,7 +65,7 @@ func New(sandboxes Sandboxes, domain string, log *slog.Logger) *Proxy {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	p := &Proxy{sandboxes: sandboxes, domain: domain, log: log, transports: map[wall.Sandbox]*http.Transport{}}
+	p := &Proxy{sandboxes: sandboxes, domain: domain, log: log, transports: map[target]*http.Transport{}}
 	return p
 }
 
@@ -101,29 +122,49 @@ func (p *Proxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		writeJSON(w, http.StatusBadGateway, sandboxError{id, "The sandbox was not found", http.StatusBadGateway})
 		return
 	}
-	if port != EnvdPort {
-		writeJSON(w, http.StatusBadGateway, sandboxError{id, "The sandbox is running but port is not open", http.StatusBadGateway})
+	if port < 1 || port > 65535 {
+		writeJSON(w, http.StatusBadRequest, sandboxError{id, fmt.Sprintf("port %d is not a TCP port", port), http.StatusBadRequest})
 		return
+	}
+	if port != EnvdPort {
+		token, public, ok := p.sandboxes.Traffic(id)
+		if !ok {
+			writeJSON(w, http.StatusBadGateway, sandboxError{id, "The sandbox was not found", http.StatusBadGateway})
+			return
+		}
+		if !public && subtle.ConstantTimeCompare([]byte(r.Header.Get(TrafficHeader)), []byte(token)) != 1 {
+			writeJSON(w, http.StatusForbidden, sandboxError{id, "This sandbox's ports need its traffic access token (" + TrafficHeader + ")", http.StatusForbidden})
+			return
+		}
 	}
 	rp := &httputil.ReverseProxy{
 		Rewrite: func(pr *httputil.ProxyRequest) {
 			pr.Out.URL.Scheme = "http"
 			pr.Out.URL.Host = "agent"
-			pr.Out.Host = "agent"
+			if port == EnvdPort {
+				pr.Out.Host = "agent"
+			} else {
+				pr.Out.Host = r.Host // the sandbox's server sees the host it was addressed by
+			}
 			pr.Out.Header.Del("E2b-Sandbox-Id")
 			pr.Out.Header.Del("E2b-Sandbox-Port")
+			pr.Out.Header.Del(TrafficHeader)
 		},
-		Transport:     p.transport(sb),
+		Transport:     p.transport(sb, port),
 		FlushInterval: -1,
 		ErrorHandler: func(w http.ResponseWriter, r *http.Request, err error) {
 			select {
 			case <-sb.Exited():
 				writeJSON(w, http.StatusBadGateway, sandboxError{id, "The sandbox was not found", http.StatusBadGateway})
 			default:
-				if r.Context().Err() == nil {
-					p.log.Warn("proxy to agent", "sandbox", id, "err", err)
+				if errors.Is(err, agentclient.ErrPortClosed) {
+					writeJSON(w, http.StatusBadGateway, sandboxError{id, "The sandbox is running but port is not open", http.StatusBadGateway})
+					return
 				}
-				writeJSON(w, http.StatusBadGateway, sandboxError{id, "The sandbox's agent did not answer", http.StatusBadGateway})
+				if r.Context().Err() == nil {
+					p.log.Warn("proxy to sandbox", "sandbox", id, "port", port, "err", err)
+				}
+				writeJSON(w, http.StatusBadGateway, sandboxError{id, "The sandbox did not answer", http.StatusBadGateway})
 			}
 		},
 	}
@@ -134,23 +175,27 @@ func (p *Proxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	rp.ServeHTTP(w, r)
 }
 
-// transport returns the connection pool to a sandbox's agent.
-func (p *Proxy) transport(sb wall.Sandbox) *http.Transport {
+// transport returns the connection pool to a port of a sandbox: its agent
+// (EnvdPort), or a server inside reached through the agent's port forward.
+func (p *Proxy) transport(sb wall.Sandbox, port int) *http.Transport {
+	key := target{sb, port}
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	if t, ok := p.transports[sb]; ok {
+	if t, ok := p.transports[key]; ok {
 		return t
 	}
-	t := &http.Transport{
-		DialContext:         func(ctx context.Context, _, _ string) (net.Conn, error) { return sb.Dial(ctx) },
-		MaxIdleConnsPerHost: 16,
-		IdleConnTimeout:     90 * time.Second,
+	dial := func(ctx context.Context, _, _ string) (net.Conn, error) { return sb.Dial(ctx) }
+	if port != EnvdPort {
+		dial = func(ctx context.Context, _, _ string) (net.Conn, error) {
+			return agentclient.DialPort(ctx, sb.Dial, sb.Token(), port)
+		}
 	}
-	p.transports[sb] = t
+	t := &http.Transport{DialContext: dial, MaxIdleConnsPerHost: 16, IdleConnTimeout: 90 * time.Second}
+	p.transports[key] = t
 	go func() {
 		<-sb.Exited()
 		p.mu.Lock()
-		delete(p.transports, sb)
+		delete(p.transports, key)
 		p.mu.Unlock()
 		t.CloseIdleConnections()
 	}()

@@ -446,6 +446,29 @@ func NewToken() string {
 	return hex.EncodeToString(b)
 }
 
+// AdoptNetwork takes over the network of an adopted sandbox (slot and
+// policy as recorded when it was made).
+func (h *Host) AdoptNetwork(sb wall.Sandbox, slot int, p network.Policy) error {
+	n, err := h.network(p)
+	if err != nil {
+		return err
+	}
+	ns, err := n.Adopt(sb.ID(), slot, p)
+	if err != nil {
+		return fmt.Errorf("sandbox %s: network: %w", sb.ID(), err)
+	}
+	switch s := sb.(type) {
+	case *process.Sandbox:
+		s.SetNetwork(ns)
+	case *oci.Sandbox:
+		s.SetNetwork(ns)
+	default:
+		_ = ns.Close()
+		return fmt.Errorf("sandbox %s: wall %s cannot adopt a network", sb.ID(), sb.Wall())
+	}
+	return nil
+}
+
 // Adopt takes charge of a running sandbox created by another process (see
 // process.Adopt).
 func (h *Host) Adopt(id, wallName string, pid int, startTime uint64, token string) (wall.Sandbox, error) {

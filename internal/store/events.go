@@ -31,6 +31,40 @@ func (s *Store) AddEvent(sandboxID, kind, detail string) error {
 	return nil
 }
 
+// AddEvents appends events in one transaction (times as given; zero is
+// now): for bursts such as a sandbox's network records.
+func (s *Store) AddEvents(evs []Event) error {
+	if len(evs) == 0 {
+		return nil
+	}
+	tx, err := s.db.BeginTx(context.Background(), nil)
+	if err != nil {
+		return fmt.Errorf("store: add events: %w", err)
+	}
+	defer tx.Rollback()
+	stmt, err := tx.Prepare("INSERT INTO events (sandbox_id, time, kind, detail) VALUES (?, ?, ?, ?)")
+	if err != nil {
+		return fmt.Errorf("store: add events: %w", err)
+	}
+	defer stmt.Close()
+	for _, e := range evs {
+		if e.Kind == "" {
+			return fmt.Errorf("store: add events: empty kind")
+		}
+		at := e.Time
+		if at.IsZero() {
+			at = s.now()
+		}
+		if _, err := stmt.Exec(e.SandboxID, nanos(at), e.Kind, e.Detail); err != nil {
+			return fmt.Errorf("store: add events: %w", err)
+		}
+	}
+	if err := tx.Commit(); err != nil {
+		return fmt.Errorf("store: add events: %w", err)
+	}
+	return nil
+}
+
 // Events returns the events of a sandbox, newest first (in the order they
 // were added, whatever the clock did), at most limit of them (0 = all).
 // sandboxID "" returns the whole trail, every sandbox's events included.

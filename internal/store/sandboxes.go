@@ -43,11 +43,14 @@ type Sandbox struct {
 	EndAt         time.Time // when it is killed unless extended
 	AllowInternet bool
 	AutoPause     bool
+	Network       string // the network policy as JSON; "" for none (loopback only)
+	NetSlot       int    // the slot of its interface and rules; -1 for none
+	PublicTraffic bool   // its exposed ports answer without the traffic token
 }
 
 const sandboxCols = `id, key_id, template_id, wall, state, metadata, env_vars,
 	cpus, memory_mb, disk_mb, pids, access_token, traffic_token,
-	agent_pid, agent_start, started_at, end_at, allow_internet, auto_pause`
+	agent_pid, agent_start, started_at, end_at, allow_internet, auto_pause, network, net_slot, public_traffic`
 
 // validID reports whether id is a non-empty string of [a-z0-9].
 func validID(id string) bool {
@@ -98,7 +101,7 @@ func sandboxArgs(sb *Sandbox) ([]any, error) {
 		int64(sb.AgentPID),
 		int64(sb.AgentStart), // same bits; SQLite integers are signed
 		nanos(sb.StartedAt), nanos(sb.EndAt),
-		boolInt(sb.AllowInternet), boolInt(sb.AutoPause),
+		boolInt(sb.AllowInternet), boolInt(sb.AutoPause), sb.Network, int64(sb.NetSlot), boolInt(sb.PublicTraffic),
 	}, nil
 }
 
@@ -111,10 +114,11 @@ func scanSandbox(r scanner) (*Sandbox, error) {
 		pid, start      int64
 		started, end    int64
 		internet, pause int64
+		slot, public    int64
 	)
 	err := r.Scan(&sb.ID, &sb.KeyID, &sb.TemplateID, &sb.Wall, &sb.State, &md, &env,
 		&sb.CPUs, &sb.MemoryMB, &sb.DiskMB, &sb.Pids, &sb.AccessToken, &sb.TrafficToken,
-		&pid, &start, &started, &end, &internet, &pause)
+		&pid, &start, &started, &end, &internet, &pause, &sb.Network, &slot, &public)
 	if err != nil {
 		return nil, err
 	}
@@ -130,6 +134,8 @@ func scanSandbox(r scanner) (*Sandbox, error) {
 	sb.EndAt = fromNanos(end)
 	sb.AllowInternet = internet != 0
 	sb.AutoPause = pause != 0
+	sb.NetSlot = int(slot)
+	sb.PublicTraffic = public != 0
 	return &sb, nil
 }
 

@@ -95,6 +95,12 @@ var migrations = []string{
 	);
 	CREATE INDEX events_sandbox ON events (sandbox_id, id);
 	CREATE INDEX events_time ON events (time);`,
+	// 2: sandbox networks: the policy (JSON, '' for none), the slot whose
+	// interface and rules the sandbox holds, and whether its exposed ports
+	// need the traffic token.
+	`ALTER TABLE sandboxes ADD COLUMN network TEXT NOT NULL DEFAULT '';
+	ALTER TABLE sandboxes ADD COLUMN net_slot INTEGER NOT NULL DEFAULT -1;
+	ALTER TABLE sandboxes ADD COLUMN public_traffic INTEGER NOT NULL DEFAULT 1;`,
 }
 
 // SchemaVersion is the schema version this binary writes.

@@ -95,7 +95,7 @@ func startDaemon(t *testing.T, flags ...string) *daemon {
 	d := &daemon{
 		t: t, bin: bin, data: t.TempDir(), runDir: runDir,
 		api: freePort(t), proxy: freePort(t),
-		flags:   append([]string{"--pool", "0"}, flags...),
+		flags:   append([]string{"--pool", "0", "--config", worldConfig(t)}, flags...),
 		log:     &syncBuffer{},
 		created: map[string]string{},
 		http:    &http.Client{Timeout: 60 * time.Second},
@@ -104,6 +104,19 @@ func startDaemon(t *testing.T, flags ...string) *daemon {
 	t.Cleanup(d.cleanup)
 	d.start(t)
 	return d
+}
+
+// worldConfig writes a config file whose resolver is the test world's (the
+// sandboxes' outside, see testutil.World) and returns its path.
+func worldConfig(t *testing.T) string {
+	t.Helper()
+	w := testutil.SharedWorld(t)
+	p := filepath.Join(t.TempDir(), "cage.json")
+	b, _ := json.Marshal(map[string]any{"network": map[string]any{"dns": w.Upstreams()}})
+	if err := os.WriteFile(p, b, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	return p
 }
 
 func (d *daemon) apiURL() string   { return "http://" + d.api }

@@ -203,7 +203,14 @@ func startDaemon(t *testing.T, extra ...string) *daemon {
 		log:      &syncBuffer{},
 		done:     make(chan struct{}),
 	}
-	d.cmd = cageCommand(context.Background(), bin, append([]string{"serve",
+	// The sandboxes' outside is the test world (see testutil.World).
+	world := testutil.SharedWorld(t)
+	config := filepath.Join(t.TempDir(), "cage.json")
+	cfgJSON, _ := json.Marshal(map[string]any{"network": map[string]any{"dns": world.Upstreams()}})
+	if err := os.WriteFile(config, cfgJSON, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	d.cmd = cageCommand(context.Background(), bin, append([]string{"serve", "--config", config,
 		"--api", api, "--proxy", proxy, "--data", data, "--run-dir", runDir}, extra...)...)
 	d.cmd.Stdout = d.log
 	d.cmd.Stderr = d.log

@@ -79,6 +79,16 @@ func (sb *Sandbox) attachNetwork(cfg Config) (string, error) {
 // Network is the sandbox's network, nil when it has none.
 func (sb *Sandbox) Network() *network.Sandbox { return sb.net }
 
+// SetNetwork hands an adopted sandbox the network taken over for it.
+func (sb *Sandbox) SetNetwork(n *network.Sandbox) {
+	sb.net = n
+	if p := filepath.Join(sb.dir, "netns"); fileExists(p) {
+		sb.netns = p
+	}
+}
+
+func fileExists(p string) bool { _, err := os.Stat(p); return err == nil }
+
 // Config describes one sandbox.
 type Config struct {
 	ID        string

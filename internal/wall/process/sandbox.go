@@ -263,6 +263,9 @@ func (sb *Sandbox) attachNetwork(s Spec) (string, error) {
 // Network is the sandbox's network, nil when it has none.
 func (sb *Sandbox) Network() *network.Sandbox { return sb.net }
 
+// SetNetwork hands an adopted sandbox the network taken over for it.
+func (sb *Sandbox) SetNetwork(n *network.Sandbox) { sb.net = n }
+
 // backgroundNice is the priority prepared sandboxes are built at.
 const backgroundNice = 15
 
