@@ -326,6 +326,17 @@ func HostLinks() []int { return hostLinks() }
 // RuleSlots lists the slots that have rules in the shared table.
 func (h *Host) RuleSlots() ([]int, error) { return h.nft.slots() }
 
+// TableSlots lists the slots that have rules in the shared table, for a
+// process that has no Host (a check for leftovers).
+func TableSlots() ([]int, error) {
+	n, err := newNFT()
+	if err != nil {
+		return nil, err
+	}
+	defer n.close()
+	return n.slots()
+}
+
 // logged turns a kernel log record into a Record.
 func (h *Host) logged(slot int, decision string, pkt []byte) {
 	h.mu.Lock()

@@ -85,9 +85,16 @@ func (e *env) command(ctx context.Context, args ...string) *exec.Cmd {
 // every invocation must honour: no Go panic or stack trace on stderr.
 func (e *env) cage(stdin io.Reader, args ...string) result {
 	e.t.Helper()
+	return e.cageEnv(stdin, nil, args...)
+}
+
+// cageEnv is cage with env added to cage's environment.
+func (e *env) cageEnv(stdin io.Reader, env []string, args ...string) result {
+	e.t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
 	cmd := e.command(ctx, args...)
+	cmd.Env = append(cmd.Env, env...)
 	cmd.Stdin = stdin
 	var out, errb bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &out, &errb
@@ -346,6 +353,12 @@ func TestBadInput(t *testing.T) {
 		{[]string{"run", "--copy-in", "/nonexistent:/x", "--", "true"}, exitUsage, "/nonexistent"},
 		{[]string{"run", "--tty", "sometimes", "--", "true"}, exitUsage, "sometimes"},
 		{[]string{"run", "--frobnicate", "--", "true"}, exitUsage, "frobnicate"},
+		{[]string{"run", "--net", "everything", "--", "true"}, exitUsage, "everything"},
+		{[]string{"run", "--allow", "::1", "--", "true"}, exitUsage, "IPv4"},
+		{[]string{"run", "--allow", "exa mple.com", "--", "true"}, exitUsage, "exa mple.com"},
+		{[]string{"run", "--allow", "example.com:99999", "--", "true"}, exitUsage, "port"},
+		{[]string{"run", "--net", "none", "--allow", "example.com", "--", "true"}, exitUsage, "none"},
+		{[]string{"run", "--net", "allowlist", "--deny", "1.2.3.4", "--", "true"}, exitUsage, "deny"},
 		{[]string{"run"}, exitUsage, ""},
 	} {
 		name := strings.Join(tc.args, " ")

@@ -16,7 +16,9 @@ import (
 	"time"
 
 	"github.com/cagehq/cage/internal/agentclient"
+	"github.com/cagehq/cage/internal/network"
 	"github.com/cagehq/cage/internal/sandbox"
+	"github.com/cagehq/cage/internal/testutil"
 	cagewall "github.com/cagehq/cage/internal/wall"
 	"github.com/cagehq/cage/internal/wall/state"
 )
@@ -24,7 +26,8 @@ import (
 // TestLeakCheck creates and destroys many sandboxes, some of them killed by
 // their limits or destroyed mid-command, and checks that the host is left as
 // it was: no processes in sandbox uid ranges, no state files, no cgroups, no
-// mounts, no namespaces, no file descriptors or goroutines in the caller.
+// mounts, no namespaces, no interfaces or nftables rules, no file
+// descriptors or goroutines in the caller.
 func TestLeakCheck(t *testing.T) {
 	leakCheck(t, "process", 200, 4, func(i int) leakKind {
 		switch i % 10 {
@@ -36,6 +39,10 @@ func TestLeakCheck(t *testing.T) {
 			return leakTimeout
 		case 7:
 			return leakDestroyRunning
+		case 8:
+			return leakNetwork
+		case 9:
+			return leakNetDestroy
 		}
 		return leakTrue
 	})
@@ -55,10 +62,10 @@ func TestLeakCheckOCIWalls(t *testing.T) {
 			if err := h.WallMissing(w.name); err != nil {
 				w.newBox(t, sandbox.Options{}) // skips (or fails where required) with the reason
 			}
-			kinds := []leakKind{leakTrue, leakOOM, leakTrue, leakPids, leakTimeout, leakDestroyRunning}
-			n := 36
+			kinds := []leakKind{leakTrue, leakOOM, leakNetwork, leakPids, leakTimeout, leakDestroyRunning, leakNetDestroy}
+			n := 42
 			if w.name == "gvisor" {
-				kinds, n = []leakKind{leakTrue, leakTimeout, leakDestroyRunning}, 12
+				kinds, n = []leakKind{leakTrue, leakTimeout, leakDestroyRunning, leakNetwork, leakNetDestroy}, 15
 			}
 			leakCheck(t, w.name, n, 2, func(i int) leakKind { return kinds[i%len(kinds)] })
 		})
@@ -66,12 +73,12 @@ func TestLeakCheckOCIWalls(t *testing.T) {
 }
 
 func leakCheck(t *testing.T, wallName string, total, workers int, kindOf func(int) leakKind) {
-	h := processHost(t)
+	h, _ := netHost(t)
 
 	// Warm up: the first sandbox creates RUN_DIR/sandboxes, RUN_DIR/ids and
 	// the cgroup parents, which stay; the runtime starts its helpers.
 	warm := &leakRun{h: h, wall: wallName, ids: map[string]bool{}}
-	for _, k := range []leakKind{leakTrue, leakDestroyRunning} {
+	for _, k := range []leakKind{leakTrue, leakDestroyRunning, leakNetwork} {
 		if err := warm.one(k); err != nil {
 			t.Fatalf("warm-up %s: %v", k, err)
 		}
@@ -114,7 +121,7 @@ func leakCheck(t *testing.T, wallName string, total, workers int, kindOf func(in
 	for _, f := range failures {
 		t.Error(f)
 	}
-	for _, k := range []leakKind{leakTrue, leakOOM, leakPids, leakTimeout, leakDestroyRunning} {
+	for _, k := range []leakKind{leakTrue, leakOOM, leakPids, leakTimeout, leakDestroyRunning, leakNetwork, leakNetDestroy} {
 		t.Logf("%-17s %3d sandboxes", k, counts[k])
 	}
 	t.Logf("leak check: %d sandboxes created and destroyed in %v (%d workers)", len(run.ids), took.Round(time.Millisecond), workers)
@@ -158,6 +165,8 @@ const (
 	leakPids           leakKind = "pids-limit"
 	leakTimeout        leakKind = "timeout"
 	leakDestroyRunning leakKind = "destroy-running"
+	leakNetwork        leakKind = "network"     // internet mode, fetches from the test world
+	leakNetDestroy     leakKind = "net-destroy" // internet mode, destroyed under a running command
 )
 
 type leakRun struct {
@@ -176,6 +185,8 @@ func (r *leakRun) one(k leakKind) (err error) {
 		o.Memory = 48 << 20
 	case leakPids:
 		o.Pids = 20
+	case leakNetwork, leakNetDestroy:
+		o.Net = network.Policy{Mode: network.Internet}
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
@@ -206,7 +217,10 @@ func (r *leakRun) one(k leakKind) (err error) {
 		opts.Cmd, opts.Args, want = "/bin/sh", []string{"-c", "while :; do sleep 30 & done"}, "pids_limit"
 	case leakTimeout:
 		opts.Cmd, opts.Args, opts.TimeoutMs, want = "sleep", []string{"30"}, 200, "timeout"
-	case leakDestroyRunning:
+	case leakNetwork:
+		opts.Cmd, opts.Args, want = "python3", []string{"-c", fmt.Sprintf(
+			"import urllib.request; assert urllib.request.urlopen('http://%s/', timeout=10).read().startswith(b'public')", testutil.PublicHost)}, "exited"
+	case leakDestroyRunning, leakNetDestroy:
 		return leakDestroyWhileRunning(ctx, sb, c)
 	}
 	end, err := c.Run(ctx, opts)
@@ -297,6 +311,8 @@ type leakSnapshot struct {
 	ns         map[string]map[string][]int
 	fds        int
 	goroutines int
+	links      []int // host interfaces cage<slot>
+	rules      []int // slots with chains in the nftables table
 }
 
 func takeLeakSnapshot(runDir string) *leakSnapshot {
@@ -338,6 +354,10 @@ func takeLeakSnapshot(runDir string) *leakSnapshot {
 			}
 		}
 	}
+	s.links = network.HostLinks()
+	s.rules, _ = network.TableSlots()
+	slices.Sort(s.links)
+	slices.Sort(s.rules)
 	runtime.GC()
 	s.fds = len(leakDirNames("/proc/self/fd"))
 	s.goroutines = runtime.NumGoroutine()
@@ -420,8 +440,8 @@ func (s *leakSnapshot) summary() string {
 	for _, typ := range leakNSTypes {
 		ns = append(ns, fmt.Sprintf("%s=%d", typ, len(s.ns[typ])))
 	}
-	return fmt.Sprintf("%d sandbox-uid processes, %d state dirs, %d uid locks, %d cage cgroups, %d run-dir mounts, namespaces %s, %d fds, %d goroutines",
-		sandboxProcs, len(s.sandboxes), len(s.ids), len(s.cgroups), len(s.mounts), strings.Join(ns, " "), s.fds, s.goroutines)
+	return fmt.Sprintf("%d sandbox-uid processes, %d state dirs, %d uid locks, %d cage cgroups, %d run-dir mounts, namespaces %s, %d veths, %d rule sets, %d fds, %d goroutines",
+		sandboxProcs, len(s.sandboxes), len(s.ids), len(s.cgroups), len(s.mounts), strings.Join(ns, " "), len(s.links), len(s.rules), s.fds, s.goroutines)
 }
 
 // compareLeakSnapshots lists what after holds beyond base: leaks attributable to
@@ -433,6 +453,14 @@ func compareLeakSnapshots(base, after *leakSnapshot, ids map[string]bool) (leaks
 	}
 	if !slices.Equal(base.ids, after.ids) {
 		leaks = append(leaks, fmt.Sprintf("RUN_DIR/ids holds %v, was %v", after.ids, base.ids))
+	}
+	// The test runs in a network namespace of its own: every interface and
+	// rule there is its sandboxes'.
+	if !slices.Equal(base.links, after.links) {
+		leaks = append(leaks, fmt.Sprintf("host interfaces of slots %v, was %v", after.links, base.links))
+	}
+	if !slices.Equal(base.rules, after.rules) {
+		leaks = append(leaks, fmt.Sprintf("nftables chains of slots %v, was %v", after.rules, base.rules))
 	}
 	if !slices.Equal(base.mounts, after.mounts) {
 		leaks = append(leaks, fmt.Sprintf("host mounts of the run dir: %q, was %q", after.mounts, base.mounts))

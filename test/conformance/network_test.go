@@ -241,6 +241,45 @@ resolve("resolve_after_none", "www.example.com")`, testutil.PublicHost))
 	})
 }
 
+// TestNetworkSelfDefence: root inside a networked sandbox cannot rewrite
+// its own interface, address or routes, nor forge packets: the interface is
+// configured from the host, and the host's rules would drop a forged source
+// anyway.
+func TestNetworkSelfDefence(t *testing.T) {
+	forEachWall(t, func(t *testing.T, w wall) {
+		netHost(t)
+		b := w.newBox(t, sandbox.Options{Net: network.Policy{Mode: network.Allowlist}})
+		r := b.pyRunRaw(`
+import socket, fcntl, struct, errno
+def attempt(name, fn):
+    try:
+        fn(); print(name + "=DONE")
+    except OSError as ex:
+        print(name + "=" + errno.errorcode.get(ex.errno, str(ex.errno)))
+attempt("raw_socket", lambda: socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_RAW))
+attempt("packet_socket", lambda: socket.socket(socket.AF_PACKET, socket.SOCK_RAW, 0))
+def set_addr():
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    req = struct.pack("16sH2s4s8s", b"eth0", socket.AF_INET, b"\0\0", socket.inet_aton("10.209.0.9"), b"\0" * 8)
+    fcntl.ioctl(s, 0x8916, req)  # SIOCSIFADDR
+attempt("set_address", set_addr)
+def link_down():
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    fcntl.ioctl(s, 0x8914, struct.pack("16sH14s", b"eth0", 0, b"\0" * 14))  # SIOCSIFFLAGS: down
+attempt("link_down", link_down)
+`, asUser("root"), withTimeout(30*time.Second))
+		if r.err != nil || r.code() != 0 {
+			t.Fatalf("probe: %v code %d stderr %q", r.err, r.code(), clip(r.stderr))
+		}
+		t.Logf("probe: %q", r.stdout)
+		for _, name := range []string{"raw_socket", "packet_socket", "set_address", "link_down"} {
+			if strings.Contains(r.stdout, name+"=DONE") {
+				t.Errorf("root in the sandbox could %s (expected: refused, the interface is the host's to configure)", name)
+			}
+		}
+	})
+}
+
 // TestNetworkTeardown: destroying a networked sandbox leaves no interface
 // and no rules behind.
 func TestNetworkTeardown(t *testing.T) {
