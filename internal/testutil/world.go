@@ -2,6 +2,7 @@ package testutil
 
 import (
 	"fmt"
+	"io"
 	"net"
 	"net/http"
 	"net/netip"
@@ -199,6 +200,7 @@ func newWorld(t testing.TB) *World {
 	for _, a := range MetadataAddrs[1:] {
 		w.serveHTTP(t, pub, netip.AddrPortFrom(a, 80), "metadata "+a.String())
 	}
+	w.serveSink(t, pub, netip.AddrPortFrom(PublicHost, SinkPort))
 	w.serveDNS(t, pub, UpstreamDNS, &w.upstream, true)
 	w.serveDNS(t, pub, ForeignDNS, &w.foreign, false)
 	return w
@@ -300,6 +302,32 @@ func (w *World) serveDNS(t testing.TB, ns netns.NsHandle, at netip.Addr, log *[]
 		<-started
 		w.closers = append(w.closers, func() { _ = s.Shutdown() })
 	}
+}
+
+// SinkPort is where PublicHost takes TCP streams and discards them (for
+// throughput measurements).
+const SinkPort = 9000
+
+func (w *World) serveSink(t testing.TB, ns netns.NsHandle, at netip.AddrPort) {
+	t.Helper()
+	var l net.Listener
+	if err := inNS(ns, func() (err error) { l, err = net.Listen("tcp4", at.String()); return }); err != nil {
+		t.Fatalf("listen %s: %v", at, err)
+	}
+	go func() {
+		for {
+			c, err := l.Accept()
+			if err != nil {
+				return
+			}
+			go func() {
+				defer c.Close()
+				n, _ := io.Copy(io.Discard, c)
+				fmt.Fprintf(c, "%d\n", n)
+			}()
+		}
+	}()
+	w.closers = append(w.closers, func() { l.Close() })
 }
 
 // UpstreamAsked lists the names the upstream resolver was asked.

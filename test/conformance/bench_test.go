@@ -2,13 +2,24 @@ package conformance
 
 import (
 	"context"
+	"fmt"
 	"io"
+	"net/http"
+	"net/http/httptest"
+	"os/exec"
+	"slices"
+	"strconv"
+	"strings"
 	"testing"
 	"time"
 
 	"github.com/cagehq/cage/internal/agentclient"
 	"github.com/cagehq/cage/internal/bench"
+	"github.com/cagehq/cage/internal/network"
+	"github.com/cagehq/cage/internal/proxy"
 	"github.com/cagehq/cage/internal/sandbox"
+	"github.com/cagehq/cage/internal/testutil"
+	cagewall "github.com/cagehq/cage/internal/wall"
 )
 
 // Go benchmarks of the same measurements `cage bench` takes; they report
@@ -76,4 +87,190 @@ func (f *firstByte) Write(p []byte) (int, error) {
 		f.at = time.Now()
 	}
 	return len(p), nil
+}
+
+// BenchmarkNetworkCreate: create -> first output of a sandbox without a
+// network against one with the internet (a veth, its rules), interleaved,
+// on the process wall. Reports both and the difference of the p50s.
+func BenchmarkNetworkCreate(b *testing.B) {
+	h, _ := netHost(b)
+	ctx := context.Background()
+	var none, inet []time.Duration
+	measure := func(p network.Policy) time.Duration {
+		start := time.Now()
+		sb, err := h.Create(ctx, sandbox.Options{Net: p})
+		if err != nil {
+			b.Fatal(err)
+		}
+		c := agentclient.New(sb.Dial, sb.Token())
+		fw := &firstByte{}
+		if _, err := c.Run(ctx, agentclient.RunOptions{Cmd: "echo", Args: []string{"x"}, Stdout: fw, Stderr: io.Discard}); err != nil {
+			b.Fatal(err)
+		}
+		d := fw.at.Sub(start)
+		b.StopTimer()
+		c.Close()
+		_ = sb.Destroy()
+		b.StartTimer()
+		return d
+	}
+	measure(network.Policy{Mode: network.Internet}) // sets the host's network up
+	b.ResetTimer()
+	for i := 0; i < b.N; i++ {
+		none = append(none, measure(network.Policy{}))
+		inet = append(inet, measure(network.Policy{Mode: network.Internet}))
+	}
+	sn, si := bench.Summarize(none), bench.Summarize(inet)
+	b.ReportMetric(ms(sn.P50), "none-p50-ms")
+	b.ReportMetric(ms(sn.P99), "none-p99-ms")
+	b.ReportMetric(ms(si.P50), "internet-p50-ms")
+	b.ReportMetric(ms(si.P99), "internet-p99-ms")
+	b.ReportMetric(ms(si.P50-sn.P50), "diff-p50-ms")
+	b.ReportMetric(ms(si.P99-sn.P99), "diff-p99-ms")
+}
+
+func ms(d time.Duration) float64 { return float64(d.Microseconds()) / 1000 }
+
+// streamPy sends argv[3] bytes to argv[1]:argv[2] and prints the rate in
+// MB/s once the receiver has counted them all.
+const streamPy = `import socket, time, sys
+host, port, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+buf = b"\0" * (1 << 20)
+s = socket.create_connection((host, port))
+t = time.perf_counter()
+sent = 0
+while sent < n:
+    s.sendall(buf); sent += len(buf)
+s.shutdown(socket.SHUT_WR)
+got = int(s.recv(64).decode().strip())
+print("%.1f" % (got / (time.perf_counter() - t) / 1e6))`
+
+// BenchmarkNetworkThroughput: one TCP stream of 256 MiB from a sandbox
+// (internet mode) to the test world's public host, against the same stream
+// from the host itself, interleaved, on every wall.
+func BenchmarkNetworkThroughput(b *testing.B) {
+	for _, w := range walls() {
+		b.Run(w.name, func(b *testing.B) {
+			h, _ := netHost(b)
+			if err := h.WallMissing(w.name); err != nil {
+				b.Skip(err)
+			}
+			sb, err := h.Create(context.Background(), sandbox.Options{Wall: w.name, Net: network.Policy{Mode: network.Internet}, Memory: 256 << 20})
+			if err != nil {
+				b.Fatal(err)
+			}
+			defer sb.Destroy()
+			c := agentclient.New(sb.Dial, sb.Token())
+			defer c.Close()
+			const size = 256 << 20
+			args := []string{"-c", streamPy, testutil.PublicHost.String(), strconv.Itoa(testutil.SinkPort), strconv.Itoa(size)}
+			var host, inside []float64
+			for i := 0; i < b.N; i++ {
+				out, err := exec.Command("python3", args...).Output()
+				if err != nil {
+					b.Fatal(err)
+				}
+				host = append(host, parseRate(b, string(out)))
+				var so strings.Builder
+				end, err := c.Run(context.Background(), agentclient.RunOptions{Cmd: "python3", Args: args, Stdout: &so, Stderr: io.Discard})
+				if err != nil || end.GetExitCode() != 0 {
+					b.Fatalf("stream from the sandbox: %v %+v", err, end)
+				}
+				inside = append(inside, parseRate(b, so.String()))
+			}
+			mh, mi := median(host), median(inside)
+			b.ReportMetric(mh, "host-MB/s")
+			b.ReportMetric(mi, "sandbox-MB/s")
+			b.ReportMetric(mi/mh, "ratio")
+		})
+	}
+}
+
+func parseRate(b *testing.B, s string) float64 {
+	v, err := strconv.ParseFloat(strings.TrimSpace(s), 64)
+	if err != nil {
+		b.Fatalf("rate %q: %v", s, err)
+	}
+	return v
+}
+
+func median(v []float64) float64 {
+	s := slices.Clone(v)
+	slices.Sort(s)
+	return s[len(s)/2]
+}
+
+// oneSandbox is the proxy's view of a single public sandbox.
+type oneSandbox struct{ sb cagewall.Sandbox }
+
+func (o oneSandbox) Sandbox(id string) (cagewall.Sandbox, bool) { return o.sb, id == o.sb.ID() }
+func (o oneSandbox) Traffic(id string) (string, bool, bool)      { return "", true, id == o.sb.ID() }
+
+// BenchmarkExposedPort: an HTTP request (keep-alive) to a server inside a
+// sandbox through the daemon's proxy (which reaches it through the agent's
+// port forward), against the same request sent straight to the sandbox's
+// address from the host, interleaved.
+func BenchmarkExposedPort(b *testing.B) {
+	h, _ := netHost(b)
+	ctx := context.Background()
+	sb, err := h.Create(ctx, sandbox.Options{Net: network.Policy{Mode: network.Internet}})
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer sb.Destroy()
+	c := agentclient.New(sb.Dial, sb.Token())
+	defer c.Close()
+	const server = `cd /tmp && echo hello > x && (nohup python3 -c 'import http.server as h; h.BaseHTTPRequestHandler.protocol_version = "HTTP/1.1"; h.BaseHTTPRequestHandler.disable_nagle_algorithm = True; h.ThreadingHTTPServer(("0.0.0.0", 8000), h.SimpleHTTPRequestHandler).serve_forever()' >/dev/null 2>&1 &)`
+	if end, err := c.Run(ctx, agentclient.RunOptions{Cmd: "/bin/sh", Args: []string{"-c", server}, Stdout: io.Discard, Stderr: io.Discard}); err != nil || end.GetExitCode() != 0 {
+		b.Fatalf("start the server: %v %+v", err, end)
+	}
+	srv := httptest.NewServer(proxy.New(oneSandbox{sb}, "", nil))
+	defer srv.Close()
+	hc := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 4}, Timeout: 10 * time.Second}
+	get := func(url string, proxied bool) (time.Duration, error) {
+		req, _ := http.NewRequest(http.MethodGet, url, nil)
+		if proxied {
+			req.Header.Set("E2b-Sandbox-Id", sb.ID())
+			req.Header.Set("E2b-Sandbox-Port", "8000")
+		}
+		start := time.Now()
+		resp, err := hc.Do(req)
+		if err != nil {
+			return 0, err
+		}
+		body, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusOK || string(body) != "hello\n" {
+			return 0, fmt.Errorf("%s: %d %q", url, resp.StatusCode, body)
+		}
+		return time.Since(start), nil
+	}
+	direct := "http://" + sb.Network().IP.String() + ":8000/x"
+	for deadline := time.Now().Add(20 * time.Second); ; {
+		if _, err := get(direct, false); err == nil {
+			break
+		} else if time.Now().After(deadline) {
+			b.Fatalf("the sandbox's server never answered: %v", err)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	var viaProxy, straight []time.Duration
+	b.ResetTimer()
+	for i := 0; i < b.N; i++ {
+		d, err := get(srv.URL+"/x", true)
+		if err != nil {
+			b.Fatal(err)
+		}
+		viaProxy = append(viaProxy, d)
+		if d, err = get(direct, false); err != nil {
+			b.Fatal(err)
+		}
+		straight = append(straight, d)
+	}
+	sp, sd := bench.Summarize(viaProxy), bench.Summarize(straight)
+	b.ReportMetric(ms(sp.P50), "proxy-p50-ms")
+	b.ReportMetric(ms(sp.P99), "proxy-p99-ms")
+	b.ReportMetric(ms(sd.P50), "direct-p50-ms")
+	b.ReportMetric(ms(sd.P99), "direct-p99-ms")
+	b.ReportMetric(float64(sp.P50)/float64(sd.P50), "p50-ratio")
 }

@@ -78,7 +78,7 @@ func (b *box) pyRunRaw(code string, mods ...func(*agentclient.RunOptions)) resul
 }
 
 // netHost is the process host, its network pointed at the world's resolver.
-func netHost(t *testing.T) (*sandbox.Host, *testutil.World) {
+func netHost(t testing.TB) (*sandbox.Host, *testutil.World) {
 	h := processHost(t)
 	w := testutil.SharedWorld(t)
 	if h.Network() == nil {
