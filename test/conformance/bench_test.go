@@ -204,7 +204,7 @@ func median(v []float64) float64 {
 type oneSandbox struct{ sb cagewall.Sandbox }
 
 func (o oneSandbox) Sandbox(id string) (cagewall.Sandbox, bool) { return o.sb, id == o.sb.ID() }
-func (o oneSandbox) Traffic(id string) (string, bool, bool)      { return "", true, id == o.sb.ID() }
+func (o oneSandbox) Traffic(id string) (string, bool, bool)     { return "", true, id == o.sb.ID() }
 
 // BenchmarkExposedPort: an HTTP request (keep-alive) to a server inside a
 // sandbox through the daemon's proxy (which reaches it through the agent's
