@@ -277,6 +277,9 @@ func (d *daemon) sdkEnv(module, key string) []string {
 		"E2B_SANDBOX_URL="+d.proxyURL,
 		"E2B_API_KEY="+key,
 		"E2B_SDK_MODULE="+module,
+		// The test world's hosts (see testutil.World), for the network tests.
+		"CAGE_TEST_PUBLIC_HOST="+testutil.PublicHost.String(),
+		"CAGE_TEST_OTHER_HOST="+testutil.OtherHost.String(),
 		// Loopback never goes through a proxy the host may configure.
 		"NO_PROXY=127.0.0.1,localhost",
 		"no_proxy=127.0.0.1,localhost",

@@ -354,3 +354,64 @@ test('pty: create, input, resize, kill', T, async () => {
     })
   })
 })
+
+// --- network: the test world (testutil.World) is the sandboxes' outside ---
+
+const PUBLIC = process.env.CAGE_TEST_PUBLIC_HOST
+const OTHER = process.env.CAGE_TEST_OTHER_HOST
+const fetchCmd = (url) =>
+  `python3 -c 'import urllib.request, sys
+try: print("OK:" + urllib.request.urlopen(sys.argv[1], timeout=5).read().decode())
+except Exception as ex: print("FAIL:" + type(ex).__name__)' ${url}`
+
+test('network: the internet by default; updateNetwork to an allowlist; getInfo shows it', T, async () => {
+  await withSandbox({}, async (sbx) => {
+    const get = async (url) => (await sbx.commands.run(fetchCmd(url))).stdout.trim()
+    assert.equal(await get('http://other.example.org/'), `OK:other ${OTHER}`, 'a public name, by default')
+    assert.match(await get('http://169.254.169.254/'), /^FAIL/, 'cloud metadata, always denied')
+    await sbx.updateNetwork({ allowOut: ['allowed.example.com'], denyOut: ['0.0.0.0/0'] })
+    assert.equal(await get('http://allowed.example.com/'), `OK:public ${PUBLIC}`, 'the allowed name after the update')
+    assert.match(await get('http://other.example.org/'), /^FAIL/, 'a name not allowed after the update')
+    assert.match(await get(`http://${OTHER}/`), /^FAIL/, 'an address not allowed after the update')
+    const info = await sbx.getInfo()
+    assert.deepEqual(info.network?.allowOut, ['allowed.example.com'])
+    assert.deepEqual(info.network?.denyOut, ['0.0.0.0/0'])
+    assert.equal(info.allowInternetAccess, false)
+  })
+})
+
+test('network: allowInternetAccess false with network.allowOut on create', T, async () => {
+  await withSandbox({ allowInternetAccess: false, network: { allowOut: ['allowed.example.com'] } }, async (sbx) => {
+    const get = async (url) => (await sbx.commands.run(fetchCmd(url))).stdout.trim()
+    assert.equal(await get('http://allowed.example.com/'), `OK:public ${PUBLIC}`)
+    assert.match(await get('http://other.example.org/'), /^FAIL/)
+  })
+})
+
+test('getHost: a server inside answers at {port}-{id}.{domain} through the proxy', T, async () => {
+  await withSandbox({}, async (sbx) => {
+    await sbx.commands.run('cd /tmp && echo "served from the sandbox" > index.html && python3 -m http.server 8000 --bind 127.0.0.1', {
+      background: true,
+    })
+    const proxy = new URL(process.env.E2B_SANDBOX_URL)
+    const host = sbx.getHost(8000)
+    assert.match(host, new RegExp(`^8000-${sbx.sandboxId}\\.`))
+    const { request } = await import('node:http')
+    const fetchVia = () =>
+      new Promise((resolve, reject) => {
+        const req = request({ host: proxy.hostname, port: proxy.port, path: '/', headers: { Host: host } }, (res) => {
+          let body = ''
+          res.on('data', (d) => (body += d))
+          res.on('end', () => resolve({ status: res.statusCode, body }))
+        })
+        req.on('error', reject)
+        req.end()
+      })
+    let last
+    await waitFor(async () => {
+      last = await fetchVia()
+      return last.status === 200
+    }, 20_000, () => `the server at ${host}: ${JSON.stringify(last)}`)
+    assert.equal(last.body, 'served from the sandbox\n')
+  })
+})
