@@ -14,6 +14,7 @@ import (
 
 	"github.com/cagehq/cage/internal/agentclient"
 	"github.com/cagehq/cage/internal/cgroups"
+	"github.com/cagehq/cage/internal/network"
 	"github.com/cagehq/cage/internal/sandbox"
 )
 
@@ -68,6 +69,16 @@ func doctor(ctx context.Context, g *globals, w io.Writer) bool {
 	agentPath, err := sandbox.FindAgent()
 	host = append(host, check{"cage-agent", err == nil, ifElse(err == nil, agentPath, fmt.Sprint(err))})
 	printChecks(w, "host:", host)
+
+	var netChecks []check
+	upstreams, err := network.ParseUpstreams(strings.Split(os.Getenv("CAGE_DNS"), ","))
+	if err != nil {
+		netChecks = append(netChecks, check{"CAGE_DNS", false, err.Error()})
+	}
+	for _, f := range network.Readiness(upstreams) {
+		netChecks = append(netChecks, check{f.Name, f.OK, f.Info})
+	}
+	printChecks(w, "network (for --net internet|allowlist):", netChecks)
 
 	var walls []check
 	processOK := false
@@ -165,7 +176,7 @@ func probeWall(ctx context.Context, g *globals, wallName string) (bool, string) 
 	}
 	note := ""
 	if wallName == "gvisor" {
-		note = " (platform systrap: KVM on this host runs no stock guest, see MACHINE.md; network off)"
+		note = " (platform systrap: KVM on this host runs no stock guest, see MACHINE.md; a networked sandbox gets --network=sandbox: its netstack in the sandbox namespace)"
 	}
 	return true, fmt.Sprintf("%sworks: create → `true` ended in %v%s", runtime, time.Since(start).Round(100*time.Microsecond), note)
 }

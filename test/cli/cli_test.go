@@ -601,6 +601,13 @@ func TestDoctor(t *testing.T) {
 	if walls["process"] != "ok" {
 		t.Errorf("cage doctor: the process wall is not ok:\n%s", r.stdout)
 	}
+	// The network section: this test runs as root in its own network
+	// namespace, where nftables works.
+	for _, name := range []string{"nftables", "ip forwarding", "veth", "dns"} {
+		if walls[strings.Fields(name)[0]] != "ok" {
+			t.Errorf("cage doctor: network check %q is not ok:\n%s", name, r.stdout)
+		}
+	}
 	e.noLeftovers(r.ids...)
 }
 
