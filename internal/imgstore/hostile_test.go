@@ -1,0 +1,428 @@
+package imgstore
+
+import (
+	"archive/tar"
+	"bytes"
+	"compress/gzip"
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"io"
+	"io/fs"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	v1 "github.com/google/go-containerregistry/pkg/v1"
+	"golang.org/x/sys/unix"
+)
+
+// canary is a host file an archive must never reach.
+type canary struct{ dir, file string }
+
+func newCanary(t *testing.T) canary {
+	t.Helper()
+	dir := t.TempDir()
+	c := canary{dir: dir, file: filepath.Join(dir, "passwd")}
+	if err := os.WriteFile(c.file, []byte("canary"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	return c
+}
+
+// check: the canary file is untouched, not linked, and alone in its dir.
+func (c canary) check(t *testing.T) {
+	t.Helper()
+	if got := readFile(t, c.file); got != "canary" {
+		t.Errorf("canary overwritten: %q", got)
+	}
+	if st := lstat(t, c.file); st.Nlink != 1 {
+		t.Errorf("canary has %d links", st.Nlink)
+	}
+	es, _ := os.ReadDir(c.dir)
+	if len(es) != 1 {
+		t.Errorf("canary dir has %d entries, want 1", len(es))
+	}
+}
+
+// noLeftovers: a failed import leaves no layer, record or stage behind.
+func noLeftovers(t *testing.T, s *Store) {
+	t.Helper()
+	if es := layerEntries(t, s); len(es) != 0 {
+		t.Errorf("layers dir after a failed import: %q", es)
+	}
+}
+
+func wantInvalid(t *testing.T, err error, substr string) {
+	t.Helper()
+	if !errors.Is(err, ErrInvalid) {
+		t.Fatalf("err = %v, want ErrInvalid", err)
+	}
+	if !strings.Contains(err.Error(), substr) {
+		t.Errorf("err = %q, want it to mention %q", err, substr)
+	}
+	if strings.Contains(err.Error(), "\n") {
+		t.Errorf("err is not one line: %q", err)
+	}
+}
+
+func TestHostileArchives(t *testing.T) {
+	requireRoot(t)
+	ctx := context.Background()
+
+	t.Run("dotdot", func(t *testing.T) {
+		s := openStore(t)
+		_, err := importRaw(t, s, Options{}, newLayer(t).file("../evil", "x", 0o644).bytes())
+		wantInvalid(t, err, `"../evil" escapes the layer`)
+		noLeftovers(t, s)
+		filepath.WalkDir(filepath.Dir(s.Dir()), func(p string, d fs.DirEntry, err error) error {
+			if d != nil && d.Name() == "evil" {
+				t.Errorf("%s written", p)
+			}
+			return nil
+		})
+	})
+
+	t.Run("absolute", func(t *testing.T) {
+		s := openStore(t)
+		tm, err := importRaw(t, s, Options{}, newLayer(t).file("/etc/x", "inside", 0o644).bytes())
+		if err != nil {
+			t.Fatal(err)
+		}
+		dirs, _ := s.LayerDirs(tm)
+		if got := readFile(t, filepath.Join(dirs[0], "etc/x")); got != "inside" {
+			t.Errorf("etc/x = %q", got)
+		}
+	})
+
+	// Symlinks planted by an earlier entry, then written through.
+	for _, tc := range []struct{ name, link, entry string }{
+		{"symlink-abs-then-file", "@", "evil/passwd"},
+		{"symlink-rel-then-file", "../../../../../../../../../..@", "evil/passwd"},
+		{"symlink-then-dir", "@", "evil/sub/"},
+		{"symlink-then-nested-file", "@", "evil/sub/passwd"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			c := newCanary(t)
+			s := openStore(t)
+			l := newLayer(t).symlink("evil", strings.ReplaceAll(tc.link, "@", c.dir))
+			if strings.HasSuffix(tc.entry, "/") {
+				l.dir(tc.entry, 0o755)
+			} else {
+				l.file(tc.entry, "pwned", 0o644)
+			}
+			tm, err := importRaw(t, s, Options{}, l.bytes())
+			c.check(t)
+			if err == nil {
+				// Allowed only if the write stayed inside the layer.
+				dirs, _ := s.LayerDirs(tm)
+				t.Logf("import succeeded; layer has %v", dirs)
+			} else {
+				wantInvalid(t, err, "not a directory")
+				noLeftovers(t, s)
+			}
+		})
+	}
+
+	for _, tc := range []struct{ name, target, want string }{
+		{"hardlink-abs-outside", "@/passwd", "not an earlier file"},
+		{"hardlink-dotdot", "../../../../../../../../..@/passwd", "points outside the layer"},
+		{"hardlink-missing", "nothere", "not an earlier file"},
+		{"hardlink-through-symlink", "s/passwd", "not an earlier file"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			c := newCanary(t)
+			s := openStore(t)
+			l := newLayer(t).symlink("s", c.dir).hardlink("h", strings.ReplaceAll(tc.target, "@", c.dir))
+			_, err := importRaw(t, s, Options{}, l.bytes())
+			wantInvalid(t, err, tc.want)
+			c.check(t)
+			noLeftovers(t, s)
+		})
+	}
+
+	t.Run("hardlink-to-file-replaced-by-symlink", func(t *testing.T) {
+		// f is made, then replaced by a symlink to the canary: a link to
+		// f must link the symlink itself, never what it points to.
+		c := newCanary(t)
+		s := openStore(t)
+		l := newLayer(t).file("f", "f", 0o644).symlink("f", c.file).hardlink("h", "f")
+		tm, err := importRaw(t, s, Options{}, l.bytes())
+		c.check(t)
+		if err == nil {
+			dirs, _ := s.LayerDirs(tm)
+			if st := lstat(t, filepath.Join(dirs[0], "h")); st.Mode&unix.S_IFMT != unix.S_IFLNK {
+				t.Errorf("h is not the symlink: mode %o", st.Mode)
+			}
+		}
+	})
+
+	t.Run("devices-and-fifos", func(t *testing.T) {
+		s := openStore(t)
+		var p progressLog
+		l := newLayer(t).
+			add(tar.Header{Name: "dev/sda", Typeflag: tar.TypeBlock, Mode: 0o660, Devmajor: 8}, "").
+			add(tar.Header{Name: "dev/mem", Typeflag: tar.TypeChar, Mode: 0o666, Devmajor: 1, Devminor: 1}, "").
+			add(tar.Header{Name: "fifo", Typeflag: tar.TypeFifo, Mode: 0o666}, "").
+			file("ok", "ok", 0o644)
+		tm, err := importRaw(t, s, Options{Progress: p.f}, l.bytes())
+		if err != nil {
+			t.Fatal(err)
+		}
+		dirs, _ := s.LayerDirs(tm)
+		for _, n := range []string{"dev/sda", "dev/mem", "fifo"} {
+			if _, err := os.Lstat(filepath.Join(dirs[0], n)); !errors.Is(err, os.ErrNotExist) {
+				t.Errorf("%s was made: %v", n, err)
+			}
+		}
+		if p.count("skipped 3") != 1 {
+			t.Errorf("progress %q: want a note of 3 skipped entries", p.lines)
+		}
+	})
+
+	t.Run("uid-out-of-range", func(t *testing.T) {
+		s := openStore(t)
+		l := newLayer(t).add(tar.Header{Name: "f", Typeflag: tar.TypeReg, Mode: 0o644, Uid: 70000}, "x")
+		_, err := importRaw(t, s, Options{}, l.bytes())
+		wantInvalid(t, err, "70000")
+		noLeftovers(t, s)
+	})
+
+	t.Run("gzip-bomb", func(t *testing.T) {
+		s := openStore(t)
+		// A base layer that unpacks fine, then 64 MiB of zeros in ~64 KiB.
+		base := newLayer(t).file("base", "base", 0o644).bytes()
+		var gz bytes.Buffer
+		zw, _ := gzip.NewWriterLevel(&gz, gzip.BestCompression)
+		h := sha256.New()
+		tw := tar.NewWriter(io.MultiWriter(zw, h))
+		tw.WriteHeader(&tar.Header{Name: "zeros", Typeflag: tar.TypeReg, Mode: 0o644, Size: 64 << 20})
+		zero := make([]byte, 1<<20)
+		for range 64 {
+			tw.Write(zero)
+		}
+		tw.Close()
+		zw.Close()
+		cfg := configFor(t, diffID(base), "sha256:"+hex.EncodeToString(h.Sum(nil)))
+		p := rawArchive(t, cfg, base, gz.Bytes())
+		_, err := s.Import(ctx, p, "bomb", Options{MaxBytes: 8 << 20})
+		wantInvalid(t, err, "image exceeds 8388608 bytes uncompressed")
+		noLeftovers(t, s)
+	})
+
+	t.Run("too-many-files", func(t *testing.T) {
+		s := openStore(t)
+		l := newLayer(t)
+		for i := range 20 {
+			l.file(strings.Repeat("f", i+1), "x", 0o644)
+		}
+		_, err := importRaw(t, s, Options{MaxFiles: 10}, l.bytes())
+		wantInvalid(t, err, "image exceeds 10 files")
+		noLeftovers(t, s)
+	})
+
+	t.Run("diffid-mismatch", func(t *testing.T) {
+		s := openStore(t)
+		l := newLayer(t).file("f", "real", 0o644).bytes()
+		other := newLayer(t).file("f", "claimed", 0o644).bytes()
+		_, err := s.Import(ctx, rawArchive(t, configFor(t, diffID(other)), l), "x", Options{})
+		wantInvalid(t, err, "does not match its diff ID")
+		noLeftovers(t, s)
+	})
+
+	t.Run("smuggled-overlay-xattrs", func(t *testing.T) {
+		s := openStore(t)
+		var p progressLog
+		l := newLayer(t).
+			add(tar.Header{Name: "d/", Typeflag: tar.TypeDir, Mode: 0o755, PAXRecords: map[string]string{
+				"SCHILY.xattr.trusted.overlay.opaque": "y",
+				"SCHILY.xattr.user.overlay.opaque":    "y",
+			}}, "").
+			add(tar.Header{Name: "d/f", Typeflag: tar.TypeReg, Mode: 0o644, PAXRecords: map[string]string{
+				"SCHILY.xattr.trusted.overlay.redirect": "/etc",
+			}}, "f")
+		tm, err := importRaw(t, s, Options{Progress: p.f}, l.bytes())
+		if err != nil {
+			t.Fatal(err)
+		}
+		dirs, _ := s.LayerDirs(tm)
+		for _, x := range []string{"trusted.overlay.opaque", "user.overlay.opaque"} {
+			if _, err := getxattr(filepath.Join(dirs[0], "d"), x); !errors.Is(err, unix.ENODATA) {
+				t.Errorf("d has %s: %v", x, err)
+			}
+		}
+		if _, err := getxattr(filepath.Join(dirs[0], "d/f"), "trusted.overlay.redirect"); !errors.Is(err, unix.ENODATA) {
+			t.Errorf("d/f has trusted.overlay.redirect: %v", err)
+		}
+		if p.count("dropped 3 xattr") != 1 {
+			t.Errorf("progress %q: want one note of 3 dropped xattrs", p.lines)
+		}
+	})
+
+	t.Run("bad-whiteout", func(t *testing.T) {
+		s := openStore(t)
+		_, err := importRaw(t, s, Options{}, newLayer(t).file("d/.wh..wh.plnk", "", 0o644).bytes())
+		wantInvalid(t, err, "not a valid whiteout")
+		noLeftovers(t, s)
+	})
+
+	t.Run("truncated-tar", func(t *testing.T) {
+		s := openStore(t)
+		l := newLayer(t).file("f", strings.Repeat("x", 4096), 0o644).bytes()
+		_, err := importRaw(t, s, Options{}, l[:1500])
+		wantInvalid(t, err, "bad tar")
+		noLeftovers(t, s)
+	})
+
+	t.Run("oci-blob-digest-mismatch", func(t *testing.T) {
+		// The same layer recompressed: its diff ID still holds, the
+		// digest the manifest names does not.
+		s := openStore(t)
+		l := newLayer(t).file("f", strings.Repeat("f", 1000), 0o644).bytes()
+		img := buildImage(t, v1.Config{}, [][]byte{l})
+		dir := writeOCIDir(t, img, "latest")
+		layers, _ := img.Layers()
+		d, _ := layers[0].Digest()
+		var gz bytes.Buffer
+		zw, _ := gzip.NewWriterLevel(&gz, gzip.NoCompression)
+		zw.Write(l)
+		zw.Close()
+		if err := os.WriteFile(filepath.Join(dir, "blobs/sha256", d.Hex), gz.Bytes(), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		_, err := s.Import(ctx, dir, "x", Options{})
+		wantInvalid(t, err, "does not match its digest")
+		noLeftovers(t, s)
+	})
+
+	t.Run("too-many-layers", func(t *testing.T) {
+		s := openStore(t)
+		l := newLayer(t).bytes()
+		var ls [][]byte
+		for range maxLayers + 1 {
+			ls = append(ls, l)
+		}
+		_, err := importRaw(t, s, Options{}, ls...)
+		wantInvalid(t, err, "overlayfs stacks at most")
+	})
+
+	t.Run("wrong-platform", func(t *testing.T) {
+		s := openStore(t)
+		l := newLayer(t).file("f", "f", 0o644).bytes()
+		cfg := configFor(t, diffID(l))
+		cfg.Architecture = "arm64"
+		_, err := s.Import(ctx, rawArchive(t, cfg, l), "arm", Options{})
+		wantInvalid(t, err, "linux/arm64")
+	})
+
+	t.Run("names", func(t *testing.T) {
+		s := openStore(t)
+		p := rawArchive(t, configFor(t, diffID(newLayer(t).bytes())), newLayer(t).bytes())
+		for _, n := range []string{"../x", "host", "", "UPPER", "a/b", "a..b", "x:tag", strings.Repeat("a", 64)} {
+			if _, err := s.Import(ctx, p, n, Options{}); !errors.Is(err, ErrInvalid) {
+				t.Errorf("Import as %q: %v, want ErrInvalid", n, err)
+			}
+		}
+		if _, err := s.Get("../x"); !errors.Is(err, ErrInvalid) {
+			t.Errorf("Get(../x) = %v", err)
+		}
+	})
+}
+
+// paxRecord is one "len key=value\n" record of a PAX header.
+func paxRecord(k, v string) string {
+	rec := " " + k + "=" + v + "\n"
+	n := len(rec)
+	for len(fmt.Sprint(n))+len(rec) != n {
+		n = len(fmt.Sprint(n)) + len(rec)
+	}
+	return fmt.Sprint(n) + rec
+}
+
+// ustarBlock is a bare ustar header block.
+func ustarBlock(name string, typeflag byte, size int64) []byte {
+	b := make([]byte, 512)
+	copy(b[0:], name)
+	copy(b[100:], "0000644\x00")
+	copy(b[108:], "0000000\x00")
+	copy(b[116:], "0000000\x00")
+	copy(b[124:], fmt.Sprintf("%011o\x00", size))
+	copy(b[136:], fmt.Sprintf("%011o\x00", testTime.Unix()))
+	b[156] = typeflag
+	copy(b[257:], "ustar\x0000")
+	copy(b[148:], "        ")
+	sum := 0
+	for _, c := range b {
+		sum += int(c)
+	}
+	copy(b[148:], fmt.Sprintf("%06o\x00 ", sum))
+	return b
+}
+
+func pad512(b []byte) []byte {
+	return append(b, make([]byte, (512-len(b)%512)%512)...)
+}
+
+// sparseLayer is a layer of one GNU sparse (PAX 1.0) file of realsize bytes
+// holding "hello" at offset 4096, which archive/tar can read but not write.
+func sparseLayer(realsize int64) []byte {
+	pax := paxRecord("GNU.sparse.major", "1") + paxRecord("GNU.sparse.minor", "0") +
+		paxRecord("GNU.sparse.name", "sparse") + paxRecord("GNU.sparse.realsize", fmt.Sprint(realsize))
+	var out []byte
+	out = append(out, ustarBlock("PaxHeaders/sparse", 'x', int64(len(pax)))...)
+	out = append(out, pad512([]byte(pax))...)
+	data := append(pad512([]byte("1\n4096\n5\n")), "hello"...)
+	out = append(out, ustarBlock("GNUSparseFile.0/sparse", '0', int64(len(data)))...)
+	out = append(out, pad512(data)...)
+	return append(out, make([]byte, 1024)...)
+}
+
+func TestSparseFiles(t *testing.T) {
+	requireRoot(t)
+	ctx := context.Background()
+
+	t.Run("unpacked-and-exported-exactly", func(t *testing.T) {
+		s := openStore(t)
+		l := sparseLayer(1 << 20)
+		tm, err := importRaw(t, s, Options{}, l)
+		if err != nil {
+			t.Fatal(err)
+		}
+		dirs, _ := s.LayerDirs(tm)
+		b, err := os.ReadFile(filepath.Join(dirs[0], "sparse"))
+		if err != nil || len(b) != 1<<20 || string(b[4096:4101]) != "hello" || bytes.Count(b, []byte{0}) != 1<<20-5 {
+			t.Fatalf("sparse file: %d bytes, %v", len(b), err)
+		}
+		var out bytes.Buffer
+		if err := s.Export(ctx, tm.Name, &out); err != nil {
+			t.Fatal(err)
+		}
+		if got := tarFiles(t, out.Bytes())[tm.Layers[0][7:]+"/layer.tar"]; !bytes.Equal(got, l) {
+			t.Errorf("exported sparse layer differs from the original (%d vs %d bytes)", len(got), len(l))
+		}
+	})
+
+	t.Run("bomb", func(t *testing.T) {
+		// A few KiB of archive that would write 64 MiB of holes.
+		s := openStore(t)
+		_, err := importRaw(t, s, Options{MaxBytes: 8 << 20}, sparseLayer(64<<20))
+		wantInvalid(t, err, "image exceeds 8388608 bytes uncompressed")
+		noLeftovers(t, s)
+	})
+}
+
+func TestImportCanceled(t *testing.T) {
+	requireRoot(t)
+	s := openStore(t)
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	l := newLayer(t).file("f", "f", 0o644).bytes()
+	_, err := s.Import(ctx, rawArchive(t, configFor(t, diffID(l)), l), "x", Options{})
+	if !errors.Is(err, context.Canceled) {
+		t.Errorf("Import with a canceled context = %v", err)
+	}
+	noLeftovers(t, s)
+}
