@@ -11,6 +11,7 @@ command -v ps >/dev/null || need+=(procps)
 command -v unshare >/dev/null || need+=(util-linux)
 command -v ip >/dev/null || need+=(iproute2)
 command -v runc >/dev/null || need+=(runc)
+[ -x /bin/busybox ] || need+=(busybox-static) # the test images' one binary
 if [ ${#need[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ]; then
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null

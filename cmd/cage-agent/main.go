@@ -7,6 +7,7 @@ package main
 
 import (
 	"fmt"
+	"io"
 	"log/slog"
 	"os"
 
@@ -16,6 +17,13 @@ import (
 )
 
 func main() {
+	if len(os.Args) == 2 && os.Args[1] == "hold" {
+		// The host runs this in a user namespace only to get hold of the
+		// namespace (the map of an idmapped mount); it exits when its
+		// standard input closes.
+		_, _ = io.Copy(io.Discard, os.Stdin)
+		return
+	}
 	if len(os.Args) == 2 && os.Args[1] == "serve" {
 		// The OCI walls: runc or runsc made the container; seal and serve.
 		if err := oci.Serve(); err != nil {

@@ -197,6 +197,11 @@ func runCommand(ctx context.Context, g *globals, f *runFlags, args []string, std
 	if host.NetConfig.Upstreams, err = network.ParseUpstreams(strings.Split(os.Getenv("CAGE_DNS"), ",")); err != nil {
 		return exitf(ExitUsage, "CAGE_DNS: %v", err)
 	}
+	if t := p.opts.Template; t != "" && t != "host" {
+		if host.Templates, err = openTemplates(""); err != nil {
+			return err
+		}
+	}
 	if ctx == nil {
 		ctx = context.Background()
 	}

@@ -19,6 +19,7 @@ import (
 	"time"
 
 	"github.com/cagehq/cage/internal/api"
+	"github.com/cagehq/cage/internal/imgstore"
 	"github.com/cagehq/cage/internal/manager"
 	"github.com/cagehq/cage/internal/network"
 	"github.com/cagehq/cage/internal/proxy"
@@ -138,6 +139,9 @@ func Run(ctx context.Context, cfg Config, log *slog.Logger, ready func(apiAddr, 
 	host, err := sandbox.NewHost(cfg.RunDir, cfg.AgentPath, log)
 	if err != nil {
 		return err
+	}
+	if host.Templates, err = imgstore.Open(filepath.Join(cfg.Data, "templates")); err != nil {
+		return fmt.Errorf("template store: %w", err)
 	}
 	mgr := manager.New(manager.Config{Store: st, Host: host, Log: log, MaxTimeout: time.Duration(cfg.MaxTimeout),
 		DefaultTemplate: cfg.DefaultTemplate, MaxSandboxes: cfg.MaxSandboxes})

@@ -18,6 +18,7 @@ import (
 	"time"
 
 	"github.com/cagehq/cage/internal/cgroups"
+	"github.com/cagehq/cage/internal/imgstore"
 	"github.com/cagehq/cage/internal/network"
 	"github.com/cagehq/cage/internal/template"
 	"github.com/cagehq/cage/internal/units"
@@ -128,7 +129,9 @@ func containsAny(s, chars string) bool {
 
 // Host is what creating sandboxes on this machine needs.
 type Host struct {
-	RunDir    string // runtime state, e.g. /run/cage
+	RunDir string // runtime state, e.g. /run/cage
+	// Templates is the template store (nil: only the built-in "host").
+	Templates *imgstore.Store
 	AgentPath string
 	Cgroups   *cgroups.Manager
 	Log       *slog.Logger
@@ -236,7 +239,7 @@ func (h *Host) Prepare(ctx context.Context, o *Options) (*process.Sandbox, error
 	if err := o.Validate(); err != nil {
 		return nil, err
 	}
-	if _, err := template.Lookup(o.Template, filepath.Join(h.RunDir, "templates")); err != nil {
+	if _, err := h.lookup(o.Template); err != nil {
 		return nil, err
 	}
 	if sb := h.takePrepared(*o); sb != nil {
@@ -258,7 +261,7 @@ func (h *Host) prepareFresh(ctx context.Context, o Options) (*process.Sandbox, e
 
 // Start starts a prepared sandbox with o's limits and template.
 func (h *Host) Start(sb *process.Sandbox, o Options) error {
-	tmpl, err := template.Lookup(o.Template, filepath.Join(h.RunDir, "templates"))
+	tmpl, err := h.lookup(o.Template)
 	if err != nil {
 		return err
 	}
@@ -275,7 +278,7 @@ func (h *Host) Start(sb *process.Sandbox, o Options) error {
 		DiskBytes: o.Disk,
 		ShmBytes:  o.Shm,
 		Token:     o.Token,
-		Env:       o.Env,
+		Env:       tmpl.EnvWith(o.Env),
 		MaxOutput: o.MaxOutput,
 		Net:       netHost,
 		NetPolicy: o.Net,
@@ -311,6 +314,11 @@ func (h *Host) network(p network.Policy) (*network.Host, error) {
 	return n, nil
 }
 
+// lookup resolves a template name.
+func (h *Host) lookup(name string) (*template.Template, error) {
+	return template.Lookup(name, filepath.Join(h.RunDir, "templates"), h.Templates)
+}
+
 // Network is the host's sandbox network, nil until a sandbox had one.
 func (h *Host) Network() *network.Host {
 	h.netMu.Lock()
@@ -321,7 +329,7 @@ func (h *Host) Network() *network.Host {
 // config is how to prepare a sandbox of template name with the given
 // storage sizes (a pool uses the defaults; Start resizes).
 func (h *Host) config(dieWithCaller bool, name string, disk, shm int64) (process.Config, error) {
-	tmpl, err := template.Lookup(name, filepath.Join(h.RunDir, "templates"))
+	tmpl, err := h.lookup(name)
 	if err != nil {
 		return process.Config{}, err
 	}
@@ -427,7 +435,7 @@ func (h *Host) Close() {
 }
 
 func (h *Host) takePrepared(o Options) *process.Sandbox {
-	if h.pool == nil || o.DieWithCaller || o.ID != "" {
+	if h.pool == nil || o.DieWithCaller || o.ID != "" || (o.Template != "host" && o.Template != "") {
 		return nil
 	}
 	select {

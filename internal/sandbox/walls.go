@@ -6,10 +6,8 @@ import (
 	"io"
 	"os"
 	"os/exec"
-	"path/filepath"
 
 	"github.com/cagehq/cage/internal/cgroups"
-	"github.com/cagehq/cage/internal/template"
 	"github.com/cagehq/cage/internal/wall"
 	"github.com/cagehq/cage/internal/wall/oci"
 	"github.com/cagehq/cage/internal/wall/process"
@@ -66,7 +64,7 @@ func (h *Host) createOCI(ctx context.Context, o Options) (wall.Sandbox, error) {
 	if err := h.WallMissing(o.Wall); err != nil {
 		return nil, err
 	}
-	tmpl, err := template.Lookup(o.Template, filepath.Join(h.RunDir, "templates"))
+	tmpl, err := h.lookup(o.Template)
 	if err != nil {
 		return nil, err
 	}
@@ -83,7 +81,7 @@ func (h *Host) createOCI(ctx context.Context, o Options) (wall.Sandbox, error) {
 	return oci.Create(ctx, oci.Config{
 		ID: o.ID, AgentPath: h.AgentPath, RunDir: h.RunDir, Cgroups: h.Cgroups, Runtime: h.Runtimes[o.Wall],
 		Template: tmpl, Limits: cgroups.Limits{MemoryBytes: o.Memory, CPUs: o.CPUs, Pids: o.Pids + process.AgentThreads},
-		DiskBytes: o.Disk, ShmBytes: o.Shm, Token: o.Token, Env: o.Env, MaxOutput: o.MaxOutput,
+		DiskBytes: o.Disk, ShmBytes: o.Shm, Token: o.Token, Env: tmpl.EnvWith(o.Env), MaxOutput: o.MaxOutput,
 		Threads: process.AgentThreads, DieWithCaller: o.DieWithCaller, Log: h.Log,
 		Net: netHost, NetPolicy: o.Net,
 	})
@@ -100,7 +98,7 @@ func (h *Host) RunBare(ctx context.Context, wallName string, argv []string, out 
 	if err := o.Validate(); err != nil {
 		return err
 	}
-	tmpl, err := template.Lookup(o.Template, filepath.Join(h.RunDir, "templates"))
+	tmpl, err := h.lookup(o.Template)
 	if err != nil {
 		return err
 	}

@@ -54,7 +54,7 @@ func handledRights(abi int) uint64 {
 
 // applyLandlock restricts every thread of the agent, and so every process it
 // starts. It returns the ABI used (0: the kernel has no Landlock).
-func applyLandlock() (int, error) {
+func applyLandlock(writableRoot bool) (int, error) {
 	abi := landlockABI()
 	if abi == 0 {
 		return 0, nil
@@ -81,6 +81,9 @@ func applyLandlock() (int, error) {
 		{"/dev", devRW},
 		{"/dev/shm", writable},
 		{"/proc", (llRead | unix.LANDLOCK_ACCESS_FS_WRITE_FILE | llTruncate) & handled},
+	}
+	if writableRoot {
+		rules[0].access = writable
 	}
 	for _, r := range rules {
 		if err := landlockAllow(int(fd), r.path, r.access); err != nil {

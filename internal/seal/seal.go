@@ -24,6 +24,10 @@ type Options struct {
 	AgentUID      int  // the agent's own uid (and gid) inside the sandbox
 	DieWithParent bool // re-arm the parent-death signal after the uid change
 	Trace         func(string)
+	// WritableRoot lets the sandbox write its whole root (an image
+	// template's overlay, whose upper layer is the sandbox's disk);
+	// otherwise only its storage directories.
+	WritableRoot bool
 }
 
 // SpawnThread prepares the calling thread, the agent's spawning thread (see
@@ -40,7 +44,7 @@ func Seal(o Options) (int, error) {
 		trace = func(string) {}
 	}
 	trace("landlock")
-	abi, err := applyLandlock()
+	abi, err := applyLandlock(o.WritableRoot)
 	if err != nil {
 		return abi, fmt.Errorf("landlock: %w", err)
 	}

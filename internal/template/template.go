@@ -1,16 +1,18 @@
-// Package template describes what a sandbox's root filesystem is made from.
-// Today there is one built-in template, "host": the host's own /usr, /bin,
-// /sbin and /lib*, and a minimal /etc, all read-only.
+// Package template describes what a sandbox's root filesystem is made from:
+// the built-in template "host" (the host's own /usr, /bin, /sbin and /lib*,
+// and a minimal /etc, all read-only), or an image from the template store,
+// whose layers every sandbox of it shares under a writable layer of its own.
 package template
 
 import (
 	"errors"
-	"fmt"
 	"os"
 	"path/filepath"
 	"sort"
 	"sync"
 	"time"
+
+	"github.com/cagehq/cage/internal/imgstore"
 )
 
 // ErrNotFound is returned for a template name that does not exist.
@@ -33,11 +35,13 @@ type Mount struct {
 	Target string `json:"target,omitempty"` // Symlink target
 }
 
-// Template is a resolved template: what to mount, in order.
+// Template is a resolved template: what to mount, in order (the host
+// template), or an image from the store.
 type Template struct {
 	Name     string
 	Mounts   []Mount
 	EtcCache string // the prepared /etc directory in use
+	Image    *Image // an image template (Mounts and EtcCache are empty)
 }
 
 // hostRoots are the host directories the "host" template shares.
@@ -57,17 +61,18 @@ var hostEtc = []string{
 // Names lists the built-in templates.
 func Names() []string { return []string{"host"} }
 
-// Lookup resolves a template by name. cacheDir holds what templates prepare
+// Lookup resolves a template by name: "host" (also ""), or an image in
+// store (which may be nil: no store). cacheDir holds what templates prepare
 // once for every sandbox (the host template's /etc).
 //
 // Resolving the host template checks the host's /etc for changes (a walk of
 // its directories, a few milliseconds), so a result is reused for a second:
 // creates in a burst resolve it once.
-func Lookup(name, cacheDir string) (*Template, error) {
+func Lookup(name, cacheDir string, store *imgstore.Store) (*Template, error) {
 	switch name {
 	case "host", "":
 	default:
-		return nil, fmt.Errorf("%w: %q (available: %v)", ErrNotFound, name, Names())
+		return lookupImage(name, store)
 	}
 	dir := filepath.Join(cacheDir, "host")
 	recent.Lock()

@@ -9,7 +9,7 @@ import (
 )
 
 func TestLookupUnknown(t *testing.T) {
-	if _, err := Lookup("no-such-template", t.TempDir()); !errors.Is(err, ErrNotFound) {
+	if _, err := Lookup("no-such-template", t.TempDir(), nil); !errors.Is(err, ErrNotFound) {
 		t.Fatalf("want ErrNotFound, got %v", err)
 	}
 }
@@ -30,7 +30,7 @@ func cacheDir(t *testing.T) string {
 }
 
 func TestHostTemplate(t *testing.T) {
-	tmpl, err := Lookup("host", cacheDir(t))
+	tmpl, err := Lookup("host", cacheDir(t), nil)
 	if err != nil {
 		t.Fatal(err)
 	}

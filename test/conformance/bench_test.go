@@ -10,6 +10,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -35,26 +36,33 @@ func reportPercentiles(b *testing.B, samples []time.Duration) {
 // `echo` from it; destroying is not timed.
 func BenchmarkCreateToFirstOutput(b *testing.B) {
 	h := processHost(b)
-	ctx := context.Background()
 	var samples []time.Duration
 	for i := 0; i < b.N; i++ {
-		start := time.Now()
-		sb, err := h.Create(ctx, sandbox.Options{})
-		if err != nil {
-			b.Fatal(err)
-		}
-		c := agentclient.New(sb.Dial, sb.Token())
-		fw := &firstByte{}
-		if _, err := c.Run(ctx, agentclient.RunOptions{Cmd: "echo", Args: []string{"x"}, Stdout: fw, Stderr: io.Discard}); err != nil {
-			b.Fatal(err)
-		}
-		samples = append(samples, fw.at.Sub(start))
-		b.StopTimer()
-		c.Close()
-		_ = sb.Destroy()
-		b.StartTimer()
+		samples = append(samples, firstOutput(b, h, sandbox.Options{}))
 	}
 	reportPercentiles(b, samples)
+}
+
+// firstOutput creates a sandbox with o and returns the time to the first
+// byte of `echo` from it; destroying it is not timed.
+func firstOutput(b *testing.B, h *sandbox.Host, o sandbox.Options) time.Duration {
+	ctx := context.Background()
+	start := time.Now()
+	sb, err := h.Create(ctx, o)
+	if err != nil {
+		b.Fatal(err)
+	}
+	c := agentclient.New(sb.Dial, sb.Token())
+	fw := &firstByte{}
+	if _, err := c.Run(ctx, agentclient.RunOptions{Cmd: "echo", Args: []string{"x"}, Stdout: fw, Stderr: io.Discard}); err != nil {
+		b.Fatal(err)
+	}
+	d := fw.at.Sub(start)
+	b.StopTimer()
+	c.Close()
+	_ = sb.Destroy()
+	b.StartTimer()
+	return d
 }
 
 // BenchmarkRoundTrip: Start -> end of `true` in one live sandbox.
@@ -94,26 +102,8 @@ func (f *firstByte) Write(p []byte) (int, error) {
 // on the process wall. Reports both and the difference of the p50s.
 func BenchmarkNetworkCreate(b *testing.B) {
 	h, _ := netHost(b)
-	ctx := context.Background()
 	var none, inet []time.Duration
-	measure := func(p network.Policy) time.Duration {
-		start := time.Now()
-		sb, err := h.Create(ctx, sandbox.Options{Net: p})
-		if err != nil {
-			b.Fatal(err)
-		}
-		c := agentclient.New(sb.Dial, sb.Token())
-		fw := &firstByte{}
-		if _, err := c.Run(ctx, agentclient.RunOptions{Cmd: "echo", Args: []string{"x"}, Stdout: fw, Stderr: io.Discard}); err != nil {
-			b.Fatal(err)
-		}
-		d := fw.at.Sub(start)
-		b.StopTimer()
-		c.Close()
-		_ = sb.Destroy()
-		b.StartTimer()
-		return d
-	}
+	measure := func(p network.Policy) time.Duration { return firstOutput(b, h, sandbox.Options{Net: p}) }
 	measure(network.Policy{Mode: network.Internet}) // sets the host's network up
 	b.ResetTimer()
 	for i := 0; i < b.N; i++ {
@@ -273,4 +263,50 @@ func BenchmarkExposedPort(b *testing.B) {
 	b.ReportMetric(ms(sd.P50), "direct-p50-ms")
 	b.ReportMetric(ms(sd.P99), "direct-p99-ms")
 	b.ReportMetric(float64(sp.P50)/float64(sd.P50), "p50-ratio")
+}
+
+// BenchmarkTemplateCreate: create -> first output of `echo` from the test
+// image's template against the host template, interleaved in one run
+// (process wall); and the host disk each sandbox of the template takes
+// before it writes (the filesystem of the store and run directory, with
+// 20 sandboxes alive).
+func BenchmarkTemplateCreate(b *testing.B) {
+	h := processHost(b)
+	importTestImage(b)
+	ctx := context.Background()
+	measure := func(tmpl string) time.Duration { return firstOutput(b, h, sandbox.Options{Template: tmpl}) }
+	measure(testTemplate)
+	var hostT, image []time.Duration
+	b.ResetTimer()
+	for i := 0; i < b.N; i++ {
+		hostT = append(hostT, measure("host"))
+		image = append(image, measure(testTemplate))
+	}
+	b.StopTimer()
+	sh, si := bench.Summarize(hostT), bench.Summarize(image)
+	for _, m := range []struct {
+		name string
+		d    time.Duration
+	}{{"host-p50-ms", sh.P50}, {"host-p95-ms", sh.P95}, {"host-p99-ms", sh.P99},
+		{"image-p50-ms", si.P50}, {"image-p95-ms", si.P95}, {"image-p99-ms", si.P99},
+		{"diff-p50-ms", si.P50 - sh.P50}, {"diff-p99-ms", si.P99 - sh.P99}} {
+		b.ReportMetric(ms(m.d), m.name)
+	}
+	// Host disk per sandbox, before it writes.
+	var before, after syscall.Statfs_t
+	_ = syscall.Statfs(h.Templates.Dir(), &before)
+	var boxes []interface{ Destroy() error }
+	for i := 0; i < 20; i++ {
+		sb, err := h.Create(ctx, sandbox.Options{Template: testTemplate})
+		if err != nil {
+			b.Fatal(err)
+		}
+		boxes = append(boxes, sb)
+	}
+	_ = syscall.Statfs(h.Templates.Dir(), &after)
+	used := (int64(before.Bfree) - int64(after.Bfree)) * before.Bsize
+	b.ReportMetric(float64(used)/20/1024, "disk-KiB-per-sandbox")
+	for _, sb := range boxes {
+		_ = sb.Destroy()
+	}
 }

@@ -18,6 +18,7 @@ import (
 
 	pb "github.com/cagehq/cage/api/gen/process"
 	"github.com/cagehq/cage/internal/agentclient"
+	"github.com/cagehq/cage/internal/imgstore"
 	"github.com/cagehq/cage/internal/sandbox"
 	"github.com/cagehq/cage/internal/testutil"
 	cagewall "github.com/cagehq/cage/internal/wall"
@@ -69,6 +70,9 @@ func processHost(t testing.TB) *sandbox.Host {
 		hostDir = dir
 		_ = os.Chmod(dir, 0o711)
 		host, hostErr = sandbox.NewHost(dir, filepath.Join(bin, "cage-agent"), slog.New(slog.DiscardHandler))
+		if hostErr == nil {
+			host.Templates, hostErr = imgstore.Open(filepath.Join(dir, "data", "templates"))
+		}
 	})
 	if hostErr != nil {
 		t.Fatal(hostErr)

@@ -37,6 +37,8 @@ func TestLeakCheck(t *testing.T) {
 			return leakPids
 		case 5:
 			return leakTimeout
+		case 6:
+			return leakTemplate
 		case 7:
 			return leakDestroyRunning
 		case 8:
@@ -62,10 +64,10 @@ func TestLeakCheckOCIWalls(t *testing.T) {
 			if err := h.WallMissing(w.name); err != nil {
 				w.newBox(t, sandbox.Options{}) // skips (or fails where required) with the reason
 			}
-			kinds := []leakKind{leakTrue, leakOOM, leakNetwork, leakPids, leakTimeout, leakDestroyRunning, leakNetDestroy}
-			n := 42
+			kinds := []leakKind{leakTrue, leakOOM, leakNetwork, leakPids, leakTimeout, leakDestroyRunning, leakNetDestroy, leakTemplate}
+			n := 48
 			if w.name == "gvisor" {
-				kinds, n = []leakKind{leakTrue, leakTimeout, leakDestroyRunning, leakNetwork, leakNetDestroy}, 15
+				kinds, n = []leakKind{leakTrue, leakTimeout, leakDestroyRunning, leakNetwork, leakNetDestroy, leakTemplate}, 18
 			}
 			leakCheck(t, w.name, n, 2, func(i int) leakKind { return kinds[i%len(kinds)] })
 		})
@@ -74,11 +76,12 @@ func TestLeakCheckOCIWalls(t *testing.T) {
 
 func leakCheck(t *testing.T, wallName string, total, workers int, kindOf func(int) leakKind) {
 	h, _ := netHost(t)
+	importTestImage(t)
 
 	// Warm up: the first sandbox creates RUN_DIR/sandboxes, RUN_DIR/ids and
 	// the cgroup parents, which stay; the runtime starts its helpers.
 	warm := &leakRun{h: h, wall: wallName, ids: map[string]bool{}}
-	for _, k := range []leakKind{leakTrue, leakDestroyRunning, leakNetwork} {
+	for _, k := range []leakKind{leakTrue, leakDestroyRunning, leakNetwork, leakTemplate} {
 		if err := warm.one(k); err != nil {
 			t.Fatalf("warm-up %s: %v", k, err)
 		}
@@ -121,7 +124,7 @@ func leakCheck(t *testing.T, wallName string, total, workers int, kindOf func(in
 	for _, f := range failures {
 		t.Error(f)
 	}
-	for _, k := range []leakKind{leakTrue, leakOOM, leakPids, leakTimeout, leakDestroyRunning, leakNetwork, leakNetDestroy} {
+	for _, k := range []leakKind{leakTrue, leakOOM, leakPids, leakTimeout, leakDestroyRunning, leakNetwork, leakNetDestroy, leakTemplate} {
 		t.Logf("%-17s %3d sandboxes", k, counts[k])
 	}
 	t.Logf("leak check: %d sandboxes created and destroyed in %v (%d workers)", len(run.ids), took.Round(time.Millisecond), workers)
@@ -167,6 +170,7 @@ const (
 	leakDestroyRunning leakKind = "destroy-running"
 	leakNetwork        leakKind = "network"     // internet mode, fetches from the test world
 	leakNetDestroy     leakKind = "net-destroy" // internet mode, destroyed under a running command
+	leakTemplate       leakKind = "template"    // an image template, writes to its root
 )
 
 type leakRun struct {
@@ -187,6 +191,8 @@ func (r *leakRun) one(k leakKind) (err error) {
 		o.Pids = 20
 	case leakNetwork, leakNetDestroy:
 		o.Net = network.Policy{Mode: network.Internet}
+	case leakTemplate:
+		o.Template = testTemplate
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
@@ -220,6 +226,9 @@ func (r *leakRun) one(k leakKind) (err error) {
 	case leakNetwork:
 		opts.Cmd, opts.Args, want = "python3", []string{"-c", fmt.Sprintf(
 			"import urllib.request; assert urllib.request.urlopen('http://%s/', timeout=10).read().startswith(b'public')", testutil.PublicHost)}, "exited"
+	case leakTemplate:
+		opts.Cmd, opts.Args, want = "/bin/sh", []string{"-c", "echo x > /usr/local/share/f && echo y > /home/user/f"}, "exited"
+		opts.User = "root"
 	case leakDestroyRunning, leakNetDestroy:
 		return leakDestroyWhileRunning(ctx, sb, c)
 	}

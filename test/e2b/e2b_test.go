@@ -195,6 +195,14 @@ func startDaemon(t *testing.T, extra ...string) *daemon {
 		t.Fatalf("cage keys create: last line of stdout %q is not a key (e2b_ + 40 hex); stdout:\n%s\nstderr:\n%s", key, out, keysErr.Bytes())
 	}
 
+	// The test image as template "cage-test" (an image template through
+	// the SDK).
+	imp := cageCommand(context.Background(), bin, "template", "import", "--data", data,
+		testutil.WriteDockerArchive(t, testutil.TestImage(t), "cage-test:latest"), "cage-test")
+	if out, err := imp.CombinedOutput(); err != nil {
+		t.Fatalf("cage template import: %v\n%s", err, out)
+	}
+
 	api, proxy := freePort(t), freePort(t)
 	d := &daemon{
 		apiURL:   "http://" + api,

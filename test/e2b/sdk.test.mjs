@@ -415,3 +415,23 @@ test('getHost: a server inside answers at {port}-{id}.{domain} through the proxy
     assert.equal(last.body, 'served from the sandbox\n')
   })
 })
+
+test('an image template: Sandbox.create(name) runs in the image, writes stay its own', T, async () => {
+  const sbx = await Sandbox.create('cage-test', { timeoutMs: 120_000 })
+  try {
+    const r = await sbx.commands.run('head -1 /etc/os-release; id -un; echo $CAGE_TEST_IMAGE')
+    assert.equal(r.stdout, 'ID=cage-test\nuser\n1\n')
+    await sbx.files.write('/home/user/note.txt', 'mine')
+    assert.equal(await sbx.files.read('/home/user/note.txt'), 'mine')
+    const info = await sbx.getInfo()
+    assert.equal(info.templateId, 'cage-test')
+    const other = await Sandbox.create('cage-test', { timeoutMs: 120_000 })
+    try {
+      assert.equal(await other.files.exists('/home/user/note.txt'), false)
+    } finally {
+      await other.kill()
+    }
+  } finally {
+    await sbx.kill()
+  }
+})

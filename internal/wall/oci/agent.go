@@ -22,12 +22,15 @@ import (
 
 // serveSpec is what the host passes the agent on fd 3.
 type serveSpec struct {
-	Token     string            `json:"token"`
-	Env       map[string]string `json:"env"`
-	MaxOutput int64             `json:"max_output"`
-	UserName  string            `json:"user_name"`
-	AgentUID  int               `json:"agent_uid"`
-	Threads   int               `json:"threads"`
+	// WritableRoot: the root is an image template's overlay (see
+	// seal.Options).
+	WritableRoot bool              `json:"writable_root,omitempty"`
+	Token        string            `json:"token"`
+	Env          map[string]string `json:"env"`
+	MaxOutput    int64             `json:"max_output"`
+	UserName     string            `json:"user_name"`
+	AgentUID     int               `json:"agent_uid"`
+	Threads      int               `json:"threads"`
 	// Listen is a unix socket path to listen on; empty: the listening
 	// socket is fd 4 (runc passes it; gVisor cannot, and listens on a path
 	// shared with the host instead).
@@ -97,7 +100,7 @@ func Serve() error {
 	if err != nil {
 		return err
 	}
-	if _, err := seal.Seal(seal.Options{AgentUID: spec.AgentUID}); err != nil {
+	if _, err := seal.Seal(seal.Options{AgentUID: spec.AgentUID, WritableRoot: spec.WritableRoot}); err != nil {
 		return err
 	}
 	return srv.Serve(l)

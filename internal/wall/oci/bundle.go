@@ -147,14 +147,17 @@ type bundleConfig struct {
 	args       []string // the container's process: the agent, or a bare command (RunBare)
 	netns      string   // a network namespace to join ("" = a new one, loopback only)
 	resolvConf string
+	image      bool // rootfs is an image template's overlay, writable
 }
 
-func (b *bundleConfig) write() error {
+// hostRoot fills the sandbox's own root tmpfs for the host template: the
+// template's read-only binds and the directories the container mounts on.
+func (b *bundleConfig) hostRoot() ([]ociMnt, error) {
 	rootfs := b.rootfs
 	dirs := []string{"usr", "etc", "tmp", "home", "root", "var/tmp", "proc", "dev", "run", "mnt", "opt", "srv"}
 	for _, d := range dirs {
 		if err := os.MkdirAll(filepath.Join(rootfs, d), 0o755); err != nil {
-			return err
+			return nil, err
 		}
 	}
 	// The files that name the sandbox, and the mount point of the agent.
@@ -163,24 +166,78 @@ func (b *bundleConfig) write() error {
 		resolvConf = template.NoNetworkResolvConf
 	}
 	if err := template.WriteIdentity(filepath.Join(rootfs, "run", "cage"), b.hostname, resolvConf); err != nil {
-		return err
+		return nil, err
 	}
 	if f, err := os.OpenFile(filepath.Join(rootfs, agentInside), os.O_CREATE|os.O_WRONLY, 0o755); err == nil {
 		f.Close()
 	} else {
-		return err
+		return nil, err
+	}
+	if b.sockDir != "" {
+		if err := os.MkdirAll(filepath.Join(rootfs, sockInside), 0o755); err != nil {
+			return nil, err
+		}
 	}
 	var mounts []ociMnt
 	for _, m := range b.template.Mounts {
 		switch m.Kind {
 		case template.Symlink:
 			if err := os.Symlink(m.Target, filepath.Join(rootfs, m.Dest)); err != nil && !os.IsExist(err) {
-				return err
+				return nil, err
 			}
 		case template.Dir, template.File:
 			mounts = append(mounts, ociMnt{Destination: m.Dest, Type: "bind", Source: m.Source,
 				Options: []string{"rbind", "ro", "nosuid", "nodev"}})
 		}
+	}
+	return mounts, nil
+}
+
+// imageRoot prepares an image template's overlay: cage's directories,
+// accounts and identity files, written as the sandbox's root would own
+// them, every path resolved inside the root (the image is not trusted).
+func (b *bundleConfig) imageRoot() error {
+	hostID := func(id int) int { return id }
+	if b.userns {
+		hostID = func(id int) int { return int(b.idBase) + id }
+	}
+	if err := template.PrepareImageRoot(b.rootfs, b.hostname, hostID); err != nil {
+		return err
+	}
+	r, err := os.OpenRoot(b.rootfs)
+	if err != nil {
+		return err
+	}
+	defer r.Close()
+	if b.resolvConf != "" {
+		if err := r.WriteFile("run/cage/resolv.conf", []byte(b.resolvConf), 0o644); err != nil {
+			return err
+		}
+	}
+	// Mount points of the agent and its socket directory.
+	_ = r.RemoveAll(agentInside[1:])
+	if err := r.WriteFile(agentInside[1:], nil, 0o755); err != nil {
+		return err
+	}
+	if b.sockDir != "" {
+		_ = r.RemoveAll(sockInside[1:])
+		if err := r.Mkdir(sockInside[1:], 0o755); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func (b *bundleConfig) write() error {
+	var mounts []ociMnt
+	var err error
+	if b.image {
+		err = b.imageRoot()
+	} else {
+		mounts, err = b.hostRoot()
+	}
+	if err != nil {
+		return err
 	}
 	shm := fmt.Sprintf("size=%d", b.shmBytes)
 	mounts = append(mounts,
@@ -188,17 +245,17 @@ func (b *bundleConfig) write() error {
 		ociMnt{"/dev", "tmpfs", "tmpfs", []string{"nosuid", "strictatime", "mode=755", "size=65536k"}},
 		ociMnt{"/dev/pts", "devpts", "devpts", []string{"nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620"}},
 		ociMnt{"/dev/shm", "tmpfs", "shm", []string{"nosuid", "noexec", "nodev", "mode=1777", shm}},
-		ociMnt{"/tmp", "bind", filepath.Join(b.disk, "tmp"), []string{"rbind", "rw", "nosuid", "nodev"}},
-		ociMnt{"/var/tmp", "bind", filepath.Join(b.disk, "vartmp"), []string{"rbind", "rw", "nosuid", "nodev"}},
-		ociMnt{"/home", "bind", filepath.Join(b.disk, "home"), []string{"rbind", "rw", "nosuid", "nodev"}},
-		ociMnt{"/root", "bind", filepath.Join(b.disk, "root"), []string{"rbind", "rw", "nosuid", "nodev"}},
-		ociMnt{agentInside, "bind", b.agentPath, []string{"bind", "ro", "nosuid", "nodev"}},
 	)
+	if !b.image {
+		mounts = append(mounts,
+			ociMnt{"/tmp", "bind", filepath.Join(b.disk, "tmp"), []string{"rbind", "rw", "nosuid", "nodev"}},
+			ociMnt{"/var/tmp", "bind", filepath.Join(b.disk, "vartmp"), []string{"rbind", "rw", "nosuid", "nodev"}},
+			ociMnt{"/home", "bind", filepath.Join(b.disk, "home"), []string{"rbind", "rw", "nosuid", "nodev"}},
+			ociMnt{"/root", "bind", filepath.Join(b.disk, "root"), []string{"rbind", "rw", "nosuid", "nodev"}})
+	}
+	mounts = append(mounts, ociMnt{agentInside, "bind", b.agentPath, []string{"bind", "ro", "nosuid", "nodev"}})
 	if b.sockDir != "" {
 		mounts = append(mounts, ociMnt{sockInside, "bind", b.sockDir, []string{"rbind", "rw", "nosuid", "nodev", "noexec"}})
-		if err := os.MkdirAll(filepath.Join(rootfs, sockInside), 0o755); err != nil {
-			return err
-		}
 	}
 	// Open files: 65536, or the host's own hard limit if lower (a runtime
 	// cannot raise it).
@@ -217,7 +274,7 @@ func (b *bundleConfig) write() error {
 			Rlimits:         []ociRlim{{"RLIMIT_NOFILE", nofile, nofile}},
 			NoNewPrivileges: true,
 		},
-		Root:     ociRoot{Path: rootfs, Readonly: true},
+		Root:     ociRoot{Path: b.rootfs, Readonly: !b.image},
 		Hostname: b.hostname,
 		Mounts:   mounts,
 		Linux: ociLinux{

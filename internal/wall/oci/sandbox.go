@@ -223,8 +223,10 @@ func Create(ctx context.Context, cfg Config) (sb *Sandbox, err error) {
 	if sb.cg, err = cfg.Cgroups.Create(cfg.ID, cfg.Limits); err != nil {
 		return sb, err
 	}
-	if err := sb.makeDisk(cfg); err != nil {
-		return sb, err
+	if cfg.Template.Image == nil {
+		if err := sb.makeDisk(cfg); err != nil {
+			return sb, err
+		}
 	}
 	hostname := "cage-" + cfg.ID[:min(8, len(cfg.ID))]
 	resolvConf, err := sb.attachNetwork(cfg)
@@ -235,18 +237,34 @@ func Create(ctx context.Context, cfg Config) (sb *Sandbox, err error) {
 	if err != nil {
 		return sb, err
 	}
-	sb.rootfs = filepath.Join(sb.dir, "rootfs")
-	if err := os.Mkdir(sb.rootfs, 0o755); err != nil {
-		return sb, err
-	}
-	if err := unix.Mount("tmpfs", sb.rootfs, "tmpfs", unix.MS_NOSUID|unix.MS_NODEV, "size=1m,nr_inodes=1024,mode=755"); err != nil {
-		return sb, fmt.Errorf("mount the sandbox root: %w", err)
+	if cfg.Template.Image != nil {
+		// An image template: its overlay is the root, its upper layer on
+		// the sandbox's disk; under runc its layers are idmapped to the
+		// sandbox's uid range, gVisor serves host ids as they are.
+		idBase := uint32(sb.ids.Base)
+		if cfg.Runtime.gvisor() {
+			idBase = 0
+		}
+		inodes := max(4096, cfg.DiskBytes/8192)
+		userns := template.HeldUserNS(idBase, cfg.AgentPath)
+		if sb.rootfs, err = cfg.Template.MountImage(sb.dir, idBase, userns, cfg.DiskBytes, inodes); err != nil {
+			return sb, err
+		}
+		sb.diskMount = filepath.Join(sb.dir, "disk")
+	} else {
+		sb.rootfs = filepath.Join(sb.dir, "rootfs")
+		if err := os.Mkdir(sb.rootfs, 0o755); err != nil {
+			return sb, err
+		}
+		if err := unix.Mount("tmpfs", sb.rootfs, "tmpfs", unix.MS_NOSUID|unix.MS_NODEV, "size=1m,nr_inodes=1024,mode=755"); err != nil {
+			return sb, fmt.Errorf("mount the sandbox root: %w", err)
+		}
 	}
 	b := &bundleConfig{dir: filepath.Join(sb.dir, "bundle"), rootfs: sb.rootfs, id: cfg.ID, hostname: hostname,
 		agentPath: agentCopy, template: cfg.Template, disk: sb.diskMount,
 		cgroupPath: cgroupsPath(cfg.Cgroups, cfg.ID), limits: cfg.Limits, shmBytes: cfg.ShmBytes,
 		idBase: uint32(sb.ids.Base), userns: !cfg.Runtime.gvisor(), args: []string{agentInside, "serve"},
-		netns: sb.netns, resolvConf: resolvConf}
+		netns: sb.netns, resolvConf: resolvConf, image: cfg.Template.Image != nil}
 	if cfg.bare != nil {
 		b.args = cfg.bare
 	}
@@ -363,7 +381,7 @@ func (sb *Sandbox) run(ctx context.Context, cfg Config) error {
 	defer pids.Close()
 	spec := serveSpec{Token: cfg.Token, Env: cfg.Env, MaxOutput: cfg.MaxOutput, UserName: template.UserName,
 		AgentUID: template.AgentUID, Threads: cfg.Threads, OOMFD: 4, PidsFD: 5,
-		LoopbackUp: !cfg.Runtime.gvisor() && sb.netns == "", LifelineFD: -1}
+		LoopbackUp: !cfg.Runtime.gvisor() && sb.netns == "", LifelineFD: -1, WritableRoot: cfg.Template.Image != nil}
 	files := []*os.File{specR, oom, pids, sb.ids.Lock}
 	var lifeR *os.File
 	if cfg.DieWithCaller {

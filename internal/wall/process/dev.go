@@ -16,7 +16,7 @@ var devNodes = []string{"null", "zero", "full", "random", "urandom", "tty"}
 
 func buildDev(root string, spec *initSpec) error {
 	dev := filepath.Join(root, "dev")
-	if err := os.Mkdir(dev, 0o755); err != nil {
+	if err := os.Mkdir(dev, 0o755); err != nil && !os.IsExist(err) {
 		return err
 	}
 	if err := unix.Mount("tmpfs", dev, "tmpfs", unix.MS_NOSUID|unix.MS_NOEXEC, "size=64k,nr_inodes=64,mode=755"); err != nil {

@@ -83,7 +83,7 @@ func (c *Child) Build() error {
 		run  func() error
 	}{
 		{"root filesystem", func() error { return buildRoot(spec) }},
-		{"pivot_root", func() error { return pivot(spec.Root) }},
+		{"pivot_root", func() error { return pivot(spec.Root, spec.Image != "") }},
 		{"hostname", func() error { return unix.Sethostname([]byte(spec.Hostname)) }},
 		{"loopback", LoopbackUp},
 	}
@@ -100,7 +100,8 @@ func (c *Child) Build() error {
 // its own uid with capabilities down to agentCaps, no_new_privs, then the
 // seccomp filter (whose TSYNC also spreads no_new_privs to every thread).
 func (c *Child) Seal() error {
-	if _, err := seal.Seal(seal.Options{AgentUID: agentUID, DieWithParent: c.spec.DieWithParent, Trace: trace}); err != nil {
+	if _, err := seal.Seal(seal.Options{AgentUID: agentUID, DieWithParent: c.spec.DieWithParent, Trace: trace,
+		WritableRoot: c.spec.Image != ""}); err != nil {
 		return err
 	}
 	if tracing {
@@ -130,14 +131,15 @@ func (c *Child) WaitStart() (token string, env map[string]string, maxOutput int6
 		return "", nil, 0, err
 	}
 	trace("start read")
-	if st.DiskBytes != c.spec.DiskBytes || st.DiskInodes != c.spec.DiskInodes {
+	// An image root's disk is the host's; the host resized it.
+	if c.spec.Image == "" && (st.DiskBytes != c.spec.DiskBytes || st.DiskInodes != c.spec.DiskInodes) {
 		opts := fmt.Sprintf("size=%d,nr_inodes=%d", st.DiskBytes, st.DiskInodes)
 		if err := unix.Mount("", "/tmp", "", unix.MS_REMOUNT|unix.MS_NOSUID|unix.MS_NODEV, opts); err != nil {
 			return "", nil, 0, fmt.Errorf("resize the disk: %w", err)
 		}
 	}
 	if st.ResolvConf != "" {
-		if err := writeRootFile("/run/cage/resolv.conf", st.ResolvConf); err != nil {
+		if err := writeRootFile("/run/cage/resolv.conf", st.ResolvConf, c.spec.Image != ""); err != nil {
 			return "", nil, 0, fmt.Errorf("resolv.conf: %w", err)
 		}
 	}
@@ -170,7 +172,10 @@ func openLimitEvents(spec *initSpec) (cgroups.EventFiles, error) {
 
 // writeRootFile writes a file of the read-only root: the root is made
 // writable for the moment (nothing of the workload runs yet).
-func writeRootFile(path, content string) error {
+func writeRootFile(path, content string, writable bool) error {
+	if writable {
+		return os.WriteFile(path, []byte(content), 0o644)
+	}
 	rw := &unix.MountAttr{Attr_clr: unix.MOUNT_ATTR_RDONLY}
 	if err := unix.MountSetattr(unix.AT_FDCWD, "/", 0, rw); err != nil {
 		return err

@@ -27,22 +27,34 @@ func buildRoot(spec *initSpec) error {
 		return fmt.Errorf("make mounts private: %w", err)
 	}
 	root := spec.Root
-	if err := unix.Mount("tmpfs", root, "tmpfs", unix.MS_NOSUID|unix.MS_NODEV, "size=2m,nr_inodes=4096,mode=755"); err != nil {
-		return fmt.Errorf("mount root tmpfs: %w", err)
-	}
-	trace("root: mounts")
-	for _, m := range spec.Mounts {
-		if err := placeMount(root, m); err != nil {
+	if spec.Image != "" {
+		// An image template: the host mounted its overlay, whose upper
+		// layer is the sandbox's disk.
+		if err := attachRoot(root); err != nil {
 			return err
 		}
-	}
-	trace("root: etc")
-	if err := writeIdentity(root, spec); err != nil {
-		return err
-	}
-	trace("root: disk")
-	if err := mountDisk(root, spec); err != nil {
-		return err
+		trace("root: image")
+		if err := template.PrepareImageRoot(root, spec.Hostname, func(id int) int { return id }); err != nil {
+			return err
+		}
+	} else {
+		if err := unix.Mount("tmpfs", root, "tmpfs", unix.MS_NOSUID|unix.MS_NODEV, "size=2m,nr_inodes=4096,mode=755"); err != nil {
+			return fmt.Errorf("mount root tmpfs: %w", err)
+		}
+		trace("root: mounts")
+		for _, m := range spec.Mounts {
+			if err := placeMount(root, m); err != nil {
+				return err
+			}
+		}
+		trace("root: etc")
+		if err := writeIdentity(root, spec); err != nil {
+			return err
+		}
+		trace("root: disk")
+		if err := mountDisk(root, spec); err != nil {
+			return err
+		}
 	}
 	trace("root: dev")
 	if err := buildDev(root, spec); err != nil {
@@ -53,6 +65,9 @@ func buildRoot(spec *initSpec) error {
 		return err
 	}
 	trace("root: done")
+	if spec.Image != "" {
+		return nil // the image has its own directories
+	}
 	for _, d := range []string{"run", "mnt", "opt", "srv", "var"} {
 		if err := os.MkdirAll(filepath.Join(root, d), 0o755); err != nil {
 			return err
@@ -164,7 +179,7 @@ func mountDisk(root string, spec *initSpec) error {
 // the paths that reveal or touch the host kernel.
 func mountProc(root string) error {
 	proc := filepath.Join(root, "proc")
-	if err := os.Mkdir(proc, 0o555); err != nil {
+	if err := os.Mkdir(proc, 0o555); err != nil && !os.IsExist(err) {
 		return err
 	}
 	if err := unix.Mount("proc", proc, "proc", unix.MS_NOSUID|unix.MS_NODEV|unix.MS_NOEXEC, ""); err != nil {
@@ -198,7 +213,7 @@ func mountProc(root string) error {
 }
 
 // pivot makes root the process's root and detaches the host's tree.
-func pivot(root string) error {
+func pivot(root string, writable bool) error {
 	if err := unix.Chdir(root); err != nil {
 		return err
 	}
@@ -213,10 +228,38 @@ func pivot(root string) error {
 	if err := unix.Chdir("/"); err != nil {
 		return err
 	}
+	if writable {
+		return nil
+	}
 	// The root tmpfs becomes read-only; /tmp, /home, /dev/shm stay writable.
 	attr := &unix.MountAttr{Attr_set: unix.MOUNT_ATTR_RDONLY}
 	if err := unix.MountSetattr(unix.AT_FDCWD, "/", 0, attr); err != nil {
 		return fmt.Errorf("read-only root: %w", err)
+	}
+	return nil
+}
+
+// attachRoot receives the detached copy of the image's root mount that the
+// host sends on fdRoot and attaches it at root (it is nosuid and nodev
+// already: the host mounted it so).
+func attachRoot(root string) error {
+	buf, oob := make([]byte, 16), make([]byte, unix.CmsgSpace(4))
+	_, oobn, _, _, err := unix.Recvmsg(fdRoot, buf, oob, unix.MSG_CMSG_CLOEXEC)
+	unix.Close(fdRoot)
+	if err != nil {
+		return fmt.Errorf("receive the image's root: %w", err)
+	}
+	msgs, err := unix.ParseSocketControlMessage(oob[:oobn])
+	if err != nil || len(msgs) != 1 {
+		return fmt.Errorf("receive the image's root: no descriptor")
+	}
+	fds, err := unix.ParseUnixRights(&msgs[0])
+	if err != nil || len(fds) != 1 {
+		return fmt.Errorf("receive the image's root: no descriptor")
+	}
+	defer unix.Close(fds[0])
+	if err := unix.MoveMount(fds[0], "", unix.AT_FDCWD, root, unix.MOVE_MOUNT_F_EMPTY_PATH); err != nil {
+		return fmt.Errorf("attach the image's root: %w", err)
 	}
 	return nil
 }

@@ -73,6 +73,8 @@ type Sandbox struct {
 	specW         *os.File // the agent waits for its spec on the other end
 	started       bool
 	etc           string // the template /etc copy it was built with
+	template      string // the template's name
+	image         bool   // the root is an image template's overlay
 	niced         bool   // prepared at background priority
 	disk, shm     int64  // the sizes it was built with
 	dieWithParent bool
@@ -170,8 +172,23 @@ func Prepare(ctx context.Context, cfg Config) (sb *Sandbox, err error) {
 		return sb, err
 	}
 	defer lf.Close()
-	if err := sb.fork(cfg, lf); err != nil {
+	sb.template = cfg.Template.Name
+	sb.image = cfg.Template.Image != nil
+	rootSock, err := sb.fork(cfg, lf)
+	if err != nil {
 		return sb, err
+	}
+	image := ""
+	if sb.image {
+		// The image's root is mounted now that the child's user namespace
+		// exists (its layers are idmapped through it); the child attaches
+		// a detached copy of the mount.
+		image, err = sb.sendImageRoot(cfg, rootSock)
+		rootSock.Close()
+		if err != nil {
+			return sb, err
+		}
+		trace("image mounted")
 	}
 	// The child builds the sandbox now, from the template and the default
 	// sizes in cfg, and then waits for Start.
@@ -179,7 +196,7 @@ func Prepare(ctx context.Context, cfg Config) (sb *Sandbox, err error) {
 	sb.disk, sb.shm = cfg.DiskBytes, cfg.ShmBytes
 	err = sb.send(&initSpec{
 		ID: sb.id, Hostname: "cage-" + sb.id[:min(8, len(sb.id))], Root: sb.root,
-		Mounts: cfg.Template.Mounts, DiskBytes: sb.disk, DiskInodes: inodesFor(sb.disk),
+		Mounts: cfg.Template.Mounts, Image: image, DiskBytes: sb.disk, DiskInodes: inodesFor(sb.disk),
 		ShmBytes: sb.shm, UserName: userName, UserUID: userUID, UserGID: userUID,
 		OOMEvents: sb.cg.OOMEventsFile(), PidsEvents: sb.cg.PidsEventsFile(),
 		Debug: tracing, DieWithParent: sb.dieWithParent,
@@ -210,7 +227,7 @@ func (sb *Sandbox) Start(s Spec) error {
 	if sb.started {
 		return errors.New("sandbox already started")
 	}
-	if s.Template.EtcCache != sb.etc {
+	if s.Template.EtcCache != sb.etc || s.Template.Name != sb.template {
 		return ErrStale
 	}
 	sb.started = true
@@ -228,6 +245,11 @@ func (sb *Sandbox) Start(s Spec) error {
 	disk, shm := s.DiskBytes, s.ShmBytes
 	if disk == 0 {
 		disk = sb.disk
+	}
+	if sb.image && disk != sb.disk {
+		if err := template.ResizeImageDisk(sb.dir, disk, inodesFor(disk)); err != nil {
+			return err
+		}
 	}
 	if shm == 0 {
 		shm = sb.shm
@@ -305,16 +327,16 @@ func (sb *Sandbox) makeDirs() (string, error) {
 
 // fork starts the agent in new namespaces and puts it in new cgroups; it
 // then waits for its spec (Start).
-func (sb *Sandbox) fork(cfg Config, listener *os.File) error {
+func (sb *Sandbox) fork(cfg Config, listener *os.File) (rootSock *os.File, err error) {
 	specR, specW, err := os.Pipe()
 	if err != nil {
-		return err
+		return nil, err
 	}
 	defer specR.Close()
 	sb.specW = specW
 	errR, errW, err := os.Pipe()
 	if err != nil {
-		return err
+		return nil, err
 	}
 	defer errW.Close()
 	sb.stderr = newTailBuffer(4096)
@@ -322,13 +344,29 @@ func (sb *Sandbox) fork(cfg Config, listener *os.File) error {
 
 	devnull, err := os.Open(os.DevNull)
 	if err != nil {
-		return err
+		return nil, err
 	}
 	defer devnull.Close()
+	files := []uintptr{devnull.Fd(), errW.Fd(), errW.Fd(), specR.Fd(), listener.Fd(), sb.ids.Lock.Fd()}
+	if sb.image {
+		fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
+		if err != nil {
+			return nil, err
+		}
+		rootSock = os.NewFile(uintptr(fds[0]), "root")
+		child := os.NewFile(uintptr(fds[1]), "root")
+		defer child.Close()
+		defer func() {
+			if err != nil {
+				rootSock.Close()
+			}
+		}()
+		files = append(files, child.Fd()) // fdRoot
+	}
 	attr := &syscall.ProcAttr{
 		Dir:   "/",
 		Env:   []string{"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "CAGE_TRACE=" + os.Getenv("CAGE_TRACE")},
-		Files: []uintptr{devnull.Fd(), errW.Fd(), errW.Fd(), specR.Fd(), listener.Fd(), sb.ids.Lock.Fd()},
+		Files: files,
 		Sys: &syscall.SysProcAttr{
 			Cloneflags: syscall.CLONE_NEWUSER | syscall.CLONE_NEWPID | syscall.CLONE_NEWNS |
 				syscall.CLONE_NEWIPC | syscall.CLONE_NEWUTS | syscall.CLONE_NEWNET,
@@ -350,7 +388,7 @@ func (sb *Sandbox) fork(cfg Config, listener *os.File) error {
 	trace("fork")
 	pid, err := syscall.ForkExec(cfg.AgentPath, []string{"cage-agent", "init"}, attr)
 	if err != nil {
-		return fmt.Errorf("start the sandbox's agent %s: %w", cfg.AgentPath, err)
+		return nil, fmt.Errorf("start the sandbox's agent %s: %w", cfg.AgentPath, err)
 	}
 	sb.pid = pid
 	if cfg.Background {
@@ -362,13 +400,48 @@ func (sb *Sandbox) fork(cfg Config, listener *os.File) error {
 	// The cgroups are made while the agent's runtime starts; it waits for
 	// the spec, which comes only once it is inside them (and limited).
 	if sb.cg, err = cfg.Cgroups.Create(cfg.ID, cgroups.Limits{}); err != nil {
-		return err
+		return nil, err
 	}
 	if err := sb.cg.AddProc(pid); err != nil {
-		return err
+		return nil, err
 	}
 	trace("in cgroups")
-	return nil
+	return rootSock, nil
+}
+
+// sendImageRoot mounts an image template's root (through the child's own
+// user namespace) and sends the child a detached copy of it.
+func (sb *Sandbox) sendImageRoot(cfg Config, sock *os.File) (string, error) {
+	userns := func() (int, error) {
+		return unix.Open(fmt.Sprintf("/proc/%d/ns/user", sb.pid), unix.O_RDONLY|unix.O_CLOEXEC, 0)
+	}
+	var nsFD = -1
+	once := func() (int, error) {
+		if nsFD < 0 {
+			var err error
+			nsFD, err = userns()
+			return nsFD, err
+		}
+		return nsFD, nil
+	}
+	defer func() {
+		if nsFD >= 0 {
+			unix.Close(nsFD)
+		}
+	}()
+	root, err := cfg.Template.MountImage(sb.dir, uint32(sb.ids.Base), once, cfg.DiskBytes, inodesFor(cfg.DiskBytes))
+	if err != nil {
+		return "", err
+	}
+	tree, err := template.DetachedRoot(root)
+	if err != nil {
+		return "", err
+	}
+	defer tree.Close()
+	if err := unix.Sendmsg(int(sock.Fd()), []byte("root"), unix.UnixRights(int(tree.Fd())), nil, 0); err != nil {
+		return "", fmt.Errorf("send the sandbox its root: %w", err)
+	}
+	return root, nil
 }
 
 func (sb *Sandbox) reap() {

@@ -35,6 +35,11 @@ type initSpec struct {
 	Hostname string           `json:"hostname"`
 	Root     string           `json:"root"` // host directory the new root is mounted on
 	Mounts   []template.Mount `json:"mounts"`
+	// Image, when set, names a writable root the host mounted (an image
+	// template's overlay); the child gets a detached copy of it on fdRoot
+	// and attaches it instead of building a root from Mounts. The disk is
+	// then the host's, under the overlay.
+	Image string `json:"image,omitempty"`
 
 	DiskBytes  int64 `json:"disk_bytes"`
 	DiskInodes int64 `json:"disk_inodes"`
@@ -70,6 +75,7 @@ const (
 	fdSpec     = 3 // read end of the spec pipe
 	fdListener = 4 // the agent's listening socket
 	fdIDLock   = 5 // the sandbox's uid-range lock, held for as long as the agent lives
+	fdRoot     = 6 // image templates: a socket the host sends the root's mount on
 )
 
 // AgentThreads is how many threads the agent holds (it takes them before it

@@ -1,0 +1,266 @@
+package cli
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+	"strings"
+	"text/tabwriter"
+	"time"
+
+	"github.com/spf13/cobra"
+
+	"github.com/cagehq/cage/internal/imgstore"
+	"github.com/cagehq/cage/internal/units"
+)
+
+// dataDir is where cage keeps what outlives a run (templates, the daemon's
+// database): $CAGE_DATA or /var/lib/cage.
+func dataDir(flag string) string {
+	if flag != "" {
+		return flag
+	}
+	return envOr("CAGE_DATA", "/var/lib/cage")
+}
+
+// openTemplates opens the template store of a data directory.
+func openTemplates(data string) (*imgstore.Store, error) {
+	dir := filepath.Join(dataDir(data), "templates")
+	st, err := imgstore.Open(dir)
+	if err != nil {
+		return nil, exitf(ExitInternal, "open the template store in %s: %v", dir, err)
+	}
+	return st, nil
+}
+
+// templateErr maps the store's errors to exit codes.
+func templateErr(err error) error {
+	switch {
+	case err == nil:
+		return nil
+	case errors.Is(err, imgstore.ErrNotFound):
+		return exitf(ExitNoTemplate, "%v", err)
+	case errors.Is(err, imgstore.ErrInvalid):
+		return exitf(ExitUsage, "%v", err)
+	case errors.Is(err, imgstore.ErrInUse):
+		return exitf(ExitUsage, "%v", err)
+	}
+	var ee *exitError
+	if errors.As(err, &ee) {
+		return err
+	}
+	return exitf(ExitInternal, "%v", err)
+}
+
+func newTemplateCmd(g *globals) *cobra.Command {
+	var data string
+	var asJSON bool
+	cmd := &cobra.Command{Use: "template", Short: "Manage templates: ls | inspect | rm | import | pull | export | gc"}
+	cmd.PersistentFlags().StringVar(&data, "data", "", "state directory holding the template store (default $CAGE_DATA or /var/lib/cage)")
+	withStore := func(f func(cmd *cobra.Command, st *imgstore.Store, args []string) error) func(*cobra.Command, []string) error {
+		return func(cmd *cobra.Command, args []string) error {
+			if os.Geteuid() != 0 {
+				return exitf(ExitNoPerm, "cage template needs root (the store is root's)")
+			}
+			st, err := openTemplates(data)
+			if err != nil {
+				return err
+			}
+			return templateErr(f(cmd, st, args))
+		}
+	}
+	progress := func(cmd *cobra.Command) func(string, ...any) {
+		return func(format string, args ...any) {
+			fmt.Fprintf(cmd.ErrOrStderr(), format+"\n", args...)
+		}
+	}
+	ls := &cobra.Command{
+		Use: "ls", Short: "List templates", Args: cobra.NoArgs,
+		RunE: withStore(func(cmd *cobra.Command, st *imgstore.Store, _ []string) error {
+			list, err := st.List()
+			if err != nil {
+				return err
+			}
+			if asJSON {
+				if list == nil {
+					list = []imgstore.Template{}
+				}
+				return printJSON(cmd.OutOrStdout(), list)
+			}
+			tw := tabwriter.NewWriter(cmd.OutOrStdout(), 0, 4, 2, ' ', 0)
+			fmt.Fprintln(tw, "NAME\tID\tLAYERS\tSIZE\tCREATED\tSOURCE")
+			fmt.Fprintln(tw, "host\t-\t-\t-\t-\tbuilt in: this host's /usr and a minimal /etc, read-only")
+			for _, t := range list {
+				fmt.Fprintf(tw, "%s\t%s\t%d\t%s\t%s\t%s\n", t.Name, shortID(t.ID), len(t.Layers), humanSize(t.Size),
+					t.Created.Format(time.RFC3339), t.Source)
+			}
+			return tw.Flush()
+		}),
+	}
+	inspect := &cobra.Command{
+		Use: "inspect NAME", Short: "Show a template as JSON", Args: cobra.ExactArgs(1),
+		RunE: withStore(func(cmd *cobra.Command, st *imgstore.Store, args []string) error {
+			t, err := st.Get(args[0])
+			if err != nil {
+				return err
+			}
+			type inspected struct {
+				imgstore.Template
+				InUse []string `json:"inUse"`
+			}
+			users := imgstore.InUse(t)
+			if users == nil {
+				users = []string{}
+			}
+			return printJSON(cmd.OutOrStdout(), inspected{*t, users})
+		}),
+	}
+	rm := &cobra.Command{
+		Use: "rm NAME...", Short: "Remove templates (not while a sandbox uses one)", Args: cobra.MinimumNArgs(1),
+		RunE: withStore(func(cmd *cobra.Command, st *imgstore.Store, args []string) error {
+			for _, name := range args {
+				if err := st.Remove(name); err != nil {
+					return err
+				}
+				fmt.Fprintln(cmd.OutOrStdout(), name)
+			}
+			return nil
+		}),
+	}
+	var insecure bool
+	var maxBytes string
+	options := func(cmd *cobra.Command) (imgstore.Options, error) {
+		o := imgstore.Options{Insecure: insecure, Progress: progress(cmd)}
+		if maxBytes != "" {
+			n, err := units.ParseSize(maxBytes)
+			if err != nil {
+				return o, exitf(ExitUsage, "--max-size: %v", err)
+			}
+			o.MaxBytes = n
+		}
+		return o, nil
+	}
+	imp := &cobra.Command{
+		Use:   "import PATH NAME",
+		Short: "Import an image: a `docker save` tarball or an OCI image layout (directory or tar)",
+		Args:  cobra.ExactArgs(2),
+		RunE: withStore(func(cmd *cobra.Command, st *imgstore.Store, args []string) error {
+			o, err := options(cmd)
+			if err != nil {
+				return err
+			}
+			if _, err := os.Stat(args[0]); err != nil {
+				return exitf(ExitUsage, "%s: %v", args[0], errors.Unwrap(err))
+			}
+			t, err := st.Import(ctxOf(cmd), args[0], args[1], o)
+			if err != nil {
+				return err
+			}
+			return printImported(cmd.OutOrStdout(), t)
+		}),
+	}
+	pull := &cobra.Command{
+		Use:   "pull REFERENCE NAME",
+		Short: "Pull an image from an OCI registry (e.g. registry.example.com/team/python:3.12)",
+		Args:  cobra.ExactArgs(2),
+		RunE: withStore(func(cmd *cobra.Command, st *imgstore.Store, args []string) error {
+			o, err := options(cmd)
+			if err != nil {
+				return err
+			}
+			t, err := st.Pull(ctxOf(cmd), args[0], args[1], o)
+			if err != nil {
+				return err
+			}
+			return printImported(cmd.OutOrStdout(), t)
+		}),
+	}
+	for _, c := range []*cobra.Command{imp, pull} {
+		c.Flags().StringVar(&maxBytes, "max-size", "", "refuse an image larger than this uncompressed (default 16G)")
+	}
+	pull.Flags().BoolVar(&insecure, "insecure", false, "allow a registry over plain HTTP")
+	var out string
+	export := &cobra.Command{
+		Use: "export NAME", Short: "Write a template as a `docker save` tarball (-o FILE, or standard output)", Args: cobra.ExactArgs(1),
+		RunE: withStore(func(cmd *cobra.Command, st *imgstore.Store, args []string) error {
+			if _, err := st.Get(args[0]); err != nil {
+				return err
+			}
+			w := cmd.OutOrStdout()
+			if out != "" && out != "-" {
+				f, err := os.OpenFile(out+".partial", os.O_CREATE|os.O_TRUNC|os.O_WRONLY, 0o644)
+				if err != nil {
+					return exitf(ExitUsage, "%v", err)
+				}
+				if err := st.Export(ctxOf(cmd), args[0], f); err != nil {
+					f.Close()
+					os.Remove(f.Name())
+					return err
+				}
+				if err := f.Close(); err != nil {
+					os.Remove(f.Name())
+					return err
+				}
+				return os.Rename(f.Name(), out)
+			}
+			return st.Export(ctxOf(cmd), args[0], w)
+		}),
+	}
+	export.Flags().StringVarP(&out, "output", "o", "", "file to write (default: standard output)")
+	gc := &cobra.Command{
+		Use: "gc", Short: "Remove unpacked layers no template uses", Args: cobra.NoArgs,
+		RunE: withStore(func(cmd *cobra.Command, st *imgstore.Store, _ []string) error {
+			removed, err := st.GC()
+			for _, l := range removed {
+				fmt.Fprintln(cmd.OutOrStdout(), l)
+			}
+			return err
+		}),
+	}
+	build := &cobra.Command{
+		Use: "build", Short: "Build a template from a Dockerfile (not in this version)", Args: cobra.ArbitraryArgs,
+		RunE: func(*cobra.Command, []string) error {
+			return exitf(ExitUnavailable, "cage template build is not in this version of cage: import or pull an image instead")
+		},
+	}
+	for _, c := range []*cobra.Command{ls, inspect} {
+		c.Flags().BoolVar(&asJSON, "json", false, "print JSON")
+	}
+	cmd.AddCommand(ls, inspect, rm, imp, pull, export, gc, build)
+	return cmd
+}
+
+func ctxOf(cmd *cobra.Command) context.Context {
+	if ctx := cmd.Context(); ctx != nil {
+		return ctx
+	}
+	return context.Background()
+}
+
+func shortID(id string) string {
+	id = strings.TrimPrefix(id, "sha256:")
+	return id[:min(12, len(id))]
+}
+
+func printImported(w io.Writer, t *imgstore.Template) error {
+	_, err := fmt.Fprintf(w, "%s %s (%d layers, %s)\n", t.Name, shortID(t.ID), len(t.Layers), humanSize(t.Size))
+	return err
+}
+
+// humanSize is n bytes rounded for people: 3.8 MiB.
+func humanSize(n int64) string {
+	f, unit := float64(n), "B"
+	for _, u := range []string{"KiB", "MiB", "GiB", "TiB"} {
+		if f < 1024 {
+			break
+		}
+		f, unit = f/1024, u
+	}
+	if unit == "B" {
+		return fmt.Sprintf("%d B", n)
+	}
+	return fmt.Sprintf("%.1f %s", f, unit)
+}
