@@ -6,13 +6,19 @@ GOFLAGS_BUILD = -trimpath -ldflags '-s -w'
 # gVisor's runsc at a pinned version that works on these hosts (systrap).
 RUNSC_VERSION ?= v0.0.0-20260905035102-160fafc42237
 
-.PHONY: all build demo test test-unit proto vet fmt bench clean runsc
+.PHONY: all build demo test test-unit proto vet fmt bench clean runsc base
 
 all: build
 
 build:
 	CGO_ENABLED=0 $(GO) build $(GOFLAGS_BUILD) -o $(BIN)/cage ./cmd/cage
 	CGO_ENABLED=0 $(GO) build $(GOFLAGS_BUILD) -o $(BIN)/cage-agent ./cmd/cage-agent
+
+# The ready-made template "base" (Debian 12, python3, node, git, curl, the
+# user account), made once from Debian's mirror and cached in the template
+# store ($CAGE_TEMPLATES, else /var/lib/cage/templates).
+base: build
+	./bin/cage template build --net internet templates/base base
 
 demo: build
 	./scripts/demo.sh

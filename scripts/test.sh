@@ -12,6 +12,7 @@ command -v unshare >/dev/null || need+=(util-linux)
 command -v ip >/dev/null || need+=(iproute2)
 command -v runc >/dev/null || need+=(runc)
 [ -x /bin/busybox ] || need+=(busybox-static) # the test images' one binary
+command -v mmdebstrap >/dev/null || need+=(mmdebstrap) # FROM debian:bookworm (the base template)
 if [ ${#need[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ]; then
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
@@ -46,6 +47,18 @@ echo "== go vet"
 go vet ./...
 echo "== build"
 make -s build
+# The ready-made template "base", built once from Debian's mirror (about two
+# minutes) into a store kept in .tools, for the tests that start sandboxes
+# of it (python3 and node through the E2B SDK).
+if [ "$(id -u)" = 0 ]; then
+  export CAGE_TEMPLATES="${CAGE_TEMPLATES:-$PWD/.tools/templates}"
+  if ! ./bin/cage template inspect base >/dev/null 2>&1; then
+    echo "== building the base template (Debian 12 from Debian's mirror, once)"
+    ./bin/cage template build --net internet templates/base base >.tools/base-build.log 2>&1 ||
+      { tail -30 .tools/base-build.log >&2; exit 1; }
+  fi
+  export CAGE_REQUIRE_BASE=1
+fi
 echo "== go test"
 # One package at a time: the integration suites count what is on the host
 # (processes, cgroups, namespaces) and must not see each other's sandboxes.

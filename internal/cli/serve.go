@@ -24,7 +24,7 @@ func newServeCmd(g *globals) *cobra.Command {
 		Use:   "serve",
 		Short: "Run the daemon: E2B-compatible API and sandbox proxy",
 		Long: `Run the daemon in the foreground. Settings come from flags, then the
-environment (CAGE_API, CAGE_PROXY, CAGE_DATA, CAGE_DOMAIN, CAGE_CONFIG), then
+environment (CAGE_API, CAGE_PROXY, CAGE_DATA, CAGE_TEMPLATES, CAGE_DOMAIN, CAGE_CONFIG), then
 the JSON config file, then defaults. Sandboxes outlive the daemon: the next
 start adopts those still running and removes what a crash left behind.
 
@@ -42,7 +42,7 @@ and E2B_API_KEY set to a key from 'cage keys create'.`,
 				}
 			}
 			for env, dst := range map[string]*string{"CAGE_API": &final.API, "CAGE_PROXY": &final.Proxy,
-				"CAGE_DATA": &final.Data, "CAGE_DOMAIN": &final.Domain} {
+				"CAGE_DATA": &final.Data, "CAGE_DOMAIN": &final.Domain, "CAGE_TEMPLATES": &final.Templates} {
 				if v := os.Getenv(env); v != "" {
 					*dst = v
 				}

@@ -12,8 +12,12 @@ import (
 	"time"
 
 	"github.com/spf13/cobra"
+	"golang.org/x/term"
 
+	"github.com/cagehq/cage/internal/build"
 	"github.com/cagehq/cage/internal/imgstore"
+	"github.com/cagehq/cage/internal/network"
+	"github.com/cagehq/cage/internal/sandbox"
 	"github.com/cagehq/cage/internal/units"
 )
 
@@ -26,9 +30,13 @@ func dataDir(flag string) string {
 	return envOr("CAGE_DATA", "/var/lib/cage")
 }
 
-// openTemplates opens the template store of a data directory.
+// openTemplates opens the template store: $CAGE_TEMPLATES, or the one of
+// the data directory.
 func openTemplates(data string) (*imgstore.Store, error) {
 	dir := filepath.Join(dataDir(data), "templates")
+	if v := os.Getenv("CAGE_TEMPLATES"); v != "" && data == "" {
+		dir = v
+	}
 	st, err := imgstore.Open(dir)
 	if err != nil {
 		return nil, exitf(ExitInternal, "open the template store in %s: %v", dir, err)
@@ -59,7 +67,7 @@ func newTemplateCmd(g *globals) *cobra.Command {
 	var data string
 	var asJSON bool
 	cmd := &cobra.Command{Use: "template", Short: "Manage templates: ls | inspect | rm | import | pull | export | gc"}
-	cmd.PersistentFlags().StringVar(&data, "data", "", "state directory holding the template store (default $CAGE_DATA or /var/lib/cage)")
+	cmd.PersistentFlags().StringVar(&data, "data", "", "state directory holding the template store in templates/ (default: $CAGE_TEMPLATES as the store, else $CAGE_DATA or /var/lib/cage)")
 	withStore := func(f func(cmd *cobra.Command, st *imgstore.Store, args []string) error) func(*cobra.Command, []string) error {
 		return func(cmd *cobra.Command, args []string) error {
 			if os.Geteuid() != 0 {
@@ -220,12 +228,7 @@ func newTemplateCmd(g *globals) *cobra.Command {
 			return err
 		}),
 	}
-	build := &cobra.Command{
-		Use: "build", Short: "Build a template from a Dockerfile (not in this version)", Args: cobra.ArbitraryArgs,
-		RunE: func(*cobra.Command, []string) error {
-			return exitf(ExitUnavailable, "cage template build is not in this version of cage: import or pull an image instead")
-		},
-	}
+	build := newTemplateBuildCmd(g, &data)
 	for _, c := range []*cobra.Command{ls, inspect} {
 		c.Flags().BoolVar(&asJSON, "json", false, "print JSON")
 	}
@@ -263,4 +266,83 @@ func humanSize(n int64) string {
 		return fmt.Sprintf("%d B", n)
 	}
 	return fmt.Sprintf("%.1f %s", f, unit)
+}
+
+// newTemplateBuildCmd is `cage template build`.
+func newTemplateBuildCmd(g *globals, data *string) *cobra.Command {
+	var file, netMode, mirror string
+	var buildArgs []string
+	var noCache bool
+	cmd := &cobra.Command{
+		Use:   "build [flags] CONTEXT NAME",
+		Short: "Build a template from a Dockerfile (RUN steps run in cage sandboxes, cached per step)",
+		Args:  cobra.ExactArgs(2),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			if os.Geteuid() != 0 {
+				return exitf(ExitNoPerm, "cage template build needs root")
+			}
+			st, err := openTemplates(*data)
+			if err != nil {
+				return err
+			}
+			host, err := sandbox.NewHost(g.runDir, "", g.log)
+			if err != nil {
+				return err
+			}
+			defer host.Close()
+			host.Templates = st
+			if host.NetConfig.Upstreams, err = network.ParseUpstreams(strings.Split(os.Getenv("CAGE_DNS"), ",")); err != nil {
+				return exitf(ExitUsage, "CAGE_DNS: %v", err)
+			}
+			b := &build.Builder{Host: host, Context: args[0], Args: map[string]string{}, NoCache: noCache,
+				Out: cmd.ErrOrStderr(), Mirror: mirror}
+			if f, ok := cmd.ErrOrStderr().(*os.File); ok {
+				b.TTY = term.IsTerminal(int(f.Fd()))
+			}
+			switch netMode {
+			case "", "none":
+			case "internet":
+				b.Net = network.Policy{Mode: network.Internet}
+			default:
+				return exitf(ExitUsage, "--net %q: want none or internet", netMode)
+			}
+			for _, kv := range buildArgs {
+				k, v, ok := strings.Cut(kv, "=")
+				if !ok || k == "" {
+					return exitf(ExitUsage, "--build-arg %q: want NAME=VALUE", kv)
+				}
+				b.Args[k] = v
+			}
+			if fi, err := os.Stat(args[0]); err != nil || !fi.IsDir() {
+				return exitf(ExitUsage, "build context %s: not a directory", args[0])
+			}
+			if file == "" {
+				file = filepath.Join(args[0], "Dockerfile")
+			}
+			df, err := os.Open(file)
+			if err != nil {
+				return exitf(ExitUsage, "%s: %v", file, errors.Unwrap(err))
+			}
+			defer df.Close()
+			abs, _ := filepath.Abs(file)
+			t, err := b.Build(ctxOf(cmd), df, args[1], "dockerfile:"+abs)
+			switch {
+			case err == nil:
+			case errors.Is(err, build.ErrFailed):
+				return exitf(1, "build failed: %v", err)
+			case errors.Is(err, build.ErrNoMmdebstrap):
+				return exitf(ExitUnavailable, "%v", err)
+			default:
+				return templateErr(err)
+			}
+			return printImported(cmd.OutOrStdout(), t)
+		},
+	}
+	fl := cmd.Flags()
+	fl.StringVarP(&file, "file", "f", "", "the Dockerfile (default CONTEXT/Dockerfile)")
+	fl.StringVar(&netMode, "net", "none", "network of the RUN steps: none, or internet (the build says so at each step)")
+	fl.StringArrayVar(&buildArgs, "build-arg", nil, "NAME=VALUE for an ARG (repeatable)")
+	fl.BoolVar(&noCache, "no-cache", false, "run every step again")
+	fl.StringVar(&mirror, "mirror", "", "Debian mirror for FROM debian:bookworm (default "+build.DefaultMirror+")")
+	return cmd
 }

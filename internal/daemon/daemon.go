@@ -36,6 +36,7 @@ type Config struct {
 	RunDir          string   `json:"run_dir"` // runtime state of sandboxes
 	Domain          string   `json:"domain"`  // for {port}-{id}.{domain} hosts
 	DefaultTemplate string   `json:"default_template"`
+	Templates       string   `json:"templates"`    // the template store (default DATA/templates)
 	DefaultWall     string   `json:"default_wall"` // process, runc or gvisor
 	MaxTimeout      Duration `json:"max_timeout"`
 	MaxSandboxes    int      `json:"max_sandboxes"`
@@ -140,7 +141,11 @@ func Run(ctx context.Context, cfg Config, log *slog.Logger, ready func(apiAddr, 
 	if err != nil {
 		return err
 	}
-	if host.Templates, err = imgstore.Open(filepath.Join(cfg.Data, "templates")); err != nil {
+	templates := cfg.Templates
+	if templates == "" {
+		templates = filepath.Join(cfg.Data, "templates")
+	}
+	if host.Templates, err = imgstore.Open(templates); err != nil {
 		return fmt.Errorf("template store: %w", err)
 	}
 	mgr := manager.New(manager.Config{Store: st, Host: host, Log: log, MaxTimeout: time.Duration(cfg.MaxTimeout),

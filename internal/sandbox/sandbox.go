@@ -132,6 +132,8 @@ type Host struct {
 	RunDir string // runtime state, e.g. /run/cage
 	// Templates is the template store (nil: only the built-in "host").
 	Templates *imgstore.Store
+	tmplMu    sync.Mutex
+	extra     map[string]*template.Template // see SetTemplate
 	AgentPath string
 	Cgroups   *cgroups.Manager
 	Log       *slog.Logger
@@ -314,9 +316,31 @@ func (h *Host) network(p network.Policy) (*network.Host, error) {
 	return n, nil
 }
 
-// lookup resolves a template name.
+// lookup resolves a template name: a template set with SetTemplate, or
+// one of template.Lookup's.
 func (h *Host) lookup(name string) (*template.Template, error) {
+	h.tmplMu.Lock()
+	t := h.extra[name]
+	h.tmplMu.Unlock()
+	if t != nil {
+		return t, nil
+	}
 	return template.Lookup(name, filepath.Join(h.RunDir, "templates"), h.Templates)
+}
+
+// SetTemplate makes name resolve to t in this Host (nil: forget it): a
+// template build runs its steps from templates that exist only here.
+func (h *Host) SetTemplate(name string, t *template.Template) {
+	h.tmplMu.Lock()
+	defer h.tmplMu.Unlock()
+	if h.extra == nil {
+		h.extra = map[string]*template.Template{}
+	}
+	if t == nil {
+		delete(h.extra, name)
+	} else {
+		h.extra[name] = t
+	}
 }
 
 // Network is the host's sandbox network, nil until a sandbox had one.

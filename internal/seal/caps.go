@@ -65,6 +65,34 @@ func spawnThreadSetup() error {
 	return nil
 }
 
+// spawnThreadSetupBuild shrinks the spawning thread's bounding set to
+// agentCaps and leaves SECBIT_NOROOT unset: a command executed as uid 0
+// gets agentCaps (no_new_privs keeps it from more), one run as another uid
+// none.
+func spawnThreadSetupBuild() error {
+	last, err := lastCap()
+	if err != nil {
+		return err
+	}
+	bits := uintptr(secbitNoAmbientRaise | secbitNoAmbientRaiseLocked)
+	if err := unix.Prctl(unix.PR_SET_SECUREBITS, bits, 0, 0, 0); err != nil && !errors.Is(err, unix.EPERM) && !errors.Is(err, unix.EINVAL) {
+		return fmt.Errorf("securebits: %w", err)
+	}
+	keep := map[uintptr]bool{}
+	for _, c := range agentCaps {
+		keep[c] = true
+	}
+	for c := uintptr(0); c <= last; c++ {
+		if keep[c] {
+			continue
+		}
+		if err := unix.Prctl(unix.PR_CAPBSET_DROP, c, 0, 0, 0); err != nil {
+			return fmt.Errorf("drop capability %d from the bounding set: %w", c, err)
+		}
+	}
+	return nil
+}
+
 // dropPrivileges moves the agent to its own uid and gid (not root: root
 // inside the sandbox holds no capabilities, and so can neither signal the
 // agent nor touch its /proc files, which belong to the agent's uid), leaves

@@ -34,6 +34,12 @@ type Options struct {
 // caps.go).
 func SpawnThread() error { return spawnThreadSetup() }
 
+// SpawnThreadForBuild prepares the spawning thread of a template build's
+// sandbox: commands run as root there keep the agent's capabilities
+// (chown, setuid, ... within the sandbox's user namespace), as package
+// managers need; everything else stays as in SpawnThread's sandboxes.
+func SpawnThreadForBuild() error { return spawnThreadSetupBuild() }
+
 // AllThreads runs a system call on every thread of the process.
 func AllThreads(trap, a1, a2, a3 uintptr) error { return allThreads(trap, a1, a2, a3) }
 

@@ -20,7 +20,11 @@ import (
 // accounts and identity files. hostID maps an id inside the sandbox to the
 // owner a file must have on the host (identity when the caller is the
 // sandbox's own root).
-func PrepareImageRoot(root, hostname string, hostID func(int) int) error {
+//
+// For a build's sandbox (build), only the mount points and /run/cage are
+// made, and the identity links: what a build step's layer must not carry is
+// listed in BuildArtifacts.
+func PrepareImageRoot(root, hostname string, hostID func(int) int, build bool) error {
 	spec := struct {
 		UserName         string
 		UserUID, UserGID int
@@ -41,13 +45,18 @@ func PrepareImageRoot(root, hostname string, hostID func(int) int) error {
 		{"var", 0o755, 0, 0}, {"var/tmp", fs.ModeSticky | 0o777, 0, 0},
 		{"home", 0o755, 0, 0}, {"home/" + spec.UserName, 0o750, spec.UserUID, spec.UserGID}, {"root", 0o700, 0, 0},
 	}
+	if build {
+		dirs = dirs[:6] // dev, proc, tmp, run, run/cage, etc
+	}
 	for _, d := range dirs {
 		if err := realDir(r, d.path, d.mode, hostID(d.uid), hostID(d.gid)); err != nil {
 			return fmt.Errorf("image root: /%s: %w", d.path, err)
 		}
 	}
-	if err := ensureAccounts(r, spec.UserName, spec.UserUID, spec.UserGID, hostID(0)); err != nil {
-		return fmt.Errorf("image root: accounts: %w", err)
+	if !build {
+		if err := ensureAccounts(r, spec.UserName, spec.UserUID, spec.UserGID, hostID(0)); err != nil {
+			return fmt.Errorf("image root: accounts: %w", err)
+		}
 	}
 	// hosts, hostname and resolv.conf are the sandbox's own, in /run/cage.
 	hosts := strings.Join([]string{"127.0.0.1\tlocalhost", "::1\tlocalhost ip6-localhost ip6-loopback",
@@ -62,6 +71,12 @@ func PrepareImageRoot(root, hostname string, hostID func(int) int) error {
 	}
 	return nil
 }
+
+// BuildArtifacts are the paths (relative to the root) that PrepareImageRoot
+// writes into a build's sandbox and that a build step's layer leaves out:
+// the sandbox's identity, not the image's. As with Docker, a RUN step's own
+// changes to these files are not kept either.
+var BuildArtifacts = []string{"run/cage", "etc/hosts", "etc/hostname", "etc/resolv.conf"}
 
 // realDir makes path a directory with the mode given when it is missing or
 // not a directory (a symlink, a file: removed first).

@@ -42,6 +42,12 @@ type Template struct {
 	Mounts   []Mount
 	EtcCache string // the prepared /etc directory in use
 	Image    *Image // an image template (Mounts and EtcCache are empty)
+	// Build marks a template build's sandbox (process wall): root keeps the
+	// agent's capabilities inside the user namespace, as package managers
+	// need, and cage adds no accounts or directories to the image beyond
+	// the mount points it needs; its identity files are kept out of the
+	// layer the step makes (see BuildArtifacts).
+	Build bool
 }
 
 // hostRoots are the host directories the "host" template shares.

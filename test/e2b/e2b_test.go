@@ -24,6 +24,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -199,6 +200,11 @@ func startDaemon(t *testing.T, extra ...string) *daemon {
 	// the SDK).
 	imp := cageCommand(context.Background(), bin, "template", "import", "--data", data,
 		testutil.WriteDockerArchive(t, testutil.TestImage(t), "cage-test:latest"), "cage-test")
+	if dir := os.Getenv("CAGE_TEMPLATES"); dir != "" {
+		// The daemon uses the shared store (below): import there.
+		imp.Args = slices.DeleteFunc(imp.Args, func(a string) bool { return a == "--data" || a == data })
+		imp.Env = append(imp.Env, "CAGE_TEMPLATES="+dir)
+	}
 	if out, err := imp.CombinedOutput(); err != nil {
 		t.Fatalf("cage template import: %v\n%s", err, out)
 	}
@@ -214,7 +220,12 @@ func startDaemon(t *testing.T, extra ...string) *daemon {
 	// The sandboxes' outside is the test world (see testutil.World).
 	world := testutil.SharedWorld(t)
 	config := filepath.Join(t.TempDir(), "cage.json")
-	cfgJSON, _ := json.Marshal(map[string]any{"network": map[string]any{"dns": world.Upstreams()}})
+	cfgMap := map[string]any{"network": map[string]any{"dns": world.Upstreams()}}
+	// The shared template store (scripts/test.sh builds "base" there).
+	if dir := os.Getenv("CAGE_TEMPLATES"); dir != "" {
+		cfgMap["templates"] = dir
+	}
+	cfgJSON, _ := json.Marshal(cfgMap)
 	if err := os.WriteFile(config, cfgJSON, 0o600); err != nil {
 		t.Fatal(err)
 	}
@@ -287,6 +298,7 @@ func (d *daemon) sdkEnv(module, key string) []string {
 		"E2B_SDK_MODULE="+module,
 		// The test world's hosts (see testutil.World), for the network tests.
 		"CAGE_TEST_PUBLIC_HOST="+testutil.PublicHost.String(),
+		"CAGE_TEST_BASE="+baseTemplate(),
 		"CAGE_TEST_OTHER_HOST="+testutil.OtherHost.String(),
 		// Loopback never goes through a proxy the host may configure.
 		"NO_PROXY=127.0.0.1,localhost",
@@ -532,4 +544,21 @@ func (b *syncBuffer) tail(n int) string {
 		return "[...]\n" + s[len(s)-n:]
 	}
 	return s
+}
+
+// baseTemplate says whether the shared template store has "base" ("1"), so
+// that the SDK suite tests python3 and node in it; where scripts/test.sh
+// built it (CAGE_REQUIRE_BASE) it must be there.
+func baseTemplate() string {
+	dir := os.Getenv("CAGE_TEMPLATES")
+	if dir == "" {
+		return ""
+	}
+	if _, err := os.Stat(filepath.Join(dir, "templates", "base.json")); err != nil {
+		if os.Getenv("CAGE_REQUIRE_BASE") != "" {
+			panic("CAGE_REQUIRE_BASE: the template store " + dir + " has no base template")
+		}
+		return ""
+	}
+	return "1"
 }

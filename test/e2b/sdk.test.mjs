@@ -435,3 +435,17 @@ test('an image template: Sandbox.create(name) runs in the image, writes stay its
     await sbx.kill()
   }
 })
+
+test('the base template: python3 -c and node -e, as user, through the SDK', { timeout: 120_000, skip: process.env.CAGE_TEST_BASE !== '1' && 'no base template (scripts/test.sh builds it)' }, async () => {
+  const sbx = await Sandbox.create('base', { timeoutMs: 120_000 })
+  try {
+    const py = await sbx.commands.run('python3 -c "import sys; print(6*7, sys.version_info.major)"')
+    assert.equal(py.stdout, '42 3\n')
+    const node = await sbx.commands.run('node -e "console.log(6*7)"')
+    assert.equal(node.stdout, '42\n')
+    const who = await sbx.commands.run('whoami; pwd; git --version | cut -d" " -f1-2')
+    assert.equal(who.stdout, 'user\n/home/user\ngit version\n')
+  } finally {
+    await sbx.kill()
+  }
+})

@@ -201,7 +201,7 @@ func (b *bundleConfig) imageRoot() error {
 	if b.userns {
 		hostID = func(id int) int { return int(b.idBase) + id }
 	}
-	if err := template.PrepareImageRoot(b.rootfs, b.hostname, hostID); err != nil {
+	if err := template.PrepareImageRoot(b.rootfs, b.hostname, hostID, b.template.Build); err != nil {
 		return err
 	}
 	r, err := os.OpenRoot(b.rootfs)

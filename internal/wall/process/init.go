@@ -68,10 +68,17 @@ func Init() (*Child, error) {
 	return &Child{Listener: l, spec: spec, specs: specs, specFile: specFile, Config: agent.Config{
 		DefaultUser:      spec.UserName,
 		Limits:           limits,
-		SpawnThreadSetup: seal.SpawnThread,
+		SpawnThreadSetup: spawnSetup(spec.Build),
 		AgentUID:         agentUID,
 		Threads:          AgentThreads,
 	}}, nil
+}
+
+func spawnSetup(build bool) func() error {
+	if build {
+		return seal.SpawnThreadForBuild
+	}
+	return seal.SpawnThread
 }
 
 // Build assembles the sandbox's root, enters it, names the host and brings

@@ -34,7 +34,7 @@ func buildRoot(spec *initSpec) error {
 			return err
 		}
 		trace("root: image")
-		if err := template.PrepareImageRoot(root, spec.Hostname, func(id int) int { return id }); err != nil {
+		if err := template.PrepareImageRoot(root, spec.Hostname, func(id int) int { return id }, spec.Build); err != nil {
 			return err
 		}
 	} else {

@@ -196,7 +196,7 @@ func Prepare(ctx context.Context, cfg Config) (sb *Sandbox, err error) {
 	sb.disk, sb.shm = cfg.DiskBytes, cfg.ShmBytes
 	err = sb.send(&initSpec{
 		ID: sb.id, Hostname: "cage-" + sb.id[:min(8, len(sb.id))], Root: sb.root,
-		Mounts: cfg.Template.Mounts, Image: image, DiskBytes: sb.disk, DiskInodes: inodesFor(sb.disk),
+		Mounts: cfg.Template.Mounts, Image: image, Build: cfg.Template.Build, DiskBytes: sb.disk, DiskInodes: inodesFor(sb.disk),
 		ShmBytes: sb.shm, UserName: userName, UserUID: userUID, UserGID: userUID,
 		OOMEvents: sb.cg.OOMEventsFile(), PidsEvents: sb.cg.PidsEventsFile(),
 		Debug: tracing, DieWithParent: sb.dieWithParent,

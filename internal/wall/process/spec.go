@@ -40,6 +40,8 @@ type initSpec struct {
 	// and attaches it instead of building a root from Mounts. The disk is
 	// then the host's, under the overlay.
 	Image string `json:"image,omitempty"`
+	// Build: a template build's sandbox (see template.Template.Build).
+	Build bool `json:"build,omitempty"`
 
 	DiskBytes  int64 `json:"disk_bytes"`
 	DiskInodes int64 `json:"disk_inodes"`

@@ -1,0 +1,223 @@
+package build
+
+import (
+	"archive/tar"
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"fmt"
+	"io"
+	"io/fs"
+	"os"
+	"path"
+	"strconv"
+	"strings"
+
+	"github.com/cagehq/cage/internal/imgstore"
+)
+
+// copy makes the layer of a COPY or ADD of files from the build context.
+// Sources are resolved inside the context (os.Root: no "..", no symlink
+// out of it). ADD takes local files only and does not unpack archives.
+func (b *Builder) copy(ctx context.Context, held *imgstore.Held, st *state, in Instruction, args string) (string, error) {
+	for k := range in.Flags {
+		if k != "chown" {
+			return "", failf("%s --%s is not supported", in.Cmd, k)
+		}
+	}
+	uid, gid, err := chown(in.Flags["chown"])
+	if err != nil {
+		return "", failf("%v", err)
+	}
+	list := in.Exec
+	if list == nil {
+		if list, err = words(args); err != nil {
+			return "", failf("%v", err)
+		}
+	}
+	if len(list) < 2 {
+		return "", failf("%s needs a source and a destination", in.Cmd)
+	}
+	srcs, dest := list[:len(list)-1], list[len(list)-1]
+	for _, s := range srcs {
+		if strings.Contains(s, "://") {
+			return "", failf("%s %s: only files of the build context can be added", in.Cmd, s)
+		}
+	}
+	if !path.IsAbs(dest) {
+		dest = path.Join("/", st.cfg.WorkingDir, dest)
+	}
+	root, err := os.OpenRoot(b.Context)
+	if err != nil {
+		return "", failf("build context: %v", err)
+	}
+	defer root.Close()
+	var files []copied
+	for _, s := range srcs {
+		got, err := collect(root, s, dest, len(srcs) > 1 || strings.HasSuffix(list[len(list)-1], "/"))
+		if err != nil {
+			return "", failf("%v", err)
+		}
+		files = append(files, got...)
+	}
+	h := sha256.New()
+	for _, f := range files {
+		fmt.Fprintf(h, "%s\x00%s\x00%o\x00%s\x00", f.src, f.dst, f.mode, f.link)
+		if f.mode.IsRegular() {
+			r, err := root.Open(f.src)
+			if err != nil {
+				return "", err
+			}
+			_, err = io.Copy(h, r)
+			r.Close()
+			if err != nil {
+				return "", err
+			}
+		}
+	}
+	key := chain(st.key, "COPY", in.Args, in.Flags["chown"], hex.EncodeToString(h.Sum(nil)))
+	if b.cached(held, st, key) {
+		return "cached", nil
+	}
+	tarFile, err := os.CreateTemp("", "cage-copy-*.tar")
+	if err != nil {
+		return "", err
+	}
+	defer os.Remove(tarFile.Name())
+	tw := tar.NewWriter(tarFile)
+	for _, f := range files {
+		if err := writeCopied(tw, root, f, uid, gid); err != nil {
+			tarFile.Close()
+			return "", err
+		}
+	}
+	if err := tw.Close(); err != nil {
+		tarFile.Close()
+		return "", err
+	}
+	if err := tarFile.Close(); err != nil {
+		return "", err
+	}
+	d, err := b.addLayer(ctx, held, st, tarFile.Name(), key)
+	if err != nil {
+		return "", err
+	}
+	return fmt.Sprintf("layer %s, %d entries", d[7:19], len(files)), nil
+}
+
+func chown(s string) (int, int, error) {
+	if s == "" {
+		return 0, 0, nil
+	}
+	u, g, ok := strings.Cut(s, ":")
+	uid, err := strconv.Atoi(u)
+	if err != nil || uid < 0 || uid > 65535 {
+		return 0, 0, fmt.Errorf("--chown=%s: want numeric ids (0-65535)", s)
+	}
+	gid := uid
+	if ok {
+		if gid, err = strconv.Atoi(g); err != nil || gid < 0 || gid > 65535 {
+			return 0, 0, fmt.Errorf("--chown=%s: want numeric ids (0-65535)", s)
+		}
+	}
+	return uid, gid, nil
+}
+
+// copied is one entry a COPY puts in the image.
+type copied struct {
+	src, dst string
+	mode     fs.FileMode
+	link     string
+}
+
+// collect lists what COPY src dest copies: a file to dest (or into it when
+// it is a directory), a directory's contents into dest.
+func collect(root *os.Root, src, dest string, destIsDir bool) ([]copied, error) {
+	clean := path.Clean("/" + src)[1:]
+	if clean == "" {
+		clean = "."
+	}
+	fi, err := root.Lstat(clean)
+	if err != nil {
+		return nil, fmt.Errorf("%s: not in the build context: %v", src, unwrapPath(err))
+	}
+	if !fi.IsDir() {
+		dst := dest
+		if destIsDir {
+			dst = path.Join(dest, path.Base(clean))
+		}
+		c := copied{src: clean, dst: dst, mode: fi.Mode()}
+		if fi.Mode()&fs.ModeSymlink != 0 {
+			if c.link, err = root.Readlink(clean); err != nil {
+				return nil, err
+			}
+		}
+		return []copied{c}, nil
+	}
+	var out []copied
+	err = fs.WalkDir(root.FS(), clean, func(p string, d fs.DirEntry, err error) error {
+		if err != nil {
+			return err
+		}
+		rel := strings.TrimPrefix(strings.TrimPrefix(p, clean), "/")
+		if clean == "." {
+			rel = p
+			if p == "." {
+				rel = ""
+			}
+		}
+		info, err := d.Info()
+		if err != nil {
+			return err
+		}
+		c := copied{src: p, dst: path.Join(dest, rel), mode: info.Mode()}
+		if info.Mode()&fs.ModeSymlink != 0 {
+			if c.link, err = root.Readlink(p); err != nil {
+				return err
+			}
+		}
+		if info.Mode()&(fs.ModeDevice|fs.ModeNamedPipe|fs.ModeSocket) != 0 {
+			return nil
+		}
+		out = append(out, c)
+		return nil
+	})
+	return out, err
+}
+
+func unwrapPath(err error) error {
+	if pe, ok := err.(*fs.PathError); ok {
+		return pe.Err
+	}
+	return err
+}
+
+func writeCopied(tw *tar.Writer, root *os.Root, f copied, uid, gid int) error {
+	h := &tar.Header{Name: strings.TrimPrefix(f.dst, "/"), Mode: int64(f.mode.Perm()), Uid: uid, Gid: gid, Format: tar.FormatPAX}
+	switch {
+	case f.mode.IsDir():
+		h.Typeflag, h.Name = tar.TypeDir, h.Name+"/"
+		return tw.WriteHeader(h)
+	case f.mode&fs.ModeSymlink != 0:
+		h.Typeflag, h.Linkname = tar.TypeSymlink, f.link
+		return tw.WriteHeader(h)
+	}
+	r, err := root.Open(f.src)
+	if err != nil {
+		return err
+	}
+	defer r.Close()
+	fi, err := r.Stat()
+	if err != nil {
+		return err
+	}
+	h.Typeflag, h.Size, h.ModTime = tar.TypeReg, fi.Size(), fi.ModTime()
+	if err := tw.WriteHeader(h); err != nil {
+		return err
+	}
+	n, err := io.Copy(tw, io.LimitReader(r, fi.Size()))
+	if err == nil && n != fi.Size() {
+		err = fmt.Errorf("%s changed while it was copied", f.src)
+	}
+	return err
+}

@@ -1,0 +1,182 @@
+package clitest
+
+import (
+	"os"
+	"path/filepath"
+	"regexp"
+	"strings"
+	"testing"
+
+	"github.com/cagehq/cage/internal/testutil"
+)
+
+// buildEnv is a data directory with the test image imported as "bb", and a
+// build context.
+func buildEnv(t *testing.T, e *env) (env []string, ctxDir string) {
+	data := t.TempDir()
+	env = []string{"CAGE_DATA=" + data}
+	tarPath := testutil.WriteDockerArchive(t, testutil.TestImage(t), "cage-test:latest")
+	if r := e.cageEnv(nil, env, "template", "import", tarPath, "bb"); r.code != 0 {
+		t.Fatalf("import: %v", r)
+	}
+	ctxDir = t.TempDir()
+	must(t, os.WriteFile(filepath.Join(ctxDir, "hello.txt"), []byte("world\n"), 0o644))
+	must(t, os.MkdirAll(filepath.Join(ctxDir, "app", "lib"), 0o755))
+	must(t, os.WriteFile(filepath.Join(ctxDir, "app", "run.sh"), []byte("#!/bin/sh\necho app ran\n"), 0o755))
+	must(t, os.WriteFile(filepath.Join(ctxDir, "app", "lib", "data"), []byte("data\n"), 0o600))
+	return env, ctxDir
+}
+
+func must(t *testing.T, err error) {
+	t.Helper()
+	if err != nil {
+		t.Fatal(err)
+	}
+}
+
+const testDockerfile = `# every instruction cage builds
+ARG GREETING=hello
+FROM bb
+ARG GREETING
+ENV APP=/opt/app \
+    MODE="two words"
+WORKDIR /opt/app
+COPY hello.txt ./
+COPY --chown=1000:1000 app /opt/app/
+RUN echo "$GREETING $(cat hello.txt)" > out.txt && rm /etc/os-release && \
+    mkdir -p /var/owned && chown 1000:1000 /var/owned && ln -s /etc/passwd /opt/app/link && \
+    (sleep 30 &) && echo step ran
+USER 1000
+LABEL org.cage.built=yes
+CMD ["/bin/sh"]
+`
+
+// TestTemplateBuild: a Dockerfile of every instruction builds a template
+// whose sandboxes see its files, owners, deletions and settings; building
+// it again runs nothing; a changed input re-runs only what depends on it.
+func TestTemplateBuild(t *testing.T) {
+	e := setup(t)
+	env, ctxDir := buildEnv(t, e)
+	must(t, os.WriteFile(filepath.Join(ctxDir, "Dockerfile"), []byte(testDockerfile), 0o644))
+
+	r := e.cageEnv(nil, env, "template", "build", "--build-arg", "GREETING=hi", ctxDir, "built")
+	if r.code != 0 || !strings.Contains(r.stderr, "step ran") || !strings.Contains(r.stderr, "step 11/11") {
+		t.Fatalf("template build: %v", r)
+	}
+	e.noLeftovers(r.ids...)
+	id := builtID(t, r.stdout)
+	checks := []struct{ script, want string }{
+		{"cat /opt/app/out.txt", "hi world\n"},
+		{"test -e /etc/os-release && echo present || echo deleted", "deleted\n"},
+		{"stat -c '%u %a' /var/owned /opt/app/run.sh /opt/app/lib/data /opt/app/hello.txt", "1000 755\n1000 755\n1000 600\n0 644\n"},
+		{"/opt/app/run.sh", "app ran\n"},
+		{"readlink /opt/app/link", "/etc/passwd\n"},
+		{"echo \"$APP|$MODE\"", "/opt/app|two words\n"},
+		{"ls /run/cage/ | wc -l; cat /etc/hostname | cut -c1-5", "3\ncage-\n"},
+	}
+	for _, c := range checks {
+		r := e.cageEnv(nil, env, "run", "--template", "built", "--", "sh", "-c", c.script)
+		if r.code != 0 || r.stdout != c.want {
+			t.Errorf("in the built template: %q: %v; want stdout %q", c.script, r, c.want)
+		}
+	}
+	r = e.cageEnv(nil, env, "template", "inspect", "built")
+	for _, want := range []string{`"org.cage.built": "yes"`, `"workingDir": "/opt/app"`, `"user": "1000"`, `"MODE=two words"`} {
+		if !strings.Contains(r.stdout, want) {
+			t.Errorf("template inspect built: no %s in\n%s", want, r.stdout)
+		}
+	}
+
+	// Again: every step from the cache, the same template.
+	r = e.cageEnv(nil, env, "template", "build", "--build-arg", "GREETING=hi", ctxDir, "built")
+	if r.code != 0 || strings.Contains(r.stderr, "step ran") || strings.Count(r.stderr, "cached") != 3 || builtID(t, r.stdout) != id {
+		t.Errorf("second build: %v; want the 3 COPY/RUN steps cached, nothing run, template %s", r, id)
+	}
+	// A changed file re-runs its COPY and what follows, not the COPY before.
+	must(t, os.WriteFile(filepath.Join(ctxDir, "app", "run.sh"), []byte("#!/bin/sh\necho changed\n"), 0o755))
+	r = e.cageEnv(nil, env, "template", "build", "--build-arg", "GREETING=hi", ctxDir, "built")
+	if r.code != 0 || !strings.Contains(r.stderr, "step ran") || strings.Count(r.stderr, "cached") != 1 {
+		t.Errorf("build after a change: %v; want the first COPY cached, the rest run", r)
+	}
+	// --no-cache runs everything.
+	r = e.cageEnv(nil, env, "template", "build", "--no-cache", "--build-arg", "GREETING=hi", ctxDir, "built")
+	if r.code != 0 || !strings.Contains(r.stderr, "step ran") || strings.Contains(r.stderr, "cached") {
+		t.Errorf("build --no-cache: %v", r)
+	}
+	e.noLeftovers(r.ids...)
+}
+
+var builtRE = regexp.MustCompile(`^built ([0-9a-f]{12}) `)
+
+func builtID(t *testing.T, stdout string) string {
+	m := builtRE.FindStringSubmatch(stdout)
+	if m == nil {
+		t.Fatalf("build printed %q, want `built ID (...)`", stdout)
+	}
+	return m[1]
+}
+
+// TestTemplateBuildNetwork: a RUN step reaches the (test world's) internet
+// only when the build asks for it, and the build says so.
+func TestTemplateBuildNetwork(t *testing.T) {
+	e := setup(t)
+	w := testutil.SharedWorld(t)
+	env, ctxDir := buildEnv(t, e)
+	env = append(env, "CAGE_DNS="+strings.Join(w.Upstreams(), ","))
+	// busybox's wget crashes (Debian 12's busybox-static); nc speaks HTTP.
+	df := "FROM bb\nRUN printf 'GET / HTTP/1.0\\r\\n\\r\\n' | nc -w 5 " + testutil.PublicHost.String() + " 80 > /fetched && grep public /fetched\n"
+	must(t, os.WriteFile(filepath.Join(ctxDir, "Dockerfile"), []byte(df), 0o644))
+	r := e.cageEnv(nil, env, "template", "build", ctxDir, "offline")
+	if r.code != 1 || !strings.Contains(r.stderr, "build failed") || strings.Contains(r.stderr, "with network") {
+		t.Errorf("a RUN that needs the network, without --net: %v; want exit 1, build failed", r)
+	}
+	r = e.cageEnv(nil, env, "template", "build", "--net", "internet", ctxDir, "online")
+	if r.code != 0 || !strings.Contains(r.stderr, "with network: internet") || !strings.Contains(r.stderr, "public") {
+		t.Errorf("with --net internet: %v", r)
+	}
+	e.noLeftovers(r.ids...)
+}
+
+// TestTemplateBuildBadInput: one line, the right code, nothing left.
+func TestTemplateBuildBadInput(t *testing.T) {
+	e := setup(t)
+	env, ctxDir := buildEnv(t, e)
+	write := func(name, body string) string {
+		p := filepath.Join(ctxDir, name)
+		must(t, os.WriteFile(p, []byte(body), 0o644))
+		return p
+	}
+	for _, c := range []struct {
+		name string
+		args []string
+		code int
+		want string
+	}{
+		{"unsupported instruction", []string{"-f", write("d1", "FROM bb\nHEALTHCHECK CMD true\n"), ctxDir, "x"}, 1, "line 2: HEALTHCHECK is not supported"},
+		{"no FROM", []string{"-f", write("d2", "RUN true\n"), ctxDir, "x"}, 1, "first instruction must be FROM"},
+		{"second FROM", []string{"-f", write("d3", "FROM bb\nFROM bb\n"), ctxDir, "x"}, 1, "multi-stage"},
+		{"unknown base", []string{"-f", write("d4", "FROM nope\n"), ctxDir, "x"}, 1, `"nope"`},
+		{"failing RUN", []string{"-f", write("d5", "FROM bb\nRUN echo out; exit 3\n"), ctxDir, "x"}, 1, "exit code 3"},
+		{"COPY out of the context", []string{"-f", write("d6", "FROM bb\nCOPY ../../etc/passwd /x\n"), ctxDir, "x"}, 1, "not in the build context"},
+		{"COPY a URL", []string{"-f", write("d7", "FROM bb\nADD http://example.com/x /x\n"), ctxDir, "x"}, 1, "only files of the build context"},
+		{"named chown", []string{"-f", write("d8", "FROM bb\nCOPY --chown=user hello.txt /x\n"), ctxDir, "x"}, 1, "numeric ids"},
+		{"context not a directory", []string{filepath.Join(ctxDir, "hello.txt"), "x"}, 64, "not a directory"},
+		{"no Dockerfile", []string{"-f", "/no/such/Dockerfile", ctxDir, "x"}, 64, "/no/such/Dockerfile"},
+		{"bad --net", []string{"--net", "allowlist", ctxDir, "x"}, 64, "--net"},
+		{"bad --build-arg", []string{"--build-arg", "NOEQUALS", ctxDir, "x"}, 64, "--build-arg"},
+		{"bad name", []string{"-f", write("d9", "FROM bb\n"), ctxDir, "../x"}, 64, "../x"},
+	} {
+		r := e.cageEnv(nil, env, append([]string{"template", "build"}, c.args...)...)
+		last := strings.TrimSpace(r.stderr)
+		if i := strings.LastIndex(last, "\n"); i >= 0 {
+			last = last[i+1:]
+		}
+		if r.code != c.code || !strings.HasPrefix(last, "cage: ") || !strings.Contains(last, c.want) {
+			t.Errorf("%s: %v; want exit %d and a last line naming %q", c.name, r, c.code, c.want)
+		}
+		e.noLeftovers(r.ids...)
+	}
+	if r := e.cageEnv(nil, env, "template", "inspect", "x"); r.code != 66 {
+		t.Errorf("a failed build left template x: %v", r)
+	}
+}
