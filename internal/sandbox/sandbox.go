@@ -274,7 +274,7 @@ func (h *Host) Start(sb *process.Sandbox, o Options) error {
 	if err != nil {
 		return err
 	}
-	return sb.Start(process.Spec{
+	err = sb.Start(process.Spec{
 		Template:  tmpl,
 		Limits:    cgroups.Limits{MemoryBytes: o.Memory, CPUs: o.CPUs, Pids: o.Pids + process.AgentThreads},
 		DiskBytes: o.Disk,
@@ -285,6 +285,10 @@ func (h *Host) Start(sb *process.Sandbox, o Options) error {
 		Net:       netHost,
 		NetPolicy: o.Net,
 	})
+	if err != nil {
+		return err
+	}
+	return startCommand(sb, tmpl)
 }
 
 // network returns the host's sandbox network when p needs one, setting it

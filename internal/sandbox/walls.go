@@ -78,13 +78,21 @@ func (h *Host) createOCI(ctx context.Context, o Options) (wall.Sandbox, error) {
 	if err != nil {
 		return nil, err
 	}
-	return oci.Create(ctx, oci.Config{
+	sb, err := oci.Create(ctx, oci.Config{
 		ID: o.ID, AgentPath: h.AgentPath, RunDir: h.RunDir, Cgroups: h.Cgroups, Runtime: h.Runtimes[o.Wall],
 		Template: tmpl, Limits: cgroups.Limits{MemoryBytes: o.Memory, CPUs: o.CPUs, Pids: o.Pids + process.AgentThreads},
 		DiskBytes: o.Disk, ShmBytes: o.Shm, Token: o.Token, Env: tmpl.EnvWith(o.Env), MaxOutput: o.MaxOutput,
 		Threads: process.AgentThreads, DieWithCaller: o.DieWithCaller, Log: h.Log,
 		Net: netHost, NetPolicy: o.Net,
 	})
+	if err != nil {
+		return nil, err
+	}
+	if err := startCommand(sb, tmpl); err != nil {
+		_ = sb.Destroy()
+		return nil, err
+	}
+	return sb, nil
 }
 
 // RunBare runs argv directly as the container process of an OCI wall, in a

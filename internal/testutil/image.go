@@ -100,7 +100,7 @@ func TestImage(t testing.TB) v1.Image {
 		{Name: "opt/data/owned1000", Body: []byte("user's\n"), UID: 1000, GID: 1000},
 	}
 	for _, applet := range []string{"sh", "ls", "cat", "id", "stat", "echo", "touch", "mkdir", "rm", "dd", "sleep", "env",
-		"head", "wc", "true", "false", "whoami", "hostname", "chmod", "chown", "cp", "mv", "df", "sync", "test", "grep", "tr", "sed", "ln", "nc", "readlink", "printf"} {
+		"head", "wc", "true", "false", "whoami", "hostname", "chmod", "chown", "cp", "mv", "df", "sync", "test", "grep", "tr", "sed", "ln", "nc", "readlink", "printf", "ps"} {
 		base = append(base, TarEntry{Name: "bin/" + applet, Type: tar.TypeSymlink, Link: "busybox"})
 	}
 	second := []TarEntry{

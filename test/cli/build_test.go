@@ -180,3 +180,33 @@ func TestTemplateBuildBadInput(t *testing.T) {
 		t.Errorf("a failed build left template x: %v", r)
 	}
 }
+
+// TestTemplateStartCommand: a template's start command (label cage.start)
+// runs when a sandbox starts, and the create waits for its ready check
+// (cage.ready); one that never gets ready fails the create, leaving nothing.
+func TestTemplateStartCommand(t *testing.T) {
+	e := setup(t)
+	env, ctxDir := buildEnv(t, e)
+	must(t, os.WriteFile(filepath.Join(ctxDir, "Dockerfile"), []byte(`FROM bb
+LABEL cage.start="sleep 0.3; echo up > /tmp/ready; exec sleep 1000" cage.ready="test -f /tmp/ready"
+`), 0o644))
+	if r := e.cageEnv(nil, env, "template", "build", ctxDir, "svc"); r.code != 0 {
+		t.Fatalf("build: %v", r)
+	}
+	r := e.cageEnv(nil, env, "run", "--template", "svc", "--", "sh", "-c", "cat /tmp/ready; ps -o args | grep -c '^sleep 1000'")
+	if r.code != 0 || r.stdout != "up\n1\n" {
+		t.Errorf("the first command of a sandbox of svc: %v; want the service up and running", r)
+	}
+	e.noLeftovers(r.ids...)
+	must(t, os.WriteFile(filepath.Join(ctxDir, "Dockerfile"), []byte(`FROM bb
+LABEL cage.start="sleep 1000" cage.ready="false" cage.ready-timeout="1"
+`), 0o644))
+	if r := e.cageEnv(nil, env, "template", "build", ctxDir, "never"); r.code != 0 {
+		t.Fatalf("build: %v", r)
+	}
+	r = e.cageEnv(nil, env, "run", "--template", "never", "--", "true")
+	if r.code != 125 || !strings.Contains(r.stderr, "not ready after 1s") || strings.Count(strings.TrimSpace(r.stderr), "\n") != 0 {
+		t.Errorf("a template that never gets ready: %v; want exit 125, one line", r)
+	}
+	e.noLeftovers(r.ids...)
+}

@@ -71,7 +71,13 @@ func processHost(t testing.TB) *sandbox.Host {
 		_ = os.Chmod(dir, 0o711)
 		host, hostErr = sandbox.NewHost(dir, filepath.Join(bin, "cage-agent"), slog.New(slog.DiscardHandler))
 		if hostErr == nil {
-			host.Templates, hostErr = imgstore.Open(filepath.Join(dir, "data", "templates"))
+			// The shared store where scripts/test.sh built "base", else
+			// one of the run's own.
+			store := os.Getenv("CAGE_TEMPLATES")
+			if store == "" {
+				store = filepath.Join(dir, "data", "templates")
+			}
+			host.Templates, hostErr = imgstore.Open(store)
 		}
 	})
 	if hostErr != nil {
