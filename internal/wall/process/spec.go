@@ -83,7 +83,7 @@ const (
 // AgentThreads is how many threads the agent holds (it takes them before it
 // serves); the pids limit is raised by as much, so that the workload's
 // budget is what was asked.
-const AgentThreads = 12
+const AgentThreads = 20
 
 // The sandbox's own user, as the template's accounts define it.
 const (
