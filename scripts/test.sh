@@ -34,6 +34,11 @@ if [ -z "${CAGE_RUNSC:-}" ]; then
     make -s runsc
   fi
 fi
+# The microvm wall's guest kernel (Debian's cloud kernel, unpacked into
+# .tools/kernel) and QEMU, for the tests of internal/vm.
+if [ "$(id -u)" = 0 ]; then
+  echo "== guest kernel $(bash scripts/kernel.sh .tools/kernel) and QEMU"
+fi
 # As root (CI) every wall must run: a missing one fails the suite instead of
 # being skipped.
 if [ "$(id -u)" = 0 ]; then

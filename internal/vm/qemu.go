@@ -1,0 +1,355 @@
+package vm
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+)
+
+// QEMU is the emulator Start runs.
+const QEMU = "qemu-system-x86_64"
+
+// Files in a VM's directory.
+const (
+	AgentSocket = "agent.sock"  // the host end of the agent port
+	QMPSocket   = "qmp.sock"    // QEMU's machine protocol, for control
+	ConsoleLog  = "console.log" // the guest's console, for debugging
+)
+
+// Config describes one VM.
+type Config struct {
+	Kernel    *Kernel
+	Initramfs string // from WriteInitramfs
+	MemoryMB  int    // 256 when 0
+	CPUs      int    // 1 when 0
+	Accel     string // "tcg" (the default) or "kvm"
+	Dir       string // a private directory for the VM's sockets and console log
+	Append    string // more of the kernel's command line
+}
+
+// VM is a running QEMU.
+type VM struct {
+	cfg    Config
+	cmd    *exec.Cmd
+	stderr *tail
+	done   chan struct{} // closed once QEMU has been reaped
+	err    error         // how QEMU ended, set before done is closed
+	stop   sync.Once
+}
+
+// kernelArgs come first on the guest's command line. console=ttyS0 with
+// microvm's ISA serial port: the 8250 driver is built in, so the console
+// works from the kernel's first line to a panic before any module is
+// loaded (a virtio console would start only with its module). "quiet" keeps
+// the emulated serial port nearly silent; panic=-1 turns a panic into a
+// reboot, which -no-reboot turns into QEMU's exit. reboot=t restarts by a
+// triple fault, which stops the CPU at once: Linux's default, the ACPI reset
+// register, is a request QEMU acts on a moment later, and meanwhile Linux
+// tries its next ways, down to jumping into the firmware itself, which now
+// and then (about one in five here) boots the guest again instead of
+// ending QEMU. cryptomgr.notests skips the crypto self-tests, the longest
+// step of the kernel's boot under TCG (about half a second).
+const kernelArgs = "console=ttyS0 quiet panic=-1 reboot=t cryptomgr.notests"
+
+// Args returns QEMU's command line for cfg (without the program name).
+func (cfg Config) Args() []string {
+	dir := cfg.Dir
+	mem, cpus, accel := cfg.MemoryMB, cfg.CPUs, cfg.Accel
+	if mem == 0 {
+		mem = 256
+	}
+	if cpus == 0 {
+		cpus = 1
+	}
+	if accel == "" {
+		accel = "tcg"
+	}
+	image := ""
+	if cfg.Kernel != nil {
+		image = cfg.Kernel.Image()
+	}
+	cmdline := kernelArgs
+	if khz := hostTSCkHz(); accel == "tcg" && khz != 0 {
+		// See hostTSCkHz. Under KVM the guest learns it from kvm-clock.
+		cmdline += " tsc_early_khz=" + strconv.FormatUint(khz, 10)
+	}
+	if cfg.Append != "" {
+		cmdline += " " + cfg.Append
+	}
+	return []string{
+		// microvm: no PCI, no firmware tables but ACPI's, no legacy devices
+		// but those asked for. ACPI tells the guest where the virtio-mmio
+		// devices are. No PIT and no PIC: the guest uses the local APIC's
+		// timer and the I/O APIC, and the PIT's interrupts are what an
+		// uncalibrated boot under TCG waits for in vain. An RTC for the
+		// wall clock, the ISA serial port for the console, and no
+		// virtio-mmio devices added to the command line, which Debian's
+		// kernel would only warn about.
+		"-M", "microvm,accel=" + accel + ",acpi=on,pit=off,pic=off,rtc=on,isa-serial=on,auto-kernel-cmdline=off",
+		"-nodefaults", "-no-user-config", "-nographic",
+		// QEMU's own seccomp filter: no old syscalls, no setuid, no
+		// spawning, no changing of scheduling or affinity.
+		"-sandbox", "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny",
+		"-m", strconv.Itoa(mem),
+		"-smp", strconv.Itoa(cpus),
+		"-kernel", image,
+		"-initrd", cfg.Initramfs,
+		"-append", cmdline,
+		"-chardev", "file,id=console,path=" + optValue(filepath.Join(dir, ConsoleLog)),
+		"-serial", "chardev:console",
+		"-device", "virtio-serial-device,max_ports=2",
+		"-chardev", "socket,id=agent,path=" + optValue(filepath.Join(dir, AgentSocket)) + ",server=on,wait=off",
+		"-device", "virtserialport,chardev=agent,name=" + AgentPort,
+		"-chardev", "socket,id=qmp,path=" + optValue(filepath.Join(dir, QMPSocket)) + ",server=on,wait=off",
+		"-mon", "chardev=qmp,mode=control",
+		"-no-reboot",
+	}
+}
+
+// optValue escapes a value inside one of QEMU's option lists, where a
+// comma would end it.
+func optValue(s string) string { return strings.ReplaceAll(s, ",", ",,") }
+
+// maxSocketPath is what fits in a unix socket address (with its NUL).
+const maxSocketPath = 107
+
+// Start runs QEMU for cfg and returns once the VM runs; the guest boots on
+// in the background (DialAgent waits for it). ctx bounds only the start:
+// the VM runs until Stop or its own end, or until the thread that started
+// it ends (QEMU's parent-death signal is tied to that thread, so do not
+// call Start from a goroutine that locks its thread and then exits).
+func Start(ctx context.Context, cfg Config) (*VM, error) {
+	if cfg.Kernel == nil {
+		return nil, errors.New("start vm: no kernel")
+	}
+	if cfg.Accel != "" && cfg.Accel != "tcg" && cfg.Accel != "kvm" {
+		return nil, fmt.Errorf("start vm: accelerator %q is neither tcg nor kvm", cfg.Accel)
+	}
+	if cfg.Dir == "" {
+		return nil, errors.New("start vm: no directory")
+	}
+	if !fileExists(cfg.Initramfs) {
+		return nil, fmt.Errorf("start vm: no initramfs at %q", cfg.Initramfs)
+	}
+	if n := len(filepath.Join(cfg.Dir, AgentSocket)); n > maxSocketPath {
+		return nil, fmt.Errorf("start vm: directory %s is too long for a unix socket path", cfg.Dir)
+	}
+	if err := os.MkdirAll(cfg.Dir, 0o700); err != nil {
+		return nil, fmt.Errorf("start vm: %w", err)
+	}
+	// Sockets a killed QEMU left would be taken for this one's.
+	for _, s := range []string{AgentSocket, QMPSocket} {
+		if err := os.Remove(filepath.Join(cfg.Dir, s)); err != nil && !errors.Is(err, os.ErrNotExist) {
+			return nil, fmt.Errorf("start vm: %w", err)
+		}
+	}
+	bin, err := exec.LookPath(QEMU)
+	if err != nil {
+		return nil, fmt.Errorf("start vm: %s not found; run scripts/kernel.sh (installs qemu-system-x86)", QEMU)
+	}
+	cmd := exec.Command(bin, cfg.Args()...)
+	cmd.Dir = cfg.Dir
+	v := &VM{cfg: cfg, cmd: cmd, stderr: &tail{max: 4096}, done: make(chan struct{})}
+	cmd.Stderr = v.stderr
+	// QEMU goes with the process that started it.
+	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	if err := cmd.Start(); err != nil {
+		return nil, fmt.Errorf("start vm: %w", err)
+	}
+	go func() {
+		v.err = cmd.Wait()
+		close(v.done)
+	}()
+
+	// QEMU answers on QMP from its main loop only once the machine is
+	// built and running: a bad option, too much memory or a kernel it
+	// cannot load, and a refused accelerator end Start, not a later dial.
+	if err := v.waitRunning(ctx); err != nil {
+		v.Stop()
+		return nil, fmt.Errorf("start vm: %w", err)
+	}
+	return v, nil
+}
+
+// waitRunning connects to QMP and asks QEMU for its status, which it
+// answers once the VM runs.
+func (v *VM) waitRunning(ctx context.Context) error {
+	conn, err := v.dial(ctx, filepath.Join(v.cfg.Dir, QMPSocket))
+	if err != nil {
+		return err
+	}
+	defer conn.Close()
+	stop := context.AfterFunc(ctx, func() { conn.SetDeadline(time.Now()) })
+	defer stop()
+	dec := json.NewDecoder(conn)
+	// Replies, skipping the asynchronous events QEMU may send between them.
+	reply := func() (map[string]json.RawMessage, error) {
+		for {
+			var msg map[string]json.RawMessage
+			if err := dec.Decode(&msg); err != nil {
+				return nil, err
+			}
+			if _, ok := msg["event"]; !ok {
+				return msg, nil
+			}
+		}
+	}
+	var status struct {
+		Status string `json:"status"`
+	}
+	for _, step := range []string{"", `{"execute":"qmp_capabilities"}`, `{"execute":"query-status"}`} {
+		if step != "" {
+			if _, err = io.WriteString(conn, step+"\n"); err != nil {
+				break
+			}
+		}
+		var msg map[string]json.RawMessage
+		if msg, err = reply(); err != nil {
+			break
+		}
+		if e, ok := msg["error"]; ok {
+			return fmt.Errorf("qmp: %s", e)
+		}
+		if r, ok := msg["return"]; ok && step != "" {
+			_ = json.Unmarshal(r, &status)
+		}
+	}
+	if err != nil {
+		if ctx.Err() != nil {
+			return ctx.Err()
+		}
+		// The connection ended: QEMU is going; say what it said.
+		select {
+		case <-v.done:
+			return errors.New(v.exitReason())
+		case <-time.After(time.Second):
+			return fmt.Errorf("qmp: %w", err)
+		}
+	}
+	if status.Status != "running" {
+		return fmt.Errorf("qemu is %q, not running", status.Status)
+	}
+	return nil
+}
+
+// dial connects to one of QEMU's sockets, waiting for QEMU to make it.
+func (v *VM) dial(ctx context.Context, path string) (net.Conn, error) {
+	var d net.Dialer
+	for {
+		c, err := d.DialContext(ctx, "unix", path)
+		if err == nil {
+			return c, nil
+		}
+		// Not there yet, or not yet listening: retry. Anything else is an
+		// answer.
+		if !errors.Is(err, syscall.ENOENT) && !errors.Is(err, syscall.ECONNREFUSED) {
+			return nil, err
+		}
+		select {
+		case <-v.done:
+			return nil, errors.New(v.exitReason())
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		case <-time.After(2 * time.Millisecond):
+		}
+	}
+}
+
+// Dir is the VM's directory.
+func (v *VM) Dir() string { return v.cfg.Dir }
+
+// Pid is QEMU's process id.
+func (v *VM) Pid() int { return v.cmd.Process.Pid }
+
+// DialAgent connects to the agent port's socket. The connection is there
+// at once; what the guest writes arrives once it has booted.
+func (v *VM) DialAgent(ctx context.Context) (net.Conn, error) {
+	c, err := v.dial(ctx, filepath.Join(v.cfg.Dir, AgentSocket))
+	if err != nil {
+		return nil, fmt.Errorf("dial agent: %w", err)
+	}
+	return c, nil
+}
+
+// Exited is closed once QEMU has ended and been reaped.
+func (v *VM) Exited() <-chan struct{} { return v.done }
+
+// Wait waits for QEMU to end and says how it did: nil for a clean exit (the
+// guest powered off, rebooted or panicked, given -no-reboot).
+func (v *VM) Wait() error {
+	<-v.done
+	if v.err != nil {
+		return errors.New(v.exitReason())
+	}
+	return nil
+}
+
+// Stop kills QEMU, reaps it and removes its sockets; the console log stays.
+// It is safe to call more than once and after QEMU has ended.
+func (v *VM) Stop() {
+	v.stop.Do(func() {
+		select {
+		case <-v.done:
+		default:
+			// SIGKILL: the guest has nothing to save; its disks are the
+			// host's business.
+			_ = v.cmd.Process.Kill()
+			<-v.done
+		}
+		v.cleanup()
+	})
+}
+
+func (v *VM) cleanup() {
+	for _, s := range []string{AgentSocket, QMPSocket} {
+		_ = os.Remove(filepath.Join(v.cfg.Dir, s))
+	}
+}
+
+// exitReason describes how QEMU ended, with its last line of errors; only
+// after done is closed.
+func (v *VM) exitReason() string {
+	msg := "qemu exited"
+	if v.err != nil {
+		msg += " (" + v.err.Error() + ")"
+	}
+	if line := v.stderr.lastLine(); line != "" {
+		msg += ": " + strings.TrimPrefix(line, QEMU+": ")
+	}
+	return msg
+}
+
+// tail keeps the last bytes written to it: QEMU's stderr, for errors.
+type tail struct {
+	mu  sync.Mutex
+	max int
+	buf []byte
+}
+
+func (t *tail) Write(p []byte) (int, error) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	t.buf = append(t.buf, p...)
+	if len(t.buf) > t.max {
+		t.buf = append([]byte(nil), t.buf[len(t.buf)-t.max:]...)
+	}
+	return len(p), nil
+}
+
+func (t *tail) lastLine() string {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	lines := strings.Split(strings.TrimSpace(string(t.buf)), "\n")
+	return strings.TrimSpace(lines[len(lines)-1])
+}
