@@ -12,11 +12,19 @@ import (
 	"os"
 
 	"github.com/cagehq/cage/internal/agent"
+	"github.com/cagehq/cage/internal/wall/microvm"
 	"github.com/cagehq/cage/internal/wall/oci"
 	"github.com/cagehq/cage/internal/wall/process"
 )
 
 func main() {
+	if microvm.IsGuestInit() {
+		// The init of a microvm guest.
+		err := microvm.GuestServe()
+		fmt.Fprintln(os.Stderr, "cage-agent:", err)
+		microvm.PowerOff()
+		return
+	}
 	if len(os.Args) == 2 && os.Args[1] == "hold" {
 		// The host runs this in a user namespace only to get hold of the
 		// namespace (the map of an idmapped mount); it exits when its

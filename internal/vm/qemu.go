@@ -36,6 +36,9 @@ type Config struct {
 	Accel     string // "tcg" (the default) or "kvm"
 	Dir       string // a private directory for the VM's sockets and console log
 	Append    string // more of the kernel's command line
+	// Disks are raw images the guest sees read-only, as /dev/vda, vdb, ...
+	// in this order.
+	Disks []string
 }
 
 // VM is a running QEMU.
@@ -87,7 +90,7 @@ func (cfg Config) Args() []string {
 	if cfg.Append != "" {
 		cmdline += " " + cfg.Append
 	}
-	return []string{
+	args := []string{
 		// microvm: no PCI, no firmware tables but ACPI's, no legacy devices
 		// but those asked for. ACPI tells the guest where the virtio-mmio
 		// devices are. No PIT and no PIC: the guest uses the local APIC's
@@ -115,6 +118,12 @@ func (cfg Config) Args() []string {
 		"-mon", "chardev=qmp,mode=control",
 		"-no-reboot",
 	}
+	for i, d := range cfg.Disks {
+		id := "disk" + strconv.Itoa(i)
+		args = append(args, "-drive", "file="+optValue(d)+",format=raw,if=none,readonly=on,id="+id,
+			"-device", "virtio-blk-device,drive="+id)
+	}
+	return args
 }
 
 // optValue escapes a value inside one of QEMU's option lists, where a
