@@ -256,4 +256,3 @@ func TemplateImage(dir string, t *template.Template) (string, error) {
 	}
 	return p, os.Rename(tmp, p)
 }
-
