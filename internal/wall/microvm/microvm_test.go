@@ -3,9 +3,11 @@ package microvm
 import (
 	"bytes"
 	"context"
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -94,4 +96,62 @@ func TestGuestAgent(t *testing.T) {
 	if _, err := os.Stat(filepath.Join(runDir, "sandboxes", "0123456789abcdef0123")); !os.IsNotExist(err) {
 		t.Errorf("the sandbox's directory is left: %v", err)
 	}
+}
+
+// BenchmarkColdBoot: create (cold boot under TCG) -> first byte of `echo`
+// from the guest's agent; destroying is not timed.
+func BenchmarkColdBoot(b *testing.B) {
+	k := needVM(b)
+	bin := testutil.Binaries(b)
+	store, err := imgstore.Open(filepath.Join(b.TempDir(), "templates"))
+	if err != nil {
+		b.Fatal(err)
+	}
+	path := testutil.WriteDockerArchive(b, testutil.TestImage(b), "cage-test:latest")
+	if _, err := store.Import(context.Background(), path, "cage-test", imgstore.Options{}); err != nil {
+		b.Fatal(err)
+	}
+	tmpl, err := template.Lookup("cage-test", b.TempDir(), store)
+	if err != nil {
+		b.Fatal(err)
+	}
+	runDir := b.TempDir()
+	var samples []time.Duration
+	for i := 0; i < b.N; i++ {
+		ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+		start := time.Now()
+		sb, err := Create(ctx, Config{ID: fmt.Sprintf("bench%015d", i), RunDir: runDir, AgentPath: filepath.Join(bin, "cage-agent"),
+			Kernel: k, Template: tmpl, DiskBytes: 16 << 20, Token: "t", Threads: 20})
+		if err != nil {
+			b.Fatal(err)
+		}
+		c := agentclient.New(sb.Dial, sb.Token())
+		fw := &firstByte{}
+		if _, err := c.Run(ctx, agentclient.RunOptions{Cmd: "echo", Args: []string{"x"}, Stdout: fw}); err != nil {
+			b.Fatal(err)
+		}
+		samples = append(samples, fw.at.Sub(start))
+		b.StopTimer()
+		c.Close()
+		_ = sb.Destroy()
+		cancel()
+		b.StartTimer()
+	}
+	slices.Sort(samples)
+	pct := func(p float64) time.Duration { return samples[min(len(samples)-1, int(p*float64(len(samples))))] }
+	for _, m := range []struct {
+		name string
+		p    float64
+	}{{"p50-ms", 0.5}, {"p95-ms", 0.95}, {"p99-ms", 0.99}} {
+		b.ReportMetric(float64(pct(m.p).Microseconds())/1000, m.name)
+	}
+}
+
+type firstByte struct{ at time.Time }
+
+func (f *firstByte) Write(p []byte) (int, error) {
+	if f.at.IsZero() {
+		f.at = time.Now()
+	}
+	return len(p), nil
 }
