@@ -116,28 +116,39 @@ func (t *Template) MountImage(dir string, idBase uint32, userns func() (int, err
 	if err := os.Chown(upper, int(idBase), int(idBase)); err != nil {
 		return "", err
 	}
-	lowers := layers
-	if idBase != 0 {
-		if lowers, err = idmapLayers(filepath.Join(dir, imageLow), layers, userns); err != nil {
-			return "", err
-		}
-		defer unmountLowers(filepath.Join(dir, imageLow), len(lowers))
-	}
-	// overlayfs lists the top layer first.
-	var top []string
-	for i := len(lowers) - 1; i >= 0; i-- {
-		top = append(top, lowers[i])
-	}
 	root := filepath.Join(dir, imageRoot)
 	if err := os.Mkdir(root, 0o755); err != nil {
 		return "", err
 	}
-	data := "lowerdir=" + strings.Join(top, ":") + ",upperdir=" + upper + ",workdir=" + work
-	if len(data) > 4000 {
-		return "", fmt.Errorf("template %q: %d layers are too many for one overlay mount", t.Name, len(layers))
+	source := imgstore.MountSource(t.Image.Info)
+	if idBase == 0 {
+		// No user namespace (gVisor): the layers as they are.
+		if err := mountOverlayPaths(root, source, layers, upper, work); err != nil {
+			return "", fmt.Errorf("template %q: %w", t.Name, err)
+		}
+		return root, nil
 	}
-	if err := unix.Mount(imgstore.MountSource(t.Image.Info), root, "overlay", unix.MS_NOSUID|unix.MS_NODEV, data); err != nil {
-		return "", fmt.Errorf("mount the template's overlay: %w", err)
+	ns, err := userns()
+	if err != nil {
+		return "", fmt.Errorf("user namespace for the template's layers: %w", err)
+	}
+	fds, err := idmappedLayers(layers, ns)
+	defer func() {
+		for _, fd := range fds {
+			unix.Close(fd)
+		}
+	}()
+	if err != nil {
+		return "", err
+	}
+	// Linux 6.13 and later take the layers as descriptors: the idmapped
+	// mounts never need a place in the tree. Older kernels take paths.
+	err = mountOverlayFDs(root, source, fds, upper, work)
+	if errors.Is(err, unix.EINVAL) {
+		err = mountOverlayAttached(root, source, filepath.Join(dir, imageLow), fds, upper, work)
+	}
+	if err != nil {
+		return "", fmt.Errorf("template %q: %w", t.Name, err)
 	}
 	return root, nil
 }
@@ -162,50 +173,103 @@ func ResizeImageDisk(dir string, diskBytes, inodes int64) error {
 	return nil
 }
 
-// idmapLayers mounts each layer at base/N, idmapped so that the image's
-// uid and gid 0..65535 are the host's idBase.. (the sandbox's range).
-func idmapLayers(base string, layers []string, userns func() (int, error)) ([]string, error) {
-	ns, err := userns()
-	if err != nil {
-		return nil, fmt.Errorf("user namespace for the template's layers: %w", err)
-	}
-	if err := os.Mkdir(base, 0o700); err != nil {
-		return nil, err
-	}
-	var out []string
-	for i, l := range layers {
+// idmappedLayers makes a detached idmapped mount of each layer: the
+// image's uid and gid 0..65535 become the map of the user namespace ns (the
+// sandbox's range). The caller closes the descriptors.
+func idmappedLayers(layers []string, ns int) ([]int, error) {
+	var fds []int
+	for _, l := range layers {
 		fd, err := unix.OpenTree(unix.AT_FDCWD, l, unix.OPEN_TREE_CLONE|unix.OPEN_TREE_CLOEXEC)
 		if err != nil {
-			unmountLowers(base, len(out))
-			return nil, fmt.Errorf("layer %s: open_tree: %w", l, err)
+			return fds, fmt.Errorf("layer %s: open_tree: %w", l, err)
 		}
+		fds = append(fds, fd)
 		attr := &unix.MountAttr{Attr_set: unix.MOUNT_ATTR_IDMAP | unix.MOUNT_ATTR_RDONLY | unix.MOUNT_ATTR_NOSUID | unix.MOUNT_ATTR_NODEV,
 			Userns_fd: uint64(ns)}
-		err = unix.MountSetattr(fd, "", unix.AT_EMPTY_PATH, attr)
-		dst := filepath.Join(base, strconv.Itoa(i))
-		if err == nil {
-			err = os.Mkdir(dst, 0o700)
+		if err := unix.MountSetattr(fd, "", unix.AT_EMPTY_PATH, attr); err != nil {
+			return fds, fmt.Errorf("layer %s: idmapped mount: %w", l, err)
 		}
-		if err == nil {
-			err = unix.MoveMount(fd, "", unix.AT_FDCWD, dst, unix.MOVE_MOUNT_F_EMPTY_PATH)
-		}
-		unix.Close(fd)
-		if err != nil {
-			unmountLowers(base, len(out))
-			return nil, fmt.Errorf("layer %s: idmapped mount: %w", l, err)
-		}
-		out = append(out, dst)
 	}
-	return out, nil
+	return fds, nil
 }
 
-// unmountLowers detaches the idmapped layers: the overlay holds its own
-// references to them.
-func unmountLowers(base string, n int) {
-	for i := 0; i < n; i++ {
-		_ = unix.Unmount(filepath.Join(base, strconv.Itoa(i)), unix.MNT_DETACH)
+// mountOverlayFDs mounts the overlay with its lower layers given as mount
+// descriptors (bottom first), through the new mount API.
+func mountOverlayFDs(root, source string, lowers []int, upper, work string) error {
+	fsfd, err := unix.Fsopen("overlay", unix.FSOPEN_CLOEXEC)
+	if err != nil {
+		return fmt.Errorf("fsopen overlay: %w", err)
 	}
-	_ = os.RemoveAll(base)
+	defer unix.Close(fsfd)
+	if err := unix.FsconfigSetString(fsfd, "source", source); err != nil {
+		return err
+	}
+	// "lowerdir+" appends below the layers given so far: top first.
+	for i := len(lowers) - 1; i >= 0; i-- {
+		if err := unix.FsconfigSetFd(fsfd, "lowerdir+", lowers[i]); err != nil {
+			return err // EINVAL: a kernel without layers by descriptor
+		}
+	}
+	for k, v := range map[string]string{"upperdir": upper, "workdir": work} {
+		if err := unix.FsconfigSetString(fsfd, k, v); err != nil {
+			return fmt.Errorf("overlay %s: %w", k, err)
+		}
+	}
+	if err := unix.FsconfigCreate(fsfd); err != nil {
+		return fmt.Errorf("mount the template's overlay: %w", err)
+	}
+	mfd, err := unix.Fsmount(fsfd, unix.FSMOUNT_CLOEXEC, unix.MOUNT_ATTR_NOSUID|unix.MOUNT_ATTR_NODEV)
+	if err != nil {
+		return fmt.Errorf("mount the template's overlay: %w", err)
+	}
+	defer unix.Close(mfd)
+	if err := unix.MoveMount(mfd, "", unix.AT_FDCWD, root, unix.MOVE_MOUNT_F_EMPTY_PATH); err != nil {
+		return fmt.Errorf("attach the template's overlay: %w", err)
+	}
+	return nil
+}
+
+// mountOverlayAttached is mountOverlayFDs for kernels before 6.13: the
+// idmapped layers are attached at base/N for the time of the mount.
+func mountOverlayAttached(root, source, base string, lowers []int, upper, work string) error {
+	if err := os.Mkdir(base, 0o700); err != nil {
+		return err
+	}
+	defer os.RemoveAll(base)
+	var paths []string
+	defer func() {
+		for _, p := range paths {
+			_ = unix.Unmount(p, unix.MNT_DETACH) // the overlay holds its own references
+		}
+	}()
+	for i, fd := range lowers {
+		p := filepath.Join(base, strconv.Itoa(i))
+		if err := os.Mkdir(p, 0o700); err != nil {
+			return err
+		}
+		if err := unix.MoveMount(fd, "", unix.AT_FDCWD, p, unix.MOVE_MOUNT_F_EMPTY_PATH); err != nil {
+			return fmt.Errorf("attach layer %d: %w", i, err)
+		}
+		paths = append(paths, p)
+	}
+	return mountOverlayPaths(root, source, paths, upper, work)
+}
+
+// mountOverlayPaths mounts the overlay of the layer directories (bottom
+// first) with mount(2).
+func mountOverlayPaths(root, source string, layers []string, upper, work string) error {
+	var top []string
+	for i := len(layers) - 1; i >= 0; i-- {
+		top = append(top, layers[i])
+	}
+	data := "lowerdir=" + strings.Join(top, ":") + ",upperdir=" + upper + ",workdir=" + work
+	if len(data) > 4000 {
+		return fmt.Errorf("%d layers are too many for one overlay mount on this kernel", len(layers))
+	}
+	if err := unix.Mount(source, root, "overlay", unix.MS_NOSUID|unix.MS_NODEV, data); err != nil {
+		return fmt.Errorf("mount the template's overlay: %w", err)
+	}
+	return nil
 }
 
 // HeldUserNS gives, for walls whose runtime makes the sandbox's user
