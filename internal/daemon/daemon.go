@@ -41,8 +41,11 @@ type Config struct {
 	MaxTimeout      Duration `json:"max_timeout"`
 	MaxSandboxes    int      `json:"max_sandboxes"`
 	Pool            int      `json:"pool"` // prepared sandboxes kept ready
-	AgentPath       string   `json:"agent"`
-	Network         Network  `json:"network"`
+	// PoolTemplate is the template the pool prepares (default: the
+	// default template; E2B's SDKs ask for "base" when given none).
+	PoolTemplate string  `json:"pool_template"`
+	AgentPath    string  `json:"agent"`
+	Network      Network `json:"network"`
 }
 
 // Network configures sandbox networks.
@@ -159,6 +162,10 @@ func Run(ctx context.Context, cfg Config, log *slog.Logger, ready func(apiAddr, 
 	sweepCtx, stopSweep := context.WithCancel(ctx)
 	defer stopSweep()
 	go mgr.Sweep(sweepCtx, 5*time.Second)
+	host.PoolTemplate = cfg.PoolTemplate
+	if host.PoolTemplate == "" {
+		host.PoolTemplate = cfg.DefaultTemplate
+	}
 	host.StartPool(cfg.Pool)
 	defer host.Close()
 

@@ -134,9 +134,12 @@ type Host struct {
 	Templates *imgstore.Store
 	tmplMu    sync.Mutex
 	extra     map[string]*template.Template // see SetTemplate
-	AgentPath string
-	Cgroups   *cgroups.Manager
-	Log       *slog.Logger
+	// PoolTemplate is the template the pool prepares sandboxes of ("" is
+	// host); creates of other templates are not pooled.
+	PoolTemplate string
+	AgentPath    string
+	Cgroups      *cgroups.Manager
+	Log          *slog.Logger
 	// Runtimes are the OCI walls this host has (by wall name).
 	Runtimes map[string]*oci.Runtime
 	// NetConfig configures sandbox networks, set up at the first sandbox
@@ -406,16 +409,21 @@ func (h *Host) StartPool(n int) {
 	go func() {
 		defer close(h.poolDone)
 		for ctx.Err() == nil {
-			cfg, err := h.config(false, "host", DefaultDisk, DefaultShm)
+			cfg, err := h.config(false, h.poolTemplate(), DefaultDisk, DefaultShm)
 			var sb *process.Sandbox
 			if err == nil {
 				cfg.Background = true
 				sb, err = process.Prepare(ctx, cfg)
 			}
 			if err != nil {
-				h.Log.Warn("pool: prepare a sandbox", "err", err)
+				// A missing template (not built yet) is retried seldom.
+				wait := time.Second
+				if errors.Is(err, template.ErrNotFound) {
+					wait = 30 * time.Second
+				}
+				h.Log.Warn("pool: prepare a sandbox", "template", h.poolTemplate(), "err", err, "retry in", wait)
 				select {
-				case <-time.After(time.Second):
+				case <-time.After(wait):
 				case <-ctx.Done():
 				}
 				continue
@@ -462,8 +470,19 @@ func (h *Host) Close() {
 	}
 }
 
+func (h *Host) poolTemplate() string {
+	if h.PoolTemplate == "" {
+		return "host"
+	}
+	return h.PoolTemplate
+}
+
 func (h *Host) takePrepared(o Options) *process.Sandbox {
-	if h.pool == nil || o.DieWithCaller || o.ID != "" || (o.Template != "host" && o.Template != "") {
+	name := o.Template
+	if name == "" {
+		name = "host"
+	}
+	if h.pool == nil || o.DieWithCaller || o.ID != "" || name != h.poolTemplate() {
 		return nil
 	}
 	select {

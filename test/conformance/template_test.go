@@ -8,7 +8,11 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
+	"github.com/google/go-containerregistry/pkg/v1/mutate"
+
+	"github.com/cagehq/cage/internal/agentclient"
 	"github.com/cagehq/cage/internal/imgstore"
 	"github.com/cagehq/cage/internal/sandbox"
 	"github.com/cagehq/cage/internal/testutil"
@@ -129,5 +133,73 @@ func TestTemplateInUse(t *testing.T) {
 	}
 	if _, err := os.Stat(filepath.Join(h.RunDir, "sandboxes", sb.ID())); !errors.Is(err, os.ErrNotExist) {
 		t.Errorf("the sandbox's state directory is left: %v", err)
+	}
+}
+
+// TestTemplatePool: a pool of prepared sandboxes of an image template
+// serves its creates; once the template is imported again with other
+// files, a sandbox prepared from the old image is not handed out (a fresh
+// one is made), so no create runs in files that are no longer the
+// template's.
+func TestTemplatePool(t *testing.T) {
+	shared := processHost(t)
+	importTestImage(t)
+	dir, err := os.MkdirTemp("/run", "cage-pool-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	_ = os.Chmod(dir, 0o711)
+	defer testutil.RemoveRunDir(dir)
+	h, err := sandbox.NewHost(dir, shared.AgentPath, shared.Log)
+	if err != nil {
+		t.Fatal(err)
+	}
+	h.Templates = shared.Templates
+	// A template of its own, so that importing it again leaves the suite's.
+	if _, err := h.Templates.Import(context.Background(), testutil.WriteDockerArchive(t, testutil.TestImage(t), "cage-test:pool"), "pooled", imgstore.Options{}); err != nil {
+		t.Fatal(err)
+	}
+	h.PoolTemplate = "pooled"
+	h.StartPool(1)
+	defer h.Close()
+	osRelease := func() string {
+		sb, err := h.Create(context.Background(), sandbox.Options{Template: "pooled"})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer sb.Destroy()
+		c := agentclient.New(sb.Dial, sb.Token())
+		defer c.Close()
+		var out strings.Builder
+		if _, err := c.Run(context.Background(), agentclient.RunOptions{Cmd: "head", Args: []string{"-1", "/etc/os-release"}, Stdout: &out}); err != nil {
+			t.Fatal(err)
+		}
+		return out.String()
+	}
+	waitPool := func() {
+		// The pool fills in the background; a create that finds it empty
+		// is counted as a miss.
+		time.Sleep(1500 * time.Millisecond)
+	}
+	waitPool()
+	misses := h.PoolMisses.Load()
+	if got := osRelease(); got != "ID=cage-test\n" {
+		t.Errorf("pooled create: %q", got)
+	}
+	if h.PoolMisses.Load() != misses {
+		t.Errorf("the create of the pool's template found the pool empty")
+	}
+	// Import other files under the name: what the pool prepared is stale.
+	waitPool()
+	layer := testutil.Layer(t, testutil.LayerTar(t, []testutil.TarEntry{{Name: "etc/os-release", Body: []byte("ID=changed\n")}}))
+	img, err := mutate.AppendLayers(testutil.TestImage(t), layer)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := h.Templates.Import(context.Background(), testutil.WriteDockerArchive(t, img, "cage-test:changed"), "pooled", imgstore.Options{}); err != nil {
+		t.Fatal(err)
+	}
+	if got := osRelease(); got != "ID=changed\n" {
+		t.Errorf("after the template changed, a create ran in %q; want the new files", got)
 	}
 }

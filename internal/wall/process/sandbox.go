@@ -74,6 +74,7 @@ type Sandbox struct {
 	started       bool
 	etc           string // the template /etc copy it was built with
 	template      string // the template's name
+	imageID       string // an image template's image ID
 	image         bool   // the root is an image template's overlay
 	niced         bool   // prepared at background priority
 	disk, shm     int64  // the sizes it was built with
@@ -174,6 +175,9 @@ func Prepare(ctx context.Context, cfg Config) (sb *Sandbox, err error) {
 	defer lf.Close()
 	sb.template = cfg.Template.Name
 	sb.image = cfg.Template.Image != nil
+	if sb.image {
+		sb.imageID = cfg.Template.Image.Info.ID
+	}
 	rootSock, err := sb.fork(cfg, lf)
 	if err != nil {
 		return sb, err
@@ -227,7 +231,8 @@ func (sb *Sandbox) Start(s Spec) error {
 	if sb.started {
 		return errors.New("sandbox already started")
 	}
-	if s.Template.EtcCache != sb.etc || s.Template.Name != sb.template {
+	if s.Template.EtcCache != sb.etc || s.Template.Name != sb.template ||
+		(s.Template.Image != nil && s.Template.Image.Info.ID != sb.imageID) {
 		return ErrStale
 	}
 	sb.started = true
