@@ -21,6 +21,9 @@
 //     whose host end is a unix socket in the VM's directory. That port is the
 //     only channel between host and guest; the guest's console goes to a log
 //     file in the same directory for debugging.
+//   - Snapshot and Restore (snapshot.go) save a VM whose RAM is a shared
+//     file and start others from it, the file mapped private, over QMP
+//     (qmp.go, a small client of QEMU's machine protocol).
 //
 // Guest side, GuestSetup is what the agent calls first when it runs as PID 1
 // inside the VM: it mounts /dev, /proc and /sys, loads the modules in the

@@ -81,6 +81,21 @@ func loadModule(p string) error {
 	return nil
 }
 
+// ReopenAgentPort opens the agent port again, after the guest has closed
+// it to take a new host (a snapshot's guest does, before it is saved).
+func ReopenAgentPort() (*os.File, error) {
+	deadline := time.Now().Add(portWait)
+	for {
+		f, err := openPort(AgentPort, portWait)
+		// EBUSY: the port takes one opener, and the last close of the old
+		// descriptor may still be under way.
+		if err == nil || !errors.Is(err, unix.EBUSY) || time.Now().After(deadline) {
+			return f, err
+		}
+		time.Sleep(time.Millisecond)
+	}
+}
+
 // openPort waits up to wait for the virtio-serial port called name and
 // opens its device.
 func openPort(name string, wait time.Duration) (*os.File, error) {

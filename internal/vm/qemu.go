@@ -5,7 +5,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
 	"net"
 	"os"
 	"os/exec"
@@ -39,6 +38,16 @@ type Config struct {
 	// Disks are raw images the guest sees read-only, as /dev/vda, vdb, ...
 	// in this order.
 	Disks []string
+	// MemoryFile, when set, holds the guest's RAM (a memory-backend-file)
+	// instead of anonymous memory: the RAM of a VM to snapshot, mapped
+	// shared so the file is the RAM and the snapshot's state file need not
+	// carry it, or the RAM a VM is restored from, mapped private
+	// (ShareMemory false) so that every VM restored from one file reads the
+	// file's pages from the page cache and copies only those it writes.
+	MemoryFile  string
+	ShareMemory bool
+
+	incoming bool // start paused, waiting for a migration (Restore)
 }
 
 // VM is a running QEMU.
@@ -90,6 +99,16 @@ func (cfg Config) Args() []string {
 	if cfg.Append != "" {
 		cmdline += " " + cfg.Append
 	}
+	machine := "microvm,accel=" + accel + ",acpi=on,pit=off,pic=off,rtc=on,isa-serial=on,auto-kernel-cmdline=off"
+	var memArgs []string
+	if cfg.MemoryFile != "" {
+		share := "off"
+		if cfg.ShareMemory {
+			share = "on"
+		}
+		machine += ",memory-backend=mem"
+		memArgs = []string{"-object", "memory-backend-file,id=mem,size=" + strconv.Itoa(mem) + "M,mem-path=" + optValue(cfg.MemoryFile) + ",share=" + share}
+	}
 	args := []string{
 		// microvm: no PCI, no firmware tables but ACPI's, no legacy devices
 		// but those asked for. ACPI tells the guest where the virtio-mmio
@@ -99,29 +118,37 @@ func (cfg Config) Args() []string {
 		// wall clock, the ISA serial port for the console, and no
 		// virtio-mmio devices added to the command line, which Debian's
 		// kernel would only warn about.
-		"-M", "microvm,accel=" + accel + ",acpi=on,pit=off,pic=off,rtc=on,isa-serial=on,auto-kernel-cmdline=off",
+		"-M", machine,
 		"-nodefaults", "-no-user-config", "-nographic",
 		// QEMU's own seccomp filter: no old syscalls, no setuid, no
 		// spawning, no changing of scheduling or affinity.
 		"-sandbox", "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny",
 		"-m", strconv.Itoa(mem),
+	}
+	args = append(args, memArgs...)
+	args = append(args,
 		"-smp", strconv.Itoa(cpus),
 		"-kernel", image,
 		"-initrd", cfg.Initramfs,
 		"-append", cmdline,
-		"-chardev", "file,id=console,path=" + optValue(filepath.Join(dir, ConsoleLog)),
+		"-chardev", "file,id=console,path="+optValue(filepath.Join(dir, ConsoleLog)),
 		"-serial", "chardev:console",
 		"-device", "virtio-serial-device,max_ports=2",
-		"-chardev", "socket,id=agent,path=" + optValue(filepath.Join(dir, AgentSocket)) + ",server=on,wait=off",
-		"-device", "virtserialport,chardev=agent,name=" + AgentPort,
-		"-chardev", "socket,id=qmp,path=" + optValue(filepath.Join(dir, QMPSocket)) + ",server=on,wait=off",
+		"-chardev", "socket,id=agent,path="+optValue(filepath.Join(dir, AgentSocket))+",server=on,wait=off",
+		"-device", "virtserialport,chardev=agent,name="+AgentPort,
+		"-chardev", "socket,id=qmp,path="+optValue(filepath.Join(dir, QMPSocket))+",server=on,wait=off",
 		"-mon", "chardev=qmp,mode=control",
 		"-no-reboot",
-	}
+	)
 	for i, d := range cfg.Disks {
 		id := "disk" + strconv.Itoa(i)
 		args = append(args, "-drive", "file="+optValue(d)+",format=raw,if=none,readonly=on,id="+id,
 			"-device", "virtio-blk-device,drive="+id)
+	}
+	if cfg.incoming {
+		// Wait for migrate-incoming on QMP, which can take a descriptor
+		// (the command line cannot without a shell to spawn).
+		args = append(args, "-incoming", "defer")
 	}
 	return args
 }
@@ -139,48 +166,11 @@ const maxSocketPath = 107
 // it ends (QEMU's parent-death signal is tied to that thread, so do not
 // call Start from a goroutine that locks its thread and then exits).
 func Start(ctx context.Context, cfg Config) (*VM, error) {
-	if cfg.Kernel == nil {
-		return nil, errors.New("start vm: no kernel")
-	}
-	if cfg.Accel != "" && cfg.Accel != "tcg" && cfg.Accel != "kvm" {
-		return nil, fmt.Errorf("start vm: accelerator %q is neither tcg nor kvm", cfg.Accel)
-	}
-	if cfg.Dir == "" {
-		return nil, errors.New("start vm: no directory")
-	}
-	if !fileExists(cfg.Initramfs) {
-		return nil, fmt.Errorf("start vm: no initramfs at %q", cfg.Initramfs)
-	}
-	if n := len(filepath.Join(cfg.Dir, AgentSocket)); n > maxSocketPath {
-		return nil, fmt.Errorf("start vm: directory %s is too long for a unix socket path", cfg.Dir)
-	}
-	if err := os.MkdirAll(cfg.Dir, 0o700); err != nil {
-		return nil, fmt.Errorf("start vm: %w", err)
-	}
-	// Sockets a killed QEMU left would be taken for this one's.
-	for _, s := range []string{AgentSocket, QMPSocket} {
-		if err := os.Remove(filepath.Join(cfg.Dir, s)); err != nil && !errors.Is(err, os.ErrNotExist) {
-			return nil, fmt.Errorf("start vm: %w", err)
-		}
-	}
-	bin, err := exec.LookPath(QEMU)
+	cfg.incoming = false
+	v, err := launch(cfg)
 	if err != nil {
-		return nil, fmt.Errorf("start vm: %s not found; run scripts/kernel.sh (installs qemu-system-x86)", QEMU)
-	}
-	cmd := exec.Command(bin, cfg.Args()...)
-	cmd.Dir = cfg.Dir
-	v := &VM{cfg: cfg, cmd: cmd, stderr: &tail{max: 4096}, done: make(chan struct{})}
-	cmd.Stderr = v.stderr
-	// QEMU goes with the process that started it.
-	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
-	if err := cmd.Start(); err != nil {
 		return nil, fmt.Errorf("start vm: %w", err)
 	}
-	go func() {
-		v.err = cmd.Wait()
-		close(v.done)
-	}()
-
 	// QEMU answers on QMP from its main loop only once the machine is
 	// built and running: a bad option, too much memory or a kernel it
 	// cannot load, and a refused accelerator end Start, not a later dial.
@@ -191,65 +181,105 @@ func Start(ctx context.Context, cfg Config) (*VM, error) {
 	return v, nil
 }
 
+// launch checks cfg and starts QEMU.
+func launch(cfg Config) (*VM, error) {
+	if cfg.Kernel == nil {
+		return nil, errors.New("no kernel")
+	}
+	if cfg.Accel != "" && cfg.Accel != "tcg" && cfg.Accel != "kvm" {
+		return nil, fmt.Errorf("accelerator %q is neither tcg nor kvm", cfg.Accel)
+	}
+	if cfg.Dir == "" {
+		return nil, errors.New("no directory")
+	}
+	if !fileExists(cfg.Initramfs) {
+		return nil, fmt.Errorf("no initramfs at %q", cfg.Initramfs)
+	}
+	if n := len(filepath.Join(cfg.Dir, AgentSocket)); n > maxSocketPath {
+		return nil, fmt.Errorf("directory %s is too long for a unix socket path", cfg.Dir)
+	}
+	if err := os.MkdirAll(cfg.Dir, 0o700); err != nil {
+		return nil, err
+	}
+	// Sockets a killed QEMU left would be taken for this one's.
+	for _, s := range []string{AgentSocket, QMPSocket} {
+		if err := os.Remove(filepath.Join(cfg.Dir, s)); err != nil && !errors.Is(err, os.ErrNotExist) {
+			return nil, err
+		}
+	}
+	bin, err := exec.LookPath(QEMU)
+	if err != nil {
+		return nil, fmt.Errorf("%s not found; run scripts/kernel.sh (installs qemu-system-x86)", QEMU)
+	}
+	cmd := exec.Command(bin, cfg.Args()...)
+	cmd.Dir = cfg.Dir
+	v := &VM{cfg: cfg, cmd: cmd, stderr: &tail{max: 4096}, done: make(chan struct{})}
+	cmd.Stderr = v.stderr
+	// QEMU goes with the process that started it.
+	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	if err := cmd.Start(); err != nil {
+		return nil, err
+	}
+	go func() {
+		v.err = cmd.Wait()
+		close(v.done)
+	}()
+	return v, nil
+}
+
 // waitRunning connects to QMP and asks QEMU for its status, which it
 // answers once the VM runs.
 func (v *VM) waitRunning(ctx context.Context) error {
-	conn, err := v.dial(ctx, filepath.Join(v.cfg.Dir, QMPSocket))
+	q, err := v.qmp(ctx)
 	if err != nil {
 		return err
 	}
-	defer conn.Close()
-	stop := context.AfterFunc(ctx, func() { conn.SetDeadline(time.Now()) })
-	defer stop()
-	dec := json.NewDecoder(conn)
-	// Replies, skipping the asynchronous events QEMU may send between them.
-	reply := func() (map[string]json.RawMessage, error) {
-		for {
-			var msg map[string]json.RawMessage
-			if err := dec.Decode(&msg); err != nil {
-				return nil, err
-			}
-			if _, ok := msg["event"]; !ok {
-				return msg, nil
-			}
-		}
+	defer q.Close()
+	return v.checkRunning(ctx, q)
+}
+
+// qmp opens a QMP session with QEMU.
+func (v *VM) qmp(ctx context.Context) (*qmp, error) {
+	conn, err := v.dial(ctx, filepath.Join(v.cfg.Dir, QMPSocket))
+	if err != nil {
+		return nil, err
+	}
+	q, err := newQMP(ctx, conn)
+	if err != nil {
+		return nil, v.qemuGone(ctx, err)
+	}
+	return q, nil
+}
+
+// checkRunning asks QEMU whether the VM runs.
+func (v *VM) checkRunning(ctx context.Context, q *qmp) error {
+	r, err := q.call(ctx, "query-status", nil)
+	if err != nil {
+		return v.qemuGone(ctx, err)
 	}
 	var status struct {
 		Status string `json:"status"`
 	}
-	for _, step := range []string{"", `{"execute":"qmp_capabilities"}`, `{"execute":"query-status"}`} {
-		if step != "" {
-			if _, err = io.WriteString(conn, step+"\n"); err != nil {
-				break
-			}
-		}
-		var msg map[string]json.RawMessage
-		if msg, err = reply(); err != nil {
-			break
-		}
-		if e, ok := msg["error"]; ok {
-			return fmt.Errorf("qmp: %s", e)
-		}
-		if r, ok := msg["return"]; ok && step != "" {
-			_ = json.Unmarshal(r, &status)
-		}
-	}
-	if err != nil {
-		if ctx.Err() != nil {
-			return ctx.Err()
-		}
-		// The connection ended: QEMU is going; say what it said.
-		select {
-		case <-v.done:
-			return errors.New(v.exitReason())
-		case <-time.After(time.Second):
-			return fmt.Errorf("qmp: %w", err)
-		}
-	}
+	_ = json.Unmarshal(r, &status)
 	if status.Status != "running" {
 		return fmt.Errorf("qemu is %q, not running", status.Status)
 	}
 	return nil
+}
+
+// qemuGone turns a broken QMP session into what QEMU said when it exited,
+// which is the cause, if it exits.
+func (v *VM) qemuGone(ctx context.Context, err error) error {
+	var qe *qmpError
+	if ctx.Err() != nil || errors.As(err, &qe) {
+		return err
+	}
+	select {
+	case <-v.done:
+		return errors.New(v.exitReason())
+	case <-time.After(time.Second):
+		return err
+	}
 }
 
 // dial connects to one of QEMU's sockets, waiting for QEMU to make it.

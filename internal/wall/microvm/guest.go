@@ -2,12 +2,16 @@ package microvm
 
 import (
 	"bufio"
+	"encoding/binary"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
+	"net"
 	"os"
 	"path/filepath"
 	"strconv"
+	"unsafe"
 
 	"github.com/hashicorp/yamux"
 	"golang.org/x/sys/unix"
@@ -30,29 +34,127 @@ func GuestServe() error {
 	if err != nil {
 		return err
 	}
+	var disk *os.File // the root's upper layer, once mounted
+	for {
+		sess, first, sp, err := nextHost(port)
+		if err != nil {
+			return err
+		}
+		restored := disk != nil
+		if restored {
+			err = resizeDisk(disk, sp.DiskBytes)
+		} else {
+			disk, err = switchRoot(sp)
+		}
+		if err != nil {
+			fmt.Fprintf(first, "error: %v\n", err)
+			return err
+		}
+		if !sp.Prepare {
+			disk.Close()
+			return serve(sess, first, sp, restored)
+		}
+		if err := warmUp(); err != nil {
+			fmt.Fprintf(first, "error: %v\n", err)
+			return err
+		}
+		// A snapshot is made of this guest: answer, wait for the host to
+		// go (the port's EOF ends the session), and wait for the next one
+		// as a fresh guest does. A hello written while the preparing host
+		// still held the port would reach it, not the next host.
+		// No error is ours to act on here: the host leaves as soon as it
+		// has read the answer, and the write can see the session end
+		// before it sees its own completion. A host that got no answer
+		// gives up on the snapshot and leaves too.
+		_, _ = io.WriteString(first, prepared)
+		first.Close()
+		<-sess.CloseChan()
+		sess.Close() // and the port with it
+		if port, err = vm.ReopenAgentPort(); err != nil {
+			return err
+		}
+	}
+}
+
+// writeNames puts the hostname into /run/cage/hostname and hosts, which
+// template.PrepareImageRoot made when the root was mounted for a snapshot,
+// without the name. The same content, written in place: a restored guest
+// runs every code path for the first time, slowly under TCG, and these
+// few writes cost less than preparing the root again.
+func writeNames(hostname string) error {
+	hosts := "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n127.0.1.1\t" + hostname + "\n"
+	for name, content := range map[string]string{"/run/cage/hosts": hosts, "/run/cage/hostname": hostname + "\n"} {
+		if err := os.WriteFile(name, []byte(content), 0o644); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// warmUp does, while a snapshot is made, what every sandbox needs and
+// holds nothing of its own, so that no restored guest pays for it (under
+// TCG a restored guest runs slowly what it runs for the first time, and
+// its reads from the image are the slowest of all): the loopback interface
+// and the image's shell in the page cache. Not the agent's threads: they
+// cost less to make after the restore than the sealing of each costs
+// (seal.Seal touches every thread).
+func warmUp() error {
+	if err := process.LoopbackUp(); err != nil {
+		return err
+	}
+	warmFile("/bin/sh")
+	return nil
+}
+
+// warmFile reads a file of the image into the page cache, which the
+// snapshot keeps.
+func warmFile(p string) {
+	f, err := os.Open(p)
+	if err != nil {
+		return // not in this image
+	}
+	defer f.Close()
+	_, _ = io.Copy(io.Discard, f)
+}
+
+// nextHost greets the host that connects to the port next and reads its
+// spec from the session's first stream.
+func nextHost(port *os.File) (*yamux.Session, net.Conn, spec, error) {
+	var sp spec
+	// Blocks until a host holds the port's other end; a snapshot's guest
+	// is saved blocked here.
 	if _, err := port.WriteString(hello); err != nil {
-		return fmt.Errorf("agent port: %w", err)
+		return nil, nil, sp, fmt.Errorf("agent port: %w", err)
 	}
 	sess, err := yamux.Server(port, sessionConfig())
 	if err != nil {
-		return err
+		return nil, nil, sp, err
 	}
 	first, err := sess.Accept()
 	if err != nil {
-		return fmt.Errorf("wait for the spec: %w", err)
+		return nil, nil, sp, fmt.Errorf("wait for the spec: %w", err)
 	}
-	var sp spec
 	if err := json.NewDecoder(bufio.NewReader(io.LimitReader(first, 1<<20))).Decode(&sp); err != nil {
-		return fmt.Errorf("read the spec: %w", err)
+		return nil, nil, sp, fmt.Errorf("read the spec: %w", err)
 	}
-	if err := switchRoot(sp); err != nil {
+	return sess, first, sp, nil
+}
+
+// serve makes the guest the sandbox sp describes and serves the agent on
+// sess. Its identity comes first: no command can run before the agent
+// exists, and the agent is made only once the guest has its own random
+// state, clock and name.
+func serve(sess *yamux.Session, first net.Conn, sp spec, restored bool) error {
+	if err := freshIdentity(sp); err != nil {
 		fmt.Fprintf(first, "error: %v\n", err)
 		return err
 	}
-	if err := unix.Sethostname([]byte(sp.Hostname)); err != nil {
-		return err
-	}
-	if err := process.LoopbackUp(); err != nil {
+	if restored {
+		if err := writeNames(sp.Hostname); err != nil {
+			fmt.Fprintf(first, "error: %v\n", err)
+			return err
+		}
+	} else if err := process.LoopbackUp(); err != nil {
 		return err
 	}
 	srv, err := agent.New(agent.Config{
@@ -72,6 +174,64 @@ func GuestServe() error {
 	return srv.Serve(sess)
 }
 
+// freshIdentity gives the guest what no two sandboxes may share, which a
+// guest restored from a snapshot has in common with all the others: the
+// kernel's random state (the host's bytes, credited, then a reseed so that
+// no output of the old state follows), the wall clock (stopped at the
+// snapshot) and the hostname.
+func freshIdentity(sp spec) error {
+	if len(sp.Entropy) < entropyBytes {
+		return fmt.Errorf("the spec carries %d random bytes, want %d", len(sp.Entropy), entropyBytes)
+	}
+	if sp.UnixNano == 0 {
+		return errors.New("the spec carries no time")
+	}
+	if err := addEntropy(sp.Entropy); err != nil {
+		return err
+	}
+	ts := unix.NsecToTimespec(sp.UnixNano)
+	if err := unix.ClockSettime(unix.CLOCK_REALTIME, &ts); err != nil {
+		return fmt.Errorf("set the clock: %w", err)
+	}
+	if err := unix.Sethostname([]byte(sp.Hostname)); err != nil {
+		return fmt.Errorf("set the hostname: %w", err)
+	}
+	return nil
+}
+
+// addEntropy mixes b into the kernel's RNG, credited in full, and reseeds
+// its CRNG at once (RNDADDENTROPY alone would wait for the next reseed).
+func addEntropy(b []byte) error {
+	f, err := os.OpenFile("/dev/urandom", os.O_RDWR, 0)
+	if err != nil {
+		return fmt.Errorf("add entropy: %w", err)
+	}
+	defer f.Close()
+	// struct rand_pool_info: entropy_count (bits), buf_size (bytes), buf.
+	info := make([]byte, 8+len(b))
+	binary.NativeEndian.PutUint32(info[0:], uint32(8*len(b)))
+	binary.NativeEndian.PutUint32(info[4:], uint32(len(b)))
+	copy(info[8:], b)
+	if _, _, errno := unix.Syscall(unix.SYS_IOCTL, f.Fd(), unix.RNDADDENTROPY, uintptr(unsafe.Pointer(&info[0]))); errno != 0 {
+		return fmt.Errorf("add entropy: %w", errno)
+	}
+	if _, _, errno := unix.Syscall(unix.SYS_IOCTL, f.Fd(), unix.RNDRESEEDCRNG, 0); errno != 0 {
+		return fmt.Errorf("reseed the crng: %w", errno)
+	}
+	return nil
+}
+
+// resizeDisk sets the size of the root's upper layer, a tmpfs mounted
+// before the spec said how big (dir is its root, opened then: the tmpfs
+// is out of the chroot's reach by path).
+func resizeDisk(dir *os.File, size int64) error {
+	target := "/proc/self/fd/" + strconv.Itoa(int(dir.Fd()))
+	if err := unix.Mount("", target, "", unix.MS_REMOUNT|unix.MS_NODEV, "size="+strconv.FormatInt(size, 10)); err != nil {
+		return fmt.Errorf("resize the disk: %w", err)
+	}
+	return nil
+}
+
 func sessionConfig() *yamux.Config {
 	c := yamux.DefaultConfig()
 	c.LogOutput = io.Discard
@@ -83,67 +243,75 @@ func sessionConfig() *yamux.Config {
 // overlay whose upper layer is a tmpfs of the disk size, moves /dev, /proc
 // and /sys into it and makes it the root (an initramfs cannot pivot_root:
 // the new root is moved onto / and chrooted into, as switch_root does).
-func switchRoot(sp spec) error {
+// It returns the tmpfs's root directory, for resizeDisk.
+func switchRoot(sp spec) (*os.File, error) {
 	for _, d := range []string{"/lower", "/rw", "/newroot"} {
 		if err := os.MkdirAll(d, 0o755); err != nil {
-			return err
+			return nil, err
 		}
 	}
 	if err := unix.Mount("/dev/vda", "/lower", "ext4", unix.MS_RDONLY|unix.MS_NODEV, ""); err != nil {
-		return fmt.Errorf("mount the template image: %w", err)
+		return nil, fmt.Errorf("mount the template image: %w", err)
 	}
 	opts := "mode=755,size=" + strconv.FormatInt(sp.DiskBytes, 10)
 	if err := unix.Mount("tmpfs", "/rw", "tmpfs", unix.MS_NODEV, opts); err != nil {
-		return fmt.Errorf("mount the disk: %w", err)
+		return nil, fmt.Errorf("mount the disk: %w", err)
+	}
+	disk, err := os.OpenFile("/rw", unix.O_PATH|unix.O_DIRECTORY, 0)
+	if err != nil {
+		return nil, err
 	}
 	for _, d := range []string{"/rw/upper", "/rw/work"} {
 		if err := os.Mkdir(d, 0o755); err != nil {
-			return err
+			return nil, err
 		}
 	}
 	if err := unix.Mount("overlay", "/newroot", "overlay", unix.MS_NODEV,
 		"lowerdir=/lower,upperdir=/rw/upper,workdir=/rw/work"); err != nil {
-		return fmt.Errorf("mount the root overlay: %w", err)
+		return nil, fmt.Errorf("mount the root overlay: %w", err)
 	}
 	if err := template.PrepareImageRoot("/newroot", sp.Hostname, func(id int) int { return id }, false); err != nil {
-		return err
+		return nil, err
 	}
 	for _, m := range []string{"/dev", "/proc", "/sys"} {
 		dst := filepath.Join("/newroot", m)
 		if err := os.MkdirAll(dst, 0o755); err != nil {
-			return err
+			return nil, err
 		}
 		if err := unix.Mount(m, dst, "", unix.MS_MOVE, ""); err != nil {
-			return fmt.Errorf("move %s: %w", m, err)
+			return nil, fmt.Errorf("move %s: %w", m, err)
 		}
 	}
 	if err := unix.Chdir("/newroot"); err != nil {
-		return err
+		return nil, err
 	}
 	if err := unix.Mount(".", "/", "", unix.MS_MOVE, ""); err != nil {
-		return fmt.Errorf("move the root: %w", err)
+		return nil, fmt.Errorf("move the root: %w", err)
 	}
 	if err := unix.Chroot("."); err != nil {
-		return err
+		return nil, err
 	}
 	if err := unix.Chdir("/"); err != nil {
-		return err
+		return nil, err
 	}
 	// PTYs and shared memory, as on every wall.
 	if err := os.MkdirAll("/dev/pts", 0o755); err != nil {
-		return err
+		return nil, err
 	}
 	if err := unix.Mount("devpts", "/dev/pts", "devpts", unix.MS_NOSUID|unix.MS_NOEXEC, "newinstance,ptmxmode=0666,mode=0620,gid=5"); err != nil {
-		return fmt.Errorf("mount /dev/pts: %w", err)
+		return nil, fmt.Errorf("mount /dev/pts: %w", err)
 	}
 	_ = os.Remove("/dev/ptmx")
 	if err := os.Symlink("pts/ptmx", "/dev/ptmx"); err != nil {
-		return err
+		return nil, err
 	}
 	if err := os.MkdirAll("/dev/shm", 0o1777); err != nil {
-		return err
+		return nil, err
 	}
-	return unix.Mount("tmpfs", "/dev/shm", "tmpfs", unix.MS_NOSUID|unix.MS_NODEV|unix.MS_NOEXEC, "mode=1777,size=64m")
+	if err := unix.Mount("tmpfs", "/dev/shm", "tmpfs", unix.MS_NOSUID|unix.MS_NODEV|unix.MS_NOEXEC, "mode=1777,size=64m"); err != nil {
+		return nil, err
+	}
+	return disk, nil
 }
 
 // PowerOff ends the guest (QEMU, started with -no-reboot, then exits).

@@ -3,12 +3,14 @@ package microvm
 import (
 	"bufio"
 	"context"
+	"crypto/rand"
 	"crypto/sha256"
 	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
+	"log/slog"
 	"net"
 	"os"
 	"os/exec"
@@ -39,6 +41,16 @@ type Config struct {
 	Env       map[string]string
 	MaxOutput int64
 	Threads   int
+	Log       *slog.Logger // slog.Default() when nil
+
+	coldBoot bool // boot, do not restore (tests compare the two)
+}
+
+func logger(cfg Config) *slog.Logger {
+	if cfg.Log != nil {
+		return cfg.Log
+	}
+	return slog.Default()
 }
 
 // Sandbox is a running microvm sandbox, seen from the host.
@@ -47,6 +59,7 @@ type Sandbox struct {
 	dir       string
 	v         *vm.VM
 	sess      *yamux.Session
+	restored  bool // from a snapshot, not booted cold
 }
 
 // ID is the sandbox's id.
@@ -78,7 +91,9 @@ func (sb *Sandbox) Destroy() error {
 	return os.RemoveAll(sb.dir)
 }
 
-// Create boots a sandbox's VM and starts its agent. On error nothing is
+// Create starts a sandbox's VM and its agent. The VM is restored from the
+// snapshot of its shape, made by the first Create of that shape; a VM
+// boots cold only if the snapshot cannot be made. On error nothing is
 // left behind.
 func Create(ctx context.Context, cfg Config) (sb *Sandbox, err error) {
 	if cfg.Template == nil || cfg.Template.Image == nil {
@@ -103,24 +118,28 @@ func Create(ctx context.Context, cfg Config) (sb *Sandbox, err error) {
 	if err := os.MkdirAll(sb.dir, 0o700); err != nil {
 		return sb, err
 	}
-	if sb.v, err = vm.Start(ctx, vm.Config{Kernel: cfg.Kernel, Initramfs: initrd, MemoryMB: cfg.MemoryMB, CPUs: cfg.CPUs,
-		Dir: sb.dir, Disks: []string{disk}}); err != nil {
-		return sb, err
+	vcfg := vm.Config{Kernel: cfg.Kernel, Initramfs: initrd, MemoryMB: cfg.MemoryMB, CPUs: cfg.CPUs,
+		Dir: sb.dir, Disks: []string{disk}}
+	if !cfg.coldBoot {
+		snap, serr := cachedSnapshot(ctx, cache, vcfg)
+		if serr == nil {
+			if sb.v, err = vm.Restore(ctx, snap.restoreConfig(vcfg), snap.state()); err != nil {
+				return sb, err
+			}
+			sb.restored = true
+		} else {
+			if ctx.Err() != nil {
+				return sb, ctx.Err()
+			}
+			logger(cfg).Warn("microvm: no snapshot, booting cold", "sandbox", cfg.ID, "err", serr)
+		}
 	}
-	conn, err := sb.v.DialAgent(ctx)
-	if err != nil {
-		return sb, err
+	if sb.v == nil {
+		if sb.v, err = vm.Start(ctx, vcfg); err != nil {
+			return sb, err
+		}
 	}
-	// The guest's hello: it is up and holds its end of the port.
-	br := bufio.NewReader(conn)
-	if err := readLine(ctx, conn, br, hello); err != nil {
-		conn.Close()
-		return sb, fmt.Errorf("the guest did not come up: %w (%s)", err, consoleTail(sb.dir))
-	}
-	if sb.sess, err = yamux.Client(struct {
-		io.Reader
-		io.WriteCloser
-	}{br, conn}, sessionConfig()); err != nil {
+	if sb.sess, err = greet(ctx, sb.v); err != nil {
 		return sb, err
 	}
 	first, err := sb.sess.Open()
@@ -129,8 +148,15 @@ func Create(ctx context.Context, cfg Config) (sb *Sandbox, err error) {
 	}
 	defer first.Close()
 	hostname := "cage-" + cfg.ID[:min(8, len(cfg.ID))]
+	// Every guest gets its own random bytes and the time, restored or not:
+	// see spec.
+	entropy := make([]byte, entropyBytes)
+	if _, err := rand.Read(entropy); err != nil {
+		return sb, err
+	}
 	if err := json.NewEncoder(first).Encode(spec{Token: cfg.Token, Env: cfg.Env, MaxOutput: cfg.MaxOutput,
-		Hostname: hostname, DiskBytes: cfg.DiskBytes, Threads: cfg.Threads}); err != nil {
+		Hostname: hostname, DiskBytes: cfg.DiskBytes, Threads: cfg.Threads,
+		Entropy: entropy, UnixNano: time.Now().UnixNano()}); err != nil {
 		return sb, err
 	}
 	if err := readLine(ctx, first, bufio.NewReader(first), ready); err != nil {

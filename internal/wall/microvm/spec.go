@@ -14,10 +14,34 @@
 // The root: the template's files as a read-only ext4 image (/dev/vda), built
 // once per template from its layers, under an overlay whose upper layer is
 // a tmpfs of the sandbox's disk size.
+//
+// Sandboxes start from snapshots: the first Create of a VM shape (kernel,
+// initramfs and so agent, template image, memory, CPUs) boots a guest,
+// has it mount its root and wait for a host again, and saves it
+// (snapshot.go); every Create restores a VM from that snapshot, its RAM
+// the snapshot's file mapped copy-on-write, and sends the spec, which
+// gives the guest its own identity before the agent exists (see spec).
+// A VM boots cold only when no snapshot can be made.
 package microvm
 
 // spec is what the host sends on the session's first stream.
+//
+// A prepare spec (Prepare set, nothing else but DiskBytes) is how a
+// snapshot is made: the guest mounts its root, answers prepared, and once
+// the host has gone it waits for the next host exactly as a fresh guest
+// does, by writing hello. The VM is saved there, and every VM restored
+// from it greets the host that connects to it and takes the full spec.
+//
+// Entropy and UnixNano make a restored guest its own: restored guests
+// start with the same kernel RNG state and the clock of the moment of the
+// snapshot, so the guest mixes the host's random bytes into its RNG and
+// sets its clock before the agent exists. A cold-booted guest does the
+// same; it costs nothing.
 type spec struct {
+	Prepare  bool   `json:"prepare,omitempty"`
+	Entropy  []byte `json:"entropy,omitempty"`
+	UnixNano int64  `json:"unix_nano,omitempty"`
+
 	Token     string            `json:"token"`
 	Env       map[string]string `json:"env"`
 	MaxOutput int64             `json:"max_output"`
@@ -33,3 +57,9 @@ const hello = "cage-agent\n"
 
 // ready is the guest's answer on the spec stream once it serves.
 const ready = "ready\n"
+
+// prepared is the guest's answer to a prepare spec.
+const prepared = "prepared\n"
+
+// entropyBytes is how many random bytes the host sends with each spec.
+const entropyBytes = 64
