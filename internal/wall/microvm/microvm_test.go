@@ -45,14 +45,10 @@ func needVM(t testing.TB) *vm.Kernel {
 	return k
 }
 
-// TestGuestAgent: a VM booted (TCG) from an image template serves the
-// agent's protocol: commands run in the image's files as the sandbox's
-// user, writes land in the VM's own layer, and Destroy leaves nothing.
-// Booted cold, the path Create falls back on when there is no snapshot;
-// TestRestore covers restores.
-func TestGuestAgent(t *testing.T) {
-	k := needVM(t)
-	bin := testutil.Binaries(t)
+// testTemplate imports the test image (testutil.TestImage) into a store
+// of the test's own and resolves it.
+func testTemplate(t testing.TB) *template.Template {
+	t.Helper()
 	store, err := imgstore.Open(filepath.Join(t.TempDir(), "templates"))
 	if err != nil {
 		t.Fatal(err)
@@ -65,6 +61,18 @@ func TestGuestAgent(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	return tmpl
+}
+
+// TestGuestAgent: a VM booted (TCG) from an image template serves the
+// agent's protocol: commands run in the image's files as the sandbox's
+// user, writes land in the VM's own layer, and Destroy leaves nothing.
+// Booted cold, the path Create falls back on when there is no snapshot;
+// TestRestore covers restores.
+func TestGuestAgent(t *testing.T) {
+	k := needVM(t)
+	bin := testutil.Binaries(t)
+	tmpl := testTemplate(t)
 	runDir := t.TempDir()
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer cancel()
@@ -106,18 +114,7 @@ func TestGuestAgent(t *testing.T) {
 func BenchmarkColdBoot(b *testing.B) {
 	k := needVM(b)
 	bin := testutil.Binaries(b)
-	store, err := imgstore.Open(filepath.Join(b.TempDir(), "templates"))
-	if err != nil {
-		b.Fatal(err)
-	}
-	path := testutil.WriteDockerArchive(b, testutil.TestImage(b), "cage-test:latest")
-	if _, err := store.Import(context.Background(), path, "cage-test", imgstore.Options{}); err != nil {
-		b.Fatal(err)
-	}
-	tmpl, err := template.Lookup("cage-test", b.TempDir(), store)
-	if err != nil {
-		b.Fatal(err)
-	}
+	tmpl := testTemplate(b)
 	runDir := b.TempDir()
 	var samples []time.Duration
 	for i := 0; i < b.N; i++ {
@@ -157,24 +154,6 @@ func (f *firstByte) Write(p []byte) (int, error) {
 		f.at = time.Now()
 	}
 	return len(p), nil
-}
-
-// testTemplate imports the test image as template cage-test.
-func testTemplate(t testing.TB) *template.Template {
-	t.Helper()
-	store, err := imgstore.Open(filepath.Join(t.TempDir(), "templates"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	path := testutil.WriteDockerArchive(t, testutil.TestImage(t), "cage-test:latest")
-	if _, err := store.Import(context.Background(), path, "cage-test", imgstore.Options{}); err != nil {
-		t.Fatal(err)
-	}
-	tmpl, err := template.Lookup("cage-test", t.TempDir(), store)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return tmpl
 }
 
 // TestRestore: two sandboxes restored from one snapshot are two machines:
