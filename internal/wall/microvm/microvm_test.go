@@ -7,13 +7,13 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"slices"
 	"strings"
 	"syscall"
 	"testing"
 	"time"
 
 	"github.com/cagehq/cage/internal/agentclient"
+	"github.com/cagehq/cage/internal/bench"
 	"github.com/cagehq/cage/internal/imgstore"
 	"github.com/cagehq/cage/internal/template"
 	"github.com/cagehq/cage/internal/testutil"
@@ -137,13 +137,14 @@ func BenchmarkColdBoot(b *testing.B) {
 		cancel()
 		b.StartTimer()
 	}
-	slices.Sort(samples)
-	pct := func(p float64) time.Duration { return samples[min(len(samples)-1, int(p*float64(len(samples))))] }
-	for _, m := range []struct {
-		name string
-		p    float64
-	}{{"p50-ms", 0.5}, {"p95-ms", 0.95}, {"p99-ms", 0.99}} {
-		b.ReportMetric(float64(pct(m.p).Microseconds())/1000, m.name)
+	reportPercentiles(b, samples)
+}
+
+// reportPercentiles reports p50, p95 and p99 of samples in milliseconds.
+func reportPercentiles(b *testing.B, samples []time.Duration) {
+	st := bench.Summarize(samples)
+	for name, d := range map[string]time.Duration{"p50-ms": st.P50, "p95-ms": st.P95, "p99-ms": st.P99} {
+		b.ReportMetric(float64(d.Microseconds())/1000, name)
 	}
 }
 
@@ -321,14 +322,7 @@ func BenchmarkRestore(b *testing.B) {
 		b.StartTimer()
 	}
 	b.StopTimer()
-	slices.Sort(samples)
-	pct := func(p float64) time.Duration { return samples[min(len(samples)-1, int(p*float64(len(samples))))] }
-	for _, m := range []struct {
-		name string
-		p    float64
-	}{{"p50-ms", 0.5}, {"p95-ms", 0.95}, {"p99-ms", 0.99}} {
-		b.ReportMetric(float64(pct(m.p).Microseconds())/1000, m.name)
-	}
+	reportPercentiles(b, samples)
 
 	// Memory: PSS of idle VMs, each having run one command.
 	pss := func(sbs ...*Sandbox) float64 {
