@@ -159,6 +159,12 @@ func TestTemplatePool(t *testing.T) {
 	if _, err := h.Templates.Import(context.Background(), testutil.WriteDockerArchive(t, testutil.TestImage(t), "cage-test:pool"), "pooled", imgstore.Options{}); err != nil {
 		t.Fatal(err)
 	}
+	// After the pool is gone (cleanups run after the deferred Close).
+	t.Cleanup(func() {
+		if err := h.Templates.Remove("pooled"); err != nil {
+			t.Errorf("remove the pool's template: %v", err)
+		}
+	})
 	h.PoolTemplate = "pooled"
 	h.StartPool(1)
 	defer h.Close()
