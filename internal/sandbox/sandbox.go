@@ -386,10 +386,29 @@ func (h *Host) GC() {
 		if removed := n.GC(state.SlotHeld); len(removed) > 0 {
 			h.Log.Info("gc: removed the network of dead sandboxes", "slots", removed)
 		}
+	} else if networkLeftovers() {
+		// A process that died with networked sandboxes left interfaces or
+		// rules behind, and this one has no network yet: setting it up
+		// collects them (see network).
+		if _, err := h.network(network.Policy{Mode: network.Internet}); err != nil {
+			h.Log.Warn("gc: sandbox network", "err", err)
+		}
 	}
 	if ents, err := os.ReadDir(filepath.Join(h.RunDir, "sandboxes")); err == nil && len(ents) == 0 {
 		template.PruneCaches(filepath.Join(h.RunDir, "templates"))
 	}
+}
+
+// networkLeftovers reports interfaces or nftables rules of sandbox slots
+// that no live sandbox holds.
+func networkLeftovers() bool {
+	slots, _ := network.TableSlots()
+	for _, slot := range append(slots, network.HostLinks()...) {
+		if !state.SlotHeld(slot) {
+			return true
+		}
+	}
+	return false
 }
 
 // refillPause is how long the pool waits after handing a sandbox out before

@@ -2,6 +2,7 @@ package clitest
 
 import (
 	"os"
+	"os/exec"
 	"strings"
 	"testing"
 
@@ -53,5 +54,24 @@ for u in sys.argv[1:]:
 	}
 	if slots, _ := network.TableSlots(); len(slots) != 0 {
 		t.Errorf("rules left after cage run: slots %v", slots)
+	}
+}
+
+// TestNetworkLeftoversCollected: an interface a dead cage process left
+// behind (a networked sandbox's host end, here made by hand) is removed by
+// the next cage run, even one without a network.
+func TestNetworkLeftoversCollected(t *testing.T) {
+	e := setup(t)
+	w := testutil.SharedWorld(t)
+	if out, err := exec.Command("ip", "link", "add", "cage4000", "type", "veth", "peer", "name", "leftpeer4000").CombinedOutput(); err != nil {
+		t.Fatalf("make a leftover veth: %v: %s", err, out)
+	}
+	defer exec.Command("ip", "link", "del", "cage4000").Run()
+	r := e.cageEnv(nil, []string{"CAGE_DNS=" + strings.Join(w.Upstreams(), ",")}, "run", "--", "true")
+	if r.code != 0 {
+		t.Fatalf("cage run: %v", r)
+	}
+	if err := exec.Command("ip", "link", "show", "cage4000").Run(); err == nil {
+		t.Error("the leftover interface cage4000 is still there after a cage run")
 	}
 }
