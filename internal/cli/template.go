@@ -102,7 +102,7 @@ func newTemplateCmd(g *globals) *cobra.Command {
 			fmt.Fprintln(tw, "NAME\tID\tLAYERS\tSIZE\tCREATED\tSOURCE")
 			fmt.Fprintln(tw, "host\t-\t-\t-\t-\tbuilt in: this host's /usr and a minimal /etc, read-only")
 			for _, t := range list {
-				fmt.Fprintf(tw, "%s\t%s\t%d\t%s\t%s\t%s\n", t.Name, shortID(t.ID), len(t.Layers), humanSize(t.Size),
+				fmt.Fprintf(tw, "%s\t%s\t%d\t%s\t%s\t%s\n", t.Name, shortID(t.ID), len(t.Layers), units.HumanSize(t.Size),
 					t.Created.Format(time.RFC3339), t.Source)
 			}
 			return tw.Flush()
@@ -249,23 +249,8 @@ func shortID(id string) string {
 }
 
 func printImported(w io.Writer, t *imgstore.Template) error {
-	_, err := fmt.Fprintf(w, "%s %s (%d layers, %s)\n", t.Name, shortID(t.ID), len(t.Layers), humanSize(t.Size))
+	_, err := fmt.Fprintf(w, "%s %s (%d layers, %s)\n", t.Name, shortID(t.ID), len(t.Layers), units.HumanSize(t.Size))
 	return err
-}
-
-// humanSize is n bytes rounded for people: 3.8 MiB.
-func humanSize(n int64) string {
-	f, unit := float64(n), "B"
-	for _, u := range []string{"KiB", "MiB", "GiB", "TiB"} {
-		if f < 1024 {
-			break
-		}
-		f, unit = f/1024, u
-	}
-	if unit == "B" {
-		return fmt.Sprintf("%d B", n)
-	}
-	return fmt.Sprintf("%.1f %s", f, unit)
 }
 
 // newTemplateBuildCmd is `cage template build`.

@@ -17,6 +17,8 @@ import (
 
 	v1 "github.com/google/go-containerregistry/pkg/v1"
 	"golang.org/x/sys/unix"
+
+	"github.com/cagehq/cage/internal/units"
 )
 
 // Import imports the image at path as the template name, replacing any
@@ -188,7 +190,7 @@ func (s *Store) ensureLayer(ctx context.Context, hx string, open func() (io.Read
 	if err != nil {
 		return nil, layerInfo{}, false, err
 	}
-	o.progress("%s %s", label, humanSize(info.TarSize))
+	o.progress("%s %s", label, units.HumanSize(info.TarSize))
 	if stats.dropped > 0 {
 		o.progress("%s: dropped %d xattr(s) outside user.* (trusted.*, security.*, system.*, user.overlay.*)", label, stats.dropped)
 	}
@@ -484,19 +486,4 @@ func lockKey(key string) (unlock func()) {
 		}
 		layerLocks.Unlock()
 	}
-}
-
-func humanSize(n int64) string {
-	const unit = 1024
-	if n < unit {
-		return fmt.Sprintf("%d B", n)
-	}
-	v, suffix := float64(n)/unit, "KiB"
-	for _, s := range []string{"MiB", "GiB", "TiB"} {
-		if v < unit {
-			break
-		}
-		v, suffix = v/unit, s
-	}
-	return fmt.Sprintf("%.1f %s", v, suffix)
 }

@@ -187,6 +187,12 @@ func RemoveCache(path string) { rocache.Remove(path) }
 // NoNetworkResolvConf is the resolv.conf of a sandbox without a network.
 const NoNetworkResolvConf = "# cage: this sandbox has no network\n"
 
+// HostsFile is a sandbox's /etc/hosts: localhost and its own name.
+func HostsFile(hostname string) string {
+	return strings.Join([]string{"127.0.0.1\tlocalhost", "::1\tlocalhost ip6-localhost ip6-loopback",
+		"127.0.1.1\t" + hostname, ""}, "\n")
+}
+
 // WriteIdentity writes the files that name one sandbox, hosts and hostname,
 // and its resolv.conf into dir, which the sandbox sees as /run/cage (its
 // /etc links there).
@@ -194,9 +200,7 @@ func WriteIdentity(dir, hostname, resolvConf string) error {
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		return err
 	}
-	hosts := strings.Join([]string{"127.0.0.1\tlocalhost", "::1\tlocalhost ip6-localhost ip6-loopback",
-		"127.0.1.1\t" + hostname, ""}, "\n")
-	if err := os.WriteFile(filepath.Join(dir, "hosts"), []byte(hosts), 0o644); err != nil {
+	if err := os.WriteFile(filepath.Join(dir, "hosts"), []byte(HostsFile(hostname)), 0o644); err != nil {
 		return err
 	}
 	if err := os.WriteFile(filepath.Join(dir, "resolv.conf"), []byte(resolvConf), 0o644); err != nil {

@@ -59,9 +59,7 @@ func PrepareImageRoot(root, hostname string, hostID func(int) int, build bool) e
 		}
 	}
 	// hosts, hostname and resolv.conf are the sandbox's own, in /run/cage.
-	hosts := strings.Join([]string{"127.0.0.1\tlocalhost", "::1\tlocalhost ip6-localhost ip6-loopback",
-		"127.0.1.1\t" + spec.Hostname, ""}, "\n")
-	for name, content := range map[string]string{"hosts": hosts, "hostname": spec.Hostname + "\n", "resolv.conf": NoNetworkResolvConf} {
+	for name, content := range map[string]string{"hosts": HostsFile(spec.Hostname), "hostname": spec.Hostname + "\n", "resolv.conf": NoNetworkResolvConf} {
 		if err := replaceFile(r, "run/cage/"+name, content, hostID(0)); err != nil {
 			return fmt.Errorf("image root: /run/cage/%s: %w", name, err)
 		}

@@ -55,6 +55,21 @@ func FormatSize(n int64) string {
 	return fmt.Sprintf("%dB", n)
 }
 
+// HumanSize is n bytes rounded for people: "812 B", "3.8 MiB".
+func HumanSize(n int64) string {
+	f, unit := float64(n), "B"
+	for _, u := range []string{"KiB", "MiB", "GiB", "TiB"} {
+		if f < 1024 {
+			break
+		}
+		f, unit = f/1024, u
+	}
+	if unit == "B" {
+		return fmt.Sprintf("%d B", n)
+	}
+	return fmt.Sprintf("%.1f %s", f, unit)
+}
+
 // ParseDuration reads a duration: Go syntax ("90s", "5m", "1h30m") or a bare
 // number of seconds ("300").
 func ParseDuration(s string) (time.Duration, error) {

@@ -82,8 +82,7 @@ func GuestServe() error {
 // runs every code path for the first time, slowly under TCG, and these
 // few writes cost less than preparing the root again.
 func writeNames(hostname string) error {
-	hosts := "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n127.0.1.1\t" + hostname + "\n"
-	for name, content := range map[string]string{"/run/cage/hosts": hosts, "/run/cage/hostname": hostname + "\n"} {
+	for name, content := range map[string]string{"/run/cage/hosts": template.HostsFile(hostname), "/run/cage/hostname": hostname + "\n"} {
 		if err := os.WriteFile(name, []byte(content), 0o644); err != nil {
 			return err
 		}
