@@ -9,11 +9,11 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"github.com/cagehq/cage/internal/bench/stats"
 	"io"
 	"os"
 	"os/exec"
 	"path/filepath"
-	"sort"
 	"strconv"
 	"strings"
 	"time"
@@ -23,42 +23,8 @@ import (
 	"github.com/cagehq/cage/internal/wall"
 )
 
-// Stats summarises samples.
-type Stats struct {
-	N                  int
-	Min, P50, P95, P99 time.Duration
-	Max                time.Duration
-}
-
-// Summarize computes percentiles (nearest rank).
-func Summarize(samples []time.Duration) Stats {
-	if len(samples) == 0 {
-		return Stats{}
-	}
-	s := append([]time.Duration(nil), samples...)
-	sort.Slice(s, func(i, j int) bool { return s[i] < s[j] })
-	pct := func(p float64) time.Duration {
-		i := int(p*float64(len(s))+0.999999) - 1
-		return s[max(0, min(i, len(s)-1))]
-	}
-	return Stats{N: len(s), Min: s[0], P50: pct(0.50), P95: pct(0.95), P99: pct(0.99), Max: s[len(s)-1]}
-}
-
-func (s Stats) String() string {
-	ms := func(d time.Duration) string { return fmt.Sprintf("%.2f", float64(d.Microseconds())/1000) }
-	return fmt.Sprintf("n=%d p50=%sms p95=%sms p99=%sms min=%sms max=%sms", s.N, ms(s.P50), ms(s.P95), ms(s.P99), ms(s.Min), ms(s.Max))
-}
-
-// Ratio is a's median over b's.
-func Ratio(a, b Stats) float64 {
-	if b.P50 == 0 {
-		return 0
-	}
-	return float64(a.P50) / float64(b.P50)
-}
-
 // WholeProcess times argv run to completion, runs times, after 3 warm-ups.
-func WholeProcess(argv []string, runs int) (Stats, error) {
+func WholeProcess(argv []string, runs int) (stats.Stats, error) {
 	var samples []time.Duration
 	for i := -3; i < runs; i++ {
 		cmd := exec.Command(argv[0], argv[1:]...)
@@ -66,18 +32,18 @@ func WholeProcess(argv []string, runs int) (Stats, error) {
 		out, err := cmd.CombinedOutput()
 		d := time.Since(start)
 		if err != nil {
-			return Stats{}, fmt.Errorf("%s: %v: %s", strings.Join(argv, " "), err, bytesLine(out))
+			return stats.Stats{}, fmt.Errorf("%s: %v: %s", strings.Join(argv, " "), err, bytesLine(out))
 		}
 		if i >= 0 {
 			samples = append(samples, d)
 		}
 	}
-	return Summarize(samples), nil
+	return stats.Summarize(samples), nil
 }
 
 // Interleaved times several commands round-robin, so drift on a shared
 // machine hits them alike.
-func Interleaved(argvs [][]string, runs int) ([]Stats, error) {
+func Interleaved(argvs [][]string, runs int) ([]stats.Stats, error) {
 	samples := make([][]time.Duration, len(argvs))
 	for i := -3; i < runs; i++ {
 		for k, argv := range argvs {
@@ -93,11 +59,11 @@ func Interleaved(argvs [][]string, runs int) ([]Stats, error) {
 			}
 		}
 	}
-	stats := make([]Stats, len(argvs))
+	out := make([]stats.Stats, len(argvs))
 	for k := range samples {
-		stats[k] = Summarize(samples[k])
+		out[k] = stats.Summarize(samples[k])
 	}
-	return stats, nil
+	return out, nil
 }
 
 func bytesLine(b []byte) string {
@@ -132,19 +98,19 @@ func BwrapArgv(cmd ...string) ([]string, error) {
 
 // CreateToFirstOutput times, in this process, create → the first byte of
 // `echo ready` on stdout, then destroys the sandbox (not timed).
-func CreateToFirstOutput(ctx context.Context, h *sandbox.Host, runs int) (Stats, error) {
+func CreateToFirstOutput(ctx context.Context, h *sandbox.Host, runs int) (stats.Stats, error) {
 	return WallToFirstOutput(ctx, h, "process", runs, 3)
 }
 
 // WallToFirstOutput is CreateToFirstOutput on a given wall, after warm
 // unmeasured runs.
-func WallToFirstOutput(ctx context.Context, h *sandbox.Host, wallName string, runs, warm int) (Stats, error) {
+func WallToFirstOutput(ctx context.Context, h *sandbox.Host, wallName string, runs, warm int) (stats.Stats, error) {
 	var samples []time.Duration
 	for i := -warm; i < runs; i++ {
 		start := time.Now()
 		sb, err := h.Create(ctx, sandbox.Options{Wall: wallName})
 		if err != nil {
-			return Stats{}, err
+			return stats.Stats{}, err
 		}
 		c := agentclient.New(sb.Dial, sb.Token())
 		fw := &firstWrite{start: start}
@@ -154,13 +120,13 @@ func WallToFirstOutput(ctx context.Context, h *sandbox.Host, wallName string, ru
 			err = derr
 		}
 		if err != nil {
-			return Stats{}, err
+			return stats.Stats{}, err
 		}
 		if i >= 0 {
 			samples = append(samples, fw.at)
 		}
 	}
-	return Summarize(samples), nil
+	return stats.Summarize(samples), nil
 }
 
 type firstWrite struct {
@@ -178,25 +144,25 @@ func (f *firstWrite) Write(p []byte) (int, error) {
 // BareToFirstOutput times the peer of an OCI wall: the runtime running
 // `echo ready` as the container process of an equivalent bundle, to the
 // first byte of its output (cleaning up is not timed).
-func BareToFirstOutput(ctx context.Context, h *sandbox.Host, wallName string, runs, warm int) (Stats, error) {
+func BareToFirstOutput(ctx context.Context, h *sandbox.Host, wallName string, runs, warm int) (stats.Stats, error) {
 	var samples []time.Duration
 	for i := -warm; i < runs; i++ {
 		fw := &firstWrite{start: time.Now()}
 		if err := h.RunBare(ctx, wallName, []string{"/bin/echo", "ready"}, fw); err != nil {
-			return Stats{}, err
+			return stats.Stats{}, err
 		}
 		if i >= 0 {
 			samples = append(samples, fw.at)
 		}
 	}
-	return Summarize(samples), nil
+	return stats.Summarize(samples), nil
 }
 
 // RoundTrip times Start → end of `true` in one live sandbox.
-func RoundTrip(ctx context.Context, h *sandbox.Host, runs int) (Stats, error) {
+func RoundTrip(ctx context.Context, h *sandbox.Host, runs int) (stats.Stats, error) {
 	sb, err := h.Create(ctx, sandbox.Options{})
 	if err != nil {
-		return Stats{}, err
+		return stats.Stats{}, err
 	}
 	defer sb.Destroy()
 	c := agentclient.New(sb.Dial, sb.Token())
@@ -207,16 +173,16 @@ func RoundTrip(ctx context.Context, h *sandbox.Host, runs int) (Stats, error) {
 		end, err := c.Run(ctx, agentclient.RunOptions{Cmd: "true", Stdout: io.Discard, Stderr: io.Discard})
 		d := time.Since(start)
 		if err != nil {
-			return Stats{}, err
+			return stats.Stats{}, err
 		}
 		if end.GetExitCode() != 0 {
-			return Stats{}, fmt.Errorf("true exited %d", end.GetExitCode())
+			return stats.Stats{}, fmt.Errorf("true exited %d", end.GetExitCode())
 		}
 		if i >= 0 {
 			samples = append(samples, d)
 		}
 	}
-	return Summarize(samples), nil
+	return stats.Summarize(samples), nil
 }
 
 // Memory is the host memory that n idle sandboxes cost.

@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"context"
 	"fmt"
+	"github.com/cagehq/cage/internal/bench/stats"
 	"io"
 	"net"
 	"net/http"
@@ -117,7 +118,7 @@ func (d *Daemon) Client() *client.Client { return client.New(d.API, d.Proxy, d.K
 // TimeToInteractive is the public ComputeSDK benchmark's measure: create a
 // sandbox through the API, run a command through the proxy, time to its
 // first output byte. concurrency > 1 runs that many at once (a burst).
-func TimeToInteractive(ctx context.Context, c *client.Client, runs, concurrency int) (Stats, error) {
+func TimeToInteractive(ctx context.Context, c *client.Client, runs, concurrency int) (stats.Stats, error) {
 	var mu sync.Mutex
 	var samples []time.Duration
 	var firstErr error
@@ -157,33 +158,33 @@ func TimeToInteractive(ctx context.Context, c *client.Client, runs, concurrency 
 		}
 		wg.Wait()
 	}
-	return Summarize(samples), firstErr
+	return stats.Summarize(samples), firstErr
 }
 
 // ProxyRoundTrip times Start -> end of `true` in one sandbox through the
 // daemon's proxy, as an SDK's commands.run does.
-func ProxyRoundTrip(ctx context.Context, c *client.Client, runs int) (Stats, error) {
+func ProxyRoundTrip(ctx context.Context, c *client.Client, runs int) (stats.Stats, error) {
 	sb, err := c.Create(ctx, map[string]any{"templateID": "host", "timeout": 600})
 	if err != nil {
-		return Stats{}, err
+		return stats.Stats{}, err
 	}
 	defer c.Kill(ctx, sb.SandboxID)
 	ac, err := c.Agent(sb.SandboxID, sb.EnvdAccessToken)
 	if err != nil {
-		return Stats{}, err
+		return stats.Stats{}, err
 	}
 	defer ac.Close()
 	var samples []time.Duration
 	for i := -5; i < runs; i++ {
 		start := time.Now()
 		if _, err := ac.Run(ctx, agentclient.RunOptions{Cmd: "true", Stdout: io.Discard, Stderr: io.Discard}); err != nil {
-			return Stats{}, err
+			return stats.Stats{}, err
 		}
 		if i >= 0 {
 			samples = append(samples, time.Since(start))
 		}
 	}
-	return Summarize(samples), nil
+	return stats.Summarize(samples), nil
 }
 
 // DaemonLoad creates n sandboxes through the API and reports the creation

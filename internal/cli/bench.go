@@ -3,6 +3,7 @@ package cli
 import (
 	"context"
 	"fmt"
+	"github.com/cagehq/cage/internal/bench/stats"
 	"io"
 	"os"
 	"strings"
@@ -135,7 +136,7 @@ func benchRun(w io.Writer, g *globals, runs int) error {
 	}
 	fmt.Fprintf(w, "cage run -- true (whole process)       %s\n", st[0])
 	fmt.Fprintf(w, "bwrap --unshare-all true (peer)        %s\n", st[1])
-	fmt.Fprintf(w, "ratio of medians cage/bwrap            %.2fx\n", bench.Ratio(st[0], st[1]))
+	fmt.Fprintf(w, "ratio of medians cage/bwrap            %.2fx\n", stats.Ratio(st[0], st[1]))
 	return nil
 }
 
@@ -198,10 +199,10 @@ func benchWalls(ctx context.Context, w io.Writer, h *sandbox.Host, runs int) err
 			}
 			cage, bare = append(cage, c.P50), append(bare, b.P50)
 		}
-		cs, bs := bench.Summarize(cage), bench.Summarize(bare)
+		cs, bs := stats.Summarize(cage), stats.Summarize(bare)
 		fmt.Fprintf(w, "%s: cage create -> first output      %s\n", name, cs)
 		fmt.Fprintf(w, "%s: raw %s run of the same bundle  %s\n", name, h.Runtimes[name].Binary, bs)
-		fmt.Fprintf(w, "%s: ratio of medians cage/raw         %.2fx\n", name, bench.Ratio(cs, bs))
+		fmt.Fprintf(w, "%s: ratio of medians cage/raw         %.2fx\n", name, stats.Ratio(cs, bs))
 		m, err := bench.WallIdleMemory(ctx, h, name, 50)
 		if err != nil {
 			return exitf(ExitInternal, "%s memory: %v", name, err)

@@ -22,6 +22,7 @@ import (
 	"github.com/cagehq/cage/internal/network"
 	"github.com/cagehq/cage/internal/template"
 	"github.com/cagehq/cage/internal/units"
+	"github.com/cagehq/cage/internal/vm"
 	"github.com/cagehq/cage/internal/wall"
 	"github.com/cagehq/cage/internal/wall/oci"
 	"github.com/cagehq/cage/internal/wall/process"
@@ -55,7 +56,7 @@ const (
 
 // Options are what a caller may choose for a sandbox.
 type Options struct {
-	Wall      string // "process" (default), "runc" or "gvisor"
+	Wall      string // "process" (default), "runc", "gvisor" or "microvm"
 	ID        string // "" = a fresh one
 	Token     string // the agent's access token; "" = a fresh one
 	Template  string
@@ -77,6 +78,9 @@ type Options struct {
 func (o *Options) Validate() error {
 	if o.Template == "" {
 		o.Template = "host"
+		if o.Wall == "microvm" {
+			o.Template = MicroVMTemplate
+		}
 	}
 	if o.Memory == 0 {
 		o.Memory = DefaultMemory
@@ -149,6 +153,12 @@ type Host struct {
 	netMu sync.Mutex
 	net   *network.Host
 
+	// KernelDir is where the microvm wall's guest kernel is ("": KernelDir()).
+	KernelDir   string
+	kernelOnce  sync.Once
+	guestKernel *vm.Kernel
+	kernelErr   error
+
 	pool       chan *process.Sandbox // prepared sandboxes, when a pool runs
 	PoolMisses atomic.Int64          // creates that found the pool empty
 	stopPool   context.CancelFunc
@@ -211,6 +221,9 @@ var nsConfig = map[string]string{"user": "USER", "pid": "PID", "mnt": "NAMESPACE
 
 // Create starts a sandbox on the process wall.
 func (h *Host) Create(ctx context.Context, o Options) (wall.Sandbox, error) {
+	if o.Wall == "microvm" {
+		return h.createMicroVM(ctx, o)
+	}
 	if o.Wall != "" && o.Wall != "process" {
 		return h.createOCI(ctx, o)
 	}
@@ -546,6 +559,11 @@ func (h *Host) AdoptNetwork(sb wall.Sandbox, slot int, p network.Policy) error {
 // Adopt takes charge of a running sandbox created by another process (see
 // process.Adopt).
 func (h *Host) Adopt(id, wallName string, pid int, startTime uint64, token string) (wall.Sandbox, error) {
+	if wallName == "microvm" {
+		// QEMU ends with the process that started it, and the session to
+		// its agent with that process: there is nothing to adopt.
+		return nil, fmt.Errorf("%w: a microvm sandbox ends with the process that created it", ErrUnavailable)
+	}
 	if wallName != "" && wallName != "process" {
 		if err := h.WallMissing(wallName); err != nil {
 			return nil, err

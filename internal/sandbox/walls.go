@@ -14,7 +14,7 @@ import (
 )
 
 // Walls lists every wall cage knows, in order of hardness.
-var Walls = []string{"process", "runc", "gvisor"}
+var Walls = []string{"process", "runc", "gvisor", "microvm"}
 
 // ProbeRuntimes finds the OCI runtimes this host has: runc on the PATH, and
 // runsc ($CAGE_RUNSC, else on the PATH). gVisor runs with the systrap
@@ -51,6 +51,8 @@ func (h *Host) WallMissing(name string) error {
 		if h.Runtimes["gvisor"] == nil {
 			return fmt.Errorf("%w: the gvisor wall needs runsc (make runsc, or set CAGE_RUNSC)", ErrUnavailable)
 		}
+	case "microvm":
+		return h.microvmMissing()
 	default:
 		return fmt.Errorf("%w: unknown wall %q (walls: %v)", ErrInvalid, name, Walls)
 	}

@@ -46,8 +46,38 @@ type Config struct {
 	// file's pages from the page cache and copies only those it writes.
 	MemoryFile  string
 	ShareMemory bool
+	// MemoryFD, when set, is the RAM a VM is restored from, in place of
+	// MemoryFile: a descriptor QEMU inherits (a sealed memfd, which QEMU
+	// may open for writing as QEMU 7.2 insists but can never write to).
+	MemoryFD *os.File
 
-	incoming bool // start paused, waiting for a migration (Restore)
+	// Credential, when set, is who QEMU runs as: an unprivileged uid of
+	// the VM's own. Every file QEMU reads is then opened by the caller and
+	// inherited (Args names it /proc/self/fd/N), so that QEMU needs no
+	// path to it; Dir is made QEMU's, for its sockets and console log.
+	Credential *syscall.Credential
+	// Jail, when set, runs once QEMU exists and before the guest runs
+	// (QEMU starts paused): to put it into its cgroup.
+	Jail func(pid int) error
+
+	incoming bool              // start paused, waiting for a migration (Restore)
+	paused   bool              // start paused (-S), for Jail
+	fdPaths  map[string]string // files passed as descriptors: path -> /proc/self/fd/N
+}
+
+// memFDKey names Config.MemoryFD among the files passed to QEMU.
+const memFDKey = "\x00memory"
+
+// tcgCacheMB bounds TCG's translation cache (QEMU 7.2's default is a
+// gigabyte of host memory per VM, reserved lazily but charged as used).
+const tcgCacheMB = 64
+
+// path is how QEMU names file p: the descriptor it inherits, if any.
+func (cfg Config) path(p string) string {
+	if fp, ok := cfg.fdPaths[p]; ok {
+		return fp
+	}
+	return p
 }
 
 // VM is a running QEMU.
@@ -99,15 +129,22 @@ func (cfg Config) Args() []string {
 	if cfg.Append != "" {
 		cmdline += " " + cfg.Append
 	}
-	machine := "microvm,accel=" + accel + ",acpi=on,pit=off,pic=off,rtc=on,isa-serial=on,auto-kernel-cmdline=off"
+	machine := "microvm,acpi=on,pit=off,pic=off,rtc=on,isa-serial=on,auto-kernel-cmdline=off"
+	accelArg := accel
+	if accel == "tcg" {
+		accelArg += ",tb-size=" + strconv.Itoa(tcgCacheMB)
+	}
 	var memArgs []string
-	if cfg.MemoryFile != "" {
+	if cfg.MemoryFD != nil {
+		machine += ",memory-backend=mem"
+		memArgs = []string{"-object", "memory-backend-file,id=mem,size=" + strconv.Itoa(mem) + "M,mem-path=" + optValue(cfg.path(memFDKey)) + ",share=off"}
+	} else if cfg.MemoryFile != "" {
 		share := "off"
 		if cfg.ShareMemory {
 			share = "on"
 		}
 		machine += ",memory-backend=mem"
-		memArgs = []string{"-object", "memory-backend-file,id=mem,size=" + strconv.Itoa(mem) + "M,mem-path=" + optValue(cfg.MemoryFile) + ",share=" + share}
+		memArgs = []string{"-object", "memory-backend-file,id=mem,size=" + strconv.Itoa(mem) + "M,mem-path=" + optValue(cfg.path(cfg.MemoryFile)) + ",share=" + share}
 	}
 	args := []string{
 		// microvm: no PCI, no firmware tables but ACPI's, no legacy devices
@@ -119,6 +156,7 @@ func (cfg Config) Args() []string {
 		// virtio-mmio devices added to the command line, which Debian's
 		// kernel would only warn about.
 		"-M", machine,
+		"-accel", accelArg,
 		"-nodefaults", "-no-user-config", "-nographic",
 		// QEMU's own seccomp filter: no old syscalls, no setuid, no
 		// spawning, no changing of scheduling or affinity.
@@ -128,8 +166,8 @@ func (cfg Config) Args() []string {
 	args = append(args, memArgs...)
 	args = append(args,
 		"-smp", strconv.Itoa(cpus),
-		"-kernel", image,
-		"-initrd", cfg.Initramfs,
+		"-kernel", cfg.path(image),
+		"-initrd", cfg.path(cfg.Initramfs),
 		"-append", cmdline,
 		"-chardev", "file,id=console,path="+optValue(filepath.Join(dir, ConsoleLog)),
 		"-serial", "chardev:console",
@@ -142,13 +180,15 @@ func (cfg Config) Args() []string {
 	)
 	for i, d := range cfg.Disks {
 		id := "disk" + strconv.Itoa(i)
-		args = append(args, "-drive", "file="+optValue(d)+",format=raw,if=none,readonly=on,id="+id,
+		args = append(args, "-drive", "file="+optValue(cfg.path(d))+",format=raw,if=none,readonly=on,id="+id,
 			"-device", "virtio-blk-device,drive="+id)
 	}
 	if cfg.incoming {
 		// Wait for migrate-incoming on QMP, which can take a descriptor
 		// (the command line cannot without a shell to spawn).
 		args = append(args, "-incoming", "defer")
+	} else if cfg.paused {
+		args = append(args, "-S")
 	}
 	return args
 }
@@ -167,6 +207,7 @@ const maxSocketPath = 107
 // call Start from a goroutine that locks its thread and then exits).
 func Start(ctx context.Context, cfg Config) (*VM, error) {
 	cfg.incoming = false
+	cfg.paused = cfg.Jail != nil
 	v, err := launch(cfg)
 	if err != nil {
 		return nil, fmt.Errorf("start vm: %w", err)
@@ -174,11 +215,30 @@ func Start(ctx context.Context, cfg Config) (*VM, error) {
 	// QEMU answers on QMP from its main loop only once the machine is
 	// built and running: a bad option, too much memory or a kernel it
 	// cannot load, and a refused accelerator end Start, not a later dial.
-	if err := v.waitRunning(ctx); err != nil {
+	if err := v.start(ctx); err != nil {
 		v.Stop()
 		return nil, fmt.Errorf("start vm: %w", err)
 	}
 	return v, nil
+}
+
+// start jails a QEMU started paused and lets it run, or waits for one
+// started running.
+func (v *VM) start(ctx context.Context) error {
+	q, err := v.qmp(ctx)
+	if err != nil {
+		return err
+	}
+	defer q.Close()
+	if v.cfg.paused {
+		if err := v.cfg.Jail(v.Pid()); err != nil {
+			return err
+		}
+		if _, err := q.call(ctx, "cont", nil); err != nil {
+			return v.qemuGone(ctx, err)
+		}
+	}
+	return v.checkRunning(ctx, q)
 }
 
 // launch checks cfg and starts QEMU.
@@ -211,12 +271,47 @@ func launch(cfg Config) (*VM, error) {
 	if err != nil {
 		return nil, fmt.Errorf("%s not found; run scripts/kernel.sh (installs qemu-system-x86)", QEMU)
 	}
+	var files []*os.File
+	defer func() {
+		for _, f := range files {
+			if f != cfg.MemoryFD {
+				f.Close()
+			}
+		}
+	}()
+	if cfg.Credential != nil {
+		if err := os.Chown(cfg.Dir, int(cfg.Credential.Uid), int(cfg.Credential.Gid)); err != nil {
+			return nil, err
+		}
+		cfg.fdPaths = map[string]string{}
+		pass := func(key string, f *os.File) {
+			cfg.fdPaths[key] = "/proc/self/fd/" + strconv.Itoa(3+len(files))
+			files = append(files, f)
+		}
+		paths := append([]string{cfg.Kernel.Image(), cfg.Initramfs}, cfg.Disks...)
+		for _, p := range paths {
+			if _, ok := cfg.fdPaths[p]; ok {
+				continue
+			}
+			f, err := os.Open(p)
+			if err != nil {
+				return nil, err
+			}
+			pass(p, f)
+		}
+		if cfg.MemoryFD != nil {
+			pass(memFDKey, cfg.MemoryFD)
+		}
+	} else if cfg.MemoryFD != nil {
+		return nil, errors.New("a memory descriptor needs a credential")
+	}
 	cmd := exec.Command(bin, cfg.Args()...)
 	cmd.Dir = cfg.Dir
+	cmd.ExtraFiles = files
 	v := &VM{cfg: cfg, cmd: cmd, stderr: &tail{max: 4096}, done: make(chan struct{})}
 	cmd.Stderr = v.stderr
 	// QEMU goes with the process that started it.
-	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL, Credential: cfg.Credential}
 	if err := cmd.Start(); err != nil {
 		return nil, err
 	}

@@ -67,10 +67,10 @@ func (v *VM) Snapshot(ctx context.Context, stateFile string) error {
 // The file is mapped private whatever ShareMemory says, so that the
 // snapshot stays as it is. Restore returns once the guest runs again.
 func Restore(ctx context.Context, cfg Config, stateFile string) (*VM, error) {
-	if cfg.MemoryFile == "" {
+	if cfg.MemoryFile == "" && cfg.MemoryFD == nil {
 		return nil, errors.New("restore vm: no memory file")
 	}
-	if !fileExists(cfg.MemoryFile) {
+	if cfg.MemoryFD == nil && !fileExists(cfg.MemoryFile) {
 		return nil, fmt.Errorf("restore vm: no memory file at %q", cfg.MemoryFile)
 	}
 	cfg.ShareMemory = false
@@ -83,6 +83,12 @@ func Restore(ctx context.Context, cfg Config, stateFile string) (*VM, error) {
 	v, err := launch(cfg)
 	if err != nil {
 		return nil, fmt.Errorf("restore vm: %w", err)
+	}
+	if cfg.Jail != nil {
+		if err := cfg.Jail(v.Pid()); err != nil {
+			v.Stop()
+			return nil, fmt.Errorf("restore vm: %w", err)
+		}
 	}
 	if err := v.restore(ctx, f); err != nil {
 		v.Stop()

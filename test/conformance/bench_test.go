@@ -3,6 +3,7 @@ package conformance
 import (
 	"context"
 	"fmt"
+	"github.com/cagehq/cage/internal/bench/stats"
 	"io"
 	"net/http"
 	"net/http/httptest"
@@ -15,7 +16,6 @@ import (
 	"time"
 
 	"github.com/cagehq/cage/internal/agentclient"
-	"github.com/cagehq/cage/internal/bench"
 	"github.com/cagehq/cage/internal/network"
 	"github.com/cagehq/cage/internal/proxy"
 	"github.com/cagehq/cage/internal/sandbox"
@@ -27,7 +27,7 @@ import (
 // p50/p99 alongside ns/op. Run: go test -run - -bench . ./test/conformance/
 
 func reportPercentiles(b *testing.B, samples []time.Duration) {
-	s := bench.Summarize(samples)
+	s := stats.Summarize(samples)
 	b.ReportMetric(float64(s.P50.Microseconds())/1000, "p50-ms")
 	b.ReportMetric(float64(s.P99.Microseconds())/1000, "p99-ms")
 }
@@ -110,7 +110,7 @@ func BenchmarkNetworkCreate(b *testing.B) {
 		none = append(none, measure(network.Policy{}))
 		inet = append(inet, measure(network.Policy{Mode: network.Internet}))
 	}
-	sn, si := bench.Summarize(none), bench.Summarize(inet)
+	sn, si := stats.Summarize(none), stats.Summarize(inet)
 	b.ReportMetric(ms(sn.P50), "none-p50-ms")
 	b.ReportMetric(ms(sn.P99), "none-p99-ms")
 	b.ReportMetric(ms(si.P50), "internet-p50-ms")
@@ -257,7 +257,7 @@ func BenchmarkExposedPort(b *testing.B) {
 		}
 		straight = append(straight, d)
 	}
-	sp, sd := bench.Summarize(viaProxy), bench.Summarize(straight)
+	sp, sd := stats.Summarize(viaProxy), stats.Summarize(straight)
 	b.ReportMetric(ms(sp.P50), "proxy-p50-ms")
 	b.ReportMetric(ms(sp.P99), "proxy-p99-ms")
 	b.ReportMetric(ms(sd.P50), "direct-p50-ms")
@@ -290,7 +290,7 @@ func BenchmarkTemplateCreate(b *testing.B) {
 		imageT = append(imageT, measure(image))
 	}
 	b.StopTimer()
-	sh, si := bench.Summarize(hostT), bench.Summarize(imageT)
+	sh, si := stats.Summarize(hostT), stats.Summarize(imageT)
 	for _, m := range []struct {
 		name string
 		d    time.Duration

@@ -70,6 +70,10 @@ func processHost(t testing.TB) *sandbox.Host {
 		hostDir = dir
 		_ = os.Chmod(dir, 0o711)
 		host, hostErr = sandbox.NewHost(dir, filepath.Join(bin, "cage-agent"), slog.New(slog.DiscardHandler))
+		if hostErr == nil && os.Getenv("CAGE_KERNEL_DIR") == "" {
+			// Where scripts/kernel.sh put the microvm wall's guest kernel.
+			host.KernelDir = filepath.Join(testutil.RepoRoot(), ".tools", "kernel")
+		}
 		if hostErr == nil {
 			// The shared store where scripts/test.sh built "base", else
 			// one of the run's own.
@@ -103,6 +107,9 @@ func walls() []wall {
 					}
 					t.Skipf("SKIP wall %s: %v", name, err)
 				}
+				if name == "microvm" && o.Template == "" {
+					requireBase(t, h)
+				}
 				o.Wall = name
 				sb, err := h.Create(context.Background(), o)
 				if err != nil {
@@ -120,6 +127,23 @@ func walls() []wall {
 		})
 	}
 	return ws
+}
+
+// requireBase skips unless the store has the base template, which a
+// microvm sandbox starts from unless it names another (scripts/test.sh
+// builds it, and says so with CAGE_REQUIRE_BASE, which makes its absence
+// a failure).
+func requireBase(t *testing.T, h *sandbox.Host) {
+	t.Helper()
+	if h.Templates != nil {
+		if _, err := h.Templates.Get(sandbox.MicroVMTemplate); err == nil {
+			return
+		}
+	}
+	if os.Getenv("CAGE_REQUIRE_BASE") != "" {
+		t.Fatalf("CAGE_REQUIRE_BASE: no %s template in the store", sandbox.MicroVMTemplate)
+	}
+	t.Skipf("SKIP wall microvm: no %s template (make base)", sandbox.MicroVMTemplate)
 }
 
 // forEachWall runs fn as a subtest per wall.

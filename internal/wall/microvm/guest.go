@@ -17,6 +17,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/cagehq/cage/internal/agent"
+	"github.com/cagehq/cage/internal/cgroups"
 	"github.com/cagehq/cage/internal/seal"
 	"github.com/cagehq/cage/internal/template"
 	"github.com/cagehq/cage/internal/vm"
@@ -156,9 +157,19 @@ func serve(sess *yamux.Session, first net.Conn, sp spec, restored bool) error {
 	} else if err := process.LoopbackUp(); err != nil {
 		return err
 	}
+	limits, err := guestCgroup(sp.Limits)
+	if err != nil {
+		fmt.Fprintf(first, "error: %v\n", err)
+		return err
+	}
+	if err := readOnlyKnobs(limits != nil); err != nil {
+		fmt.Fprintf(first, "error: %v\n", err)
+		return err
+	}
 	srv, err := agent.New(agent.Config{
 		Token: sp.Token, DefaultUser: template.UserName, Env: sp.Env, MaxOutput: sp.MaxOutput,
 		SpawnThreadSetup: seal.SpawnThread, AgentUID: template.AgentUID, Threads: sp.Threads,
+		Limits: limits,
 	})
 	if err != nil {
 		return err
@@ -171,6 +182,63 @@ func serve(sess *yamux.Session, first net.Conn, sp spec, restored bool) error {
 	}
 	first.Close()
 	return srv.Serve(sess)
+}
+
+// guestCgroup puts the agent, and so every command it starts, into a
+// cgroup of the guest's kernel with the sandbox's limits, and opens its
+// counters for the exit reasons (OOM, pids limit), as the host's cgroups
+// do on the other walls. The VM's own size and QEMU's host cgroup are the
+// bounds that hold even against guest root; this one makes the limits
+// exact and the reasons the guest kernel's.
+func guestCgroup(lim cgroups.Limits) (agent.LimitEvents, error) {
+	if lim == (cgroups.Limits{}) {
+		return nil, nil
+	}
+	const mnt = "/sys/fs/cgroup"
+	if err := unix.Mount("cgroup2", mnt, "cgroup2", unix.MS_NOSUID|unix.MS_NODEV|unix.MS_NOEXEC, ""); err != nil {
+		return nil, fmt.Errorf("mount cgroup2: %w", err)
+	}
+	m, err := cgroups.Detect("cage")
+	if err != nil {
+		return nil, err
+	}
+	cg, err := m.Create("sandbox", lim)
+	if err != nil {
+		return nil, fmt.Errorf("guest cgroup: %w", err)
+	}
+	if err := cg.AddProc(os.Getpid()); err != nil {
+		return nil, fmt.Errorf("guest cgroup: %w", err)
+	}
+	var ev cgroups.EventFiles
+	if ev.OOM, err = os.Open(cg.OOMEventsFile()); err != nil {
+		return nil, err
+	}
+	if ev.Pids, err = os.Open(cg.PidsEventsFile()); err != nil {
+		return nil, err
+	}
+	return ev, nil
+}
+
+// readOnlyKnobs makes the guest kernel's settings read-only for
+// everything the agent starts: sandbox root is uid 0 of the guest, which
+// owns /sys and /proc/sys files, and without a capability could still
+// write those (core_pattern, cgroup limits). The agent's capabilities
+// never reach a command, so nothing inside can remount them.
+func readOnlyKnobs(cgroup bool) error {
+	for _, p := range []string{"/sys", "/sys/fs/cgroup", "/proc/sys", "/proc/sysrq-trigger", "/proc/bus", "/proc/fs", "/proc/irq"} {
+		if _, err := os.Stat(p); err != nil || (p == "/sys/fs/cgroup" && !cgroup) {
+			continue
+		}
+		if p != "/sys" && p != "/sys/fs/cgroup" {
+			if err := unix.Mount(p, p, "", unix.MS_BIND|unix.MS_REC, ""); err != nil {
+				return fmt.Errorf("bind %s: %w", p, err)
+			}
+		}
+		if err := unix.Mount("", p, "", unix.MS_REMOUNT|unix.MS_BIND|unix.MS_RDONLY|unix.MS_NOSUID|unix.MS_NODEV|unix.MS_NOEXEC, ""); err != nil {
+			return fmt.Errorf("make %s read-only: %w", p, err)
+		}
+	}
+	return nil
 }
 
 // freshIdentity gives the guest what no two sandboxes may share, which a

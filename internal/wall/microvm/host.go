@@ -11,20 +11,26 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"math"
 	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"strconv"
 	"strings"
+	"sync"
+	"syscall"
 	"time"
 
 	"github.com/hashicorp/yamux"
 	"golang.org/x/sys/unix"
 
+	"github.com/cagehq/cage/internal/cgroups"
 	"github.com/cagehq/cage/internal/imgstore"
+	"github.com/cagehq/cage/internal/network"
 	"github.com/cagehq/cage/internal/template"
 	"github.com/cagehq/cage/internal/vm"
+	"github.com/cagehq/cage/internal/wall/state"
 )
 
 // Config describes one sandbox to create.
@@ -34,6 +40,14 @@ type Config struct {
 	AgentPath string // the static cage-agent: the guest's init
 	Kernel    *vm.Kernel
 	Template  *template.Template // an image template
+	// Limits are the sandbox's: the guest applies them to a cgroup of its
+	// own that holds the agent and every command (so that the exit reasons
+	// are its kernel's), and they size the VM: RAM of the memory limit plus
+	// GuestOverheadMB, a vCPU per started CPU. QEMU itself runs in a host
+	// cgroup (Cgroups) capped at the VM's RAM plus QEMUOverheadMB.
+	Limits  cgroups.Limits
+	Cgroups *cgroups.Manager // nil: QEMU gets no cgroup (tests of the VM alone)
+	// MemoryMB and CPUs, when set, size the VM instead of Limits.
 	MemoryMB  int
 	CPUs      int
 	DiskBytes int64
@@ -53,6 +67,34 @@ func logger(cfg Config) *slog.Logger {
 	return slog.Default()
 }
 
+// GuestOverheadMB is the guest's RAM beyond the sandbox's memory limit:
+// its kernel, the initramfs (the agent) and the page cache of the image.
+// Pages the guest never touches cost the host nothing.
+const GuestOverheadMB = 128
+
+// QEMUOverheadMB is QEMU's own memory beyond the guest's RAM (measured:
+// about 40 MiB of its own, plus TCG's translation cache).
+const QEMUOverheadMB = 64 + 64
+
+// qemuPids bounds QEMU's threads: vCPUs, the main loop, RCU, and its
+// block I/O workers.
+const qemuPids = 128
+
+// vmSize is the VM shape of cfg: RAM and vCPUs.
+func vmSize(cfg Config) (memMB, cpus int) {
+	memMB, cpus = cfg.MemoryMB, cfg.CPUs
+	if memMB == 0 {
+		memMB = 256
+		if cfg.Limits.MemoryBytes > 0 {
+			memMB = int((cfg.Limits.MemoryBytes+(1<<20)-1)>>20) + GuestOverheadMB
+		}
+	}
+	if cpus == 0 {
+		cpus = max(1, int(math.Ceil(cfg.Limits.CPUs)))
+	}
+	return memMB, cpus
+}
+
 // Sandbox is a running microvm sandbox, seen from the host.
 type Sandbox struct {
 	id, token string
@@ -60,6 +102,11 @@ type Sandbox struct {
 	v         *vm.VM
 	sess      *yamux.Session
 	restored  bool // from a snapshot, not booted cold
+	owner     *os.File
+	ids       *state.IDRange
+	cg        *cgroups.Cgroup
+	destroy   sync.Once
+	destroyed chan struct{}
 }
 
 // ID is the sandbox's id.
@@ -77,18 +124,60 @@ func (sb *Sandbox) Dial(ctx context.Context) (net.Conn, error) {
 	return c, nil
 }
 
+// Wall is "microvm".
+func (sb *Sandbox) Wall() string { return "microvm" }
+
+// AgentPID is QEMU's host pid: the sandbox lives as long as it does.
+func (sb *Sandbox) AgentPID() int { return sb.v.Pid() }
+
 // Exited is closed once the VM has ended.
 func (sb *Sandbox) Exited() <-chan struct{} { return sb.v.Exited() }
 
-// Destroy stops the VM and removes its directory.
-func (sb *Sandbox) Destroy() error {
-	if sb.sess != nil {
-		sb.sess.Close()
+// Err says why the VM ended, once Exited is closed.
+func (sb *Sandbox) Err() error {
+	select {
+	case <-sb.destroyed:
+		return errors.New("destroyed")
+	default:
 	}
-	if sb.v != nil {
-		sb.v.Stop()
+	if err := sb.v.Wait(); err != nil {
+		return err
 	}
-	return os.RemoveAll(sb.dir)
+	return fmt.Errorf("the guest powered off (%s)", consoleTail(sb.v.Dir()))
+}
+
+// Cgroup is QEMU's host cgroup (nil without one).
+func (sb *Sandbox) Cgroup() *cgroups.Cgroup { return sb.cg }
+
+// DiskPath is "": the sandbox's disk is inside the guest.
+func (sb *Sandbox) DiskPath() string { return "" }
+
+// Network is nil: microvm sandboxes have loopback only, for now.
+func (sb *Sandbox) Network() *network.Sandbox { return nil }
+
+// Destroy stops the VM and removes everything it had on the host: QEMU,
+// its cgroup, its uid range and its directory.
+func (sb *Sandbox) Destroy() (err error) {
+	sb.destroy.Do(func() {
+		close(sb.destroyed)
+		if sb.sess != nil {
+			sb.sess.Close()
+		}
+		if sb.v != nil {
+			sb.v.Stop()
+		}
+		if sb.cg != nil {
+			err = sb.cg.Destroy()
+		}
+		sb.ids.Release()
+		if rerr := os.RemoveAll(sb.dir); err == nil {
+			err = rerr
+		}
+		if sb.owner != nil {
+			sb.owner.Close()
+		}
+	})
+	return err
 }
 
 // Create starts a sandbox's VM and its agent. The VM is restored from the
@@ -99,13 +188,29 @@ func Create(ctx context.Context, cfg Config) (sb *Sandbox, err error) {
 	if cfg.Template == nil || cfg.Template.Image == nil {
 		return nil, errors.New("the microvm wall runs image templates only (not host)")
 	}
-	sb = &Sandbox{id: cfg.ID, token: cfg.Token, dir: filepath.Join(cfg.RunDir, "sandboxes", cfg.ID)}
+	sb = &Sandbox{id: cfg.ID, token: cfg.Token, dir: filepath.Join(cfg.RunDir, "sandboxes", cfg.ID), destroyed: make(chan struct{})}
 	defer func() {
 		if err != nil {
 			_ = sb.Destroy()
 			sb = nil
 		}
 	}()
+	// Traversable, as on the other walls: QEMU, an unprivileged uid, makes
+	// its sockets and log in a directory of its own inside.
+	for _, d := range []string{cfg.RunDir, filepath.Dir(sb.dir)} {
+		if err := os.MkdirAll(d, 0o711); err != nil {
+			return sb, err
+		}
+		if err := os.Chmod(d, 0o711); err != nil {
+			return sb, err
+		}
+	}
+	if err := os.Mkdir(sb.dir, 0o711); err != nil {
+		return sb, err
+	}
+	if sb.owner, err = state.LockOwner(sb.dir); err != nil {
+		return sb, err
+	}
 	cache := filepath.Join(cfg.RunDir, "microvm")
 	initrd, err := Initramfs(cache, cfg.Kernel, cfg.AgentPath)
 	if err != nil {
@@ -115,15 +220,31 @@ func Create(ctx context.Context, cfg Config) (sb *Sandbox, err error) {
 	if err != nil {
 		return sb, err
 	}
-	if err := os.MkdirAll(sb.dir, 0o700); err != nil {
+	memMB, cpus := vmSize(cfg)
+	// QEMU runs as the first uid of a range of its own, which owns nothing
+	// on the host but the VM's directory.
+	if sb.ids, err = state.ReserveIDs(); err != nil {
 		return sb, err
 	}
-	vcfg := vm.Config{Kernel: cfg.Kernel, Initramfs: initrd, MemoryMB: cfg.MemoryMB, CPUs: cfg.CPUs,
-		Dir: sb.dir, Disks: []string{disk}}
+	vcfg := vm.Config{Kernel: cfg.Kernel, Initramfs: initrd, MemoryMB: memMB, CPUs: cpus,
+		Dir: filepath.Join(sb.dir, "vm"), Disks: []string{disk}, Credential: credential(sb.ids)}
+	if cfg.Cgroups != nil {
+		if sb.cg, err = cfg.Cgroups.Create(cfg.ID, cgroups.Limits{MemoryBytes: int64(memMB+QEMUOverheadMB) << 20,
+			CPUs: float64(cpus), Pids: qemuPids}); err != nil {
+			return sb, fmt.Errorf("cgroup: %w", err)
+		}
+		vcfg.Jail = sb.cg.AddProc
+	}
 	if !cfg.coldBoot {
 		snap, serr := cachedSnapshot(ctx, cache, vcfg)
+		var mem *os.File
 		if serr == nil {
-			if sb.v, err = vm.Restore(ctx, snap.restoreConfig(vcfg), snap.state()); err != nil {
+			mem, serr = snap.memory()
+		}
+		if serr == nil {
+			rc := vcfg
+			rc.MemoryFD = mem
+			if sb.v, err = vm.Restore(ctx, rc, snap.state()); err != nil {
 				return sb, err
 			}
 			sb.restored = true
@@ -155,14 +276,19 @@ func Create(ctx context.Context, cfg Config) (sb *Sandbox, err error) {
 		return sb, err
 	}
 	if err := json.NewEncoder(first).Encode(spec{Token: cfg.Token, Env: cfg.Env, MaxOutput: cfg.MaxOutput,
-		Hostname: hostname, DiskBytes: cfg.DiskBytes, Threads: cfg.Threads,
+		Hostname: hostname, DiskBytes: cfg.DiskBytes, Threads: cfg.Threads, Limits: cfg.Limits,
 		Entropy: entropy, UnixNano: time.Now().UnixNano()}); err != nil {
 		return sb, err
 	}
 	if err := readLine(ctx, first, bufio.NewReader(first), ready); err != nil {
-		return sb, fmt.Errorf("the guest's agent did not start: %w (%s)", err, consoleTail(sb.dir))
+		return sb, fmt.Errorf("the guest's agent did not start: %w (%s)", err, consoleTail(sb.v.Dir()))
 	}
 	return sb, nil
+}
+
+// credential is QEMU's: the first uid and gid of ids, no other groups.
+func credential(ids *state.IDRange) *syscall.Credential {
+	return &syscall.Credential{Uid: uint32(ids.Base), Gid: uint32(ids.Base), Groups: []uint32{}}
 }
 
 // readLine reads one line from r and checks it is want.
@@ -197,7 +323,7 @@ func Initramfs(dir string, k *vm.Kernel, agentPath string) (string, error) {
 	name := "initramfs-" + k.Version + "-" + sum[:16] + ".cpio"
 	p := filepath.Join(dir, name)
 	if _, err := os.Stat(p); err == nil {
-		return p, nil
+		return p, os.Chmod(p, 0o644) // made by an older cage, 0600
 	}
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return "", err
@@ -213,6 +339,11 @@ func Initramfs(dir string, k *vm.Kernel, agentPath string) (string, error) {
 		err = cerr
 	}
 	if err != nil {
+		return "", err
+	}
+	// 0644 in a 0700 directory: QEMU, an unprivileged uid, reads it only
+	// through the descriptor it inherits.
+	if err := os.Chmod(f.Name(), 0o644); err != nil {
 		return "", err
 	}
 	return p, os.Rename(f.Name(), p)
@@ -237,7 +368,7 @@ func fileSum(p string) (string, error) {
 func TemplateImage(dir string, t *template.Template) (string, error) {
 	p := filepath.Join(dir, "images", t.Image.Info.ID[len("sha256:"):][:24]+".ext4")
 	if _, err := os.Stat(p); err == nil {
-		return p, nil
+		return p, os.Chmod(p, 0o644) // made by an older cage, 0600
 	}
 	if err := os.MkdirAll(filepath.Dir(p), 0o700); err != nil {
 		return "", err
@@ -279,6 +410,9 @@ func TemplateImage(dir string, t *template.Template) (string, error) {
 	if err != nil {
 		_ = os.Remove(tmp)
 		return "", fmt.Errorf("mke2fs: %v: %s", err, strings.TrimSpace(string(out)))
+	}
+	if err := os.Chmod(tmp, 0o644); err != nil { // as Initramfs's
+		return "", err
 	}
 	return p, os.Rename(tmp, p)
 }

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"fmt"
+	"github.com/cagehq/cage/internal/bench/stats"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -13,7 +14,6 @@ import (
 	"time"
 
 	"github.com/cagehq/cage/internal/agentclient"
-	"github.com/cagehq/cage/internal/bench"
 	"github.com/cagehq/cage/internal/imgstore"
 	"github.com/cagehq/cage/internal/template"
 	"github.com/cagehq/cage/internal/testutil"
@@ -73,7 +73,7 @@ func TestGuestAgent(t *testing.T) {
 	k := needVM(t)
 	bin := testutil.Binaries(t)
 	tmpl := testTemplate(t)
-	runDir := t.TempDir()
+	runDir := testutil.RunDir(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer cancel()
 	start := time.Now()
@@ -115,7 +115,7 @@ func BenchmarkColdBoot(b *testing.B) {
 	k := needVM(b)
 	bin := testutil.Binaries(b)
 	tmpl := testTemplate(b)
-	runDir := b.TempDir()
+	runDir := testutil.RunDir(b)
 	var samples []time.Duration
 	for i := 0; i < b.N; i++ {
 		ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
@@ -142,7 +142,7 @@ func BenchmarkColdBoot(b *testing.B) {
 
 // reportPercentiles reports p50, p95 and p99 of samples in milliseconds.
 func reportPercentiles(b *testing.B, samples []time.Duration) {
-	st := bench.Summarize(samples)
+	st := stats.Summarize(samples)
 	for name, d := range map[string]time.Duration{"p50-ms": st.P50, "p95-ms": st.P95, "p99-ms": st.P99} {
 		b.ReportMetric(float64(d.Microseconds())/1000, name)
 	}
@@ -164,7 +164,7 @@ func TestRestore(t *testing.T) {
 	k := needVM(t)
 	bin := testutil.Binaries(t)
 	tmpl := testTemplate(t)
-	runDir := t.TempDir()
+	runDir := testutil.RunDir(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
 	defer cancel()
 	type box struct {
@@ -279,7 +279,7 @@ func BenchmarkRestore(b *testing.B) {
 	k := needVM(b)
 	bin := testutil.Binaries(b)
 	tmpl := testTemplate(b)
-	runDir := b.TempDir()
+	runDir := testutil.RunDir(b)
 	n := 0
 	create := func(ctx context.Context, cold bool) *Sandbox {
 		n++

@@ -17,6 +17,7 @@ import (
 	"time"
 
 	"github.com/hashicorp/yamux"
+	"golang.org/x/sys/unix"
 
 	"github.com/cagehq/cage/internal/vm"
 )
@@ -90,14 +91,97 @@ func (s shape) key() string {
 // snapshot is a built snapshot's directory.
 type snapshot struct{ dir string }
 
-// restoreConfig is c with the snapshot's RAM as its memory.
-func (s snapshot) restoreConfig(c vm.Config) vm.Config {
-	c.MemoryFile = filepath.Join(s.dir, snapMemory)
-	c.ShareMemory = false
-	return c
+func (s snapshot) state() string { return filepath.Join(s.dir, snapState) }
+
+// memories holds, per snapshot directory, its RAM loaded into a sealed
+// memfd (*os.File): every VM this process restores from the snapshot maps
+// it private, so they share its pages. QEMU 7.2 opens a memory file for
+// writing even to map it private; a memfd sealed against writes, growing
+// and shrinking is one it may open so but can never change, so no VM can
+// plant anything in the RAM the next ones start from.
+var memories sync.Map
+
+// memory returns the snapshot's RAM as a sealed memfd, loaded once per
+// process.
+func (s snapshot) memory() (*os.File, error) {
+	if f, ok := memories.Load(s.dir); ok {
+		return f.(*os.File), nil
+	}
+	mu, _ := snapshotLocks.LoadOrStore("memory "+s.dir, new(sync.Mutex))
+	mu.(*sync.Mutex).Lock()
+	defer mu.(*sync.Mutex).Unlock()
+	if f, ok := memories.Load(s.dir); ok {
+		return f.(*os.File), nil
+	}
+	f, err := loadSealed(filepath.Join(s.dir, snapMemory))
+	if err != nil {
+		return nil, fmt.Errorf("load the snapshot's memory: %w", err)
+	}
+	memories.Store(s.dir, f)
+	return f, nil
 }
 
-func (s snapshot) state() string { return filepath.Join(s.dir, snapState) }
+// loadSealed copies file p into a memfd, holes left as holes, and seals it.
+func loadSealed(p string) (*os.File, error) {
+	src, err := os.Open(p)
+	if err != nil {
+		return nil, err
+	}
+	defer src.Close()
+	st, err := src.Stat()
+	if err != nil {
+		return nil, err
+	}
+	fd, err := unix.MemfdCreate("cage-snapshot", unix.MFD_CLOEXEC|unix.MFD_ALLOW_SEALING)
+	if err != nil {
+		return nil, err
+	}
+	dst := os.NewFile(uintptr(fd), "cage-snapshot")
+	if err := copySparse(dst, src, st.Size()); err != nil {
+		dst.Close()
+		return nil, err
+	}
+	seals := unix.F_SEAL_SHRINK | unix.F_SEAL_GROW | unix.F_SEAL_WRITE | unix.F_SEAL_SEAL
+	if _, err := unix.FcntlInt(dst.Fd(), unix.F_ADD_SEALS, seals); err != nil {
+		dst.Close()
+		return nil, fmt.Errorf("seal: %w", err)
+	}
+	return dst, nil
+}
+
+// copySparse copies size bytes of src into dst, skipping src's holes.
+func copySparse(dst, src *os.File, size int64) error {
+	if err := dst.Truncate(size); err != nil {
+		return err
+	}
+	buf := make([]byte, 1<<20)
+	for off := int64(0); off < size; {
+		data, err := unix.Seek(int(src.Fd()), off, unix.SEEK_DATA)
+		if errors.Is(err, unix.ENXIO) {
+			return nil // only a hole is left
+		}
+		if err != nil {
+			return err
+		}
+		hole, err := unix.Seek(int(src.Fd()), data, unix.SEEK_HOLE)
+		if err != nil {
+			return err
+		}
+		for off = data; off < hole; {
+			n, err := src.ReadAt(buf[:min(int64(len(buf)), hole-off)], off)
+			if n > 0 {
+				if _, werr := dst.WriteAt(buf[:n], off); werr != nil {
+					return werr
+				}
+				off += int64(n)
+			}
+			if err != nil && !(errors.Is(err, io.EOF) && off >= hole) {
+				return err
+			}
+		}
+	}
+	return nil
+}
 
 // snapshotLocks keeps one process from building a snapshot twice at once.
 var snapshotLocks sync.Map // key -> *sync.Mutex
@@ -170,10 +254,15 @@ func haveSnapshot(dir string, sh shape) (bool, error) {
 
 // buildSnapshot boots a VM like c with its RAM in dir, has the guest mount
 // its root and wait for the next host, and saves it.
+//
+// The VM runs in c.Dir with "-snapshot" appended: beside the sandbox's
+// own VM directory, where QEMU, an unprivileged uid, can make its files.
 func buildSnapshot(ctx context.Context, dir string, c vm.Config) error {
-	c.Dir = filepath.Join(dir, "vm")
-	c.MemoryFile = filepath.Join(dir, snapMemory)
+	c.Dir += "-snapshot"
+	// In the VM's directory: QEMU makes the file, as whichever uid it runs.
+	c.MemoryFile = filepath.Join(c.Dir, snapMemory)
 	c.ShareMemory = true
+	c.MemoryFD = nil
 	v, err := vm.Start(ctx, c)
 	if err != nil {
 		return err
@@ -207,7 +296,19 @@ func buildSnapshot(ctx context.Context, dir string, c vm.Config) error {
 	if err := waitHelloBlocked(ctx, v); err != nil {
 		return fmt.Errorf("%w (%s)", err, consoleTail(c.Dir))
 	}
-	return v.Snapshot(ctx, filepath.Join(dir, snapState))
+	if err := v.Snapshot(ctx, filepath.Join(dir, snapState)); err != nil {
+		return err
+	}
+	v.Stop()
+	// The host's from now on: root's, read by cage only.
+	mem := filepath.Join(dir, snapMemory)
+	if err := os.Rename(c.MemoryFile, mem); err != nil {
+		return err
+	}
+	if err := os.Chown(mem, 0, 0); err != nil {
+		return err
+	}
+	return os.Chmod(mem, 0o600)
 }
 
 // waitHelloBlocked gives the guest a moment to reach its hello after the

@@ -24,6 +24,8 @@
 // A VM boots cold only when no snapshot can be made.
 package microvm
 
+import "github.com/cagehq/cage/internal/cgroups"
+
 // spec is what the host sends on the session's first stream.
 //
 // A prepare spec (Prepare set, nothing else but DiskBytes) is how a
@@ -48,6 +50,8 @@ type spec struct {
 	Hostname  string            `json:"hostname"`
 	DiskBytes int64             `json:"disk_bytes"`
 	Threads   int               `json:"threads"`
+	// Limits go to the guest's cgroup of the sandbox (see guestCgroup).
+	Limits cgroups.Limits `json:"limits"`
 }
 
 // hello is what the guest writes on the port before the session starts:

@@ -1,0 +1,108 @@
+package sandbox
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+
+	"github.com/cagehq/cage/internal/cgroups"
+	"github.com/cagehq/cage/internal/vm"
+	"github.com/cagehq/cage/internal/wall"
+	"github.com/cagehq/cage/internal/wall/microvm"
+	"github.com/cagehq/cage/internal/wall/process"
+)
+
+// MicroVMTemplate is the template of a microvm sandbox that names none:
+// the built-in host template is the host's own files, which no VM is
+// given (the guest sees nothing of the host but read-only template
+// images), so a microvm starts from an image, base by default.
+const MicroVMTemplate = "base"
+
+// KernelDir is where the microvm wall's guest kernel is looked for:
+// $CAGE_KERNEL_DIR, else .tools/kernel beside the directory of the running
+// executable (where `make` puts cage and scripts/kernel.sh the kernel).
+func KernelDir() string {
+	if dir := os.Getenv("CAGE_KERNEL_DIR"); dir != "" {
+		return dir
+	}
+	exe, err := os.Executable()
+	if err != nil {
+		return ""
+	}
+	return filepath.Join(filepath.Dir(filepath.Dir(exe)), ".tools", "kernel")
+}
+
+// microvmMissing explains what the microvm wall lacks here, nil if nothing.
+func (h *Host) microvmMissing() error {
+	if _, err := exec.LookPath(vm.QEMU); err != nil {
+		return fmt.Errorf("%w: the microvm wall needs QEMU (scripts/kernel.sh installs qemu-system-x86)", ErrUnavailable)
+	}
+	if _, err := exec.LookPath("mke2fs"); err != nil {
+		return fmt.Errorf("%w: the microvm wall needs mke2fs (apt-get install e2fsprogs)", ErrUnavailable)
+	}
+	if _, err := h.kernel(); err != nil {
+		return fmt.Errorf("%w: the microvm wall needs a guest kernel (scripts/kernel.sh, or set CAGE_KERNEL_DIR): %v", ErrUnavailable, err)
+	}
+	return nil
+}
+
+// kernel finds the guest kernel once.
+func (h *Host) kernel() (*vm.Kernel, error) {
+	h.kernelOnce.Do(func() {
+		dir := h.KernelDir
+		if dir == "" {
+			dir = KernelDir()
+		}
+		h.guestKernel, h.kernelErr = vm.FindKernel(dir)
+	})
+	return h.guestKernel, h.kernelErr
+}
+
+func (h *Host) createMicroVM(ctx context.Context, o Options) (wall.Sandbox, error) {
+	if err := o.Validate(); err != nil {
+		return nil, err
+	}
+	if err := h.WallMissing(o.Wall); err != nil {
+		return nil, err
+	}
+	if o.Net.Networked() {
+		return nil, fmt.Errorf("%w: the microvm wall has no network yet (loopback only): use --net none", ErrUnavailable)
+	}
+	tmpl, err := h.lookup(o.Template)
+	if err != nil {
+		return nil, err
+	}
+	if tmpl.Image == nil {
+		return nil, fmt.Errorf("%w: the microvm wall runs image templates, not %q (the host's own files, which no VM is given); use --template %s or another image", ErrInvalid, o.Template, MicroVMTemplate)
+	}
+	k, err := h.kernel()
+	if err != nil {
+		return nil, err
+	}
+	if o.ID == "" {
+		o.ID = process.NewID()
+	}
+	if o.Token == "" {
+		o.Token = NewToken()
+	}
+	sb, err := microvm.Create(ctx, microvm.Config{
+		ID: o.ID, RunDir: h.RunDir, AgentPath: h.AgentPath, Kernel: k, Template: tmpl,
+		Limits:  cgroups.Limits{MemoryBytes: o.Memory, CPUs: o.CPUs, Pids: o.Pids + process.AgentThreads},
+		Cgroups: h.Cgroups, DiskBytes: o.Disk, Token: o.Token, Env: tmpl.EnvWith(o.Env), MaxOutput: o.MaxOutput,
+		Threads: process.AgentThreads, Log: h.Log,
+	})
+	if err != nil {
+		if errors.Is(err, context.DeadlineExceeded) || errors.Is(err, context.Canceled) {
+			return nil, err
+		}
+		return nil, fmt.Errorf("microvm: %w", err)
+	}
+	if err := startCommand(sb, tmpl); err != nil {
+		_ = sb.Destroy()
+		return nil, err
+	}
+	return sb, nil
+}
