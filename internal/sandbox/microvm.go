@@ -68,9 +68,6 @@ func (h *Host) createMicroVM(ctx context.Context, o Options) (wall.Sandbox, erro
 	if err := h.WallMissing(o.Wall); err != nil {
 		return nil, err
 	}
-	if o.Net.Networked() {
-		return nil, fmt.Errorf("%w: the microvm wall has no network yet (loopback only): use --net none", ErrUnavailable)
-	}
 	tmpl, err := h.lookup(o.Template)
 	if err != nil {
 		return nil, err
@@ -79,6 +76,10 @@ func (h *Host) createMicroVM(ctx context.Context, o Options) (wall.Sandbox, erro
 		return nil, fmt.Errorf("%w: the microvm wall runs image templates, not %q (the host's own files, which no VM is given); use --template %s or another image", ErrInvalid, o.Template, MicroVMTemplate)
 	}
 	k, err := h.kernel()
+	if err != nil {
+		return nil, err
+	}
+	netHost, err := h.network(o.Net)
 	if err != nil {
 		return nil, err
 	}
@@ -91,8 +92,8 @@ func (h *Host) createMicroVM(ctx context.Context, o Options) (wall.Sandbox, erro
 	sb, err := microvm.Create(ctx, microvm.Config{
 		ID: o.ID, RunDir: h.RunDir, AgentPath: h.AgentPath, Kernel: k, Template: tmpl,
 		Limits:  cgroups.Limits{MemoryBytes: o.Memory, CPUs: o.CPUs, Pids: o.Pids + process.AgentThreads},
-		Cgroups: h.Cgroups, DiskBytes: o.Disk, Token: o.Token, Env: tmpl.EnvWith(o.Env), MaxOutput: o.MaxOutput,
-		Threads: process.AgentThreads, Log: h.Log,
+		Cgroups: h.Cgroups, DiskBytes: o.Disk, ShmBytes: o.Shm, Token: o.Token, Env: tmpl.EnvWith(o.Env), MaxOutput: o.MaxOutput,
+		Threads: process.AgentThreads, Log: h.Log, Net: netHost, NetPolicy: o.Net,
 	})
 	if err != nil {
 		if errors.Is(err, context.DeadlineExceeded) || errors.Is(err, context.Canceled) {

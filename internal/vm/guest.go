@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"time"
 
@@ -81,6 +82,24 @@ func loadModule(p string) error {
 	return nil
 }
 
+// Where the guest's devtmpfs and sysfs are (see KeepDevices).
+var devDir, sysDir = "/dev", "/sys"
+
+// KeepDevices keeps the guest's devtmpfs and sysfs reachable for
+// ReopenAgentPort once the root has changed to one that shows neither
+// (the sandbox's minimal /dev, and no /sys): through descriptors of their
+// directories, held for the guest's life.
+func KeepDevices() error {
+	for _, d := range []*string{&devDir, &sysDir} {
+		fd, err := unix.Open(*d, unix.O_PATH|unix.O_DIRECTORY, 0)
+		if err != nil {
+			return fmt.Errorf("keep %s: %w", *d, err)
+		}
+		*d = "/proc/self/fd/" + strconv.Itoa(fd)
+	}
+	return nil
+}
+
 // ReopenAgentPort opens the agent port again, after the guest has closed
 // it to take a new host (a snapshot's guest does, before it is saved).
 func ReopenAgentPort() (*os.File, error) {
@@ -122,7 +141,7 @@ func openPort(name string, wait time.Duration) (*os.File, error) {
 // findPort returns the device of the port called name, "" if none is there
 // yet.
 func findPort(name string) (string, error) {
-	names, err := filepath.Glob("/sys/class/virtio-ports/*/name")
+	names, err := filepath.Glob(sysDir + "/class/virtio-ports/*/name")
 	if err != nil {
 		return "", err
 	}
@@ -132,7 +151,7 @@ func findPort(name string) (string, error) {
 			continue // a port going away, or its name not yet set
 		}
 		if strings.TrimSpace(string(b)) == name {
-			return "/dev/" + filepath.Base(filepath.Dir(n)), nil
+			return devDir + "/" + filepath.Base(filepath.Dir(n)), nil
 		}
 	}
 	return "", nil

@@ -51,6 +51,11 @@ type Config struct {
 	// may open for writing as QEMU 7.2 insists but can never write to).
 	MemoryFD *os.File
 
+	// Tap, when set, backs the VM's NIC (virtio-net, MAC address MAC): a
+	// tap device's descriptor, opened with IFF_VNET_HDR.
+	Tap *os.File
+	MAC string
+
 	// Credential, when set, is who QEMU runs as: an unprivileged uid of
 	// the VM's own. Every file QEMU reads is then opened by the caller and
 	// inherited (Args names it /proc/self/fd/N), so that QEMU needs no
@@ -63,6 +68,7 @@ type Config struct {
 	incoming bool              // start paused, waiting for a migration (Restore)
 	paused   bool              // start paused (-S), for Jail
 	fdPaths  map[string]string // files passed as descriptors: path -> /proc/self/fd/N
+	tapFD    int               // the tap's descriptor number in QEMU
 }
 
 // memFDKey names Config.MemoryFD among the files passed to QEMU.
@@ -178,6 +184,10 @@ func (cfg Config) Args() []string {
 		"-mon", "chardev=qmp,mode=control",
 		"-no-reboot",
 	)
+	if cfg.Tap != nil {
+		args = append(args, "-netdev", "tap,id=net0,vhost=off,fd="+strconv.Itoa(cfg.tapFD),
+			"-device", "virtio-net-device,netdev=net0,mac="+cfg.MAC)
+	}
 	for i, d := range cfg.Disks {
 		id := "disk" + strconv.Itoa(i)
 		args = append(args, "-drive", "file="+optValue(cfg.path(d))+",format=raw,if=none,readonly=on,id="+id,
@@ -274,11 +284,15 @@ func launch(cfg Config) (*VM, error) {
 	var files []*os.File
 	defer func() {
 		for _, f := range files {
-			if f != cfg.MemoryFD {
+			if f != cfg.MemoryFD && f != cfg.Tap {
 				f.Close()
 			}
 		}
 	}()
+	if cfg.Tap != nil {
+		cfg.tapFD = 3 + len(files)
+		files = append(files, cfg.Tap)
+	}
 	if cfg.Credential != nil {
 		if err := os.Chown(cfg.Dir, int(cfg.Credential.Uid), int(cfg.Credential.Gid)); err != nil {
 			return nil, err

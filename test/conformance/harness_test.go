@@ -213,8 +213,23 @@ func (b *box) mustSh(script string, mods ...func(*agentclient.RunOptions)) strin
 // process wall forks cage-agent init, the OCI walls run cage-agent serve
 // from where the bundle mounts it.
 func agentArgv(wall string) string {
-	if wall == "process" {
+	switch wall {
+	case "process":
 		return "cage-agent init"
+	case "microvm":
+		return "/init" // the guest's init, from the initramfs
 	}
 	return "/run/cage-agent serve"
 }
+
+// imageRoot reports whether a wall's sandboxes start from an image
+// template when they name none: the microvm wall's default is base (no VM
+// is given the host's files). An image's root is the sandbox's own
+// writable overlay: root inside may change it, and what it writes stays in
+// that sandbox (TestImageTemplate checks both on every wall); the user may
+// not. The host template's root is read-only for root too.
+func imageRoot(wall string) bool { return wall == "microvm" }
+
+// baseTopLevel is the base image's top level (Debian's, without the
+// lost+found of the image the microvm wall makes of it).
+var baseTopLevel = []string{"bin", "boot", "dev", "etc", "home", "lib", "lib64", "media", "mnt", "opt", "proc", "root", "run", "sbin", "srv", "sys", "tmp", "usr", "var"}

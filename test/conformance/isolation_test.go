@@ -39,6 +39,13 @@ func TestIsolationView(t *testing.T) {
 			}
 		}
 		slices.Sort(want)
+		if imageRoot(w.name) {
+			// The image's own, with an empty /sys (no sysfs is mounted).
+			want = baseTopLevel
+			if out := b.mustSh("ls -A /sys", asUser("root")); out != "" {
+				t.Errorf("/sys is not empty: %q", out)
+			}
+		}
 		if got := strings.Fields(b.mustSh("ls -A /")); !slices.Equal(got, want) {
 			t.Errorf("ls /: %v, want %v", got, want)
 		}
@@ -46,6 +53,7 @@ func TestIsolationView(t *testing.T) {
 		// gVisor's own devices (char, fuse, net belong to its kernel).
 		wantDev := map[string][]string{
 			"process": {"core", "fd", "full", "null", "ptmx", "pts", "random", "shm", "stderr", "stdin", "stdout", "tty", "urandom", "zero"},
+			"microvm": {"core", "fd", "full", "null", "ptmx", "pts", "random", "shm", "stderr", "stdin", "stdout", "tty", "urandom", "zero"},
 			"runc":    {"fd", "full", "null", "ptmx", "pts", "random", "shm", "stderr", "stdin", "stdout", "tty", "urandom", "zero"},
 			"gvisor":  {"char", "fd", "full", "fuse", "net", "null", "ptmx", "pts", "random", "shm", "stderr", "stdin", "stdout", "tty", "urandom", "zero"},
 		}[w.name]
@@ -56,8 +64,8 @@ func TestIsolationView(t *testing.T) {
 		if r := b.sh("ls /root"); r.code() == 0 {
 			t.Errorf("user can list /root: %q", r.stdout)
 		}
-		if out := b.mustSh("ls -A /root", asUser("root")); out != "" {
-			t.Errorf("/root is not empty: %q", out)
+		if out := b.mustSh("ls -A /root", asUser("root")); out != "" && !imageRoot(w.name) {
+			t.Errorf("/root is not empty: %q", out) // (an image's /root is the image's)
 		}
 		if out := b.mustSh("grep -c '^user:x:1000:1000:' /etc/passwd; getent passwd 1000 | cut -d: -f1"); out != "1\nuser\n" {
 			t.Errorf("/etc/passwd has no user 1000: %q", out)
@@ -83,14 +91,23 @@ func TestIsolationView(t *testing.T) {
 		if w.name == "gvisor" {
 			devx = ""
 		}
-		r := b.sh(`for p in /newfile /usr/x /etc/x /bin/x /opt/x /var/x /run/x /proc/x`+devx+`; do
+		writes := `for p in /newfile /usr/x /etc/x /bin/x /opt/x /var/x /run/x /proc/x` + devx + `; do
   touch $p 2>/dev/null && echo "WROTE $p"
 done
 mkdir /mnt/x 2>/dev/null && echo "WROTE /mnt/x"
 echo > /etc/passwd 2>/dev/null && echo "WROTE /etc/passwd"
-exit 0`, asUser("root"))
+exit 0`
+		writer := "root"
+		if imageRoot(w.name) {
+			// The image's root is root's to change; /dev and /proc are not.
+			if r := b.sh(`for p in /proc/x /dev/x; do touch $p 2>/dev/null && echo "WROTE $p"; done; exit 0`, asUser("root")); r.err != nil || r.stdout != "" {
+				t.Errorf("root wrote /proc or /dev: %v %q", r.err, r.stdout)
+			}
+			writer = "user"
+		}
+		r := b.sh(writes, asUser(writer))
 		if r.err != nil || strings.Contains(r.stdout, "WROTE") {
-			t.Errorf("the read-only root was written: %v %q", r.err, r.stdout)
+			t.Errorf("the read-only root was written by %s: %v %q", writer, r.err, r.stdout)
 		}
 		b.mustSh(`for d in /tmp /home/user /var/tmp /dev/shm; do echo x > $d/w && rm $d/w || exit 1; done`)
 
@@ -122,7 +139,11 @@ exit 0`, asUser("root"))
 				t.Errorf("unexpected mount in the sandbox: %q", line)
 			}
 		}
-		if out := b.mustSh("mount | wc -l; mount | grep -c ' on /usr '"); strings.Fields(out)[1] != "1" {
+		wantUsr := "1" // the host template's read-only /usr
+		if imageRoot(w.name) {
+			wantUsr = "0" // the image's, in its root
+		}
+		if out := b.mustSh("mount | wc -l; mount | grep -c ' on /usr '; exit 0"); strings.Fields(out)[1] != wantUsr {
 			t.Errorf("mount: %q", out)
 		}
 	})
@@ -215,8 +236,12 @@ func TestFilesThroughWall(t *testing.T) {
 
 		// Writes go only where the sandbox may write, and never to the host.
 		marker := "cage-host-escape-" + randHex(6)
+		uploader := "root"
+		if imageRoot(w.name) {
+			uploader = "user" // the image's root is root's to write
+		}
 		for _, p := range []string{"/usr/" + marker, "/etc/" + marker, "../../../../tmp/" + marker, "/proc/1/root/tmp/x-" + marker} {
-			status, _ := upload(t, b, p, "root", "x")
+			status, _ := upload(t, b, p, uploader, "x")
 			if strings.HasPrefix(p, "../") {
 				if status != http.StatusOK {
 					t.Errorf("upload to %s (inside /tmp): %d", p, status)

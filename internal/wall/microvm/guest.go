@@ -9,11 +9,11 @@ import (
 	"io"
 	"net"
 	"os"
-	"path/filepath"
 	"strconv"
 	"unsafe"
 
 	"github.com/hashicorp/yamux"
+	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
 
 	"github.com/cagehq/cage/internal/agent"
@@ -43,7 +43,7 @@ func GuestServe() error {
 		}
 		restored := disk != nil
 		if restored {
-			err = resizeDisk(disk, sp.DiskBytes)
+			err = resizeDisk(disk, sp.DiskBytes, sp.ShmBytes)
 		} else {
 			disk, err = switchRoot(sp)
 		}
@@ -157,18 +157,20 @@ func serve(sess *yamux.Session, first net.Conn, sp spec, restored bool) error {
 	} else if err := process.LoopbackUp(); err != nil {
 		return err
 	}
+	if sp.Net != nil {
+		if err := netUp(sp.Net); err != nil {
+			fmt.Fprintf(first, "error: %v\n", err)
+			return err
+		}
+	}
 	limits, err := guestCgroup(sp.Limits)
 	if err != nil {
 		fmt.Fprintf(first, "error: %v\n", err)
 		return err
 	}
-	if err := readOnlyKnobs(limits != nil); err != nil {
-		fmt.Fprintf(first, "error: %v\n", err)
-		return err
-	}
 	srv, err := agent.New(agent.Config{
 		Token: sp.Token, DefaultUser: template.UserName, Env: sp.Env, MaxOutput: sp.MaxOutput,
-		SpawnThreadSetup: seal.SpawnThread, AgentUID: template.AgentUID, Threads: sp.Threads,
+		SpawnThreadSetup: spawnThread, AgentUID: template.AgentUID, Threads: sp.Threads,
 		Limits: limits,
 	})
 	if err != nil {
@@ -184,6 +186,39 @@ func serve(sess *yamux.Session, first net.Conn, sp spec, restored bool) error {
 	return srv.Serve(sess)
 }
 
+// spawnThread prepares the thread that starts every command: a cgroup
+// namespace of its own (commands see their group, the sandbox's, as the
+// root, as on the other walls), then the sealing every wall does.
+func spawnThread() error {
+	if err := unix.Unshare(unix.CLONE_NEWCGROUP); err != nil {
+		return fmt.Errorf("cgroup namespace: %w", err)
+	}
+	return seal.SpawnThread()
+}
+
+// netUp configures the guest's eth0 (the virtio-net device) as spec n
+// says and writes its resolv.conf.
+func netUp(n *guestNet) error {
+	eth0, err := netlink.LinkByName("eth0")
+	if err != nil {
+		return fmt.Errorf("the guest's eth0: %w", err)
+	}
+	if err := netlink.AddrAdd(eth0, &netlink.Addr{IPNet: &net.IPNet{IP: n.IP.AsSlice(), Mask: net.CIDRMask(32, 32)}}); err != nil {
+		return fmt.Errorf("address %s: %w", n.IP, err)
+	}
+	if err := netlink.LinkSetUp(eth0); err != nil {
+		return err
+	}
+	gw := &net.IPNet{IP: n.Gateway.AsSlice(), Mask: net.CIDRMask(32, 32)}
+	if err := netlink.RouteAdd(&netlink.Route{LinkIndex: eth0.Attrs().Index, Dst: gw, Scope: netlink.SCOPE_LINK}); err != nil {
+		return fmt.Errorf("route to the gateway: %w", err)
+	}
+	if err := netlink.RouteAdd(&netlink.Route{LinkIndex: eth0.Attrs().Index, Gw: n.Gateway.AsSlice()}); err != nil {
+		return fmt.Errorf("default route: %w", err)
+	}
+	return os.WriteFile("/run/cage/resolv.conf", []byte(n.ResolvConf), 0o644)
+}
+
 // guestCgroup puts the agent, and so every command it starts, into a
 // cgroup of the guest's kernel with the sandbox's limits, and opens its
 // counters for the exit reasons (OOM, pids limit), as the host's cgroups
@@ -194,10 +229,17 @@ func guestCgroup(lim cgroups.Limits) (agent.LimitEvents, error) {
 	if lim == (cgroups.Limits{}) {
 		return nil, nil
 	}
-	const mnt = "/sys/fs/cgroup"
+	// Mounted only while the group is made: the counters stay open, and
+	// nothing inside sees the hierarchy.
+	mnt, err := os.MkdirTemp("/run", ".cgroup-")
+	if err != nil {
+		return nil, err
+	}
+	defer os.Remove(mnt)
 	if err := unix.Mount("cgroup2", mnt, "cgroup2", unix.MS_NOSUID|unix.MS_NODEV|unix.MS_NOEXEC, ""); err != nil {
 		return nil, fmt.Errorf("mount cgroup2: %w", err)
 	}
+	defer unix.Unmount(mnt, unix.MNT_DETACH)
 	m, err := cgroups.Detect("cage")
 	if err != nil {
 		return nil, err
@@ -217,28 +259,6 @@ func guestCgroup(lim cgroups.Limits) (agent.LimitEvents, error) {
 		return nil, err
 	}
 	return ev, nil
-}
-
-// readOnlyKnobs makes the guest kernel's settings read-only for
-// everything the agent starts: sandbox root is uid 0 of the guest, which
-// owns /sys and /proc/sys files, and without a capability could still
-// write those (core_pattern, cgroup limits). The agent's capabilities
-// never reach a command, so nothing inside can remount them.
-func readOnlyKnobs(cgroup bool) error {
-	for _, p := range []string{"/sys", "/sys/fs/cgroup", "/proc/sys", "/proc/sysrq-trigger", "/proc/bus", "/proc/fs", "/proc/irq"} {
-		if _, err := os.Stat(p); err != nil || (p == "/sys/fs/cgroup" && !cgroup) {
-			continue
-		}
-		if p != "/sys" && p != "/sys/fs/cgroup" {
-			if err := unix.Mount(p, p, "", unix.MS_BIND|unix.MS_REC, ""); err != nil {
-				return fmt.Errorf("bind %s: %w", p, err)
-			}
-		}
-		if err := unix.Mount("", p, "", unix.MS_REMOUNT|unix.MS_BIND|unix.MS_RDONLY|unix.MS_NOSUID|unix.MS_NODEV|unix.MS_NOEXEC, ""); err != nil {
-			return fmt.Errorf("make %s read-only: %w", p, err)
-		}
-	}
-	return nil
 }
 
 // freshIdentity gives the guest what no two sandboxes may share, which a
@@ -291,10 +311,14 @@ func addEntropy(b []byte) error {
 // resizeDisk sets the size of the root's upper layer, a tmpfs mounted
 // before the spec said how big (dir is its root, opened then: the tmpfs
 // is out of the chroot's reach by path).
-func resizeDisk(dir *os.File, size int64) error {
+func resizeDisk(dir *os.File, size, shm int64) error {
 	target := "/proc/self/fd/" + strconv.Itoa(int(dir.Fd()))
-	if err := unix.Mount("", target, "", unix.MS_REMOUNT|unix.MS_NODEV, "size="+strconv.FormatInt(size, 10)); err != nil {
+	opts := fmt.Sprintf("size=%d,nr_inodes=%d", size, process.InodesFor(size))
+	if err := unix.Mount("", target, "", unix.MS_REMOUNT|unix.MS_NODEV, opts); err != nil {
 		return fmt.Errorf("resize the disk: %w", err)
+	}
+	if err := unix.Mount("", "/dev/shm", "", unix.MS_REMOUNT|unix.MS_NOSUID|unix.MS_NODEV|unix.MS_NOEXEC, "size="+strconv.FormatInt(shm, 10)); err != nil {
+		return fmt.Errorf("resize /dev/shm: %w", err)
 	}
 	return nil
 }
@@ -307,11 +331,20 @@ func sessionConfig() *yamux.Config {
 }
 
 // switchRoot mounts the template's image (/dev/vda, read-only) under an
-// overlay whose upper layer is a tmpfs of the disk size, moves /dev, /proc
-// and /sys into it and makes it the root (an initramfs cannot pivot_root:
+// overlay whose upper layer is a tmpfs of the disk size, gives it the
+// sandbox's minimal /dev and a fresh /proc as on the process wall (the
+// guest's devtmpfs and sysfs stay behind, reachable by the agent alone:
+// vm.KeepDevices), and makes it the root (an initramfs cannot pivot_root:
 // the new root is moved onto / and chrooted into, as switch_root does).
 // It returns the tmpfs's root directory, for resizeDisk.
 func switchRoot(sp spec) (*os.File, error) {
+	// Commands allocate as on a host, and meet the memory limit as an OOM
+	// kill rather than a refused allocation: the guest's RAM is the limit
+	// plus a little, so the default heuristic would refuse what the other
+	// walls' hosts grant.
+	if err := os.WriteFile("/proc/sys/vm/overcommit_memory", []byte("1"), 0); err != nil {
+		return nil, err
+	}
 	for _, d := range []string{"/lower", "/rw", "/newroot"} {
 		if err := os.MkdirAll(d, 0o755); err != nil {
 			return nil, err
@@ -320,7 +353,7 @@ func switchRoot(sp spec) (*os.File, error) {
 	if err := unix.Mount("/dev/vda", "/lower", "ext4", unix.MS_RDONLY|unix.MS_NODEV, ""); err != nil {
 		return nil, fmt.Errorf("mount the template image: %w", err)
 	}
-	opts := "mode=755,size=" + strconv.FormatInt(sp.DiskBytes, 10)
+	opts := fmt.Sprintf("mode=755,size=%d,nr_inodes=%d", sp.DiskBytes, process.InodesFor(sp.DiskBytes))
 	if err := unix.Mount("tmpfs", "/rw", "tmpfs", unix.MS_NODEV, opts); err != nil {
 		return nil, fmt.Errorf("mount the disk: %w", err)
 	}
@@ -328,26 +361,35 @@ func switchRoot(sp spec) (*os.File, error) {
 	if err != nil {
 		return nil, err
 	}
-	for _, d := range []string{"/rw/upper", "/rw/work"} {
+	for _, d := range []string{"/rw/upper", "/rw/ovl"} {
 		if err := os.Mkdir(d, 0o755); err != nil {
 			return nil, err
 		}
 	}
+	// mke2fs's lost+found is the image's, not the template's: whited out.
+	if err := unix.Mknod("/rw/upper/lost+found", unix.S_IFCHR, 0); err != nil {
+		return nil, err
+	}
 	if err := unix.Mount("overlay", "/newroot", "overlay", unix.MS_NODEV,
-		"lowerdir=/lower,upperdir=/rw/upper,workdir=/rw/work"); err != nil {
+		"lowerdir=/lower,upperdir=/rw/upper,workdir=/rw/ovl"); err != nil {
 		return nil, fmt.Errorf("mount the root overlay: %w", err)
 	}
 	if err := template.PrepareImageRoot("/newroot", sp.Hostname, func(id int) int { return id }, false); err != nil {
 		return nil, err
 	}
-	for _, m := range []string{"/dev", "/proc", "/sys"} {
-		dst := filepath.Join("/newroot", m)
-		if err := os.MkdirAll(dst, 0o755); err != nil {
-			return nil, err
-		}
-		if err := unix.Mount(m, dst, "", unix.MS_MOVE, ""); err != nil {
-			return nil, fmt.Errorf("move %s: %w", m, err)
-		}
+	if err := process.BuildDev("/newroot", sp.ShmBytes); err != nil {
+		return nil, err
+	}
+	// Guest root owns the tmpfs under the nodes: read-only, as Landlock
+	// keeps it on the process wall.
+	if err := unix.Mount("", "/newroot/dev", "", unix.MS_REMOUNT|unix.MS_BIND|unix.MS_RDONLY|unix.MS_NOSUID|unix.MS_NOEXEC, ""); err != nil {
+		return nil, fmt.Errorf("read-only /dev: %w", err)
+	}
+	if err := process.MountProc("/newroot"); err != nil {
+		return nil, err
+	}
+	if err := vm.KeepDevices(); err != nil {
+		return nil, err
 	}
 	if err := unix.Chdir("/newroot"); err != nil {
 		return nil, err
@@ -359,23 +401,6 @@ func switchRoot(sp spec) (*os.File, error) {
 		return nil, err
 	}
 	if err := unix.Chdir("/"); err != nil {
-		return nil, err
-	}
-	// PTYs and shared memory, as on every wall.
-	if err := os.MkdirAll("/dev/pts", 0o755); err != nil {
-		return nil, err
-	}
-	if err := unix.Mount("devpts", "/dev/pts", "devpts", unix.MS_NOSUID|unix.MS_NOEXEC, "newinstance,ptmxmode=0666,mode=0620,gid=5"); err != nil {
-		return nil, fmt.Errorf("mount /dev/pts: %w", err)
-	}
-	_ = os.Remove("/dev/ptmx")
-	if err := os.Symlink("pts/ptmx", "/dev/ptmx"); err != nil {
-		return nil, err
-	}
-	if err := os.MkdirAll("/dev/shm", 0o1777); err != nil {
-		return nil, err
-	}
-	if err := unix.Mount("tmpfs", "/dev/shm", "tmpfs", unix.MS_NOSUID|unix.MS_NODEV|unix.MS_NOEXEC, "mode=1777,size=64m"); err != nil {
 		return nil, err
 	}
 	return disk, nil

@@ -51,11 +51,16 @@ type Config struct {
 	MemoryMB  int
 	CPUs      int
 	DiskBytes int64
+	ShmBytes  int64 // /dev/shm's size; 64 MiB when 0
 	Token     string
 	Env       map[string]string
 	MaxOutput int64
 	Threads   int
 	Log       *slog.Logger // slog.Default() when nil
+	// Net, with a networked NetPolicy, gives the VM a NIC: a tap in the
+	// sandbox's network namespace spliced with its veth (network.AttachTap).
+	Net       *network.Host
+	NetPolicy network.Policy
 
 	coldBoot bool // boot, do not restore (tests compare the two)
 }
@@ -104,6 +109,9 @@ type Sandbox struct {
 	restored  bool // from a snapshot, not booted cold
 	owner     *os.File
 	ids       *state.IDRange
+	net       *network.Sandbox
+	netns     string
+	tap       *os.File
 	cg        *cgroups.Cgroup
 	destroy   sync.Once
 	destroyed chan struct{}
@@ -152,8 +160,30 @@ func (sb *Sandbox) Cgroup() *cgroups.Cgroup { return sb.cg }
 // DiskPath is "": the sandbox's disk is inside the guest.
 func (sb *Sandbox) DiskPath() string { return "" }
 
-// Network is nil: microvm sandboxes have loopback only, for now.
-func (sb *Sandbox) Network() *network.Sandbox { return nil }
+// Network is the sandbox's network, nil when it has none.
+func (sb *Sandbox) Network() *network.Sandbox { return sb.net }
+
+// attachNetwork makes the sandbox's network namespace with its veth and
+// the tap the VM's NIC is backed by.
+func (sb *Sandbox) attachNetwork(cfg Config) error {
+	sb.netns = filepath.Join(sb.dir, "netns")
+	if err := network.NewNamespace(sb.netns); err != nil {
+		sb.netns = ""
+		return fmt.Errorf("sandbox network namespace: %w", err)
+	}
+	ns, err := os.Open(sb.netns)
+	if err != nil {
+		return err
+	}
+	defer ns.Close()
+	if sb.net, err = cfg.Net.Attach(sb.id, sb.ids.Slot(), int(ns.Fd()), cfg.NetPolicy); err != nil {
+		return fmt.Errorf("sandbox network: %w", err)
+	}
+	if sb.tap, err = network.AttachTap(int(ns.Fd())); err != nil {
+		return fmt.Errorf("sandbox network: %w", err)
+	}
+	return nil
+}
 
 // Destroy stops the VM and removes everything it had on the host: QEMU,
 // its cgroup, its uid range and its directory.
@@ -168,6 +198,17 @@ func (sb *Sandbox) Destroy() (err error) {
 		}
 		if sb.cg != nil {
 			err = sb.cg.Destroy()
+		}
+		if sb.tap != nil {
+			sb.tap.Close()
+		}
+		if sb.net != nil {
+			if nerr := sb.net.Close(); err == nil {
+				err = nerr
+			}
+		}
+		if sb.netns != "" {
+			network.RemoveNamespace(sb.netns)
 		}
 		sb.ids.Release()
 		if rerr := os.RemoveAll(sb.dir); err == nil {
@@ -227,7 +268,17 @@ func Create(ctx context.Context, cfg Config) (sb *Sandbox, err error) {
 		return sb, err
 	}
 	vcfg := vm.Config{Kernel: cfg.Kernel, Initramfs: initrd, MemoryMB: memMB, CPUs: cpus,
-		Dir: filepath.Join(sb.dir, "vm"), Disks: []string{disk}, Credential: credential(sb.ids)}
+		Dir: filepath.Join(sb.dir, "vm"), Disks: []string{disk}, Credential: credential(sb.ids),
+		// Sandboxes have no IPv6, on any wall.
+		Append: "ipv6.disable=1"}
+	var gnet *guestNet
+	if cfg.Net != nil && cfg.NetPolicy.Networked() {
+		if err := sb.attachNetwork(cfg); err != nil {
+			return sb, err
+		}
+		vcfg.Tap, vcfg.MAC = sb.tap, network.GuestMAC
+		gnet = &guestNet{IP: sb.net.IP, Gateway: cfg.Net.Gateway(), ResolvConf: cfg.Net.ResolvConf()}
+	}
 	if cfg.Cgroups != nil {
 		if sb.cg, err = cfg.Cgroups.Create(cfg.ID, cgroups.Limits{MemoryBytes: int64(memMB+QEMUOverheadMB) << 20,
 			CPUs: float64(cpus), Pids: qemuPids}); err != nil {
@@ -276,7 +327,7 @@ func Create(ctx context.Context, cfg Config) (sb *Sandbox, err error) {
 		return sb, err
 	}
 	if err := json.NewEncoder(first).Encode(spec{Token: cfg.Token, Env: cfg.Env, MaxOutput: cfg.MaxOutput,
-		Hostname: hostname, DiskBytes: cfg.DiskBytes, Threads: cfg.Threads, Limits: cfg.Limits,
+		Hostname: hostname, DiskBytes: cfg.DiskBytes, ShmBytes: shmBytes(cfg.ShmBytes), Threads: cfg.Threads, Limits: cfg.Limits, Net: gnet,
 		Entropy: entropy, UnixNano: time.Now().UnixNano()}); err != nil {
 		return sb, err
 	}
@@ -284,6 +335,13 @@ func Create(ctx context.Context, cfg Config) (sb *Sandbox, err error) {
 		return sb, fmt.Errorf("the guest's agent did not start: %w (%s)", err, consoleTail(sb.v.Dir()))
 	}
 	return sb, nil
+}
+
+func shmBytes(n int64) int64 {
+	if n <= 0 {
+		return 64 << 20
+	}
+	return n
 }
 
 // credential is QEMU's: the first uid and gid of ids, no other groups.

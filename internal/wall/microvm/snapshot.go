@@ -19,6 +19,7 @@ import (
 	"github.com/hashicorp/yamux"
 	"golang.org/x/sys/unix"
 
+	"github.com/cagehq/cage/internal/network"
 	"github.com/cagehq/cage/internal/vm"
 )
 
@@ -54,6 +55,7 @@ type shape struct {
 	MemoryMB  int      `json:"memory_mb"`
 	CPUs      int      `json:"cpus"`
 	Accel     string   `json:"accel"`
+	NIC       bool     `json:"nic,omitempty"` // a virtio-net device (networked sandboxes)
 	QEMU      string   `json:"qemu"` // its path, size and time: a new QEMU may not read an old one's state
 }
 
@@ -67,7 +69,7 @@ func shapeOf(c vm.Config) (shape, error) {
 		return shape{}, err
 	}
 	s := shape{Kernel: c.Kernel.Image(), Version: c.Kernel.Version, Initramfs: c.Initramfs, Disks: c.Disks,
-		MemoryMB: max(c.MemoryMB, 256), CPUs: max(c.CPUs, 1), Accel: c.Accel,
+		MemoryMB: max(c.MemoryMB, 256), CPUs: max(c.CPUs, 1), Accel: c.Accel, NIC: c.Tap != nil,
 		QEMU: qemu + " " + strconv.FormatInt(st.Size(), 10) + " " + strconv.FormatInt(st.ModTime().UnixNano(), 10)}
 	if c.MemoryMB != 0 {
 		s.MemoryMB = c.MemoryMB
@@ -263,6 +265,26 @@ func buildSnapshot(ctx context.Context, dir string, c vm.Config) error {
 	c.MemoryFile = filepath.Join(c.Dir, snapMemory)
 	c.ShareMemory = true
 	c.MemoryFD = nil
+	if c.Tap != nil {
+		// A NIC like the sandboxes', backed by a tap in a namespace of
+		// its own that reaches nowhere: the guest never uses it before
+		// the snapshot, but the device must be there to be restored.
+		ns := c.Dir + "-netns"
+		if err := network.NewNamespace(ns); err != nil {
+			return err
+		}
+		defer network.RemoveNamespace(ns)
+		nsf, err := os.Open(ns)
+		if err != nil {
+			return err
+		}
+		c.Tap, err = network.OpenTap(int(nsf.Fd()))
+		nsf.Close()
+		if err != nil {
+			return err
+		}
+		defer c.Tap.Close()
+	}
 	v, err := vm.Start(ctx, c)
 	if err != nil {
 		return err
@@ -280,7 +302,7 @@ func buildSnapshot(ctx context.Context, dir string, c vm.Config) error {
 		sess.Close()
 		return err
 	}
-	err = json.NewEncoder(first).Encode(spec{Prepare: true, DiskBytes: prepareDiskBytes})
+	err = json.NewEncoder(first).Encode(spec{Prepare: true, DiskBytes: prepareDiskBytes, ShmBytes: shmBytes(0)})
 	if err == nil {
 		err = readLine(ctx, first, bufio.NewReader(first), prepared)
 	}

@@ -24,7 +24,11 @@
 // A VM boots cold only when no snapshot can be made.
 package microvm
 
-import "github.com/cagehq/cage/internal/cgroups"
+import (
+	"net/netip"
+
+	"github.com/cagehq/cage/internal/cgroups"
+)
 
 // spec is what the host sends on the session's first stream.
 //
@@ -49,9 +53,21 @@ type spec struct {
 	MaxOutput int64             `json:"max_output"`
 	Hostname  string            `json:"hostname"`
 	DiskBytes int64             `json:"disk_bytes"`
+	ShmBytes  int64             `json:"shm_bytes"`
 	Threads   int               `json:"threads"`
 	// Limits go to the guest's cgroup of the sandbox (see guestCgroup).
 	Limits cgroups.Limits `json:"limits"`
+	// Net, when set, is the guest's network: its NIC's address, the
+	// gateway, the resolver's configuration.
+	Net *guestNet `json:"net,omitempty"`
+}
+
+// guestNet configures the guest's eth0 as the other walls' is in the
+// sandbox's namespace: a /32, a route to the gateway, the default route.
+type guestNet struct {
+	IP         netip.Addr `json:"ip"`
+	Gateway    netip.Addr `json:"gateway"`
+	ResolvConf string     `json:"resolv_conf"`
 }
 
 // hello is what the guest writes on the port before the session starts:

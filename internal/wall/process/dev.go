@@ -14,7 +14,10 @@ import (
 // tmpfs under them is nodev, so no other device can appear.
 var devNodes = []string{"null", "zero", "full", "random", "urandom", "tty"}
 
-func buildDev(root string, spec *initSpec) error {
+// BuildDev makes root's minimal /dev: a small tmpfs, the harmless nodes
+// bound from /dev, private PTYs and a /dev/shm of shm bytes. The microvm
+// guest builds its sandbox's /dev with it too.
+func BuildDev(root string, shmBytes int64) error {
 	dev := filepath.Join(root, "dev")
 	if err := os.Mkdir(dev, 0o755); err != nil && !os.IsExist(err) {
 		return err
@@ -44,7 +47,7 @@ func buildDev(root string, spec *initSpec) error {
 	if err := os.Mkdir(shm, os.ModeSticky|0o777); err != nil {
 		return err
 	}
-	opts := "mode=1777,size=" + strconv.FormatInt(spec.ShmBytes, 10)
+	opts := "mode=1777,size=" + strconv.FormatInt(shmBytes, 10)
 	if err := unix.Mount("tmpfs", shm, "tmpfs", unix.MS_NOSUID|unix.MS_NODEV|unix.MS_NOEXEC, opts); err != nil {
 		return fmt.Errorf("mount /dev/shm: %w", err)
 	}

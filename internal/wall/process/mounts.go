@@ -57,11 +57,11 @@ func buildRoot(spec *initSpec) error {
 		}
 	}
 	trace("root: dev")
-	if err := buildDev(root, spec); err != nil {
+	if err := BuildDev(root, spec.ShmBytes); err != nil {
 		return err
 	}
 	trace("root: proc")
-	if err := mountProc(root); err != nil {
+	if err := MountProc(root); err != nil {
 		return err
 	}
 	trace("root: done")
@@ -175,9 +175,10 @@ func mountDisk(root string, spec *initSpec) error {
 	return os.Remove(stage)
 }
 
-// mountProc mounts a fresh /proc for the sandbox's PID namespace and masks
-// the paths that reveal or touch the host kernel.
-func mountProc(root string) error {
+// MountProc mounts a fresh /proc for the sandbox's PID namespace and masks
+// the paths that reveal or touch the host kernel (the microvm guest's
+// sandbox gets the same, for its own kernel).
+func MountProc(root string) error {
 	proc := filepath.Join(root, "proc")
 	if err := os.Mkdir(proc, 0o555); err != nil && !os.IsExist(err) {
 		return err

@@ -200,7 +200,7 @@ func Prepare(ctx context.Context, cfg Config) (sb *Sandbox, err error) {
 	sb.disk, sb.shm = cfg.DiskBytes, cfg.ShmBytes
 	err = sb.send(&initSpec{
 		ID: sb.id, Hostname: "cage-" + sb.id[:min(8, len(sb.id))], Root: sb.root,
-		Mounts: cfg.Template.Mounts, Image: image, Build: cfg.Template.Build, DiskBytes: sb.disk, DiskInodes: inodesFor(sb.disk),
+		Mounts: cfg.Template.Mounts, Image: image, Build: cfg.Template.Build, DiskBytes: sb.disk, DiskInodes: InodesFor(sb.disk),
 		ShmBytes: sb.shm, UserName: userName, UserUID: userUID, UserGID: userUID,
 		OOMEvents: sb.cg.OOMEventsFile(), PidsEvents: sb.cg.PidsEventsFile(),
 		Debug: tracing, DieWithParent: sb.dieWithParent,
@@ -252,7 +252,7 @@ func (sb *Sandbox) Start(s Spec) error {
 		disk = sb.disk
 	}
 	if sb.image && disk != sb.disk {
-		if err := template.ResizeImageDisk(sb.dir, disk, inodesFor(disk)); err != nil {
+		if err := template.ResizeImageDisk(sb.dir, disk, InodesFor(disk)); err != nil {
 			return err
 		}
 	}
@@ -260,7 +260,7 @@ func (sb *Sandbox) Start(s Spec) error {
 		shm = sb.shm
 	}
 	err = sb.send(&startSpec{Token: s.Token, Env: s.Env, MaxOutput: s.MaxOutput,
-		DiskBytes: disk, DiskInodes: inodesFor(disk), ShmBytes: shm, ResolvConf: resolvConf})
+		DiskBytes: disk, DiskInodes: InodesFor(disk), ShmBytes: shm, ResolvConf: resolvConf})
 	sb.specW.Close()
 	sb.specW = nil
 	if err != nil {
@@ -308,8 +308,8 @@ func (sb *Sandbox) renice() {
 	sb.niced = false
 }
 
-// inodesFor sizes the disk's inode table: one per 8 KiB, at least 4096.
-func inodesFor(bytes int64) int64 { return max(4096, bytes/8192) }
+// InodesFor sizes the disk's inode table: one per 8 KiB, at least 4096.
+func InodesFor(bytes int64) int64 { return max(4096, bytes/8192) }
 
 // makeDirs creates the sandbox's state directory and the empty directory its
 // root is mounted on, which belongs to the sandbox's root user.
@@ -434,7 +434,7 @@ func (sb *Sandbox) sendImageRoot(cfg Config, sock *os.File) (string, error) {
 			unix.Close(nsFD)
 		}
 	}()
-	root, err := cfg.Template.MountImage(sb.dir, uint32(sb.ids.Base), once, cfg.DiskBytes, inodesFor(cfg.DiskBytes))
+	root, err := cfg.Template.MountImage(sb.dir, uint32(sb.ids.Base), once, cfg.DiskBytes, InodesFor(cfg.DiskBytes))
 	if err != nil {
 		return "", err
 	}
