@@ -42,7 +42,7 @@ fi
 # As root (CI) every wall must run: a missing one fails the suite instead of
 # being skipped.
 if [ "$(id -u)" = 0 ]; then
-  export CAGE_REQUIRE_WALLS="${CAGE_REQUIRE_WALLS-process,runc,gvisor}"
+  export CAGE_REQUIRE_WALLS="${CAGE_REQUIRE_WALLS-process,runc,gvisor,microvm}"
 fi
 
 echo "== gofmt"

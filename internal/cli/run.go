@@ -23,6 +23,7 @@ import (
 	"github.com/cagehq/cage/internal/sandbox"
 	"github.com/cagehq/cage/internal/units"
 	"github.com/cagehq/cage/internal/wall"
+	"github.com/cagehq/cage/internal/wall/microvm"
 	"github.com/cagehq/cage/internal/wall/process"
 )
 
@@ -100,8 +101,8 @@ command gets a PTY.`,
 	}
 	cmd.Flags().SetInterspersed(false)
 	fl := cmd.Flags()
-	fl.StringVar(&f.wall, "wall", "process", "isolation: process (namespaces), runc, gvisor (own kernel in user space)")
-	fl.StringVar(&f.template, "template", "host", "template the sandbox's root is made from")
+	fl.StringVar(&f.wall, "wall", "process", "isolation: process (namespaces), runc, gvisor (own kernel in user space), microvm (own kernel in a QEMU VM; template base unless --template)")
+	fl.StringVar(&f.template, "template", "", "template the sandbox's root is made from (default host; base on the microvm wall)")
 	fl.StringVar(&f.memory, "memory", units.FormatSize(sandbox.DefaultMemory), "memory limit, swap included (e.g. 256M, 1G)")
 	fl.Float64Var(&f.cpus, "cpus", sandbox.DefaultCPUs, "CPU limit in cores")
 	fl.Int64Var(&f.pids, "pids", sandbox.DefaultPids, "limit on processes and threads")
@@ -197,13 +198,18 @@ func runCommand(ctx context.Context, g *globals, f *runFlags, args []string, std
 	if host.NetConfig.Upstreams, err = network.ParseUpstreams(strings.Split(os.Getenv("CAGE_DNS"), ",")); err != nil {
 		return exitf(ExitUsage, "CAGE_DNS: %v", err)
 	}
-	if t := p.opts.Template; t != "" && t != "host" {
+	if t := p.opts.Template; (t != "" && t != "host") || p.opts.Wall == "microvm" {
 		if host.Templates, err = openTemplates(""); err != nil {
 			return err
 		}
 	}
 	if ctx == nil {
 		ctx = context.Background()
+	}
+	if p.opts.Wall == "microvm" && host.WallMissing("microvm") == nil {
+		if accel, why := host.MicroVMAccel(ctx); accel == "tcg" {
+			fmt.Fprintf(stderr, "cage: warning: %s (%s)\n", microvm.TCGWarning, why)
+		}
 	}
 	sb, err := host.Create(ctx, p.opts)
 	if err != nil {

@@ -134,21 +134,52 @@ func NewNamespace(path string) error {
 		return err
 	}
 	f.Close()
-	errc := make(chan error, 1)
-	go func() {
-		// This thread changes namespace and is then thrown away.
-		runtime.LockOSThread()
-		if err := unix.Unshare(unix.CLONE_NEWNET); err != nil {
-			errc <- fmt.Errorf("unshare the network namespace: %w", err)
-			return
-		}
-		errc <- unix.Mount(fmt.Sprintf("/proc/self/task/%d/ns/net", unix.Gettid()), path, "", unix.MS_BIND, "")
-	}()
-	if err := <-errc; err != nil {
+	err = onThreadIn(-1, func() error {
+		return unix.Mount(fmt.Sprintf("/proc/self/task/%d/ns/net", unix.Gettid()), path, "", unix.MS_BIND, "")
+	})
+	if err != nil {
 		_ = os.Remove(path)
 		return err
 	}
 	return nil
+}
+
+// onThreadIn runs fn on a thread of its own moved into the network
+// namespace nsFD (-1: a new one), then moves the thread back and lets it go
+// on. A thread is never thrown away: a process started with a parent-death
+// signal (QEMU, a `cage run` sandbox's agent) dies with the thread that
+// forked it, and Go may have forked it from any of them. A thread that
+// cannot go back is the exception, and is ended.
+func onThreadIn(nsFD int, fn func() error) error {
+	errc := make(chan error, 1)
+	go func() {
+		runtime.LockOSThread()
+		orig, err := unix.Open(fmt.Sprintf("/proc/self/task/%d/ns/net", unix.Gettid()), unix.O_RDONLY|unix.O_CLOEXEC, 0)
+		if err != nil {
+			runtime.UnlockOSThread()
+			errc <- err
+			return
+		}
+		defer unix.Close(orig)
+		if nsFD < 0 {
+			err = unix.Unshare(unix.CLONE_NEWNET)
+		} else {
+			err = unix.Setns(nsFD, unix.CLONE_NEWNET)
+		}
+		if err != nil {
+			if unix.Setns(orig, unix.CLONE_NEWNET) == nil {
+				runtime.UnlockOSThread()
+			}
+			errc <- fmt.Errorf("network namespace: %w", err)
+			return
+		}
+		err = fn()
+		if unix.Setns(orig, unix.CLONE_NEWNET) == nil {
+			runtime.UnlockOSThread()
+		}
+		errc <- err
+	}()
+	return <-errc
 }
 
 // RemoveNamespace unmounts and removes what NewNamespace made.

@@ -3,7 +3,6 @@ package network
 import (
 	"fmt"
 	"os"
-	"runtime"
 	"unsafe"
 
 	"github.com/vishvananda/netlink"
@@ -56,29 +55,19 @@ func OpenTap(nsFD int) (*os.File, error) { return openTapIn(nsFD) }
 // device belongs to the namespace of whoever opened the clone device) and
 // makes the tap.
 func openTapIn(nsFD int) (*os.File, error) {
-	type result struct {
-		f   *os.File
-		err error
-	}
-	ch := make(chan result, 1)
-	go func() {
-		// This thread changes namespace and is then thrown away.
-		runtime.LockOSThread()
-		if err := unix.Setns(nsFD, unix.CLONE_NEWNET); err != nil {
-			ch <- result{err: fmt.Errorf("enter the sandbox's network namespace: %w", err)}
-			return
-		}
+	var tun *os.File
+	err := onThreadIn(nsFD, func() error {
 		fd, err := unix.Open("/dev/net/tun", unix.O_RDWR|unix.O_CLOEXEC, 0)
 		if err != nil {
-			ch <- result{err: fmt.Errorf("open /dev/net/tun: %w", err)}
-			return
+			return fmt.Errorf("open /dev/net/tun: %w", err)
 		}
-		ch <- result{f: os.NewFile(uintptr(fd), "/dev/net/tun")}
-	}()
-	r := <-ch
-	if r.err != nil {
-		return nil, r.err
+		tun = os.NewFile(uintptr(fd), "/dev/net/tun")
+		return nil
+	})
+	if err != nil {
+		return nil, err
 	}
+	r := struct{ f *os.File }{tun}
 	ifr, err := unix.NewIfreq(TapName)
 	if err != nil {
 		r.f.Close()
@@ -101,6 +90,13 @@ func splice(h *netlink.Handle, a, b string) error {
 	lb, err := h.LinkByName(b)
 	if err != nil {
 		return err
+	}
+	// A queue for each, before their ingress qdiscs (a veth peer has
+	// none, which the kernel complains of).
+	for _, l := range []netlink.Link{la, lb} {
+		if err := h.LinkSetTxQLen(l, 1000); err != nil {
+			return fmt.Errorf("queue of %s: %w", l.Attrs().Name, err)
+		}
 	}
 	if err := h.LinkSetUp(lb); err != nil {
 		return fmt.Errorf("bring %s up: %w", b, err)

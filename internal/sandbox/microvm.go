@@ -13,6 +13,7 @@ import (
 	"github.com/cagehq/cage/internal/wall"
 	"github.com/cagehq/cage/internal/wall/microvm"
 	"github.com/cagehq/cage/internal/wall/process"
+	"github.com/cagehq/cage/internal/wall/state"
 )
 
 // MicroVMTemplate is the template of a microvm sandbox that names none:
@@ -61,6 +62,22 @@ func (h *Host) kernel() (*vm.Kernel, error) {
 	return h.guestKernel, h.kernelErr
 }
 
+// MicroVMAccel is the microvm wall's accelerator here and, for TCG, why
+// KVM is not used (microvm.Accel), decided once per Host. Callers say
+// microvm.TCGWarning to their users under TCG.
+func (h *Host) MicroVMAccel(ctx context.Context) (accel, why string) {
+	h.accelOnce.Do(func() {
+		k, err := h.kernel()
+		if err != nil {
+			h.accel, h.accelWhy = "tcg", err.Error()
+			return
+		}
+		choice := filepath.Join(filepath.Dir(state.IDLockDir), "microvm-accel.json")
+		h.accel, h.accelWhy = microvm.Accel(ctx, filepath.Join(h.RunDir, "microvm"), choice, k, h.AgentPath)
+	})
+	return h.accel, h.accelWhy
+}
+
 func (h *Host) createMicroVM(ctx context.Context, o Options) (wall.Sandbox, error) {
 	if err := o.Validate(); err != nil {
 		return nil, err
@@ -89,8 +106,9 @@ func (h *Host) createMicroVM(ctx context.Context, o Options) (wall.Sandbox, erro
 	if o.Token == "" {
 		o.Token = NewToken()
 	}
+	accel, _ := h.MicroVMAccel(ctx)
 	sb, err := microvm.Create(ctx, microvm.Config{
-		ID: o.ID, RunDir: h.RunDir, AgentPath: h.AgentPath, Kernel: k, Template: tmpl,
+		ID: o.ID, RunDir: h.RunDir, AgentPath: h.AgentPath, Kernel: k, Template: tmpl, Accel: accel,
 		Limits:  cgroups.Limits{MemoryBytes: o.Memory, CPUs: o.CPUs, Pids: o.Pids + process.AgentThreads},
 		Cgroups: h.Cgroups, DiskBytes: o.Disk, ShmBytes: o.Shm, Token: o.Token, Env: tmpl.EnvWith(o.Env), MaxOutput: o.MaxOutput,
 		Threads: process.AgentThreads, Log: h.Log, Net: netHost, NetPolicy: o.Net,

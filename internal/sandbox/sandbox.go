@@ -158,6 +158,9 @@ type Host struct {
 	kernelOnce  sync.Once
 	guestKernel *vm.Kernel
 	kernelErr   error
+	accelOnce   sync.Once
+	accel       string
+	accelWhy    string
 
 	pool       chan *process.Sandbox // prepared sandboxes, when a pool runs
 	PoolMisses atomic.Int64          // creates that found the pool empty

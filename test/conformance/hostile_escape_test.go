@@ -280,7 +280,9 @@ exit 0`, asUser(user))
 	if after := e.witness.forT(t).mustSh(sum); after != before {
 		t.Errorf("the witness sandbox's /etc changed: %q -> %q", before, after)
 	}
-	if out := b.mustSh("grep -c evil /etc/passwd /etc/bash.bashrc; exit 0"); strings.Contains(out, ":1") {
+	// (On an image root, root's run before may have changed this box's own
+	// copy; the user's writes are the table above.)
+	if out := b.mustSh("grep -c evil /etc/passwd /etc/bash.bashrc; exit 0"); strings.Contains(out, ":1") && !imageRoot(e.w.name) {
 		t.Errorf("the probed sandbox's /etc was changed: %q", out)
 	}
 }

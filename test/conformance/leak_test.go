@@ -69,6 +69,9 @@ func TestLeakCheckOCIWalls(t *testing.T) {
 			if w.name == "gvisor" {
 				kinds, n = []leakKind{leakTrue, leakTimeout, leakDestroyRunning, leakNetwork, leakNetDestroy, leakTemplate}, 18
 			}
+			if w.name == "microvm" {
+				n = 24 // each a VM restored under TCG
+			}
 			leakCheck(t, w.name, n, 2, func(i int) leakKind { return kinds[i%len(kinds)] })
 		})
 	}

@@ -69,11 +69,17 @@ func TestE2BSDK(t *testing.T) {
 // TestE2BSDKOtherWalls runs the SDK suite (2.51.0) against daemons whose
 // sandboxes are on the runc and gVisor walls: the agent and its protocol are
 // the same on every wall, and so must be what the SDK sees.
+//
+// On the microvm wall the suite's sandboxes start from base (no VM is given
+// the host's files), so it runs where scripts/test.sh built base.
 func TestE2BSDKOtherWalls(t *testing.T) {
-	for _, wall := range []string{"runc", "gvisor"} {
+	for _, wall := range []string{"runc", "gvisor", "microvm"} {
 		t.Run(wall, func(t *testing.T) {
 			requireWall(t, wall)
 			d := startDaemon(t, "--wall", wall)
+			if wall == "microvm" {
+				d.template = "base"
+			}
 			dir := sdkDir(t)
 			args := []string{"--test", "--test-reporter=spec", "sdk.test.mjs"}
 			if err := runNode(t, dir, d.sdkEnv("e2b", d.key), 10*time.Minute, args...); err != nil {
@@ -89,6 +95,18 @@ func TestE2BSDKOtherWalls(t *testing.T) {
 // test of a wall whose runtime this machine lacks.
 func requireWall(t *testing.T, wall string) {
 	t.Helper()
+	if wall == "microvm" {
+		// QEMU and the guest kernel (scripts/kernel.sh), and base.
+		_, qerr := exec.LookPath("qemu-system-x86_64")
+		_, kerr := os.Stat(filepath.Join(kernelDir(), "current"))
+		if qerr == nil && kerr == nil && baseTemplate() == "1" {
+			return
+		}
+		if strings.Contains(","+os.Getenv("CAGE_REQUIRE_WALLS")+",", ","+wall+",") {
+			t.Fatalf("wall microvm is required here (CAGE_REQUIRE_WALLS) but QEMU, the guest kernel or base is missing")
+		}
+		t.Skip("SKIP wall microvm: QEMU, the guest kernel (scripts/kernel.sh) or the base template is missing")
+	}
 	bin := map[string]string{"runc": "runc", "gvisor": "runsc"}[wall]
 	if wall == "gvisor" && os.Getenv("CAGE_RUNSC") != "" {
 		if _, err := os.Stat(os.Getenv("CAGE_RUNSC")); err == nil {
@@ -158,6 +176,7 @@ type daemon struct {
 	done     chan struct{} // closed when cmd has exited
 	waitErr  error
 	stopped  bool
+	template string // what the suite's sandboxes start from ("": host)
 }
 
 // startDaemon skips unless this host can run the suite, builds cage, makes
@@ -299,6 +318,7 @@ func (d *daemon) sdkEnv(module, key string) []string {
 		// The test world's hosts (see testutil.World), for the network tests.
 		"CAGE_TEST_PUBLIC_HOST="+testutil.PublicHost.String(),
 		"CAGE_TEST_BASE="+baseTemplate(),
+		"CAGE_TEST_TEMPLATE="+d.template,
 		"CAGE_TEST_OTHER_HOST="+testutil.OtherHost.String(),
 		// Loopback never goes through a proxy the host may configure.
 		"NO_PROXY=127.0.0.1,localhost",
@@ -360,14 +380,16 @@ func (d *daemon) stop(t *testing.T) {
 	}
 }
 
-// cageCommand is bin ARGS with cage's own environment variables removed.
+// cageCommand is bin ARGS with cage's own environment variables removed,
+// but for where runsc and the guest kernel are, which are no settings.
 func cageCommand(ctx context.Context, bin string, args ...string) *exec.Cmd {
 	cmd := exec.CommandContext(ctx, bin, args...)
 	for _, kv := range os.Environ() {
-		if !strings.HasPrefix(kv, "CAGE_") || strings.HasPrefix(kv, "CAGE_RUNSC=") { // where runsc is, not a setting
+		if !strings.HasPrefix(kv, "CAGE_") || strings.HasPrefix(kv, "CAGE_RUNSC=") {
 			cmd.Env = append(cmd.Env, kv)
 		}
 	}
+	cmd.Env = append(cmd.Env, "CAGE_KERNEL_DIR="+kernelDir())
 	cmd.WaitDelay = 5 * time.Second
 	return cmd
 }
@@ -544,6 +566,15 @@ func (b *syncBuffer) tail(n int) string {
 		return "[...]\n" + s[len(s)-n:]
 	}
 	return s
+}
+
+// kernelDir is where the microvm wall's guest kernel is: CAGE_KERNEL_DIR,
+// else where scripts/kernel.sh puts it.
+func kernelDir() string {
+	if dir := os.Getenv("CAGE_KERNEL_DIR"); dir != "" {
+		return dir
+	}
+	return filepath.Join(testutil.RepoRoot(), ".tools", "kernel")
 }
 
 // baseTemplate says whether the shared template store has "base" ("1"), so

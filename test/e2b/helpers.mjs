@@ -24,9 +24,11 @@ export const sdkVersion = JSON.parse(
   readFileSync(new URL(`./node_modules/${moduleName}/package.json`, import.meta.url), 'utf8'),
 ).version
 
-export const TEMPLATE = 'host'
+// The host template, or what the daemon's wall needs instead (the microvm
+// wall runs base: no VM is given the host's files).
+export const TEMPLATE = process.env.CAGE_TEST_TEMPLATE || 'host'
 
-/** Creates a sandbox from the host template, runs fn, and always kills it. */
+/** Creates a sandbox from TEMPLATE, runs fn, and always kills it. */
 export async function withSandbox(opts, fn) {
   const sbx = await sdk.Sandbox.create(TEMPLATE, { timeoutMs: 120_000, ...opts })
   try {

@@ -10,6 +10,7 @@ import (
 	"net"
 	"os"
 	"strconv"
+	"time"
 	"unsafe"
 
 	"github.com/hashicorp/yamux"
@@ -327,6 +328,10 @@ func sessionConfig() *yamux.Config {
 	c := yamux.DefaultConfig()
 	c.LogOutput = io.Discard
 	c.EnableKeepAlive = false // the port is a private wire; QEMU's exit ends it
+	// yamux closes the session when one write waits this long. A guest
+	// under TCG that is reclaiming memory for an OOM kill, on a busy host,
+	// can stall for more than yamux's 10 s without anything being wrong.
+	c.ConnectionWriteTimeout = time.Minute
 	return c
 }
 

@@ -47,6 +47,8 @@ type Config struct {
 	// cgroup (Cgroups) capped at the VM's RAM plus QEMUOverheadMB.
 	Limits  cgroups.Limits
 	Cgroups *cgroups.Manager // nil: QEMU gets no cgroup (tests of the VM alone)
+	// Accel is "kvm" or "tcg" ("": tcg); see Accel.
+	Accel string
 	// MemoryMB and CPUs, when set, size the VM instead of Limits.
 	MemoryMB  int
 	CPUs      int
@@ -267,8 +269,8 @@ func Create(ctx context.Context, cfg Config) (sb *Sandbox, err error) {
 	if sb.ids, err = state.ReserveIDs(); err != nil {
 		return sb, err
 	}
-	vcfg := vm.Config{Kernel: cfg.Kernel, Initramfs: initrd, MemoryMB: memMB, CPUs: cpus,
-		Dir: filepath.Join(sb.dir, "vm"), Disks: []string{disk}, Credential: credential(sb.ids),
+	vcfg := vm.Config{Kernel: cfg.Kernel, Initramfs: initrd, MemoryMB: memMB, CPUs: cpus, Accel: cfg.Accel,
+		Dir: filepath.Join(sb.dir, "vm"), Disks: []string{disk}, Credential: credential(sb.ids, cfg.Accel),
 		// Sandboxes have no IPv6, on any wall.
 		Append: "ipv6.disable=1"}
 	var gnet *guestNet
@@ -332,7 +334,7 @@ func Create(ctx context.Context, cfg Config) (sb *Sandbox, err error) {
 		return sb, err
 	}
 	if err := readLine(ctx, first, bufio.NewReader(first), ready); err != nil {
-		return sb, fmt.Errorf("the guest's agent did not start: %w (%s)", err, consoleTail(sb.v.Dir()))
+		return sb, fmt.Errorf("the guest's agent did not start: %w (%s%s)", err, consoleTail(sb.v.Dir()), qemuEnd(sb.v))
 	}
 	return sb, nil
 }
@@ -344,9 +346,17 @@ func shmBytes(n int64) int64 {
 	return n
 }
 
-// credential is QEMU's: the first uid and gid of ids, no other groups.
-func credential(ids *state.IDRange) *syscall.Credential {
-	return &syscall.Credential{Uid: uint32(ids.Base), Gid: uint32(ids.Base), Groups: []uint32{}}
+// credential is QEMU's: the first uid and gid of ids, and no other group
+// but /dev/kvm's under KVM.
+func credential(ids *state.IDRange, accel string) *syscall.Credential {
+	c := &syscall.Credential{Uid: uint32(ids.Base), Gid: uint32(ids.Base), Groups: []uint32{}}
+	if accel == "kvm" {
+		var st unix.Stat_t
+		if unix.Stat("/dev/kvm", &st) == nil {
+			c.Groups = append(c.Groups, st.Gid)
+		}
+	}
+	return c
 }
 
 // readLine reads one line from r and checks it is want.
@@ -363,6 +373,19 @@ func readLine(ctx context.Context, c net.Conn, r *bufio.Reader, want string) err
 		return fmt.Errorf("%s", strings.TrimSpace(line))
 	}
 	return nil
+}
+
+// qemuEnd says how QEMU ended, if it has within a moment.
+func qemuEnd(v *vm.VM) string {
+	select {
+	case <-v.Exited():
+		if err := v.Wait(); err != nil {
+			return "; " + err.Error()
+		}
+		return "; qemu exited"
+	case <-time.After(500 * time.Millisecond):
+		return ""
+	}
 }
 
 func consoleTail(dir string) string {

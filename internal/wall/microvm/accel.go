@@ -1,0 +1,63 @@
+package microvm
+
+import (
+	"context"
+	"encoding/json"
+	"os"
+	"strings"
+
+	"github.com/cagehq/cage/internal/vm"
+)
+
+// TCGWarning is what cage says wherever a microvm runs under TCG: QEMU's
+// own security policy treats TCG as no boundary against a hostile guest.
+const TCGWarning = "microvm under TCG (software emulation): for development and CI, not a security boundary"
+
+// accelChoice is the cached answer of Accel.
+type accelChoice struct {
+	Key    string `json:"key"`
+	Accel  string `json:"accel"`
+	Reason string `json:"reason,omitempty"`
+}
+
+// Accel chooses the microvm wall's accelerator: "kvm" when a guest really
+// boots under it here (vm.ProbeKVM), else "tcg", with why KVM was not
+// chosen. The probe takes up to 10 s when KVM does not work, so its answer
+// is kept in the file choice for this boot of the host and this kernel and
+// QEMU (a file every cage process on the host shares); a host without
+// /dev/kvm is not probed. cache is where the probe's initramfs is built.
+func Accel(ctx context.Context, cache, choice string, k *vm.Kernel, agentPath string) (accel, reason string) {
+	if _, err := os.Stat("/dev/kvm"); err != nil {
+		return "tcg", "no /dev/kvm"
+	}
+	boot, _ := os.ReadFile("/proc/sys/kernel/random/boot_id")
+	sh, err := shapeOf(vm.Config{Kernel: k})
+	if err != nil {
+		return "tcg", err.Error()
+	}
+	key := strings.TrimSpace(string(boot)) + " " + sh.Version + " " + sh.QEMU
+	p := choice
+	var c accelChoice
+	if b, err := os.ReadFile(p); err == nil && json.Unmarshal(b, &c) == nil && c.Key == key {
+		return c.Accel, c.Reason
+	}
+	initrd, err := Initramfs(cache, k, agentPath)
+	if err != nil {
+		return "tcg", err.Error()
+	}
+	c = accelChoice{Key: key, Accel: "tcg"}
+	if ok, why := vm.ProbeKVM(ctx, k, initrd); ok {
+		c.Accel = "kvm"
+	} else {
+		c.Reason = why
+	}
+	if ctx.Err() == nil {
+		if b, err := json.Marshal(c); err == nil {
+			tmp := p + ".tmp"
+			if os.WriteFile(tmp, b, 0o600) == nil {
+				_ = os.Rename(tmp, p)
+			}
+		}
+	}
+	return c.Accel, c.Reason
+}
