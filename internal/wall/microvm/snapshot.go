@@ -56,7 +56,7 @@ type shape struct {
 	CPUs      int      `json:"cpus"`
 	Accel     string   `json:"accel"`
 	NIC       bool     `json:"nic,omitempty"` // a virtio-net device (networked sandboxes)
-	QEMU      string   `json:"qemu"` // its path, size and time: a new QEMU may not read an old one's state
+	QEMU      string   `json:"qemu"`          // its path, size and time: a new QEMU may not read an old one's state
 }
 
 func shapeOf(c vm.Config) (shape, error) {
