@@ -73,9 +73,19 @@ func (h *Host) MicroVMAccel(ctx context.Context) (accel, why string) {
 			return
 		}
 		choice := filepath.Join(filepath.Dir(state.IDLockDir), "microvm-accel.json")
-		h.accel, h.accelWhy = microvm.Accel(ctx, filepath.Join(h.RunDir, "microvm"), choice, k, h.AgentPath)
+		h.accel, h.accelWhy = microvm.Accel(ctx, h.microvmCache(), choice, k, h.AgentPath)
 	})
 	return h.accel, h.accelWhy
+}
+
+// microvmCache is where the microvm wall keeps template images, initramfs
+// and snapshots: beside the template store (DATA/microvm), else in the run
+// directory.
+func (h *Host) microvmCache() string {
+	if h.Templates != nil {
+		return filepath.Join(filepath.Dir(h.Templates.Dir()), "microvm")
+	}
+	return filepath.Join(h.RunDir, "microvm")
 }
 
 func (h *Host) createMicroVM(ctx context.Context, o Options) (wall.Sandbox, error) {
@@ -108,7 +118,7 @@ func (h *Host) createMicroVM(ctx context.Context, o Options) (wall.Sandbox, erro
 	}
 	accel, _ := h.MicroVMAccel(ctx)
 	sb, err := microvm.Create(ctx, microvm.Config{
-		ID: o.ID, RunDir: h.RunDir, AgentPath: h.AgentPath, Kernel: k, Template: tmpl, Accel: accel,
+		ID: o.ID, RunDir: h.RunDir, Cache: h.microvmCache(), AgentPath: h.AgentPath, Kernel: k, Template: tmpl, Accel: accel,
 		Limits:  cgroups.Limits{MemoryBytes: o.Memory, CPUs: o.CPUs, Pids: o.Pids + process.AgentThreads},
 		Cgroups: h.Cgroups, DiskBytes: o.Disk, ShmBytes: o.Shm, Token: o.Token, Env: tmpl.EnvWith(o.Env), MaxOutput: o.MaxOutput,
 		Threads: process.AgentThreads, Log: h.Log, Net: netHost, NetPolicy: o.Net,

@@ -303,6 +303,11 @@ func launch(cfg Config) (*VM, error) {
 			files = append(files, f)
 		}
 		paths := append([]string{cfg.Kernel.Image(), cfg.Initramfs}, cfg.Disks...)
+		if cfg.MemoryFile != "" && cfg.MemoryFD == nil {
+			// A snapshot's RAM (ShareMemory): QEMU opens it for writing
+			// through the descriptor, which the file's mode must allow.
+			paths = append(paths, cfg.MemoryFile)
+		}
 		for _, p := range paths {
 			if _, ok := cfg.fdPaths[p]; ok {
 				continue

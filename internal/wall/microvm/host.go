@@ -35,8 +35,12 @@ import (
 
 // Config describes one sandbox to create.
 type Config struct {
-	ID        string
-	RunDir    string
+	ID     string
+	RunDir string
+	// Cache keeps what outlives a sandbox (template images, initramfs,
+	// snapshots; RunDir/microvm when ""): beside the template store, on
+	// disk, since /run is memory on most hosts.
+	Cache     string
 	AgentPath string // the static cage-agent: the guest's init
 	Kernel    *vm.Kernel
 	Template  *template.Template // an image template
@@ -254,7 +258,10 @@ func Create(ctx context.Context, cfg Config) (sb *Sandbox, err error) {
 	if sb.owner, err = state.LockOwner(sb.dir); err != nil {
 		return sb, err
 	}
-	cache := filepath.Join(cfg.RunDir, "microvm")
+	cache := cfg.Cache
+	if cache == "" {
+		cache = filepath.Join(cfg.RunDir, "microvm")
+	}
 	initrd, err := Initramfs(cache, cfg.Kernel, cfg.AgentPath)
 	if err != nil {
 		return sb, err

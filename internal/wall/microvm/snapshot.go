@@ -12,7 +12,9 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
+	"strings"
 	"sync"
 	"time"
 
@@ -230,7 +232,33 @@ func cachedSnapshot(ctx context.Context, cache string, c vm.Config) (snapshot, e
 		}
 		return snapshot{}, err
 	}
+	removeSuperseded(filepath.Dir(dir), key, sh)
 	return snapshot{dir}, nil
+}
+
+// removeSuperseded removes the snapshots in dir of VMs like sh's (same
+// image, size, NIC and accelerator) made with another kernel, initramfs
+// (agent) or QEMU: no VM will be restored from them again. A process
+// restoring from one as it goes falls back to a cold boot.
+func removeSuperseded(dir, key string, sh shape) {
+	ents, _ := os.ReadDir(dir)
+	for _, e := range ents {
+		if e.Name() == key || strings.HasPrefix(e.Name(), ".") {
+			continue
+		}
+		b, err := os.ReadFile(filepath.Join(dir, e.Name(), snapShape))
+		if err != nil {
+			continue
+		}
+		var old shape
+		if json.Unmarshal(b, &old) != nil {
+			continue
+		}
+		if slices.Equal(old.Disks, sh.Disks) && old.MemoryMB == sh.MemoryMB && old.CPUs == sh.CPUs &&
+			old.NIC == sh.NIC && old.Accel == sh.Accel {
+			_ = os.RemoveAll(filepath.Join(dir, e.Name()))
+		}
+	}
 }
 
 // haveSnapshot reports whether dir holds a snapshot of shape sh.
@@ -261,9 +289,20 @@ func haveSnapshot(dir string, sh shape) (bool, error) {
 // own VM directory, where QEMU, an unprivileged uid, can make its files.
 func buildSnapshot(ctx context.Context, dir string, c vm.Config) error {
 	c.Dir += "-snapshot"
-	// In the VM's directory: QEMU makes the file, as whichever uid it runs.
-	c.MemoryFile = filepath.Join(c.Dir, snapMemory)
+	// QEMU, an unprivileged uid, opens the RAM file through a descriptor
+	// (vm.Config.Credential): writable by anyone who holds one while the
+	// guest runs, in a directory only root can enter, root's alone after.
+	c.MemoryFile = filepath.Join(dir, snapMemory)
 	c.ShareMemory = true
+	f, err := os.OpenFile(c.MemoryFile, os.O_RDWR|os.O_CREATE|os.O_EXCL, 0o600)
+	if err != nil {
+		return err
+	}
+	err = f.Chmod(0o666)
+	f.Close()
+	if err != nil {
+		return err
+	}
 	c.MemoryFD = nil
 	if c.Tap != nil {
 		// A NIC like the sandboxes', backed by a tap in a namespace of
@@ -322,15 +361,7 @@ func buildSnapshot(ctx context.Context, dir string, c vm.Config) error {
 		return err
 	}
 	v.Stop()
-	// The host's from now on: root's, read by cage only.
-	mem := filepath.Join(dir, snapMemory)
-	if err := os.Rename(c.MemoryFile, mem); err != nil {
-		return err
-	}
-	if err := os.Chown(mem, 0, 0); err != nil {
-		return err
-	}
-	return os.Chmod(mem, 0o600)
+	return os.Chmod(c.MemoryFile, 0o600)
 }
 
 // waitHelloBlocked gives the guest a moment to reach its hello after the
