@@ -57,6 +57,30 @@ func TestOOMReason(t *testing.T) {
 	})
 }
 
+// TestMemoryUpToLimit: a sandbox may use most of its memory limit, in
+// its processes and on its disk, and goes on: the host side of the wall
+// (QEMU's cgroup on the microvm wall, which also pays for the snapshot's
+// pages it touches first) leaves room for all of it.
+func TestMemoryUpToLimit(t *testing.T) {
+	forEachWall(t, func(t *testing.T, w wall) {
+		b := w.newBox(t, sandbox.Options{Memory: 384 << 20, Disk: 128 << 20})
+		r := b.pyRun(`
+with open("/tmp/fill", "wb") as f:
+    for _ in range(96):
+        f.write(b"x" * (1 << 20))
+b = bytearray(224 * 1024 * 1024)
+for i in range(0, len(b), 4096):
+    b[i] = 1
+print("TOUCHED", len(b) >> 20)`, withTimeout(90*time.Second))
+		if r.err != nil || r.code() != 0 || r.stdout != "TOUCHED 224\n" {
+			t.Errorf("96 MiB on disk and 224 MiB touched under a 384 MiB limit: %+v %v %q %q", r.end, r.err, r.stdout, r.stderr)
+		}
+		if out := b.mustSh("rm /tmp/fill; echo alive"); out != "alive\n" {
+			t.Errorf("after: %q", out)
+		}
+	})
+}
+
 func TestPidsLimit(t *testing.T) {
 	forEachWall(t, func(t *testing.T, w wall) {
 		if w.name == "gvisor" {
