@@ -186,6 +186,14 @@ func (m *Manager) Create(name string, lim Limits) (cg *Cgroup, err error) {
 	return cg, cg.Apply(lim)
 }
 
+// V2At is the manager of a cgroup2 hierarchy whose root is dir, with
+// controllers enabled already (by Detect, when it was mounted): for a
+// hierarchy reached through a descriptor once its mount is out of reach
+// (the microvm guest's, after its root has changed).
+func V2At(dir, parent string) *Manager {
+	return &Manager{Mode: V2, v2: dir, all: []string{dir}, Parent: parent}
+}
+
 // Open returns the group of an existing sandbox (after a restart).
 func (m *Manager) Open(name string) *Cgroup {
 	cg := &Cgroup{m: m, Name: name, dirs: map[string]string{}}

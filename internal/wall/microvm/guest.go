@@ -220,39 +220,56 @@ func netUp(n *guestNet) error {
 	return os.WriteFile("/run/cage/resolv.conf", []byte(n.ResolvConf), 0o644)
 }
 
-// guestCgroup puts the agent, and so every command it starts, into a
-// cgroup of the guest's kernel with the sandbox's limits, and opens its
-// counters for the exit reasons (OOM, pids limit), as the host's cgroups
-// do on the other walls. The VM's own size and QEMU's host cgroup are the
-// bounds that hold even against guest root; this one makes the limits
-// exact and the reasons the guest kernel's.
+// cgroupRoot is the guest's cgroup2 hierarchy, mounted by prepareCgroup
+// in the initramfs's root, which no sandbox process can reach once the
+// root has changed: a /proc/self/fd path of its directory.
+var cgroupRoot string
+
+// prepareCgroup mounts the guest's cgroup2 hierarchy out of the sandbox's
+// sight, turns its controllers on and makes the sandbox's group, with no
+// limits yet: done before a snapshot, so that no restored guest pays for it.
+func prepareCgroup() error {
+	const mnt = "/cgroup"
+	if err := os.MkdirAll(mnt, 0o700); err != nil {
+		return err
+	}
+	if err := unix.Mount("cgroup2", mnt, "cgroup2", unix.MS_NOSUID|unix.MS_NODEV|unix.MS_NOEXEC, ""); err != nil {
+		return fmt.Errorf("mount cgroup2: %w", err)
+	}
+	m, err := cgroups.Detect("cage")
+	if err != nil {
+		return err
+	}
+	if _, err := m.Create("sandbox", cgroups.Limits{}); err != nil {
+		return fmt.Errorf("guest cgroup: %w", err)
+	}
+	fd, err := unix.Open(mnt, unix.O_PATH|unix.O_DIRECTORY, 0)
+	if err != nil {
+		return err
+	}
+	cgroupRoot = "/proc/self/fd/" + strconv.Itoa(fd)
+	return nil
+}
+
+// guestCgroup gives the sandbox's group its limits and puts the agent, and
+// so every command it starts, into it, and opens its counters for the exit
+// reasons (OOM, pids limit), as the host's cgroups do on the other walls.
+// The VM's own size and QEMU's host cgroup are the bounds that hold even
+// against guest root; this one makes the limits exact and the reasons the
+// guest kernel's.
 func guestCgroup(lim cgroups.Limits) (agent.LimitEvents, error) {
 	if lim == (cgroups.Limits{}) {
 		return nil, nil
 	}
-	// Mounted only while the group is made: the counters stay open, and
-	// nothing inside sees the hierarchy.
-	mnt, err := os.MkdirTemp("/run", ".cgroup-")
-	if err != nil {
-		return nil, err
-	}
-	defer os.Remove(mnt)
-	if err := unix.Mount("cgroup2", mnt, "cgroup2", unix.MS_NOSUID|unix.MS_NODEV|unix.MS_NOEXEC, ""); err != nil {
-		return nil, fmt.Errorf("mount cgroup2: %w", err)
-	}
-	defer unix.Unmount(mnt, unix.MNT_DETACH)
-	m, err := cgroups.Detect("cage")
-	if err != nil {
-		return nil, err
-	}
-	cg, err := m.Create("sandbox", lim)
-	if err != nil {
+	cg := cgroups.V2At(cgroupRoot, "cage").Open("sandbox")
+	if err := cg.Apply(lim); err != nil {
 		return nil, fmt.Errorf("guest cgroup: %w", err)
 	}
 	if err := cg.AddProc(os.Getpid()); err != nil {
 		return nil, fmt.Errorf("guest cgroup: %w", err)
 	}
 	var ev cgroups.EventFiles
+	var err error
 	if ev.OOM, err = os.Open(cg.OOMEventsFile()); err != nil {
 		return nil, err
 	}
@@ -394,6 +411,9 @@ func switchRoot(sp spec) (*os.File, error) {
 		return nil, err
 	}
 	if err := vm.KeepDevices(); err != nil {
+		return nil, err
+	}
+	if err := prepareCgroup(); err != nil {
 		return nil, err
 	}
 	if err := unix.Chdir("/newroot"); err != nil {

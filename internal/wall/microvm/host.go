@@ -30,6 +30,7 @@ import (
 	"github.com/cagehq/cage/internal/network"
 	"github.com/cagehq/cage/internal/template"
 	"github.com/cagehq/cage/internal/vm"
+	"github.com/cagehq/cage/internal/wall/process"
 	"github.com/cagehq/cage/internal/wall/state"
 )
 
@@ -287,8 +288,7 @@ func Create(ctx context.Context, cfg Config) (sb *Sandbox, err error) {
 	}
 	vcfg := vm.Config{Kernel: cfg.Kernel, Initramfs: initrd, MemoryMB: memMB, CPUs: cpus, Accel: cfg.Accel,
 		Dir: filepath.Join(sb.dir, "vm"), Disks: []string{disk}, Credential: credential(sb.ids, cfg.Accel),
-		// Sandboxes have no IPv6, on any wall.
-		Append: "ipv6.disable=1"}
+		Append: guestArgs}
 	var gnet *guestNet
 	if cfg.Net != nil && cfg.NetPolicy.Networked() {
 		if err := sb.attachNetwork(cfg); err != nil {
@@ -304,6 +304,7 @@ func Create(ctx context.Context, cfg Config) (sb *Sandbox, err error) {
 		}
 		vcfg.Jail = sb.cg.AddProc
 	}
+	process.Trace("microvm: restore")
 	if !cfg.coldBoot {
 		snap, serr := cachedSnapshot(ctx, cache, vcfg)
 		var mem *os.File
@@ -329,9 +330,11 @@ func Create(ctx context.Context, cfg Config) (sb *Sandbox, err error) {
 			return sb, err
 		}
 	}
+	process.Trace("microvm: running")
 	if sb.sess, err = greet(ctx, sb.v); err != nil {
 		return sb, err
 	}
+	process.Trace("microvm: greeted")
 	first, err := sb.sess.Open()
 	if err != nil {
 		return sb, err
@@ -352,6 +355,7 @@ func Create(ctx context.Context, cfg Config) (sb *Sandbox, err error) {
 	if err := readLine(ctx, first, bufio.NewReader(first), ready); err != nil {
 		return sb, fmt.Errorf("the guest's agent did not start: %w (%s%s)", err, consoleTail(sb.v.Dir()), qemuEnd(sb.v))
 	}
+	process.Trace("microvm: ready")
 	return sb, nil
 }
 
@@ -361,6 +365,14 @@ func shmBytes(n int64) int64 {
 	}
 	return n
 }
+
+// guestArgs are the microvm wall's additions to the guest kernel's
+// command line. Sandboxes have no IPv6, on any wall. The guest's own
+// speculation mitigations are off: they keep the guest's processes from
+// one another, all of which are the one sandbox's, and cost much under
+// TCG; what stands between sandboxes, and between a sandbox and the host,
+// is the VM, whose mitigations are the host kernel's.
+const guestArgs = "ipv6.disable=1 mitigations=off"
 
 // credential is QEMU's: the first uid and gid of ids, and no other group
 // but /dev/kvm's under KVM.

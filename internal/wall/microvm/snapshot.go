@@ -57,8 +57,9 @@ type shape struct {
 	MemoryMB  int      `json:"memory_mb"`
 	CPUs      int      `json:"cpus"`
 	Accel     string   `json:"accel"`
-	NIC       bool     `json:"nic,omitempty"` // a virtio-net device (networked sandboxes)
-	QEMU      string   `json:"qemu"`          // its path, size and time: a new QEMU may not read an old one's state
+	NIC       bool     `json:"nic,omitempty"`    // a virtio-net device (networked sandboxes)
+	Append    string   `json:"append,omitempty"` // the kernel's command line, beyond vm's own
+	QEMU      string   `json:"qemu"`             // its path, size and time: a new QEMU may not read an old one's state
 }
 
 func shapeOf(c vm.Config) (shape, error) {
@@ -71,7 +72,7 @@ func shapeOf(c vm.Config) (shape, error) {
 		return shape{}, err
 	}
 	s := shape{Kernel: c.Kernel.Image(), Version: c.Kernel.Version, Initramfs: c.Initramfs, Disks: c.Disks,
-		MemoryMB: max(c.MemoryMB, 256), CPUs: max(c.CPUs, 1), Accel: c.Accel, NIC: c.Tap != nil,
+		MemoryMB: max(c.MemoryMB, 256), CPUs: max(c.CPUs, 1), Accel: c.Accel, NIC: c.Tap != nil, Append: c.Append,
 		QEMU: qemu + " " + strconv.FormatInt(st.Size(), 10) + " " + strconv.FormatInt(st.ModTime().UnixNano(), 10)}
 	if c.MemoryMB != 0 {
 		s.MemoryMB = c.MemoryMB
