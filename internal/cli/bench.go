@@ -14,6 +14,7 @@ import (
 	"github.com/cagehq/cage/internal/bench"
 	"github.com/cagehq/cage/internal/sandbox"
 	"github.com/cagehq/cage/internal/units"
+	"github.com/cagehq/cage/internal/wall/microvm"
 )
 
 func newBenchCmd(g *globals) *cobra.Command {
@@ -30,6 +31,9 @@ func newBenchCmd(g *globals) *cobra.Command {
   walls      each OCI wall (runc, gvisor): create -> first output against the
              runtime running the same command bare in an equivalent bundle
              (interleaved), and memory with 50 idle sandboxes of each
+  microvm    the microvm wall (base): create, restored from its snapshot ->
+             first output, interleaved with the process wall's; QEMU's PSS and
+             host cgroup charge with 20 idle VMs restored from one snapshot
   serve      against a cage serve it starts: time to interactive (create -> first
              output through the API and proxy) sequential and 20 at once, the
              round trip through the proxy, and --idle sandboxes created through
@@ -44,7 +48,7 @@ func newBenchCmd(g *globals) *cobra.Command {
 	}
 	cmd.Flags().IntVar(&runs, "runs", 30, "samples per measurement")
 	cmd.Flags().IntVar(&idle, "idle", 200, "sandboxes alive at once for the memory measurement")
-	cmd.Flags().StringVar(&only, "only", "run,create,roundtrip,memory,serve,walls", "measurements to take")
+	cmd.Flags().StringVar(&only, "only", "run,create,roundtrip,memory,serve,walls,microvm", "measurements to take")
 	return cmd
 }
 
@@ -98,6 +102,11 @@ func runBench(ctx context.Context, g *globals, w io.Writer, runs, idle int, only
 	}
 	if want["walls"] {
 		if err := benchWalls(ctx, w, h, runs); err != nil {
+			return err
+		}
+	}
+	if want["microvm"] {
+		if err := benchMicroVM(ctx, w, h, runs); err != nil {
 			return err
 		}
 	}
@@ -172,6 +181,52 @@ func benchServe(ctx context.Context, w io.Writer, runs, idle int) error {
 	}
 	fmt.Fprintf(w, "serve: %d sandboxes created through the API at %.1f/s; daemon RSS %s idle, %s with them alive\n",
 		idle, rate, units.FormatSize(roundKiB(before)), units.FormatSize(roundKiB(after)))
+	return nil
+}
+
+// benchMicroVM measures the microvm wall: a create (restored from the
+// snapshot of its shape, made by the warm-up) to first output, interleaved
+// with the process wall's, and 20 idle VMs of one snapshot.
+func benchMicroVM(ctx context.Context, w io.Writer, h *sandbox.Host, runs int) error {
+	if err := h.WallMissing("microvm"); err != nil {
+		fmt.Fprintf(w, "microvm: skipped: %v\n", err)
+		return nil
+	}
+	if h.Templates == nil {
+		var err error
+		if h.Templates, err = openTemplates(""); err != nil {
+			return err
+		}
+	}
+	accel, why := h.MicroVMAccel(ctx)
+	if accel == "tcg" {
+		fmt.Fprintf(w, "microvm: TCG (%s): %s\n", why, microvm.TCGWarning)
+	}
+	if _, err := bench.WallToFirstOutput(ctx, h, "microvm", 0, 2); err != nil {
+		return exitf(ExitInternal, "microvm: %v", err)
+	}
+	var vms, procs []time.Duration
+	for i := 0; i < runs; i++ { // interleaved: drift hits both alike
+		v, err := bench.WallToFirstOutput(ctx, h, "microvm", 1, 0)
+		if err != nil {
+			return exitf(ExitInternal, "microvm: %v", err)
+		}
+		p, err := bench.WallToFirstOutput(ctx, h, "process", 1, 0)
+		if err != nil {
+			return exitf(ExitInternal, "process: %v", err)
+		}
+		vms, procs = append(vms, v.P50), append(procs, p.P50)
+	}
+	vs, ps := stats.Summarize(vms), stats.Summarize(procs)
+	fmt.Fprintf(w, "microvm: create (restore) -> first output  %s\n", vs)
+	fmt.Fprintf(w, "process: create -> first output            %s\n", ps)
+	fmt.Fprintf(w, "microvm: ratio of medians microvm/process  %.1fx\n", stats.Ratio(vs, ps))
+	m, err := bench.WallIdleMemory(ctx, h, "microvm", 20)
+	if err != nil {
+		return exitf(ExitInternal, "microvm memory: %v", err)
+	}
+	fmt.Fprintf(w, "microvm: 20 idle VMs of one snapshot: QEMU PSS %s, host cgroup charge %s, %s per VM (MemAvailable drop)\n",
+		units.FormatSize(roundKiB(m.AgentPSSBytes)), units.FormatSize(roundKiB(m.CgroupBytes)), units.FormatSize(roundKiB(m.PerSandboxBytes)))
 	return nil
 }
 
