@@ -2,6 +2,7 @@ package cli
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"os"
@@ -145,6 +146,12 @@ func probeWall(ctx context.Context, g *globals, wallName string) (bool, string) 
 		}
 		return false, err.Error()
 	}
+	if wallName == "microvm" {
+		// It starts from base, in the template store.
+		if h.Templates, err = openTemplates(""); err != nil {
+			return false, err.Error()
+		}
+	}
 	runtime := ""
 	if rt := h.Runtimes[wallName]; rt != nil {
 		runtime = rt.Binary + " " + strings.Join(rt.Flags, " ") + "; "
@@ -162,6 +169,9 @@ func probeWall(ctx context.Context, g *globals, wallName string) (bool, string) 
 	start := time.Now()
 	sb, err := h.Create(ctx, sandbox.Options{Wall: wallName, DieWithCaller: true})
 	if err != nil {
+		if wallName == "microvm" && errors.Is(err, sandbox.ErrNotFound) {
+			return false, "create failed: it starts from the base template, which the store lacks (make base): " + err.Error()
+		}
 		return false, "create failed: " + err.Error()
 	}
 	defer sb.Destroy()
