@@ -206,14 +206,14 @@ func runCommand(ctx context.Context, g *globals, f *runFlags, args []string, std
 	if ctx == nil {
 		ctx = context.Background()
 	}
-	if p.opts.Wall == "microvm" && host.WallMissing("microvm") == nil {
-		if accel, why := host.MicroVMAccel(ctx); accel == "tcg" {
-			fmt.Fprintf(stderr, "cage: warning: %s (%s)\n", microvm.TCGWarning, why)
-		}
-	}
 	sb, err := host.Create(ctx, p.opts)
 	if err != nil {
 		return err
+	}
+	if sb.Wall() == "microvm" {
+		if accel, why := host.MicroVMAccel(ctx); accel == "tcg" {
+			fmt.Fprintf(stderr, "cage: warning: %s (%s)\n", microvm.TCGWarning, why)
+		}
 	}
 	defer host.GC() // after the command: leftovers of runs that were killed
 	defer sb.Destroy()
