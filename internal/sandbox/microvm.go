@@ -110,12 +110,7 @@ func (h *Host) createMicroVM(ctx context.Context, o Options) (wall.Sandbox, erro
 	if err != nil {
 		return nil, err
 	}
-	if o.ID == "" {
-		o.ID = process.NewID()
-	}
-	if o.Token == "" {
-		o.Token = NewToken()
-	}
+	o.identify()
 	accel, _ := h.MicroVMAccel(ctx)
 	sb, err := microvm.Create(ctx, microvm.Config{
 		ID: o.ID, RunDir: h.RunDir, Cache: h.microvmCache(), AgentPath: h.AgentPath, Kernel: k, Template: tmpl, Accel: accel,

@@ -120,6 +120,16 @@ func (o *Options) Validate() error {
 	return nil
 }
 
+// identify gives o a fresh sandbox id and access token where it has none.
+func (o *Options) identify() {
+	if o.ID == "" {
+		o.ID = process.NewID()
+	}
+	if o.Token == "" {
+		o.Token = NewToken()
+	}
+}
+
 func containsAny(s, chars string) bool {
 	for _, c := range chars {
 		for _, d := range s {

@@ -70,12 +70,7 @@ func (h *Host) createOCI(ctx context.Context, o Options) (wall.Sandbox, error) {
 	if err != nil {
 		return nil, err
 	}
-	if o.ID == "" {
-		o.ID = process.NewID()
-	}
-	if o.Token == "" {
-		o.Token = NewToken()
-	}
+	o.identify()
 	netHost, err := h.network(o.Net)
 	if err != nil {
 		return nil, err
