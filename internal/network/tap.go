@@ -67,18 +67,17 @@ func openTapIn(nsFD int) (*os.File, error) {
 	if err != nil {
 		return nil, err
 	}
-	r := struct{ f *os.File }{tun}
 	ifr, err := unix.NewIfreq(TapName)
 	if err != nil {
-		r.f.Close()
+		tun.Close()
 		return nil, err
 	}
 	ifr.SetUint16(unix.IFF_TAP | unix.IFF_NO_PI | unix.IFF_VNET_HDR)
-	if _, _, errno := unix.Syscall(unix.SYS_IOCTL, r.f.Fd(), unix.TUNSETIFF, uintptr(unsafe.Pointer(ifr))); errno != 0 {
-		r.f.Close()
+	if _, _, errno := unix.Syscall(unix.SYS_IOCTL, tun.Fd(), unix.TUNSETIFF, uintptr(unsafe.Pointer(ifr))); errno != 0 {
+		tun.Close()
 		return nil, fmt.Errorf("make the tap device: %w", errno)
 	}
-	return r.f, nil
+	return tun, nil
 }
 
 // splice redirects every frame arriving on a to b's output and back.

@@ -107,6 +107,16 @@ func RepoRoot() string {
 	return filepath.Join(filepath.Dir(file), "..", "..")
 }
 
+// KernelDir is where the microvm wall's guest kernel is for tests:
+// $CAGE_KERNEL_DIR, else the repository's .tools/kernel, where
+// scripts/kernel.sh puts it.
+func KernelDir() string {
+	if dir := os.Getenv("CAGE_KERNEL_DIR"); dir != "" {
+		return dir
+	}
+	return filepath.Join(RepoRoot(), ".tools", "kernel")
+}
+
 // RunDir makes a runtime directory for a test's sandboxes that the
 // sandboxes' own root users can traverse (t.TempDir's parents are 0700).
 func RunDir(t testing.TB) string {

@@ -18,36 +18,15 @@ import (
 	"syscall"
 	"testing"
 	"time"
-)
 
-// repoRoot is the directory of go.mod above the test's directory.
-func repoRoot(t testing.TB) string {
-	t.Helper()
-	dir, err := os.Getwd()
-	if err != nil {
-		t.Fatal(err)
-	}
-	for {
-		if _, err := os.Stat(filepath.Join(dir, "go.mod")); err == nil {
-			return dir
-		}
-		parent := filepath.Dir(dir)
-		if parent == dir {
-			t.Fatal("no go.mod above the test's directory")
-		}
-		dir = parent
-	}
-}
+	"github.com/cagehq/cage/internal/testutil"
+)
 
 // testKernel finds the guest kernel in $CAGE_KERNEL_DIR or the repository's
 // .tools/kernel, or skips.
 func testKernel(t testing.TB) *Kernel {
 	t.Helper()
-	dir := os.Getenv("CAGE_KERNEL_DIR")
-	if dir == "" {
-		dir = filepath.Join(repoRoot(t), ".tools", "kernel")
-	}
-	k, err := FindKernel(dir)
+	k, err := FindKernel(testutil.KernelDir())
 	if err != nil {
 		t.Skipf("no guest kernel (set CAGE_KERNEL_DIR or run scripts/kernel.sh): %v", err)
 	}

@@ -17,10 +17,7 @@ import (
 // for a host template and a missing kernel, and nothing left behind.
 func TestMicroVM(t *testing.T) {
 	e := setup(t)
-	kernels := os.Getenv("CAGE_KERNEL_DIR")
-	if kernels == "" {
-		kernels = filepath.Join(testutil.RepoRoot(), ".tools", "kernel")
-	}
+	kernels := testutil.KernelDir()
 	store := os.Getenv("CAGE_TEMPLATES")
 	_, qerr := exec.LookPath("qemu-system-x86_64")
 	_, kerr := os.Stat(filepath.Join(kernels, "current"))

@@ -70,9 +70,8 @@ func processHost(t testing.TB) *sandbox.Host {
 		hostDir = dir
 		_ = os.Chmod(dir, 0o711)
 		host, hostErr = sandbox.NewHost(dir, filepath.Join(bin, "cage-agent"), slog.New(slog.DiscardHandler))
-		if hostErr == nil && os.Getenv("CAGE_KERNEL_DIR") == "" {
-			// Where scripts/kernel.sh put the microvm wall's guest kernel.
-			host.KernelDir = filepath.Join(testutil.RepoRoot(), ".tools", "kernel")
+		if hostErr == nil {
+			host.KernelDir = testutil.KernelDir()
 		}
 		if hostErr == nil {
 			// The shared store where scripts/test.sh built "base", else

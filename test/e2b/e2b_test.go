@@ -98,7 +98,7 @@ func requireWall(t *testing.T, wall string) {
 	if wall == "microvm" {
 		// QEMU and the guest kernel (scripts/kernel.sh), and base.
 		_, qerr := exec.LookPath("qemu-system-x86_64")
-		_, kerr := os.Stat(filepath.Join(kernelDir(), "current"))
+		_, kerr := os.Stat(filepath.Join(testutil.KernelDir(), "current"))
 		if qerr == nil && kerr == nil && baseTemplate() == "1" {
 			return
 		}
@@ -389,7 +389,7 @@ func cageCommand(ctx context.Context, bin string, args ...string) *exec.Cmd {
 			cmd.Env = append(cmd.Env, kv)
 		}
 	}
-	cmd.Env = append(cmd.Env, "CAGE_KERNEL_DIR="+kernelDir())
+	cmd.Env = append(cmd.Env, "CAGE_KERNEL_DIR="+testutil.KernelDir())
 	cmd.WaitDelay = 5 * time.Second
 	return cmd
 }
@@ -566,15 +566,6 @@ func (b *syncBuffer) tail(n int) string {
 		return "[...]\n" + s[len(s)-n:]
 	}
 	return s
-}
-
-// kernelDir is where the microvm wall's guest kernel is: CAGE_KERNEL_DIR,
-// else where scripts/kernel.sh puts it.
-func kernelDir() string {
-	if dir := os.Getenv("CAGE_KERNEL_DIR"); dir != "" {
-		return dir
-	}
-	return filepath.Join(testutil.RepoRoot(), ".tools", "kernel")
 }
 
 // baseTemplate says whether the shared template store has "base" ("1"), so

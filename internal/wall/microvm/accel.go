@@ -34,9 +34,8 @@ func Accel(ctx context.Context, cache, choice string, k *vm.Kernel, agentPath st
 		return "tcg", err.Error()
 	}
 	key := strings.TrimSpace(string(boot)) + " " + sh.Version + " " + sh.QEMU
-	p := choice
 	var c accelChoice
-	if b, err := os.ReadFile(p); err == nil && json.Unmarshal(b, &c) == nil && c.Key == key {
+	if b, err := os.ReadFile(choice); err == nil && json.Unmarshal(b, &c) == nil && c.Key == key {
 		return c.Accel, c.Reason
 	}
 	c = accelChoice{Key: key, Accel: "tcg"}
@@ -54,7 +53,7 @@ func Accel(ctx context.Context, cache, choice string, k *vm.Kernel, agentPath st
 		}
 	}
 	if ctx.Err() == nil {
-		_ = writeChoice(p, c)
+		_ = writeChoice(choice, c)
 	}
 	return c.Accel, c.Reason
 }

@@ -458,17 +458,32 @@ func Initramfs(dir string, k *vm.Kernel, agentPath string) (string, error) {
 	return p, os.Rename(f.Name(), p)
 }
 
+// fileSums keeps each file's sum by its identity (device, inode, size,
+// modification time): every create names the initramfs by the agent's sum,
+// and reading the agent (megabytes) once per process is enough.
+var fileSums sync.Map
+
 func fileSum(p string) (string, error) {
 	f, err := os.Open(p)
 	if err != nil {
 		return "", err
 	}
 	defer f.Close()
+	var st unix.Stat_t
+	if err := unix.Fstat(int(f.Fd()), &st); err != nil {
+		return "", err
+	}
+	key := [4]int64{int64(st.Dev), int64(st.Ino), st.Size, st.Mtim.Nano()}
+	if sum, ok := fileSums.Load(key); ok {
+		return sum.(string), nil
+	}
 	h := sha256.New()
 	if _, err := io.Copy(h, f); err != nil {
 		return "", err
 	}
-	return hex.EncodeToString(h.Sum(nil)), nil
+	sum := hex.EncodeToString(h.Sum(nil))
+	fileSums.Store(key, sum)
+	return sum, nil
 }
 
 // TemplateImage returns the read-only ext4 image of template t's files,

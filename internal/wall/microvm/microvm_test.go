@@ -32,15 +32,7 @@ func needVM(t testing.TB) *vm.Kernel {
 			t.Skipf("SKIP: %s is not installed (scripts/kernel.sh installs QEMU)", tool)
 		}
 	}
-	dir := os.Getenv("CAGE_KERNEL_DIR")
-	if dir == "" {
-		out, err := exec.Command("go", "env", "GOMOD").Output()
-		if err != nil {
-			t.Skip("SKIP: no module root")
-		}
-		dir = filepath.Join(filepath.Dir(strings.TrimSpace(string(out))), ".tools", "kernel")
-	}
-	k, err := vm.FindKernel(dir)
+	k, err := vm.FindKernel(testutil.KernelDir())
 	if err != nil {
 		t.Skipf("SKIP: no guest kernel: %v", err)
 	}
