@@ -3,23 +3,34 @@ package network
 import (
 	"bufio"
 	"context"
+	"errors"
 	"fmt"
 	"net"
 	"net/netip"
 	"os"
 	"strings"
+	"syscall"
 	"time"
 
 	"github.com/miekg/dns"
+	"golang.org/x/sys/unix"
 )
 
 // The resolver answers the sandboxes of this process: the nat chain of each
-// redirects DNS sent to the gateway to it. A name the sandbox's policy does
-// not allow gets NXDOMAIN without any query leaving the host, so DNS cannot
-// carry data out; an allowed name is asked of the upstream resolvers, and
-// the addresses in the answer are allowed for the sandbox for their TTL
-// (they are what a name in an allowlist opens). AAAA questions get an empty
-// answer: sandboxes are IPv4 only.
+// redirects DNS sent to the gateway to it, and it listens on the gateway
+// address only (never on the host's other interfaces). A name the sandbox's
+// policy does not allow gets NXDOMAIN without any query leaving the host,
+// so DNS cannot carry data out; an allowed name is asked of the upstream
+// resolvers, and the addresses in the answer are allowed for the sandbox
+// for their TTL (they are what a name in an allowlist opens). In internet
+// mode a name the policy denies is asked upstream too, and its addresses
+// are denied, before the sandbox gets its NXDOMAIN. AAAA questions get an
+// empty answer: sandboxes are IPv4 only.
+//
+// The name matched against the policy is the name asked upstream: a
+// question whose name is not a plain host name (an escaped dot or any byte
+// but letters, digits, '-' and '_' in a label) is refused before matching,
+// and the upstream question is built from the matched name.
 type resolver struct {
 	h         *Host
 	port      uint16
@@ -36,18 +47,35 @@ const (
 	maxLearnTTL = time.Hour
 )
 
+// Each sandbox may ask this many questions a second (with this burst);
+// beyond, it gets REFUSED without anything asked upstream.
+const (
+	queryRate  = 100
+	queryBurst = 300
+)
+
+func clampTTL(ttl time.Duration) time.Duration { return min(max(ttl, minLearnTTL), maxLearnTTL) }
+
 func startResolver(h *Host, upstreams []string) (*resolver, error) {
 	r := &resolver{h: h, upstreams: upstreams, client: &dns.Client{Timeout: 3 * time.Second}}
-	// UDP and TCP on one port, any free one: each cage process has its own.
+	// UDP and TCP on one port of the gateway address, any free one: each
+	// cage process has its own. The address exists only on the host ends of
+	// sandboxes' veths, so the sockets are bound before it does (freebind).
+	lc := net.ListenConfig{Control: func(_, _ string, c syscall.RawConn) error {
+		var serr error
+		err := c.Control(func(fd uintptr) { serr = unix.SetsockoptInt(int(fd), unix.SOL_IP, unix.IP_FREEBIND, 1) })
+		return errors.Join(err, serr)
+	}}
+	ctx := context.Background()
 	var pc net.PacketConn
 	var l net.Listener
 	var err error
 	for range 20 {
-		if pc, err = net.ListenPacket("udp4", "0.0.0.0:0"); err != nil {
+		if pc, err = lc.ListenPacket(ctx, "udp4", netip.AddrPortFrom(h.gateway, 0).String()); err != nil {
 			return nil, fmt.Errorf("resolver: %w", err)
 		}
 		port := pc.LocalAddr().(*net.UDPAddr).Port
-		if l, err = net.Listen("tcp4", fmt.Sprintf("0.0.0.0:%d", port)); err == nil {
+		if l, err = lc.Listen(ctx, "tcp4", netip.AddrPortFrom(h.gateway, uint16(port)).String()); err == nil {
 			r.port = uint16(port)
 			break
 		}
@@ -97,30 +125,129 @@ func (r *resolver) ServeDNS(w dns.ResponseWriter, q *dns.Msg) {
 		return
 	}
 	question := q.Question[0]
-	name := strings.TrimSuffix(strings.ToLower(question.Name), ".")
-	policy := sb.Policy()
-	ok, ports := policy.NamePorts(name)
 	qtype := dns.TypeToString[question.Qtype]
+	rec := Record{Sandbox: sb.ID, Kind: "dns", QType: qtype}
+	if !sb.queries.allow(time.Now(), queryRate, queryBurst) {
+		rec.Name, rec.Decision, rec.Detail = strings.ToLower(question.Name), "deny", "rate limited"
+		r.h.record(rec)
+		reply(new(dns.Msg).SetRcode(q, dns.RcodeRefused))
+		return
+	}
+	name, ok := hostName(question.Name)
+	rec.Name = name
 	if !ok {
-		r.h.record(Record{Sandbox: sb.ID, Kind: "dns", Name: name, QType: qtype, Decision: "deny"})
+		rec.Name, rec.Decision, rec.Detail = question.Name, "deny", "not a host name"
+		r.h.record(rec)
+		reply(new(dns.Msg).SetRcode(q, dns.RcodeNameError))
+		return
+	}
+	policy, gen := sb.snapshot()
+	if policy.deniesName(name) {
+		r.denied(sb, gen, q, name, rec)
+		reply(new(dns.Msg).SetRcode(q, dns.RcodeNameError))
+		return
+	}
+	if ok, _ := policy.NamePorts(name); !ok {
+		rec.Decision = "deny"
+		r.h.record(rec)
 		reply(new(dns.Msg).SetRcode(q, dns.RcodeNameError))
 		return
 	}
 	if question.Qtype == dns.TypeAAAA {
 		m := new(dns.Msg).SetReply(q)
 		m.RecursionAvailable = true
-		r.h.record(Record{Sandbox: sb.ID, Kind: "dns", Name: name, QType: qtype, Decision: "allow", Detail: "no IPv6 in sandboxes"})
+		rec.Decision, rec.Detail = "allow", "no IPv6 in sandboxes"
+		r.h.record(rec)
 		reply(m)
 		return
 	}
-	ans, err := r.ask(q)
+	reply(r.allowed(sb, gen, q, name, rec))
+}
+
+// allowed asks the upstream resolvers for an allowed name and lets the
+// sandbox reach the answer's addresses, unless its policy changed since the
+// question came (then it gets SERVFAIL, and asks again under the new one).
+func (r *resolver) allowed(sb *Sandbox, gen uint64, q *dns.Msg, name string, rec Record) *dns.Msg {
+	rec.Decision = "allow"
+	ans, err := r.ask(context.Background(), upstreamQuestion(q, name))
 	if err != nil {
 		r.h.log.Debug("resolver: upstream", "name", name, "err", err)
-		r.h.record(Record{Sandbox: sb.ID, Kind: "dns", Name: name, QType: qtype, Decision: "allow", Detail: "upstream failed: " + err.Error()})
-		reply(new(dns.Msg).SetRcode(q, dns.RcodeServerFailure))
-		return
+		rec.Detail = "upstream failed: " + err.Error()
+		r.h.record(rec)
+		return new(dns.Msg).SetRcode(q, dns.RcodeServerFailure)
 	}
+	addrs, ttl := answerAddrs(ans)
+	if err := sb.commit(gen, name, addrs, ttl); err != nil {
+		if !errors.Is(err, errStale) && !errors.Is(err, errGone) {
+			r.h.log.Warn("resolver: allow the answer's addresses", "sandbox", sb.ID, "err", err)
+		}
+		rec.Detail = "not answered: " + err.Error()
+		r.h.record(rec)
+		return new(dns.Msg).SetRcode(q, dns.RcodeServerFailure)
+	}
+	rec.Detail = joinAddrs(addrs)
+	r.h.record(rec)
 	ans.Id = q.Id
+	ans.Question = q.Question // as the sandbox spelt it
+	return ans
+}
+
+// denied asks the upstream resolvers for a name an internet-mode policy
+// denies and denies the sandbox the addresses of the answer (the sandbox
+// itself gets NXDOMAIN whatever the answer).
+func (r *resolver) denied(sb *Sandbox, gen uint64, q *dns.Msg, name string, rec Record) {
+	rec.Decision = "deny"
+	if q.Question[0].Qtype == dns.TypeA {
+		if ans, err := r.ask(context.Background(), upstreamQuestion(q, name)); err == nil {
+			addrs, ttl := answerAddrs(ans)
+			if err := sb.commit(gen, name, addrs, ttl); err != nil && !errors.Is(err, errStale) && !errors.Is(err, errGone) {
+				r.h.log.Warn("resolver: deny the answer's addresses", "sandbox", sb.ID, "err", err)
+			}
+			rec.Detail = "denied addresses: " + joinAddrs(addrs)
+		}
+	}
+	r.h.record(rec)
+}
+
+// hostName is the name of a question as matched and asked upstream: lower
+// case, without the final dot, each label letters, digits, '-' or '_'. A
+// name in any other form (escapes such as "\." inside a label or "\000",
+// other bytes, empty labels, the root) is not one (ok false).
+func hostName(qname string) (string, bool) {
+	name := strings.TrimSuffix(strings.ToLower(qname), ".")
+	if name == "" || len(name) > 253 {
+		return "", false
+	}
+	for _, label := range strings.Split(name, ".") {
+		if len(label) == 0 || len(label) > 63 {
+			return "", false
+		}
+		for i := 0; i < len(label); i++ {
+			c := label[i]
+			if !(c >= 'a' && c <= 'z' || c >= '0' && c <= '9' || c == '-' || c == '_') {
+				return "", false
+			}
+		}
+	}
+	return name, true
+}
+
+// upstreamQuestion is q asked for name (the name the policy matched) with
+// a fresh id; EDNS options are kept, nothing else of q's header.
+func upstreamQuestion(q *dns.Msg, name string) *dns.Msg {
+	out := new(dns.Msg)
+	out.SetQuestion(name+".", q.Question[0].Qtype)
+	out.RecursionDesired = true
+	out.CheckingDisabled = q.CheckingDisabled
+	if opt := q.IsEdns0(); opt != nil {
+		out.SetEdns0(opt.UDPSize(), opt.Do())
+	}
+	return out
+}
+
+// answerAddrs are the IPv4 addresses of an answer and their TTL (the
+// shortest), clamped.
+func answerAddrs(ans *dns.Msg) ([]netip.Addr, time.Duration) {
 	var addrs []netip.Addr
 	ttl := maxLearnTTL
 	for _, rr := range ans.Answer {
@@ -131,54 +258,39 @@ func (r *resolver) ServeDNS(w dns.ResponseWriter, q *dns.Msg) {
 			}
 		}
 	}
-	// In internet mode only names that an allow entry names need their
-	// addresses learned (they may be inside a denied range).
-	learn := policy.Mode == Allowlist || policy.Mode == Internet && explicitlyAllowed(policy, name)
-	if learn && len(addrs) > 0 {
-		if err := sb.learn(name, addrs, ports, max(ttl, minLearnTTL)); err != nil {
-			r.h.log.Warn("resolver: allow the answer's addresses", "sandbox", sb.ID, "err", err)
-			reply(new(dns.Msg).SetRcode(q, dns.RcodeServerFailure))
-			return
-		}
-	}
-	detail := make([]string, 0, len(addrs))
+	return addrs, clampTTL(ttl)
+}
+
+func joinAddrs(addrs []netip.Addr) string {
+	s := make([]string, 0, len(addrs))
 	for _, a := range addrs {
-		detail = append(detail, a.String())
+		s = append(s, a.String())
 	}
-	r.h.record(Record{Sandbox: sb.ID, Kind: "dns", Name: name, QType: qtype, Decision: "allow", Detail: strings.Join(detail, " ")})
-	reply(ans)
+	return strings.Join(s, " ")
 }
 
-func explicitlyAllowed(p Policy, name string) bool {
-	for _, r := range p.Allow {
-		if r.matches(name) {
-			return true
-		}
-	}
-	return false
-}
-
-// ask forwards q to the upstream resolvers in turn (over TCP when the UDP
-// answer is truncated).
-func (r *resolver) ask(q *dns.Msg) (*dns.Msg, error) {
+// ask sends q to the upstream resolvers in turn (over TCP when the UDP
+// answer is truncated), each for at most 4 s and all within ctx.
+func (r *resolver) ask(ctx context.Context, q *dns.Msg) (*dns.Msg, error) {
 	if len(r.upstreams) == 0 {
 		return nil, fmt.Errorf("no upstream resolver (none in /etc/resolv.conf, and none configured)")
 	}
-	out := q.Copy()
-	out.Id = dns.Id()
 	var last error
 	for _, up := range r.upstreams {
-		ctx, cancel := context.WithTimeout(context.Background(), 4*time.Second)
-		ans, _, err := r.client.ExchangeContext(ctx, out, up)
+		actx, cancel := context.WithTimeout(ctx, 4*time.Second)
+		ans, _, err := r.client.ExchangeContext(actx, q, up)
 		if err == nil && ans.Truncated {
 			tcp := &dns.Client{Net: "tcp", Timeout: 3 * time.Second}
-			ans, _, err = tcp.ExchangeContext(ctx, out, up)
+			ans, _, err = tcp.ExchangeContext(actx, q, up)
 		}
 		cancel()
 		if err == nil {
 			return ans, nil
 		}
 		last = err
+		if ctx.Err() != nil {
+			break
+		}
 	}
 	return nil, last
 }

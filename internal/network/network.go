@@ -9,12 +9,12 @@
 package network
 
 import (
-	"errors"
 	"fmt"
 	"log/slog"
 	"net/netip"
 	"os"
 	"path/filepath"
+	"strings"
 	"sync"
 	"syscall"
 	"time"
@@ -66,13 +66,19 @@ type Host struct {
 	flog    *nflog
 	log     *slog.Logger
 
+	names nameCache     // denied names' addresses
+	stop  chan struct{} // ends the refresher of denied names
+
 	mu     sync.Mutex
 	bySlot map[int]*Sandbox
 	byIP   map[netip.Addr]*Sandbox
 }
 
 // NewHost sets the host up for sandbox networks: forwarding on, the
-// nftables table, a resolver and a log reader of this process's own.
+// nftables table, a resolver and a log reader of this process's own, and
+// the refresher of denied names' addresses. Where forwarding was off, the
+// host routed nothing: the table then drops forwarded traffic that is not
+// a sandbox's (see nftbase.go), so that turning it on routes nothing else.
 func NewHost(cfg Config) (*Host, error) {
 	if !cfg.Subnet.IsValid() {
 		cfg.Subnet = DefaultSubnet
@@ -91,10 +97,7 @@ func NewHost(cfg Config) (*Host, error) {
 		cfg.Upstreams = HostResolvers("/etc/resolv.conf")
 	}
 	h := &Host{cfg: cfg, gateway: cfg.Subnet.Addr().Next(), denied: deniedSpans(cfg.Open, cfg.Subnet), log: cfg.Log,
-		bySlot: map[int]*Sandbox{}, byIP: map[netip.Addr]*Sandbox{}}
-	if err := os.WriteFile("/proc/sys/net/ipv4/ip_forward", []byte("1"), 0); err != nil {
-		return nil, fmt.Errorf("enable IPv4 forwarding: %w", err)
-	}
+		bySlot: map[int]*Sandbox{}, byIP: map[netip.Addr]*Sandbox{}, stop: make(chan struct{})}
 	var err error
 	if h.nft, err = newNFT(); err != nil {
 		return nil, err
@@ -104,7 +107,10 @@ func NewHost(cfg Config) (*Host, error) {
 		h.nft.close()
 		return nil, err
 	}
-	err = h.nft.ensureBase()
+	turnedOn, err := enableForwarding()
+	if err == nil {
+		err = h.nft.ensureBase(turnedOn)
+	}
 	unlock()
 	if err != nil {
 		h.nft.close()
@@ -119,7 +125,24 @@ func NewHost(cfg Config) (*Host, error) {
 		h.nft.close()
 		return nil, err
 	}
+	go h.refreshDenied(h.stop)
 	return h, nil
+}
+
+// enableForwarding turns IPv4 forwarding on and says whether it was off.
+func enableForwarding() (turnedOn bool, err error) {
+	const knob = "/proc/sys/net/ipv4/ip_forward"
+	b, err := os.ReadFile(knob)
+	if err != nil {
+		return false, fmt.Errorf("IPv4 forwarding: %w", err)
+	}
+	if strings.TrimSpace(string(b)) == "1" {
+		return false, nil
+	}
+	if err := os.WriteFile(knob, []byte("1"), 0); err != nil {
+		return false, fmt.Errorf("enable IPv4 forwarding: %w", err)
+	}
+	return true, nil
 }
 
 // lockHost serialises the creation of the shared table between processes.
@@ -141,6 +164,7 @@ func lockHost(dir string) (func(), error) {
 // Close stops the resolver and the log reader. Sandboxes keep their rules
 // (a process that adopts them takes them over); Sandbox.Close removes them.
 func (h *Host) Close() {
+	close(h.stop)
 	h.flog.close()
 	h.res.close()
 	h.nft.close()
@@ -159,19 +183,6 @@ func (h *Host) ResolvConf() string {
 	return fmt.Sprintf("# cage: the host's resolver answers the names this sandbox may reach\nnameserver %s\noptions ndots:1 timeout:2 attempts:2\n", h.gateway)
 }
 
-// Sandbox is the network of one sandbox.
-type Sandbox struct {
-	ID   string
-	Slot int
-	IP   netip.Addr
-	h    *Host
-
-	mu      sync.Mutex
-	policy  Policy
-	learned map[string]bool // names whose addresses are in the learned sets
-	closed  bool
-}
-
 // Attach gives sandbox id (holding uid slot) a network: rules first, so that
 // nothing passes before they exist, then the veth into the namespace nsFD.
 func (h *Host) Attach(id string, slot int, nsFD int, p Policy) (*Sandbox, error) {
@@ -184,13 +195,10 @@ func (h *Host) Attach(id string, slot int, nsFD int, p Policy) (*Sandbox, error)
 	if slot < 0 || slot >= maxSlots {
 		return nil, fmt.Errorf("sandbox slot %d out of range", slot)
 	}
-	sb := &Sandbox{ID: id, Slot: slot, IP: h.IP(slot), h: h, policy: p, learned: map[string]bool{}}
-	if err := h.nft.add(h.rules(sb, p), false); err != nil {
-		_ = h.nft.remove(slot) // a leftover of a dead owner, or half of ours
-		if err = h.nft.add(h.rules(sb, p), false); err != nil {
-			_ = h.nft.remove(slot)
-			return nil, err
-		}
+	sb := newSandbox(h, id, slot, p)
+	if err := sb.start(); err != nil {
+		_ = h.nft.remove(slot)
+		return nil, err
 	}
 	if err := attachLink(slot, nsFD, sb.IP, h.gateway); err != nil {
 		_ = h.nft.remove(slot)
@@ -201,16 +209,17 @@ func (h *Host) Attach(id string, slot int, nsFD int, p Policy) (*Sandbox, error)
 }
 
 // Adopt takes over the network of a running sandbox another process made:
-// its rules are rewritten for this process's resolver and log group.
+// its rules are rewritten for this process's resolver and log group, and
+// its learned addresses forgotten (this process does not know their names:
+// the sandbox resolves them again).
 func (h *Host) Adopt(id string, slot int, p Policy) (*Sandbox, error) {
 	if err := p.Validate(); err != nil {
 		return nil, err
 	}
-	sb := &Sandbox{ID: id, Slot: slot, IP: h.IP(slot), h: h, policy: p, learned: map[string]bool{}}
-	if err := h.nft.add(h.rules(sb, p), true); err != nil {
+	sb := newSandbox(h, id, slot, p)
+	if err := sb.start(); err != nil {
 		return nil, err
 	}
-	_ = h.nft.forget(slot)
 	h.register(sb)
 	return sb, nil
 }
@@ -231,69 +240,6 @@ func (h *Host) bySource(a netip.Addr) *Sandbox {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	return h.byIP[a]
-}
-
-// Policy is the sandbox's current policy.
-func (sb *Sandbox) Policy() Policy {
-	sb.mu.Lock()
-	defer sb.mu.Unlock()
-	return sb.policy
-}
-
-// SetPolicy replaces the policy of a running sandbox. Connections already
-// open stay open; addresses learned for names are forgotten, so a name must
-// be resolved again under the new policy. Mode none leaves the interface
-// in place with nothing allowed.
-func (sb *Sandbox) SetPolicy(p Policy) error {
-	if p.Mode == None && len(p.Allow) == 0 && len(p.Deny) == 0 {
-		p.Mode = Allowlist
-	}
-	if err := p.Validate(); err != nil {
-		return err
-	}
-	sb.mu.Lock()
-	defer sb.mu.Unlock()
-	if sb.closed {
-		return errors.New("the sandbox's network is gone")
-	}
-	if err := sb.h.nft.add(sb.h.rules(sb, p), true); err != nil {
-		return err
-	}
-	if err := sb.h.nft.forget(sb.Slot); err != nil {
-		return err
-	}
-	sb.policy = p
-	sb.learned = map[string]bool{}
-	return nil
-}
-
-func (sb *Sandbox) learn(name string, addrs []netip.Addr, ports []uint16, ttl time.Duration) error {
-	sb.mu.Lock()
-	defer sb.mu.Unlock()
-	if sb.closed {
-		return errors.New("the sandbox's network is gone")
-	}
-	sb.learned[name] = true
-	return sb.h.nft.learn(sb.Slot, addrs, ports, ttl)
-}
-
-// Close removes the sandbox's rules and interface.
-func (sb *Sandbox) Close() error {
-	sb.mu.Lock()
-	if sb.closed {
-		sb.mu.Unlock()
-		return nil
-	}
-	sb.closed = true
-	sb.mu.Unlock()
-	h := sb.h
-	h.mu.Lock()
-	if h.bySlot[sb.Slot] == sb {
-		delete(h.bySlot, sb.Slot)
-		delete(h.byIP, sb.IP)
-	}
-	h.mu.Unlock()
-	return errors.Join(removeLink(sb.Slot), h.nft.remove(sb.Slot))
 }
 
 // GC removes the rules and interfaces of slots that no live sandbox holds

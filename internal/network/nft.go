@@ -17,19 +17,22 @@ import (
 // cage's rules live in one nftables table of its own, "inet cage", shared by
 // every cage process on the host (a daemon and any number of `cage run`);
 // each process adds and removes only its own sandboxes' objects and never
-// flushes the table. Base chains dispatch on the input interface through two
-// verdict maps to per-sandbox chains:
+// flushes the table. Base chains dispatch on the input interface through
+// verdict maps to per-sandbox chains (see nftbase.go for the base):
 //
 //	forward (filter):   iifname vmap @fwd  -> chain s<slot>: the policy
 //	                    other cage* input  -> drop; to cage*: only replies
-//	input (filter):     from cage*: replies and DNS redirected to a resolver;
-//	                    else iifname vmap @inp -> chain i<slot>: logged refusal
+//	                    [guard: the rest is dropped where cage turned forwarding on]
+//	input (filter):     from cage*: replies; else iifname vmap @inp -> chain
+//	                    i<slot>: DNS this process redirected to its resolver,
+//	                    else a logged refusal
 //	dstnat (nat):       iifname vmap @dns  -> chain d<slot>: DNS to the gateway -> resolver
 //	srcnat (nat):       from cage* out elsewhere -> masquerade
 //
-// Per sandbox: chains s<slot>, i<slot> and d<slot>, set x<slot> (its denied ranges),
-// set n<slot> (addresses its allowed names resolved to, until their TTL) and
-// set p<slot> (the same with a port).
+// Per sandbox: chains s<slot>, i<slot> and d<slot>, set x<slot> (its denied
+// ranges), set n<slot> (addresses its allowed names resolved to, until
+// their TTL), set p<slot> (the same with a port) and set y<slot> (addresses
+// the names it is denied resolve to, in internet mode).
 const (
 	tableName = "cage"
 	ifPrefix  = "cage" // host-side interface names: cage<slot>
@@ -64,56 +67,6 @@ func newNFT() (*nft, error) {
 
 func (n *nft) close() { _ = n.conn.CloseLasting() }
 
-// ensureBase creates the table and its base chains unless they exist. The
-// caller holds the host-wide network lock.
-func (n *nft) ensureBase() error {
-	n.mu.Lock()
-	defer n.mu.Unlock()
-	if t, err := n.conn.ListTableOfFamily(tableName, nftables.TableFamilyINet); err == nil && t != nil {
-		if _, err := n.conn.ListChain(n.table, "forward"); err == nil {
-			return nil
-		}
-	}
-	c := n.conn
-	c.AddTable(n.table)
-	for _, m := range []*nftables.Set{n.fwd, n.inp, n.dns} {
-		if err := c.AddSet(m, nil); err != nil {
-			return err
-		}
-	}
-	accept := nftables.ChainPolicyAccept
-	fwd := c.AddChain(&nftables.Chain{Name: "forward", Table: n.table, Type: nftables.ChainTypeFilter,
-		Hooknum: nftables.ChainHookForward, Priority: nftables.ChainPriorityFilter, Policy: &accept})
-	in := c.AddChain(&nftables.Chain{Name: "input", Table: n.table, Type: nftables.ChainTypeFilter,
-		Hooknum: nftables.ChainHookInput, Priority: nftables.ChainPriorityFilter, Policy: &accept})
-	dnat := c.AddChain(&nftables.Chain{Name: "dstnat", Table: n.table, Type: nftables.ChainTypeNAT,
-		Hooknum: nftables.ChainHookPrerouting, Priority: nftables.ChainPriorityNATDest, Policy: &accept})
-	snat := c.AddChain(&nftables.Chain{Name: "srcnat", Table: n.table, Type: nftables.ChainTypeNAT,
-		Hooknum: nftables.ChainHookPostrouting, Priority: nftables.ChainPriorityNATSource, Policy: &accept})
-
-	rule := func(ch *nftables.Chain, e ...expr.Any) {
-		c.AddRule(&nftables.Rule{Table: n.table, Chain: ch, Exprs: e})
-	}
-	// forward: each sandbox's own chain decides what leaves it.
-	rule(fwd, cat(ifname(expr.MetaKeyIIFNAME), vmap("fwd"))...)
-	rule(fwd, cat(ifnamePrefix(expr.MetaKeyIIFNAME, true), verdict(expr.VerdictDrop))...)
-	rule(fwd, cat(ifnamePrefix(expr.MetaKeyOIFNAME, true), ctState(expr.CtStateBitESTABLISHED|expr.CtStateBitRELATED), verdict(expr.VerdictAccept))...)
-	rule(fwd, cat(ifnamePrefix(expr.MetaKeyOIFNAME, true), verdict(expr.VerdictDrop))...)
-	// input: the host itself answers a sandbox only through its resolver.
-	rule(in, cat(ifnamePrefix(expr.MetaKeyIIFNAME, true), ctState(expr.CtStateBitESTABLISHED|expr.CtStateBitRELATED), verdict(expr.VerdictAccept))...)
-	rule(in, cat(ifnamePrefix(expr.MetaKeyIIFNAME, true), ctStatus(ipsDstNAT), verdict(expr.VerdictAccept))...)
-	rule(in, cat(ifname(expr.MetaKeyIIFNAME), vmap("inp"))...)
-	rule(in, cat(ifnamePrefix(expr.MetaKeyIIFNAME, true), reject())...)
-	// dstnat: DNS to the gateway goes to the owner's resolver.
-	rule(dnat, cat(ifname(expr.MetaKeyIIFNAME), vmap("dns"))...)
-	// srcnat: what leaves for elsewhere takes the host's address.
-	rule(snat, cat(ifnamePrefix(expr.MetaKeyIIFNAME, true), ifnamePrefix(expr.MetaKeyOIFNAME, false), []expr.Any{&expr.Masq{}})...)
-	if err := c.Flush(); err != nil {
-		return fmt.Errorf("nftables: create table %s: %w", tableName, err)
-	}
-	return nil
-}
-
 // sandboxRules is what the per-sandbox objects are made from.
 type sandboxRules struct {
 	slot     int
@@ -129,57 +82,83 @@ func (s *sandboxRules) ifname() string { return ifName(s.slot) }
 
 func ifName(slot int) string { return ifPrefix + strconv.Itoa(slot) }
 
-func (n *nft) names(slot int) (filter, input, nat, deny, names, ports string) {
+func (n *nft) names(slot int) (filter, input, nat string) {
 	v := strconv.Itoa(slot)
-	return "s" + v, "i" + v, "d" + v, "x" + v, "n" + v, "p" + v
+	return "s" + v, "i" + v, "d" + v
 }
 
-func (n *nft) sets(slot int) (deny, names, ports *nftables.Set) {
-	_, _, _, x, nm, p := n.names(slot)
-	deny = &nftables.Set{Table: n.table, Name: x, KeyType: nftables.TypeIPAddr, Interval: true}
-	names = &nftables.Set{Table: n.table, Name: nm, KeyType: nftables.TypeIPAddr, HasTimeout: true}
-	ports = &nftables.Set{Table: n.table, Name: p, KeyType: nftables.MustConcatSetType(nftables.TypeIPAddr, nftables.TypeInetService),
-		HasTimeout: true, Concatenation: true}
-	return
+// slotSets are a sandbox's sets.
+type slotSets struct{ deny, names, ports, dnames *nftables.Set }
+
+func (n *nft) sets(slot int) slotSets {
+	v := strconv.Itoa(slot)
+	return slotSets{
+		deny:  &nftables.Set{Table: n.table, Name: "x" + v, KeyType: nftables.TypeIPAddr, Interval: true},
+		names: &nftables.Set{Table: n.table, Name: "n" + v, KeyType: nftables.TypeIPAddr, HasTimeout: true},
+		ports: &nftables.Set{Table: n.table, Name: "p" + v, KeyType: nftables.MustConcatSetType(nftables.TypeIPAddr, nftables.TypeInetService),
+			HasTimeout: true, Concatenation: true},
+		dnames: &nftables.Set{Table: n.table, Name: "y" + v, KeyType: nftables.TypeIPAddr},
+	}
 }
 
-// add creates a sandbox's objects, or replaces its rules if they exist (a
-// policy change, or an adopting process with its own resolver and log
-// group). Learned addresses are kept.
-func (n *nft) add(s *sandboxRules, replace bool) error {
+func (s slotSets) all() []*nftables.Set { return []*nftables.Set{s.deny, s.names, s.ports, s.dnames} }
+
+// setState is what a sandbox's sets hold besides its denied ranges.
+type setState struct {
+	learned []learnedAddr // addresses its allowed names resolved to
+	denied  []netip.Addr  // addresses its denied names resolved to
+}
+
+// learnedAddr is an address an allowed name resolved to, for its ports (0:
+// every port), for ttl more.
+type learnedAddr struct {
+	addr  netip.Addr
+	ports []uint16
+	ttl   time.Duration
+}
+
+// apply creates a sandbox's objects or replaces what they hold, in one
+// batch the kernel applies atomically: there is no moment when the old
+// policy's learned addresses meet the new policy's rules. Objects are
+// created if missing (a new sandbox, or one a process of an older cage
+// made) and emptied if present (a policy change, an adopting process with
+// its own resolver and log group, the leftovers of a dead owner).
+func (n *nft) apply(s *sandboxRules, st setState) error {
 	n.mu.Lock()
 	defer n.mu.Unlock()
 	c := n.conn
-	fname, iname, nname, _, _, _ := n.names(s.slot)
+	fname, iname, nname := n.names(s.slot)
 	filter := &nftables.Chain{Name: fname, Table: n.table}
 	input := &nftables.Chain{Name: iname, Table: n.table}
 	nat := &nftables.Chain{Name: nname, Table: n.table}
-	deny, names, ports := n.sets(s.slot)
-	if replace {
-		for _, ch := range []*nftables.Chain{filter, input, nat} {
-			c.FlushChain(ch)
-		}
-		c.FlushSet(deny)
-	} else {
-		for _, ch := range []*nftables.Chain{filter, input, nat} {
-			c.AddChain(ch)
-		}
-		for _, set := range []*nftables.Set{deny, names, ports} {
-			if err := c.AddSet(set, nil); err != nil {
-				return err
-			}
-		}
+	sets := n.sets(s.slot)
+	for _, ch := range []*nftables.Chain{filter, input, nat} {
+		c.AddChain(ch)
+		c.FlushChain(ch)
 	}
-	if err := c.SetAddElements(deny, intervalElements(s.denied)); err != nil {
+	for _, set := range sets.all() {
+		if err := c.AddSet(set, nil); err != nil {
+			return err
+		}
+		c.FlushSet(set)
+	}
+	if err := c.SetAddElements(sets.deny, intervalElements(s.denied)); err != nil {
 		return err
 	}
-	for _, r := range policyRules(s, deny.Name, names.Name, ports.Name) {
+	if err := n.addLearned(sets, st.learned); err != nil {
+		return err
+	}
+	if len(st.denied) > 0 {
+		if err := c.SetAddElements(sets.dnames, addrElements(st.denied)); err != nil {
+			return err
+		}
+	}
+	for _, r := range policyRules(s, sets) {
 		c.AddRule(&nftables.Rule{Table: n.table, Chain: filter, Exprs: r})
 	}
-	// To the host itself, only replies and DNS to the resolver (accepted in
-	// the base chain) pass.
-	c.AddRule(&nftables.Rule{Table: n.table, Chain: input, Exprs: cat(s.log(logDeny), reject())})
-	c.AddRule(&nftables.Rule{Table: n.table, Chain: input, Exprs: reject()})
+	for _, r := range inputRules(s) {
+		c.AddRule(&nftables.Rule{Table: n.table, Chain: input, Exprs: r})
+	}
 	// DNS to the gateway, from the sandbox's own address, goes to this
 	// process's resolver.
 	for _, proto := range []byte{unix.IPPROTO_UDP, unix.IPPROTO_TCP} {
@@ -190,21 +169,68 @@ func (n *nft) add(s *sandboxRules, replace bool) error {
 				&expr.Redir{RegisterProtoMin: 1, Flags: unix.NF_NAT_RANGE_PROTO_SPECIFIED},
 			})})
 	}
-	if !replace {
-		key := ifKey(s.ifname())
-		for _, m := range []struct {
-			set   *nftables.Set
-			chain string
-		}{{n.fwd, fname}, {n.inp, iname}, {n.dns, nname}} {
-			if err := c.SetAddElements(m.set, []nftables.SetElement{{Key: key, VerdictData: &expr.Verdict{Kind: expr.VerdictJump, Chain: m.chain}}}); err != nil {
-				return err
-			}
+	key := ifKey(s.ifname())
+	for _, m := range []struct {
+		set   *nftables.Set
+		chain string
+	}{{n.fwd, fname}, {n.inp, iname}, {n.dns, nname}} {
+		if err := c.SetAddElements(m.set, []nftables.SetElement{{Key: key, VerdictData: &expr.Verdict{Kind: expr.VerdictJump, Chain: m.chain}}}); err != nil {
+			return err
 		}
 	}
 	if err := c.Flush(); err != nil {
 		return fmt.Errorf("nftables: rules of sandbox slot %d: %w", s.slot, err)
 	}
 	return nil
+}
+
+// inputRules is a sandbox's input chain: to the host itself, only DNS that
+// this process's own redirect sent to its resolver (the gateway's port 53
+// rewritten to the resolver's port), then a logged refusal. A connection
+// some other table redirected to the host is refused like any other.
+func inputRules(s *sandboxRules) [][]expr.Any {
+	var rs [][]expr.Any
+	for _, proto := range []byte{unix.IPPROTO_UDP, unix.IPPROTO_TCP} {
+		rs = append(rs, cat(ipField(16, s.gateway), l4proto(proto), dport(s.resolver), ctStatus(ipsDstNAT), ctOrigDport(53),
+			verdict(expr.VerdictAccept)))
+	}
+	return append(rs, cat(s.log(logDeny), reject()), reject())
+}
+
+// addLearned queues the addition of learned addresses (the caller holds mu
+// and flushes).
+func (n *nft) addLearned(sets slotSets, learned []learnedAddr) error {
+	var any, withPort []nftables.SetElement
+	for _, l := range learned {
+		b := l.addr.As4()
+		for _, p := range l.ports {
+			if p == 0 {
+				any = append(any, nftables.SetElement{Key: b[:], Timeout: l.ttl})
+			} else {
+				withPort = append(withPort, nftables.SetElement{Key: append(b[:], byte(p>>8), byte(p), 0, 0), Timeout: l.ttl})
+			}
+		}
+	}
+	if len(any) > 0 {
+		if err := n.conn.SetAddElements(sets.names, any); err != nil {
+			return err
+		}
+	}
+	if len(withPort) > 0 {
+		if err := n.conn.SetAddElements(sets.ports, withPort); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func addrElements(addrs []netip.Addr) []nftables.SetElement {
+	els := make([]nftables.SetElement, 0, len(addrs))
+	for _, a := range addrs {
+		b := a.As4()
+		els = append(els, nftables.SetElement{Key: b[:]})
+	}
+	return els
 }
 
 // remove deletes a sandbox's objects. Missing ones are not an error (a
@@ -214,8 +240,7 @@ func (n *nft) remove(slot int) error {
 	defer n.mu.Unlock()
 	c := n.conn
 	key := ifKey(ifName(slot))
-	fname, iname, nname, _, _, _ := n.names(slot)
-	deny, names, ports := n.sets(slot)
+	fname, iname, nname := n.names(slot)
 	// Each step is its own batch: a batch fails whole on the first missing object.
 	var steps []func()
 	for _, m := range []*nftables.Set{n.fwd, n.inp, n.dns} {
@@ -225,7 +250,7 @@ func (n *nft) remove(slot int) error {
 		ch := &nftables.Chain{Name: name, Table: n.table}
 		steps = append(steps, func() { c.FlushChain(ch) }, func() { c.DelChain(ch) })
 	}
-	for _, set := range []*nftables.Set{deny, names, ports} {
+	for _, set := range n.sets(slot).all() {
 		steps = append(steps, func() { c.DelSet(set) })
 	}
 	var first error
@@ -242,43 +267,60 @@ func isNotFound(err error) bool {
 	return err != nil && (strings.Contains(err.Error(), "no such file") || strings.Contains(err.Error(), "ENOENT"))
 }
 
-// learn adds addresses a name resolved to, for ttl.
-func (n *nft) learn(slot int, addrs []netip.Addr, ports []uint16, ttl time.Duration) error {
+// learn adds addresses an allowed name resolved to.
+func (n *nft) learn(slot int, learned []learnedAddr) error {
 	n.mu.Lock()
 	defer n.mu.Unlock()
-	_, names, portSet := n.sets(slot)
-	var any, withPort []nftables.SetElement
-	for _, a := range addrs {
-		b := a.As4()
-		for _, p := range ports {
-			if p == 0 {
-				any = append(any, nftables.SetElement{Key: b[:], Timeout: ttl})
-			} else {
-				withPort = append(withPort, nftables.SetElement{Key: append(b[:], binaryutil.BigEndian.PutUint16(p)[0], binaryutil.BigEndian.PutUint16(p)[1], 0, 0), Timeout: ttl})
-			}
-		}
+	if err := n.addLearned(n.sets(slot), learned); err != nil {
+		return err
 	}
-	if len(any) > 0 {
-		if err := n.conn.SetAddElements(names, any); err != nil {
+	return n.conn.Flush()
+}
+
+// deny adds addresses to and removes addresses from a sandbox's set of
+// denied names' addresses. The caller knows that those it removes are in
+// the set.
+func (n *nft) deny(slot int, add, del []netip.Addr) error {
+	if len(add) == 0 && len(del) == 0 {
+		return nil
+	}
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	set := n.sets(slot).dnames
+	if len(del) > 0 {
+		if err := n.conn.SetDeleteElements(set, addrElements(del)); err != nil {
 			return err
 		}
 	}
-	if len(withPort) > 0 {
-		if err := n.conn.SetAddElements(portSet, withPort); err != nil {
+	if len(add) > 0 {
+		if err := n.conn.SetAddElements(set, addrElements(add)); err != nil {
 			return err
 		}
 	}
 	return n.conn.Flush()
 }
 
-// forget empties a sandbox's learned addresses (its policy changed).
-func (n *nft) forget(slot int) error {
+// elements lists the addresses in one of a sandbox's sets ("n", "p" or
+// "y"), for tests and checks.
+func (n *nft) elements(slot int, which string) ([]netip.Addr, error) {
 	n.mu.Lock()
 	defer n.mu.Unlock()
-	_, names, ports := n.sets(slot)
-	n.conn.FlushSet(names)
-	n.conn.FlushSet(ports)
-	return n.conn.Flush()
+	sets := n.sets(slot)
+	set := map[string]*nftables.Set{"n": sets.names, "p": sets.ports, "y": sets.dnames}[which]
+	if set == nil {
+		return nil, fmt.Errorf("no set %q", which)
+	}
+	els, err := n.conn.GetSetElements(set)
+	if err != nil {
+		return nil, err
+	}
+	var out []netip.Addr
+	for _, e := range els {
+		if len(e.Key) >= 4 {
+			out = append(out, netip.AddrFrom4([4]byte(e.Key[:4])))
+		}
+	}
+	return out, nil
 }
 
 // slots lists the sandbox slots that have objects in the table.
@@ -302,19 +344,20 @@ func (n *nft) slots() ([]int, error) {
 }
 
 // policyRules is a sandbox's filter chain.
-func policyRules(s *sandboxRules, deny, names, ports string) [][]expr.Any {
+func policyRules(s *sandboxRules, sets slotSets) [][]expr.Any {
 	var rs [][]expr.Any
 	add := func(e ...[]expr.Any) { rs = append(rs, cat(e...)) }
-	accept, drop, refuse := verdict(expr.VerdictAccept), verdict(expr.VerdictDrop), reject()
+	accept, drop, refused := verdict(expr.VerdictAccept), verdict(expr.VerdictDrop), refuse()
 	allowLogged := func(match ...[]expr.Any) {
 		add(append(match, s.log(logAllow), accept)...)
 		add(append(match, accept)...)
 	}
 	// Denied connections are refused at once (ICMP "administratively
-	// prohibited"): a program inside fails fast instead of timing out.
+	// prohibited"; a TCP reset for a connection a policy change cut): a
+	// program inside fails fast instead of timing out.
 	denyLogged := func(match ...[]expr.Any) {
-		add(append(match, s.log(logDeny), refuse)...)
-		add(append(match, refuse)...)
+		add(append(match, s.log(logDeny), refused)...)
+		add(append(match, refused)...)
 	}
 	// IPv4 only, from the sandbox's own address only.
 	add(nfproto(unix.NFPROTO_IPV4, false), drop)
@@ -327,7 +370,7 @@ func policyRules(s *sandboxRules, deny, names, ports string) [][]expr.Any {
 			denyLogged(l4proto(proto), dport(port))
 		}
 	}
-	denyLogged(lookup(16, deny, false))
+	denyLogged(lookup(16, sets.deny.Name, false))
 	for _, r := range s.policy.Allow {
 		if r.Name == "" {
 			for _, m := range prefixMatch(r) {
@@ -335,9 +378,9 @@ func policyRules(s *sandboxRules, deny, names, ports string) [][]expr.Any {
 			}
 		}
 	}
-	allowLogged(lookup(16, names, false))
-	allowLogged(portLookup(unix.IPPROTO_TCP, ports))
-	allowLogged(portLookup(unix.IPPROTO_UDP, ports))
+	allowLogged(lookup(16, sets.names.Name, false))
+	allowLogged(portLookup(unix.IPPROTO_TCP, sets.ports.Name))
+	allowLogged(portLookup(unix.IPPROTO_UDP, sets.ports.Name))
 	if s.policy.Mode == Internet {
 		for _, r := range s.policy.Deny {
 			if r.Name == "" {
@@ -346,12 +389,15 @@ func policyRules(s *sandboxRules, deny, names, ports string) [][]expr.Any {
 				}
 			}
 		}
+		// The addresses denied names resolve to (an allow entry, above,
+		// still wins: in internet mode allow overrides deny).
+		denyLogged(lookup(16, sets.dnames.Name, false))
 		add(s.log(logAllow), accept)
 		add(accept)
 		return rs
 	}
-	add(s.log(logDeny), refuse)
-	add(refuse)
+	add(s.log(logDeny), refused)
+	add(refused)
 	return rs
 }
 

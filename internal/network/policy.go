@@ -239,3 +239,53 @@ func alwaysDeniedName(name string) bool {
 	}
 	return false
 }
+
+// learns says whether the addresses of an allowed name need adding to the
+// sandbox's learned sets: always in allowlist mode; in internet mode only
+// for names an allow entry names (their addresses may be in a denied
+// range, or a denied name's).
+func (p Policy) learns(name string) bool {
+	return p.Mode == Allowlist || p.Mode == Internet && p.allowsByName(name)
+}
+
+// deniesName says whether name is one the policy's own deny list keeps the
+// sandbox from (internet mode; an allow entry overrides it). The resolver
+// answers NXDOMAIN for it, and the addresses it resolves to are denied.
+// Always-denied names are not among them: they are never asked upstream.
+func (p Policy) deniesName(name string) bool {
+	if p.Mode != Internet || alwaysDeniedName(name) || p.allowsByName(name) {
+		return false
+	}
+	for _, r := range p.Deny {
+		if r.matches(name) {
+			return true
+		}
+	}
+	return false
+}
+
+func (p Policy) allowsByName(name string) bool {
+	for _, r := range p.Allow {
+		if r.matches(name) {
+			return true
+		}
+	}
+	return false
+}
+
+// exactDenyNames are the names without a wildcard the policy denies: the
+// host resolves them itself and keeps their addresses denied. A wildcard
+// cannot be enumerated; its names' addresses are denied once the sandbox
+// asks for them.
+func (p Policy) exactDenyNames() []string {
+	if p.Mode != Internet {
+		return nil
+	}
+	var out []string
+	for _, r := range p.Deny {
+		if r.Name != "" && !strings.HasPrefix(r.Name, "*.") && p.deniesName(r.Name) {
+			out = append(out, r.Name)
+		}
+	}
+	return out
+}

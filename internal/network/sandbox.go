@@ -1,0 +1,300 @@
+package network
+
+import (
+	"errors"
+	"maps"
+	"net/netip"
+	"slices"
+	"sync"
+	"time"
+)
+
+// Sandbox is the network of one sandbox.
+//
+// What its sets hold follows its policy, under one lock: a policy change
+// bumps the generation, rewrites the rules and the sets in one batch
+// (keeping only the learned addresses of names the new policy still allows)
+// and then cuts the tracked connections the new policy refuses; an answer
+// the resolver got under an older generation is never added.
+type Sandbox struct {
+	ID   string
+	Slot int
+	IP   netip.Addr
+	h    *Host
+
+	mu     sync.Mutex
+	policy Policy
+	gen    uint64 // bumped by every policy change
+	// learned: allowed names whose addresses are in the n/p sets, each
+	// address until its TTL ends.
+	learned map[string]map[netip.Addr]time.Time
+	// denied: names the policy denies (internet mode) and the addresses
+	// they resolved to, until their TTL ends; inY is what the y set holds.
+	denied map[string]map[netip.Addr]time.Time
+	inY    map[netip.Addr]bool
+	closed bool
+
+	queries limiter // DNS questions a second
+}
+
+// errStale says the policy changed while an answer was on its way.
+var errStale = errors.New("the sandbox's policy changed while the answer was on its way")
+
+// errGone says the sandbox's network was closed.
+var errGone = errors.New("the sandbox's network is gone")
+
+func newSandbox(h *Host, id string, slot int, p Policy) *Sandbox {
+	return &Sandbox{ID: id, Slot: slot, IP: h.IP(slot), h: h, policy: p,
+		learned: map[string]map[netip.Addr]time.Time{}, denied: map[string]map[netip.Addr]time.Time{}, inY: map[netip.Addr]bool{}}
+}
+
+// Policy is the sandbox's current policy.
+func (sb *Sandbox) Policy() Policy {
+	sb.mu.Lock()
+	defer sb.mu.Unlock()
+	return sb.policy
+}
+
+// snapshot is the policy and its generation, for an answer to be checked
+// against later.
+func (sb *Sandbox) snapshot() (Policy, uint64) {
+	sb.mu.Lock()
+	defer sb.mu.Unlock()
+	return sb.policy, sb.gen
+}
+
+// SetPolicy replaces the policy of a running sandbox. Addresses learned for
+// names the new policy still allows stay allowed (for the ports it gives
+// them) until their TTL; the others are forgotten, and an answer already on
+// its way under the old policy is never added. Then the connections the
+// sandbox has open (tracked by the host's conntrack) that the new policy
+// refuses are cut. Mode none leaves the interface in place with nothing
+// allowed.
+func (sb *Sandbox) SetPolicy(p Policy) error {
+	if p.Mode == None && len(p.Allow) == 0 && len(p.Deny) == 0 {
+		p.Mode = Allowlist
+	}
+	if err := p.Validate(); err != nil {
+		return err
+	}
+	// The denied names' addresses, asked before the lock is taken (this
+	// may wait for the upstream resolvers).
+	fresh := sb.h.resolveDenied(p)
+	sb.mu.Lock()
+	defer sb.mu.Unlock()
+	if sb.closed {
+		return errGone
+	}
+	now := time.Now()
+	learned := map[string]map[netip.Addr]time.Time{}
+	for name, addrs := range sb.learned {
+		if ok, _ := p.NamePorts(name); ok && p.learns(name) {
+			learned[name] = live(addrs, now)
+		}
+	}
+	denied := map[string]map[netip.Addr]time.Time{}
+	for name, addrs := range sb.denied {
+		if p.deniesName(name) {
+			denied[name] = live(addrs, now)
+		}
+	}
+	for name, addrs := range fresh {
+		if denied[name] == nil {
+			denied[name] = map[netip.Addr]time.Time{}
+		}
+		maps.Copy(denied[name], addrs)
+	}
+	st := setState{learned: learnedElements(p, learned, now)}
+	inY := map[netip.Addr]bool{}
+	for _, addrs := range denied {
+		for a := range addrs {
+			inY[a] = true
+		}
+	}
+	st.denied = slices.Collect(maps.Keys(inY))
+	if err := sb.h.nft.apply(sb.h.rules(sb, p), st); err != nil {
+		return err
+	}
+	sb.gen++
+	sb.policy, sb.learned, sb.denied, sb.inY = p, learned, denied, inY
+	if err := sb.cutLocked(); err != nil {
+		sb.h.log.Warn("network: cut the connections the new policy refuses", "sandbox", sb.ID, "err", err)
+		return err
+	}
+	return nil
+}
+
+// live is the addresses of m whose time has not passed.
+func live(m map[netip.Addr]time.Time, now time.Time) map[netip.Addr]time.Time {
+	out := map[netip.Addr]time.Time{}
+	for a, until := range m {
+		if until.After(now) {
+			out[a] = until
+		}
+	}
+	return out
+}
+
+// learnedElements are the set elements of learned names under p.
+func learnedElements(p Policy, learned map[string]map[netip.Addr]time.Time, now time.Time) []learnedAddr {
+	var out []learnedAddr
+	for name, addrs := range learned {
+		_, ports := p.NamePorts(name)
+		for a, until := range addrs {
+			if ttl := until.Sub(now).Round(time.Second); ttl >= time.Second {
+				out = append(out, learnedAddr{addr: a, ports: ports, ttl: ttl})
+			}
+		}
+	}
+	return out
+}
+
+// commit adds what the resolver learnt of name, asked under generation
+// gen: the addresses of an allowed name to the learned sets (when the
+// policy needs them, see Policy.learns), those of a denied name to the
+// denied set. An answer of an older generation is refused (errStale).
+func (sb *Sandbox) commit(gen uint64, name string, addrs []netip.Addr, ttl time.Duration) error {
+	sb.mu.Lock()
+	defer sb.mu.Unlock()
+	if sb.closed {
+		return errGone
+	}
+	if gen != sb.gen {
+		return errStale
+	}
+	if len(addrs) == 0 {
+		return nil
+	}
+	until := time.Now().Add(ttl)
+	if sb.policy.deniesName(name) {
+		return sb.denyLocked(name, addrs, until)
+	}
+	ok, ports := sb.policy.NamePorts(name)
+	if !ok || !sb.policy.learns(name) {
+		return nil
+	}
+	if err := sb.h.nft.learn(sb.Slot, learnedFor(addrs, ports, ttl)); err != nil {
+		return err
+	}
+	m := sb.learned[name]
+	if m == nil {
+		m = map[netip.Addr]time.Time{}
+		sb.learned[name] = m
+	}
+	for _, a := range addrs {
+		m[a] = until
+	}
+	return nil
+}
+
+func learnedFor(addrs []netip.Addr, ports []uint16, ttl time.Duration) []learnedAddr {
+	out := make([]learnedAddr, 0, len(addrs))
+	for _, a := range addrs {
+		out = append(out, learnedAddr{addr: a, ports: ports, ttl: ttl})
+	}
+	return out
+}
+
+// denyLocked adds a denied name's addresses to the denied set until until.
+func (sb *Sandbox) denyLocked(name string, addrs []netip.Addr, until time.Time) error {
+	var add []netip.Addr
+	for _, a := range addrs {
+		if !sb.inY[a] {
+			add = append(add, a)
+		}
+	}
+	if err := sb.h.nft.deny(sb.Slot, add, nil); err != nil {
+		return err
+	}
+	for _, a := range add {
+		sb.inY[a] = true
+	}
+	m := sb.denied[name]
+	if m == nil {
+		m = map[netip.Addr]time.Time{}
+		sb.denied[name] = m
+	}
+	for _, a := range addrs {
+		if until.After(m[a]) {
+			m[a] = until
+		}
+	}
+	return nil
+}
+
+// expire forgets what has outlived its TTL: learned names (the kernel
+// removes their set elements itself) and denied names' addresses no
+// denied name still resolves to (removed from the denied set here).
+func (sb *Sandbox) expire(now time.Time) error {
+	sb.mu.Lock()
+	defer sb.mu.Unlock()
+	if sb.closed {
+		return nil
+	}
+	for _, table := range []map[string]map[netip.Addr]time.Time{sb.learned, sb.denied} {
+		for name, addrs := range table {
+			maps.DeleteFunc(addrs, func(_ netip.Addr, until time.Time) bool { return !until.After(now) })
+			if len(addrs) == 0 {
+				delete(table, name)
+			}
+		}
+	}
+	var del []netip.Addr
+	for a := range sb.inY {
+		still := false
+		for _, addrs := range sb.denied {
+			if _, ok := addrs[a]; ok {
+				still = true
+				break
+			}
+		}
+		if !still {
+			del = append(del, a)
+		}
+	}
+	if err := sb.h.nft.deny(sb.Slot, nil, del); err != nil {
+		return err
+	}
+	for _, a := range del {
+		delete(sb.inY, a)
+	}
+	return nil
+}
+
+// Close removes the sandbox's rules and interface.
+func (sb *Sandbox) Close() error {
+	sb.mu.Lock()
+	if sb.closed {
+		sb.mu.Unlock()
+		return nil
+	}
+	sb.closed = true
+	sb.mu.Unlock()
+	h := sb.h
+	h.mu.Lock()
+	if h.bySlot[sb.Slot] == sb {
+		delete(h.bySlot, sb.Slot)
+		delete(h.byIP, sb.IP)
+	}
+	h.mu.Unlock()
+	return errors.Join(removeLink(sb.Slot), h.nft.remove(sb.Slot))
+}
+
+// start writes the sandbox's objects for its first policy: its denied
+// names' addresses are resolved first.
+func (sb *Sandbox) start() error {
+	fresh := sb.h.resolveDenied(sb.policy)
+	sb.mu.Lock()
+	defer sb.mu.Unlock()
+	var st setState
+	for name, addrs := range fresh {
+		sb.denied[name] = addrs
+		for a := range addrs {
+			if !sb.inY[a] {
+				sb.inY[a] = true
+				st.denied = append(st.denied, a)
+			}
+		}
+	}
+	return sb.h.nft.apply(sb.h.rules(sb, sb.policy), st)
+}
