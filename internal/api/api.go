@@ -6,10 +6,13 @@ package api
 
 import (
 	"context"
+	"crypto/rand"
+	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"log/slog"
+	"math"
 	"net/http"
 	"strconv"
 	"time"
@@ -92,8 +95,7 @@ func (s *server) authenticated(next http.Handler) http.Handler {
 		k, err := s.cfg.Store.VerifyKey(key)
 		if err != nil {
 			if !errors.Is(err, store.ErrNotFound) {
-				s.log.Error("verify key", "err", err)
-				writeError(w, http.StatusInternalServerError, "internal error")
+				s.fail(w, r, err)
 				return
 			}
 			writeError(w, http.StatusUnauthorized, "invalid API key")
@@ -155,12 +157,22 @@ func (s *server) fail(w http.ResponseWriter, r *http.Request, err error) {
 	case errors.Is(err, sandbox.ErrUnavailable), errors.Is(err, sandbox.ErrPermission):
 		writeError(w, http.StatusServiceUnavailable, err.Error())
 	default:
-		s.log.Error("request failed", "route", r.Method+" "+r.URL.Path, "err", err)
-		writeError(w, http.StatusInternalServerError, "internal error: "+err.Error())
+		// The detail (host paths, SQL) is the operator's, in the log; the
+		// client gets an id to quote.
+		id := requestID()
+		s.log.Error("request failed", "route", r.Method+" "+r.URL.Path, "request", id, "err", err)
+		writeError(w, http.StatusInternalServerError, "internal error (request "+id+"; the server's log has the detail)")
 	}
 }
 
 var errBadRequest = errors.New("bad request")
+
+// requestID names one failed request in the log and in its answer.
+func requestID() string {
+	b := make([]byte, 8)
+	_, _ = rand.Read(b)
+	return hex.EncodeToString(b)
+}
 
 // decode reads a JSON body into v; an empty body leaves v as it is when
 // optional.
@@ -185,6 +197,10 @@ func seconds(n *int64, def time.Duration) (time.Duration, error) {
 	}
 	if *n <= 0 {
 		return 0, fmt.Errorf("%w: timeout must be at least 1 second", errBadRequest)
+	}
+	if *n > int64(math.MaxInt64/time.Second) {
+		// Saturate rather than wrap: the manager names its maximum.
+		return time.Duration(math.MaxInt64), nil
 	}
 	return time.Duration(*n) * time.Second, nil
 }

@@ -199,7 +199,7 @@ func probeWall(ctx context.Context, g *globals, wallName string) (bool, string) 
 		note += ")"
 	}
 	if wallName == "gvisor" {
-		note = " (platform systrap: KVM on this host runs no stock guest, see MACHINE.md; a networked sandbox gets --network=sandbox: its netstack in the sandbox namespace)"
+		note = " (platform systrap, which needs no KVM; a networked sandbox gets --network=sandbox: its netstack in the sandbox namespace)"
 	}
 	return true, fmt.Sprintf("%sworks: create → `true` ended in %v%s", runtime, time.Since(start).Round(100*time.Microsecond), note)
 }

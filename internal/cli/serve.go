@@ -92,7 +92,7 @@ and E2B_API_KEY set to a key from 'cage keys create'.`,
 	fl.StringVar(&cfg.Domain, "domain", "", "domain of {port}-{sandboxID}.{domain} hosts")
 	fl.IntVar(&cfg.Pool, "pool", cfg.Pool, "prepared sandboxes kept ready (process wall)")
 	fl.StringVar(&cfg.DefaultWall, "wall", cfg.DefaultWall, "wall of a create that names none: process, runc, gvisor")
-	fl.IntVar(&cfg.MaxSandboxes, "max-sandboxes", 0, "sandboxes alive at once (0: no limit); beyond it creates get 429")
+	fl.IntVar(&cfg.MaxSandboxes, "max-sandboxes", 0, "sandboxes alive at once (0: one per 8 MiB of the host's RAM, at least 16); beyond it creates get 429")
 	fl.StringVar(&maxTimeout, "max-timeout", "24h", "longest timeout a sandbox may ask for")
 	return cmd
 }

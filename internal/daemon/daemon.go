@@ -26,6 +26,7 @@ import (
 	"github.com/cagehq/cage/internal/proxy"
 	"github.com/cagehq/cage/internal/sandbox"
 	"github.com/cagehq/cage/internal/store"
+	"github.com/cagehq/cage/internal/units"
 )
 
 // Config is the daemon's configuration. JSON field names are those of the
@@ -47,6 +48,45 @@ type Config struct {
 	PoolTemplate string  `json:"pool_template"`
 	AgentPath    string  `json:"agent"`
 	Network      Network `json:"network"`
+	Limits       Limits  `json:"limits"`
+}
+
+// Limits bound what one tenant can take: one sandbox's limits, creates in
+// progress, and connections to the two listeners. Zero values are the
+// defaults, which fit the host (see sandbox.HostMaxima).
+type Limits struct {
+	Memory string  `json:"memory"` // per sandbox, e.g. "16G" (default: 3/4 of the host's RAM)
+	Disk   string  `json:"disk"`   // per sandbox (default: as memory)
+	CPUs   float64 `json:"cpus"`   // per sandbox (default: the host's CPUs)
+	Pids   int64   `json:"pids"`   // per sandbox (default 32768)
+	// Creating bounds the creates in progress (default: 4 per CPU).
+	Creating int `json:"creating"`
+	// ConnsPerClient and Conns bound each listener's connections per
+	// client address (default 4096) and in all (default 32768).
+	ConnsPerClient int `json:"conns_per_client"`
+	Conns          int `json:"conns"`
+}
+
+// maxima reads the per-sandbox ceilings.
+func (l Limits) maxima() (sandbox.Maxima, error) {
+	m := sandbox.Maxima{CPUs: l.CPUs, Pids: l.Pids}
+	for _, f := range []struct {
+		name, v string
+		dst     *int64
+	}{{"limits.memory", l.Memory, &m.Memory}, {"limits.disk", l.Disk, &m.Disk}} {
+		if f.v == "" {
+			continue
+		}
+		n, err := units.ParseSize(f.v)
+		if err != nil {
+			return m, fmt.Errorf("%s: %v", f.name, err)
+		}
+		*f.dst = n
+	}
+	if m.CPUs < 0 || m.Pids < 0 || l.Creating < 0 || l.ConnsPerClient < 0 || l.Conns < 0 {
+		return m, fmt.Errorf("limits: negative values are not limits")
+	}
+	return m, nil
 }
 
 // Network configures sandbox networks.
@@ -152,8 +192,15 @@ func Run(ctx context.Context, cfg Config, log *slog.Logger, ready func(apiAddr, 
 	if host.Templates, err = imgstore.Open(templates); err != nil {
 		return fmt.Errorf("template store: %w", err)
 	}
+	maxima, err := cfg.Limits.maxima()
+	if err != nil {
+		return err
+	}
+	if cfg.MaxSandboxes == 0 {
+		cfg.MaxSandboxes = sandbox.DefaultMaxSandboxes()
+	}
 	mgr := manager.New(manager.Config{Store: st, Host: host, Log: log, MaxTimeout: time.Duration(cfg.MaxTimeout),
-		DefaultTemplate: cfg.DefaultTemplate, MaxSandboxes: cfg.MaxSandboxes})
+		DefaultTemplate: cfg.DefaultTemplate, MaxSandboxes: cfg.MaxSandboxes, MaxCreating: cfg.Limits.Creating, Max: maxima})
 	netCfg.Record = mgr.NetRecord
 	host.NetConfig = netCfg
 	if err := mgr.Recover(); err != nil {
@@ -179,9 +226,14 @@ func Run(ctx context.Context, cfg Config, log *slog.Logger, ready func(apiAddr, 
 		apiL.Close()
 		return fmt.Errorf("proxy address %s: %w", cfg.Proxy, err)
 	}
-	var protos http.Protocols
-	protos.SetHTTP1(true)
-	protos.SetUnencryptedHTTP2(true)
+	perClient, total := cfg.Limits.ConnsPerClient, cfg.Limits.Conns
+	if perClient == 0 {
+		perClient = 4096
+	}
+	if total == 0 {
+		total = 32768
+	}
+	apiL, proxyL = limitConns(apiL, perClient, total), limitConns(proxyL, perClient, total)
 	if err := host.WallMissing(cfg.DefaultWall); err != nil {
 		return fmt.Errorf("default wall: %w", err)
 	}
@@ -196,10 +248,9 @@ func Run(ctx context.Context, cfg Config, log *slog.Logger, ready func(apiAddr, 
 			}()
 		}
 	}
-	apiSrv := &http.Server{Handler: api.Handler(api.Config{Manager: mgr, Store: st, Log: log, Domain: cfg.Domain,
-		DefaultWall: cfg.DefaultWall}),
-		ReadHeaderTimeout: 30 * time.Second}
-	proxySrv := &http.Server{Handler: proxy.New(mgr, cfg.Domain, log), Protocols: &protos, ReadHeaderTimeout: 30 * time.Second}
+	apiSrv := newServer(api.Handler(api.Config{Manager: mgr, Store: st, Log: log, Domain: cfg.Domain,
+		DefaultWall: cfg.DefaultWall}), true)
+	proxySrv := newServer(proxy.New(mgr, cfg.Domain, log), false)
 	errs := make(chan error, 2)
 	go func() { errs <- apiSrv.Serve(apiL) }()
 	go func() { errs <- proxySrv.Serve(proxyL) }()

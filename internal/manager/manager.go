@@ -13,6 +13,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"runtime"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -42,6 +43,11 @@ type Config struct {
 	MaxTimeout      time.Duration // a create or extension beyond it is refused
 	DefaultTemplate string
 	MaxSandboxes    int // alive at once; 0 = no limit
+	// MaxCreating bounds the creates in progress (0: 4 per CPU); up to
+	// as many again wait for a slot, and the rest get ErrLimit at once.
+	MaxCreating int
+	// Max is the ceiling on one sandbox's limits (zero fields: the host's).
+	Max sandbox.Maxima
 }
 
 // Manager owns the daemon's sandboxes.
@@ -56,6 +62,9 @@ type Manager struct {
 
 	recOnce sync.Once
 	rec     *recorder
+
+	createSlots chan struct{} // a token per create in progress
+	waiting     atomic.Int64  // creates waiting for a slot
 }
 
 type entry struct {
@@ -79,7 +88,10 @@ func New(cfg Config) *Manager {
 	if cfg.DefaultTemplate == "" {
 		cfg.DefaultTemplate = "host"
 	}
-	return &Manager{cfg: cfg, log: cfg.Log, live: map[string]*entry{}}
+	if cfg.MaxCreating <= 0 {
+		cfg.MaxCreating = 4 * runtime.NumCPU()
+	}
+	return &Manager{cfg: cfg, log: cfg.Log, live: map[string]*entry{}, createSlots: make(chan struct{}, cfg.MaxCreating)}
 }
 
 // CreateRequest is what a client asks for.
@@ -103,7 +115,7 @@ func (m *Manager) checkTimeout(d time.Duration) error {
 		return fmt.Errorf("%w: timeout must be at least 1 second", ErrInvalid)
 	}
 	if d > m.cfg.MaxTimeout {
-		return fmt.Errorf("%w: timeout %v is above this server's maximum of %v", ErrInvalid, d, m.cfg.MaxTimeout)
+		return fmt.Errorf("%w: timeout is above this server's maximum of %v", ErrInvalid, m.cfg.MaxTimeout)
 	}
 	return nil
 }
@@ -127,10 +139,23 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (*store.Sandbox
 	if req.Template == "" {
 		req.Template = m.cfg.DefaultTemplate
 	}
+	memory, err := sandbox.BytesOfMiB("memoryMB", req.MemoryMB)
+	if err != nil {
+		return nil, err
+	}
+	disk, err := sandbox.BytesOfMiB("diskSizeMB", req.DiskMB)
+	if err != nil {
+		return nil, err
+	}
 	if err := m.admit(); err != nil {
 		return nil, err
 	}
 	defer m.admitted()
+	release, err := m.createSlot(ctx)
+	if err != nil {
+		return nil, err
+	}
+	defer release()
 
 	if req.Wall == "" {
 		req.Wall = "process"
@@ -140,7 +165,7 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (*store.Sandbox
 	}
 	opts := sandbox.Options{
 		Wall: req.Wall, Template: req.Template, Token: randomToken(), Env: req.Env, CPUs: req.CPUs,
-		Memory: req.MemoryMB << 20, Disk: req.DiskMB << 20, Pids: req.Pids, Net: req.Net,
+		Memory: memory, Disk: disk, Pids: req.Pids, Net: req.Net, Max: m.cfg.Max,
 	}
 	var sb wall.Sandbox
 	var rec *store.Sandbox
@@ -283,6 +308,27 @@ func (m *Manager) SetNetwork(keyID, id string, p network.Policy) (*store.Sandbox
 	}
 	_ = m.cfg.Store.AddEvent(id, "network", rec.Network)
 	return rec, nil
+}
+
+// createSlot waits for one of the MaxCreating slots of creates in
+// progress; with as many already waiting, it refuses at once.
+func (m *Manager) createSlot(ctx context.Context) (release func(), err error) {
+	select {
+	case m.createSlots <- struct{}{}:
+		return func() { <-m.createSlots }, nil
+	default:
+	}
+	if m.waiting.Add(1) > int64(m.cfg.MaxCreating) {
+		m.waiting.Add(-1)
+		return nil, fmt.Errorf("%w: %d creates are in progress and as many wait; try again", ErrLimit, m.cfg.MaxCreating)
+	}
+	defer m.waiting.Add(-1)
+	select {
+	case m.createSlots <- struct{}{}:
+		return func() { <-m.createSlots }, nil
+	case <-ctx.Done():
+		return nil, ctx.Err()
+	}
 }
 
 func (m *Manager) admit() error {

@@ -3,11 +3,17 @@
 // E2b-Sandbox-Port) or else by a Host of the form {port}-{sandboxID}.{domain},
 // without buffering, so streams and WebSockets pass as they come.
 //
-// Port 49983 is the agent itself, which checks the sandbox's access token.
-// Any other port is a server inside the sandbox, reached through the agent's
-// port forward (agentclient.DialPort); unless the sandbox allows public
-// traffic, such a request must carry the sandbox's traffic token in
-// E2b-Traffic-Access-Token.
+// Port 49983 is the agent itself. The proxy checks the sandbox's access
+// token (or, on /files, a signature made with it) before it forwards a byte:
+// the agent runs inside the sandbox's memory limit, so a body sent by anyone
+// who merely knows a sandbox's id must never reach it. Only GET /health
+// passes without. Any other port is a server inside the sandbox, reached
+// through the agent's port forward (agentclient.DialPort); unless the
+// sandbox allows public traffic, such a request must carry the sandbox's
+// traffic token in E2b-Traffic-Access-Token.
+//
+// Each sandbox has one connection pool, whatever the number of its ports a
+// client sweeps: ports are pool keys, not pools.
 package proxy
 
 import (
@@ -26,6 +32,7 @@ import (
 	"time"
 
 	"github.com/cagehq/cage/internal/agentclient"
+	"github.com/cagehq/cage/internal/filesig"
 	"github.com/cagehq/cage/internal/wall"
 )
 
@@ -50,13 +57,7 @@ type Proxy struct {
 	log       *slog.Logger
 
 	mu         sync.Mutex
-	transports map[target]*http.Transport
-}
-
-// target is one port of one sandbox.
-type target struct {
-	sb   wall.Sandbox
-	port int
+	transports map[wall.Sandbox]*http.Transport
 }
 
 // New returns a proxy; domain is the suffix of host-routed requests ("" to
@@ -65,7 +66,7 @@ func New(sandboxes Sandboxes, domain string, log *slog.Logger) *Proxy {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	p := &Proxy{sandboxes: sandboxes, domain: domain, log: log, transports: map[target]*http.Transport{}}
+	p := &Proxy{sandboxes: sandboxes, domain: domain, log: log, transports: map[wall.Sandbox]*http.Transport{}}
 	return p
 }
 
@@ -74,11 +75,9 @@ func (p *Proxy) route(r *http.Request) (id string, port int, ok bool) {
 	if id = r.Header.Get("E2b-Sandbox-Id"); id != "" {
 		port = EnvdPort
 		if ps := r.Header.Get("E2b-Sandbox-Port"); ps != "" {
-			n, err := strconv.Atoi(ps)
-			if err != nil {
+			if port, ok = parsePort(ps); !ok {
 				return id, 0, false
 			}
-			port = n
 		}
 		return id, port, true
 	}
@@ -91,11 +90,27 @@ func (p *Proxy) route(r *http.Request) (id string, port int, ok bool) {
 		return "", 0, false
 	}
 	ps, id, found := strings.Cut(label, "-")
-	n, err := strconv.Atoi(ps)
-	if !found || err != nil || id == "" {
+	n, ok := parsePort(ps)
+	if !found || !ok || id == "" {
 		return "", 0, false
 	}
 	return id, n, true
+}
+
+// parsePort reads a TCP port written the one way: 1 to 65535 in decimal,
+// without sign or leading zeros.
+func parsePort(s string) (int, bool) {
+	if len(s) == 0 || len(s) > 5 || s[0] == '0' {
+		return 0, false
+	}
+	n := 0
+	for _, c := range s {
+		if c < '0' || c > '9' {
+			return 0, false
+		}
+		n = n*10 + int(c-'0')
+	}
+	return n, n <= 65535
 }
 
 func writeJSON(w http.ResponseWriter, status int, v any) {
@@ -114,7 +129,7 @@ func (p *Proxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	id, port, ok := p.route(r)
 	if !ok {
 		writeJSON(w, http.StatusBadRequest, map[string]any{"code": 400,
-			"message": "no sandbox named: send E2b-Sandbox-Id (and E2b-Sandbox-Port) or use a {port}-{sandboxID}.{domain} host"})
+			"message": "no sandbox named: send E2b-Sandbox-Id (and E2b-Sandbox-Port, 1-65535) or use a {port}-{sandboxID}.{domain} host"})
 		return
 	}
 	sb, ok := p.sandboxes.Sandbox(id)
@@ -122,11 +137,12 @@ func (p *Proxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		writeJSON(w, http.StatusBadGateway, sandboxError{id, "The sandbox was not found", http.StatusBadGateway})
 		return
 	}
-	if port < 1 || port > 65535 {
-		writeJSON(w, http.StatusBadRequest, sandboxError{id, fmt.Sprintf("port %d is not a TCP port", port), http.StatusBadRequest})
-		return
-	}
-	if port != EnvdPort {
+	if port == EnvdPort {
+		if msg := envdUnauthorized(r, sb.Token()); msg != "" {
+			writeUnauthorized(w, r, id, msg)
+			return
+		}
+	} else {
 		token, public, ok := p.sandboxes.Traffic(id)
 		if !ok {
 			writeJSON(w, http.StatusBadGateway, sandboxError{id, "The sandbox was not found", http.StatusBadGateway})
@@ -140,7 +156,7 @@ func (p *Proxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	rp := &httputil.ReverseProxy{
 		Rewrite: func(pr *httputil.ProxyRequest) {
 			pr.Out.URL.Scheme = "http"
-			pr.Out.URL.Host = "agent"
+			pr.Out.URL.Host = poolKey(port)
 			if port == EnvdPort {
 				pr.Out.Host = "agent"
 			} else {
@@ -150,7 +166,7 @@ func (p *Proxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 			pr.Out.Header.Del("E2b-Sandbox-Port")
 			pr.Out.Header.Del(TrafficHeader)
 		},
-		Transport:     p.transport(sb, port),
+		Transport:     p.transport(sb),
 		FlushInterval: -1,
 		ErrorHandler: func(w http.ResponseWriter, r *http.Request, err error) {
 			select {
@@ -175,29 +191,86 @@ func (p *Proxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	rp.ServeHTTP(w, r)
 }
 
-// transport returns the connection pool to a port of a sandbox: its agent
-// (EnvdPort), or a server inside reached through the agent's port forward.
-func (p *Proxy) transport(sb wall.Sandbox, port int) *http.Transport {
-	key := target{sb, port}
+// envdUnauthorized says why a request for the agent may not pass ("" when
+// it may): GET /health is open, /files takes the access token or a
+// signature made with it, everything else the token.
+func envdUnauthorized(r *http.Request, token string) string {
+	if r.URL.Path == "/health" && (r.Method == http.MethodGet || r.Method == http.MethodHead) {
+		return ""
+	}
+	if got := r.Header.Get("X-Access-Token"); got != "" || r.URL.Path != "/files" {
+		if got != "" && subtle.ConstantTimeCompare([]byte(got), []byte(token)) == 1 {
+			return ""
+		}
+		return "missing or invalid access token"
+	}
+	if err := filesig.Check(r.URL.Query(), filesig.Op(r.Method), token, time.Now()); err != nil {
+		return err.Error()
+	}
+	return ""
+}
+
+// writeUnauthorized answers 401 as the agent would: a Connect error for its
+// RPCs, E2B's {code, message} otherwise. The request's body is not read (Go's
+// server drains at most 256 KiB of it to reuse the connection, then closes).
+func writeUnauthorized(w http.ResponseWriter, r *http.Request, id, msg string) {
+	if strings.HasPrefix(r.URL.Path, "/process.Process/") || strings.HasPrefix(r.URL.Path, "/filesystem.Filesystem/") {
+		writeJSON(w, http.StatusUnauthorized, map[string]string{"code": "unauthenticated", "message": msg})
+		return
+	}
+	writeJSON(w, http.StatusUnauthorized, map[string]any{"code": http.StatusUnauthorized, "message": msg})
+}
+
+// poolKey names a port of a sandbox in its connection pool, which keeps
+// idle connections per URL host.
+func poolKey(port int) string { return "port-" + strconv.Itoa(port) }
+
+// portOf reads the port back from a dial address "port-N:80".
+func portOf(addr string) (int, error) {
+	host, _, err := net.SplitHostPort(addr)
+	if err != nil {
+		return 0, err
+	}
+	n, err := strconv.Atoi(strings.TrimPrefix(host, "port-"))
+	if err != nil || n < 1 || n > 65535 {
+		return 0, fmt.Errorf("proxy: bad pool key %q", addr)
+	}
+	return n, nil
+}
+
+// transport returns the connection pool of a sandbox: connections to its
+// agent (EnvdPort) and to servers inside reached through the agent's port
+// forward, pooled by port, bounded in idle connections whatever the
+// number of ports.
+func (p *Proxy) transport(sb wall.Sandbox) *http.Transport {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	if t, ok := p.transports[key]; ok {
+	if t, ok := p.transports[sb]; ok {
 		return t
 	}
-	dial := func(ctx context.Context, _, _ string) (net.Conn, error) { return sb.Dial(ctx) }
-	if port != EnvdPort {
-		dial = func(ctx context.Context, _, _ string) (net.Conn, error) {
-			return agentclient.DialPort(ctx, sb.Dial, sb.Token(), port)
+	dial := func(ctx context.Context, _, addr string) (net.Conn, error) {
+		port, err := portOf(addr)
+		if err != nil {
+			return nil, err
 		}
+		if port == EnvdPort {
+			return sb.Dial(ctx)
+		}
+		return agentclient.DialPort(ctx, sb.Dial, sb.Token(), port)
 	}
-	t := &http.Transport{DialContext: dial, MaxIdleConnsPerHost: 16, IdleConnTimeout: 90 * time.Second}
-	p.transports[key] = t
+	t := &http.Transport{DialContext: dial, MaxIdleConns: maxIdlePerSandbox, MaxIdleConnsPerHost: 16,
+		IdleConnTimeout: 90 * time.Second}
+	p.transports[sb] = t
 	go func() {
 		<-sb.Exited()
 		p.mu.Lock()
-		delete(p.transports, key)
+		delete(p.transports, sb)
 		p.mu.Unlock()
 		t.CloseIdleConnections()
 	}()
 	return t
 }
+
+// maxIdlePerSandbox bounds the idle connections the proxy keeps to one
+// sandbox, all its ports together.
+const maxIdlePerSandbox = 64

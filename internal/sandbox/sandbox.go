@@ -72,9 +72,13 @@ type Options struct {
 	// Net is what the sandbox may reach; mode none (the default) is
 	// loopback only.
 	Net network.Policy
+	// Max is the ceiling on the limits above (zero fields: the host's
+	// defaults); the daemon sets its operator's.
+	Max Maxima
 }
 
-// Validate fills defaults and rejects limits that are malformed or too small.
+// Validate fills defaults and rejects limits that are malformed, too small
+// or above the maxima.
 func (o *Options) Validate() error {
 	if o.Template == "" {
 		o.Template = "host"
@@ -108,6 +112,9 @@ func (o *Options) Validate() error {
 		return fmt.Errorf("%w: disk %s is too small (at least %s)", ErrInvalid, units.FormatSize(o.Disk), units.FormatSize(MinDisk))
 	case o.Shm < 0:
 		return fmt.Errorf("%w: negative shm size", ErrInvalid)
+	}
+	if err := o.Max.check(o); err != nil {
+		return err
 	}
 	for k := range o.Env {
 		if k == "" || containsAny(k, "=\x00") {

@@ -3,6 +3,7 @@ package units
 
 import (
 	"fmt"
+	"math"
 	"strconv"
 	"strings"
 	"time"
@@ -32,7 +33,7 @@ func ParseSize(s string) (int64, error) {
 		}
 	}
 	f, err := strconv.ParseFloat(strings.TrimSpace(t), 64)
-	if err != nil || f < 0 || f != f {
+	if err != nil || f < 0 || f != f || math.IsInf(f, 0) {
 		return 0, fmt.Errorf("%q is not a size (examples: 512M, 1G, 64K)", s)
 	}
 	v := f * float64(mult)
@@ -76,6 +77,9 @@ func ParseDuration(s string) (time.Duration, error) {
 	if n, err := strconv.ParseFloat(strings.TrimSpace(s), 64); err == nil {
 		if n < 0 {
 			return 0, fmt.Errorf("%q is negative", s)
+		}
+		if n != n || n >= float64(math.MaxInt64/time.Second) {
+			return 0, fmt.Errorf("%q is too long", s)
 		}
 		return time.Duration(n * float64(time.Second)), nil
 	}

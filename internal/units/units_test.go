@@ -14,7 +14,7 @@ func TestParseSize(t *testing.T) {
 			t.Errorf("ParseSize(%q) = %d, %v; want %d", in, got, err, want)
 		}
 	}
-	for _, in := range []string{"", "abc", "-1M", "1X", "M", "NaN", "1e30G"} {
+	for _, in := range []string{"", "abc", "-1M", "1X", "M", "NaN", "Inf", "+Inf", "1e30G"} {
 		if got, err := ParseSize(in); err == nil {
 			t.Errorf("ParseSize(%q) = %d, want an error", in, got)
 		}
@@ -37,7 +37,9 @@ func TestParseDuration(t *testing.T) {
 			t.Errorf("ParseDuration(%q) = %v, %v; want %v", in, got, err, want)
 		}
 	}
-	for _, in := range []string{"", "-5", "-1s", "soon"} {
+	// Too long to be a time.Duration: refused, never wrapped into a short one
+	// (18446744074 s times 1e9 wraps to 0.29 s in int64).
+	for _, in := range []string{"", "-5", "-1s", "soon", "NaN", "Inf", "18446744074", "1e300"} {
 		if _, err := ParseDuration(in); err == nil {
 			t.Errorf("ParseDuration(%q): want an error", in)
 		}

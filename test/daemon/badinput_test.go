@@ -45,6 +45,17 @@ func TestBadInput(t *testing.T) {
 		{"memory too small", call{method: "POST", path: "/v2/sandboxes", body: map[string]any{"templateID": "host", "memoryMB": 16}}, 400, "memory"},
 		{"pids too small", call{method: "POST", path: "/v2/sandboxes", body: map[string]any{"templateID": "host", "pids": 5}}, 400, "pids"},
 		{"cpus too small", call{method: "POST", path: "/v2/sandboxes", body: map[string]any{"templateID": "host", "cpuCount": 0.001}}, 400, "cpu"},
+		// Ceilings: above a maximum is a 400 naming it, never a 500 from
+		// the host (10 TiB once reached a cgroup write) and never a value
+		// that wraps (memoryMB<<20 past 2^63 was 0, the default;
+		// 18446744074 s times 1e9 wrapped to a 0.29 s timeout).
+		{"memory of 10 TiB", call{method: "POST", path: "/v2/sandboxes", body: map[string]any{"templateID": "host", "memoryMB": 10 << 20}}, 400, "maximum"},
+		{"memoryMB that overflows bytes", call{method: "POST", path: "/v2/sandboxes", body: map[string]any{"templateID": "host", "memoryMB": int64(1) << 50}, invalid: true}, 400, "memory"},
+		{"512 CPUs", call{method: "POST", path: "/v2/sandboxes", body: map[string]any{"templateID": "host", "cpuCount": 512}}, 400, "maximum"},
+		{"a trillion pids", call{method: "POST", path: "/v2/sandboxes", body: map[string]any{"templateID": "host", "pids": int64(1) << 40}, invalid: true}, 400, "pids"},
+		{"disk of 10 TiB", call{method: "POST", path: "/v2/sandboxes", body: map[string]any{"templateID": "host", "diskSizeMB": 10 << 20}}, 400, "maximum"},
+		{"diskSizeMB that overflows bytes", call{method: "POST", path: "/v2/sandboxes", body: map[string]any{"templateID": "host", "diskSizeMB": int64(1) << 50}, invalid: true}, 400, "disk"},
+		{"timeout that wraps", call{method: "POST", path: "/v2/sandboxes", body: map[string]any{"templateID": "host", "timeout": int64(18446744074)}, invalid: true}, 400, "maximum"},
 		{"env var name with =", call{method: "POST", path: "/v2/sandboxes", body: map[string]any{"templateID": "host", "envVars": map[string]string{"A=B": "x"}}}, 400, "A=B"},
 		{"unknown wall", call{method: "POST", path: "/v2/sandboxes", body: map[string]any{"templateID": "host", "wall": "vm"}, invalid: true}, 400, "vm"},
 		{"body over 1 MiB", call{method: "POST", path: "/v2/sandboxes", body: big}, 413, ""},

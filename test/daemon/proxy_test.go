@@ -46,10 +46,14 @@ func TestProxy(t *testing.T) {
 		if got := download(t, ac, "/tmp/by-host.txt"); string(got) != "host routed\n" {
 			t.Errorf("GET /files by host: %q", got)
 		}
-		// A host under another domain is not routed to the sandbox.
+		// A host under another domain is not routed to the sandbox: the
+		// proxy's 400 (a routed /health would be the agent's 204).
 		r := d.proxyGet(t, "/health", map[string]string{}, envdPort+"-"+id+".other.example")
-		if r.status == http.StatusOK {
-			t.Errorf("Host %s-%s.other.example (daemon's domain %s) was routed: %v", envdPort, id, domain, r)
+		if r.status != http.StatusBadRequest || !strings.Contains(string(r.body), "no sandbox named") {
+			t.Errorf("Host %s-%s.other.example (daemon's domain %s): %v, want the proxy's 400", envdPort, id, domain, r)
+		}
+		if r := d.proxyGet(t, "/health", map[string]string{}, envdPort+"-"+id+"."+domain); r.status != http.StatusNoContent {
+			t.Errorf("Host %s-%s.%s /health: %v, want the agent's 204", envdPort, id, domain, r)
 		}
 	})
 

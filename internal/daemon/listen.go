@@ -1,0 +1,114 @@
+package daemon
+
+import (
+	"net"
+	"net/http"
+	"net/netip"
+	"sync"
+	"time"
+)
+
+// Bounds of the daemon's two listeners, against clients that hold
+// connections open (slowloris, idle keep-alives) or open them by the
+// thousand: headers must arrive within HeaderTimeout, an idle keep-alive
+// connection closes after IdleTimeout, and a client address holds at most
+// ConnsPerClient connections of a listener, all clients together Conns.
+// A connection over a bound is accepted and closed at once, so the kernel's
+// queue keeps moving for everyone else.
+const (
+	HeaderTimeout  = 10 * time.Second
+	IdleTimeout    = 2 * time.Minute
+	maxHeaderBytes = 64 << 10
+	// apiReadTimeout bounds reading a whole API request: its body is at
+	// most 1 MiB.
+	apiReadTimeout = time.Minute
+)
+
+// connLimiter is a listener that caps connections per client address and
+// in all.
+type connLimiter struct {
+	net.Listener
+	perClient, total int
+
+	mu     sync.Mutex
+	open   int
+	client map[netip.Addr]int
+}
+
+func limitConns(l net.Listener, perClient, total int) *connLimiter {
+	return &connLimiter{Listener: l, perClient: perClient, total: total, client: map[netip.Addr]int{}}
+}
+
+func (l *connLimiter) Accept() (net.Conn, error) {
+	for {
+		c, err := l.Listener.Accept()
+		if err != nil {
+			return nil, err
+		}
+		addr := clientAddr(c)
+		l.mu.Lock()
+		ok := l.open < l.total && l.client[addr] < l.perClient
+		if ok {
+			l.open++
+			l.client[addr]++
+		}
+		l.mu.Unlock()
+		if !ok {
+			c.Close()
+			continue
+		}
+		return &limitedConn{Conn: c, release: func() { l.release(addr) }}, nil
+	}
+}
+
+func (l *connLimiter) release(addr netip.Addr) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.open--
+	if l.client[addr]--; l.client[addr] <= 0 {
+		delete(l.client, addr)
+	}
+}
+
+// count is the number of open connections (tests).
+func (l *connLimiter) count() int {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.open
+}
+
+func clientAddr(c net.Conn) netip.Addr {
+	if ap, err := netip.ParseAddrPort(c.RemoteAddr().String()); err == nil {
+		return ap.Addr().Unmap()
+	}
+	return netip.Addr{} // a unix socket: one client
+}
+
+type limitedConn struct {
+	net.Conn
+	once    sync.Once
+	release func()
+}
+
+func (c *limitedConn) Close() error {
+	err := c.Conn.Close()
+	c.once.Do(c.release)
+	return err
+}
+
+// newServer is an http.Server with the daemon's bounds; api servers also
+// bound the time to read a whole request.
+func newServer(h http.Handler, api bool) *http.Server {
+	var protos http.Protocols
+	protos.SetHTTP1(true)
+	if !api {
+		protos.SetUnencryptedHTTP2(true)
+	}
+	s := &http.Server{Handler: h, Protocols: &protos, ReadHeaderTimeout: HeaderTimeout, IdleTimeout: IdleTimeout,
+		MaxHeaderBytes: maxHeaderBytes,
+		HTTP2:          &http.HTTP2Config{MaxConcurrentStreams: 250, MaxReadFrameSize: 1 << 20}}
+	if api {
+		s.ReadTimeout = apiReadTimeout
+	}
+	return s
+}

@@ -1,0 +1,80 @@
+package daemon
+
+import (
+	"net"
+	"testing"
+	"time"
+)
+
+// TestConnLimiter: a client address over its cap is closed at once, and
+// others still get in; closing a connection frees its slot.
+func TestConnLimiter(t *testing.T) {
+	raw, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	l := limitConns(raw, 3, 5)
+	defer l.Close()
+	accepted := make(chan net.Conn, 16)
+	go func() {
+		for {
+			c, err := l.Accept()
+			if err != nil {
+				return
+			}
+			accepted <- c
+		}
+	}()
+	dial := func(from string) net.Conn {
+		d := net.Dialer{LocalAddr: &net.TCPAddr{IP: net.ParseIP(from)}}
+		c, err := d.Dial("tcp", raw.Addr().String())
+		if err != nil {
+			t.Fatal(err)
+		}
+		return c
+	}
+	// closedByServer reports whether the server closed c (a read gets EOF).
+	closedByServer := func(c net.Conn) bool {
+		_ = c.SetReadDeadline(time.Now().Add(500 * time.Millisecond))
+		_, err := c.Read(make([]byte, 1))
+		ne, ok := err.(net.Error)
+		return !(ok && ne.Timeout())
+	}
+	var hostile, served []net.Conn
+	for i := 0; i < 3; i++ {
+		hostile = append(hostile, dial("127.0.0.2"))
+		served = append(served, <-accepted)
+	}
+	extra := dial("127.0.0.2")
+	if !closedByServer(extra) {
+		t.Errorf("a 4th connection from one address (cap 3) stayed open")
+	}
+	other := dial("127.0.0.3")
+	select {
+	case <-accepted:
+	case <-time.After(5 * time.Second):
+		t.Fatal("another address was not let in while the first is at its cap")
+	}
+	if closedByServer(other) {
+		t.Errorf("another address's connection was closed")
+	}
+	if n := l.count(); n != 4 {
+		t.Errorf("%d connections counted open, want 4", n)
+	}
+	// Closing on the server's side (as http.Server does) frees the slot.
+	served[0].Close()
+	served[0].Close() // twice: counted once
+	if n := l.count(); n != 3 {
+		t.Errorf("%d connections counted open after one closed, want 3", n)
+	}
+	again := dial("127.0.0.2")
+	select {
+	case c := <-accepted:
+		c.Close()
+	case <-time.After(5 * time.Second):
+		t.Error("a freed slot was not given to the next connection")
+	}
+	for _, c := range append(hostile, other, again, extra) {
+		c.Close()
+	}
+}

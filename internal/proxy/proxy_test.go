@@ -1,0 +1,261 @@
+package proxy
+
+import (
+	"bytes"
+	"compress/gzip"
+	"context"
+	"io"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"net/url"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/cagehq/cage/internal/cgroups"
+	"github.com/cagehq/cage/internal/filesig"
+	"github.com/cagehq/cage/internal/network"
+	"github.com/cagehq/cage/internal/wall"
+)
+
+// fakeAgent stands in for a sandbox's agent: it counts the connections the
+// proxy makes to it and the request body bytes it receives.
+type fakeAgent struct {
+	dials     atomic.Int64
+	requests  atomic.Int64
+	bodyBytes atomic.Int64
+	srv       *http.Server
+	l         net.Listener
+	exited    chan struct{}
+}
+
+func newFakeAgent(t *testing.T) *fakeAgent {
+	a := &fakeAgent{exited: make(chan struct{})}
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	a.l = l
+	a.srv = &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		a.requests.Add(1)
+		n, _ := io.Copy(io.Discard, r.Body)
+		a.bodyBytes.Add(n)
+		if r.URL.Path == "/health" {
+			w.WriteHeader(http.StatusNoContent)
+			return
+		}
+		w.WriteHeader(http.StatusOK)
+	})}
+	go a.srv.Serve(l)
+	t.Cleanup(func() { a.srv.Close(); close(a.exited) })
+	return a
+}
+
+// sb is the wall.Sandbox of the fake agent.
+type sb struct{ a *fakeAgent }
+
+func (s sb) ID() string       { return "sandbox1" }
+func (s sb) Token() string    { return "the-token" }
+func (s sb) AgentPID() int    { return 0 }
+func (s sb) Wall() string     { return "fake" }
+func (s sb) Err() error       { return nil }
+func (s sb) DiskPath() string { return "" }
+func (s sb) Destroy() error   { return nil }
+func (s sb) Exited() <-chan struct{} {
+	return s.a.exited
+}
+func (s sb) Cgroup() *cgroups.Cgroup   { return nil }
+func (s sb) Network() *network.Sandbox { return nil }
+func (s sb) Dial(ctx context.Context) (net.Conn, error) {
+	s.a.dials.Add(1)
+	var d net.Dialer
+	return d.DialContext(ctx, "tcp", s.a.l.Addr().String())
+}
+
+type sandboxes struct{ s wall.Sandbox }
+
+func (x sandboxes) Sandbox(id string) (wall.Sandbox, bool) { return x.s, id == x.s.ID() }
+func (x sandboxes) Traffic(id string) (string, bool, bool) { return "traffic", false, id == x.s.ID() }
+
+func gzipBomb(t *testing.T, size int) []byte {
+	var b bytes.Buffer
+	zw, _ := gzip.NewWriterLevel(&b, gzip.BestCompression)
+	zeros := make([]byte, 1<<20)
+	for i := 0; i < size>>20; i++ {
+		_, _ = zw.Write(zeros)
+	}
+	zw.Close()
+	return b.Bytes()
+}
+
+// TestEnvdTokenBeforeBody: a request for the agent's port that lacks the
+// access token (or a valid /files signature) is answered 401 by the proxy
+// and no byte of it reaches the agent; /health alone passes without one.
+// Before the fix, the proxy forwarded every port-49983 request and left the
+// check to the agent, which read (and decompressed) the body first.
+func TestEnvdTokenBeforeBody(t *testing.T) {
+	a := newFakeAgent(t)
+	srv := httptest.NewServer(New(sandboxes{sb{a}}, "", nil))
+	defer srv.Close()
+	bomb := gzipBomb(t, 256<<20) // 256 MiB of zeros, a few hundred KiB sent
+	sig := filesig.Sign("/tmp/x", "write", "user", "the-token", 0)
+	expired := time.Now().Add(-time.Minute).Unix()
+	cases := []struct {
+		name, method, path, token string
+		body                      []byte
+		want                      int
+		reaches                   bool
+	}{
+		{"RPC without a token", "POST", "/process.Process/List", "", bomb, 401, false},
+		{"RPC with a wrong token", "POST", "/filesystem.Filesystem/Stat", "not-the-token", bomb, 401, false},
+		{"upload without a token", "POST", "/files?path=/tmp/x", "", bomb, 401, false},
+		{"upload with a signature for another path", "POST", "/files?path=/etc/passwd&username=user&signature=" + url.QueryEscape(sig), "", bomb, 401, false},
+		{"upload with an expired signature", "POST", "/files?" + url.Values{"path": {"/tmp/x"}, "username": {"user"},
+			"signature_expiration": {strconv.FormatInt(expired, 10)},
+			"signature":            {filesig.Sign("/tmp/x", "write", "user", "the-token", expired)}}.Encode(), "", bomb, 401, false},
+		{"a read signature used to write", "POST", "/files?" + url.Values{"path": {"/tmp/x"}, "username": {"user"},
+			"signature": {filesig.Sign("/tmp/x", "read", "user", "the-token", 0)}}.Encode(), "", []byte("x"), 401, false},
+		{"envs without a token", "GET", "/envs", "", nil, 401, false},
+		{"health", "GET", "/health", "", nil, 204, true},
+		{"RPC with the token", "POST", "/process.Process/List", "the-token", []byte("{}"), 200, true},
+		{"upload with a valid signature", "POST", "/files?path=/tmp/x&username=user&signature=" + url.QueryEscape(sig), "", []byte("x"), 200, true},
+	}
+	for _, c := range cases {
+		before := a.requests.Load()
+		req, _ := http.NewRequest(c.method, srv.URL+c.path, bytes.NewReader(c.body))
+		req.Header.Set("E2b-Sandbox-Id", "sandbox1")
+		req.Header.Set("Content-Encoding", "gzip")
+		if c.token != "" {
+			req.Header.Set("X-Access-Token", c.token)
+		}
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatalf("%s: %v", c.name, err)
+		}
+		resp.Body.Close()
+		reached := a.requests.Load() > before
+		if resp.StatusCode != c.want || reached != c.reaches {
+			t.Errorf("%s: status %d, reached the agent %v; want %d, %v", c.name, resp.StatusCode, reached, c.want, c.reaches)
+		}
+	}
+	if n := a.bodyBytes.Load(); n > 64 {
+		t.Errorf("the agent received %d body bytes; only the authorized requests' few should pass", n)
+	}
+}
+
+// TestPortSweepOnePool: a client that sweeps every port of a sandbox
+// through the proxy leaves one connection pool for the sandbox, not one
+// per port (65,535 of them before).
+func TestPortSweepOnePool(t *testing.T) {
+	a := newFakeAgent(t)
+	p := New(sandboxes{sb{a}}, "", nil)
+	srv := httptest.NewServer(p)
+	defer srv.Close()
+	var wg sync.WaitGroup
+	ports := make(chan int)
+	for w := 0; w < 8; w++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for port := range ports {
+				req, _ := http.NewRequest("GET", srv.URL+"/", nil)
+				req.Header.Set("E2b-Sandbox-Id", "sandbox1")
+				req.Header.Set("E2b-Sandbox-Port", strconv.Itoa(port))
+				req.Header.Set(TrafficHeader, "traffic")
+				if resp, err := http.DefaultClient.Do(req); err == nil {
+					resp.Body.Close()
+				}
+			}
+		}()
+	}
+	for port := 1; port <= 3000; port++ {
+		ports <- port
+	}
+	close(ports)
+	wg.Wait()
+	p.mu.Lock()
+	n := len(p.transports)
+	p.mu.Unlock()
+	if n != 1 {
+		t.Errorf("after a sweep of 3000 ports: %d connection pools, want 1 for the sandbox", n)
+	}
+}
+
+func TestRoute(t *testing.T) {
+	p := New(sandboxes{}, "example.test", nil)
+	for _, c := range []struct {
+		host, idHdr, portHdr string
+		id                   string
+		port                 int
+		ok                   bool
+	}{
+		{"8080-abc.example.test", "", "", "abc", 8080, true},
+		{"8080-abc.example.test:443", "", "", "abc", 8080, true},
+		{"8080-abc.other.test", "", "", "", 0, false},
+		{"8080-abc.evil.example.test", "", "", "", 0, false},
+		{"abc.example.test", "", "", "", 0, false},
+		{"x-abc.example.test", "", "", "", 0, false},
+		{"8080-.example.test", "", "", "", 0, false},
+		{"whatever", "abc", "", "abc", EnvdPort, true},
+		{"whatever", "abc", "3000", "abc", 3000, true},
+		{"whatever", "abc", "3k", "abc", 0, false},
+		{"whatever", "abc", "0", "abc", 0, false},
+		{"whatever", "abc", "65536", "abc", 0, false},
+		{"whatever", "abc", "+80", "abc", 0, false},
+		{"080-abc.example.test", "", "", "", 0, false},
+		{"65535-abc.example.test", "", "", "abc", 65535, true},
+	} {
+		r := httptest.NewRequest("GET", "/", nil)
+		r.Host = c.host
+		if c.idHdr != "" {
+			r.Header.Set("E2b-Sandbox-Id", c.idHdr)
+		}
+		if c.portHdr != "" {
+			r.Header.Set("E2b-Sandbox-Port", c.portHdr)
+		}
+		id, port, ok := p.route(r)
+		if ok != c.ok || (ok && (id != c.id || port != c.port)) {
+			t.Errorf("route(Host %q, id %q, port %q) = %q %d %v; want %q %d %v", c.host, c.idHdr, c.portHdr, id, port, ok, c.id, c.port, c.ok)
+		}
+	}
+}
+
+// FuzzRoute: whatever the Host and E2B headers, routing never panics, a
+// host-routed request names a sandbox only under the proxy's own domain,
+// and a sandbox id never carries a dot (it could not name a host then).
+func FuzzRoute(f *testing.F) {
+	for _, s := range [][3]string{
+		{"8080-abc.example.test", "", ""}, {"49983-abc.example.test:3001", "", ""}, {"-1-abc.example.test", "", ""},
+		{"8080-abc.example.test.evil", "", ""}, {"[::1]:80", "", ""}, {"x", "abc", "99999999999999999999"},
+		{"x", "abc", "-5"}, {"8080-a-b.example.test", "", ""}, {"", "", ""}, {"0x1f-abc.example.test", "", ""},
+	} {
+		f.Add(s[0], s[1], s[2])
+	}
+	p := New(sandboxes{}, "example.test", nil)
+	f.Fuzz(func(t *testing.T, host, id, port string) {
+		r := httptest.NewRequest("GET", "/", nil)
+		r.Host = host
+		r.Header.Set("E2b-Sandbox-Id", id)
+		r.Header.Set("E2b-Sandbox-Port", port)
+		gotID, gotPort, ok := p.route(r)
+		if !ok {
+			return
+		}
+		if id != "" {
+			if gotID != id {
+				t.Fatalf("header-routed id %q became %q", id, gotID)
+			}
+			return
+		}
+		h := host
+		if hh, _, err := net.SplitHostPort(host); err == nil {
+			h = hh
+		}
+		if want := strconv.Itoa(gotPort) + "-" + gotID + ".example.test"; h != want {
+			t.Fatalf("host %q routed to sandbox %q port %d (that host would be %q)", host, gotID, gotPort, want)
+		}
+	})
+}
