@@ -63,6 +63,21 @@ if [ "$(id -u)" = 0 ]; then
       { tail -30 .tools/base-build.log >&2; exit 1; }
   fi
   export CAGE_REQUIRE_BASE=1
+
+  # The E2B SDK from npm (test/e2b), installed here and not by the tests:
+  # they run in network namespaces of their own, where the registry does
+  # not resolve. The stamp says which package-lock.json it matches.
+  node_major=$(node --version 2>/dev/null | sed -n 's/^v\([0-9]*\).*/\1/p')
+  if [ "${node_major:-0}" -lt 20 ] || ! command -v npm >/dev/null; then
+    echo "test.sh: the E2B SDK tests need Node.js 20 or later with npm (found: $(node --version 2>&1 | head -1))" >&2
+    exit 1
+  fi
+  if ! (cd test/e2b && sha256sum --status -c node_modules/.cage-lock-sha256 2>/dev/null); then
+    echo "== npm ci in test/e2b (the E2B SDK)"
+    (cd test/e2b && npm ci --no-audit --no-fund >/dev/null &&
+      sha256sum package.json package-lock.json >node_modules/.cage-lock-sha256)
+  fi
+  export CAGE_REQUIRE_E2B=1
 fi
 echo "== go test"
 # One package at a time: the integration suites count what is on the host

@@ -114,8 +114,11 @@ func WallToFirstOutput(ctx context.Context, h *sandbox.Host, wallName string, ru
 		}
 		c := agentclient.New(sb.Dial, sb.Token())
 		fw := &firstWrite{start: start}
-		_, err = c.Run(ctx, agentclient.RunOptions{Cmd: "echo", Args: []string{"ready"}, Stdout: fw, Stderr: io.Discard})
+		end, err := c.Run(ctx, agentclient.RunOptions{Cmd: "echo", Args: []string{"ready"}, Stdout: fw, Stderr: io.Discard})
 		c.Close()
+		if err == nil {
+			err = fw.check(end.GetExitCode())
+		}
 		if derr := sb.Destroy(); err == nil {
 			err = derr
 		}
@@ -135,10 +138,22 @@ type firstWrite struct {
 }
 
 func (f *firstWrite) Write(p []byte) (int, error) {
-	if f.at == 0 {
+	if f.at == 0 && len(p) > 0 {
 		f.at = time.Since(f.start)
 	}
 	return len(p), nil
+}
+
+// check refuses a run that failed or printed nothing: it has no time to
+// first output, and a 0 would pass for the fastest sample.
+func (f *firstWrite) check(exit int32) error {
+	if exit != 0 {
+		return fmt.Errorf("echo exited %d", exit)
+	}
+	if f.at <= 0 {
+		return errors.New("echo printed nothing")
+	}
+	return nil
 }
 
 // BareToFirstOutput times the peer of an OCI wall: the runtime running
@@ -150,6 +165,9 @@ func BareToFirstOutput(ctx context.Context, h *sandbox.Host, wallName string, ru
 		fw := &firstWrite{start: time.Now()}
 		if err := h.RunBare(ctx, wallName, []string{"/bin/echo", "ready"}, fw); err != nil {
 			return stats.Stats{}, err
+		}
+		if err := fw.check(0); err != nil {
+			return stats.Stats{}, fmt.Errorf("bare %s: %w", wallName, err)
 		}
 		if i >= 0 {
 			samples = append(samples, fw.at)
@@ -234,8 +252,15 @@ func WallIdleMemory(ctx context.Context, h *sandbox.Host, wallName string, n int
 	}
 	var pss, cg int64
 	for _, sb := range sbs {
-		pss += readPSS(sb.AgentPID())
-		cg += readCgroupMemory(sb)
+		p, err := ReadPSS(sb.AgentPID())
+		if err != nil {
+			return Memory{}, err
+		}
+		c, err := readCgroupMemory(sb)
+		if err != nil {
+			return Memory{}, err
+		}
+		pss, cg = pss+p, cg+c
 	}
 	return Memory{N: n, PerSandboxBytes: (before - after) / int64(n), AgentPSSBytes: pss / int64(n),
 		CgroupBytes: cg / int64(n), CreateRate: rate}, nil
@@ -250,34 +275,41 @@ func memAvailable() (int64, error) {
 	sc := bufio.NewScanner(f)
 	for sc.Scan() {
 		if v, ok := strings.CutPrefix(sc.Text(), "MemAvailable:"); ok {
-			kb, err := strconv.ParseInt(strings.TrimSpace(strings.TrimSuffix(strings.TrimSpace(v), "kB")), 10, 64)
-			return kb << 10, err
+			return parseKB(v)
 		}
 	}
 	return 0, errors.New("no MemAvailable in /proc/meminfo")
 }
 
-func readPSS(pid int) int64 {
+// ReadPSS is the proportional set size of process pid.
+func ReadPSS(pid int) (int64, error) {
 	data, err := os.ReadFile(fmt.Sprintf("/proc/%d/smaps_rollup", pid))
 	if err != nil {
-		return 0
+		return 0, err
 	}
 	for _, line := range strings.Split(string(data), "\n") {
 		if v, ok := strings.CutPrefix(line, "Pss:"); ok {
-			kb, _ := strconv.ParseInt(strings.TrimSpace(strings.TrimSuffix(strings.TrimSpace(v), "kB")), 10, 64)
-			return kb << 10
+			return parseKB(v)
 		}
 	}
-	return 0
+	return 0, fmt.Errorf("no Pss in /proc/%d/smaps_rollup", pid)
 }
 
-func readCgroupMemory(sb wall.Sandbox) int64 {
+// parseKB reads "  1234 kB".
+func parseKB(v string) (int64, error) {
+	kb, err := strconv.ParseInt(strings.TrimSpace(strings.TrimSuffix(strings.TrimSpace(v), "kB")), 10, 64)
+	if err != nil || kb < 0 {
+		return 0, fmt.Errorf("memory figure %q: not a count of kB", v)
+	}
+	return kb << 10, nil
+}
+
+func readCgroupMemory(sb wall.Sandbox) (int64, error) {
 	dir := sb.Cgroup().Dir("memory")
 	for _, f := range []string{"memory.usage_in_bytes", "memory.current"} {
 		if b, err := os.ReadFile(filepath.Join(dir, f)); err == nil {
-			n, _ := strconv.ParseInt(strings.TrimSpace(string(b)), 10, 64)
-			return n
+			return strconv.ParseInt(strings.TrimSpace(string(b)), 10, 64)
 		}
 	}
-	return 0
+	return 0, fmt.Errorf("no memory usage in %s", dir)
 }

@@ -129,8 +129,11 @@ func TimeToInteractive(ctx context.Context, c *client.Client, runs, concurrency 
 			var ac *agentclient.Client
 			if ac, err = c.Agent(sb.SandboxID, sb.EnvdAccessToken); err == nil {
 				fw := &firstWrite{start: start}
-				_, err = ac.Run(ctx, agentclient.RunOptions{Cmd: "echo", Args: []string{"ready"}, Stdout: fw, Stderr: io.Discard})
+				end, runErr := ac.Run(ctx, agentclient.RunOptions{Cmd: "echo", Args: []string{"ready"}, Stdout: fw, Stderr: io.Discard})
 				ac.Close()
+				if err = runErr; err == nil {
+					err = fw.check(end.GetExitCode())
+				}
 				if err == nil && record {
 					mu.Lock()
 					samples = append(samples, fw.at)

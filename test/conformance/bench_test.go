@@ -54,8 +54,12 @@ func firstOutput(b *testing.B, h *sandbox.Host, o sandbox.Options) time.Duration
 	}
 	c := agentclient.New(sb.Dial, sb.Token())
 	fw := &firstByte{}
-	if _, err := c.Run(ctx, agentclient.RunOptions{Cmd: "echo", Args: []string{"x"}, Stdout: fw, Stderr: io.Discard}); err != nil {
+	end, err := c.Run(ctx, agentclient.RunOptions{Cmd: "echo", Args: []string{"x"}, Stdout: fw, Stderr: io.Discard})
+	if err != nil {
 		b.Fatal(err)
+	}
+	if end.GetExitCode() != 0 || fw.at.IsZero() {
+		b.Fatalf("echo exited %d and printed nothing: no time to first output", end.GetExitCode())
 	}
 	d := fw.at.Sub(start)
 	b.StopTimer()
@@ -80,8 +84,12 @@ func BenchmarkRoundTrip(b *testing.B) {
 	b.ResetTimer()
 	for i := 0; i < b.N; i++ {
 		start := time.Now()
-		if _, err := c.Run(ctx, agentclient.RunOptions{Cmd: "true", Stdout: io.Discard, Stderr: io.Discard}); err != nil {
+		end, err := c.Run(ctx, agentclient.RunOptions{Cmd: "true", Stdout: io.Discard, Stderr: io.Discard})
+		if err != nil {
 			b.Fatal(err)
+		}
+		if end.GetExitCode() != 0 {
+			b.Fatalf("true exited %d", end.GetExitCode())
 		}
 		samples = append(samples, time.Since(start))
 	}

@@ -4,8 +4,8 @@
 // drive sandboxes through it. Two SDK releases run: 2.51.0 and 2.46.1
 // (package alias e2b-246), which still creates with POST /sandboxes.
 //
-// Needs root, node and npm; `npm ci` fetches the SDK from the registry the
-// first time (package-lock.json pins it); everything else is loopback.
+// Needs root, node and npm; scripts/test.sh runs `npm ci` here first
+// (package-lock.json pins the SDK); the tests themselves reach only loopback.
 package e2b
 
 import (
@@ -394,74 +394,58 @@ func cageCommand(ctx context.Context, bin string, args ...string) *exec.Cmd {
 	return cmd
 }
 
-// requireNode skips unless node (20 or later, as the SDK needs) and npm run.
+// requireNode skips unless node (20 or later, as the SDK needs) and npm run;
+// where scripts/test.sh ran (CAGE_REQUIRE_E2B=1) their absence fails.
 func requireNode(t *testing.T) {
 	t.Helper()
+	skip := t.Skipf
+	if os.Getenv("CAGE_REQUIRE_E2B") == "1" {
+		skip = t.Fatalf
+	}
 	for _, tool := range []string{"node", "npm"} {
 		if _, err := exec.LookPath(tool); err != nil {
-			t.Skipf("SKIP: needs %s on PATH to run the E2B JS SDK: %v", tool, err)
+			skip("SKIP: needs %s on PATH to run the E2B JS SDK: %v", tool, err)
+			return
 		}
 	}
 	out, err := exec.Command("node", "--version").Output()
 	if err != nil {
-		t.Skipf("SKIP: node --version: %v", err)
+		skip("SKIP: node --version: %v", err)
+		return
 	}
 	v := strings.TrimPrefix(strings.TrimSpace(string(out)), "v")
 	major, _ := strconv.Atoi(strings.SplitN(v, ".", 2)[0])
 	if major < 20 {
-		t.Skipf("SKIP: node %s is too old for the E2B SDK (needs 20.18.1 or later)", v)
+		skip("SKIP: node %s is too old for the E2B SDK (needs 20.18.1 or later)", v)
 	}
 }
 
-var npmOnce struct {
-	sync.Mutex
-	done bool
-}
-
-// sdkDir is this package's directory with node_modules matching
-// package-lock.json: `npm ci` runs unless the stamp it leaves in
-// node_modules records the same package.json and package-lock.json.
+// sdkDir is this package's directory, whose node_modules must match
+// package-lock.json. The tests cannot install it themselves: they run in
+// a network namespace of their own, where the registry does not resolve.
+// scripts/test.sh runs `npm ci` beforehand and leaves a stamp,
+// `sha256sum package.json package-lock.json`, in node_modules.
 func sdkDir(t *testing.T) string {
 	t.Helper()
 	dir := filepath.Join(testutil.RepoRoot(), "test", "e2b")
-	npmOnce.Lock()
-	defer npmOnce.Unlock()
-	if npmOnce.done {
-		return dir
-	}
-	h := sha256.New()
+	var want strings.Builder
 	for _, name := range []string{"package.json", "package-lock.json"} {
 		b, err := os.ReadFile(filepath.Join(dir, name))
 		if err != nil {
 			t.Fatal(err)
 		}
-		fmt.Fprintf(h, "%s %d\n", name, len(b))
-		h.Write(b)
+		fmt.Fprintf(&want, "%x  %s\n", sha256.Sum256(b), name)
 	}
-	want := hex.EncodeToString(h.Sum(nil))
-	stamp := filepath.Join(dir, "node_modules", ".cage-lock-sha256")
-	got, _ := os.ReadFile(stamp)
-	upToDate := strings.TrimSpace(string(got)) == want
+	got, _ := os.ReadFile(filepath.Join(dir, "node_modules", ".cage-lock-sha256"))
+	upToDate := string(got) == want.String()
 	for _, mod := range sdkModules {
 		if _, err := os.Stat(filepath.Join(dir, "node_modules", mod, "package.json")); err != nil {
 			upToDate = false
 		}
 	}
 	if !upToDate {
-		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
-		defer cancel()
-		cmd := exec.CommandContext(ctx, "npm", "ci", "--no-audit", "--no-fund", "--prefer-offline")
-		cmd.Dir = dir
-		start := time.Now()
-		if out, err := cmd.CombinedOutput(); err != nil {
-			t.Fatalf("npm ci in %s: %v\n%s", dir, err, out)
-		}
-		t.Logf("npm ci took %v", time.Since(start).Round(time.Millisecond))
-		if err := os.WriteFile(stamp, []byte(want+"\n"), 0o644); err != nil {
-			t.Fatal(err)
-		}
+		t.Fatalf("test/e2b/node_modules is missing or older than package-lock.json: run scripts/test.sh (it runs `npm ci` there, outside the tests' network namespace)")
 	}
-	npmOnce.done = true
 	return dir
 }
 
