@@ -79,6 +79,16 @@ if [ "$(id -u)" = 0 ]; then
   fi
   export CAGE_REQUIRE_E2B=1
 fi
+# Every fuzz target, for a bounded time each (FUZZTIME, default 10s):
+# what their seed corpora hold runs in `go test` below too.
+echo "== fuzz (${FUZZTIME:-10s} per target)"
+fuzzlog=$(mktemp)
+for pkg in $(git grep -l '^func Fuzz' -- '*_test.go' | xargs -n1 dirname | sort -u); do
+  for fn in $(git grep -h -o '^func Fuzz[A-Za-z0-9_]*' -- "$pkg/*_test.go" | sed 's/^func //'); do
+    go test -run '^$' -fuzz "^$fn\$" -fuzztime "${FUZZTIME:-10s}" "./$pkg" >"$fuzzlog" 2>&1 ||
+      { tail -40 "$fuzzlog" >&2; echo "fuzz $pkg $fn failed" >&2; exit 1; }
+  done
+done
 echo "== go test"
 # One package at a time: the integration suites count what is on the host
 # (processes, cgroups, namespaces) and must not see each other's sandboxes.

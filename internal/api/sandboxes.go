@@ -105,47 +105,55 @@ func (s *server) create(v2 bool) http.Handler {
 			s.fail(w, r, err)
 			return
 		}
-		if body.TemplateID == "" {
-			s.fail(w, r, fmt.Errorf("%w: templateID is required", errBadRequest))
-			return
-		}
-		if body.Wall == "" {
-			body.Wall = s.cfg.DefaultWall
-		}
-		def := s.cfg.V1Timeout
-		if v2 {
-			def = s.cfg.V2Timeout
-		}
-		timeout, err := seconds(body.Timeout, def)
+		req, err := s.createRequest(body, v2)
 		if err != nil {
 			s.fail(w, r, err)
 			return
 		}
-		for _, v := range []int64{body.MemoryMB, body.DiskSizeMB, body.Pids} {
-			if v < 0 {
-				s.fail(w, r, fmt.Errorf("%w: limits must be positive", errBadRequest))
-				return
-			}
-		}
-		// E2B's defaults: the internet, and exposed ports open to anyone
-		// who has the URL.
-		policy, err := policyOf(body.AllowInternetAccess, body.Network)
-		if err != nil {
-			s.fail(w, r, err)
-			return
-		}
-		public := body.Network == nil || body.Network.AllowPublicTraffic == nil || *body.Network.AllowPublicTraffic
-		rec, err := s.cfg.Manager.Create(r.Context(), manager.CreateRequest{
-			KeyID: keyID(r), Template: body.TemplateID, Timeout: timeout, Metadata: body.Metadata,
-			Env: body.EnvVars, CPUs: body.CPUCount, MemoryMB: body.MemoryMB, DiskMB: body.DiskSizeMB,
-			Pids: body.Pids, Net: policy, PublicTraffic: public, AutoPause: body.AutoPause, Wall: body.Wall,
-		})
+		req.KeyID = keyID(r)
+		rec, err := s.cfg.Manager.Create(r.Context(), req)
 		if err != nil {
 			s.fail(w, r, err)
 			return
 		}
 		writeJSON(w, http.StatusCreated, s.sandboxOf(rec))
 	})
+}
+
+// createRequest checks a create body and turns it into the manager's
+// request (without the key).
+func (s *server) createRequest(body newSandbox, v2 bool) (manager.CreateRequest, error) {
+	if body.TemplateID == "" {
+		return manager.CreateRequest{}, fmt.Errorf("%w: templateID is required", errBadRequest)
+	}
+	if body.Wall == "" {
+		body.Wall = s.cfg.DefaultWall
+	}
+	def := s.cfg.V1Timeout
+	if v2 {
+		def = s.cfg.V2Timeout
+	}
+	timeout, err := seconds(body.Timeout, def)
+	if err != nil {
+		return manager.CreateRequest{}, err
+	}
+	for _, v := range []int64{body.MemoryMB, body.DiskSizeMB, body.Pids} {
+		if v < 0 {
+			return manager.CreateRequest{}, fmt.Errorf("%w: limits must be positive", errBadRequest)
+		}
+	}
+	// E2B's defaults: the internet, and exposed ports open to anyone
+	// who has the URL.
+	policy, err := policyOf(body.AllowInternetAccess, body.Network)
+	if err != nil {
+		return manager.CreateRequest{}, err
+	}
+	public := body.Network == nil || body.Network.AllowPublicTraffic == nil || *body.Network.AllowPublicTraffic
+	return manager.CreateRequest{
+		Template: body.TemplateID, Timeout: timeout, Metadata: body.Metadata,
+		Env: body.EnvVars, CPUs: body.CPUCount, MemoryMB: body.MemoryMB, DiskMB: body.DiskSizeMB,
+		Pids: body.Pids, Net: policy, PublicTraffic: public, AutoPause: body.AutoPause, Wall: body.Wall,
+	}, nil
 }
 
 // listFilter reads E2B's list query: metadata (URL-encoded k=v&k2=v2),
