@@ -54,13 +54,13 @@ func policyOf(internet *bool, n *networkJSON) (network.Policy, error) {
 		out   *[]network.Rule
 	}{{"allowOut", n.AllowOut, &allowAll, &p.Allow}, {"denyOut", n.DenyOut, &denyAll, &p.Deny}} {
 		for _, s := range list.in {
-			if s == allTraffic {
-				*list.all = true
-				continue
-			}
 			r, err := network.ParseRule(s)
 			if err != nil {
 				return p, fmt.Errorf("%w: network.%s: %v", errBadRequest, list.field, err)
+			}
+			if r.Name == "" && r.Prefix.Bits() == 0 && r.Port == 0 {
+				*list.all = true // 0.0.0.0/0 however spelt
+				continue
 			}
 			*list.out = append(*list.out, r)
 		}

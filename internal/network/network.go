@@ -66,8 +66,9 @@ type Host struct {
 	flog    *nflog
 	log     *slog.Logger
 
-	names nameCache     // denied names' addresses
-	stop  chan struct{} // ends the refresher of denied names
+	names     nameCache     // denied names' addresses
+	stop      chan struct{} // ends the refresher of denied names
+	closeOnce sync.Once
 
 	mu     sync.Mutex
 	bySlot map[int]*Sandbox
@@ -164,10 +165,12 @@ func lockHost(dir string) (func(), error) {
 // Close stops the resolver and the log reader. Sandboxes keep their rules
 // (a process that adopts them takes them over); Sandbox.Close removes them.
 func (h *Host) Close() {
-	close(h.stop)
-	h.flog.close()
-	h.res.close()
-	h.nft.close()
+	h.closeOnce.Do(func() {
+		close(h.stop)
+		h.flog.close()
+		h.res.close()
+		h.nft.close()
+	})
 }
 
 // Gateway is the address sandboxes reach the host's resolver at.

@@ -35,13 +35,7 @@ func Readiness(upstreams []string) []Finding {
 		}
 		out = append(out, Finding{"nftables", true, info})
 	}
-	if b, err := os.ReadFile("/proc/sys/net/ipv4/ip_forward"); err != nil {
-		out = append(out, Finding{"ip forwarding", false, err.Error()})
-	} else if strings.TrimSpace(string(b)) == "1" {
-		out = append(out, Finding{"ip forwarding", true, "on"})
-	} else {
-		out = append(out, Finding{"ip forwarding", true, "off; cage turns it on when the first networked sandbox starts"})
-	}
+	out = append(out, forwarding())
 	if _, err := os.Stat("/sys/module/veth"); err != nil {
 		if _, err := os.Stat("/sys/class/net"); err != nil {
 			out = append(out, Finding{"veth", false, "no /sys/class/net: is sysfs mounted?"})
@@ -61,4 +55,25 @@ func Readiness(upstreams []string) []Finding {
 		out = append(out, Finding{"dns upstreams", true, strings.Join(upstreams, ", ") + " (" + src + ")"})
 	}
 	return out
+}
+
+// forwarding says whether the host forwards IPv4, and who decided.
+func forwarding() Finding {
+	b, err := os.ReadFile("/proc/sys/net/ipv4/ip_forward")
+	if err != nil {
+		return Finding{"ip forwarding", false, err.Error()}
+	}
+	if strings.TrimSpace(string(b)) != "1" {
+		return Finding{"ip forwarding", true, "off; cage turns it on when the first networked sandbox starts, and then drops forwarded traffic that is not a sandbox's (the host routes nothing else)"}
+	}
+	guarded := false
+	if n, err := newNFT(); err == nil {
+		guarded = n.forwardGuarded()
+		n.close()
+	}
+	if guarded {
+		return Finding{"ip forwarding", true, "on, turned on by cage, which drops forwarded traffic that is not a sandbox's; " +
+			"for the host to route for something else too (Docker, libvirt started later): nft flush chain inet cage guard"}
+	}
+	return Finding{"ip forwarding", true, "on, and it was on before cage: the host routes between its interfaces as its own firewall says; cage's rules govern only what sandboxes send"}
 }
