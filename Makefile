@@ -5,6 +5,7 @@ GOFLAGS_BUILD = -trimpath -ldflags '-s -w'
 
 # gVisor's runsc at a pinned version that works on these hosts (systrap).
 RUNSC_VERSION ?= v0.0.0-20260905035102-160fafc42237
+RUNSC_DIR ?= $(CURDIR)/.tools/bin
 
 .PHONY: all build demo test test-unit proto vet fmt bench clean runsc base
 
@@ -30,8 +31,8 @@ proto:
 	./scripts/gen-proto.sh
 
 runsc:
-	mkdir -p .tools/bin
-	CGO_ENABLED=0 GOBIN=$(CURDIR)/.tools/bin $(GO) install gvisor.dev/gvisor/runsc@$(RUNSC_VERSION)
+	mkdir -p $(RUNSC_DIR)
+	CGO_ENABLED=0 GOBIN=$(RUNSC_DIR) $(GO) install gvisor.dev/gvisor/runsc@$(RUNSC_VERSION)
 
 vet:
 	$(GO) vet ./...

@@ -25,19 +25,30 @@ if [ "$(id -u)" != 0 ]; then
   echo "test.sh: not root: the integration tests (sandboxes) will be skipped; run with sudo for the full suite" >&2
 fi
 
-# gVisor's runsc, built from the Go module proxy at a pinned version (static;
-# a cgo build fails at start), kept in .tools/bin.
+# What is slow to make (runsc, the guest kernel, the base template) is kept
+# outside the clone, in $CAGE_DEV_CACHE (default /var/cache/cage-dev, or
+# ~/.cache/cage-dev when not root), each under a key of its inputs: a warm
+# machine reuses it, a fresh one (or changed inputs) builds it again.
+if [ "$(id -u)" = 0 ]; then cache=${CAGE_DEV_CACHE:-/var/cache/cage-dev}; else cache=${CAGE_DEV_CACHE:-$HOME/.cache/cage-dev}; fi
+mkdir -p "$cache" .tools/bin
+
+# gVisor's runsc, built from the Go module proxy at the version the
+# Makefile pins (static; a cgo build fails at start).
 if [ -z "${CAGE_RUNSC:-}" ]; then
-  export CAGE_RUNSC="$PWD/.tools/bin/runsc"
+  runsc_dir="$cache/runsc-$(sed -n 's/^RUNSC_VERSION ?= //p' Makefile)"
+  export CAGE_RUNSC="$runsc_dir/runsc"
   if [ ! -x "$CAGE_RUNSC" ]; then
-    echo "== building runsc (gVisor) from the module proxy (about 2 minutes, once)"
-    make -s runsc
+    echo "== building runsc (gVisor) from the module proxy (about 2 minutes, once per version)"
+    rm -rf "$runsc_dir.tmp"
+    make -s runsc RUNSC_DIR="$runsc_dir.tmp" && rm -rf "$runsc_dir" && mv "$runsc_dir.tmp" "$runsc_dir"
   fi
+  ln -sfn "$CAGE_RUNSC" .tools/bin/runsc
 fi
-# The microvm wall's guest kernel (Debian's cloud kernel, unpacked into
-# .tools/kernel) and QEMU, for the tests of internal/vm.
+# The microvm wall's guest kernel (Debian's cloud kernel, one directory per
+# kernel version) and QEMU, for the tests of internal/vm and the wall.
 if [ "$(id -u)" = 0 ]; then
-  echo "== guest kernel $(bash scripts/kernel.sh .tools/kernel) and QEMU"
+  export CAGE_KERNEL_DIR="${CAGE_KERNEL_DIR:-$cache/kernel}"
+  echo "== guest kernel $(bash scripts/kernel.sh "$CAGE_KERNEL_DIR") and QEMU"
 fi
 # As root (CI) every wall must run: a missing one fails the suite instead of
 # being skipped.
@@ -56,12 +67,17 @@ make -s build
 # minutes) into a store kept in .tools, for the tests that start sandboxes
 # of it (python3 and node through the E2B SDK).
 if [ "$(id -u)" = 0 ]; then
-  export CAGE_TEMPLATES="${CAGE_TEMPLATES:-$PWD/.tools/templates}"
+  # The store's key: what makes and reads it (the Dockerfile, the store and
+  # build code). Stores of older keys go after a week unused.
+  key=$(git ls-files -s templates/base internal/imgstore internal/build internal/template | sha256sum | cut -c1-16)
+  export CAGE_TEMPLATES="${CAGE_TEMPLATES:-$cache/templates-$key}"
+  find "$cache" -maxdepth 1 -name 'templates-*' ! -name "templates-$key" -mtime +7 -exec rm -rf {} + 2>/dev/null || true
   if ! ./bin/cage template inspect base >/dev/null 2>&1; then
-    echo "== building the base template (Debian 12 from Debian's mirror, once)"
+    echo "== building the base template (Debian 12 from Debian's mirror, once per key)"
     ./bin/cage template build --net internet templates/base base >.tools/base-build.log 2>&1 ||
       { tail -30 .tools/base-build.log >&2; exit 1; }
   fi
+  touch "$CAGE_TEMPLATES"
   export CAGE_REQUIRE_BASE=1
 
   # The E2B SDK from npm (test/e2b), installed here and not by the tests:
