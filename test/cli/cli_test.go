@@ -349,6 +349,13 @@ func TestBadInput(t *testing.T) {
 		{[]string{"run", "--cpus", "0.001", "--", "true"}, exitUsage, "cpus"},
 		{[]string{"run", "--disk", "10", "--", "true"}, exitUsage, "disk"},
 		{[]string{"run", "--timeout", "soon", "--", "true"}, exitUsage, "timeout"},
+		// Above the host's maxima, or too large to be a duration: refused
+		// with the maximum named, never wrapped into something small.
+		{[]string{"run", "--memory", "100T", "--", "true"}, exitUsage, "maximum"},
+		{[]string{"run", "--disk", "100T", "--", "true"}, exitUsage, "maximum"},
+		{[]string{"run", "--cpus", "100000", "--", "true"}, exitUsage, "maximum"},
+		{[]string{"run", "--pids", "10000000", "--", "true"}, exitUsage, "maximum"},
+		{[]string{"run", "--timeout", "18446744074", "--", "true"}, exitUsage, "timeout"},
 		{[]string{"run", "--env", "NOEQUALS", "--", "true"}, exitUsage, "NOEQUALS"},
 		{[]string{"run", "--copy-in", "/nonexistent:/x", "--", "true"}, exitUsage, "/nonexistent"},
 		{[]string{"run", "--tty", "sometimes", "--", "true"}, exitUsage, "sometimes"},
