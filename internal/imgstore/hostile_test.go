@@ -98,32 +98,49 @@ func TestHostileArchives(t *testing.T) {
 		}
 	})
 
-	// Symlinks planted by an earlier entry, then written through.
-	for _, tc := range []struct{ name, link, entry string }{
-		{"symlink-abs-then-file", "@", "evil/passwd"},
-		{"symlink-rel-then-file", "../../../../../../../../../..@", "evil/passwd"},
-		{"symlink-then-dir", "@", "evil/sub/"},
-		{"symlink-then-nested-file", "@", "evil/sub/passwd"},
+	// Symlinks planted by an earlier entry, then written through: refused,
+	// the canary untouched, nothing left in the store. The later ones
+	// replace a directory the unpacker has already checked (on the path of
+	// the entries just before) with a symlink or a file.
+	for _, tc := range []struct {
+		name  string
+		build func(l *layer, c canary)
+	}{
+		{"symlink-abs-then-file", func(l *layer, c canary) {
+			l.symlink("evil", c.dir).file("evil/passwd", "pwned", 0o644)
+		}},
+		{"symlink-rel-then-file", func(l *layer, c canary) {
+			l.symlink("evil", "../../../../../../../../../.."+c.dir).file("evil/passwd", "pwned", 0o644)
+		}},
+		{"symlink-then-dir", func(l *layer, c canary) {
+			l.symlink("evil", c.dir).dir("evil/sub/", 0o755)
+		}},
+		{"symlink-then-nested-file", func(l *layer, c canary) {
+			l.symlink("evil", c.dir).file("evil/sub/passwd", "pwned", 0o644)
+		}},
+		{"checked-dir-replaced-by-symlink", func(l *layer, c canary) {
+			l.dir("d/", 0o755).file("d/x", "x", 0o644).symlink("d", c.dir).file("d/passwd", "pwned", 0o644)
+		}},
+		{"checked-parent-replaced-by-symlink", func(l *layer, c canary) {
+			l.dir("a/", 0o755).dir("a/b/", 0o755).dir("a/b/c/", 0o755).file("a/b/c/x", "x", 0o644).
+				symlink("a/b", c.dir).file("a/b/c/passwd", "pwned", 0o644)
+		}},
+		{"checked-parent-replaced-by-file", func(l *layer, c canary) {
+			l.dir("a/b/", 0o755).file("a/b/x", "x", 0o644).file("a", "now a file", 0o644).file("a/b/y", "y", 0o644)
+		}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			c := newCanary(t)
 			s := openStore(t)
-			l := newLayer(t).symlink("evil", strings.ReplaceAll(tc.link, "@", c.dir))
-			if strings.HasSuffix(tc.entry, "/") {
-				l.dir(tc.entry, 0o755)
-			} else {
-				l.file(tc.entry, "pwned", 0o644)
-			}
-			tm, err := importRaw(t, s, Options{}, l.bytes())
+			l := newLayer(t)
+			tc.build(l, c)
+			_, err := importRaw(t, s, Options{}, l.bytes())
 			c.check(t)
 			if err == nil {
-				// Allowed only if the write stayed inside the layer.
-				dirs, _ := s.LayerDirs(tm)
-				t.Logf("import succeeded; layer has %v", dirs)
-			} else {
-				wantInvalid(t, err, "not a directory")
-				noLeftovers(t, s)
+				t.Fatalf("import succeeded: the entry under a symlink (or file) the layer planted must be refused")
 			}
+			wantInvalid(t, err, "not a directory")
+			noLeftovers(t, s)
 		})
 	}
 
@@ -132,11 +149,20 @@ func TestHostileArchives(t *testing.T) {
 		{"hardlink-dotdot", "../../../../../../../../..@/passwd", "points outside the layer"},
 		{"hardlink-missing", "nothere", "not an earlier file"},
 		{"hardlink-through-symlink", "s/passwd", "not an earlier file"},
+		{"hardlink-to-directory", "d", "not an earlier file"},
+		{"hardlink-to-whiteout", "d/gone", "not an earlier file"},
+		{"hardlink-through-replaced-dir", "r/f", "not an earlier file"},
+		{"hardlink-to-itself", "h", "points to itself"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			c := newCanary(t)
 			s := openStore(t)
-			l := newLayer(t).symlink("s", c.dir).hardlink("h", strings.ReplaceAll(tc.target, "@", c.dir))
+			// s: a symlink to the canary's directory; d: a directory with a
+			// whiteout; r: a directory holding f, then replaced by a symlink
+			// to the canary's directory.
+			l := newLayer(t).symlink("s", c.dir).dir("d/", 0o755).file("d/.wh.gone", "", 0o644).
+				dir("r/", 0o755).file("r/f", "f", 0o644).symlink("r", c.dir).
+				hardlink("h", strings.ReplaceAll(tc.target, "@", c.dir))
 			_, err := importRaw(t, s, Options{}, l.bytes())
 			wantInvalid(t, err, tc.want)
 			c.check(t)
@@ -146,17 +172,36 @@ func TestHostileArchives(t *testing.T) {
 
 	t.Run("hardlink-to-file-replaced-by-symlink", func(t *testing.T) {
 		// f is made, then replaced by a symlink to the canary: a link to
-		// f must link the symlink itself, never what it points to.
+		// f links the symlink itself, never what it points to.
 		c := newCanary(t)
 		s := openStore(t)
 		l := newLayer(t).file("f", "f", 0o644).symlink("f", c.file).hardlink("h", "f")
 		tm, err := importRaw(t, s, Options{}, l.bytes())
 		c.check(t)
-		if err == nil {
-			dirs, _ := s.LayerDirs(tm)
-			if st := lstat(t, filepath.Join(dirs[0], "h")); st.Mode&unix.S_IFMT != unix.S_IFLNK {
-				t.Errorf("h is not the symlink: mode %o", st.Mode)
-			}
+		if err != nil {
+			t.Fatalf("import: %v (a hard link to an earlier symlink of the layer is allowed)", err)
+		}
+		dirs, _ := s.LayerDirs(tm)
+		st := lstat(t, filepath.Join(dirs[0], "h"))
+		if st.Mode&unix.S_IFMT != unix.S_IFLNK || st.Nlink != 2 {
+			t.Errorf("h is not a second link of the symlink f: mode %o, %d links", st.Mode, st.Nlink)
+		}
+		if target, err := os.Readlink(filepath.Join(dirs[0], "h")); err != nil || target != c.file {
+			t.Errorf("h -> %q, %v; want the symlink's target %s, stored as it is", target, err, c.file)
+		}
+	})
+
+	t.Run("hardlink-to-earlier-file", func(t *testing.T) {
+		s := openStore(t)
+		l := newLayer(t).file("d/f", "shared", 0o644).hardlink("e/h", "d/f")
+		tm, err := importRaw(t, s, Options{}, l.bytes())
+		if err != nil {
+			t.Fatal(err)
+		}
+		dirs, _ := s.LayerDirs(tm)
+		a, b := lstat(t, filepath.Join(dirs[0], "d/f")), lstat(t, filepath.Join(dirs[0], "e/h"))
+		if a.Ino != b.Ino || a.Nlink != 2 {
+			t.Errorf("e/h is not a link of d/f: inodes %d and %d, %d links", a.Ino, b.Ino, a.Nlink)
 		}
 	})
 
@@ -210,6 +255,16 @@ func TestHostileArchives(t *testing.T) {
 		p := rawArchive(t, cfg, base, gz.Bytes())
 		_, err := s.Import(ctx, p, "bomb", Options{MaxBytes: 8 << 20})
 		wantInvalid(t, err, "image exceeds 8388608 bytes uncompressed")
+		noLeftovers(t, s)
+	})
+
+	t.Run("implicit-directories-count", func(t *testing.T) {
+		// One entry whose name makes 8 directories the archive never
+		// listed: each is an entry made, and counts against MaxFiles.
+		s := openStore(t)
+		l := newLayer(t).file("a/b/c/d/e/f/g/h/file", "x", 0o644)
+		_, err := importRaw(t, s, Options{MaxFiles: 5}, l.bytes())
+		wantInvalid(t, err, "image exceeds 5 files")
 		noLeftovers(t, s)
 	})
 
