@@ -18,8 +18,9 @@ var Walls = []string{"process", "runc", "gvisor", "microvm"}
 
 // ProbeRuntimes finds the OCI runtimes this host has: runc on the PATH, and
 // runsc ($CAGE_RUNSC, else on the PATH). gVisor runs with the systrap
-// platform (KVM is used only where a probe shows it works; not yet) and no
-// network.
+// platform (KVM is used only where a probe shows it works; not yet), no
+// network, and host sockets it may connect to (the agent's channel) but
+// never create.
 func ProbeRuntimes() map[string]*oci.Runtime {
 	rts := map[string]*oci.Runtime{}
 	if p, err := exec.LookPath("runc"); err == nil {
@@ -32,7 +33,7 @@ func ProbeRuntimes() map[string]*oci.Runtime {
 	if runsc != "" {
 		if _, err := os.Stat(runsc); err == nil {
 			rts["gvisor"] = &oci.Runtime{Wall: "gvisor", Binary: runsc,
-				Flags: []string{"--platform=systrap", "--network=none", "--host-uds=create"}}
+				Flags: []string{"--platform=systrap", "--network=none", "--host-uds=open"}}
 		}
 	}
 	return rts

@@ -88,10 +88,11 @@ var devDir, sysDir = "/dev", "/sys"
 // KeepDevices keeps the guest's devtmpfs and sysfs reachable for
 // ReopenAgentPort once the root has changed to one that shows neither
 // (the sandbox's minimal /dev, and no /sys): through descriptors of their
-// directories, held for the guest's life.
+// directories, held for the guest's life and closed on exec (no command
+// may hold the guest's devtmpfs or sysfs).
 func KeepDevices() error {
 	for _, d := range []*string{&devDir, &sysDir} {
-		fd, err := unix.Open(*d, unix.O_PATH|unix.O_DIRECTORY, 0)
+		fd, err := unix.Open(*d, unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
 		if err != nil {
 			return fmt.Errorf("keep %s: %w", *d, err)
 		}

@@ -216,7 +216,9 @@ func agentArgv(wall string) string {
 	case "process":
 		return "cage-agent init"
 	case "microvm":
-		return "/init" // the guest's init, from the initramfs
+		// The guest's agent, which its init (the initramfs's /init, outside
+		// the sandbox's PID namespace) starts.
+		return "cage-agent guest"
 	}
 	return "/run/cage-agent serve"
 }

@@ -10,7 +10,6 @@ import (
 	"net"
 	"os"
 	"strconv"
-	"time"
 	"unsafe"
 
 	"github.com/hashicorp/yamux"
@@ -22,20 +21,14 @@ import (
 	"github.com/cagehq/cage/internal/seal"
 	"github.com/cagehq/cage/internal/template"
 	"github.com/cagehq/cage/internal/vm"
+	"github.com/cagehq/cage/internal/wall/channel"
 	"github.com/cagehq/cage/internal/wall/process"
 )
 
-// IsGuestInit reports whether this process is the init of a microvm guest:
-// PID 1, started by the kernel without arguments.
-func IsGuestInit() bool { return os.Getpid() == 1 && len(os.Args) == 1 }
-
-// GuestServe is the agent as the guest's init. It returns only on error
-// (the caller then powers the guest off).
-func GuestServe() error {
-	port, err := vm.GuestSetup()
-	if err != nil {
-		return err
-	}
+// guestAgent is the agent in the guest: PID 1 of the sandbox's PID
+// namespace, on the agent port its init opened. It returns only on error
+// (the guest is then powered off).
+func guestAgent(port *os.File) error {
 	var disk *os.File // the root's upper layer, once mounted
 	for {
 		sess, first, sp, err := nextHost(port)
@@ -127,7 +120,7 @@ func nextHost(port *os.File) (*yamux.Session, net.Conn, spec, error) {
 	if _, err := port.WriteString(hello); err != nil {
 		return nil, nil, sp, fmt.Errorf("agent port: %w", err)
 	}
-	sess, err := yamux.Server(port, sessionConfig())
+	sess, err := yamux.Server(port, channel.SessionConfig())
 	if err != nil {
 		return nil, nil, sp, err
 	}
@@ -243,7 +236,8 @@ func prepareCgroup() error {
 	if _, err := m.Create("sandbox", cgroups.Limits{}); err != nil {
 		return fmt.Errorf("guest cgroup: %w", err)
 	}
-	fd, err := unix.Open(mnt, unix.O_PATH|unix.O_DIRECTORY, 0)
+	// Close-on-exec: no command may hold the guest's cgroup root.
+	fd, err := unix.Open(mnt, unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
 	if err != nil {
 		return err
 	}
@@ -339,17 +333,6 @@ func resizeDisk(dir *os.File, size, shm int64) error {
 		return fmt.Errorf("resize /dev/shm: %w", err)
 	}
 	return nil
-}
-
-func sessionConfig() *yamux.Config {
-	c := yamux.DefaultConfig()
-	c.LogOutput = io.Discard
-	c.EnableKeepAlive = false // the port is a private wire; QEMU's exit ends it
-	// yamux closes the session when one write waits this long. A guest
-	// under TCG that is reclaiming memory for an OOM kill, on a busy host,
-	// can stall for more than yamux's 10 s without anything being wrong.
-	c.ConnectionWriteTimeout = time.Minute
-	return c
 }
 
 // switchRoot mounts the template's image (/dev/vda, read-only) under an

@@ -23,6 +23,7 @@ import (
 
 	"github.com/cagehq/cage/internal/network"
 	"github.com/cagehq/cage/internal/vm"
+	"github.com/cagehq/cage/internal/wall/channel"
 )
 
 // Snapshots: a guest booted once per VM shape (kernel, initramfs with the
@@ -395,7 +396,7 @@ func greet(ctx context.Context, v *vm.VM) (*yamux.Session, error) {
 	sess, err := yamux.Client(struct {
 		io.Reader
 		io.WriteCloser
-	}{br, conn}, sessionConfig())
+	}{br, conn}, channel.SessionConfig())
 	if err != nil {
 		conn.Close()
 		return nil, err

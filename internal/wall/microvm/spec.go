@@ -1,8 +1,7 @@
-// Package microvm is the microvm wall in the making: a QEMU microvm per
-// sandbox, with its own guest kernel, the agent as the guest's init. Not a
-// wall of sandbox.Host yet (the conformance suite does not pass on it):
-// today it boots a VM from an image template and serves the agent's
-// protocol from inside it.
+// Package microvm is the microvm wall: a QEMU microvm per sandbox, with its
+// own guest kernel. cage-agent is the guest's init, which starts the agent
+// (cage-agent guest) as PID 1 of the sandbox's own PID namespace and then
+// only reaps (guestinit.go).
 //
 // The guest reaches the host over one virtio-serial port (no vhost-vsock on
 // these hosts). The host connects to the port's socket, the guest says

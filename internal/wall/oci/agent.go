@@ -13,6 +13,7 @@ import (
 	"github.com/cagehq/cage/internal/agent"
 	"github.com/cagehq/cage/internal/cgroups"
 	"github.com/cagehq/cage/internal/seal"
+	"github.com/cagehq/cage/internal/wall/channel"
 	"github.com/cagehq/cage/internal/wall/process"
 )
 
@@ -31,10 +32,12 @@ type serveSpec struct {
 	UserName     string            `json:"user_name"`
 	AgentUID     int               `json:"agent_uid"`
 	Threads      int               `json:"threads"`
-	// Listen is a unix socket path to listen on; empty: the listening
-	// socket is fd 4 (runc passes it; gVisor cannot, and listens on a path
-	// shared with the host instead).
-	Listen string `json:"listen,omitempty"`
+	// Channel, when set (gVisor), is the directory of the host's socket
+	// (package channel), which the agent connects to with ChannelKey;
+	// otherwise the agent's listening socket is fd 4 (runc passes it;
+	// gVisor cannot take a listening socket).
+	Channel    string `json:"channel,omitempty"`
+	ChannelKey []byte `json:"channel_key,omitempty"`
 	// OOMFD and PidsFD are the host cgroup's counters (-1: not passed).
 	OOMFD  int `json:"oom_fd"`
 	PidsFD int `json:"pids_fd"`
@@ -45,6 +48,33 @@ type serveSpec struct {
 	// SIGKILL) and the agent exits, taking the sandbox down with it. The
 	// runtime detaches containers, so no parent-death signal reaches them.
 	LifelineFD int `json:"lifeline_fd"`
+	// TrimDev: /dev is gVisor's, which holds every device its kernel has
+	// (fuse, net/tun, char/): the agent leaves only sandboxDev.
+	TrimDev bool `json:"trim_dev,omitempty"`
+}
+
+// sandboxDev is what a sandbox's /dev holds on every wall (the process
+// wall adds a core link): the harmless nodes, PTYs, shared memory and the
+// descriptor links.
+var sandboxDev = map[string]bool{"null": true, "zero": true, "full": true, "random": true, "urandom": true,
+	"tty": true, "ptmx": true, "pts": true, "shm": true, "fd": true, "stdin": true, "stdout": true, "stderr": true}
+
+// trimDev removes from dir (gVisor's /dev) whatever is not in
+// sandboxDev. Nothing can make a device node again: that takes
+// CAP_MKNOD, which neither the agent nor any command holds.
+func trimDev(dir string) error {
+	ents, err := os.ReadDir(dir)
+	if err != nil {
+		return fmt.Errorf("trim /dev: %w", err)
+	}
+	for _, e := range ents {
+		if !sandboxDev[e.Name()] {
+			if err := os.RemoveAll(dir + "/" + e.Name()); err != nil {
+				return fmt.Errorf("trim /dev: %w", err)
+			}
+		}
+	}
+	return nil
 }
 
 // Serve is cage-agent's `serve` mode. It returns only on error.
@@ -62,10 +92,15 @@ func Serve() error {
 	// Nothing inherited may reach the commands.
 	_ = unix.CloseRange(3, math.MaxUint32, unix.CLOSE_RANGE_CLOEXEC)
 	var l net.Listener
-	if spec.Listen != "" {
-		_ = os.Remove(spec.Listen)
-		if l, err = net.Listen("unix", spec.Listen); err != nil {
-			return fmt.Errorf("listen: %w", err)
+	if spec.Channel != "" {
+		// The directory is opened now, before any command exists; the
+		// agent reaches the host through this descriptor from then on.
+		dir, err := os.OpenFile(spec.Channel, os.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW, 0)
+		if err != nil {
+			return fmt.Errorf("channel: %w", err)
+		}
+		if l, err = channel.Connect(dir, chanSocket, spec.ChannelKey); err != nil {
+			return fmt.Errorf("channel: %w", err)
 		}
 	} else {
 		lf := os.NewFile(4, "agent.sock")
@@ -85,6 +120,11 @@ func Serve() error {
 				}
 			}
 		}(os.NewFile(uintptr(spec.LifelineFD), "lifeline"))
+	}
+	if spec.TrimDev {
+		if err := trimDev("/dev"); err != nil {
+			return err
+		}
 	}
 	if spec.LoopbackUp {
 		if err := process.LoopbackUp(); err != nil {

@@ -123,7 +123,7 @@ var (
 	readonlyPaths = []string{"/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger"}
 )
 
-// Where the agent and (under gVisor) its socket directory are inside.
+// Where the agent and (under gVisor) the channel's directory are inside.
 const (
 	agentInside = "/run/cage-agent"
 	sockInside  = "/run/cage-sock"
@@ -138,7 +138,7 @@ type bundleConfig struct {
 	agentPath  string // host path of the agent's read-only copy (see agentCopy)
 	template   *template.Template
 	disk       string // host directory holding the disk's tmp, vartmp, home, root
-	sockDir    string // host directory shared for the agent's socket ("" = fd)
+	sockDir    string // host directory of the channel's socket, bound read-only ("" = none)
 	idBase     uint32 // host uid/gid of the container's 0, or 0 for no user namespace
 	cgroupPath string
 	limits     cgroups.Limits
@@ -255,7 +255,8 @@ func (b *bundleConfig) write() error {
 	}
 	mounts = append(mounts, ociMnt{agentInside, "bind", b.agentPath, []string{"bind", "ro", "nosuid", "nodev"}})
 	if b.sockDir != "" {
-		mounts = append(mounts, ociMnt{sockInside, "bind", b.sockDir, []string{"rbind", "rw", "nosuid", "nodev", "noexec"}})
+		// Read-only: the host's channel socket (see gvisor.go).
+		mounts = append(mounts, ociMnt{sockInside, "bind", b.sockDir, []string{"rbind", "ro", "nosuid", "nodev", "noexec"}})
 	}
 	// Open files: 65536, or the host's own hard limit if lower (a runtime
 	// cannot raise it).

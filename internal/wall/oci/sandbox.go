@@ -28,6 +28,7 @@ import (
 	"github.com/cagehq/cage/internal/network"
 	"github.com/cagehq/cage/internal/rocache"
 	"github.com/cagehq/cage/internal/template"
+	"github.com/cagehq/cage/internal/wall/channel"
 	"github.com/cagehq/cage/internal/wall/process"
 	"github.com/cagehq/cage/internal/wall/state"
 )
@@ -131,7 +132,8 @@ type Sandbox struct {
 	rootfs    string
 	lifeline  *os.File // write end of the lifeline (DieWithCaller)
 	net       *network.Sandbox
-	netns     string // the network namespace made for it (a network's)
+	netns     string        // the network namespace made for it (a network's)
+	ch        *channel.Host // gVisor: the agent connects to the host
 	exited    chan struct{}
 	log       *slog.Logger
 
@@ -149,20 +151,16 @@ func (sb *Sandbox) Exited() <-chan struct{} { return sb.exited }
 func (sb *Sandbox) Cgroup() *cgroups.Cgroup { return sb.cg }
 func (sb *Sandbox) DiskPath() string        { return sb.diskMount }
 
-// Dial connects to the agent. Under gVisor the agent makes its socket only
-// once it runs, so a missing or refusing socket is retried until the
-// sandbox is up (or gone, or ctx ends).
+// Dial connects to the agent: under runc to the socket the host made and
+// passed it, under gVisor through the channel the agent connected to
+// (see package channel), waiting for the agent if it has not yet.
 func (sb *Sandbox) Dial(ctx context.Context) (net.Conn, error) {
-	var d net.Dialer
-	c, err := d.DialContext(ctx, "unix", sb.sock)
-	for wait := time.Millisecond; err != nil && sb.rt.gvisor() && (errors.Is(err, syscall.ENOENT) || errors.Is(err, syscall.ECONNREFUSED)); wait = min(2*wait, 5*time.Millisecond) {
-		select {
-		case <-sb.exited:
-			return nil, sb.Err()
-		case <-ctx.Done():
-			return nil, ctx.Err()
-		case <-time.After(wait):
-		}
+	var c net.Conn
+	var err error
+	if sb.ch != nil {
+		c, err = sb.ch.Dial(ctx, sb.exited)
+	} else {
+		var d net.Dialer
 		c, err = d.DialContext(ctx, "unix", sb.sock)
 	}
 	if err != nil {
@@ -268,12 +266,12 @@ func Create(ctx context.Context, cfg Config) (sb *Sandbox, err error) {
 	if cfg.bare != nil {
 		b.args = cfg.bare
 	}
-	if cfg.Runtime.gvisor() {
-		b.sockDir = filepath.Join(sb.dir, "sock")
-		if err := os.Mkdir(b.sockDir, 0o777); err != nil {
+	var key []byte
+	if cfg.Runtime.gvisor() && cfg.bare == nil {
+		b.sockDir = filepath.Join(sb.dir, chanDir)
+		if key, err = sb.listenChannel(); err != nil {
 			return sb, err
 		}
-		sb.sock = filepath.Join(b.sockDir, "agent.sock")
 	} else {
 		sb.sock = filepath.Join(sb.dir, "agent.sock")
 	}
@@ -286,7 +284,7 @@ func Create(ctx context.Context, cfg Config) (sb *Sandbox, err error) {
 	if cfg.bare != nil {
 		return sb, sb.runBare(ctx, cfg)
 	}
-	return sb, sb.run(ctx, cfg)
+	return sb, sb.run(ctx, cfg, key)
 }
 
 // RunBare runs argv as the container's process, without the agent, in the
@@ -361,7 +359,7 @@ func (sb *Sandbox) makeDisk(cfg Config) error {
 
 // run starts the container with the agent's spec on fd 3 and waits for
 // the runtime to have started it (detached).
-func (sb *Sandbox) run(ctx context.Context, cfg Config) error {
+func (sb *Sandbox) run(ctx context.Context, cfg Config, key []byte) error {
 	specR, specW, err := os.Pipe()
 	if err != nil {
 		return err
@@ -381,7 +379,8 @@ func (sb *Sandbox) run(ctx context.Context, cfg Config) error {
 	defer pids.Close()
 	spec := serveSpec{Token: cfg.Token, Env: cfg.Env, MaxOutput: cfg.MaxOutput, UserName: template.UserName,
 		AgentUID: template.AgentUID, Threads: cfg.Threads, OOMFD: 4, PidsFD: 5,
-		LoopbackUp: !cfg.Runtime.gvisor() && sb.netns == "", LifelineFD: -1, WritableRoot: cfg.Template.Image != nil}
+		LoopbackUp: !cfg.Runtime.gvisor() && sb.netns == "", LifelineFD: -1, WritableRoot: cfg.Template.Image != nil,
+		TrimDev: cfg.Runtime.gvisor()}
 	files := []*os.File{specR, oom, pids, sb.ids.Lock}
 	var lifeR *os.File
 	if cfg.DieWithCaller {
@@ -400,7 +399,7 @@ func (sb *Sandbox) run(ctx context.Context, cfg Config) error {
 	args = append(args, "--root", sb.root, "run", "--detach", "--bundle", filepath.Join(sb.dir, "bundle"),
 		"--pid-file", filepath.Join(sb.dir, "pid"))
 	if cfg.Runtime.gvisor() {
-		spec.Listen = sockInside + "/agent.sock"
+		spec.Channel, spec.ChannelKey = sockInside, key
 		for fd := 3; fd < 3+len(files); fd++ {
 			args = append(args, "--pass-fd", fmt.Sprintf("%d:%d", fd, fd))
 		}
@@ -493,6 +492,9 @@ func (sb *Sandbox) Destroy() error {
 
 func (sb *Sandbox) teardown() error {
 	var errs []error
+	if sb.ch != nil {
+		sb.ch.Close()
+	}
 	if sb.rt != nil {
 		rt := func(args ...string) {
 			a := append(append([]string{}, sb.rt.Flags...), append([]string{"--root", sb.root}, args...)...)
@@ -591,9 +593,6 @@ func Adopt(cfg Config, pid int, startTime uint64) (*Sandbox, error) {
 		cg: cfg.Cgroups.Open(cfg.ID), log: cfg.Log.With("sandbox", cfg.ID, "wall", cfg.Runtime.Wall)}
 	sb.diskMount, sb.rootfs = filepath.Join(sb.dir, "disk"), filepath.Join(sb.dir, "rootfs")
 	sb.sock = filepath.Join(sb.dir, "agent.sock")
-	if cfg.Runtime.gvisor() {
-		sb.sock = filepath.Join(sb.dir, "sock", "agent.sock")
-	}
 	var err error
 	if sb.pidfd, err = unix.PidfdOpen(pid, 0); err != nil {
 		return nil, fmt.Errorf("sandbox %s: pidfd: %w", cfg.ID, err)
@@ -601,6 +600,14 @@ func Adopt(cfg Config, pid int, startTime uint64) (*Sandbox, error) {
 	if sb.owner, err = state.LockOwner(sb.dir); err != nil {
 		unix.Close(sb.pidfd)
 		return nil, fmt.Errorf("sandbox %s: %w", cfg.ID, err)
+	}
+	if cfg.Runtime.gvisor() {
+		// The agent connects again to the channel's socket, made anew.
+		if err := sb.adoptChannel(); err != nil {
+			sb.owner.Close()
+			unix.Close(sb.pidfd)
+			return nil, fmt.Errorf("sandbox %s: %w", cfg.ID, err)
+		}
 	}
 	go sb.watch()
 	return sb, nil

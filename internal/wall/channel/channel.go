@@ -1,0 +1,140 @@
+// Package channel is the wire between the host and an agent that the host
+// can neither hand a listening socket (gVisor imports a passed socket only
+// as a connected one) nor dial at a path the sandbox can write (root
+// inside could put a symlink or a socket of its own there). The direction
+// is reversed: the host listens on a socket in a directory the sandbox
+// sees read-only; the agent connects out, once, at start, through a
+// descriptor of that directory it opened before any command existed; it
+// proves it holds the sandbox's channel key (a secret the host made, which
+// no command ever sees); and the host then opens one yamux stream per
+// connection to the agent over that connection, as the microvm wall does
+// over its virtio-serial port. When the host goes (a daemon killed), the
+// agent connects again, to whoever listens there next: the daemon that
+// adopts the sandbox.
+package channel
+
+import (
+	"bufio"
+	"crypto/hmac"
+	"crypto/rand"
+	"crypto/sha256"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"io"
+	"strings"
+	"time"
+
+	"github.com/hashicorp/yamux"
+)
+
+// KeyBytes is the size of a channel key.
+const KeyBytes = 32
+
+// NewKey makes a channel key.
+func NewKey() ([]byte, error) {
+	k := make([]byte, KeyBytes)
+	if _, err := rand.Read(k); err != nil {
+		return nil, err
+	}
+	return k, nil
+}
+
+// SessionConfig is the yamux configuration of both ends of a channel (and
+// of the microvm wall's port).
+func SessionConfig() *yamux.Config {
+	c := yamux.DefaultConfig()
+	c.LogOutput = io.Discard
+	c.EnableKeepAlive = false // a private wire: its end is the peer's end
+	// yamux closes the session when one write waits this long. A guest
+	// under TCG that is reclaiming memory for an OOM kill, on a busy host,
+	// can stall for more than yamux's 10 s without anything being wrong.
+	c.ConnectionWriteTimeout = time.Minute
+	return c
+}
+
+// The handshake: the host writes greeting, a space and a fresh nonce (hex)
+// on a line; the agent answers with proof(key, nonce) (hex) on a line.
+const greeting = "cage-channel/1"
+
+// handshakeTimeout bounds a handshake on either end.
+const handshakeTimeout = 10 * time.Second
+
+// maxLine bounds a handshake line.
+const maxLine = 256
+
+// proof is what the agent answers to nonce: an HMAC of it under the key.
+func proof(key, nonce []byte) []byte {
+	m := hmac.New(sha256.New, key)
+	m.Write([]byte(greeting + " agent\x00"))
+	m.Write(nonce)
+	return m.Sum(nil)
+}
+
+// readLine reads one line of at most maxLine bytes, without its newline.
+func readLine(r *bufio.Reader) (string, error) {
+	var b strings.Builder
+	for b.Len() <= maxLine {
+		c, err := r.ReadByte()
+		if err != nil {
+			return "", err
+		}
+		if c == '\n' {
+			return b.String(), nil
+		}
+		b.WriteByte(c)
+	}
+	return "", errors.New("channel: handshake line too long")
+}
+
+// challenge is the host's half of the handshake on rw: nil once the peer
+// has proved it holds key.
+func challenge(rw io.ReadWriter, key []byte) error {
+	nonce := make([]byte, 32)
+	if _, err := rand.Read(nonce); err != nil {
+		return err
+	}
+	if _, err := io.WriteString(rw, greeting+" "+hex.EncodeToString(nonce)+"\n"); err != nil {
+		return err
+	}
+	line, err := readLine(bufio.NewReaderSize(oneByte{rw}, 16))
+	if err != nil {
+		return err
+	}
+	got, err := hex.DecodeString(line)
+	if err != nil || !hmac.Equal(got, proof(key, nonce)) {
+		return errors.New("channel: the peer does not hold the sandbox's key")
+	}
+	return nil
+}
+
+// respond is the agent's half of the handshake on rw. Both halves read
+// byte by byte: nothing past the handshake may be consumed, since yamux
+// reads the connection next.
+func respond(rw io.ReadWriter, key []byte) error {
+	line, err := readLine(bufio.NewReaderSize(oneByte{rw}, 16))
+	if err != nil {
+		return err
+	}
+	nonceHex, ok := strings.CutPrefix(line, greeting+" ")
+	if !ok {
+		return fmt.Errorf("channel: unexpected greeting %q", line)
+	}
+	nonce, err := hex.DecodeString(nonceHex)
+	if err != nil || len(nonce) != 32 {
+		return fmt.Errorf("channel: malformed nonce")
+	}
+	_, err = io.WriteString(rw, hex.EncodeToString(proof(key, nonce))+"\n")
+	return err
+}
+
+// oneByte reads at most a byte at a time, so that a bufio.Reader over it
+// never reads ahead.
+type oneByte struct{ r io.Reader }
+
+func (o oneByte) Read(p []byte) (int, error) {
+	if len(p) > 1 {
+		p = p[:1]
+	}
+	return o.r.Read(p)
+}

@@ -1,0 +1,97 @@
+package microvm
+
+import (
+	"errors"
+	"fmt"
+	"math"
+	"os"
+	"syscall"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/cagehq/cage/internal/vm"
+)
+
+// The guest runs two processes of cage-agent. The guest's init (PID 1 of
+// the guest, started by the kernel with no arguments) mounts the guest's
+// /dev, /proc and /sys, loads the modules, opens the agent port and starts
+// the agent as PID 1 of a PID namespace of its own (guestAgentArg), as on
+// the other walls: a sandbox's processes see their own and nothing of the
+// guest kernel's threads or its init. The init then only reaps, and powers
+// the guest off when the agent ends. The agent is started once per boot,
+// before any snapshot, so a restored guest pays nothing for it.
+
+// guestAgentArg is the agent's argument in the guest: `cage-agent guest`.
+const guestAgentArg = "guest"
+
+// portFD is the agent port's descriptor in the guest's agent.
+const portFD = 3
+
+// IsGuestInit reports whether this process is a microvm guest's init (PID
+// 1, started by the kernel without arguments) or its agent (PID 1 of the
+// sandbox's PID namespace, `cage-agent guest`).
+func IsGuestInit() bool {
+	return os.Getpid() == 1 && (len(os.Args) == 1 || (len(os.Args) == 2 && os.Args[1] == guestAgentArg))
+}
+
+// GuestServe is the guest's init or its agent (see IsGuestInit). It
+// returns only on error or, for the init, once the agent has ended (the
+// caller then powers the guest off).
+func GuestServe() error {
+	if len(os.Args) == 2 {
+		port := os.NewFile(portFD, "agent-port")
+		// Nothing inherited reaches the commands: the port and anything
+		// else the init handed down are closed on exec.
+		if err := unix.CloseRange(portFD, math.MaxUint32, unix.CLOSE_RANGE_CLOEXEC); err != nil {
+			return fmt.Errorf("close-on-exec: %w", err)
+		}
+		return guestAgent(port)
+	}
+	port, err := vm.GuestSetup()
+	if err != nil {
+		return err
+	}
+	pid, err := startGuestAgent(port)
+	port.Close()
+	if err != nil {
+		return err
+	}
+	return reapUntil(pid)
+}
+
+// startGuestAgent starts `cage-agent guest` (this binary, the initramfs's
+// /init) as PID 1 of a new PID namespace, with the port as its fd 3.
+func startGuestAgent(port *os.File) (int, error) {
+	pid, err := syscall.ForkExec("/init", []string{"cage-agent", guestAgentArg}, &syscall.ProcAttr{
+		Dir:   "/",
+		Env:   []string{"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"},
+		Files: []uintptr{0, 1, 2, port.Fd()},
+		Sys:   &syscall.SysProcAttr{Cloneflags: syscall.CLONE_NEWPID},
+	})
+	if err != nil {
+		return 0, fmt.Errorf("start the guest's agent: %w", err)
+	}
+	return pid, nil
+}
+
+// reapUntil reaps every child of the init (orphans the kernel gives it)
+// until the agent, pid, has ended, and says how it did.
+func reapUntil(pid int) error {
+	for {
+		var ws syscall.WaitStatus
+		got, err := syscall.Wait4(-1, &ws, 0, nil)
+		if errors.Is(err, syscall.EINTR) {
+			continue
+		}
+		if err != nil {
+			return fmt.Errorf("wait for the guest's agent: %w", err)
+		}
+		if got != pid {
+			continue
+		}
+		if ws.Signaled() {
+			return fmt.Errorf("the guest's agent was killed (%v)", ws.Signal())
+		}
+		return fmt.Errorf("the guest's agent exited (status %d)", ws.ExitStatus())
+	}
+}
