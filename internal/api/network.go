@@ -4,7 +4,6 @@ import (
 	"encoding/json"
 	"fmt"
 	"net/http"
-	"strconv"
 
 	"github.com/cagehq/cage/internal/manager"
 	"github.com/cagehq/cage/internal/network"
@@ -137,22 +136,34 @@ func (s *server) updateNetwork(w http.ResponseWriter, r *http.Request) {
 	w.WriteHeader(http.StatusNoContent)
 }
 
-// networkRecords lists a running sandbox's network records, newest first
-// (cage's own route; the records stay in the audit trail afterwards).
+// networkRecords lists a running sandbox's network records, newest first,
+// a page at a time (cage's own route; the records stay in the records
+// database afterwards, within its retention). The next page's cursor is in
+// X-Next-Token and the body's nextToken; dropped counts the records not
+// kept (over the sandbox's rate or cap).
 func (s *server) networkRecords(w http.ResponseWriter, r *http.Request) {
-	limit := 0
-	if v := r.URL.Query().Get("limit"); v != "" {
-		n, err := strconv.Atoi(v)
-		if err != nil || n < 0 {
-			s.fail(w, r, fmt.Errorf("%w: limit must be a number of records", errBadRequest))
-			return
-		}
-		limit = n
+	limit, err := atoiDefault(r.URL.Query().Get("limit"), defaultRecordsPage)
+	if err != nil || limit < 1 || limit > manager.MaxRecordsPage {
+		s.fail(w, r, fmt.Errorf("%w: limit must be 1 to %d records", errBadRequest, manager.MaxRecordsPage))
+		return
 	}
-	recs, err := s.cfg.Manager.NetRecords(keyID(r), r.PathValue("sandboxID"), limit)
+	page, err := s.cfg.Manager.NetRecords(keyID(r), r.PathValue("sandboxID"), limit, r.URL.Query().Get("nextToken"))
 	if err != nil {
 		s.fail(w, r, err)
 		return
 	}
-	writeJSON(w, http.StatusOK, recs)
+	if page.Next != "" {
+		w.Header().Set("X-Next-Token", page.Next)
+	}
+	writeJSON(w, http.StatusOK, recordsJSON{Records: page.Records, Dropped: page.Dropped, NextToken: page.Next})
+}
+
+// defaultRecordsPage is a records page's size when the request names none.
+const defaultRecordsPage = 100
+
+// recordsJSON is one page of network records.
+type recordsJSON struct {
+	Records   []network.Record `json:"records"`
+	Dropped   int64            `json:"dropped"`
+	NextToken string           `json:"nextToken,omitempty"`
 }

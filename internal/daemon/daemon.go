@@ -49,6 +49,7 @@ type Config struct {
 	AgentPath    string  `json:"agent"`
 	Network      Network `json:"network"`
 	Limits       Limits  `json:"limits"`
+	Records      Records `json:"records"`
 }
 
 // Limits bound what one tenant can take: one sandbox's limits, creates in
@@ -201,6 +202,17 @@ func Run(ctx context.Context, cfg Config, log *slog.Logger, ready func(apiAddr, 
 	}
 	mgr := manager.New(manager.Config{Store: st, Host: host, Log: log, MaxTimeout: time.Duration(cfg.MaxTimeout),
 		DefaultTemplate: cfg.DefaultTemplate, MaxSandboxes: cfg.MaxSandboxes, MaxCreating: cfg.Limits.Creating, Max: maxima})
+	recLimits, err := cfg.Records.limits()
+	if err != nil {
+		return err
+	}
+	recs, err := store.OpenRecords(cfg.Data)
+	if err != nil {
+		return err
+	}
+	defer recs.Close()
+	mgr.StartRecords(recs, recLimits)
+	defer mgr.StopRecords()
 	netCfg.Record = mgr.NetRecord
 	host.NetConfig = netCfg
 	if err := mgr.Recover(); err != nil {

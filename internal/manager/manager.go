@@ -14,7 +14,6 @@ import (
 	"fmt"
 	"log/slog"
 	"runtime"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -60,8 +59,7 @@ type Manager struct {
 	creating int
 	closed   bool
 
-	recOnce sync.Once
-	rec     *recorder
+	rec atomic.Pointer[recorder] // network records (records.go)
 
 	createSlots chan struct{} // a token per create in progress
 	waiting     atomic.Int64  // creates waiting for a slot
@@ -508,107 +506,4 @@ func (m *Manager) Count() int {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	return len(m.live)
-}
-
-// Network records (every allowed and denied connection and DNS answer) go to
-// the audit trail as events "network.connect" and "network.dns" whose detail
-// is the record as JSON. They come in bursts, so they are written in
-// batches; when the queue is full they are dropped and the drop is counted
-// in an event of its own.
-const (
-	recordQueue = 4096
-	recordBatch = 256
-)
-
-type recorder struct {
-	ch      chan network.Record
-	dropped atomic.Int64
-	done    chan struct{}
-}
-
-// NetRecord queues a network record for the audit trail.
-func (m *Manager) NetRecord(r network.Record) {
-	m.recOnce.Do(m.startRecorder)
-	select {
-	case m.rec.ch <- r:
-	default:
-		m.rec.dropped.Add(1)
-	}
-}
-
-func (m *Manager) startRecorder() {
-	m.rec = &recorder{ch: make(chan network.Record, recordQueue), done: make(chan struct{})}
-	go func() {
-		defer close(m.rec.done)
-		tick := time.NewTicker(100 * time.Millisecond)
-		defer tick.Stop()
-		var batch []store.Event
-		flush := func() {
-			if n := m.rec.dropped.Swap(0); n > 0 {
-				batch = append(batch, store.Event{Kind: "network.dropped", Detail: fmt.Sprintf("%d records dropped (queue full)", n)})
-			}
-			if len(batch) == 0 {
-				return
-			}
-			if err := m.cfg.Store.AddEvents(batch); err != nil {
-				m.log.Warn("network records", "err", err)
-			}
-			batch = batch[:0]
-		}
-		for {
-			select {
-			case r, ok := <-m.rec.ch:
-				if !ok {
-					flush()
-					return
-				}
-				detail, _ := json.Marshal(r)
-				batch = append(batch, store.Event{SandboxID: r.Sandbox, Time: r.Time, Kind: "network." + r.Kind, Detail: string(detail)})
-				if len(batch) >= recordBatch {
-					flush()
-				}
-			case <-tick.C:
-				flush()
-			}
-		}
-	}()
-}
-
-// FlushRecords writes the queued network records now (for a reader that
-// wants what happened up to this moment).
-func (m *Manager) FlushRecords() {
-	if m.rec == nil {
-		return
-	}
-	deadline := time.Now().Add(2 * time.Second)
-	for len(m.rec.ch) > 0 && time.Now().Before(deadline) {
-		time.Sleep(10 * time.Millisecond)
-	}
-	time.Sleep(150 * time.Millisecond) // the batch in hand goes at the next tick
-}
-
-// NetRecords returns a running sandbox's network records, newest first.
-func (m *Manager) NetRecords(keyID, id string, limit int) ([]network.Record, error) {
-	if _, err := m.Get(keyID, id); err != nil {
-		return nil, err
-	}
-	m.FlushRecords()
-	evs, err := m.cfg.Store.Events(id, 0)
-	if err != nil {
-		return nil, err
-	}
-	out := []network.Record{}
-	for _, e := range evs {
-		if !strings.HasPrefix(e.Kind, "network.") || e.Kind == "network.dropped" {
-			continue
-		}
-		var r network.Record
-		if json.Unmarshal([]byte(e.Detail), &r) == nil {
-			out = append(out, r)
-		}
-		if limit > 0 && len(out) >= limit {
-			break
-		}
-	}
-	return out, nil
 }

@@ -87,10 +87,13 @@ func TestNetworkAPI(t *testing.T) {
 
 	// The records: the allowed name, the denied name, the refused address.
 	r := d.expect(t, http.StatusOK, call{method: "GET", path: "/sandboxes/" + sb.SandboxID + "/network/records", key: d.key})
-	var recs []struct {
-		Kind, Decision, Name, Dest, Sandbox string
+	var page struct {
+		Records []struct {
+			Kind, Decision, Name, Dest, Sandbox string
+		}
 	}
-	r.decode(t, &recs)
+	r.decode(t, &page)
+	recs := page.Records
 	has := func(kind, decision, name, dest string) bool {
 		return slices.ContainsFunc(recs, func(x struct{ Kind, Decision, Name, Dest, Sandbox string }) bool {
 			return x.Kind == kind && x.Decision == decision && (name == "" || x.Name == name) && (dest == "" || x.Dest == dest) && x.Sandbox == sb.SandboxID
