@@ -1,5 +1,8 @@
 // Package store is the daemon's state in an embedded SQLite database
-// (<dataDir>/cage.db): sandboxes, API keys and an audit trail of events.
+// (<dataDir>/cage.db): sandboxes, API keys and an audit trail of events;
+// and the sandboxes' network records in a database of their own
+// (<dataDir>/records.db, see Records), so that their floods never wait on
+// or hold up the rest.
 //
 // It uses the pure-Go driver modernc.org/sqlite, so cage still builds with
 // CGO_ENABLED=0. The database runs in WAL mode with synchronous=NORMAL: a
