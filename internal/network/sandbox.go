@@ -68,8 +68,9 @@ func (sb *Sandbox) snapshot() (Policy, uint64) {
 // them) until their TTL; the others are forgotten, and an answer already on
 // its way under the old policy is never added. Then the connections the
 // sandbox has open (tracked by the host's conntrack) that the new policy
-// refuses are cut. Mode none leaves the interface in place with nothing
-// allowed.
+// refuses are cut (should that fail, it is logged as an error: the new
+// policy stays in force). Mode none leaves the interface in place with
+// nothing allowed.
 func (sb *Sandbox) SetPolicy(p Policy) error {
 	if p.Mode == None && len(p.Allow) == 0 && len(p.Deny) == 0 {
 		p.Mode = Allowlist
@@ -117,9 +118,15 @@ func (sb *Sandbox) SetPolicy(p Policy) error {
 	}
 	sb.gen++
 	sb.policy, sb.learned, sb.denied, sb.inY = p, learned, denied, inY
-	if err := sb.cutLocked(); err != nil {
-		sb.h.log.Warn("network: cut the connections the new policy refuses", "sandbox", sb.ID, "err", err)
-		return err
+	// The policy is in force whatever happens now: an error here must not
+	// make the caller record the old one. A dump interrupted by the table
+	// changing is tried again.
+	err := sb.cutLocked()
+	if err != nil {
+		err = sb.cutLocked()
+	}
+	if err != nil {
+		sb.h.log.Error("network: the new policy is in force, but cutting the connections it refuses failed", "sandbox", sb.ID, "err", err)
 	}
 	return nil
 }
