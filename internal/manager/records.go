@@ -137,8 +137,7 @@ func (m *Manager) NetRecord(r network.Record) {
 	}
 }
 
-// writeRecords is the one writer: it batches the queue, applies the
-// per-sandbox cap and writes batches and drop counts together.
+// writeRecords is the one writer: it batches the queue and writes it.
 func (m *Manager) writeRecords(rec *recorder) {
 	defer rec.done.Done()
 	tick := time.NewTicker(recordTick)
@@ -146,29 +145,10 @@ func (m *Manager) writeRecords(rec *recorder) {
 	kept := map[string]int64{} // per sandbox, as the database counts them
 	var batch []network.Record
 	write := func() {
-		rec.mu.Lock()
-		drops := rec.dropped
-		rec.dropped = map[string]int64{}
-		rec.mu.Unlock()
-		rows := make([]store.NetRecord, 0, len(batch))
-		for _, r := range batch {
-			n, ok := kept[r.Sandbox]
-			if !ok {
-				n, _, _ = rec.db.Counts(r.Sandbox)
-			}
-			if n >= rec.lim.PerSandbox {
-				drops[r.Sandbox]++
-				kept[r.Sandbox] = n
-				continue
-			}
-			kept[r.Sandbox] = n + 1
-			rows = append(rows, store.NetRecord{SandboxID: r.Sandbox, Time: r.Time, Kind: r.Kind, Decision: r.Decision,
-				Proto: r.Proto, Dest: r.Dest, Name: r.Name, QType: r.QType, Detail: r.Detail})
-		}
-		batch = batch[:0]
-		if err := rec.db.Add(rows, drops); err != nil {
+		if err := rec.write(batch, kept); err != nil {
 			m.log.Warn("network records", "err", err)
 		}
+		batch = batch[:0]
 	}
 	drain := func() {
 		for {
@@ -203,6 +183,32 @@ func (m *Manager) writeRecords(rec *recorder) {
 			return
 		}
 	}
+}
+
+// write applies the per-sandbox cap to a batch (kept: the sandboxes' counts
+// so far, read from the database when missing) and writes it with the drop
+// counts gathered since the last write.
+func (rec *recorder) write(batch []network.Record, kept map[string]int64) error {
+	rec.mu.Lock()
+	drops := rec.dropped
+	rec.dropped = map[string]int64{}
+	rec.mu.Unlock()
+	rows := make([]store.NetRecord, 0, len(batch))
+	for _, r := range batch {
+		n, ok := kept[r.Sandbox]
+		if !ok {
+			n, _, _ = rec.db.Counts(r.Sandbox)
+		}
+		if n >= rec.lim.PerSandbox {
+			drops[r.Sandbox]++
+			kept[r.Sandbox] = n
+			continue
+		}
+		kept[r.Sandbox] = n + 1
+		rows = append(rows, store.NetRecord{SandboxID: r.Sandbox, Time: r.Time, Kind: r.Kind, Decision: r.Decision,
+			Proto: r.Proto, Dest: r.Dest, Name: r.Name, QType: r.QType, Detail: r.Detail})
+	}
+	return rec.db.Add(rows, drops)
 }
 
 // forgetIdle drops the buckets of sandboxes quiet long enough for their

@@ -72,6 +72,17 @@ func (n *nft) ensureBase(turnedOn bool) error {
 		c.AddRule(&nftables.Rule{Table: n.table, Chain: g, Exprs: verdict(expr.VerdictDrop)})
 		guard = true
 	}
+	n.baseRules(fwd, in, dnat, snat, refuseCh, guard)
+	if err := c.Flush(); err != nil {
+		return fmt.Errorf("nftables: create table %s: %w", tableName, err)
+	}
+	return nil
+}
+
+// baseRules queues the rules of the base chains and the refuse chain (the
+// caller holds mu and flushes).
+func (n *nft) baseRules(fwd, in, dnat, snat, refuseCh *nftables.Chain, guard bool) {
+	c := n.conn
 	rule := func(ch *nftables.Chain, e ...expr.Any) {
 		c.AddRule(&nftables.Rule{Table: n.table, Chain: ch, Exprs: e})
 	}
@@ -96,10 +107,6 @@ func (n *nft) ensureBase(turnedOn bool) error {
 	// ICMP for everything else.
 	rule(refuseCh, cat(l4proto(unix.IPPROTO_TCP), tcpFlagsNot(tcpSYN), []expr.Any{&expr.Reject{Type: unix.NFT_REJECT_TCP_RST}})...)
 	rule(refuseCh, reject()...)
-	if err := c.Flush(); err != nil {
-		return fmt.Errorf("nftables: create table %s: %w", tableName, err)
-	}
-	return nil
 }
 
 // Names of the shared regular chains.
