@@ -1,7 +1,6 @@
 package cli
 
 import (
-	"archive/tar"
 	"bytes"
 	"context"
 	"errors"
@@ -10,25 +9,31 @@ import (
 	"net/http"
 	"net/url"
 	"os"
-	"path"
+	"os/signal"
 	"path/filepath"
 	"strings"
+	"syscall"
 
 	"connectrpc.com/connect"
 	"github.com/spf13/cobra"
 
 	fspb "github.com/cagehq/cage/api/gen/filesystem"
 	"github.com/cagehq/cage/internal/agentclient"
+	"github.com/cagehq/cage/internal/units"
 )
 
 // cage cp copies files and directories between the host and a daemon's
-// sandbox. What comes out of a sandbox is untrusted: a directory arrives as a
-// tar stream unpacked under the destination with os.Root, so no entry (a
-// "..", an absolute name, a symlink planted to be written through) lands
-// outside it.
+// sandbox. What comes out of a sandbox is untrusted (cp_out.go): it is
+// bounded in bytes and entries, written with its holes as holes, staged
+// under a hidden directory beside or in the destination and moved into
+// place only once complete (nothing half-written is left, even on an
+// interrupt), and a directory's tar stream is unpacked with os.Root, so no
+// entry (a "..", an absolute name, a symlink planted to be written through,
+// a hard link) lands outside the destination.
 
 func newCpCmd(d *daemonFlags) *cobra.Command {
-	var user string
+	var user, maxBytes string
+	var maxEntries int
 	cmd := &cobra.Command{
 		Use:   "cp SRC DST",
 		Short: "Copy files or directories between the host and a sandbox (ID:PATH on one side)",
@@ -39,6 +44,14 @@ func newCpCmd(d *daemonFlags) *cobra.Command {
 			return nil
 		},
 		RunE: func(cmd *cobra.Command, args []string) error {
+			lim := cpLimits{MaxEntries: maxEntries}
+			var err error
+			if lim.MaxBytes, err = units.ParseSize(maxBytes); err != nil || lim.MaxBytes < 1 {
+				return exitf(ExitUsage, "--max-bytes %q: want a size of at least 1 byte (e.g. 4G)", maxBytes)
+			}
+			if lim.MaxEntries < 1 {
+				return exitf(ExitUsage, "--max-entries %d: want at least 1", maxEntries)
+			}
 			c, err := d.client()
 			if err != nil {
 				return err
@@ -52,7 +65,10 @@ func newCpCmd(d *daemonFlags) *cobra.Command {
 			if dstRemote {
 				id = dstID
 			}
-			sb, err := c.Get(ctx(cmd), id)
+			// An interrupt stops the copy, which then removes what it staged.
+			ctx, stop := signal.NotifyContext(ctx(cmd), syscall.SIGINT, syscall.SIGTERM, syscall.SIGHUP)
+			defer stop()
+			sb, err := c.Get(ctx, id)
 			if err != nil {
 				return apiFailure(err)
 			}
@@ -62,21 +78,34 @@ func newCpCmd(d *daemonFlags) *cobra.Command {
 			}
 			defer ac.Close()
 			if dstRemote {
-				err = copyToSandbox(ctx(cmd), ac, user, srcPath, dstPath)
+				err = copyToSandbox(ctx, ac, user, srcPath, dstPath)
 			} else {
-				err = copyFromSandbox(ctx(cmd), ac, user, srcPath, dstPath)
+				err = copyFromSandbox(ctx, ac, user, srcPath, dstPath, lim)
 			}
-			if errors.Is(err, os.ErrNotExist) {
-				return exitf(ExitNotFoundObj, "cp: %v", err)
-			}
-			if err != nil {
-				return exitf(ExitInternal, "cp: %v", err)
-			}
-			return nil
+			return cpFailure(err, args[0])
 		},
 	}
-	cmd.Flags().StringVarP(&user, "user", "u", "user", "user that owns (or reads) the files in the sandbox")
+	fl := cmd.Flags()
+	fl.StringVarP(&user, "user", "u", "user", "user that owns (or reads) the files in the sandbox")
+	fl.StringVar(&maxBytes, "max-bytes", units.FormatSize(defaultCpMaxBytes),
+		"out of a sandbox: copy at most this much (files at their full size, holes included; and the archive sent)")
+	fl.IntVar(&maxEntries, "max-entries", defaultCpMaxEntries, "out of a sandbox: copy at most this many files, directories and links")
 	return cmd
+}
+
+// cpFailure gives a copy's error its exit code: a bound passed is a limit
+// too small for this copy (64), a missing file 66, the rest 125.
+func cpFailure(err error, src string) error {
+	var le *limitError
+	switch {
+	case err == nil:
+		return nil
+	case errors.As(err, &le):
+		return exitf(ExitUsage, "cp: %s holds %s; nothing was copied", src, le.msg)
+	case errors.Is(err, os.ErrNotExist):
+		return exitf(ExitNotFoundObj, "cp: %v", err)
+	}
+	return exitf(ExitInternal, "cp: %v", err)
 }
 
 // splitRemote reads "ID:PATH" (ID lowercase letters and digits).
@@ -117,7 +146,7 @@ func copyToSandbox(ctx context.Context, ac *agentclient.Client, user, src, dst s
 	defer resp.Body.Close()
 	if resp.StatusCode != http.StatusOK {
 		b, _ := io.ReadAll(io.LimitReader(resp.Body, 4096))
-		return fmt.Errorf("upload %s: %s", dst, bytes.TrimSpace(b))
+		return fmt.Errorf("upload %s: %s", dst, oneLineOf(b))
 	}
 	// Keep the executable bits, as cp does.
 	if fi.Mode()&0o111 != 0 {
@@ -128,131 +157,33 @@ func copyToSandbox(ctx context.Context, ac *agentclient.Client, user, src, dst s
 	return nil
 }
 
-func copyFromSandbox(ctx context.Context, ac *agentclient.Client, user, src, dst string) error {
+func copyFromSandbox(ctx context.Context, ac *agentclient.Client, user, src, dst string, lim cpLimits) error {
 	req := connect.NewRequest(&fspb.StatRequest{Path: src})
 	req.Header().Set("Authorization", agentclient.UserHeader(user))
 	st, err := ac.FS.Stat(ctx, req)
 	if err != nil {
 		return fmt.Errorf("%s: %v", src, connectMessage(err))
 	}
-	if st.Msg.GetEntry().GetType() == fspb.FileType_FILE_TYPE_DIRECTORY {
-		if err := os.MkdirAll(dst, 0o755); err != nil {
-			return err
-		}
-		return unpackFromSandbox(ctx, ac, user, src, dst)
+	e := st.Msg.GetEntry()
+	if e.GetType() == fspb.FileType_FILE_TYPE_DIRECTORY {
+		return dirFromSandbox(ctx, ac, user, src, dst, lim)
+	}
+	// What the sandbox says of the file only lets a copy too big fail
+	// early; the bytes are counted as they come.
+	if e.GetSize() > lim.MaxBytes {
+		return lim.tooBig()
 	}
 	if fi, err := os.Stat(dst); err == nil && fi.IsDir() {
-		dst = filepath.Join(dst, path.Base(src))
+		dst = filepath.Join(dst, filepath.Base(filepath.Clean(src)))
 	}
-	q := url.Values{"path": {src}, "username": {user}}
-	hreq, err := http.NewRequestWithContext(ctx, http.MethodGet, agentclient.BaseURL+"/files?"+q.Encode(), nil)
-	if err != nil {
-		return err
-	}
-	resp, err := ac.HTTP.Do(hreq)
-	if err != nil {
-		return err
-	}
-	defer resp.Body.Close()
-	if resp.StatusCode != http.StatusOK {
-		b, _ := io.ReadAll(io.LimitReader(resp.Body, 4096))
-		return fmt.Errorf("download %s: %s", src, bytes.TrimSpace(b))
-	}
-	out, err := os.OpenFile(dst, os.O_CREATE|os.O_TRUNC|os.O_WRONLY, os.FileMode(st.Msg.GetEntry().GetMode()&0o777))
-	if err != nil {
-		return err
-	}
-	if _, err := io.Copy(out, resp.Body); err != nil {
-		out.Close()
-		return err
-	}
-	return out.Close()
+	return fileFromSandbox(ctx, ac, user, src, dst, os.FileMode(e.GetMode()&0o777), lim)
 }
 
-// unpackFromSandbox runs tar in the sandbox and unpacks its output under dst.
-func unpackFromSandbox(ctx context.Context, ac *agentclient.Client, user, src, dst string) error {
-	root, err := os.OpenRoot(dst)
-	if err != nil {
-		return err
+// oneLineOf is an untrusted answer as one short line.
+func oneLineOf(b []byte) string {
+	s := strings.Join(strings.Fields(string(bytes.ToValidUTF8(b, []byte("?")))), " ")
+	if len(s) > 200 {
+		s = s[:200] + "…"
 	}
-	defer root.Close()
-	pr, pw := io.Pipe()
-	var stderr bytes.Buffer
-	done := make(chan error, 1)
-	go func() {
-		err := untar(root, pr)
-		if err != nil {
-			// Stop the stream, so tar's output does not block.
-			pr.CloseWithError(fmt.Errorf("unpacking: %v", err))
-		} else {
-			_, _ = io.Copy(io.Discard, pr) // the archive's trailing padding
-		}
-		done <- err
-	}()
-	end, err := ac.Run(ctx, agentclient.RunOptions{Cmd: "tar", Args: []string{"-c", "-C", src, "."},
-		User: user, Stdout: pw, Stderr: &stderr})
-	pw.CloseWithError(io.EOF)
-	uerr := <-done
-	if uerr != nil {
-		return uerr
-	}
-	if err != nil {
-		return err
-	}
-	if end.GetExitCode() != 0 {
-		return fmt.Errorf("tar in the sandbox: %s", bytes.TrimSpace(stderr.Bytes()))
-	}
-	return uerr
-}
-
-func untar(root *os.Root, r io.Reader) error {
-	tr := tar.NewReader(r)
-	for {
-		hdr, err := tr.Next()
-		if errors.Is(err, io.EOF) {
-			return nil
-		}
-		if err != nil {
-			return err
-		}
-		name := path.Clean(strings.TrimPrefix(hdr.Name, "./"))
-		if name == "." {
-			continue
-		}
-		if path.IsAbs(name) || name == ".." || strings.HasPrefix(name, "../") {
-			return fmt.Errorf("refusing tar entry %q from the sandbox", hdr.Name)
-		}
-		mode := os.FileMode(hdr.Mode).Perm()
-		switch hdr.Typeflag {
-		case tar.TypeDir:
-			if err := root.MkdirAll(name, mode|0o700); err != nil {
-				return err
-			}
-		case tar.TypeReg:
-			if dir := path.Dir(name); dir != "." {
-				if err := root.MkdirAll(dir, 0o755); err != nil {
-					return err
-				}
-			}
-			_ = root.Remove(name) // never write through something already there
-			f, err := root.OpenFile(name, os.O_CREATE|os.O_EXCL|os.O_WRONLY, mode)
-			if err != nil {
-				return err
-			}
-			_, err = io.Copy(f, tr)
-			if cerr := f.Close(); err == nil {
-				err = cerr
-			}
-			if err != nil {
-				return err
-			}
-		case tar.TypeSymlink:
-			_ = root.Remove(name)
-			if err := root.Symlink(hdr.Linkname, name); err != nil {
-				return err
-			}
-		default:
-			// devices, fifos, hard links: skipped
-		}
-	}
+	return s
 }
