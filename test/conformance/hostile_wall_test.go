@@ -188,7 +188,9 @@ const socketsInside = `{ find /run /tmp /var/tmp /home /root /mnt /opt /srv -typ
 // agent must still reach the agent, and the victim must get no
 // connection. (2) It binds a socket of its own in place of each: the
 // host's requests, which carry the sandbox's access token, must reach the
-// real agent and never the planted socket. Before the agent connected out
+// real agent and never the planted socket; nor may root connect to a
+// socket of the host's it can see (gVisor's channel socket is the
+// agent's alone). Before the agent connected out
 // to the host (package channel), gVisor's agent socket sat in a directory
 // bound read-write, and both attacks worked.
 func TestHostileAgentSocket(t *testing.T) {
@@ -232,6 +234,14 @@ def serve(s, p):
         c.close()
 for p in paths:
     try:
+        c = socket.socket(socket.AF_UNIX)
+        c.connect(p)
+        log.write("CONNECTED %%s\n" %% p)
+        c.close()
+    except OSError as e:
+        log.write("no connection to %%s: %%s\n" %% (p, e))
+for p in paths:
+    try:
         if os.path.lexists(p):
             os.unlink(p)
         s = socket.socket(socket.AF_UNIX)
@@ -252,6 +262,9 @@ for i in $(seq 100); do grep -q ready /tmp/impostor.log 2>/dev/null && break; sl
 				t.Errorf("with a socket of root's in the agent's place the host's request got %q, want the agent's answer", got)
 			}
 			log := b.mustSh("cat /tmp/impostor.log", asUser("root"))
+			if strings.Contains(log, "CONNECTED") {
+				t.Errorf("root inside connected to a socket of the host's: %.300q", log)
+			}
 			if strings.Contains(log, "GOT") || strings.Contains(log, b.sb.Token()) {
 				t.Errorf("the host's connection reached the planted socket: %.300q", log)
 			} else {

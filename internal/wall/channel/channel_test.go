@@ -23,7 +23,7 @@ func pair(t *testing.T) (h *Host, a *Agent, sock string, key []byte) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if h, err = Listen(sock, key); err != nil {
+	if h, err = Listen(sock, key, os.Getuid()); err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { h.Close() })
@@ -142,7 +142,7 @@ func TestChannelReconnect(t *testing.T) {
 	if _, err := h.Dial(ctx, nil); err != ErrClosed {
 		t.Errorf("dial of a closed host: %v, want ErrClosed", err)
 	}
-	h2, err := Listen(sock, key)
+	h2, err := Listen(sock, key, os.Getuid())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -154,7 +154,7 @@ func TestChannelReconnect(t *testing.T) {
 // rather than waiting for an agent that never comes.
 func TestChannelGone(t *testing.T) {
 	key, _ := NewKey()
-	h, err := Listen(filepath.Join(t.TempDir(), "host.sock"), key)
+	h, err := Listen(filepath.Join(t.TempDir(), "host.sock"), key, os.Getuid())
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -33,8 +33,11 @@ type Host struct {
 // Listen makes the host's socket at path, whose directory only the host
 // may write (the sandbox sees it read-only): a file there already is a
 // socket an earlier host of this sandbox left, and is replaced. The
-// socket is root's, 0600.
-func Listen(path string, key []byte) (*Host, error) {
+// socket is uid's (the agent's, as the sandbox sees it), 0600: nothing
+// else in the sandbox may connect to it, root inside included (no
+// command holds CAP_DAC_OVERRIDE); gVisor lets the sealed agent connect
+// only to a socket it owns.
+func Listen(path string, key []byte, uid int) (*Host, error) {
 	if len(key) != KeyBytes {
 		return nil, fmt.Errorf("channel: a key of %d bytes, want %d", len(key), KeyBytes)
 	}
@@ -46,6 +49,10 @@ func Listen(path string, key []byte) (*Host, error) {
 		return nil, fmt.Errorf("channel: %w", err)
 	}
 	if err := os.Chmod(path, 0o600); err != nil {
+		l.Close()
+		return nil, err
+	}
+	if err := os.Lchown(path, uid, uid); err != nil {
 		l.Close()
 		return nil, err
 	}

@@ -8,6 +8,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/cagehq/cage/internal/template"
 	"github.com/cagehq/cage/internal/wall/channel"
 )
 
@@ -17,7 +18,9 @@ import (
 // a socket of its own that learns every client's token. So the host
 // listens (package channel) on chanDir/chanSocket in the sandbox's state
 // directory, which the container sees read-only at sockInside, and the
-// agent connects out. The channel's key is kept in the state directory,
+// agent connects out. The socket is the agent's uid's, 0600: gVisor serves
+// host ids as they are, so no command (root inside has no
+// CAP_DAC_OVERRIDE) can connect to it. The channel's key is kept in the state directory,
 // which no sandbox sees, for the daemon that adopts the sandbox.
 const (
 	chanDir    = "chan"
@@ -46,7 +49,7 @@ func (sb *Sandbox) listenChannel() ([]byte, error) {
 	if err := os.Mkdir(dir, 0o755); err != nil {
 		return nil, err
 	}
-	if sb.ch, err = channel.Listen(filepath.Join(dir, chanSocket), key); err != nil {
+	if sb.ch, err = channel.Listen(filepath.Join(dir, chanSocket), key, template.AgentUID); err != nil {
 		return nil, err
 	}
 	return key, nil
@@ -71,6 +74,6 @@ func (sb *Sandbox) adoptChannel() error {
 	if _, err := io.ReadFull(f, key); err != nil {
 		return fmt.Errorf("channel key: %w", err)
 	}
-	sb.ch, err = channel.Listen(filepath.Join(sb.dir, chanDir, chanSocket), key)
+	sb.ch, err = channel.Listen(filepath.Join(sb.dir, chanDir, chanSocket), key, template.AgentUID)
 	return err
 }
