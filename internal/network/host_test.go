@@ -13,6 +13,7 @@ import (
 	"github.com/google/nftables"
 	"github.com/google/nftables/binaryutil"
 	"github.com/google/nftables/expr"
+	"github.com/miekg/dns"
 	"github.com/vishvananda/netlink"
 	"github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
@@ -224,4 +225,53 @@ func forwardingFinding() string {
 		}
 	}
 	return ""
+}
+
+// Attack: a sandbox floods the resolver with questions from one socket (so
+// that after the first answer the host tracks the flow as established).
+// Expected: the kernel lets through at most the sandbox's DNS packet rate;
+// the resolver (and the records) see no more than that.
+func TestDNSFloodBoundedBeforeTheResolver(t *testing.T) {
+	w := testutil.NewWorld(t)
+	rec := &recorder{}
+	h := newHost(t, w, rec)
+	s := attach(t, h, Policy{Mode: Internet})
+	var sent int
+	start := time.Now()
+	err := testutil.InNS(s.ns, func() error {
+		c, err := net.Dial("udp4", h.Gateway().String()+":53")
+		if err != nil {
+			return err
+		}
+		defer c.Close()
+		q := new(dns.Msg).SetQuestion("www.example.com.", dns.TypeA)
+		b, _ := q.Pack()
+		for time.Since(start) < time.Second {
+			if _, err := c.Write(b); err == nil {
+				sent++
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	elapsed := time.Since(start)
+	time.Sleep(500 * time.Millisecond) // what got through is answered
+	rec.mu.Lock()
+	seen := 0
+	for _, r := range rec.rs {
+		if r.Kind == "dns" && r.Sandbox == s.net.ID {
+			seen++
+		}
+	}
+	rec.mu.Unlock()
+	bound := dnsBurst + int(dnsPackets*elapsed.Seconds()) + 50
+	t.Logf("%d questions sent in %v; the resolver saw %d (bound %d)", sent, elapsed, seen, bound)
+	if sent < 4*bound {
+		t.Fatalf("only %d questions sent: too few to test a bound of %d", sent, bound)
+	}
+	if seen > bound || seen == 0 {
+		t.Errorf("the resolver saw %d of %d questions; want 1 to %d", seen, sent, bound)
+	}
 }

@@ -186,16 +186,30 @@ func (n *nft) apply(s *sandboxRules, st setState) error {
 
 // inputRules is a sandbox's input chain: to the host itself, only DNS that
 // this process's own redirect sent to its resolver (the gateway's port 53
-// rewritten to the resolver's port), then a logged refusal. A connection
-// some other table redirected to the host is refused like any other.
+// rewritten to the resolver's port), at most dnsPackets a second (the rest
+// is dropped here, so that a flood costs the resolver nothing), and
+// replies; then a logged refusal. A connection some other table redirected
+// to the host is refused like any other.
 func inputRules(s *sandboxRules) [][]expr.Any {
 	var rs [][]expr.Any
 	for _, proto := range []byte{unix.IPPROTO_UDP, unix.IPPROTO_TCP} {
-		rs = append(rs, cat(ipField(16, s.gateway), l4proto(proto), dport(s.resolver), ctStatus(ipsDstNAT), ctOrigDport(53),
-			verdict(expr.VerdictAccept)))
+		ours := cat(ipField(16, s.gateway), l4proto(proto), dport(s.resolver), ctStatus(ipsDstNAT), ctOrigDport(53))
+		rs = append(rs,
+			cat(ours, []expr.Any{&expr.Limit{Type: expr.LimitTypePkts, Rate: dnsPackets, Unit: expr.LimitTimeSecond, Burst: dnsBurst, Over: true}},
+				verdict(expr.VerdictDrop)),
+			cat(ours, verdict(expr.VerdictAccept)))
 	}
+	rs = append(rs, cat(ctState(expr.CtStateBitESTABLISHED|expr.CtStateBitRELATED), verdict(expr.VerdictAccept)))
 	return append(rs, cat(s.log(logDeny), reject()), reject())
 }
+
+// A sandbox's DNS packets to the resolver, a second and at once, per
+// protocol; above the resolver's own rate of questions (queryRate), so
+// that this only stops floods.
+const (
+	dnsPackets = 2 * queryRate
+	dnsBurst   = 2 * queryBurst
+)
 
 // addLearned queues the addition of learned addresses (the caller holds mu
 // and flushes).

@@ -95,9 +95,10 @@ func (n *nft) baseRules(fwd, in, dnat, snat, refuseCh *nftables.Chain, guard boo
 		rule(fwd, &expr.Verdict{Kind: expr.VerdictJump, Chain: guardChain})
 	}
 	// input: the host itself answers a sandbox only through its resolver,
-	// which the sandbox's own chain i<slot> accepts.
-	rule(in, cat(ifnamePrefix(expr.MetaKeyIIFNAME, true), ctState(expr.CtStateBitESTABLISHED|expr.CtStateBitRELATED), verdict(expr.VerdictAccept))...)
+	// which the sandbox's own chain i<slot> accepts (every packet goes
+	// there, replies included: it bounds the sandbox's DNS packets).
 	rule(in, cat(ifname(expr.MetaKeyIIFNAME), vmap("inp"))...)
+	rule(in, cat(ifnamePrefix(expr.MetaKeyIIFNAME, true), ctState(expr.CtStateBitESTABLISHED|expr.CtStateBitRELATED), verdict(expr.VerdictAccept))...)
 	rule(in, cat(ifnamePrefix(expr.MetaKeyIIFNAME, true), reject())...)
 	// dstnat: DNS to the gateway goes to the owner's resolver.
 	rule(dnat, cat(ifname(expr.MetaKeyIIFNAME), vmap("dns"))...)
