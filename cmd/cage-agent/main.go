@@ -12,6 +12,7 @@ import (
 	"os"
 
 	"github.com/cagehq/cage/internal/agent"
+	"github.com/cagehq/cage/internal/vm"
 	"github.com/cagehq/cage/internal/wall/microvm"
 	"github.com/cagehq/cage/internal/wall/oci"
 	"github.com/cagehq/cage/internal/wall/process"
@@ -24,6 +25,11 @@ func main() {
 		fmt.Fprintln(os.Stderr, "cage-agent:", err)
 		microvm.PowerOff()
 		return
+	}
+	if len(os.Args) > 2 && os.Args[1] == vm.JailArg {
+		// The host runs this in QEMU's new namespaces: build its root,
+		// drop to its uid, exec it (the microvm wall's jail).
+		fail("qemu-jail", vm.JailMain(os.Args[2:]))
 	}
 	if len(os.Args) == 2 && os.Args[1] == "hold" {
 		// The host runs this in a user namespace only to get hold of the

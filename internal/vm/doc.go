@@ -18,9 +18,13 @@
 //     firmware to speak of, virtio-mmio devices described to the guest by
 //     ACPI, since Debian's kernel cannot take them from its command line),
 //     QEMU's own seccomp sandbox, and one virtio-serial port named "agent"
-//     whose host end is a unix socket in the VM's directory. That port is the
-//     only channel between host and guest; the guest's console goes to a log
-//     file in the same directory for debugging.
+//     whose host end is a unix socket in the VM's directory (made by the
+//     host and handed to QEMU as a listening descriptor, as QMP's is). That
+//     port is the only channel between host and guest; the guest's console
+//     is QEMU's standard output, of which the host keeps the last 64 KiB in
+//     memory (Console). With a Credential, QEMU runs jailed (jail.go): its
+//     own network, mount, PID, IPC and UTS namespaces, a read-only root of
+//     /usr, a few /dev nodes and its own /proc, its uid, no_new_privs.
 //   - Snapshot and Restore (snapshot.go) save a VM whose RAM is a shared
 //     file and start others from it, the file mapped private, over QMP
 //     (qmp.go, a small client of QEMU's machine protocol).

@@ -6,7 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"os"
-	"path/filepath"
 	"strings"
 	"time"
 )
@@ -68,7 +67,7 @@ func probeFailure(ctx context.Context, v *VM, err error) string {
 	}
 	if ctx.Err() != nil {
 		msg := fmt.Sprintf("the guest did not come up within %s under KVM", probeTimeout)
-		if line := lastLine(filepath.Join(v.Dir(), ConsoleLog)); line != "" {
+		if line := v.ConsoleLastLine(); line != "" {
 			msg += "; its console's last line: " + line
 		}
 		if line := v.stderr.lastLine(); line != "" {
@@ -77,11 +76,4 @@ func probeFailure(ctx context.Context, v *VM, err error) string {
 		return msg
 	}
 	return "agent port: " + err.Error()
-}
-
-// lastLine is the last non-empty line of a file, "" if none.
-func lastLine(p string) string {
-	b, _ := os.ReadFile(p)
-	lines := strings.Split(strings.TrimSpace(string(b)), "\n")
-	return strings.TrimSpace(lines[len(lines)-1])
 }

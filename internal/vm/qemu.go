@@ -19,11 +19,11 @@ import (
 // QEMU is the emulator Start runs.
 const QEMU = "qemu-system-x86_64"
 
-// Files in a VM's directory.
+// Sockets in a VM's directory, made by the host and handed to QEMU as
+// listening descriptors: QEMU needs no path of the host's.
 const (
-	AgentSocket = "agent.sock"  // the host end of the agent port
-	QMPSocket   = "qmp.sock"    // QEMU's machine protocol, for control
-	ConsoleLog  = "console.log" // the guest's console, for debugging
+	AgentSocket = "agent.sock" // the host end of the agent port
+	QMPSocket   = "qmp.sock"   // QEMU's machine protocol, for control
 )
 
 // Config describes one VM.
@@ -33,8 +33,10 @@ type Config struct {
 	MemoryMB  int    // 256 when 0
 	CPUs      int    // 1 when 0
 	Accel     string // "tcg" (the default) or "kvm"
-	Dir       string // a private directory for the VM's sockets and console log
-	Append    string // more of the kernel's command line
+	// Dir is a directory of the host's for the VM's sockets (made root's,
+	// 0700: QEMU gets the sockets as descriptors and never sees it).
+	Dir    string
+	Append string // more of the kernel's command line
 	// Disks are raw images the guest sees read-only, as /dev/vda, vdb, ...
 	// in this order.
 	Disks []string
@@ -57,10 +59,11 @@ type Config struct {
 	MAC string
 
 	// Credential, when set, is who QEMU runs as: an unprivileged uid of
-	// the VM's own. Every file QEMU reads is then opened by the caller and
-	// inherited (Args names it /proc/self/fd/N), so that QEMU needs no
-	// path to it; Dir is made QEMU's, for its sockets and console log.
+	// the VM's own, jailed (jail.go) by Jailer, cage-agent. Every file
+	// QEMU reads is then opened by the caller and inherited (Args names it
+	// /proc/self/fd/N), so that QEMU needs no path to it.
 	Credential *syscall.Credential
+	Jailer     string
 	// Jail, when set, runs once QEMU exists and before the guest runs
 	// (QEMU starts paused): to put it into its cgroup.
 	Jail func(pid int) error
@@ -69,6 +72,8 @@ type Config struct {
 	paused   bool              // start paused (-S), for Jail
 	fdPaths  map[string]string // files passed as descriptors: path -> /proc/self/fd/N
 	tapFD    int               // the tap's descriptor number in QEMU
+	qmpFD    int               // QMP's listening socket in QEMU
+	agentFD  int               // the agent port's listening socket in QEMU
 }
 
 // memFDKey names Config.MemoryFD among the files passed to QEMU.
@@ -88,12 +93,14 @@ func (cfg Config) path(p string) string {
 
 // VM is a running QEMU.
 type VM struct {
-	cfg    Config
-	cmd    *exec.Cmd
-	stderr *tail
-	done   chan struct{} // closed once QEMU has been reaped
-	err    error         // how QEMU ended, set before done is closed
-	stop   sync.Once
+	cfg      Config
+	cmd      *exec.Cmd
+	stderr   *tail
+	console  *tail         // the guest's console, its last ConsoleBytes
+	lifeline *os.File      // the jailer's lifeline (nil without a jail)
+	done     chan struct{} // closed once QEMU has been reaped
+	err      error         // how QEMU ended, set before done is closed
+	stop     sync.Once
 }
 
 // kernelArgs come first on the guest's command line. console=ttyS0 with
@@ -112,7 +119,6 @@ const kernelArgs = "console=ttyS0 quiet panic=-1 reboot=t cryptomgr.notests"
 
 // Args returns QEMU's command line for cfg (without the program name).
 func (cfg Config) Args() []string {
-	dir := cfg.Dir
 	mem, cpus, accel := cfg.MemoryMB, cfg.CPUs, cfg.Accel
 	if mem == 0 {
 		mem = 256
@@ -175,12 +181,14 @@ func (cfg Config) Args() []string {
 		"-kernel", cfg.path(image),
 		"-initrd", cfg.path(cfg.Initramfs),
 		"-append", cmdline,
-		"-chardev", "file,id=console,path="+optValue(filepath.Join(dir, ConsoleLog)),
+		// The console is QEMU's standard output, which the host reads
+		// into a bounded buffer (Console).
+		"-chardev", "stdio,id=console,signal=off",
 		"-serial", "chardev:console",
 		"-device", "virtio-serial-device,max_ports=2",
-		"-chardev", "socket,id=agent,path="+optValue(filepath.Join(dir, AgentSocket))+",server=on,wait=off",
+		"-chardev", "socket,id=agent,fd="+strconv.Itoa(cfg.agentFD)+",server=on,wait=off",
 		"-device", "virtserialport,chardev=agent,name="+AgentPort,
-		"-chardev", "socket,id=qmp,path="+optValue(filepath.Join(dir, QMPSocket))+",server=on,wait=off",
+		"-chardev", "socket,id=qmp,fd="+strconv.Itoa(cfg.qmpFD)+",server=on,wait=off",
 		"-mon", "chardev=qmp,mode=control",
 		"-no-reboot",
 	)
@@ -253,29 +261,8 @@ func (v *VM) start(ctx context.Context) error {
 
 // launch checks cfg and starts QEMU.
 func launch(cfg Config) (*VM, error) {
-	if cfg.Kernel == nil {
-		return nil, errors.New("no kernel")
-	}
-	if cfg.Accel != "" && cfg.Accel != "tcg" && cfg.Accel != "kvm" {
-		return nil, fmt.Errorf("accelerator %q is neither tcg nor kvm", cfg.Accel)
-	}
-	if cfg.Dir == "" {
-		return nil, errors.New("no directory")
-	}
-	if !fileExists(cfg.Initramfs) {
-		return nil, fmt.Errorf("no initramfs at %q", cfg.Initramfs)
-	}
-	if n := len(filepath.Join(cfg.Dir, AgentSocket)); n > maxSocketPath {
-		return nil, fmt.Errorf("directory %s is too long for a unix socket path", cfg.Dir)
-	}
-	if err := os.MkdirAll(cfg.Dir, 0o700); err != nil {
+	if err := checkConfig(cfg); err != nil {
 		return nil, err
-	}
-	// Sockets a killed QEMU left would be taken for this one's.
-	for _, s := range []string{AgentSocket, QMPSocket} {
-		if err := os.Remove(filepath.Join(cfg.Dir, s)); err != nil && !errors.Is(err, os.ErrNotExist) {
-			return nil, err
-		}
 	}
 	bin, err := exec.LookPath(QEMU)
 	if err != nil {
@@ -289,19 +276,20 @@ func launch(cfg Config) (*VM, error) {
 			}
 		}
 	}()
+	pass := func(f *os.File) int {
+		files = append(files, f)
+		return 2 + len(files)
+	}
+	socks, err := listenSockets(cfg.Dir)
+	if err != nil {
+		return nil, err
+	}
+	cfg.qmpFD, cfg.agentFD = pass(socks[0]), pass(socks[1])
 	if cfg.Tap != nil {
-		cfg.tapFD = 3 + len(files)
-		files = append(files, cfg.Tap)
+		cfg.tapFD = pass(cfg.Tap)
 	}
 	if cfg.Credential != nil {
-		if err := os.Chown(cfg.Dir, int(cfg.Credential.Uid), int(cfg.Credential.Gid)); err != nil {
-			return nil, err
-		}
 		cfg.fdPaths = map[string]string{}
-		pass := func(key string, f *os.File) {
-			cfg.fdPaths[key] = "/proc/self/fd/" + strconv.Itoa(3+len(files))
-			files = append(files, f)
-		}
 		paths := append([]string{cfg.Kernel.Image(), cfg.Initramfs}, cfg.Disks...)
 		if cfg.MemoryFile != "" && cfg.MemoryFD == nil {
 			// A snapshot's RAM (ShareMemory): QEMU opens it for writing
@@ -316,29 +304,96 @@ func launch(cfg Config) (*VM, error) {
 			if err != nil {
 				return nil, err
 			}
-			pass(p, f)
+			cfg.fdPaths[p] = "/proc/self/fd/" + strconv.Itoa(pass(f))
 		}
 		if cfg.MemoryFD != nil {
-			pass(memFDKey, cfg.MemoryFD)
+			cfg.fdPaths[memFDKey] = "/proc/self/fd/" + strconv.Itoa(pass(cfg.MemoryFD))
 		}
 	} else if cfg.MemoryFD != nil {
 		return nil, errors.New("a memory descriptor needs a credential")
 	}
-	cmd := exec.Command(bin, cfg.Args()...)
-	cmd.Dir = cfg.Dir
-	cmd.ExtraFiles = files
-	v := &VM{cfg: cfg, cmd: cmd, stderr: &tail{max: 4096}, done: make(chan struct{})}
-	cmd.Stderr = v.stderr
-	// QEMU goes with the process that started it.
-	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL, Credential: cfg.Credential}
-	if err := cmd.Start(); err != nil {
+	v := &VM{cfg: cfg, stderr: &tail{max: 4096}, console: &tail{max: ConsoleBytes}, done: make(chan struct{})}
+	if cfg.Credential != nil {
+		var lifeR *os.File
+		v.cmd, lifeR, v.lifeline, err = jailCommand(cfg.Jailer, bin, cfg.Args(), cfg.Credential, cfg.Accel == "kvm", files)
+		if err != nil {
+			return nil, err
+		}
+		defer lifeR.Close()
+	} else {
+		// Unjailed, as root: the tests of this package, and the KVM probe,
+		// whose guest is cage's own.
+		v.cmd = exec.Command(bin, cfg.Args()...)
+		v.cmd.Dir = "/"
+		v.cmd.ExtraFiles = files
+		// QEMU goes with the process that started it.
+		v.cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	}
+	v.cmd.Stdout, v.cmd.Stderr = v.console, v.stderr
+	if err := v.cmd.Start(); err != nil {
+		if v.lifeline != nil {
+			v.lifeline.Close()
+		}
 		return nil, err
 	}
 	go func() {
-		v.err = cmd.Wait()
+		v.err = v.cmd.Wait()
 		close(v.done)
 	}()
 	return v, nil
+}
+
+// checkConfig refuses what QEMU cannot be started with.
+func checkConfig(cfg Config) error {
+	if cfg.Kernel == nil {
+		return errors.New("no kernel")
+	}
+	if cfg.Accel != "" && cfg.Accel != "tcg" && cfg.Accel != "kvm" {
+		return fmt.Errorf("accelerator %q is neither tcg nor kvm", cfg.Accel)
+	}
+	if cfg.Dir == "" {
+		return errors.New("no directory")
+	}
+	if !fileExists(cfg.Initramfs) {
+		return fmt.Errorf("no initramfs at %q", cfg.Initramfs)
+	}
+	if n := len(filepath.Join(cfg.Dir, AgentSocket)); n > maxSocketPath {
+		return fmt.Errorf("directory %s is too long for a unix socket path", cfg.Dir)
+	}
+	if cfg.Credential != nil && cfg.Jailer == "" {
+		return errors.New("a credential needs a jailer (cage-agent)")
+	}
+	return nil
+}
+
+// listenSockets makes the VM's directory (root's, 0700) and the listening
+// sockets of QMP and the agent port in it, and returns them as files for
+// QEMU, which accepts on them. A killed QEMU's sockets are replaced.
+func listenSockets(dir string) ([2]*os.File, error) {
+	var out [2]*os.File
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return out, err
+	}
+	if err := os.Chmod(dir, 0o700); err != nil {
+		return out, err
+	}
+	for i, name := range []string{QMPSocket, AgentSocket} {
+		p := filepath.Join(dir, name)
+		if err := os.Remove(p); err != nil && !errors.Is(err, os.ErrNotExist) {
+			return out, err
+		}
+		l, err := net.ListenUnix("unix", &net.UnixAddr{Name: p, Net: "unix"})
+		if err != nil {
+			return out, err
+		}
+		l.SetUnlinkOnClose(false)
+		out[i], err = l.File()
+		l.Close()
+		if err != nil {
+			return out, err
+		}
+	}
+	return out, nil
 }
 
 // waitRunning connects to QMP and asks QEMU for its status, which it
@@ -448,7 +503,7 @@ func (v *VM) Wait() error {
 	return nil
 }
 
-// Stop kills QEMU, reaps it and removes its sockets; the console log stays.
+// Stop kills QEMU, reaps it and removes its sockets; Console stays.
 // It is safe to call more than once and after QEMU has ended.
 func (v *VM) Stop() {
 	v.stop.Do(func() {
@@ -468,6 +523,9 @@ func (v *VM) cleanup() {
 	for _, s := range []string{AgentSocket, QMPSocket} {
 		_ = os.Remove(filepath.Join(v.cfg.Dir, s))
 	}
+	if v.lifeline != nil {
+		v.lifeline.Close()
+	}
 }
 
 // exitReason describes how QEMU ended, with its last line of errors; only
@@ -481,28 +539,4 @@ func (v *VM) exitReason() string {
 		msg += ": " + strings.TrimPrefix(line, QEMU+": ")
 	}
 	return msg
-}
-
-// tail keeps the last bytes written to it: QEMU's stderr, for errors.
-type tail struct {
-	mu  sync.Mutex
-	max int
-	buf []byte
-}
-
-func (t *tail) Write(p []byte) (int, error) {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	t.buf = append(t.buf, p...)
-	if len(t.buf) > t.max {
-		t.buf = append([]byte(nil), t.buf[len(t.buf)-t.max:]...)
-	}
-	return len(p), nil
-}
-
-func (t *tail) lastLine() string {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	lines := strings.Split(strings.TrimSpace(string(t.buf)), "\n")
-	return strings.TrimSpace(lines[len(lines)-1])
 }

@@ -63,7 +63,7 @@ func TestSnapshotRestore(t *testing.T) {
 	time.Sleep(2 * time.Second)
 	if err := v.Snapshot(ctx, state); err != nil {
 		v.Stop()
-		t.Fatalf("%v\n%s", err, consoleTail(cfg.Dir))
+		t.Fatalf("%v\n%s", err, consoleTail(v))
 	}
 	v.Stop()
 	if err := (&VM{cfg: Config{}}).Snapshot(ctx, state); err == nil {
@@ -92,7 +92,7 @@ func TestSnapshotRestore(t *testing.T) {
 			t.Fatal(err)
 		}
 		if _, err := io.ReadFull(conn, buf); err != nil || string(buf) != "hello from the guest\nping\n" {
-			t.Fatalf("restored guest %d: %q, %v\n%s", i, buf, err, consoleTail(rc.Dir))
+			t.Fatalf("restored guest %d: %q, %v\n%s", i, buf, err, consoleTail(r))
 		}
 		t.Logf("restore %d -> hello and echo: %v (a guest saved before its hello boots on first)", i, time.Since(start).Round(time.Millisecond))
 	}

@@ -373,7 +373,7 @@ func bootAndHello(t testing.TB, ctx context.Context, cfg Config) (*VM, net.Conn,
 	conn, err := v.DialAgent(ctx)
 	if err != nil {
 		v.Stop()
-		t.Fatalf("%v\n%s", err, consoleTail(cfg.Dir))
+		t.Fatalf("%v\n%s", err, consoleTail(v))
 	}
 	if dl, ok := ctx.Deadline(); ok {
 		conn.SetDeadline(dl)
@@ -384,18 +384,18 @@ func bootAndHello(t testing.TB, ctx context.Context, cfg Config) (*VM, net.Conn,
 	if err != nil || hello != "hello from the guest\n" {
 		conn.Close()
 		v.Stop()
-		t.Fatalf("hello: %q, %v\n%s", hello, err, consoleTail(cfg.Dir))
+		t.Fatalf("hello: %q, %v\n%s", hello, err, consoleTail(v))
 	}
 	return v, conn, r, took
 }
 
-// consoleTail is the end of a VM's console log, for failures.
-func consoleTail(dir string) string {
-	b, _ := os.ReadFile(filepath.Join(dir, ConsoleLog))
+// consoleTail is the end of a VM's console, for failures.
+func consoleTail(v *VM) string {
+	b := v.Console()
 	if len(b) > 3000 {
 		b = b[len(b)-3000:]
 	}
-	return "console:\n" + string(b)
+	return "console:\n" + b
 }
 
 // qemuChildren lists the QEMU processes whose parent is this test binary.
@@ -467,7 +467,7 @@ func testBoot(t *testing.T, k *Kernel, initrd string) {
 			t.Errorf("QEMU ended badly after the guest's restart: %v", err)
 		}
 	case <-time.After(10 * time.Second):
-		t.Errorf("QEMU still runs 10 s after the guest's restart\n%s", consoleTail(dir))
+		t.Errorf("QEMU still runs 10 s after the guest's restart\n%s", consoleTail(v))
 	}
 	v.Stop()
 	v.Stop() // twice is fine
@@ -480,9 +480,7 @@ func testBoot(t *testing.T, k *Kernel, initrd string) {
 	}
 	ents, _ := os.ReadDir(dir)
 	for _, e := range ents {
-		if e.Name() != ConsoleLog {
-			t.Errorf("%s left in the VM's directory", e.Name())
-		}
+		t.Errorf("%s left in the VM's directory", e.Name())
 	}
 }
 
@@ -560,4 +558,54 @@ func BenchmarkColdBoot(b *testing.B) {
 	b.ReportMetric(pct(0.50), "p50-ms")
 	b.ReportMetric(pct(0.95), "p95-ms")
 	b.ReportMetric(pct(0.99), "p99-ms")
+}
+
+// TestConsoleFlood: a guest that floods its console (here 1 MiB before it
+// says hello) costs the host at most ConsoleBytes of it, kept in memory
+// (the last ones), and no file at all; the guest is not held up.
+func TestConsoleFlood(t *testing.T) {
+	k := needVM(t)
+	initrd := testInitramfs(t, k)
+	dir := t.TempDir()
+	ctx, cancel := context.WithTimeout(context.Background(), 120*time.Second)
+	defer cancel()
+	const flood = 1 << 20
+	v, conn, _, took := bootAndHello(t, ctx, Config{Kernel: k, Initramfs: initrd, Dir: dir,
+		Append: "cage.flood=" + strconv.Itoa(flood)})
+	t.Logf("boot with %d bytes of console to hello: %v", flood, took.Round(time.Millisecond))
+	conn.Close()
+	<-v.Exited()
+	v.Stop()
+	con := v.Console()
+	if len(con) != ConsoleBytes || !strings.Contains(con, "flood-end") || strings.Contains(con, "flood line 000000000") {
+		t.Errorf("the console kept %d bytes ending %q, want the last %d", len(con), con[max(0, len(con)-80):], ConsoleBytes)
+	}
+	if held := v.console.held(); held > 2*ConsoleBytes {
+		t.Errorf("the host holds %d bytes of console, more than %d", held, 2*ConsoleBytes)
+	}
+	ents, _ := os.ReadDir(dir)
+	for _, e := range ents {
+		t.Errorf("%s left in the VM's directory", e.Name())
+	}
+}
+
+// TestTail: the console's buffer keeps exactly the last max bytes
+// whatever the sizes of the writes, and never holds more than twice max.
+func TestTail(t *testing.T) {
+	tl := &tail{max: 100}
+	var all []byte
+	for i, n := range []int{1, 7, 99, 100, 101, 3, 250, 1, 1, 60} {
+		chunk := bytes.Repeat([]byte{byte('a' + i)}, n)
+		if _, err := tl.Write(chunk); err != nil {
+			t.Fatal(err)
+		}
+		all = append(all, chunk...)
+		want := string(all[max(0, len(all)-100):])
+		if got := tl.String(); got != want {
+			t.Fatalf("after %d writes: %q, want %q", i+1, got, want)
+		}
+		if tl.held() > 200 {
+			t.Fatalf("holds %d bytes", tl.held())
+		}
+	}
 }

@@ -167,7 +167,7 @@ func (sb *Sandbox) Err() error {
 	if err := sb.v.Wait(); err != nil {
 		return err
 	}
-	return fmt.Errorf("the guest powered off (%s)", consoleTail(sb.v.Dir()))
+	return fmt.Errorf("the guest powered off (%s)", consoleTail(sb.v))
 }
 
 // Cgroup is QEMU's host cgroup (nil without one).
@@ -252,8 +252,8 @@ func Create(ctx context.Context, cfg Config) (sb *Sandbox, err error) {
 			sb = nil
 		}
 	}()
-	// Traversable, as on the other walls: QEMU, an unprivileged uid, makes
-	// its sockets and log in a directory of its own inside.
+	// Traversable, as on the other walls (QEMU needs none of it: it gets
+	// its sockets and files as descriptors, in a jail of its own).
 	for _, d := range []string{cfg.RunDir, filepath.Dir(sb.dir)} {
 		if err := os.MkdirAll(d, 0o711); err != nil {
 			return sb, err
@@ -282,13 +282,13 @@ func Create(ctx context.Context, cfg Config) (sb *Sandbox, err error) {
 	}
 	memMB, cpus := vmSize(cfg)
 	// QEMU runs as the first uid of a range of its own, which owns nothing
-	// on the host but the VM's directory.
+	// on the host, in namespaces of its own (vm's jail).
 	if sb.ids, err = state.ReserveIDs(); err != nil {
 		return sb, err
 	}
 	vcfg := vm.Config{Kernel: cfg.Kernel, Initramfs: initrd, MemoryMB: memMB, CPUs: cpus, Accel: cfg.Accel,
 		Dir: filepath.Join(sb.dir, "vm"), Disks: []string{disk}, Credential: credential(sb.ids, cfg.Accel),
-		Append: guestArgs}
+		Jailer: cfg.AgentPath, Append: guestArgs}
 	var gnet *guestNet
 	if cfg.Net != nil && cfg.NetPolicy.Networked() {
 		if err := sb.attachNetwork(cfg); err != nil {
@@ -353,7 +353,7 @@ func Create(ctx context.Context, cfg Config) (sb *Sandbox, err error) {
 		return sb, err
 	}
 	if err := readLine(ctx, first, bufio.NewReader(first), ready); err != nil {
-		return sb, fmt.Errorf("the guest's agent did not start: %w (%s%s)", err, consoleTail(sb.v.Dir()), qemuEnd(sb.v))
+		return sb, fmt.Errorf("the guest's agent did not start: %w (%s%s)", err, consoleTail(sb.v), qemuEnd(sb.v))
 	}
 	process.Trace("microvm: ready")
 	return sb, nil
@@ -416,9 +416,9 @@ func qemuEnd(v *vm.VM) string {
 	}
 }
 
-func consoleTail(dir string) string {
-	b, _ := os.ReadFile(filepath.Join(dir, vm.ConsoleLog))
-	lines := strings.Split(strings.TrimSpace(string(b)), "\n")
+// consoleTail is the last lines of the guest's console, for errors.
+func consoleTail(v *vm.VM) string {
+	lines := strings.Split(strings.TrimSpace(v.Console()), "\n")
 	return "console: " + strings.Join(lines[max(0, len(lines)-3):], " | ")
 }
 

@@ -287,8 +287,8 @@ func haveSnapshot(dir string, sh shape) (bool, error) {
 // buildSnapshot boots a VM like c with its RAM in dir, has the guest mount
 // its root and wait for the next host, and saves it.
 //
-// The VM runs in c.Dir with "-snapshot" appended: beside the sandbox's
-// own VM directory, where QEMU, an unprivileged uid, can make its files.
+// The VM's sockets are in c.Dir with "-snapshot" appended: beside the
+// sandbox's own VM directory.
 func buildSnapshot(ctx context.Context, dir string, c vm.Config) error {
 	c.Dir += "-snapshot"
 	// QEMU, an unprivileged uid, opens the RAM file through a descriptor
@@ -354,10 +354,10 @@ func buildSnapshot(ctx context.Context, dir string, c vm.Config) error {
 	// there after the restore, which is the same.
 	sess.Close()
 	if err != nil {
-		return fmt.Errorf("prepare the guest: %w (%s)", err, consoleTail(c.Dir))
+		return fmt.Errorf("prepare the guest: %w (%s)", err, consoleTail(v))
 	}
 	if err := waitHelloBlocked(ctx, v); err != nil {
-		return fmt.Errorf("%w (%s)", err, consoleTail(c.Dir))
+		return fmt.Errorf("%w (%s)", err, consoleTail(v))
 	}
 	if err := v.Snapshot(ctx, filepath.Join(dir, snapState)); err != nil {
 		return err
@@ -391,7 +391,7 @@ func greet(ctx context.Context, v *vm.VM) (*yamux.Session, error) {
 	br := bufio.NewReader(conn)
 	if err := readLine(ctx, conn, br, hello); err != nil {
 		conn.Close()
-		return nil, fmt.Errorf("the guest did not come up: %w (%s)", err, consoleTail(v.Dir()))
+		return nil, fmt.Errorf("the guest did not come up: %w (%s)", err, consoleTail(v))
 	}
 	sess, err := yamux.Client(struct {
 		io.Reader

@@ -7,6 +7,8 @@ import (
 	"bufio"
 	"fmt"
 	"os"
+	"strconv"
+	"strings"
 
 	"github.com/cagehq/cage/internal/vm"
 	"golang.org/x/sys/unix"
@@ -17,6 +19,7 @@ func main() {
 	if err != nil {
 		fail(err)
 	}
+	flood()
 	// Blocks until the host has connected.
 	if _, err := port.WriteString("hello from the guest\n"); err != nil {
 		fail(err)
@@ -32,6 +35,29 @@ func main() {
 		if err != nil {
 			// EOF: the host has hung up. The VM has nothing more to do.
 			poweroff()
+		}
+	}
+}
+
+// flood writes cage.flood=N bytes (a kernel argument) to the console,
+// numbered lines, the last "flood-end": a guest that floods its console.
+func flood() {
+	cmdline, _ := os.ReadFile("/proc/cmdline")
+	for _, arg := range strings.Fields(string(cmdline)) {
+		if v, ok := strings.CutPrefix(arg, "cage.flood="); ok {
+			n, _ := strconv.Atoi(v)
+			con, err := os.OpenFile("/dev/console", os.O_WRONLY, 0)
+			if err != nil {
+				fail(err)
+			}
+			w := bufio.NewWriterSize(con, 1<<16)
+			for i := 0; i < n; {
+				k, _ := fmt.Fprintf(w, "flood line %09d\n", i)
+				i += k
+			}
+			fmt.Fprintln(w, "flood-end")
+			w.Flush()
+			con.Close()
 		}
 	}
 }

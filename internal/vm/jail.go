@@ -1,0 +1,229 @@
+package vm
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"runtime"
+	"syscall"
+
+	"golang.org/x/sys/unix"
+)
+
+// A QEMU that a guest escapes into must find nothing of the host around
+// it: QEMU runs in network, mount, PID, IPC and UTS namespaces of its own.
+// The network namespace is empty (its NIC is a tap descriptor it is
+// handed). The mount namespace holds a read-only tmpfs root with the
+// host's /usr (QEMU, its libraries and firmware; the /lib* and /bin links
+// or binds a merged or split /usr needs), a /dev of null, zero, random,
+// urandom and (under KVM) kvm, and a /proc of QEMU's own PID namespace,
+// through which it names the files it inherits (/proc/self/fd/N). No host
+// path it could write is there: its sockets and console are descriptors.
+//
+// Namespaces are made by clone; the mounts need a process inside them
+// before QEMU: the jailer, cage-agent's `qemu-jail` mode (JailArg), which
+// builds the root, drops to QEMU's credential and execs QEMU.
+
+// JailArg is cage-agent's argument that makes it the jailer:
+// `cage-agent qemu-jail SPEC QEMU ARGS...`.
+const JailArg = "qemu-jail"
+
+// jailSpec is what the jailer is told (as JSON, its first argument).
+type jailSpec struct {
+	UID      uint32   `json:"uid"`
+	GID      uint32   `json:"gid"`
+	Groups   []uint32 `json:"groups"`
+	KVM      bool     `json:"kvm,omitempty"`
+	Lifeline int      `json:"lifeline"` // read end of a pipe the host holds the other end of
+}
+
+// jailFlags are the namespaces QEMU gets.
+const jailFlags = syscall.CLONE_NEWNS | syscall.CLONE_NEWNET | syscall.CLONE_NEWPID |
+	syscall.CLONE_NEWIPC | syscall.CLONE_NEWUTS
+
+// jailCommand is the command that runs QEMU (bin, args) jailed as cred,
+// with files as its descriptors 3 and up, and the read end of a lifeline
+// after them. The caller closes lifeR once the command has started, and
+// holds lifeW for as long as QEMU may run.
+func jailCommand(jailer, bin string, args []string, cred *syscall.Credential, kvm bool, files []*os.File) (cmd *exec.Cmd, lifeR, lifeW *os.File, err error) {
+	if lifeR, lifeW, err = os.Pipe(); err != nil {
+		return nil, nil, nil, err
+	}
+	spec, err := json.Marshal(jailSpec{UID: cred.Uid, GID: cred.Gid, Groups: cred.Groups, KVM: kvm,
+		Lifeline: 3 + len(files)})
+	if err != nil {
+		lifeR.Close()
+		lifeW.Close()
+		return nil, nil, nil, err
+	}
+	cmd = exec.Command(jailer, append([]string{JailArg, string(spec), bin}, args...)...)
+	cmd.Args[0] = "cage-agent"
+	cmd.Dir = "/"
+	cmd.Env = []string{}
+	cmd.ExtraFiles = append(append([]*os.File{}, files...), lifeR)
+	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL, Cloneflags: jailFlags}
+	return cmd, lifeR, lifeW, nil
+}
+
+// JailMain is the jailer (cage-agent qemu-jail SPEC QEMU ARGS...), root in
+// QEMU's new namespaces: it builds QEMU's root, becomes QEMU's uid and
+// execs QEMU. It returns only on error.
+func JailMain(args []string) error {
+	if len(args) < 2 {
+		return errors.New("usage: qemu-jail SPEC QEMU [ARGS...]")
+	}
+	var spec jailSpec
+	if err := json.Unmarshal([]byte(args[0]), &spec); err != nil {
+		return fmt.Errorf("jail spec: %w", err)
+	}
+	// The parent-death signal and the exec below belong to this thread.
+	runtime.LockOSThread()
+	unix.CloseOnExec(spec.Lifeline)
+	if err := buildJail(spec.KVM); err != nil {
+		return fmt.Errorf("jail: %w", err)
+	}
+	if err := syscall.Setgroups(intIDs(spec.Groups)); err != nil {
+		return fmt.Errorf("jail: setgroups: %w", err)
+	}
+	if err := syscall.Setgid(int(spec.GID)); err != nil {
+		return fmt.Errorf("jail: setgid: %w", err)
+	}
+	if err := syscall.Setuid(int(spec.UID)); err != nil {
+		return fmt.Errorf("jail: setuid: %w", err)
+	}
+	// A change of uid cleared the parent-death signal: arm it again, then
+	// make sure the parent did not die before (its end of the lifeline
+	// closes with it).
+	if err := unix.Prctl(unix.PR_SET_PDEATHSIG, uintptr(unix.SIGKILL), 0, 0, 0); err != nil {
+		return fmt.Errorf("jail: %w", err)
+	}
+	fds := []unix.PollFd{{Fd: int32(spec.Lifeline), Events: unix.POLLIN}}
+	if n, err := unix.Poll(fds, 0); err != nil || n != 0 {
+		return errors.New("jail: the host went away")
+	}
+	if err := unix.Prctl(unix.PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0); err != nil {
+		return fmt.Errorf("jail: %w", err)
+	}
+	return syscall.Exec(args[1], args[1:], []string{})
+}
+
+func intIDs(ids []uint32) []int {
+	out := make([]int, len(ids))
+	for i, id := range ids {
+		out[i] = int(id)
+	}
+	return out
+}
+
+// jailRoot is where the jail's root is built, in the jailer's private
+// mount namespace (the host's /tmp is untouched).
+const jailRoot = "/tmp"
+
+// buildJail makes QEMU's root and pivots into it.
+func buildJail(kvm bool) error {
+	if err := unix.Mount("", "/", "", unix.MS_REC|unix.MS_PRIVATE, ""); err != nil {
+		return err
+	}
+	if err := unix.Mount("tmpfs", jailRoot, "tmpfs", unix.MS_NOSUID, "size=64k,nr_inodes=64,mode=755"); err != nil {
+		return err
+	}
+	for _, d := range []string{"usr", "dev", "proc"} {
+		if err := os.Mkdir(filepath.Join(jailRoot, d), 0o755); err != nil {
+			return err
+		}
+	}
+	if err := bindRO("/usr", filepath.Join(jailRoot, "usr"), unix.MS_NODEV); err != nil {
+		return err
+	}
+	// The top-level directories the loader and QEMU's paths may go
+	// through: links into /usr where the host has them, binds otherwise.
+	for _, d := range []string{"bin", "sbin", "lib", "lib64", "lib32", "libx32"} {
+		if err := copyTop(d); err != nil {
+			return err
+		}
+	}
+	if err := jailDev(kvm); err != nil {
+		return err
+	}
+	if err := unix.Mount("proc", filepath.Join(jailRoot, "proc"), "proc", unix.MS_NOSUID|unix.MS_NODEV|unix.MS_NOEXEC, ""); err != nil {
+		return fmt.Errorf("mount /proc: %w", err)
+	}
+	if err := unix.Chdir(jailRoot); err != nil {
+		return err
+	}
+	if err := unix.PivotRoot(".", "."); err != nil {
+		return fmt.Errorf("pivot_root: %w", err)
+	}
+	if err := unix.Unmount(".", unix.MNT_DETACH); err != nil {
+		return fmt.Errorf("detach the host's tree: %w", err)
+	}
+	if err := unix.Chdir("/"); err != nil {
+		return err
+	}
+	return unix.Mount("", "/", "", unix.MS_REMOUNT|unix.MS_BIND|unix.MS_RDONLY|unix.MS_NOSUID, "")
+}
+
+// copyTop gives the jail the host's top-level /name as the host has it: a
+// symlink (merged /usr) or a read-only bind.
+func copyTop(name string) error {
+	src, dst := "/"+name, filepath.Join(jailRoot, name)
+	fi, err := os.Lstat(src)
+	if errors.Is(err, os.ErrNotExist) {
+		return nil
+	}
+	if err != nil {
+		return err
+	}
+	if fi.Mode()&os.ModeSymlink != 0 {
+		target, err := os.Readlink(src)
+		if err != nil {
+			return err
+		}
+		return os.Symlink(target, dst)
+	}
+	if !fi.IsDir() {
+		return nil
+	}
+	if err := os.Mkdir(dst, 0o755); err != nil {
+		return err
+	}
+	return bindRO(src, dst, unix.MS_NODEV)
+}
+
+// jailDev makes the jail's /dev: the harmless nodes QEMU may open, and
+// /dev/kvm under KVM, bound from the host's.
+func jailDev(kvm bool) error {
+	dev := filepath.Join(jailRoot, "dev")
+	if err := unix.Mount("tmpfs", dev, "tmpfs", unix.MS_NOSUID|unix.MS_NOEXEC, "size=4k,nr_inodes=16,mode=755"); err != nil {
+		return err
+	}
+	nodes := []string{"null", "zero", "random", "urandom"}
+	if kvm {
+		nodes = append(nodes, "kvm")
+	}
+	for _, n := range nodes {
+		dst := filepath.Join(dev, n)
+		if err := os.WriteFile(dst, nil, 0o600); err != nil {
+			return err
+		}
+		if err := bindRO("/dev/"+n, dst, 0); err != nil {
+			return err
+		}
+	}
+	return unix.Mount("", dev, "", unix.MS_REMOUNT|unix.MS_RDONLY|unix.MS_NOSUID|unix.MS_NOEXEC, "size=4k,nr_inodes=16,mode=755")
+}
+
+// bindRO binds src on dst, read-only and nosuid (plus extra flags).
+func bindRO(src, dst string, extra uintptr) error {
+	if err := unix.Mount(src, dst, "", unix.MS_BIND|unix.MS_REC, ""); err != nil {
+		return fmt.Errorf("bind %s: %w", src, err)
+	}
+	flags := unix.MS_REMOUNT | unix.MS_BIND | unix.MS_RDONLY | unix.MS_NOSUID | extra
+	if err := unix.Mount("", dst, "", flags, ""); err != nil {
+		return fmt.Errorf("bind %s read-only: %w", src, err)
+	}
+	return nil
+}
