@@ -23,7 +23,6 @@ import (
 	"path/filepath"
 	"runtime"
 	"strings"
-	"syscall"
 	"time"
 
 	"github.com/cagehq/cage/internal/agentclient"
@@ -367,18 +366,13 @@ func (b *Builder) run(ctx context.Context, held *imgstore.Held, st *state, in In
 	if end.GetExitCode() != 0 || end.GetReason() != "exited" {
 		return "", failf("exit code %d (%s)", end.GetExitCode(), end.GetReason())
 	}
-	upper := filepath.Join(b.Host.RunDir, "sandboxes", sb.ID(), "disk", "upper")
-	fi, err := os.Stat(upper)
-	if err != nil {
-		return "", err
-	}
 	tarFile, err := os.CreateTemp("", "cage-layer-*.tar")
 	if err != nil {
 		return "", err
 	}
 	tarFile.Close()
 	defer os.Remove(tarFile.Name())
-	n, err := capture(upper, int(fi.Sys().(*syscall.Stat_t).Uid), tarFile.Name())
+	n, err := captureAfter(sb, filepath.Join(b.Host.RunDir, "sandboxes", sb.ID()), "disk/upper", tarFile.Name())
 	if err != nil {
 		return "", err
 	}

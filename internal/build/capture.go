@@ -14,20 +14,55 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/cagehq/cage/internal/template"
+	"github.com/cagehq/cage/internal/wall"
 )
 
-// capture writes what a RUN step changed, the overlay's upper directory of
-// its sandbox, as an OCI layer tar at out: overlay whiteouts (0:0 character
-// devices) become .wh. entries, opaque directories .wh..wh..opq, owners are
-// the sandbox's (host id - idBase), and cage's own files in the sandbox are
-// left out. The sandbox is hostile: everything is read through an os.Root
-// of the upper directory, so a symlink it plants never leads the host out.
-func capture(upper string, idBase int, out string) (entries int, err error) {
-	root, err := os.OpenRoot(upper)
+// captureAfter destroys the step's sandbox, then captures its upper
+// directory (see capture) at stateDir/rel. The upper directory lives on a
+// tmpfs under the sandbox's state directory, which teardown detaches: a
+// descriptor opened before keeps the tmpfs, and so the step's files, until
+// the capture is done, when no process of the step is left to change them
+// under the reader (a FIFO swapped in for a file would block it; a file
+// growing without end would never be read to its end).
+func captureAfter(sb wall.Sandbox, stateDir, rel, out string) (int, error) {
+	sd, err := os.Open(stateDir)
+	if err != nil {
+		return 0, err
+	}
+	defer sd.Close()
+	fd, err := unix.Openat2(int(sd.Fd()), rel, &unix.OpenHow{
+		Flags:   unix.O_RDONLY | unix.O_DIRECTORY | unix.O_CLOEXEC,
+		Resolve: unix.RESOLVE_BENEATH | unix.RESOLVE_NO_SYMLINKS | unix.RESOLVE_NO_MAGICLINKS,
+	})
+	if err != nil {
+		return 0, fmt.Errorf("open the step's upper directory: %w", err)
+	}
+	upper := os.NewFile(uintptr(fd), rel)
+	defer upper.Close()
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil {
+		return 0, err
+	}
+	if err := sb.Destroy(); err != nil {
+		return 0, fmt.Errorf("remove the step's sandbox: %w", err)
+	}
+	root, err := os.OpenRoot(fmt.Sprintf("/proc/self/fd/%d", fd))
 	if err != nil {
 		return 0, err
 	}
 	defer root.Close()
+	return capture(root, int(st.Uid), out)
+}
+
+// capture writes what a RUN step changed, the overlay's upper directory of
+// its sandbox (root), as an OCI layer tar at out: overlay whiteouts (0:0
+// character devices) become .wh. entries, opaque directories .wh..wh..opq,
+// owners are the sandbox's (host id - idBase), and cage's own files in the
+// sandbox are left out. The sandbox wrote everything here: it is read
+// through an os.Root, so a symlink it planted never leads the host out, and
+// every file and directory is opened without following, without blocking
+// (a FIFO opens at once) and checked to be what Lstat saw, else refused.
+func capture(root *os.Root, idBase int, out string) (entries int, err error) {
 	f, err := os.OpenFile(out, os.O_CREATE|os.O_TRUNC|os.O_WRONLY, 0o600)
 	if err != nil {
 		return 0, err
@@ -61,6 +96,29 @@ func capture(upper string, idBase int, out string) (entries int, err error) {
 		return 0, err
 	}
 	return c.n, nil
+}
+
+// testHookAfterLstat, when set (by tests), runs between an entry's Lstat
+// and its opening: where the sandbox could swap the entry.
+var testHookAfterLstat func(p string)
+
+// openSame opens p (flags plus no following, no blocking, close-on-exec)
+// and checks it is the file st describes.
+func (c *capturer) openSame(p string, flags int, st *syscall.Stat_t) (*os.File, error) {
+	f, err := c.root.OpenFile(p, flags|syscall.O_NOFOLLOW|syscall.O_NONBLOCK|syscall.O_CLOEXEC, 0)
+	if err != nil {
+		return nil, fmt.Errorf("%s changed while it was read: %w", p, err)
+	}
+	var now syscall.Stat_t
+	if err := syscall.Fstat(int(f.Fd()), &now); err != nil {
+		f.Close()
+		return nil, err
+	}
+	if now.Dev != st.Dev || now.Ino != st.Ino || now.Mode&syscall.S_IFMT != st.Mode&syscall.S_IFMT {
+		f.Close()
+		return nil, fmt.Errorf("%s changed while it was read", p)
+	}
+	return f, nil
 }
 
 func skipped(p string) bool {
@@ -100,6 +158,9 @@ func (c *capturer) entry(p string) error {
 	if !ok {
 		return fmt.Errorf("%s: no stat", p)
 	}
+	if testHookAfterLstat != nil {
+		testHookAfterLstat(p)
+	}
 	mode := fi.Mode()
 	// A whiteout: the file is deleted in this layer.
 	if mode&fs.ModeCharDevice != 0 && st.Rdev == 0 {
@@ -122,7 +183,7 @@ func (c *capturer) entry(p string) error {
 	switch {
 	case mode.IsDir():
 		h.Typeflag, h.Name = tar.TypeDir, p+"/"
-		opaque, xattrs, err := c.dirAttrs(p)
+		opaque, xattrs, err := c.dirAttrs(p, st)
 		if err != nil {
 			return err
 		}
@@ -148,7 +209,7 @@ func (c *capturer) entry(p string) error {
 			return c.write(h, nil)
 		}
 		c.links[key] = p
-		file, err := c.root.OpenFile(p, os.O_RDONLY|syscall.O_NOFOLLOW, 0)
+		file, err := c.openSame(p, os.O_RDONLY, st)
 		if err != nil {
 			return err
 		}
@@ -178,8 +239,8 @@ func (c *capturer) write(h *tar.Header, body io.Reader) error {
 }
 
 // dirAttrs reads a directory's overlay opaque mark and user.* xattrs.
-func (c *capturer) dirAttrs(p string) (opaque bool, xattrs map[string]string, err error) {
-	d, err := c.root.Open(p)
+func (c *capturer) dirAttrs(p string, st *syscall.Stat_t) (opaque bool, xattrs map[string]string, err error) {
+	d, err := c.openSame(p, os.O_RDONLY|syscall.O_DIRECTORY, st)
 	if err != nil {
 		return false, nil, err
 	}

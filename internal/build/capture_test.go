@@ -1,0 +1,195 @@
+package build
+
+import (
+	"archive/tar"
+	"bytes"
+	"context"
+	"errors"
+	"io"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/cagehq/cage/internal/imgstore"
+	"github.com/cagehq/cage/internal/sandbox"
+	"github.com/cagehq/cage/internal/testutil"
+)
+
+// captureGuarded runs capture on dir and fails the test if it has not
+// returned within a minute (a guard against a hang, not a measure of speed).
+func captureGuarded(t *testing.T, dir string) (int, error) {
+	t.Helper()
+	root, err := os.OpenRoot(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer root.Close()
+	type res struct {
+		n   int
+		err error
+	}
+	done := make(chan res, 1)
+	go func() {
+		n, err := capture(root, 0, filepath.Join(t.TempDir(), "layer.tar"))
+		done <- res{n, err}
+	}()
+	select {
+	case r := <-done:
+		return r.n, r.err
+	case <-time.After(time.Minute):
+		t.Fatalf("capture hung")
+		return 0, nil
+	}
+}
+
+// TestCaptureSwappedForFIFO: the sandbox swaps a file, or a directory, for
+// a FIFO between the capture's Lstat and its open. The capture refuses the
+// entry at once; it never waits on the FIFO for a writer that never comes.
+func TestCaptureSwappedForFIFO(t *testing.T) {
+	for _, kind := range []string{"file", "dir"} {
+		t.Run(kind, func(t *testing.T) {
+			dir := t.TempDir()
+			victim := filepath.Join(dir, "victim")
+			if kind == "file" {
+				if err := os.WriteFile(victim, []byte("data"), 0o644); err != nil {
+					t.Fatal(err)
+				}
+			} else if err := os.Mkdir(victim, 0o755); err != nil {
+				t.Fatal(err)
+			}
+			testHookAfterLstat = func(p string) {
+				if p != "victim" {
+					return
+				}
+				fifo := filepath.Join(dir, ".fifo")
+				if err := syscall.Mkfifo(fifo, 0o644); err != nil {
+					t.Error(err)
+				}
+				os.RemoveAll(victim)
+				if err := os.Rename(fifo, victim); err != nil {
+					t.Error(err)
+				}
+			}
+			defer func() { testHookAfterLstat = nil }()
+			_, err := captureGuarded(t, dir)
+			if err == nil || !strings.Contains(err.Error(), "victim changed while it was read") {
+				t.Errorf("capture of a %s swapped for a FIFO: %v; want it refused", kind, err)
+			}
+		})
+	}
+}
+
+// TestCaptureSwappedFile: a file swapped for another file is refused too
+// (what was read would not be the file whose owner and mode the header
+// says).
+func TestCaptureSwappedFile(t *testing.T) {
+	dir := t.TempDir()
+	for _, n := range []string{"victim", ".other"} {
+		if err := os.WriteFile(filepath.Join(dir, n), []byte(n), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	testHookAfterLstat = func(p string) {
+		if p == "victim" {
+			os.Rename(filepath.Join(dir, ".other"), filepath.Join(dir, "victim"))
+		}
+	}
+	defer func() { testHookAfterLstat = nil }()
+	if _, err := captureGuarded(t, dir); err == nil || !strings.Contains(err.Error(), "changed while it was read") {
+		t.Errorf("capture of a swapped file: %v; want it refused", err)
+	}
+}
+
+// TestBuildStepLeavesFIFOSwapper: a RUN step leaves a process behind that
+// keeps swapping its files for FIFOs and back. The step's layer is read
+// only once that process is gone (its sandbox destroyed), so the build
+// neither hangs nor fails, and the layer holds the files as they were left.
+// A context deadline guards against a hang; it measures nothing.
+func TestBuildStepLeavesFIFOSwapper(t *testing.T) {
+	testutil.RequireRoot(t)
+	testutil.RequireKernelFeature(t, testutil.UserNamespaces)
+	testutil.RequireKernelFeature(t, testutil.MountAPI)
+	testutil.RequireKernelFeature(t, testutil.Cgroups)
+	host, err := sandbox.NewHost(testutil.RunDir(t), filepath.Join(testutil.Binaries(t), "cage-agent"), slog.New(slog.DiscardHandler))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer host.Close()
+	if host.Templates, err = imgstore.Open(filepath.Join(t.TempDir(), "templates")); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	if _, err := host.Templates.Import(ctx, testutil.WriteDockerArchive(t, testutil.TestImage(t), "cage-test:latest"), "bb", imgstore.Options{}); err != nil {
+		t.Fatal(err)
+	}
+	// Files 1000 directories deep (a long walk from the layer's top to each,
+	// which widens the window between a reader's Lstat and its open), and
+	// four processes left behind swapping s1..s4 for FIFOs and back,
+	// atomically (rename), as fast as they can. k1..k4 stay as they are.
+	// (cage's builder expands $NAME in RUN as Docker's does not: \$ keeps
+	// the shell's variables.)
+	const dockerfile = `FROM bb
+RUN mkdir /w && cd /w && for i in $(busybox seq 1000); do mkdir d && cd d; done && \
+    for i in 1 2 3 4; do echo x > s\$i; echo k > k\$i; done && \
+    for j in 1 2 3 4; do (while :; do busybox mkfifo .p\$j && mv -f .p\$j s\$j; echo y > .r\$j && mv -f .r\$j s\$j; done) </dev/null >/dev/null 2>&1 & done; \
+    echo > /done
+`
+	var out bytes.Buffer
+	b := &Builder{Host: host, Context: t.TempDir(), Out: &out}
+	tm, err := b.Build(ctx, strings.NewReader(dockerfile), "swapped", "test")
+	if err != nil {
+		t.Fatalf("build: %v\n%s", err, out.String())
+	}
+	dirs, err := host.Templates.LayerDirs(tm)
+	if err != nil {
+		t.Fatal(err)
+	}
+	top := dirs[len(dirs)-1]
+	if _, err := os.Lstat(filepath.Join(top, "done")); err != nil {
+		t.Errorf("the step's layer lacks /done: %v", err)
+	}
+	// The files left alone are there; the swapped ones are files or absent
+	// (FIFOs are not carried), never FIFOs.
+	deep := filepath.Join(append([]string{top, "w"}, strings.Split(strings.Repeat("d/", 1000), "/")...)...)
+	ents, err := os.ReadDir(deep)
+	if err != nil {
+		t.Fatal(err)
+	}
+	kept := 0
+	for _, e := range ents {
+		switch {
+		case e.Type()&os.ModeNamedPipe != 0:
+			t.Errorf("%s: a FIFO in the layer", e.Name())
+		case strings.HasPrefix(e.Name(), "k") && e.Type().IsRegular():
+			kept++
+		}
+	}
+	if kept != 4 {
+		t.Errorf("the layer's deepest directory holds %v; want k1..k4 among them", ents)
+	}
+	checkLayerTar(t, host.Templates, tm)
+}
+
+// checkLayerTar exports the template and reads every entry of its layers.
+func checkLayerTar(t *testing.T, s *imgstore.Store, tm *imgstore.Template) {
+	t.Helper()
+	var buf bytes.Buffer
+	if err := s.Export(context.Background(), tm.Name, &buf); err != nil {
+		t.Fatalf("export: %v", err)
+	}
+	tr := tar.NewReader(&buf)
+	for {
+		_, err := tr.Next()
+		if errors.Is(err, io.EOF) {
+			return
+		}
+		if err != nil {
+			t.Fatalf("export: %v", err)
+		}
+	}
+}
