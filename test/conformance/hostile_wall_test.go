@@ -13,6 +13,8 @@ import (
 	"testing"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/cagehq/cage/internal/agentclient"
 	"github.com/cagehq/cage/internal/sandbox"
 )
@@ -289,4 +291,32 @@ func runWithin(t *testing.T, c *agentclient.Client, script string) string {
 		return "exit " + strconv.Itoa(int(end.GetExitCode())) + ": " + out.String()
 	}
 	return out.String()
+}
+
+// TestHostileDiskPath: the host measures a sandbox's disk (its usage in
+// the daemon's metrics) on a path root inside cannot redirect. On an image
+// root, root may replace /tmp with a symlink to / (the host's root, for a
+// host walking into the sandbox's root): the host's measure must still be
+// the sandbox's 16 MiB disk, not the host's file system.
+func TestHostileDiskPath(t *testing.T) {
+	forEachWall(t, func(t *testing.T, w wall) {
+		importTestImage(t)
+		b := w.newBox(t, sandbox.Options{Template: testTemplate, Disk: 16 << 20})
+		// (gVisor mounts a tmpfs of its own on /tmp, which stays.)
+		b.mustSh(`{ rm -rf /tmp && ln -s / /tmp; } 2>/dev/null; exit 0`, asUser("root"))
+		p := b.sb.DiskPath()
+		if w.name == "microvm" {
+			if p != "" {
+				t.Errorf("a microvm's disk is inside its guest; DiskPath is %q", p)
+			}
+			return
+		}
+		var st unix.Statfs_t
+		if err := unix.Statfs(p, &st); err != nil {
+			t.Fatalf("statfs %s: %v", p, err)
+		}
+		if total := int64(st.Blocks) * st.Bsize; total != 16<<20 {
+			t.Errorf("the host measured %s as %d bytes, not the sandbox's 16 MiB disk", p, total)
+		}
+	})
 }

@@ -60,9 +60,12 @@ func guestAgent(port *os.File) error {
 		// No error is ours to act on here: the host leaves as soon as it
 		// has read the answer, and the write can see the session end
 		// before it sees its own completion. A host that got no answer
-		// gives up on the snapshot and leaves too.
+		// gives up on the snapshot and leaves too. Nothing more is
+		// written: not even the stream's close (a yamux frame), which
+		// could reach the port after the host has left, stay queued in
+		// the snapshot and come before the hello every restored guest
+		// writes.
 		_, _ = io.WriteString(first, prepared)
-		first.Close()
 		<-sess.CloseChan()
 		sess.Close() // and the port with it
 		if port, err = vm.ReopenAgentPort(); err != nil {

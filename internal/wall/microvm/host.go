@@ -227,7 +227,7 @@ func (sb *Sandbox) Destroy() (err error) {
 			network.RemoveNamespace(sb.netns)
 		}
 		sb.ids.Release()
-		if rerr := os.RemoveAll(sb.dir); err == nil {
+		if rerr := state.RemoveTree(sb.dir); err == nil {
 			err = rerr
 		}
 		if sb.owner != nil {

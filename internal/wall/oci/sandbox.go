@@ -521,15 +521,9 @@ func (sb *Sandbox) teardown() error {
 	if sb.netns != "" {
 		network.RemoveNamespace(sb.netns)
 	}
-	for _, m := range []string{sb.diskMount, sb.rootfs} {
-		if m == "" {
-			continue
-		}
-		if err := unix.Unmount(m, unix.MNT_DETACH); err != nil && !errors.Is(err, syscall.EINVAL) && !errors.Is(err, syscall.ENOENT) {
-			errs = append(errs, err)
-		}
-	}
-	if err := os.RemoveAll(sb.dir); err != nil {
+	// The root and disk mounts are detached as the state directory is
+	// removed, without following anything the sandbox wrote there.
+	if err := state.RemoveTree(sb.dir); err != nil {
 		errs = append(errs, err)
 	}
 	if sb.owner != nil {

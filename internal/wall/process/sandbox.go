@@ -98,8 +98,18 @@ func (sb *Sandbox) Token() string { return sb.token }
 // AgentPID is the host pid of the sandbox's agent (its PID 1).
 func (sb *Sandbox) AgentPID() int { return sb.pid }
 
-// DiskPath reaches the sandbox's storage through its agent's root.
-func (sb *Sandbox) DiskPath() string { return fmt.Sprintf("/proc/%d/root/tmp", sb.pid) }
+// DiskPath is a host path on the sandbox's storage, for its usage: an
+// image's disk is a tmpfs on the host (template.MountImage), whose path is
+// the host's alone; the host template's is reached through the agent's
+// root as its /tmp, a mount point on a read-only root, which nothing
+// inside can replace. (An image's /tmp is the sandbox's to replace, with
+// a symlink to a host path, say.)
+func (sb *Sandbox) DiskPath() string {
+	if disk := filepath.Join(sb.dir, "disk"); state.IsMountPoint(disk) {
+		return disk
+	}
+	return fmt.Sprintf("/proc/%d/root/tmp", sb.pid)
+}
 
 // Wall is "process".
 func (sb *Sandbox) Wall() string { return "process" }

@@ -31,19 +31,13 @@ func LockOwner(dir string) (*os.File, error) {
 	return f, nil
 }
 
-// removeState removes a sandbox's state directory: its socket, the (by now
-// unmounted) root directory and the owner lock.
-//
-// What an OCI wall leaves there too is removed: its host mounts (the
-// sandbox's root and disk tmpfs) are unmounted first, and the runtime's own
-// state for the sandbox (RUN_DIR/<wall>/<id>) goes with it.
+// RemoveState removes a sandbox's state directory with what is in it (its
+// socket, the root directory, the owner lock) and what is mounted in it
+// (an OCI wall's root and disk tmpfs, an image's overlay, a network
+// namespace's file), detached first: see RemoveTree, which never follows a
+// link nor leaves the directory's file system. The runtime's own state for
+// the sandbox (RUN_DIR/<wall>/<id>) goes with it.
 func RemoveState(dir string) error {
-	data, _ := os.ReadFile("/proc/self/mountinfo")
-	for _, line := range strings.Split(string(data), "\n") {
-		if f := strings.Fields(line); len(f) > 4 && strings.HasPrefix(f[4], dir+"/") {
-			_ = syscall.Unmount(f[4], syscall.MNT_DETACH)
-		}
-	}
 	id := filepath.Base(dir)
 	runDir := filepath.Dir(filepath.Dir(dir))
 	for _, w := range []string{"runc", "gvisor"} {
@@ -51,14 +45,11 @@ func RemoveState(dir string) error {
 		ents, _ := os.ReadDir(filepath.Join(runDir, w))
 		for _, e := range ents {
 			if strings.Contains(e.Name(), id) {
-				_ = os.RemoveAll(filepath.Join(runDir, w, e.Name()))
+				_ = RemoveTree(filepath.Join(runDir, w, e.Name()))
 			}
 		}
 	}
-	if err := os.RemoveAll(dir); err != nil && !errors.Is(err, os.ErrNotExist) {
-		return err
-	}
-	return nil
+	return RemoveTree(dir)
 }
 
 // GC removes what dead owners left behind under runDir: the state directory
