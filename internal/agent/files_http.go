@@ -2,6 +2,7 @@ package agent
 
 import (
 	"compress/gzip"
+	"context"
 	"crypto/rand"
 	"crypto/sha256"
 	"crypto/subtle"
@@ -27,7 +28,8 @@ import (
 
 // GET and POST /files: streamed download and upload, E2B envd compatible.
 // Uploads go to a temporary file beside the destination and are renamed into
-// place, so a failed upload leaves nothing half-written.
+// place, so a failed upload leaves nothing half-written. Both run as the
+// requesting user (see asUser), never as the agent.
 
 // uploadTempPrefix names the temporary files uploads write; watches hide them.
 const uploadTempPrefix = ".cage-upload-"
@@ -125,42 +127,61 @@ func (f *filesystemService) authorizeFiles(r *http.Request, op string) *httpErro
 	return nil
 }
 
-// filesUser is the user a /files request acts as.
+// filesUser is the user a /files request acts as: like any request's, never
+// the agent's own uid.
 func (f *filesystemService) filesUser(q url.Values) (User, *httpError) {
 	name := q.Get("username")
 	if name == "" {
 		name = f.s.cfg.DefaultUser
 	}
-	u, err := LookupUser(f.s.cfg.Passwd, name)
+	u, err := f.s.lookupUser(name)
 	if err != nil {
+		var ce *connect.Error
+		if errors.As(err, &ce) {
+			return User{}, httpErr(http.StatusBadRequest, "%s", ce.Message())
+		}
 		return User{}, httpErr(http.StatusBadRequest, "%v", err)
 	}
 	return u, nil
 }
 
-// filesRequest authorizes a /files request and opens the root for it.
-func (f *filesystemService) filesRequest(r *http.Request, op string) (User, *fsRoot, *httpError) {
-	if err := f.authorizeFiles(r, op); err != nil {
-		return User{}, nil, err
+// serveFiles serves GET and POST /files. The token or signature is checked
+// before anything else, the body is read (if at all) only after that.
+func (f *filesystemService) serveFiles(w http.ResponseWriter, r *http.Request) {
+	op := "read"
+	if r.Method == http.MethodPost {
+		op = "write"
+	}
+	if herr := f.authorizeFiles(r, op); herr != nil {
+		writeHTTPError(w, herr)
+		return
 	}
 	u, herr := f.filesUser(r.URL.Query())
-	if herr != nil {
-		return User{}, nil, herr
-	}
-	root, err := openFSRoot(f.s.cfg.Root)
-	if err != nil {
-		return User{}, nil, httpErr(http.StatusInternalServerError, "sandbox root is not available")
-	}
-	return u, root, nil
-}
-
-func (f *filesystemService) serveDownload(w http.ResponseWriter, r *http.Request) {
-	u, root, herr := f.filesRequest(r, "read")
 	if herr != nil {
 		writeHTTPError(w, herr)
 		return
 	}
+	root, err := openFSRoot(f.s.cfg.Root)
+	if err != nil {
+		writeHTTPError(w, httpErr(http.StatusInternalServerError, "sandbox root is not available"))
+		return
+	}
 	defer root.Close()
+	serve := f.serveDownload
+	if op == "write" {
+		serve = f.serveUpload
+	}
+	err = f.s.asUser(r.Context(), u, func() error {
+		serve(w, r, u, root)
+		return nil
+	})
+	if err != nil && !errors.Is(err, context.Canceled) {
+		writeHTTPError(w, fileHTTPError("act as user", u.Name, err))
+	}
+}
+
+// serveDownload runs as the request's user.
+func (f *filesystemService) serveDownload(w http.ResponseWriter, r *http.Request, u User, root *fsRoot) {
 	raw := r.URL.Query().Get("path")
 	p, err := sandboxPath(raw, u)
 	if err != nil {
@@ -240,14 +261,11 @@ func acceptsGzip(header string) bool {
 	return false
 }
 
-func (f *filesystemService) serveUpload(w http.ResponseWriter, r *http.Request) {
+// serveUpload runs as the request's user. The body is streamed to disk
+// (a full disk is 507); a gzip-encoded one may inflate to at most
+// Config.MaxInflatedUpload bytes (413 beyond).
+func (f *filesystemService) serveUpload(w http.ResponseWriter, r *http.Request, u User, root *fsRoot) {
 	defer r.Body.Close()
-	u, root, herr := f.filesRequest(r, "write")
-	if herr != nil {
-		writeHTTPError(w, herr)
-		return
-	}
-	defer root.Close()
 	body := io.Reader(r.Body)
 	if enc := strings.ToLower(strings.TrimSpace(r.Header.Get("Content-Encoding"))); enc == "gzip" || enc == "x-gzip" {
 		gz, err := gzip.NewReader(r.Body)
@@ -256,13 +274,14 @@ func (f *filesystemService) serveUpload(w http.ResponseWriter, r *http.Request) 
 			return
 		}
 		defer gz.Close()
-		body = gz
+		body = &inflateLimit{r: gz, left: f.s.cfg.MaxInflatedUpload}
 	} else if enc != "" && enc != "identity" {
 		writeHTTPError(w, httpErr(http.StatusBadRequest, "unsupported content encoding %q", enc))
 		return
 	}
 	up := uploader{root: root, u: u, q: r.URL.Query()}
 	var entries []uploadedEntry
+	var herr *httpError
 	media, params, _ := mime.ParseMediaType(r.Header.Get("Content-Type"))
 	switch {
 	case media == "application/octet-stream":
@@ -279,6 +298,35 @@ func (f *filesystemService) serveUpload(w http.ResponseWriter, r *http.Request) 
 	w.Header().Set("Content-Type", "application/json")
 	_ = json.NewEncoder(w).Encode(entries)
 }
+
+// inflateLimit ends a decompressed body that grows past its limit.
+type inflateLimit struct {
+	r    io.Reader
+	left int64
+}
+
+func (l *inflateLimit) Read(p []byte) (int, error) {
+	if l.left <= 0 {
+		// One byte more would tell a body of exactly the limit from a
+		// larger one; a bomb is all this has to stop.
+		var one [1]byte
+		if n, _ := io.ReadFull(l.r, one[:]); n == 0 {
+			return 0, io.EOF
+		}
+		return 0, errInflateLimit
+	}
+	if int64(len(p)) > l.left {
+		p = p[:l.left]
+	}
+	n, err := l.r.Read(p)
+	l.left -= int64(n)
+	return n, err
+}
+
+var errInflateLimit = errors.New("the decompressed upload is larger than the agent accepts")
+
+// maxUploadFiles bounds the files of one multipart upload.
+const maxUploadFiles = 10000
 
 // uploader writes the files of one upload request.
 type uploader struct {
@@ -334,6 +382,9 @@ func (up *uploader) multipart(mr *multipart.Reader) ([]uploadedEntry, *httpError
 		if seen[p] {
 			return nil, httpErr(http.StatusBadRequest, "path %q appears more than once in one upload", p)
 		}
+		if len(seen) >= maxUploadFiles {
+			return nil, httpErr(http.StatusRequestEntityTooLarge, "more than %d files in one upload", maxUploadFiles)
+		}
 		seen[p] = true
 		if err := up.write(p, part); err != nil {
 			return nil, fileHTTPError("write", p, err)
@@ -366,8 +417,9 @@ func (t *readTracker) Read(p []byte) (int, error) {
 	return n, err
 }
 
-// write streams src into the file at sandbox path p, owned by the user.
-// A symlink at p that resolves to a file inside the root is written through.
+// write streams src into the file at sandbox path p, as the user.
+// A symlink at p that resolves to a file inside the root is written through
+// (its target is replaced, where the user may replace it).
 func (up *uploader) write(p string, src io.Reader) error {
 	if p == "/" {
 		return httpErr(http.StatusBadRequest, "path %q is a directory", p)
@@ -381,7 +433,7 @@ func (up *uploader) write(p string, src io.Reader) error {
 			unix.Close(fd)
 		}
 	}
-	dfd, _, err := up.root.mkdirAll(path.Dir(target), up.u.UID, up.u.GID)
+	dfd, _, err := up.root.mkdirAll(path.Dir(target))
 	if err != nil {
 		return err
 	}
@@ -419,15 +471,16 @@ func (up *uploader) replace(dfd int, name string, mode uint32, src io.Reader) er
 			unix.Unlinkat(dfd, tmp, 0)
 		}
 	}()
-	if err := unix.Fchown(fd, up.u.UID, up.u.GID); err != nil {
-		return err
-	}
+	// The file is the user's: the thread acts as the user (see asUser).
 	if err := unix.Fchmod(fd, mode); err != nil {
 		return err
 	}
 	rt := &readTracker{r: src}
 	if _, err := io.Copy(file, rt); err != nil {
-		if rt.err != nil {
+		switch {
+		case errors.Is(rt.err, errInflateLimit):
+			return httpErr(http.StatusRequestEntityTooLarge, "%v", errInflateLimit)
+		case rt.err != nil:
 			return httpErr(http.StatusBadRequest, "reading upload body: %v", rt.err)
 		}
 		return err

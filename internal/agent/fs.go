@@ -21,7 +21,8 @@ import (
 
 // filesystemService serves filesystem.Filesystem and /files. Every path goes
 // through fsRoot (fsresolve.go), so nothing outside the sandbox root is ever
-// read, written, listed or removed.
+// read, written, listed or removed, and every operation runs as the
+// requesting user (creds.go), so nothing that user may not touch is either.
 type filesystemService struct {
 	s *Server
 
@@ -73,22 +74,38 @@ func (f *filesystemService) resolve(h http.Header, raw string) (User, string, *f
 	return u, p, r, nil
 }
 
+// do resolves raw for a request and runs op on it as the request's user
+// (see asUser). Errors from op are reported as operation what on the path.
+// Entries made by op name owners from the account files as read here,
+// before the switch, by the agent.
+func (f *filesystemService) do(ctx context.Context, h http.Header, raw, what string, op func(p string, e *entries) error) error {
+	u, p, r, err := f.resolve(h, raw)
+	if err != nil {
+		return err
+	}
+	defer r.Close()
+	e := f.newEntries(r)
+	if err := f.s.asUser(ctx, u, func() error { return op(p, e) }); err != nil {
+		return fsError(what, p, err)
+	}
+	return nil
+}
+
 // entry describes p after an operation on it.
-func (f *filesystemService) entry(r *fsRoot, p string) (*pb.EntryInfo, error) {
-	e, err := f.newEntries(r).stat(p)
+func (e *entries) entryOf(p string) (*pb.EntryInfo, error) {
+	en, err := e.stat(p)
 	if err != nil {
 		return nil, fsError("stat", p, err)
 	}
-	return e, nil
+	return en, nil
 }
 
 func (f *filesystemService) Stat(ctx context.Context, req *connect.Request[pb.StatRequest]) (*connect.Response[pb.StatResponse], error) {
-	_, p, r, err := f.resolve(req.Header(), req.Msg.GetPath())
-	if err != nil {
-		return nil, err
-	}
-	defer r.Close()
-	e, err := f.entry(r, p)
+	var e *pb.EntryInfo
+	err := f.do(ctx, req.Header(), req.Msg.GetPath(), "stat", func(p string, en *entries) (err error) {
+		e, err = en.entryOf(p)
+		return err
+	})
 	if err != nil {
 		return nil, err
 	}
@@ -96,28 +113,28 @@ func (f *filesystemService) Stat(ctx context.Context, req *connect.Request[pb.St
 }
 
 func (f *filesystemService) MakeDir(ctx context.Context, req *connect.Request[pb.MakeDirRequest]) (*connect.Response[pb.MakeDirResponse], error) {
-	u, p, r, err := f.resolve(req.Header(), req.Msg.GetPath())
-	if err != nil {
-		return nil, err
-	}
-	defer r.Close()
-	if fd, err := r.open(p, unix.O_PATH, 0); err == nil {
-		var st unix.Stat_t
-		err = unix.Fstat(fd, &st)
-		unix.Close(fd)
-		if err == nil && st.Mode&unix.S_IFMT == unix.S_IFDIR {
-			return nil, connect.NewError(connect.CodeAlreadyExists, fmt.Errorf("directory %q already exists", p))
+	var e *pb.EntryInfo
+	err := f.do(ctx, req.Header(), req.Msg.GetPath(), "make directory", func(p string, en *entries) error {
+		r := en.r
+		if fd, err := r.open(p, unix.O_PATH, 0); err == nil {
+			var st unix.Stat_t
+			err = unix.Fstat(fd, &st)
+			unix.Close(fd)
+			if err == nil && st.Mode&unix.S_IFMT == unix.S_IFDIR {
+				return connect.NewError(connect.CodeAlreadyExists, fmt.Errorf("directory %q already exists", p))
+			}
+			return connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("path %q already exists and is not a directory", p))
+		} else if err != unix.ENOENT {
+			return err
 		}
-		return nil, connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("path %q already exists and is not a directory", p))
-	} else if err != unix.ENOENT {
-		return nil, fsError("make directory", p, err)
-	}
-	fd, _, err := r.mkdirAll(p, u.UID, u.GID)
-	if err != nil {
-		return nil, fsError("make directory", p, err)
-	}
-	unix.Close(fd)
-	e, err := f.entry(r, p)
+		fd, _, err := r.mkdirAll(p)
+		if err != nil {
+			return err
+		}
+		unix.Close(fd)
+		e, err = en.entryOf(p)
+		return err
+	})
 	if err != nil {
 		return nil, err
 	}
@@ -125,22 +142,22 @@ func (f *filesystemService) MakeDir(ctx context.Context, req *connect.Request[pb
 }
 
 func (f *filesystemService) Move(ctx context.Context, req *connect.Request[pb.MoveRequest]) (*connect.Response[pb.MoveResponse], error) {
-	u, src, err := f.target(req.Header(), req.Msg.GetSource())
+	_, src, err := f.target(req.Header(), req.Msg.GetSource())
 	if err != nil {
 		return nil, err
 	}
-	_, dst, r, err := f.resolve(req.Header(), req.Msg.GetDestination())
-	if err != nil {
-		return nil, err
-	}
-	defer r.Close()
-	if _, err := r.lstat(src); err != nil {
-		return nil, fsError("move", src, err)
-	}
-	if err := r.rename(src, dst, u.UID, u.GID); err != nil {
-		return nil, fsError(fmt.Sprintf("move %q to", src), dst, err)
-	}
-	e, err := f.entry(r, dst)
+	var e *pb.EntryInfo
+	err = f.do(ctx, req.Header(), req.Msg.GetDestination(), fmt.Sprintf("move %q to", src), func(dst string, en *entries) error {
+		r := en.r
+		if _, err := r.lstat(src); err != nil {
+			return fsError("move", src, err)
+		}
+		if err := r.rename(src, dst); err != nil {
+			return err
+		}
+		e, err = en.entryOf(dst)
+		return err
+	})
 	if err != nil {
 		return nil, err
 	}
@@ -148,37 +165,36 @@ func (f *filesystemService) Move(ctx context.Context, req *connect.Request[pb.Mo
 }
 
 func (f *filesystemService) Remove(ctx context.Context, req *connect.Request[pb.RemoveRequest]) (*connect.Response[pb.RemoveResponse], error) {
-	_, p, r, err := f.resolve(req.Header(), req.Msg.GetPath())
+	err := f.do(ctx, req.Header(), req.Msg.GetPath(), "remove", func(p string, en *entries) error {
+		return en.r.removeAll(p)
+	})
 	if err != nil {
 		return nil, err
-	}
-	defer r.Close()
-	if err := r.removeAll(p); err != nil {
-		return nil, fsError("remove", p, err)
 	}
 	return connect.NewResponse(&pb.RemoveResponse{}), nil
 }
 
 func (f *filesystemService) ListDir(ctx context.Context, req *connect.Request[pb.ListDirRequest]) (*connect.Response[pb.ListDirResponse], error) {
-	_, p, r, err := f.resolve(req.Header(), req.Msg.GetPath())
+	depth := int(min(max(req.Msg.GetDepth(), 1), maxWalkDepth))
+	var out []*pb.EntryInfo
+	err := f.do(ctx, req.Header(), req.Msg.GetPath(), "list", func(p string, en *entries) error {
+		fd, err := en.r.open(p, unix.O_RDONLY|unix.O_DIRECTORY, 0)
+		if err == unix.ENOTDIR {
+			return connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("path %q is not a directory", p))
+		}
+		if err != nil {
+			return err
+		}
+		defer unix.Close(fd)
+		w := walker{ctx: ctx, e: en, out: []*pb.EntryInfo{}}
+		err = w.walk(fd, p, depth)
+		out = w.out
+		return err
+	})
 	if err != nil {
 		return nil, err
 	}
-	defer r.Close()
-	depth := int(min(max(req.Msg.GetDepth(), 1), maxWalkDepth))
-	fd, err := r.open(p, unix.O_RDONLY|unix.O_DIRECTORY, 0)
-	if err == unix.ENOTDIR {
-		return nil, connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("path %q is not a directory", p))
-	}
-	if err != nil {
-		return nil, fsError("list", p, err)
-	}
-	defer unix.Close(fd)
-	w := walker{ctx: ctx, e: f.newEntries(r), out: []*pb.EntryInfo{}}
-	if err := w.walk(fd, p, depth); err != nil {
-		return nil, fsError("list", p, err)
-	}
-	return connect.NewResponse(&pb.ListDirResponse{Entries: w.out}), nil
+	return connect.NewResponse(&pb.ListDirResponse{Entries: out}), nil
 }
 
 // walker lists a tree depth first, in name order, through descriptors opened
@@ -225,16 +241,17 @@ func (w *walker) walk(dirfd int, dir string, depth int) error {
 	return nil
 }
 
-// entries builds EntryInfo messages, caching owner and group names.
+// entries builds EntryInfo messages, naming owners and groups from the
+// account files as they were when it was made.
 type entries struct {
-	r              *fsRoot
-	passwd, group  string
-	owners, groups map[uint32]string
+	r             *fsRoot
+	passwd, group *accounts // nil when unreadable: ids are shown as numbers
 }
 
 func (f *filesystemService) newEntries(r *fsRoot) *entries {
-	return &entries{r: r, passwd: f.s.cfg.Passwd, group: f.s.cfg.Group,
-		owners: map[uint32]string{}, groups: map[uint32]string{}}
+	passwd, _ := loadAccounts(f.s.cfg.Passwd)
+	group, _ := loadAccounts(f.s.cfg.Group)
+	return &entries{r: r, passwd: passwd, group: group}
 }
 
 // stat describes sandbox path p, not following its final component.
@@ -258,8 +275,8 @@ func (e *entries) entry(p string, st *unix.Stat_t, rawTarget string) *pb.EntryIn
 		Size:         st.Size,
 		Mode:         uint32(mode.Perm()),
 		Permissions:  mode.String(),
-		Owner:        cachedName(e.owners, e.passwd, st.Uid),
-		Group:        cachedName(e.groups, e.group, st.Gid),
+		Owner:        e.passwd.name(st.Uid),
+		Group:        e.group.name(st.Gid),
 		ModifiedTime: timestamppb.New(time.Unix(st.Mtim.Sec, st.Mtim.Nsec)),
 	}
 	switch {
@@ -273,15 +290,6 @@ func (e *entries) entry(p string, st *unix.Stat_t, rawTarget string) *pb.EntryIn
 		info.SymlinkTarget = &target
 	}
 	return info
-}
-
-func cachedName(cache map[uint32]string, file string, id uint32) string {
-	n, ok := cache[id]
-	if !ok {
-		n = lookupName(file, id)
-		cache[id] = n
-	}
-	return n
 }
 
 // fileMode converts a stat(2) mode to Go's fs.FileMode.

@@ -22,6 +22,8 @@ import (
 )
 
 const (
+	otherUID     = 2000  // another sandbox user, "other"
+	testAgentUID = 65533 // the agent's own uid, as in a sandbox
 	fsTestToken  = "tok"
 	fsCanaryData = "canary: must never be read or changed\n"
 )
@@ -53,22 +55,33 @@ func newFSEnv(t *testing.T) *fsEnv {
 	t.Helper()
 	e := &fsEnv{t: t, root: t.TempDir(), outside: t.TempDir(), uid: os.Getuid(), gid: os.Getgid()}
 	if e.uid == 0 {
-		e.uid, e.gid = 1000, 1000 // root in tests: prove that chown happens
+		e.uid, e.gid = 1000, 1000 // root in tests: act as another user
 	}
 	e.home = filepath.Join(e.root, "home/user")
 	e.canary = filepath.Join(e.outside, "canary")
 	accounts := t.TempDir()
 	passwd := filepath.Join(accounts, "passwd")
 	group := filepath.Join(accounts, "group")
-	e.mustWrite(passwd, fmt.Sprintf("root:x:0:0:root:/root:/bin/bash\nuser:x:%d:%d::/home/user:/bin/bash\n", e.uid, e.gid))
+	e.mustWrite(passwd, fmt.Sprintf("root:x:0:0:root:/root:/bin/bash\nuser:x:%d:%d::/home/user:/bin/bash\n"+
+		"other:x:%d:%d::/home/other:/bin/bash\ncage-agent:x:%d:%d::/nonexistent:/usr/sbin/nologin\n",
+		e.uid, e.gid, otherUID, otherUID, testAgentUID, testAgentUID))
 	e.mustWrite(group, fmt.Sprintf("root:x:0:\nuser:x:%d:\n", e.gid))
 	e.mustWrite(e.canary, fsCanaryData)
+	// The sandbox root is everyone's to search, as "/" is; the home is
+	// the user's, and so is what the tests put there (mustWrite): every
+	// file operation acts as the user (creds.go).
+	if err := os.Chmod(e.root, 0o755); err != nil {
+		t.Fatal(err)
+	}
 	if err := os.MkdirAll(e.home, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Chown(e.home, e.uid, e.gid); err != nil {
 		t.Fatal(err)
 	}
 	// A sandbox /etc/passwd, to tell it from the host's.
 	e.mustWrite(filepath.Join(e.root, "etc/passwd"), "sandbox passwd\n")
-	s, err := New(Config{Root: e.root, Passwd: passwd, Group: group, Token: fsTestToken})
+	s, err := New(Config{Root: e.root, Passwd: passwd, Group: group, Token: fsTestToken, AgentUID: testAgentUID})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -87,6 +100,8 @@ func newFSEnv(t *testing.T) *fsEnv {
 	return e
 }
 
+// mustWrite writes a file, making its parents; below the home, what it
+// makes belongs to the user.
 func (e *fsEnv) mustWrite(p, data string) {
 	e.t.Helper()
 	if err := os.MkdirAll(filepath.Dir(p), 0o755); err != nil {
@@ -94,6 +109,14 @@ func (e *fsEnv) mustWrite(p, data string) {
 	}
 	if err := os.WriteFile(p, []byte(data), 0o644); err != nil {
 		e.t.Fatal(err)
+	}
+	if e.home == "" {
+		return
+	}
+	for q := p; strings.HasPrefix(q, e.home+"/"); q = filepath.Dir(q) {
+		if err := os.Lchown(q, e.uid, e.gid); err != nil {
+			e.t.Fatal(err)
+		}
 	}
 }
 

@@ -10,6 +10,7 @@ import (
 	"net/http"
 	"os"
 	"path"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -26,7 +27,9 @@ import (
 // (resolved in the root) and adds each inotify watch on /proc/self/fd/<fd>
 // of a directory descriptor, so the kernel watches exactly the directory the
 // resolver found. Subdirectories are opened beneath that descriptor without
-// following symlinks: a recursive watch never wanders out of the tree.
+// following symlinks: a recursive watch never wanders out of the tree. Every
+// directory is opened, watched and listed, and every entry described, as the
+// requesting user (asUser): a watch sees only what that user may read.
 
 const (
 	// watchMask is what each watched directory reports.
@@ -44,6 +47,8 @@ const (
 // dirWatch is one inotify instance watching a directory (and, when
 // recursive, every directory below it).
 type dirWatch struct {
+	s         *Server
+	u         User // whom the watch acts as
 	r         *fsRoot
 	e         *entries
 	base      string // sandbox path of the watched directory
@@ -51,59 +56,73 @@ type dirWatch struct {
 	recursive bool
 	withEntry bool
 
-	ino   *os.File
-	raw   syscall.RawConn  // the inotify fd, held safely against Close
-	paths map[int32]string // watch descriptor → directory relative to base
-	temps map[uint32]bool  // cookies of upload temp files being renamed
-	stop  sync.Once
-	done  chan struct{} // closed once run has returned and fds are released
+	ino    *os.File
+	raw    syscall.RawConn  // the inotify fd, held safely against Close
+	paths  map[int32]string // watch descriptor → directory relative to base
+	temps  map[uint32]bool  // cookies of upload temp files being renamed
+	ctx    context.Context  // ends with Close: a wait for a file worker ends
+	cancel context.CancelFunc
+	stop   sync.Once
+	done   chan struct{} // closed once run has returned and fds are released
 }
 
-// watchDir starts watching sandbox path p. It takes ownership of r.
-func (f *filesystemService) watchDir(r *fsRoot, p string, recursive, withEntry bool) (*dirWatch, error) {
-	fd, err := r.open(p, unix.O_RDONLY|unix.O_DIRECTORY, 0)
-	if err == unix.ENOTDIR {
-		r.Close()
-		return nil, connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("path %q is not a directory", p))
-	}
-	if err != nil {
-		r.Close()
-		return nil, fsError("watch", p, err)
-	}
-	w := &dirWatch{r: r, e: f.newEntries(r), base: p, baseFd: fd, recursive: recursive,
+// watchDir starts watching sandbox path p as u. It takes ownership of r.
+func (f *filesystemService) watchDir(ctx context.Context, u User, r *fsRoot, p string, recursive, withEntry bool) (*dirWatch, error) {
+	w := &dirWatch{s: f.s, u: u, r: r, e: f.newEntries(r), base: p, baseFd: -1, recursive: recursive,
 		withEntry: withEntry, paths: map[int32]string{}, temps: map[uint32]bool{}, done: make(chan struct{})}
-	ifd, err := unix.InotifyInit1(unix.IN_NONBLOCK | unix.IN_CLOEXEC)
+	w.ctx, w.cancel = context.WithCancel(context.Background())
+	err := f.s.asUser(ctx, u, func() error {
+		fd, err := r.open(p, unix.O_RDONLY|unix.O_DIRECTORY, 0)
+		if err == unix.ENOTDIR {
+			return connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("path %q is not a directory", p))
+		}
+		if err != nil {
+			return err
+		}
+		w.baseFd = fd
+		ifd, err := unix.InotifyInit1(unix.IN_NONBLOCK | unix.IN_CLOEXEC)
+		if err != nil {
+			return err
+		}
+		w.ino = os.NewFile(uintptr(ifd), "inotify")
+		if w.raw, err = w.ino.SyscallConn(); err != nil {
+			return err
+		}
+		return w.add(fd, "")
+	})
+	if err == nil && recursive {
+		if !w.walk("", nil) {
+			err = w.ctx.Err()
+			if err == nil {
+				err = errors.New("the watch ended while it was being set up")
+			}
+		}
+	}
 	if err != nil {
 		w.release()
 		return nil, fsError("watch", p, err)
-	}
-	w.ino = os.NewFile(uintptr(ifd), "inotify")
-	if w.raw, err = w.ino.SyscallConn(); err != nil {
-		w.release()
-		return nil, fsError("watch", p, err)
-	}
-	if err := w.add(fd, ""); err != nil {
-		w.release()
-		return nil, fsError("watch", p, err)
-	}
-	if recursive {
-		w.addTree(fd, "", nil)
 	}
 	return w, nil
 }
 
 // release frees everything the watch holds.
 func (w *dirWatch) release() {
+	w.cancel()
 	if w.ino != nil {
 		w.ino.Close()
 	}
-	unix.Close(w.baseFd)
+	if w.baseFd >= 0 {
+		unix.Close(w.baseFd)
+	}
 	w.r.Close()
 }
 
 // Close stops the watch; its descriptors are released once run returns.
 func (w *dirWatch) Close() {
-	w.stop.Do(func() { w.ino.Close() })
+	w.stop.Do(func() {
+		w.cancel()
+		w.ino.Close()
+	})
 }
 
 // inotify runs fn on the inotify descriptor unless the watch is closed.
@@ -128,55 +147,73 @@ func (w *dirWatch) add(fd int, rel string) error {
 	})
 }
 
-// addTree watches every directory below fd (which is rel below the base).
-// With emit set, it also reports each entry found as created (and a file
-// with content as written): they may have appeared, and been written,
-// before the watch was in place.
-func (w *dirWatch) addTree(fd int, rel string, emit func(*pb.FilesystemEvent) bool) bool {
+// walk watches the directory rel below the base (unless it is the base,
+// watched already) and every directory below it, one directory at a time,
+// each as the user. With emit set, it also reports each entry found as
+// created (and a file with content as written): they may have appeared, and
+// been written, before the watch was in place. It returns false when emit
+// did or the watch ended.
+func (w *dirWatch) walk(rel string, emit func(*pb.FilesystemEvent) bool) bool {
+	pending := []string{rel}
+	for len(pending) > 0 {
+		dir := pending[len(pending)-1]
+		pending = pending[:len(pending)-1]
+		var evs []*pb.FilesystemEvent
+		var subs []string
+		err := w.s.asUser(w.ctx, w.u, func() error {
+			fd := w.baseFd
+			if dir != "" {
+				var err error
+				if fd, err = openBeneath(w.baseFd, dir, unix.O_RDONLY|unix.O_DIRECTORY); err != nil {
+					return nil // gone, swapped for a symlink, or not the user's to read
+				}
+				defer unix.Close(fd)
+				if w.add(fd, dir) != nil {
+					return nil
+				}
+			}
+			evs, subs = w.scan(fd, dir, emit != nil)
+			return nil
+		})
+		if err != nil {
+			return false
+		}
+		for _, ev := range evs {
+			if !emit(ev) {
+				return false
+			}
+		}
+		pending = append(pending, subs...)
+	}
+	return true
+}
+
+// scan lists the directory open as fd (rel below the base): its
+// subdirectories, and with events set what walk reports of its entries.
+func (w *dirWatch) scan(fd int, rel string, events bool) ([]*pb.FilesystemEvent, []string) {
 	names, err := readDirNames(fd, int(^uint(0)>>1))
 	if err != nil {
-		return true
+		return nil, nil
 	}
+	var evs []*pb.FilesystemEvent
+	var subs []string
 	for _, name := range names {
 		child := path.Join(rel, name)
-		if emit != nil && !emit(w.event(child, pb.EventType_EVENT_TYPE_CREATE)) {
-			return false
+		if events {
+			evs = append(evs, w.event(child, pb.EventType_EVENT_TYPE_CREATE))
 		}
 		var st unix.Stat_t
 		if unix.Fstatat(fd, name, &st, unix.AT_SYMLINK_NOFOLLOW) != nil {
 			continue
 		}
-		if st.Mode&unix.S_IFMT == unix.S_IFREG && st.Size > 0 && emit != nil && !emit(w.event(child, pb.EventType_EVENT_TYPE_WRITE)) {
-			return false
+		if events && st.Mode&unix.S_IFMT == unix.S_IFREG && st.Size > 0 {
+			evs = append(evs, w.event(child, pb.EventType_EVENT_TYPE_WRITE))
 		}
-		if st.Mode&unix.S_IFMT != unix.S_IFDIR {
-			continue
-		}
-		cfd, err := openBeneath(fd, name, unix.O_RDONLY|unix.O_DIRECTORY)
-		if err != nil {
-			continue
-		}
-		ok := w.add(cfd, child) == nil && w.addTree(cfd, child, emit)
-		unix.Close(cfd)
-		if !ok && emit != nil {
-			return false
+		if st.Mode&unix.S_IFMT == unix.S_IFDIR {
+			subs = append(subs, child)
 		}
 	}
-	return true
-}
-
-// addNew watches a directory that appeared at rel (a create or move into
-// the tree), reporting what it already holds.
-func (w *dirWatch) addNew(rel string, emit func(*pb.FilesystemEvent) bool) bool {
-	fd, err := openBeneath(w.baseFd, rel, unix.O_RDONLY|unix.O_DIRECTORY)
-	if err != nil {
-		return true
-	}
-	defer unix.Close(fd)
-	if w.add(fd, rel) != nil {
-		return true
-	}
-	return w.addTree(fd, rel, emit)
+	return evs, subs
 }
 
 // forget drops the watches for rel and everything below it.
@@ -213,18 +250,34 @@ func (w *dirWatch) run(emit func(*pb.FilesystemEvent) bool) {
 		if err != nil {
 			return
 		}
-		for off := 0; off+inotifyHeader <= n; {
-			ev := inotifyEvent{
-				wd:     int32(binary.NativeEndian.Uint32(buf[off:])),
-				mask:   binary.NativeEndian.Uint32(buf[off+4:]),
-				cookie: binary.NativeEndian.Uint32(buf[off+8:]),
-			}
-			end := min(off+inotifyHeader+int(binary.NativeEndian.Uint32(buf[off+12:])), n)
-			ev.name = strings.TrimRight(string(buf[off+inotifyHeader:end]), "\x00")
-			off = end
-			if !w.handle(ev, emit) {
+		evs := parseInotify(buf[:n])
+		w.e = w.s.files.newEntries(w.r) // account files as they are now
+		var out []*pb.FilesystemEvent
+		var dirs []string
+		end := false
+		handle := func() error {
+			out, dirs, end = w.handle(evs)
+			return nil
+		}
+		if w.needsFiles(evs) {
+			if w.s.asUser(w.ctx, w.u, handle) != nil {
 				return
 			}
+		} else {
+			_ = handle()
+		}
+		for _, ev := range out {
+			if !emit(ev) {
+				return
+			}
+		}
+		for _, d := range dirs {
+			if !w.walk(d, emit) {
+				return
+			}
+		}
+		if end {
+			return
 		}
 	}
 }
@@ -235,46 +288,83 @@ type inotifyEvent struct {
 	name         string
 }
 
-// handle turns one inotify event into filesystem events; false ends the watch.
-func (w *dirWatch) handle(ev inotifyEvent, emit func(*pb.FilesystemEvent) bool) bool {
-	rel, ok := w.paths[ev.wd]
-	if ev.mask&unix.IN_IGNORED != 0 {
-		delete(w.paths, ev.wd)
-		return !ok || rel != "" // false: the watched directory itself is gone
-	}
-	if !ok || ev.name == "" {
-		return true // queue overflow, or an event about a directory itself
-	}
-	child := path.Join(rel, ev.name)
-	mask := ev.mask
-	if strings.HasPrefix(ev.name, uploadTempPrefix) {
-		// An upload in progress: report it when it lands, under its name.
-		if mask&unix.IN_MOVED_FROM != 0 {
-			if len(w.temps) > 64 {
-				clear(w.temps)
-			}
-			w.temps[ev.cookie] = true
+// parseInotify splits what a read of an inotify descriptor returned.
+func parseInotify(buf []byte) []inotifyEvent {
+	var evs []inotifyEvent
+	for off := 0; off+inotifyHeader <= len(buf); {
+		ev := inotifyEvent{
+			wd:     int32(binary.NativeEndian.Uint32(buf[off:])),
+			mask:   binary.NativeEndian.Uint32(buf[off+4:]),
+			cookie: binary.NativeEndian.Uint32(buf[off+8:]),
 		}
+		end := min(off+inotifyHeader+int(binary.NativeEndian.Uint32(buf[off+12:])), len(buf))
+		ev.name = strings.TrimRight(string(buf[off+inotifyHeader:end]), "\x00")
+		off = end
+		evs = append(evs, ev)
+	}
+	return evs
+}
+
+// needsFiles reports whether handling evs touches files: to describe
+// entries, or to find new directories of a recursive watch.
+func (w *dirWatch) needsFiles(evs []inotifyEvent) bool {
+	if w.withEntry {
 		return true
 	}
-	if mask&unix.IN_MOVED_TO != 0 && w.temps[ev.cookie] {
-		delete(w.temps, ev.cookie)
-		mask |= unix.IN_MODIFY
-	}
-	for _, t := range eventTypes(mask) {
-		if !emit(w.event(child, t)) {
-			return false
+	for _, ev := range evs {
+		if w.recursive && ev.mask&unix.IN_ISDIR != 0 && ev.mask&(unix.IN_CREATE|unix.IN_MOVED_TO) != 0 {
+			return true
 		}
 	}
-	if w.recursive && mask&unix.IN_ISDIR != 0 {
-		switch {
-		case mask&(unix.IN_MOVED_FROM|unix.IN_DELETE) != 0:
-			w.forget(child)
-		case mask&(unix.IN_CREATE|unix.IN_MOVED_TO) != 0:
-			return w.addNew(child, emit)
+	return false
+}
+
+// handle turns inotify events into filesystem events and lists the
+// directories that appeared in a recursive watch (to walk); end is set when
+// the watched directory itself is gone.
+func (w *dirWatch) handle(evs []inotifyEvent) (out []*pb.FilesystemEvent, dirs []string, end bool) {
+	for _, ev := range evs {
+		rel, ok := w.paths[ev.wd]
+		if ev.mask&unix.IN_IGNORED != 0 {
+			delete(w.paths, ev.wd)
+			if ok && rel == "" {
+				return out, dirs, true
+			}
+			continue
+		}
+		if !ok || ev.name == "" {
+			continue // queue overflow, or an event about a directory itself
+		}
+		child := path.Join(rel, ev.name)
+		mask := ev.mask
+		if strings.HasPrefix(ev.name, uploadTempPrefix) {
+			// An upload in progress: report it when it lands, under its name.
+			if mask&unix.IN_MOVED_FROM != 0 {
+				if len(w.temps) > 64 {
+					clear(w.temps)
+				}
+				w.temps[ev.cookie] = true
+			}
+			continue
+		}
+		if mask&unix.IN_MOVED_TO != 0 && w.temps[ev.cookie] {
+			delete(w.temps, ev.cookie)
+			mask |= unix.IN_MODIFY
+		}
+		for _, t := range eventTypes(mask) {
+			out = append(out, w.event(child, t))
+		}
+		if w.recursive && mask&unix.IN_ISDIR != 0 {
+			switch {
+			case mask&(unix.IN_MOVED_FROM|unix.IN_DELETE) != 0:
+				w.forget(child)
+				dirs = slices.DeleteFunc(dirs, func(d string) bool { return d == child || strings.HasPrefix(d, child+"/") })
+			case mask&(unix.IN_CREATE|unix.IN_MOVED_TO) != 0:
+				dirs = append(dirs, child)
+			}
 		}
 	}
-	return true
+	return out, dirs, false
 }
 
 // eventTypes lists the E2B event types an inotify mask stands for.
@@ -299,12 +389,12 @@ func eventTypes(mask uint32) []pb.EventType {
 }
 
 // startWatch resolves a watch request and starts the watch.
-func (f *filesystemService) startWatch(h http.Header, raw string, recursive, withEntry bool) (*dirWatch, error) {
-	_, p, r, err := f.resolve(h, raw)
+func (f *filesystemService) startWatch(ctx context.Context, h http.Header, raw string, recursive, withEntry bool) (*dirWatch, error) {
+	u, p, r, err := f.resolve(h, raw)
 	if err != nil {
 		return nil, err
 	}
-	return f.watchDir(r, p, recursive, withEntry)
+	return f.watchDir(ctx, u, r, p, recursive, withEntry)
 }
 
 func keepaliveInterval(h http.Header) time.Duration {
@@ -315,7 +405,7 @@ func keepaliveInterval(h http.Header) time.Duration {
 }
 
 func (f *filesystemService) WatchDir(ctx context.Context, req *connect.Request[pb.WatchDirRequest], stream *connect.ServerStream[pb.WatchDirResponse]) error {
-	w, err := f.startWatch(req.Header(), req.Msg.GetPath(), req.Msg.GetRecursive(), req.Msg.GetIncludeEntry())
+	w, err := f.startWatch(ctx, req.Header(), req.Msg.GetPath(), req.Msg.GetRecursive(), req.Msg.GetIncludeEntry())
 	if err != nil {
 		return err
 	}
@@ -399,7 +489,7 @@ func (p *pollWatcher) take() []*pb.FilesystemEvent {
 }
 
 func (f *filesystemService) CreateWatcher(ctx context.Context, req *connect.Request[pb.CreateWatcherRequest]) (*connect.Response[pb.CreateWatcherResponse], error) {
-	w, err := f.startWatch(req.Header(), req.Msg.GetPath(), req.Msg.GetRecursive(), req.Msg.GetIncludeEntry())
+	w, err := f.startWatch(ctx, req.Header(), req.Msg.GetPath(), req.Msg.GetRecursive(), req.Msg.GetIncludeEntry())
 	if err != nil {
 		return nil, err
 	}

@@ -11,7 +11,9 @@ import (
 )
 
 // Path resolution for the file API: the wall between what a request names
-// and the rest of the machine.
+// and the rest of the machine. (What the requesting user may touch inside
+// the sandbox is the kernel's to check: every operation runs with the
+// user's credentials, see creds.go.)
 //
 // Every path is opened with openat2(RESOLVE_IN_ROOT|RESOLVE_NO_MAGICLINKS)
 // relative to a descriptor of the sandbox root: "..", absolute symlinks and
@@ -54,6 +56,9 @@ func sandboxPath(p string, u User) (string, error) {
 	}
 	if !path.IsAbs(p) {
 		p = path.Join(home, p)
+	}
+	if strings.ContainsRune(p, 0) {
+		return "", errors.New("the user's home directory contains a NUL byte")
 	}
 	return path.Clean("/" + p), nil
 }
@@ -198,29 +203,24 @@ func (r *fsRoot) linkTarget(p, raw string) string {
 	return path.Join(path.Dir(path.Clean("/"+p)), raw)
 }
 
-// mkdirAll makes directory p and any missing parents, each new one owned by
-// uid:gid. It returns an O_PATH descriptor of p and whether p was created.
-func (r *fsRoot) mkdirAll(p string, uid, gid int) (int, bool, error) {
+// mkdirAll makes directory p and any missing parents. It returns an O_PATH
+// descriptor of p and whether p was created. New directories belong to
+// whoever the calling thread acts as (see asUser): the kernel makes them so.
+func (r *fsRoot) mkdirAll(p string) (int, bool, error) {
 	p = path.Clean("/" + p)
 	fd, err := r.open(p, unix.O_PATH|unix.O_DIRECTORY, 0)
 	if err != unix.ENOENT || p == "/" {
 		return fd, false, err
 	}
-	pfd, _, err := r.mkdirAll(path.Dir(p), uid, gid)
+	pfd, _, err := r.mkdirAll(path.Dir(p))
 	if err != nil {
 		return -1, false, err
 	}
 	defer unix.Close(pfd)
-	name := path.Base(p)
 	created := false
-	switch err := unix.Mkdirat(pfd, name, 0o755); err {
+	switch err := unix.Mkdirat(pfd, path.Base(p), 0o755); err {
 	case nil:
 		created = true
-		// Not following: if the new directory is swapped for a symlink
-		// meanwhile, only the link itself changes owner.
-		if err := unix.Fchownat(pfd, name, uid, gid, unix.AT_SYMLINK_NOFOLLOW); err != nil {
-			return -1, false, err
-		}
 	case unix.EEXIST: // made concurrently, or a dangling symlink: open decides
 	default:
 		return -1, false, err
@@ -229,9 +229,9 @@ func (r *fsRoot) mkdirAll(p string, uid, gid int) (int, bool, error) {
 	return fd, created, err
 }
 
-// rename moves src to dst, making dst's missing parents (owned by uid:gid).
-// Neither final component is followed: a symlink is moved or replaced itself.
-func (r *fsRoot) rename(src, dst string, uid, gid int) error {
+// rename moves src to dst, making dst's missing parents. Neither final
+// component is followed: a symlink is moved or replaced itself.
+func (r *fsRoot) rename(src, dst string) error {
 	sfd, sname, err := r.parent(src)
 	if err != nil {
 		return err
@@ -241,7 +241,7 @@ func (r *fsRoot) rename(src, dst string, uid, gid int) error {
 	if dst == "/" {
 		return errRootPath
 	}
-	dfd, _, err := r.mkdirAll(path.Dir(dst), uid, gid)
+	dfd, _, err := r.mkdirAll(path.Dir(dst))
 	if err != nil {
 		return err
 	}

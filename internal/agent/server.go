@@ -7,7 +7,9 @@
 // The agent is assumed hostile by the host: nothing it reports is used to
 // enforce a limit. Inside the sandbox it is the only holder of privilege, so
 // it guards itself: every request but /health must carry the sandbox's access
-// token.
+// token (or, for /files, a signature made with it), checked before the body
+// is read, and bodies are bounded (auth.go); every file operation acts with
+// the requesting user's credentials, never the agent's (creds.go).
 package agent
 
 import (
@@ -53,6 +55,9 @@ type Config struct {
 	Passwd, Group string
 	// MaxOutput caps each process's forwarded output (0: DefaultMaxOutput).
 	MaxOutput int64
+	// MaxInflatedUpload caps what one gzip-encoded upload may decompress
+	// to (0: DefaultMaxInflatedUpload).
+	MaxInflatedUpload int64
 	// SpawnThreadSetup, when set, runs once on the OS thread that forks every
 	// process, before the first fork (see spawner).
 	SpawnThreadSetup func() error
@@ -88,47 +93,12 @@ type Server struct {
 	fileWork chan struct{} // a slot per file operation in progress
 }
 
-// fileWorkers bounds the file operations in progress. Each may block an OS
-// thread in a system call, and the agent's threads are a fixed budget (a
-// workload can take every other pid of the sandbox), so requests beyond
-// this wait their turn rather than make the runtime start threads.
+// fileWorkers bounds the file operations in progress (see asUser). Each
+// holds a locked OS thread, and may block it in a system call, and the
+// agent's threads are a fixed budget (a workload can take every other pid
+// of the sandbox), so requests beyond this wait their turn rather than make
+// the runtime start threads.
 const fileWorkers = 4
-
-func (s *Server) limitFileWork(next http.Handler) http.Handler {
-	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		select {
-		case s.fileWork <- struct{}{}:
-		case <-r.Context().Done():
-			return
-		}
-		defer func() { <-s.fileWork }()
-		next.ServeHTTP(w, r)
-	})
-}
-
-// fileWorkLimit applies the same bound to the unary filesystem RPCs; the
-// WatchDir stream reads inotify through the poller and needs no thread.
-type fileWorkLimit struct{ slots chan struct{} }
-
-func (l fileWorkLimit) WrapUnary(next connect.UnaryFunc) connect.UnaryFunc {
-	return func(ctx context.Context, req connect.AnyRequest) (connect.AnyResponse, error) {
-		select {
-		case l.slots <- struct{}{}:
-		case <-ctx.Done():
-			return nil, ctx.Err()
-		}
-		defer func() { <-l.slots }()
-		return next(ctx, req)
-	}
-}
-
-func (l fileWorkLimit) WrapStreamingClient(next connect.StreamingClientFunc) connect.StreamingClientFunc {
-	return next
-}
-
-func (l fileWorkLimit) WrapStreamingHandler(next connect.StreamingHandlerFunc) connect.StreamingHandlerFunc {
-	return next
-}
 
 // New builds the agent's server.
 func New(cfg Config) (*Server, error) {
@@ -147,6 +117,9 @@ func New(cfg Config) (*Server, error) {
 	if cfg.MaxOutput <= 0 {
 		cfg.MaxOutput = DefaultMaxOutput
 	}
+	if cfg.MaxInflatedUpload <= 0 {
+		cfg.MaxInflatedUpload = DefaultMaxInflatedUpload
+	}
 	if cfg.Log == nil {
 		cfg.Log = slog.New(slog.DiscardHandler)
 	}
@@ -160,18 +133,19 @@ func New(cfg Config) (*Server, error) {
 	s.files = newFilesystemService(s)
 
 	mux := http.NewServeMux()
-	opts := []connect.HandlerOption{connect.WithInterceptors(s.authInterceptor())}
-	path, h := processconnect.NewProcessHandler(s.procs, opts...)
+	// route (auth.go) checks the token before any handler runs; the
+	// interceptor checks it a second time.
+	auth := connect.WithInterceptors(s.authInterceptor())
+	path, h := processconnect.NewProcessHandler(s.procs, append(rpcOptions(maxProcessMessage), auth)...)
 	mux.Handle(path, h)
-	fsOpts := append(opts, connect.WithInterceptors(fileWorkLimit{s.fileWork}))
-	path, h = filesystemconnect.NewFilesystemHandler(s.files, fsOpts...)
+	path, h = filesystemconnect.NewFilesystemHandler(s.files, append(rpcOptions(maxFilesystemMessage), auth)...)
 	mux.Handle(path, h)
 	mux.HandleFunc("GET /health", func(w http.ResponseWriter, r *http.Request) {
 		w.WriteHeader(http.StatusNoContent)
 	})
 	mux.Handle("GET /envs", s.requireToken(http.HandlerFunc(s.serveEnvs)))
-	mux.Handle("GET /files", s.limitFileWork(http.HandlerFunc(s.files.serveDownload)))
-	mux.Handle("POST /files", s.limitFileWork(http.HandlerFunc(s.files.serveUpload)))
+	mux.HandleFunc("GET /files", s.files.serveFiles)
+	mux.HandleFunc("POST /files", s.files.serveFiles)
 	s.mux = mux
 	trace("agent: handlers")
 	if cfg.Threads <= 0 || !s.procs.init {
@@ -192,15 +166,6 @@ func (s *Server) Configure(token string, env map[string]string, maxOutput int64)
 
 // Handler returns the agent's HTTP handler.
 func (s *Server) Handler() http.Handler { return http.HandlerFunc(s.route) }
-
-// route sends CONNECT (a port forward) to serveForward, the rest to the mux.
-func (s *Server) route(w http.ResponseWriter, r *http.Request) {
-	if r.Method == http.MethodConnect {
-		s.serveForward(w, r)
-		return
-	}
-	s.mux.ServeHTTP(w, r)
-}
 
 // Serve accepts connections on l until Shutdown. It speaks HTTP/1.1 and
 // HTTP/2 without TLS (client-streaming RPCs need HTTP/2).
