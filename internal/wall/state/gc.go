@@ -20,7 +20,7 @@ import (
 const ownerLockName = "owner.lock"
 
 func LockOwner(dir string) (*os.File, error) {
-	f, err := os.OpenFile(filepath.Join(dir, ownerLockName), os.O_CREATE|os.O_RDWR|syscall.O_CLOEXEC, 0o600)
+	f, err := os.OpenFile(filepath.Join(dir, ownerLockName), os.O_CREATE|os.O_RDWR|syscall.O_CLOEXEC|syscall.O_NOFOLLOW, 0o600)
 	if err != nil {
 		return nil, err
 	}
