@@ -164,8 +164,10 @@ func becomeUser(u User) (threadCreds, error) {
 		return c, fmt.Errorf("act as uid %d: the agent has no privilege to: %w", uid, unix.EPERM)
 	}
 	c.switched = true
-	if err := setThreadGroups(nil); err != nil {
-		return c, fmt.Errorf("setgroups: %w", err)
+	if len(c.groups) > 0 { // the sealed agent has none
+		if err := setThreadGroups(nil); err != nil {
+			return c, fmt.Errorf("setgroups: %w", err)
+		}
 	}
 	setFSIDs(uid, gid)
 	// After the ids: a change of fsuid to 0 raises the filesystem
@@ -195,7 +197,7 @@ func (c *threadCreds) restore() bool {
 		return false
 	}
 	setFSIDs(c.fsuid, c.fsgid)
-	if setThreadGroups(c.groups) != nil {
+	if len(c.groups) > 0 && setThreadGroups(c.groups) != nil {
 		return false
 	}
 	// Again: a change of fsuid from 0 drops the filesystem capabilities.

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"net/http"
+	"net/http/httptest"
 	"net/url"
 	"os"
 	"path/filepath"
@@ -18,6 +19,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	pb "github.com/cagehq/cage/api/gen/filesystem"
+	"github.com/cagehq/cage/api/gen/filesystem/filesystemconnect"
 	"github.com/cagehq/cage/internal/agentclient"
 	"github.com/cagehq/cage/internal/testutil"
 )
@@ -358,4 +360,45 @@ func TestFilesSymlinkFlipRaceAsUser(t *testing.T) {
 	stop.Store(true)
 	wg.Wait()
 	// h.checkUntouched and checkAllThreads run at cleanup.
+}
+
+// BenchmarkAsUser: what acting as a user adds to one file operation (a
+// goroutine on a locked thread, the switch and the restore, checked).
+func BenchmarkAsUser(b *testing.B) {
+	testutil.RequireRoot(b)
+	s := &Server{fileWork: make(chan struct{}, fileWorkers)}
+	u := User{UID: 1000, GID: 1000}
+	ctx := context.Background()
+	for b.Loop() {
+		if err := s.asUser(ctx, u, func() error { return nil }); err != nil {
+			b.Fatal(err)
+		}
+	}
+}
+
+// BenchmarkFSStat: one Stat RPC as user, end to end over loopback HTTP.
+func BenchmarkFSStat(b *testing.B) {
+	root := b.TempDir()
+	os.Chmod(root, 0o755)
+	os.MkdirAll(filepath.Join(root, "home/user"), 0o755)
+	os.WriteFile(filepath.Join(root, "home/user/f"), []byte("x"), 0o644)
+	passwd := filepath.Join(b.TempDir(), "passwd")
+	uid := os.Getuid()
+	if uid == 0 {
+		uid = 1000
+	}
+	os.WriteFile(passwd, []byte(fmt.Sprintf("user:x:%d:%d::/home/user:/bin/sh\n", uid, uid)), 0o644)
+	s, err := New(Config{Root: root, Passwd: passwd, Group: passwd, Token: fsTestToken})
+	if err != nil {
+		b.Fatal(err)
+	}
+	srv := httptest.NewServer(s.Handler())
+	defer srv.Close()
+	c := filesystemconnect.NewFilesystemClient(&http.Client{Transport: fsTokenTransport{fsTestToken}}, srv.URL)
+	ctx := context.Background()
+	for b.Loop() {
+		if _, err := c.Stat(ctx, connect.NewRequest(&pb.StatRequest{Path: "f"})); err != nil {
+			b.Fatal(err)
+		}
+	}
 }
