@@ -4,9 +4,6 @@ import (
 	"compress/gzip"
 	"context"
 	"crypto/rand"
-	"crypto/sha256"
-	"crypto/subtle"
-	"encoding/base64"
 	"encoding/hex"
 	"encoding/json"
 	"errors"
@@ -23,6 +20,8 @@ import (
 	"time"
 
 	"connectrpc.com/connect"
+
+	"github.com/cagehq/cage/internal/filesig"
 	"golang.org/x/sys/unix"
 )
 
@@ -101,28 +100,8 @@ func (f *filesystemService) authorizeFiles(r *http.Request, op string) *httpErro
 		}
 		return httpErr(http.StatusUnauthorized, "invalid access token")
 	}
-	q := r.URL.Query()
-	sig := q.Get("signature")
-	if sig == "" {
-		return httpErr(http.StatusUnauthorized, "missing access token or signature")
-	}
-	raw := q.Get("path") + ":" + op + ":" + q.Get("username") + ":" + token
-	var exp int64
-	hasExp := q.Has("signature_expiration")
-	if hasExp {
-		var err error
-		if exp, err = strconv.ParseInt(q.Get("signature_expiration"), 10, 64); err != nil {
-			return httpErr(http.StatusUnauthorized, "invalid signature expiration")
-		}
-		raw += ":" + strconv.FormatInt(exp, 10)
-	}
-	sum := sha256.Sum256([]byte(raw))
-	want := "v1_" + strings.TrimRight(base64.StdEncoding.EncodeToString(sum[:]), "=")
-	if subtle.ConstantTimeCompare([]byte(sig), []byte(want)) != 1 {
-		return httpErr(http.StatusUnauthorized, "invalid signature")
-	}
-	if hasExp && exp < time.Now().Unix() {
-		return httpErr(http.StatusUnauthorized, "signature has expired")
+	if err := filesig.Check(r.URL.Query(), op, token, time.Now()); err != nil {
+		return httpErr(http.StatusUnauthorized, "%v", err)
 	}
 	return nil
 }
