@@ -21,6 +21,8 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"os"
+	"runtime/debug"
 	"strings"
 	"sync"
 	"time"
@@ -93,6 +95,10 @@ type Server struct {
 	fileWork chan struct{} // a slot per file operation in progress
 }
 
+// heapTarget is the agent's soft heap limit: far above an idle agent's few
+// MiB, a few of its largest requests (16 MiB each).
+const heapTarget = 48 << 20
+
 // fileWorkers bounds the file operations in progress (see asUser). Each
 // holds a locked OS thread, and may block it in a system call, and the
 // agent's threads are a fixed budget (a workload can take every other pid
@@ -122,6 +128,12 @@ func New(cfg Config) (*Server, error) {
 	}
 	if cfg.Log == nil {
 		cfg.Log = slog.New(slog.DiscardHandler)
+	}
+	if os.Getenv("GOMEMLIMIT") == "" {
+		// The agent lives in the sandbox's memory: past a few tens of MiB
+		// of heap (a burst of large requests), collect at once rather
+		// than let the heap double first.
+		debug.SetMemoryLimit(heapTarget)
 	}
 	s := &Server{cfg: cfg, log: cfg.Log, fileWork: make(chan struct{}, fileWorkers)}
 	var err error
