@@ -196,7 +196,8 @@ func (s *Server) Serve(l net.Listener) error {
 	var p http.Protocols
 	p.SetHTTP1(true)
 	p.SetUnencryptedHTTP2(true)
-	srv := &http.Server{Handler: http.HandlerFunc(s.route), Protocols: &p, ReadHeaderTimeout: 30 * time.Second}
+	srv := &http.Server{Handler: http.HandlerFunc(s.route), Protocols: &p, ReadHeaderTimeout: 30 * time.Second,
+		IdleTimeout: 5 * time.Minute, MaxHeaderBytes: 64 << 10}
 	s.mu.Lock()
 	s.srv = srv
 	s.mu.Unlock()
