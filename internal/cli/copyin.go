@@ -19,14 +19,14 @@ import (
 func copyIn(ctx context.Context, c *agentclient.Client, user, hostDir, dst string) error {
 	pr, pw := io.Pipe()
 	go func() { pw.CloseWithError(writeTar(pw, hostDir)) }()
-	var stderr bytes.Buffer
+	stderr := &headBuffer{max: 1024} // what it says first; a flood is not kept
 	end, err := c.Run(ctx, agentclient.RunOptions{
 		Cmd:    "/bin/sh",
 		Args:   []string{"-c", `mkdir -p "$1" && exec tar -x --no-same-owner -m -C "$1" -f -`, "sh", dst},
 		User:   user,
 		Stdin:  pr,
 		Stdout: io.Discard,
-		Stderr: &stderr,
+		Stderr: stderr,
 	})
 	pr.Close()
 	if err != nil {
