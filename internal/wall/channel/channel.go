@@ -53,6 +53,23 @@ func SessionConfig() *yamux.Config {
 	return c
 }
 
+// Client starts the host's end of a session on conn (the agent, or a
+// microvm guest, serves). The agent is not trusted: the host tells it at
+// once that it takes no streams (yamux's go-away), so that a stream the
+// agent opens anyway is reset on arrival and what it sends on one is
+// discarded, never buffered.
+func Client(conn io.ReadWriteCloser) (*yamux.Session, error) {
+	sess, err := yamux.Client(conn, SessionConfig())
+	if err != nil {
+		return nil, err
+	}
+	if err := sess.GoAway(); err != nil {
+		sess.Close()
+		return nil, err
+	}
+	return sess, nil
+}
+
 // The handshake: the host writes greeting, a space and a fresh nonce (hex)
 // on a line; the agent answers with proof(key, nonce) (hex) on a line.
 const greeting = "cage-channel/1"

@@ -170,3 +170,27 @@ func TestChannelGone(t *testing.T) {
 		t.Errorf("dial with no agent: %v, want the deadline", err)
 	}
 }
+
+// TestChannelAgentStreams: streams an agent opens towards the host (a
+// compromised one, to make the host buffer what it sends) are refused.
+func TestChannelAgentStreams(t *testing.T) {
+	h, a, _, _ := pair(t)
+	echo(t, h, "before")
+	sess, err := a.session()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := 0; i < 5; i++ {
+		s, err := sess.Open()
+		if err != nil {
+			continue // refused outright: nothing sent
+		}
+		_ = s.SetWriteDeadline(time.Now().Add(200 * time.Millisecond))
+		n, _ := s.Write(make([]byte, 1<<20))
+		s.Close()
+		if n > 0 {
+			t.Fatalf("the host took %d bytes on a stream the agent opened", n)
+		}
+	}
+	echo(t, h, "after")
+}

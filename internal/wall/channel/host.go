@@ -85,7 +85,7 @@ func (h *Host) handshake(c net.Conn) {
 		return
 	}
 	_ = c.SetDeadline(time.Time{})
-	sess, err := yamux.Client(c, SessionConfig())
+	sess, err := Client(c)
 	if err != nil {
 		c.Close()
 		return

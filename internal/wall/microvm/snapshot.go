@@ -393,10 +393,10 @@ func greet(ctx context.Context, v *vm.VM) (*yamux.Session, error) {
 		conn.Close()
 		return nil, fmt.Errorf("the guest did not come up: %w (%s)", err, consoleTail(v))
 	}
-	sess, err := yamux.Client(struct {
+	sess, err := channel.Client(struct {
 		io.Reader
 		io.WriteCloser
-	}{br, conn}, channel.SessionConfig())
+	}{br, conn})
 	if err != nil {
 		conn.Close()
 		return nil, err
