@@ -142,3 +142,20 @@ func RemoveRunDir(dir string) {
 	}
 	os.RemoveAll(dir)
 }
+
+// SkipWall skips a test of a wall this host lacks, saying why; where the
+// wall is required (CAGE_REQUIRE_WALLS, which `make test` sets as root to
+// every wall) it fails instead, so a missing runtime never passes as green.
+func SkipWall(t testing.TB, wall, format string, args ...any) {
+	t.Helper()
+	why := fmt.Sprintf(format, args...)
+	if WallRequired(wall) {
+		t.Fatalf("wall %s is required here (CAGE_REQUIRE_WALLS) but: %s", wall, why)
+	}
+	t.Skipf("SKIP wall %s: %s", wall, why)
+}
+
+// WallRequired reports whether CAGE_REQUIRE_WALLS names wall.
+func WallRequired(wall string) bool {
+	return strings.Contains(","+os.Getenv("CAGE_REQUIRE_WALLS")+",", ","+wall+",")
+}

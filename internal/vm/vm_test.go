@@ -28,7 +28,7 @@ func testKernel(t testing.TB) *Kernel {
 	t.Helper()
 	k, err := FindKernel(testutil.KernelDir())
 	if err != nil {
-		t.Skipf("no guest kernel (set CAGE_KERNEL_DIR or run scripts/kernel.sh): %v", err)
+		testutil.SkipWall(t, "microvm", "no guest kernel (set CAGE_KERNEL_DIR or run scripts/kernel.sh): %v", err)
 	}
 	return k
 }
@@ -40,7 +40,7 @@ func needVM(t testing.TB) *Kernel {
 		t.Skip("not root: the VM tests run as root (as the microVM wall will)")
 	}
 	if _, err := exec.LookPath(QEMU); err != nil {
-		t.Skipf("%s is not installed (scripts/kernel.sh installs it)", QEMU)
+		testutil.SkipWall(t, "microvm", "%s is not installed (scripts/kernel.sh installs it)", QEMU)
 	}
 	return testKernel(t)
 }

@@ -757,10 +757,7 @@ func cageKilled(t *testing.T, wall string) {
 	if wall != "process" {
 		bin := map[string]string{"runc": "runc", "gvisor": "runsc"}[wall]
 		if _, err := exec.LookPath(bin); err != nil && os.Getenv("CAGE_RUNSC") == "" {
-			if strings.Contains(","+os.Getenv("CAGE_REQUIRE_WALLS")+",", ","+wall+",") {
-				t.Fatalf("wall %s required but %s missing", wall, bin)
-			}
-			t.Skipf("SKIP wall %s: %s not installed", wall, bin)
+			testutil.SkipWall(t, wall, "%s not installed", bin)
 		}
 	}
 	l := e.startCage("run", "--wall", wall, "--", "sh", "-c", "echo READY; sleep 100")

@@ -23,10 +23,7 @@ func TestMicroVM(t *testing.T) {
 	_, kerr := os.Stat(filepath.Join(kernels, "current"))
 	_, berr := os.Stat(filepath.Join(store, "templates", "base.json"))
 	if store == "" || qerr != nil || kerr != nil || berr != nil {
-		if strings.Contains(","+os.Getenv("CAGE_REQUIRE_WALLS")+",", ",microvm,") {
-			t.Fatal("wall microvm is required here (CAGE_REQUIRE_WALLS) but QEMU, the guest kernel or base is missing")
-		}
-		t.Skip("SKIP: QEMU, the guest kernel (scripts/kernel.sh) or the base template is missing")
+		testutil.SkipWall(t, "microvm", "QEMU, the guest kernel (scripts/kernel.sh) or the base template is missing")
 	}
 	env := []string{"CAGE_KERNEL_DIR=" + kernels, "CAGE_TEMPLATES=" + store}
 

@@ -11,7 +11,6 @@ import (
 	"log/slog"
 	"os"
 	"path/filepath"
-	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -101,10 +100,7 @@ func walls() []wall {
 			newBox: func(t *testing.T, o sandbox.Options) *box {
 				h := processHost(t)
 				if err := h.WallMissing(name); err != nil {
-					if strings.Contains(","+os.Getenv("CAGE_REQUIRE_WALLS")+",", ","+name+",") {
-						t.Fatalf("wall %s is required here (CAGE_REQUIRE_WALLS) but missing: %v", name, err)
-					}
-					t.Skipf("SKIP wall %s: %v", name, err)
+					testutil.SkipWall(t, name, "%v", err)
 				}
 				if name == "microvm" && o.Template == "" {
 					requireBase(t, h)

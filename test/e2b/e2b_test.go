@@ -102,10 +102,7 @@ func requireWall(t *testing.T, wall string) {
 		if qerr == nil && kerr == nil && baseTemplate() == "1" {
 			return
 		}
-		if strings.Contains(","+os.Getenv("CAGE_REQUIRE_WALLS")+",", ","+wall+",") {
-			t.Fatalf("wall microvm is required here (CAGE_REQUIRE_WALLS) but QEMU, the guest kernel or base is missing")
-		}
-		t.Skip("SKIP wall microvm: QEMU, the guest kernel (scripts/kernel.sh) or the base template is missing")
+		testutil.SkipWall(t, wall, "QEMU, the guest kernel (scripts/kernel.sh) or the base template is missing")
 	}
 	bin := map[string]string{"runc": "runc", "gvisor": "runsc"}[wall]
 	if wall == "gvisor" && os.Getenv("CAGE_RUNSC") != "" {
@@ -116,10 +113,7 @@ func requireWall(t *testing.T, wall string) {
 	if _, err := exec.LookPath(bin); err == nil {
 		return
 	}
-	if strings.Contains(","+os.Getenv("CAGE_REQUIRE_WALLS")+",", ","+wall+",") {
-		t.Fatalf("wall %s is required here (CAGE_REQUIRE_WALLS) but %s is missing", wall, bin)
-	}
-	t.Skipf("SKIP wall %s: %s is not installed", wall, bin)
+	testutil.SkipWall(t, wall, "%s is not installed", bin)
 }
 
 // badKeyScript creates a sandbox and lists sandboxes with the (wrong) key in

@@ -29,12 +29,12 @@ func needVM(t testing.TB) *vm.Kernel {
 	testutil.RequireRoot(t)
 	for _, tool := range []string{vm.QEMU, "mke2fs"} {
 		if _, err := exec.LookPath(tool); err != nil {
-			t.Skipf("SKIP: %s is not installed (scripts/kernel.sh installs QEMU)", tool)
+			testutil.SkipWall(t, "microvm", "%s is not installed (scripts/kernel.sh installs QEMU)", tool)
 		}
 	}
 	k, err := vm.FindKernel(testutil.KernelDir())
 	if err != nil {
-		t.Skipf("SKIP: no guest kernel: %v", err)
+		testutil.SkipWall(t, "microvm", "no guest kernel: %v", err)
 	}
 	return k
 }
@@ -121,9 +121,11 @@ func BenchmarkColdBoot(b *testing.B) {
 		}
 		c := agentclient.New(sb.Dial, sb.Token())
 		fw := &firstByte{}
-		if _, err := c.Run(ctx, agentclient.RunOptions{Cmd: "echo", Args: []string{"x"}, Stdout: fw}); err != nil {
+		end, err := c.Run(ctx, agentclient.RunOptions{Cmd: "echo", Args: []string{"x"}, Stdout: fw})
+		if err != nil {
 			b.Fatal(err)
 		}
+		fw.check(b, end.GetExitCode())
 		samples = append(samples, fw.at.Sub(start))
 		b.StopTimer()
 		c.Close()
@@ -143,6 +145,15 @@ func reportPercentiles(b *testing.B, samples []time.Duration) {
 }
 
 type firstByte struct{ at time.Time }
+
+// check fails a run that failed or printed nothing: it has no time to first
+// output (a zero time would give a negative sample).
+func (f *firstByte) check(b *testing.B, exit int32) {
+	b.Helper()
+	if exit != 0 || f.at.IsZero() {
+		b.Fatalf("echo exited %d and printed nothing: no time to first output", exit)
+	}
+}
 
 func (f *firstByte) Write(p []byte) (int, error) {
 	if f.at.IsZero() {
@@ -290,9 +301,11 @@ func BenchmarkRestore(b *testing.B) {
 	echo := func(ctx context.Context, sb *Sandbox) (*agentclient.Client, time.Time) {
 		c := agentclient.New(sb.Dial, sb.Token())
 		fw := &firstByte{}
-		if _, err := c.Run(ctx, agentclient.RunOptions{Cmd: "echo", Args: []string{"x"}, Stdout: fw}); err != nil {
+		end, err := c.Run(ctx, agentclient.RunOptions{Cmd: "echo", Args: []string{"x"}, Stdout: fw})
+		if err != nil {
 			b.Fatal(err)
 		}
+		fw.check(b, end.GetExitCode())
 		return c, fw.at
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
