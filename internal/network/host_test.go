@@ -1,6 +1,7 @@
 package network
 
 import (
+	"errors"
 	"fmt"
 	"net"
 	"net/netip"
@@ -239,15 +240,32 @@ func TestDNSFloodBoundedBeforeTheResolver(t *testing.T) {
 	var sent int
 	start := time.Now()
 	err := testutil.InNS(s.ns, func() error {
-		c, err := net.Dial("udp4", h.Gateway().String()+":53")
+		// Unconnected: the ICMP errors of refused packets must not fail
+		// (and so slow) the next writes, as they do on a connected socket.
+		c, err := net.ListenPacket("udp4", ":0")
 		if err != nil {
 			return err
 		}
 		defer c.Close()
+		to := &net.UDPAddr{IP: h.Gateway().AsSlice(), Port: 53}
 		q := new(dns.Msg).SetQuestion("www.example.com.", dns.TypeA)
 		b, _ := q.Pack()
+		// One answered question first: until the gateway's neighbour entry
+		// resolves, the kernel queues the flood and blocks the writer.
+		buf := make([]byte, 1500)
+		for i := 0; ; i++ {
+			_, _ = c.WriteTo(b, to)
+			_ = c.SetReadDeadline(time.Now().Add(200 * time.Millisecond))
+			if _, _, err := c.ReadFrom(buf); err == nil {
+				break
+			}
+			if i == 50 {
+				return errors.New("the resolver never answered")
+			}
+		}
+		start = time.Now()
 		for time.Since(start) < time.Second {
-			if _, err := c.Write(b); err == nil {
+			if _, err := c.WriteTo(b, to); err == nil {
 				sent++
 			}
 		}
