@@ -12,6 +12,7 @@ import (
 	"os"
 
 	"github.com/cagehq/cage/internal/agent"
+	"github.com/cagehq/cage/internal/trace"
 	"github.com/cagehq/cage/internal/vm"
 	"github.com/cagehq/cage/internal/wall/microvm"
 	"github.com/cagehq/cage/internal/wall/oci"
@@ -49,7 +50,7 @@ func main() {
 		fmt.Fprintln(os.Stderr, "cage-agent: runs inside a sandbox; cage starts it (usage: cage-agent init | serve)")
 		os.Exit(2)
 	}
-	process.Trace("agent main")
+	trace.Mark("agent main")
 	child, err := process.Init()
 	if err != nil {
 		fail("sandbox setup", err)

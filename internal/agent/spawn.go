@@ -10,6 +10,8 @@ import (
 	"syscall"
 	"time"
 
+	tracing "github.com/cagehq/cage/internal/trace"
+
 	"connectrpc.com/connect"
 	"github.com/creack/pty"
 
@@ -287,10 +289,4 @@ func (ps *processService) reapLoop() {
 	}
 }
 
-var tracing = os.Getenv("CAGE_TRACE") != ""
-
-func trace(what string) {
-	if tracing {
-		fmt.Fprintf(os.Stderr, "trace %s %s pid=%d\n", time.Now().Format("05.000000"), what, os.Getpid())
-	}
-}
+func trace(what string) { tracing.Mark(what) }

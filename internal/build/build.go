@@ -26,6 +26,7 @@ import (
 	"time"
 
 	"github.com/cagehq/cage/internal/agentclient"
+	"github.com/cagehq/cage/internal/ids"
 	"github.com/cagehq/cage/internal/imgstore"
 	"github.com/cagehq/cage/internal/network"
 	"github.com/cagehq/cage/internal/sandbox"
@@ -332,7 +333,7 @@ func (b *Builder) run(ctx context.Context, held *imgstore.Held, st *state, in In
 	if b.Net.Networked() {
 		fmt.Fprintf(b.Out, "  with network: %s, as the build asked\n", b.Net.Mode)
 	}
-	name := "build-" + sandbox.NewToken()[:12]
+	name := "build-" + ids.NewToken()[:12]
 	tmpl := &template.Template{Name: name, Build: true,
 		Image: &template.Image{Store: b.Host.Templates, Info: imgstore.Ephemeral(name, st.layers, st.cfg)}}
 	b.Host.SetTemplate(name, tmpl)

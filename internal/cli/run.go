@@ -21,10 +21,10 @@ import (
 	"github.com/cagehq/cage/internal/agentclient"
 	"github.com/cagehq/cage/internal/network"
 	"github.com/cagehq/cage/internal/sandbox"
+	"github.com/cagehq/cage/internal/trace"
 	"github.com/cagehq/cage/internal/units"
 	"github.com/cagehq/cage/internal/wall"
 	"github.com/cagehq/cage/internal/wall/microvm"
-	"github.com/cagehq/cage/internal/wall/process"
 )
 
 type runFlags struct {
@@ -190,7 +190,7 @@ func runCommand(ctx context.Context, g *globals, f *runFlags, args []string, std
 	if err != nil {
 		return err
 	}
-	process.Trace("cage main")
+	trace.Mark("cage main")
 	host, err := sandbox.NewHost(g.runDir, "", g.log)
 	if err != nil {
 		return err
@@ -255,9 +255,9 @@ func runCommand(ctx context.Context, g *globals, f *runFlags, args []string, std
 		})
 		defer stop()
 	}
-	process.Trace("run")
+	trace.Mark("run")
 	end, err := client.Run(ctx, opts)
-	process.Trace("ended")
+	trace.Mark("ended")
 	if restore != nil {
 		restore()
 	}

@@ -7,8 +7,6 @@ package manager
 
 import (
 	"context"
-	"crypto/rand"
-	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -18,6 +16,8 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/cagehq/cage/internal/hostproc"
+	"github.com/cagehq/cage/internal/ids"
 	"github.com/cagehq/cage/internal/network"
 	"github.com/cagehq/cage/internal/sandbox"
 	"github.com/cagehq/cage/internal/store"
@@ -118,12 +118,6 @@ func (m *Manager) checkTimeout(d time.Duration) error {
 	return nil
 }
 
-func randomToken() string {
-	b := make([]byte, 24)
-	_, _ = rand.Read(b)
-	return hex.EncodeToString(b)
-}
-
 // Create makes a sandbox and starts its timer. The record is written before
 // the sandbox starts, so a crash at any point leaves either a record that
 // Recover cleans up, or a prepared agent that exits when its creator dies.
@@ -162,7 +156,7 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (*store.Sandbox
 		return nil, err
 	}
 	opts := sandbox.Options{
-		Wall: req.Wall, Template: req.Template, Token: randomToken(), Env: req.Env, CPUs: req.CPUs,
+		Wall: req.Wall, Template: req.Template, Token: ids.NewToken(), Env: req.Env, CPUs: req.CPUs,
 		Memory: memory, Disk: disk, Pids: req.Pids, Net: req.Net, Max: m.cfg.Max,
 	}
 	var sb wall.Sandbox
@@ -198,11 +192,11 @@ func (m *Manager) start(ctx context.Context, req CreateRequest, opts *sandbox.Op
 		ID: sb.ID(), KeyID: req.KeyID, TemplateID: req.Template, Wall: opts.Wall,
 		State: store.StateCreating, Metadata: req.Metadata, EnvVars: req.Env,
 		CPUs: opts.CPUs, MemoryMB: opts.Memory >> 20, DiskMB: opts.Disk >> 20, Pids: opts.Pids,
-		AccessToken: opts.Token, TrafficToken: randomToken(), AgentPID: sb.AgentPID(),
+		AccessToken: opts.Token, TrafficToken: ids.NewToken(), AgentPID: sb.AgentPID(),
 		StartedAt: now, EndAt: now.Add(req.Timeout), AllowInternet: req.Net.Mode == network.Internet, AutoPause: req.AutoPause,
 		NetSlot: -1, PublicTraffic: req.PublicTraffic,
 	}
-	rec.AgentStart, _ = process.StartTime(sb.AgentPID())
+	rec.AgentStart, _ = hostproc.StartTime(sb.AgentPID())
 	if err := m.cfg.Store.InsertSandbox(rec); err != nil {
 		_ = sb.Destroy()
 		return nil, nil, err
@@ -225,13 +219,13 @@ func (m *Manager) startOCI(ctx context.Context, req CreateRequest, opts *sandbox
 	if err := opts.Validate(); err != nil {
 		return nil, nil, err
 	}
-	opts.ID = process.NewID()
+	opts.ID = ids.NewID()
 	now := time.Now()
 	rec := &store.Sandbox{
 		ID: opts.ID, KeyID: req.KeyID, TemplateID: req.Template, Wall: opts.Wall,
 		State: store.StateCreating, Metadata: req.Metadata, EnvVars: req.Env,
 		CPUs: opts.CPUs, MemoryMB: opts.Memory >> 20, DiskMB: opts.Disk >> 20, Pids: opts.Pids,
-		AccessToken: opts.Token, TrafficToken: randomToken(),
+		AccessToken: opts.Token, TrafficToken: ids.NewToken(),
 		StartedAt: now, EndAt: now.Add(req.Timeout), AllowInternet: req.Net.Mode == network.Internet, AutoPause: req.AutoPause,
 		NetSlot: -1, PublicTraffic: req.PublicTraffic,
 	}
@@ -244,7 +238,7 @@ func (m *Manager) startOCI(ctx context.Context, req CreateRequest, opts *sandbox
 		return nil, nil, err
 	}
 	rec.State, rec.AgentPID = store.StateRunning, sb.AgentPID()
-	rec.AgentStart, _ = process.StartTime(sb.AgentPID())
+	rec.AgentStart, _ = hostproc.StartTime(sb.AgentPID())
 	setNetwork(rec, sb)
 	if err := m.cfg.Store.UpdateSandbox(rec); err != nil {
 		m.discard(sb, "record failed: "+err.Error())

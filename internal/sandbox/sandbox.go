@@ -6,8 +6,6 @@ package sandbox
 
 import (
 	"context"
-	"crypto/rand"
-	"encoding/hex"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -18,6 +16,7 @@ import (
 	"time"
 
 	"github.com/cagehq/cage/internal/cgroups"
+	"github.com/cagehq/cage/internal/ids"
 	"github.com/cagehq/cage/internal/imgstore"
 	"github.com/cagehq/cage/internal/network"
 	"github.com/cagehq/cage/internal/template"
@@ -130,10 +129,10 @@ func (o *Options) Validate() error {
 // identify gives o a fresh sandbox id and access token where it has none.
 func (o *Options) identify() {
 	if o.ID == "" {
-		o.ID = process.NewID()
+		o.ID = ids.NewID()
 	}
 	if o.Token == "" {
-		o.Token = NewToken()
+		o.Token = ids.NewToken()
 	}
 }
 
@@ -304,7 +303,7 @@ func (h *Host) Start(sb *process.Sandbox, o Options) error {
 		return err
 	}
 	if o.Token == "" {
-		o.Token = NewToken()
+		o.Token = ids.NewToken()
 	}
 	netHost, err := h.network(o.Net)
 	if err != nil {
@@ -398,7 +397,7 @@ func (h *Host) config(dieWithCaller bool, name string, disk, shm int64) (process
 		return process.Config{}, err
 	}
 	return process.Config{
-		ID:            process.NewID(),
+		ID:            ids.NewID(),
 		AgentPath:     h.AgentPath,
 		RunDir:        h.RunDir,
 		Cgroups:       h.Cgroups,
@@ -544,13 +543,6 @@ func (h *Host) takePrepared(o Options) *process.Sandbox {
 		h.PoolMisses.Add(1)
 		return nil
 	}
-}
-
-// NewToken returns a fresh access token for a sandbox's agent.
-func NewToken() string {
-	b := make([]byte, 24)
-	_, _ = rand.Read(b)
-	return hex.EncodeToString(b)
 }
 
 // AdoptNetwork takes over the network of an adopted sandbox (slot and

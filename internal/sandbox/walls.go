@@ -8,6 +8,7 @@ import (
 	"os/exec"
 
 	"github.com/cagehq/cage/internal/cgroups"
+	"github.com/cagehq/cage/internal/ids"
 	"github.com/cagehq/cage/internal/wall"
 	"github.com/cagehq/cage/internal/wall/oci"
 	"github.com/cagehq/cage/internal/wall/process"
@@ -109,7 +110,7 @@ func (h *Host) RunBare(ctx context.Context, wallName string, argv []string, out 
 		return err
 	}
 	return oci.RunBare(ctx, oci.Config{
-		ID: process.NewID(), AgentPath: h.AgentPath, RunDir: h.RunDir, Cgroups: h.Cgroups, Runtime: h.Runtimes[wallName],
+		ID: ids.NewID(), AgentPath: h.AgentPath, RunDir: h.RunDir, Cgroups: h.Cgroups, Runtime: h.Runtimes[wallName],
 		Template: tmpl, Limits: cgroups.Limits{MemoryBytes: o.Memory, CPUs: o.CPUs, Pids: o.Pids},
 		DiskBytes: o.Disk, ShmBytes: o.Shm, Log: h.Log,
 	}, argv, out)

@@ -26,11 +26,12 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/cagehq/cage/internal/cgroups"
+	"github.com/cagehq/cage/internal/ids"
 	"github.com/cagehq/cage/internal/imgstore"
 	"github.com/cagehq/cage/internal/network"
 	"github.com/cagehq/cage/internal/template"
+	"github.com/cagehq/cage/internal/trace"
 	"github.com/cagehq/cage/internal/vm"
-	"github.com/cagehq/cage/internal/wall/process"
 	"github.com/cagehq/cage/internal/wall/state"
 )
 
@@ -304,7 +305,7 @@ func Create(ctx context.Context, cfg Config) (sb *Sandbox, err error) {
 		}
 		vcfg.Jail = sb.cg.AddProc
 	}
-	process.Trace("microvm: restore")
+	trace.Mark("microvm: restore")
 	if !cfg.coldBoot {
 		snap, serr := cachedSnapshot(ctx, cache, vcfg)
 		var mem *os.File
@@ -330,17 +331,17 @@ func Create(ctx context.Context, cfg Config) (sb *Sandbox, err error) {
 			return sb, err
 		}
 	}
-	process.Trace("microvm: running")
+	trace.Mark("microvm: running")
 	if sb.sess, err = greet(ctx, sb.v); err != nil {
 		return sb, err
 	}
-	process.Trace("microvm: greeted")
+	trace.Mark("microvm: greeted")
 	first, err := sb.sess.Open()
 	if err != nil {
 		return sb, err
 	}
 	defer first.Close()
-	hostname := "cage-" + cfg.ID[:min(8, len(cfg.ID))]
+	hostname := ids.Hostname(cfg.ID)
 	// Every guest gets its own random bytes and the time, restored or not:
 	// see spec.
 	entropy := make([]byte, entropyBytes)
@@ -355,7 +356,7 @@ func Create(ctx context.Context, cfg Config) (sb *Sandbox, err error) {
 	if err := readLine(ctx, first, bufio.NewReader(first), ready); err != nil {
 		return sb, fmt.Errorf("the guest's agent did not start: %w (%s%s)", err, consoleTail(sb.v), qemuEnd(sb.v))
 	}
-	process.Trace("microvm: ready")
+	trace.Mark("microvm: ready")
 	return sb, nil
 }
 

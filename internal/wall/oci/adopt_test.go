@@ -14,9 +14,9 @@ import (
 	"time"
 
 	"github.com/cagehq/cage/internal/agentclient"
+	"github.com/cagehq/cage/internal/hostproc"
 	"github.com/cagehq/cage/internal/sandbox"
 	"github.com/cagehq/cage/internal/testutil"
-	"github.com/cagehq/cage/internal/wall/process"
 )
 
 // creatorEnv makes this test binary the creator of TestAdoptAfterKill's
@@ -74,7 +74,7 @@ func TestAdoptAfterKill(t *testing.T) {
 			}
 			_ = cmd.Process.Signal(syscall.SIGKILL)
 			_ = cmd.Wait()
-			if st, err := process.StartTime(pid); err != nil || st != start {
+			if st, err := hostproc.StartTime(pid); err != nil || st != start {
 				t.Fatalf("the sandbox died with its creator")
 			}
 			sb, err := h.Adopt(id, w, pid, start, token)
@@ -115,7 +115,7 @@ func create(t *testing.T, w string) {
 	if err != nil || end.GetExitCode() != 0 {
 		t.Fatalf("write: %v %v", err, end)
 	}
-	st, err := process.StartTime(sb.AgentPID())
+	st, err := hostproc.StartTime(sb.AgentPID())
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -25,11 +25,12 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/cagehq/cage/internal/cgroups"
+	"github.com/cagehq/cage/internal/hostproc"
+	"github.com/cagehq/cage/internal/ids"
 	"github.com/cagehq/cage/internal/network"
 	"github.com/cagehq/cage/internal/rocache"
 	"github.com/cagehq/cage/internal/template"
 	"github.com/cagehq/cage/internal/wall/channel"
-	"github.com/cagehq/cage/internal/wall/process"
 	"github.com/cagehq/cage/internal/wall/state"
 )
 
@@ -226,7 +227,7 @@ func Create(ctx context.Context, cfg Config) (sb *Sandbox, err error) {
 			return sb, err
 		}
 	}
-	hostname := "cage-" + cfg.ID[:min(8, len(cfg.ID))]
+	hostname := ids.Hostname(cfg.ID)
 	resolvConf, err := sb.attachNetwork(cfg)
 	if err != nil {
 		return sb, err
@@ -480,7 +481,7 @@ func (sb *Sandbox) drain(r *os.File) {
 }
 
 func (sb *Sandbox) watch() {
-	process.WaitPidfd(sb.pidfd)
+	hostproc.WaitPidfd(sb.pidfd)
 	close(sb.exited)
 }
 
@@ -579,7 +580,7 @@ func Adopt(cfg Config, pid int, startTime uint64) (*Sandbox, error) {
 	if cfg.Log == nil {
 		cfg.Log = slog.New(slog.DiscardHandler)
 	}
-	if st, err := process.StartTime(pid); err != nil || st != startTime {
+	if st, err := hostproc.StartTime(pid); err != nil || st != startTime {
 		return nil, fmt.Errorf("sandbox %s: its container (pid %d) is gone", cfg.ID, pid)
 	}
 	sb := &Sandbox{id: cfg.ID, token: cfg.Token, rt: cfg.Runtime, pid: pid, exited: make(chan struct{}),

@@ -14,6 +14,7 @@ import (
 	"github.com/cagehq/cage/internal/agent"
 	"github.com/cagehq/cage/internal/cgroups"
 	"github.com/cagehq/cage/internal/seal"
+	"github.com/cagehq/cage/internal/trace"
 )
 
 // Child is the sandbox's side of the wall, set up by Init.
@@ -47,8 +48,8 @@ func Init() (*Child, error) {
 	if err := readDoc(specs, spec); err != nil {
 		return nil, err
 	}
-	tracing = spec.Debug
-	trace("spec read")
+	trace.Set(spec.Debug)
+	trace.Mark("spec read")
 	// The host put this process in the sandbox's cgroups before sending the
 	// spec; a new cgroup namespace now roots /proc/self/cgroup there.
 	if err := seal.AllThreads(unix.SYS_UNSHARE, unix.CLONE_NEWCGROUP, 0, 0); err != nil {
@@ -95,7 +96,7 @@ func (c *Child) Build() error {
 		{"loopback", LoopbackUp},
 	}
 	for _, s := range steps {
-		trace(s.name)
+		trace.Mark(s.name)
 		if err := s.run(); err != nil {
 			return fmt.Errorf("%s: %w", s.name, err)
 		}
@@ -107,13 +108,13 @@ func (c *Child) Build() error {
 // its own uid with capabilities down to agentCaps, no_new_privs, then the
 // seccomp filter (whose TSYNC also spreads no_new_privs to every thread).
 func (c *Child) Seal() error {
-	if _, err := seal.Seal(seal.Options{AgentUID: agentUID, DieWithParent: c.spec.DieWithParent, Trace: trace,
+	if _, err := seal.Seal(seal.Options{AgentUID: agentUID, DieWithParent: c.spec.DieWithParent, Trace: trace.Mark,
 		WritableRoot: c.spec.Image != ""}); err != nil {
 		return err
 	}
-	if tracing {
+	if trace.On() {
 		d, _ := unix.PrctlRetInt(unix.PR_GET_DUMPABLE, 0, 0, 0, 0)
-		trace(fmt.Sprintf("sealed (dumpable=%d)", d))
+		trace.Mark(fmt.Sprintf("sealed (dumpable=%d)", d))
 	}
 	return nil
 }
@@ -137,7 +138,7 @@ func (c *Child) WaitStart() (token string, env map[string]string, maxOutput int6
 	if err != nil {
 		return "", nil, 0, err
 	}
-	trace("start read")
+	trace.Mark("start read")
 	// An image root's disk is the host's; the host resized it.
 	if c.spec.Image == "" && (st.DiskBytes != c.spec.DiskBytes || st.DiskInodes != c.spec.DiskInodes) {
 		opts := fmt.Sprintf("size=%d,nr_inodes=%d", st.DiskBytes, st.DiskInodes)

@@ -9,6 +9,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/cagehq/cage/internal/template"
+	"github.com/cagehq/cage/internal/trace"
 )
 
 // Child side: assemble the sandbox's root on spec.Root inside the new mount
@@ -33,7 +34,7 @@ func buildRoot(spec *initSpec) error {
 		if err := attachRoot(root); err != nil {
 			return err
 		}
-		trace("root: image")
+		trace.Mark("root: image")
 		if err := template.PrepareImageRoot(root, spec.Hostname, func(id int) int { return id }, spec.Build); err != nil {
 			return err
 		}
@@ -41,30 +42,30 @@ func buildRoot(spec *initSpec) error {
 		if err := unix.Mount("tmpfs", root, "tmpfs", unix.MS_NOSUID|unix.MS_NODEV, "size=2m,nr_inodes=4096,mode=755"); err != nil {
 			return fmt.Errorf("mount root tmpfs: %w", err)
 		}
-		trace("root: mounts")
+		trace.Mark("root: mounts")
 		for _, m := range spec.Mounts {
 			if err := placeMount(root, m); err != nil {
 				return err
 			}
 		}
-		trace("root: etc")
+		trace.Mark("root: etc")
 		if err := writeIdentity(root, spec); err != nil {
 			return err
 		}
-		trace("root: disk")
+		trace.Mark("root: disk")
 		if err := mountDisk(root, spec); err != nil {
 			return err
 		}
 	}
-	trace("root: dev")
+	trace.Mark("root: dev")
 	if err := BuildDev(root, spec.ShmBytes); err != nil {
 		return err
 	}
-	trace("root: proc")
+	trace.Mark("root: proc")
 	if err := MountProc(root); err != nil {
 		return err
 	}
-	trace("root: done")
+	trace.Mark("root: done")
 	if spec.Image != "" {
 		return nil // the image has its own directories
 	}

@@ -2,8 +2,6 @@ package process
 
 import (
 	"context"
-	"crypto/rand"
-	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -22,8 +20,10 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/cagehq/cage/internal/cgroups"
+	"github.com/cagehq/cage/internal/ids"
 	"github.com/cagehq/cage/internal/network"
 	"github.com/cagehq/cage/internal/template"
+	"github.com/cagehq/cage/internal/trace"
 	"github.com/cagehq/cage/internal/wall/state"
 )
 
@@ -114,13 +114,6 @@ func (sb *Sandbox) DiskPath() string {
 // Wall is "process".
 func (sb *Sandbox) Wall() string { return "process" }
 
-// NewID returns a fresh sandbox id (20 lowercase hex characters, as E2B's).
-func NewID() string {
-	b := make([]byte, 10)
-	_, _ = rand.Read(b)
-	return hex.EncodeToString(b)
-}
-
 // Create builds and starts a sandbox. The agent may still be setting up when
 // Create returns; Dial connects as soon as the agent accepts (connections
 // queue on the listening socket meanwhile). On error nothing is left behind.
@@ -162,7 +155,7 @@ func Prepare(ctx context.Context, cfg Config) (sb *Sandbox, err error) {
 	if err := os.Chmod(cfg.RunDir, 0o711); err != nil {
 		return sb, err
 	}
-	trace("create")
+	trace.Mark("create")
 	if sb.ids, err = state.ReserveIDs(); err != nil {
 		return sb, err
 	}
@@ -202,18 +195,18 @@ func Prepare(ctx context.Context, cfg Config) (sb *Sandbox, err error) {
 		if err != nil {
 			return sb, err
 		}
-		trace("image mounted")
+		trace.Mark("image mounted")
 	}
 	// The child builds the sandbox now, from the template and the default
 	// sizes in cfg, and then waits for Start.
 	sb.etc = cfg.Template.EtcCache
 	sb.disk, sb.shm = cfg.DiskBytes, cfg.ShmBytes
 	err = sb.send(&initSpec{
-		ID: sb.id, Hostname: "cage-" + sb.id[:min(8, len(sb.id))], Root: sb.root,
+		ID: sb.id, Hostname: ids.Hostname(sb.id), Root: sb.root,
 		Mounts: cfg.Template.Mounts, Image: image, Build: cfg.Template.Build, DiskBytes: sb.disk, DiskInodes: InodesFor(sb.disk),
 		ShmBytes: sb.shm, UserName: userName, UserUID: userUID, UserGID: userUID,
 		OOMEvents: sb.cg.OOMEventsFile(), PidsEvents: sb.cg.PidsEventsFile(),
-		Debug: tracing, DieWithParent: sb.dieWithParent,
+		Debug: trace.On(), DieWithParent: sb.dieWithParent,
 	})
 	return sb, err
 }
@@ -276,7 +269,7 @@ func (sb *Sandbox) Start(s Spec) error {
 	if err != nil {
 		return err
 	}
-	trace("spec sent")
+	trace.Mark("spec sent")
 	return nil
 }
 
@@ -400,7 +393,7 @@ func (sb *Sandbox) fork(cfg Config, listener *os.File) (rootSock *os.File, err e
 		defer runtime.UnlockOSThread()
 		attr.Sys.Pdeathsig = syscall.SIGKILL
 	}
-	trace("fork")
+	trace.Mark("fork")
 	pid, err := syscall.ForkExec(cfg.AgentPath, []string{"cage-agent", "init"}, attr)
 	if err != nil {
 		return nil, fmt.Errorf("start the sandbox's agent %s: %w", cfg.AgentPath, err)
@@ -411,7 +404,7 @@ func (sb *Sandbox) fork(cfg Config, listener *os.File) (rootSock *os.File, err e
 		sb.niced = true
 	}
 	go sb.reap()
-	trace("forked")
+	trace.Mark("forked")
 	// The cgroups are made while the agent's runtime starts; it waits for
 	// the spec, which comes only once it is inside them (and limited).
 	if sb.cg, err = cfg.Cgroups.Create(cfg.ID, cgroups.Limits{}); err != nil {
@@ -420,7 +413,7 @@ func (sb *Sandbox) fork(cfg Config, listener *os.File) (rootSock *os.File, err e
 	if err := sb.cg.AddProc(pid); err != nil {
 		return nil, err
 	}
-	trace("in cgroups")
+	trace.Mark("in cgroups")
 	return rootSock, nil
 }
 
@@ -539,8 +532,8 @@ func (sb *Sandbox) Destroy() error {
 }
 
 func (sb *Sandbox) teardown() error {
-	trace("teardown")
-	defer trace("torn down")
+	trace.Mark("teardown")
+	defer trace.Mark("torn down")
 	var errs []error
 	if sb.specW != nil {
 		sb.specW.Close()
@@ -554,11 +547,11 @@ func (sb *Sandbox) teardown() error {
 		_ = syscall.Kill(sb.pid, syscall.SIGKILL)
 		<-sb.exited
 	}
-	trace("reaped")
+	trace.Mark("reaped")
 	if sb.cg != nil {
 		errs = append(errs, sb.cg.Destroy())
 	}
-	trace("cgroups removed")
+	trace.Mark("cgroups removed")
 	if sb.net != nil {
 		errs = append(errs, sb.net.Close()) // before the slot can be reused
 	}
