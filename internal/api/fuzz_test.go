@@ -54,18 +54,16 @@ func FuzzCreateBody(f *testing.F) {
 		if body.Timeout != nil && *body.Timeout > 0 && *body.Timeout < 1<<31 && req.Timeout != time.Duration(*body.Timeout)*time.Second {
 			t.Fatalf("timeout %d s became %v", *body.Timeout, req.Timeout)
 		}
-		if req.MemoryMB < 0 || req.DiskMB < 0 || req.Pids < 0 {
+		if req.Memory < 0 || req.Disk < 0 || req.Pids < 0 {
 			t.Fatalf("negative limit passed: %+v", req)
+		}
+		if body.MemoryMB<<20 != req.Memory || body.DiskSizeMB<<20 != req.Disk {
+			t.Fatalf("memoryMB %d and diskSizeMB %d became %d and %d bytes", body.MemoryMB, body.DiskSizeMB, req.Memory, req.Disk)
 		}
 		if err := req.Net.Validate(); err != nil {
 			t.Fatalf("policy that does not validate passed: %v (%s)", err, data)
 		}
-		mem, merr := sandbox.BytesOfMiB("memoryMB", req.MemoryMB)
-		disk, derr := sandbox.BytesOfMiB("diskSizeMB", req.DiskMB)
-		if merr != nil || derr != nil {
-			return // refused as invalid by the manager
-		}
-		o := sandbox.Options{Wall: req.Wall, Template: req.Template, Memory: mem, Disk: disk, CPUs: req.CPUs, Pids: req.Pids, Env: req.Env, Net: req.Net}
+		o := sandbox.Options{Wall: req.Wall, Template: req.Template, Memory: req.Memory, Disk: req.Disk, CPUs: req.CPUs, Pids: req.Pids, Env: req.Env, Net: req.Net}
 		if err := o.Validate(); err != nil && !errors.Is(err, sandbox.ErrInvalid) {
 			t.Fatalf("options error of the wrong kind: %v", err)
 		} else if err == nil {

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/cagehq/cage/internal/manager"
+	"github.com/cagehq/cage/internal/sandbox"
 	"github.com/cagehq/cage/internal/store"
 )
 
@@ -83,8 +84,8 @@ func (s *server) sandboxOf(rec *store.Sandbox) sandboxJSON {
 	traffic := rec.TrafficToken
 	return sandboxJSON{SandboxID: rec.ID, TemplateID: rec.TemplateID, ClientID: clientID,
 		EnvdVersion: EnvdVersion, EnvdAccessToken: rec.AccessToken, TrafficAccessToken: &traffic,
-		Domain: s.domain(), Wall: rec.Wall, CPUCount: rec.CPUs, MemoryMB: rec.MemoryMB,
-		DiskSizeMB: rec.DiskMB, Pids: rec.Pids}
+		Domain: s.domain(), Wall: rec.Wall, CPUCount: rec.CPUs, MemoryMB: rec.Memory >> 20,
+		DiskSizeMB: rec.Disk >> 20, Pids: rec.Pids}
 }
 
 func listedOf(rec *store.Sandbox) listedJSON {
@@ -93,8 +94,8 @@ func listedOf(rec *store.Sandbox) listedJSON {
 		md = map[string]string{}
 	}
 	return listedJSON{SandboxID: rec.ID, TemplateID: rec.TemplateID, ClientID: clientID,
-		StartedAt: rec.StartedAt.UTC(), EndAt: rec.EndAt.UTC(), CPUCount: rec.CPUs, MemoryMB: rec.MemoryMB,
-		DiskSizeMB: rec.DiskMB, Metadata: md, State: rec.State, EnvdVersion: EnvdVersion,
+		StartedAt: rec.StartedAt.UTC(), EndAt: rec.EndAt.UTC(), CPUCount: rec.CPUs, MemoryMB: rec.Memory >> 20,
+		DiskSizeMB: rec.Disk >> 20, Metadata: md, State: rec.State, EnvdVersion: EnvdVersion,
 		Wall: rec.Wall, Pids: rec.Pids}
 }
 
@@ -142,6 +143,14 @@ func (s *server) createRequest(body newSandbox, v2 bool) (manager.CreateRequest,
 			return manager.CreateRequest{}, fmt.Errorf("%w: limits must be positive", errBadRequest)
 		}
 	}
+	memory, err := bytesOfMiB("memoryMB", body.MemoryMB)
+	if err != nil {
+		return manager.CreateRequest{}, err
+	}
+	disk, err := bytesOfMiB("diskSizeMB", body.DiskSizeMB)
+	if err != nil {
+		return manager.CreateRequest{}, err
+	}
 	// E2B's defaults: the internet, and exposed ports open to anyone
 	// who has the URL.
 	policy, err := policyOf(body.AllowInternetAccess, body.Network)
@@ -151,10 +160,27 @@ func (s *server) createRequest(body newSandbox, v2 bool) (manager.CreateRequest,
 	public := body.Network == nil || body.Network.AllowPublicTraffic == nil || *body.Network.AllowPublicTraffic
 	return manager.CreateRequest{
 		Template: body.TemplateID, Timeout: timeout, Metadata: body.Metadata,
-		Env: body.EnvVars, CPUs: body.CPUCount, MemoryMB: body.MemoryMB, DiskMB: body.DiskSizeMB,
+		Env: body.EnvVars, CPUs: body.CPUCount, Memory: memory, Disk: disk,
 		Pids: body.Pids, Net: policy, PublicTraffic: public, AutoPause: body.AutoPause, Wall: body.Wall,
 	}, nil
 }
+
+// bytesOfMiB is a size in MiB of a request in bytes: MiB are the API's
+// unit, bytes everyone else's. Out of range is a bad request.
+func bytesOfMiB(field string, n int64) (int64, error) {
+	b, err := sandbox.BytesOfMiB(field, n)
+	if err != nil {
+		return 0, badRequest{err}
+	}
+	return b, nil
+}
+
+// badRequest is an error of another kind that the API refuses as a bad
+// request, its text unchanged.
+type badRequest struct{ error }
+
+func (e badRequest) Unwrap() error      { return e.error }
+func (badRequest) Is(target error) bool { return target == errBadRequest }
 
 // listFilter reads E2B's list query: metadata (URL-encoded k=v&k2=v2),
 // state (running,paused), limit, nextToken.

@@ -100,8 +100,8 @@ type CreateRequest struct {
 	Timeout       time.Duration // 0: the default
 	Metadata, Env map[string]string
 	CPUs          float64
-	MemoryMB      int64
-	DiskMB        int64
+	Memory        int64 // bytes; 0: the default
+	Disk          int64 // bytes; 0: the default
 	Pids          int64
 	Net           network.Policy // what the sandbox may reach
 	PublicTraffic bool           // exposed ports answer without the traffic token
@@ -131,14 +131,6 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (*store.Sandbox
 	if req.Template == "" {
 		req.Template = m.cfg.DefaultTemplate
 	}
-	memory, err := sandbox.BytesOfMiB("memoryMB", req.MemoryMB)
-	if err != nil {
-		return nil, err
-	}
-	disk, err := sandbox.BytesOfMiB("diskSizeMB", req.DiskMB)
-	if err != nil {
-		return nil, err
-	}
 	if err := m.admit(); err != nil {
 		return nil, err
 	}
@@ -157,7 +149,7 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (*store.Sandbox
 	}
 	opts := sandbox.Options{
 		Wall: req.Wall, Template: req.Template, Token: ids.NewToken(), Env: req.Env, CPUs: req.CPUs,
-		Memory: memory, Disk: disk, Pids: req.Pids, Net: req.Net, Max: m.cfg.Max,
+		Memory: req.Memory, Disk: req.Disk, Pids: req.Pids, Net: req.Net, Max: m.cfg.Max,
 	}
 	var sb wall.Sandbox
 	var rec *store.Sandbox
@@ -191,7 +183,7 @@ func (m *Manager) start(ctx context.Context, req CreateRequest, opts *sandbox.Op
 	rec := &store.Sandbox{
 		ID: sb.ID(), KeyID: req.KeyID, TemplateID: req.Template, Wall: opts.Wall,
 		State: store.StateCreating, Metadata: req.Metadata, EnvVars: req.Env,
-		CPUs: opts.CPUs, MemoryMB: opts.Memory >> 20, DiskMB: opts.Disk >> 20, Pids: opts.Pids,
+		CPUs: opts.CPUs, Memory: opts.Memory, Disk: opts.Disk, Pids: opts.Pids,
 		AccessToken: opts.Token, TrafficToken: ids.NewToken(), AgentPID: sb.AgentPID(),
 		StartedAt: now, EndAt: now.Add(req.Timeout), AllowInternet: req.Net.Mode == network.Internet, AutoPause: req.AutoPause,
 		NetSlot: -1, PublicTraffic: req.PublicTraffic,
@@ -224,7 +216,7 @@ func (m *Manager) startOCI(ctx context.Context, req CreateRequest, opts *sandbox
 	rec := &store.Sandbox{
 		ID: opts.ID, KeyID: req.KeyID, TemplateID: req.Template, Wall: opts.Wall,
 		State: store.StateCreating, Metadata: req.Metadata, EnvVars: req.Env,
-		CPUs: opts.CPUs, MemoryMB: opts.Memory >> 20, DiskMB: opts.Disk >> 20, Pids: opts.Pids,
+		CPUs: opts.CPUs, Memory: opts.Memory, Disk: opts.Disk, Pids: opts.Pids,
 		AccessToken: opts.Token, TrafficToken: ids.NewToken(),
 		StartedAt: now, EndAt: now.Add(req.Timeout), AllowInternet: req.Net.Mode == network.Internet, AutoPause: req.AutoPause,
 		NetSlot: -1, PublicTraffic: req.PublicTraffic,

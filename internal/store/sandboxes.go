@@ -32,8 +32,8 @@ type Sandbox struct {
 	Metadata      map[string]string
 	EnvVars       map[string]string
 	CPUs          float64
-	MemoryMB      int64
-	DiskMB        int64
+	Memory        int64 // bytes (whole MiB: the columns hold MiB)
+	Disk          int64 // bytes (whole MiB: the columns hold MiB)
 	Pids          int64
 	AccessToken   string // envd access token (secret)
 	TrafficToken  string // secret
@@ -97,7 +97,7 @@ func sandboxArgs(sb *Sandbox) ([]any, error) {
 	}
 	return []any{
 		sb.ID, sb.KeyID, sb.TemplateID, sb.Wall, sb.State, md, env,
-		sb.CPUs, sb.MemoryMB, sb.DiskMB, sb.Pids, sb.AccessToken, sb.TrafficToken,
+		sb.CPUs, sb.Memory >> 20, sb.Disk >> 20, sb.Pids, sb.AccessToken, sb.TrafficToken,
 		int64(sb.AgentPID),
 		int64(sb.AgentStart), // same bits; SQLite integers are signed
 		nanos(sb.StartedAt), nanos(sb.EndAt),
@@ -115,9 +115,10 @@ func scanSandbox(r scanner) (*Sandbox, error) {
 		started, end    int64
 		internet, pause int64
 		slot, public    int64
+		memMiB, diskMiB int64
 	)
 	err := r.Scan(&sb.ID, &sb.KeyID, &sb.TemplateID, &sb.Wall, &sb.State, &md, &env,
-		&sb.CPUs, &sb.MemoryMB, &sb.DiskMB, &sb.Pids, &sb.AccessToken, &sb.TrafficToken,
+		&sb.CPUs, &memMiB, &diskMiB, &sb.Pids, &sb.AccessToken, &sb.TrafficToken,
 		&pid, &start, &started, &end, &internet, &pause, &sb.Network, &slot, &public)
 	if err != nil {
 		return nil, err
@@ -128,6 +129,7 @@ func scanSandbox(r scanner) (*Sandbox, error) {
 	if sb.EnvVars, err = decodeMap(env); err != nil {
 		return nil, fmt.Errorf("sandbox %s: env vars: %w", sb.ID, err)
 	}
+	sb.Memory, sb.Disk = memMiB<<20, diskMiB<<20
 	sb.AgentPID = int(pid)
 	sb.AgentStart = uint64(start)
 	sb.StartedAt = fromNanos(started)
