@@ -7,103 +7,19 @@ import (
 	"path/filepath"
 	"syscall"
 
+	specs "github.com/opencontainers/runtime-spec/specs-go"
+
 	"github.com/cagehq/cage/internal/cgroups"
 	"github.com/cagehq/cage/internal/template"
 )
 
-// cage writes the OCI bundle itself (its own minimal types of the runtime
-// spec's config.json; only what cage sets).
+// cage writes the OCI bundle's config.json itself, with the runtime
+// spec's own Go types, setting only what cage needs.
 
-type ociSpec struct {
-	Version  string   `json:"ociVersion"`
-	Process  ociProc  `json:"process"`
-	Root     ociRoot  `json:"root"`
-	Hostname string   `json:"hostname"`
-	Mounts   []ociMnt `json:"mounts"`
-	Linux    ociLinux `json:"linux"`
-}
-
-type ociProc struct {
-	Terminal        bool      `json:"terminal"`
-	User            ociUser   `json:"user"`
-	Args            []string  `json:"args"`
-	Env             []string  `json:"env"`
-	Cwd             string    `json:"cwd"`
-	Capabilities    ociCaps   `json:"capabilities"`
-	Rlimits         []ociRlim `json:"rlimits"`
-	NoNewPrivileges bool      `json:"noNewPrivileges"`
-}
-
-type ociUser struct {
-	UID uint32 `json:"uid"`
-	GID uint32 `json:"gid"`
-}
-
-type ociCaps struct {
-	Bounding    []string `json:"bounding"`
-	Effective   []string `json:"effective"`
-	Permitted   []string `json:"permitted"`
-	Inheritable []string `json:"inheritable"`
-}
-
-type ociRlim struct {
-	Type string `json:"type"`
-	Hard uint64 `json:"hard"`
-	Soft uint64 `json:"soft"`
-}
-
-type ociRoot struct {
-	Path     string `json:"path"`
-	Readonly bool   `json:"readonly"`
-}
-
-type ociMnt struct {
-	Destination string   `json:"destination"`
-	Type        string   `json:"type"`
-	Source      string   `json:"source"`
-	Options     []string `json:"options,omitempty"`
-}
-
-type ociLinux struct {
-	UIDMappings   []ociIDMap    `json:"uidMappings,omitempty"`
-	GIDMappings   []ociIDMap    `json:"gidMappings,omitempty"`
-	Namespaces    []ociNS       `json:"namespaces"`
-	CgroupsPath   string        `json:"cgroupsPath,omitempty"`
-	Resources     *ociResources `json:"resources,omitempty"`
-	MaskedPaths   []string      `json:"maskedPaths"`
-	ReadonlyPaths []string      `json:"readonlyPaths"`
-}
-
-type ociIDMap struct {
-	ContainerID uint32 `json:"containerID"`
-	HostID      uint32 `json:"hostID"`
-	Size        uint32 `json:"size"`
-}
-
-type ociNS struct {
-	Type string `json:"type"`
-	Path string `json:"path,omitempty"`
-}
-
-type ociResources struct {
-	Memory *ociMemory `json:"memory,omitempty"`
-	CPU    *ociCPU    `json:"cpu,omitempty"`
-	Pids   *ociPids   `json:"pids,omitempty"`
-}
-
-type ociMemory struct {
-	Limit int64 `json:"limit"`
-	Swap  int64 `json:"swap"`
-}
-
-type ociCPU struct {
-	Quota  int64  `json:"quota"`
-	Period uint64 `json:"period"`
-}
-
-type ociPids struct {
-	Limit int64 `json:"limit"`
-}
+// ociVersion is the version of the runtime spec the bundle claims: the
+// oldest that names everything cage sets, which every runtime cage runs
+// (runc 1.1, runsc) reads.
+const ociVersion = "1.0.2"
 
 // The agent's capabilities in the container: what it keeps for good, plus
 // CAP_SETPCAP (to shrink its spawning thread's bounding set and set its
@@ -152,7 +68,7 @@ type bundleConfig struct {
 
 // hostRoot fills the sandbox's own root tmpfs for the host template: the
 // template's read-only binds and the directories the container mounts on.
-func (b *bundleConfig) hostRoot() ([]ociMnt, error) {
+func (b *bundleConfig) hostRoot() ([]specs.Mount, error) {
 	rootfs := b.rootfs
 	dirs := []string{"usr", "etc", "tmp", "home", "root", "var/tmp", "proc", "dev", "run", "mnt", "opt", "srv"}
 	for _, d := range dirs {
@@ -178,7 +94,7 @@ func (b *bundleConfig) hostRoot() ([]ociMnt, error) {
 			return nil, err
 		}
 	}
-	var mounts []ociMnt
+	var mounts []specs.Mount
 	for _, m := range b.template.Mounts {
 		switch m.Kind {
 		case template.Symlink:
@@ -186,8 +102,7 @@ func (b *bundleConfig) hostRoot() ([]ociMnt, error) {
 				return nil, err
 			}
 		case template.Dir, template.File:
-			mounts = append(mounts, ociMnt{Destination: m.Dest, Type: "bind", Source: m.Source,
-				Options: []string{"rbind", "ro", "nosuid", "nodev"}})
+			mounts = append(mounts, bind(m.Dest, m.Source, "rbind", "ro", "nosuid", "nodev"))
 		}
 	}
 	return mounts, nil
@@ -228,8 +143,9 @@ func (b *bundleConfig) imageRoot() error {
 	return nil
 }
 
+// write prepares the root and writes config.json.
 func (b *bundleConfig) write() error {
-	var mounts []ociMnt
+	var mounts []specs.Mount
 	var err error
 	if b.image {
 		err = b.imageRoot()
@@ -239,62 +155,13 @@ func (b *bundleConfig) write() error {
 	if err != nil {
 		return err
 	}
-	shm := fmt.Sprintf("size=%d", b.shmBytes)
-	mounts = append(mounts,
-		ociMnt{"/proc", "proc", "proc", []string{"nosuid", "noexec", "nodev"}},
-		ociMnt{"/dev", "tmpfs", "tmpfs", []string{"nosuid", "strictatime", "mode=755", "size=65536k"}},
-		ociMnt{"/dev/pts", "devpts", "devpts", []string{"nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620"}},
-		ociMnt{"/dev/shm", "tmpfs", "shm", []string{"nosuid", "noexec", "nodev", "mode=1777", shm}},
-	)
-	if !b.image {
-		mounts = append(mounts,
-			ociMnt{"/tmp", "bind", filepath.Join(b.disk, "tmp"), []string{"rbind", "rw", "nosuid", "nodev"}},
-			ociMnt{"/var/tmp", "bind", filepath.Join(b.disk, "vartmp"), []string{"rbind", "rw", "nosuid", "nodev"}},
-			ociMnt{"/home", "bind", filepath.Join(b.disk, "home"), []string{"rbind", "rw", "nosuid", "nodev"}},
-			ociMnt{"/root", "bind", filepath.Join(b.disk, "root"), []string{"rbind", "rw", "nosuid", "nodev"}})
-	}
-	mounts = append(mounts, ociMnt{agentInside, "bind", b.agentPath, []string{"bind", "ro", "nosuid", "nodev"}})
-	if b.sockDir != "" {
-		// Read-only: the host's channel socket (see gvisor.go).
-		mounts = append(mounts, ociMnt{sockInside, "bind", b.sockDir, []string{"rbind", "ro", "nosuid", "nodev", "noexec"}})
-	}
-	// Open files: 65536, or the host's own hard limit if lower (a runtime
-	// cannot raise it).
-	nofile := uint64(65536)
-	var rl syscall.Rlimit
-	if syscall.Getrlimit(syscall.RLIMIT_NOFILE, &rl) == nil && rl.Max < nofile {
-		nofile = rl.Max
-	}
-	spec := ociSpec{
-		Version: "1.0.2",
-		Process: ociProc{
-			User: ociUser{0, 0}, Args: b.args, Cwd: "/",
-			Env: []string{"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"},
-			Capabilities: ociCaps{Bounding: containerCaps, Effective: containerCaps, Permitted: containerCaps,
-				Inheritable: []string{}},
-			Rlimits:         []ociRlim{{"RLIMIT_NOFILE", nofile, nofile}},
-			NoNewPrivileges: true,
-		},
-		Root:     ociRoot{Path: b.rootfs, Readonly: !b.image},
+	spec := &specs.Spec{
+		Version:  ociVersion,
+		Process:  b.process(),
+		Root:     &specs.Root{Path: b.rootfs, Readonly: !b.image},
 		Hostname: b.hostname,
-		Mounts:   mounts,
-		Linux: ociLinux{
-			Namespaces:  []ociNS{{Type: "pid"}, {Type: "network"}, {Type: "ipc"}, {Type: "uts"}, {Type: "mount"}, {Type: "cgroup"}},
-			CgroupsPath: b.cgroupPath, MaskedPaths: maskedPaths, ReadonlyPaths: readonlyPaths,
-			Resources: resources(b.limits),
-		},
-	}
-	if b.netns != "" {
-		for i := range spec.Linux.Namespaces {
-			if spec.Linux.Namespaces[i].Type == "network" {
-				spec.Linux.Namespaces[i].Path = b.netns
-			}
-		}
-	}
-	if b.userns {
-		spec.Linux.Namespaces = append(spec.Linux.Namespaces, ociNS{Type: "user"})
-		m := []ociIDMap{{0, b.idBase, 65536}}
-		spec.Linux.UIDMappings, spec.Linux.GIDMappings = m, m
+		Mounts:   b.mounts(mounts),
+		Linux:    b.linux(),
 	}
 	data, err := json.MarshalIndent(spec, "", "  ")
 	if err != nil {
@@ -303,16 +170,89 @@ func (b *bundleConfig) write() error {
 	return os.WriteFile(filepath.Join(b.dir, "config.json"), data, 0o600)
 }
 
-func resources(l cgroups.Limits) *ociResources {
-	r := &ociResources{}
+func bind(dest, src string, options ...string) specs.Mount {
+	return specs.Mount{Destination: dest, Type: "bind", Source: src, Options: options}
+}
+
+// mounts follows the root's own (the host template's binds) with the
+// kernel filesystems, the disk's directories (the host template), the
+// agent and (gVisor) the channel's directory.
+func (b *bundleConfig) mounts(mounts []specs.Mount) []specs.Mount {
+	shm := fmt.Sprintf("size=%d", b.shmBytes)
+	mounts = append(mounts,
+		specs.Mount{Destination: "/proc", Type: "proc", Source: "proc", Options: []string{"nosuid", "noexec", "nodev"}},
+		specs.Mount{Destination: "/dev", Type: "tmpfs", Source: "tmpfs",
+			Options: []string{"nosuid", "strictatime", "mode=755", "size=65536k"}},
+		specs.Mount{Destination: "/dev/pts", Type: "devpts", Source: "devpts",
+			Options: []string{"nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620"}},
+		specs.Mount{Destination: "/dev/shm", Type: "tmpfs", Source: "shm",
+			Options: []string{"nosuid", "noexec", "nodev", "mode=1777", shm}},
+	)
+	if !b.image {
+		for _, d := range []struct{ dest, dir string }{{"/tmp", "tmp"}, {"/var/tmp", "vartmp"}, {"/home", "home"}, {"/root", "root"}} {
+			mounts = append(mounts, bind(d.dest, filepath.Join(b.disk, d.dir), "rbind", "rw", "nosuid", "nodev"))
+		}
+	}
+	mounts = append(mounts, bind(agentInside, b.agentPath, "bind", "ro", "nosuid", "nodev"))
+	if b.sockDir != "" {
+		// Read-only: the host's channel socket (see gvisor.go).
+		mounts = append(mounts, bind(sockInside, b.sockDir, "rbind", "ro", "nosuid", "nodev", "noexec"))
+	}
+	return mounts
+}
+
+// process is the container's init: root, with containerCaps and
+// no_new_privs.
+func (b *bundleConfig) process() *specs.Process {
+	// Open files: 65536, or the host's own hard limit if lower (a runtime
+	// cannot raise it).
+	nofile := uint64(65536)
+	var rl syscall.Rlimit
+	if syscall.Getrlimit(syscall.RLIMIT_NOFILE, &rl) == nil && rl.Max < nofile {
+		nofile = rl.Max
+	}
+	return &specs.Process{
+		User: specs.User{UID: 0, GID: 0}, Args: b.args, Cwd: "/",
+		Env: []string{"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"},
+		Capabilities: &specs.LinuxCapabilities{Bounding: containerCaps, Effective: containerCaps,
+			Permitted: containerCaps},
+		Rlimits:         []specs.POSIXRlimit{{Type: "RLIMIT_NOFILE", Hard: nofile, Soft: nofile}},
+		NoNewPrivileges: true,
+	}
+}
+
+// linux names the namespaces (the network's joined when the sandbox has
+// one; a user namespace mapped to the sandbox's ids under runc), the paths
+// masked, and the cgroup with its limits.
+func (b *bundleConfig) linux() *specs.Linux {
+	l := &specs.Linux{
+		Namespaces: []specs.LinuxNamespace{{Type: specs.PIDNamespace}, {Type: specs.NetworkNamespace, Path: b.netns},
+			{Type: specs.IPCNamespace}, {Type: specs.UTSNamespace}, {Type: specs.MountNamespace},
+			{Type: specs.CgroupNamespace}},
+		CgroupsPath: b.cgroupPath, MaskedPaths: maskedPaths, ReadonlyPaths: readonlyPaths,
+		Resources: resources(b.limits),
+	}
+	if b.userns {
+		l.Namespaces = append(l.Namespaces, specs.LinuxNamespace{Type: specs.UserNamespace})
+		m := []specs.LinuxIDMapping{{ContainerID: 0, HostID: b.idBase, Size: 65536}}
+		l.UIDMappings, l.GIDMappings = m, m
+	}
+	return l
+}
+
+func resources(l cgroups.Limits) *specs.LinuxResources {
+	r := &specs.LinuxResources{}
 	if l.MemoryBytes > 0 {
-		r.Memory = &ociMemory{Limit: l.MemoryBytes, Swap: l.MemoryBytes}
+		limit, swap := l.MemoryBytes, l.MemoryBytes
+		r.Memory = &specs.LinuxMemory{Limit: &limit, Swap: &swap}
 	}
 	if l.CPUs > 0 {
-		r.CPU = &ociCPU{Quota: int64(l.CPUs * 100000), Period: 100000}
+		quota, period := int64(l.CPUs*100000), uint64(100000)
+		r.CPU = &specs.LinuxCPU{Quota: &quota, Period: &period}
 	}
 	if l.Pids > 0 {
-		r.Pids = &ociPids{Limit: l.Pids}
+		limit := l.Pids
+		r.Pids = &specs.LinuxPids{Limit: &limit}
 	}
 	return r
 }
