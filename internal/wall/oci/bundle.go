@@ -9,7 +9,6 @@ import (
 
 	specs "github.com/opencontainers/runtime-spec/specs-go"
 
-	"github.com/cagehq/cage/internal/cgroups"
 	"github.com/cagehq/cage/internal/template"
 )
 
@@ -56,8 +55,7 @@ type bundleConfig struct {
 	disk       string // host directory holding the disk's tmp, vartmp, home, root
 	sockDir    string // host directory of the channel's socket, bound read-only ("" = none)
 	idBase     uint32 // host uid/gid of the container's 0, or 0 for no user namespace
-	cgroupPath string
-	limits     cgroups.Limits
+	cgroupPath string // the group cage made and limited (see linux)
 	shmBytes   int64
 	userns     bool
 	args       []string // the container's process: the agent, or a bare command (RunBare)
@@ -223,14 +221,23 @@ func (b *bundleConfig) process() *specs.Process {
 
 // linux names the namespaces (the network's joined when the sandbox has
 // one; a user namespace mapped to the sandbox's ids under runc), the paths
-// masked, and the cgroup with its limits.
+// masked, and the cgroup.
+//
+// The bundle names the group cage made (cgroups.Manager.Create, before the
+// runtime starts) and sets no linux.resources: cage's group is what limits
+// the sandbox. It must exist first, as the agent is handed its OOM and
+// pids event files opened on the host (the exit reasons oom and
+// pids_limit); it turns swap off as each cgroup version needs (a thing
+// linux.resources says differently per runtime); and it is the code every
+// wall limits with. runsc, finding the group there, ignores
+// linux.resources altogether and sizes the sandbox from the group's own
+// files; runc wrote the same values again.
 func (b *bundleConfig) linux() *specs.Linux {
 	l := &specs.Linux{
 		Namespaces: []specs.LinuxNamespace{{Type: specs.PIDNamespace}, {Type: specs.NetworkNamespace, Path: b.netns},
 			{Type: specs.IPCNamespace}, {Type: specs.UTSNamespace}, {Type: specs.MountNamespace},
 			{Type: specs.CgroupNamespace}},
 		CgroupsPath: b.cgroupPath, MaskedPaths: maskedPaths, ReadonlyPaths: readonlyPaths,
-		Resources: resources(b.limits),
 	}
 	if b.userns {
 		l.Namespaces = append(l.Namespaces, specs.LinuxNamespace{Type: specs.UserNamespace})
@@ -238,21 +245,4 @@ func (b *bundleConfig) linux() *specs.Linux {
 		l.UIDMappings, l.GIDMappings = m, m
 	}
 	return l
-}
-
-func resources(l cgroups.Limits) *specs.LinuxResources {
-	r := &specs.LinuxResources{}
-	if l.MemoryBytes > 0 {
-		limit, swap := l.MemoryBytes, l.MemoryBytes
-		r.Memory = &specs.LinuxMemory{Limit: &limit, Swap: &swap}
-	}
-	if l.CPUs > 0 {
-		quota, period := int64(l.CPUs*100000), uint64(100000)
-		r.CPU = &specs.LinuxCPU{Quota: &quota, Period: &period}
-	}
-	if l.Pids > 0 {
-		limit := l.Pids
-		r.Pids = &specs.LinuxPids{Limit: &limit}
-	}
-	return r
 }

@@ -261,7 +261,7 @@ func Create(ctx context.Context, cfg Config) (sb *Sandbox, err error) {
 	}
 	b := &bundleConfig{dir: filepath.Join(sb.dir, "bundle"), rootfs: sb.rootfs, id: cfg.ID, hostname: hostname,
 		agentPath: agentCopy, template: cfg.Template, disk: sb.diskMount,
-		cgroupPath: cgroupsPath(cfg.Cgroups, cfg.ID), limits: cfg.Limits, shmBytes: cfg.ShmBytes,
+		cgroupPath: cgroupsPath(cfg.Cgroups, cfg.ID), shmBytes: cfg.ShmBytes,
 		idBase: uint32(sb.ids.Base), userns: !cfg.Runtime.gvisor(), args: []string{agentInside, "serve"},
 		netns: sb.netns, resolvConf: resolvConf, image: cfg.Template.Image != nil}
 	if cfg.bare != nil {
