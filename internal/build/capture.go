@@ -13,7 +13,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
-	"github.com/cagehq/cage/internal/template"
+	"github.com/cagehq/cage/internal/inside"
 	"github.com/cagehq/cage/internal/wall"
 )
 
@@ -122,7 +122,7 @@ func (c *capturer) openSame(p string, flags int, st *syscall.Stat_t) (*os.File, 
 }
 
 func skipped(p string) bool {
-	for _, a := range template.BuildArtifacts {
+	for _, a := range inside.BuildArtifacts {
 		if p == a || strings.HasPrefix(p, a+"/") {
 			return true
 		}

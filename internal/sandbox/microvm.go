@@ -9,10 +9,10 @@ import (
 	"path/filepath"
 
 	"github.com/cagehq/cage/internal/cgroups"
+	"github.com/cagehq/cage/internal/inside"
 	"github.com/cagehq/cage/internal/vm"
 	"github.com/cagehq/cage/internal/wall"
 	"github.com/cagehq/cage/internal/wall/microvm"
-	"github.com/cagehq/cage/internal/wall/process"
 	"github.com/cagehq/cage/internal/wall/state"
 )
 
@@ -114,9 +114,9 @@ func (h *Host) createMicroVM(ctx context.Context, o Options) (wall.Sandbox, erro
 	accel, _ := h.MicroVMAccel(ctx)
 	sb, err := microvm.Create(ctx, microvm.Config{
 		ID: o.ID, RunDir: h.RunDir, Cache: h.microvmCache(), AgentPath: h.AgentPath, Kernel: k, Template: tmpl, Accel: accel,
-		Limits:  cgroups.Limits{MemoryBytes: o.Memory, CPUs: o.CPUs, Pids: o.Pids + process.AgentThreads},
+		Limits:  cgroups.Limits{MemoryBytes: o.Memory, CPUs: o.CPUs, Pids: o.Pids + inside.AgentThreads},
 		Cgroups: h.Cgroups, DiskBytes: o.Disk, ShmBytes: o.Shm, Token: o.Token, Env: tmpl.EnvWith(o.Env), MaxOutput: o.MaxOutput,
-		Threads: process.AgentThreads, Log: h.Log, Net: netHost, NetPolicy: o.Net,
+		Threads: inside.AgentThreads, Log: h.Log, Net: netHost, NetPolicy: o.Net,
 	})
 	if err != nil {
 		if errors.Is(err, context.DeadlineExceeded) || errors.Is(err, context.Canceled) {

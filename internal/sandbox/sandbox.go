@@ -18,6 +18,7 @@ import (
 	"github.com/cagehq/cage/internal/cgroups"
 	"github.com/cagehq/cage/internal/ids"
 	"github.com/cagehq/cage/internal/imgstore"
+	"github.com/cagehq/cage/internal/inside"
 	"github.com/cagehq/cage/internal/network"
 	"github.com/cagehq/cage/internal/template"
 	"github.com/cagehq/cage/internal/units"
@@ -311,7 +312,7 @@ func (h *Host) Start(sb *process.Sandbox, o Options) error {
 	}
 	err = sb.Start(process.Spec{
 		Template:  tmpl,
-		Limits:    cgroups.Limits{MemoryBytes: o.Memory, CPUs: o.CPUs, Pids: o.Pids + process.AgentThreads},
+		Limits:    cgroups.Limits{MemoryBytes: o.Memory, CPUs: o.CPUs, Pids: o.Pids + inside.AgentThreads},
 		DiskBytes: o.Disk,
 		ShmBytes:  o.Shm,
 		Token:     o.Token,

@@ -9,9 +9,9 @@ import (
 
 	"github.com/cagehq/cage/internal/cgroups"
 	"github.com/cagehq/cage/internal/ids"
+	"github.com/cagehq/cage/internal/inside"
 	"github.com/cagehq/cage/internal/wall"
 	"github.com/cagehq/cage/internal/wall/oci"
-	"github.com/cagehq/cage/internal/wall/process"
 )
 
 // Walls lists every wall cage knows, in order of hardness.
@@ -79,9 +79,9 @@ func (h *Host) createOCI(ctx context.Context, o Options) (wall.Sandbox, error) {
 	}
 	sb, err := oci.Create(ctx, oci.Config{
 		ID: o.ID, AgentPath: h.AgentPath, RunDir: h.RunDir, Cgroups: h.Cgroups, Runtime: h.Runtimes[o.Wall],
-		Template: tmpl, Limits: cgroups.Limits{MemoryBytes: o.Memory, CPUs: o.CPUs, Pids: o.Pids + process.AgentThreads},
+		Template: tmpl, Limits: cgroups.Limits{MemoryBytes: o.Memory, CPUs: o.CPUs, Pids: o.Pids + inside.AgentThreads},
 		DiskBytes: o.Disk, ShmBytes: o.Shm, Token: o.Token, Env: tmpl.EnvWith(o.Env), MaxOutput: o.MaxOutput,
-		Threads: process.AgentThreads, DieWithCaller: o.DieWithCaller, Log: h.Log,
+		Threads: inside.AgentThreads, DieWithCaller: o.DieWithCaller, Log: h.Log,
 		Net: netHost, NetPolicy: o.Net,
 	})
 	if err != nil {

@@ -12,6 +12,7 @@ import (
 	"sort"
 	"strings"
 
+	"github.com/cagehq/cage/internal/inside"
 	"github.com/cagehq/cage/internal/rocache"
 )
 
@@ -23,19 +24,10 @@ import (
 // or renames a file), so a changed host gets a fresh copy while sandboxes
 // still running keep the one they started with.
 
-// Accounts of every sandbox: root, the default user (uid 1000), the agent's
-// own account, and nobody.
-const (
-	UserName  = "user"
-	UserUID   = 1000
-	AgentName = "cage-agent"
-	AgentUID  = 65533
-)
-
 var generatedEtc = map[string]string{
 	"passwd": fmt.Sprintf("root:x:0:0:root:/root:/bin/bash\n%s:x:%d:%d:%s:/home/%s:/bin/bash\n%s:x:%d:%d::/nonexistent:/usr/sbin/nologin\nnobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n",
-		UserName, UserUID, UserUID, UserName, UserName, AgentName, AgentUID, AgentUID),
-	"group":  fmt.Sprintf("root:x:0:\ntty:x:5:\n%s:x:%d:\n%s:x:%d:\nnogroup:x:65534:\n", UserName, UserUID, AgentName, AgentUID),
+		inside.UserName, inside.UserUID, inside.UserUID, inside.UserName, inside.UserName, inside.AgentName, inside.AgentUID, inside.AgentUID),
+	"group":  fmt.Sprintf("root:x:0:\ntty:x:5:\n%s:x:%d:\n%s:x:%d:\nnogroup:x:65534:\n", inside.UserName, inside.UserUID, inside.AgentName, inside.AgentUID),
 	"shadow": "",
 }
 
@@ -183,28 +175,3 @@ func PruneCaches(cacheDir string) { rocache.Prune(filepath.Join(cacheDir, "host"
 
 // RemoveCache unmounts and removes one cached copy.
 func RemoveCache(path string) { rocache.Remove(path) }
-
-// NoNetworkResolvConf is the resolv.conf of a sandbox without a network.
-const NoNetworkResolvConf = "# cage: this sandbox has no network\n"
-
-// HostsFile is a sandbox's /etc/hosts: localhost and its own name.
-func HostsFile(hostname string) string {
-	return strings.Join([]string{"127.0.0.1\tlocalhost", "::1\tlocalhost ip6-localhost ip6-loopback",
-		"127.0.1.1\t" + hostname, ""}, "\n")
-}
-
-// WriteIdentity writes the files that name one sandbox, hosts and hostname,
-// and its resolv.conf into dir, which the sandbox sees as /run/cage (its
-// /etc links there).
-func WriteIdentity(dir, hostname, resolvConf string) error {
-	if err := os.MkdirAll(dir, 0o755); err != nil {
-		return err
-	}
-	if err := os.WriteFile(filepath.Join(dir, "hosts"), []byte(HostsFile(hostname)), 0o644); err != nil {
-		return err
-	}
-	if err := os.WriteFile(filepath.Join(dir, "resolv.conf"), []byte(resolvConf), 0o644); err != nil {
-		return err
-	}
-	return os.WriteFile(filepath.Join(dir, "hostname"), []byte(hostname+"\n"), 0o644)
-}

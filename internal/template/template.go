@@ -13,33 +13,17 @@ import (
 	"time"
 
 	"github.com/cagehq/cage/internal/imgstore"
+	"github.com/cagehq/cage/internal/inside"
 )
 
 // ErrNotFound is returned for a template name that does not exist.
 var ErrNotFound = errors.New("template not found")
 
-// Kind is what a Mount puts at its destination.
-type Kind string
-
-const (
-	Dir     Kind = "dir"     // a read-only recursive bind of a host directory
-	File    Kind = "file"    // a read-only bind of a host file
-	Symlink Kind = "symlink" // a symlink with Target
-)
-
-// Mount is one entry of a sandbox's root filesystem taken from the host.
-type Mount struct {
-	Kind   Kind   `json:"kind"`
-	Source string `json:"source,omitempty"` // host path (Dir, File)
-	Dest   string `json:"dest"`             // path inside the sandbox
-	Target string `json:"target,omitempty"` // Symlink target
-}
-
 // Template is a resolved template: what to mount, in order (the host
 // template), or an image from the store.
 type Template struct {
 	Name     string
-	Mounts   []Mount
+	Mounts   []inside.Mount
 	EtcCache string // the prepared /etc directory in use
 	Image    *Image // an image template (Mounts and EtcCache are empty)
 	// Build marks a template build's sandbox (process wall): root keeps the
@@ -125,31 +109,31 @@ func hostTemplate(cacheDir string) (*Template, error) {
 		return nil, err
 	}
 	t.EtcCache = dir
-	t.Mounts = append(t.Mounts, Mount{Kind: Dir, Source: dir, Dest: "/etc"})
+	t.Mounts = append(t.Mounts, inside.Mount{Kind: inside.Dir, Source: dir, Dest: "/etc"})
 	return t, nil
 }
 
 // hostMount describes how to bring host path src to dest; ok is false when
 // src does not exist on this host.
-func hostMount(src, dest string) (Mount, bool, error) {
+func hostMount(src, dest string) (inside.Mount, bool, error) {
 	fi, err := os.Lstat(src)
 	if errors.Is(err, os.ErrNotExist) {
-		return Mount{}, false, nil
+		return inside.Mount{}, false, nil
 	}
 	if err != nil {
-		return Mount{}, false, err
+		return inside.Mount{}, false, err
 	}
 	switch {
 	case fi.Mode()&os.ModeSymlink != 0:
 		target, err := os.Readlink(src)
 		if err != nil {
-			return Mount{}, false, err
+			return inside.Mount{}, false, err
 		}
-		return Mount{Kind: Symlink, Dest: dest, Target: target}, true, nil
+		return inside.Mount{Kind: inside.Symlink, Dest: dest, Target: target}, true, nil
 	case fi.IsDir():
-		return Mount{Kind: Dir, Source: src, Dest: dest}, true, nil
+		return inside.Mount{Kind: inside.Dir, Source: src, Dest: dest}, true, nil
 	case fi.Mode().IsRegular():
-		return Mount{Kind: File, Source: src, Dest: dest}, true, nil
+		return inside.Mount{Kind: inside.File, Source: src, Dest: dest}, true, nil
 	}
-	return Mount{}, false, nil
+	return inside.Mount{}, false, nil
 }

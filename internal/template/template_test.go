@@ -6,6 +6,8 @@ import (
 	"path/filepath"
 	"testing"
 	"time"
+
+	"github.com/cagehq/cage/internal/inside"
 )
 
 func TestLookupUnknown(t *testing.T) {
@@ -38,9 +40,9 @@ func TestHostTemplate(t *testing.T) {
 	for _, m := range tmpl.Mounts {
 		switch m.Dest {
 		case "/etc":
-			etc = m.Kind == Dir && m.Source == tmpl.EtcCache
+			etc = m.Kind == inside.Dir && m.Source == tmpl.EtcCache
 		case "/usr":
-			usr = m.Kind == Dir && m.Source == "/usr"
+			usr = m.Kind == inside.Dir && m.Source == "/usr"
 		}
 	}
 	if !etc || !usr {

@@ -18,8 +18,8 @@ import (
 
 	fspb "github.com/cagehq/cage/api/gen/filesystem"
 	"github.com/cagehq/cage/internal/agentclient"
+	"github.com/cagehq/cage/internal/inside"
 	"github.com/cagehq/cage/internal/sandbox"
-	"github.com/cagehq/cage/internal/template"
 )
 
 // Resource-exhaustion rows.
@@ -279,14 +279,14 @@ sleep 0.3; ps -eo ppid=,args= | grep -c '^ *1 sleep 4[23]4[23]'`, asUser(user))
 	if strings.TrimSpace(out) == "0" {
 		t.Errorf("no orphan was reparented to PID 1: %q", out)
 	}
-	// The agent runs as the sandbox's uid 65533 (template.AgentUID); the
+	// The agent runs as the sandbox's uid 65533 (inside.AgentUID); the
 	// range starts 65533 below its host uid. gVisor's processes are not host
 	// processes at all (the sentry runs them), so there is no range to scan.
 	agentUID, ok := hostUID(strconv.Itoa(b.sb.AgentPID()))
 	if !ok {
 		t.Fatal("cannot read the agent's host uid")
 	}
-	base := agentUID - template.AgentUID
+	base := agentUID - inside.AgentUID
 	scanRange := b.sb.Wall() != "gvisor"
 	starts := map[int]string{}
 	for _, pid := range b.sb.Cgroup().Procs() {

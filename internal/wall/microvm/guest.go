@@ -18,11 +18,10 @@ import (
 
 	"github.com/cagehq/cage/internal/agent"
 	"github.com/cagehq/cage/internal/cgroups"
+	"github.com/cagehq/cage/internal/inside"
 	"github.com/cagehq/cage/internal/seal"
-	"github.com/cagehq/cage/internal/template"
 	"github.com/cagehq/cage/internal/vm"
 	"github.com/cagehq/cage/internal/wall/channel"
-	"github.com/cagehq/cage/internal/wall/process"
 )
 
 // guestAgent is the agent in the guest: PID 1 of the sandbox's PID
@@ -75,12 +74,12 @@ func guestAgent(port *os.File) error {
 }
 
 // writeNames puts the hostname into /run/cage/hostname and hosts, which
-// template.PrepareImageRoot made when the root was mounted for a snapshot,
+// inside.PrepareImageRoot made when the root was mounted for a snapshot,
 // without the name. The same content, written in place: a restored guest
 // runs every code path for the first time, slowly under TCG, and these
 // few writes cost less than preparing the root again.
 func writeNames(hostname string) error {
-	for name, content := range map[string]string{"/run/cage/hosts": template.HostsFile(hostname), "/run/cage/hostname": hostname + "\n"} {
+	for name, content := range map[string]string{"/run/cage/hosts": inside.HostsFile(hostname), "/run/cage/hostname": hostname + "\n"} {
 		if err := os.WriteFile(name, []byte(content), 0o644); err != nil {
 			return err
 		}
@@ -96,7 +95,7 @@ func writeNames(hostname string) error {
 // cost less to make after the restore than the sealing of each costs
 // (seal.Seal touches every thread).
 func warmUp() error {
-	if err := process.LoopbackUp(); err != nil {
+	if err := inside.LoopbackUp(); err != nil {
 		return err
 	}
 	warmFile("/bin/sh")
@@ -151,7 +150,7 @@ func serve(sess *yamux.Session, first net.Conn, sp spec, restored bool) error {
 			fmt.Fprintf(first, "error: %v\n", err)
 			return err
 		}
-	} else if err := process.LoopbackUp(); err != nil {
+	} else if err := inside.LoopbackUp(); err != nil {
 		return err
 	}
 	if sp.Net != nil {
@@ -166,14 +165,14 @@ func serve(sess *yamux.Session, first net.Conn, sp spec, restored bool) error {
 		return err
 	}
 	srv, err := agent.New(agent.Config{
-		Token: sp.Token, DefaultUser: template.UserName, Env: sp.Env, MaxOutput: sp.MaxOutput,
-		SpawnThreadSetup: spawnThread, AgentUID: template.AgentUID, Threads: sp.Threads,
+		Token: sp.Token, DefaultUser: inside.UserName, Env: sp.Env, MaxOutput: sp.MaxOutput,
+		SpawnThreadSetup: spawnThread, AgentUID: inside.AgentUID, Threads: sp.Threads,
 		Limits: limits,
 	})
 	if err != nil {
 		return err
 	}
-	if _, err := seal.Seal(seal.Options{AgentUID: template.AgentUID, WritableRoot: true}); err != nil {
+	if _, err := seal.Seal(seal.Options{AgentUID: inside.AgentUID, WritableRoot: true}); err != nil {
 		return err
 	}
 	if _, err := io.WriteString(first, ready); err != nil {
@@ -328,7 +327,7 @@ func addEntropy(b []byte) error {
 // is out of the chroot's reach by path).
 func resizeDisk(dir *os.File, size, shm int64) error {
 	target := "/proc/self/fd/" + strconv.Itoa(int(dir.Fd()))
-	opts := fmt.Sprintf("size=%d,nr_inodes=%d", size, process.InodesFor(size))
+	opts := fmt.Sprintf("size=%d,nr_inodes=%d", size, inside.InodesFor(size))
 	if err := unix.Mount("", target, "", unix.MS_REMOUNT|unix.MS_NODEV, opts); err != nil {
 		return fmt.Errorf("resize the disk: %w", err)
 	}
@@ -361,7 +360,7 @@ func switchRoot(sp spec) (*os.File, error) {
 	if err := unix.Mount("/dev/vda", "/lower", "ext4", unix.MS_RDONLY|unix.MS_NODEV, ""); err != nil {
 		return nil, fmt.Errorf("mount the template image: %w", err)
 	}
-	opts := fmt.Sprintf("mode=755,size=%d,nr_inodes=%d", sp.DiskBytes, process.InodesFor(sp.DiskBytes))
+	opts := fmt.Sprintf("mode=755,size=%d,nr_inodes=%d", sp.DiskBytes, inside.InodesFor(sp.DiskBytes))
 	if err := unix.Mount("tmpfs", "/rw", "tmpfs", unix.MS_NODEV, opts); err != nil {
 		return nil, fmt.Errorf("mount the disk: %w", err)
 	}
@@ -382,10 +381,10 @@ func switchRoot(sp spec) (*os.File, error) {
 		"lowerdir=/lower,upperdir=/rw/upper,workdir=/rw/ovl"); err != nil {
 		return nil, fmt.Errorf("mount the root overlay: %w", err)
 	}
-	if err := template.PrepareImageRoot("/newroot", sp.Hostname, func(id int) int { return id }, false); err != nil {
+	if err := inside.PrepareImageRoot("/newroot", sp.Hostname, func(id int) int { return id }, false); err != nil {
 		return nil, err
 	}
-	if err := process.BuildDev("/newroot", sp.ShmBytes); err != nil {
+	if err := inside.BuildDev("/newroot", sp.ShmBytes); err != nil {
 		return nil, err
 	}
 	// Guest root owns the tmpfs under the nodes: read-only, as Landlock
@@ -393,7 +392,7 @@ func switchRoot(sp spec) (*os.File, error) {
 	if err := unix.Mount("", "/newroot/dev", "", unix.MS_REMOUNT|unix.MS_BIND|unix.MS_RDONLY|unix.MS_NOSUID|unix.MS_NOEXEC, ""); err != nil {
 		return nil, fmt.Errorf("read-only /dev: %w", err)
 	}
-	if err := process.MountProc("/newroot"); err != nil {
+	if err := inside.MountProc("/newroot"); err != nil {
 		return nil, err
 	}
 	if err := vm.KeepDevices(); err != nil {

@@ -12,9 +12,9 @@ import (
 
 	"github.com/cagehq/cage/internal/agent"
 	"github.com/cagehq/cage/internal/cgroups"
+	"github.com/cagehq/cage/internal/inside"
 	"github.com/cagehq/cage/internal/seal"
 	"github.com/cagehq/cage/internal/wall/channel"
-	"github.com/cagehq/cage/internal/wall/process"
 )
 
 // Child side: `cage-agent serve`, the container's init under runc or runsc.
@@ -127,7 +127,7 @@ func Serve() error {
 		}
 	}
 	if spec.LoopbackUp {
-		if err := process.LoopbackUp(); err != nil {
+		if err := inside.LoopbackUp(); err != nil {
 			return err
 		}
 	}

@@ -9,6 +9,7 @@ import (
 
 	specs "github.com/opencontainers/runtime-spec/specs-go"
 
+	"github.com/cagehq/cage/internal/inside"
 	"github.com/cagehq/cage/internal/template"
 )
 
@@ -77,9 +78,9 @@ func (b *bundleConfig) hostRoot() ([]specs.Mount, error) {
 	// The files that name the sandbox, and the mount point of the agent.
 	resolvConf := b.resolvConf
 	if resolvConf == "" {
-		resolvConf = template.NoNetworkResolvConf
+		resolvConf = inside.NoNetworkResolvConf
 	}
-	if err := template.WriteIdentity(filepath.Join(rootfs, "run", "cage"), b.hostname, resolvConf); err != nil {
+	if err := inside.WriteIdentity(filepath.Join(rootfs, "run", "cage"), b.hostname, resolvConf); err != nil {
 		return nil, err
 	}
 	if f, err := os.OpenFile(filepath.Join(rootfs, agentInside), os.O_CREATE|os.O_WRONLY, 0o755); err == nil {
@@ -95,11 +96,11 @@ func (b *bundleConfig) hostRoot() ([]specs.Mount, error) {
 	var mounts []specs.Mount
 	for _, m := range b.template.Mounts {
 		switch m.Kind {
-		case template.Symlink:
+		case inside.Symlink:
 			if err := os.Symlink(m.Target, filepath.Join(rootfs, m.Dest)); err != nil && !os.IsExist(err) {
 				return nil, err
 			}
-		case template.Dir, template.File:
+		case inside.Dir, inside.File:
 			mounts = append(mounts, bind(m.Dest, m.Source, "rbind", "ro", "nosuid", "nodev"))
 		}
 	}
@@ -114,7 +115,7 @@ func (b *bundleConfig) imageRoot() error {
 	if b.userns {
 		hostID = func(id int) int { return int(b.idBase) + id }
 	}
-	if err := template.PrepareImageRoot(b.rootfs, b.hostname, hostID, b.template.Build); err != nil {
+	if err := inside.PrepareImageRoot(b.rootfs, b.hostname, hostID, b.template.Build); err != nil {
 		return err
 	}
 	r, err := os.OpenRoot(b.rootfs)

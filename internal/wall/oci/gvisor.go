@@ -8,7 +8,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
-	"github.com/cagehq/cage/internal/template"
+	"github.com/cagehq/cage/internal/inside"
 	"github.com/cagehq/cage/internal/wall/channel"
 )
 
@@ -49,7 +49,7 @@ func (sb *Sandbox) listenChannel() ([]byte, error) {
 	if err := os.Mkdir(dir, 0o755); err != nil {
 		return nil, err
 	}
-	if sb.ch, err = channel.Listen(filepath.Join(dir, chanSocket), key, template.AgentUID); err != nil {
+	if sb.ch, err = channel.Listen(filepath.Join(dir, chanSocket), key, inside.AgentUID); err != nil {
 		return nil, err
 	}
 	return key, nil
@@ -74,6 +74,6 @@ func (sb *Sandbox) adoptChannel() error {
 	if _, err := io.ReadFull(f, key); err != nil {
 		return fmt.Errorf("channel key: %w", err)
 	}
-	sb.ch, err = channel.Listen(filepath.Join(sb.dir, chanDir, chanSocket), key, template.AgentUID)
+	sb.ch, err = channel.Listen(filepath.Join(sb.dir, chanDir, chanSocket), key, inside.AgentUID)
 	return err
 }

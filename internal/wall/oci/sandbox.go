@@ -27,6 +27,7 @@ import (
 	"github.com/cagehq/cage/internal/cgroups"
 	"github.com/cagehq/cage/internal/hostproc"
 	"github.com/cagehq/cage/internal/ids"
+	"github.com/cagehq/cage/internal/inside"
 	"github.com/cagehq/cage/internal/network"
 	"github.com/cagehq/cage/internal/rocache"
 	"github.com/cagehq/cage/internal/template"
@@ -60,7 +61,7 @@ func (r *Runtime) flags(networked bool) []string {
 // and returns its resolv.conf.
 func (sb *Sandbox) attachNetwork(cfg Config) (string, error) {
 	if cfg.Net == nil || !cfg.NetPolicy.Networked() {
-		return template.NoNetworkResolvConf, nil
+		return inside.NoNetworkResolvConf, nil
 	}
 	path := filepath.Join(sb.dir, "netns")
 	if err := network.NewNamespace(path); err != nil {
@@ -342,7 +343,7 @@ func (sb *Sandbox) makeDisk(cfg Config) error {
 		mode os.FileMode
 		uid  int
 	}{{"tmp", os.ModeSticky | 0o777, 0}, {"vartmp", os.ModeSticky | 0o777, 0}, {"home", 0o755, 0},
-		{"home/user", 0o750, template.UserUID}, {"root", 0o700, 0}}
+		{"home/user", 0o750, inside.UserUID}, {"root", 0o700, 0}}
 	for _, d := range dirs {
 		p := filepath.Join(sb.diskMount, d.name)
 		if err := os.Mkdir(p, d.mode); err != nil {
@@ -378,8 +379,8 @@ func (sb *Sandbox) run(ctx context.Context, cfg Config, key []byte) error {
 		return err
 	}
 	defer pids.Close()
-	spec := serveSpec{Token: cfg.Token, Env: cfg.Env, MaxOutput: cfg.MaxOutput, UserName: template.UserName,
-		AgentUID: template.AgentUID, Threads: cfg.Threads, OOMFD: 4, PidsFD: 5,
+	spec := serveSpec{Token: cfg.Token, Env: cfg.Env, MaxOutput: cfg.MaxOutput, UserName: inside.UserName,
+		AgentUID: inside.AgentUID, Threads: cfg.Threads, OOMFD: 4, PidsFD: 5,
 		LoopbackUp: !cfg.Runtime.gvisor() && sb.netns == "", LifelineFD: -1, WritableRoot: cfg.Template.Image != nil,
 		TrimDev: cfg.Runtime.gvisor()}
 	files := []*os.File{specR, oom, pids, sb.ids.Lock}

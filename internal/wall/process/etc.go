@@ -3,7 +3,7 @@ package process
 import (
 	"path/filepath"
 
-	"github.com/cagehq/cage/internal/template"
+	"github.com/cagehq/cage/internal/inside"
 )
 
 // Child side: the files that name this sandbox. The template's /etc links
@@ -11,5 +11,5 @@ import (
 // sandbox's own root. A sandbox is built without a network; Start rewrites
 // resolv.conf when it gets one (see Child.WaitStart).
 func writeIdentity(root string, spec *initSpec) error {
-	return template.WriteIdentity(filepath.Join(root, "run", "cage"), spec.Hostname, template.NoNetworkResolvConf)
+	return inside.WriteIdentity(filepath.Join(root, "run", "cage"), spec.Hostname, inside.NoNetworkResolvConf)
 }

@@ -13,6 +13,7 @@ import (
 
 	"github.com/cagehq/cage/internal/agent"
 	"github.com/cagehq/cage/internal/cgroups"
+	"github.com/cagehq/cage/internal/inside"
 	"github.com/cagehq/cage/internal/seal"
 	"github.com/cagehq/cage/internal/trace"
 )
@@ -71,7 +72,7 @@ func Init() (*Child, error) {
 		Limits:           limits,
 		SpawnThreadSetup: spawnSetup(spec.Build),
 		AgentUID:         agentUID,
-		Threads:          AgentThreads,
+		Threads:          inside.AgentThreads,
 	}}, nil
 }
 
@@ -93,7 +94,7 @@ func (c *Child) Build() error {
 		{"root filesystem", func() error { return buildRoot(spec) }},
 		{"pivot_root", func() error { return pivot(spec.Root, spec.Image != "") }},
 		{"hostname", func() error { return unix.Sethostname([]byte(spec.Hostname)) }},
-		{"loopback", LoopbackUp},
+		{"loopback", inside.LoopbackUp},
 	}
 	for _, s := range steps {
 		trace.Mark(s.name)

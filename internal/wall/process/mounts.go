@@ -8,20 +8,13 @@ import (
 
 	"golang.org/x/sys/unix"
 
-	"github.com/cagehq/cage/internal/template"
+	"github.com/cagehq/cage/internal/inside"
 	"github.com/cagehq/cage/internal/trace"
 )
 
 // Child side: assemble the sandbox's root on spec.Root inside the new mount
 // namespace, then pivot_root into it. Nothing here is visible to the host:
 // propagation is private, and the namespace dies with the sandbox.
-
-// Paths of /proc that are hidden (files: /dev/null bound over them; dirs: an
-// empty read-only tmpfs) or made read-only, as container runtimes do.
-var (
-	procMasked   = []string{"kcore", "keys", "timer_list", "sched_debug", "latency_stats", "kallsyms", "acpi", "scsi", "asound", "firmware", "interrupts", "kpagecount", "kpageflags", "kpagecgroup", "vmallocinfo"}
-	procReadOnly = []string{"bus", "fs", "irq", "sys", "sysrq-trigger"}
-)
 
 func buildRoot(spec *initSpec) error {
 	if err := unix.Mount("", "/", "", unix.MS_REC|unix.MS_PRIVATE, ""); err != nil {
@@ -35,7 +28,7 @@ func buildRoot(spec *initSpec) error {
 			return err
 		}
 		trace.Mark("root: image")
-		if err := template.PrepareImageRoot(root, spec.Hostname, func(id int) int { return id }, spec.Build); err != nil {
+		if err := inside.PrepareImageRoot(root, spec.Hostname, func(id int) int { return id }, spec.Build); err != nil {
 			return err
 		}
 	} else {
@@ -58,11 +51,11 @@ func buildRoot(spec *initSpec) error {
 		}
 	}
 	trace.Mark("root: dev")
-	if err := BuildDev(root, spec.ShmBytes); err != nil {
+	if err := inside.BuildDev(root, spec.ShmBytes); err != nil {
 		return err
 	}
 	trace.Mark("root: proc")
-	if err := MountProc(root); err != nil {
+	if err := inside.MountProc(root); err != nil {
 		return err
 	}
 	trace.Mark("root: done")
@@ -78,19 +71,19 @@ func buildRoot(spec *initSpec) error {
 }
 
 // placeMount brings one template entry into the new root.
-func placeMount(root string, m template.Mount) error {
+func placeMount(root string, m inside.Mount) error {
 	dst := filepath.Join(root, m.Dest)
 	if err := os.MkdirAll(filepath.Dir(dst), 0o755); err != nil {
 		return err
 	}
 	switch m.Kind {
-	case template.Symlink:
+	case inside.Symlink:
 		return os.Symlink(m.Target, dst)
-	case template.Dir:
+	case inside.Dir:
 		if err := os.Mkdir(dst, 0o755); err != nil && !os.IsExist(err) {
 			return err
 		}
-	case template.File:
+	case inside.File:
 		f, err := os.OpenFile(dst, os.O_CREATE|os.O_WRONLY, 0o644)
 		if err != nil {
 			return err
@@ -99,37 +92,7 @@ func placeMount(root string, m template.Mount) error {
 	default:
 		return fmt.Errorf("template entry %s: unknown kind %q", m.Dest, m.Kind)
 	}
-	return bindMount(m.Source, dst, unix.MOUNT_ATTR_RDONLY|unix.MOUNT_ATTR_NOSUID|unix.MOUNT_ATTR_NODEV)
-}
-
-// bindMount clones the mount tree at src onto dst with extra attributes set
-// on every mount of the tree (a recursive read-only bind that also covers
-// submounts, which a classic MS_BIND remount does not).
-func bindMount(src, dst string, attrs uint64) error {
-	fd, err := unix.OpenTree(unix.AT_FDCWD, src, unix.OPEN_TREE_CLONE|unix.OPEN_TREE_CLOEXEC|unix.AT_RECURSIVE)
-	if err != nil {
-		return fmt.Errorf("bind %s: open_tree: %w", src, err)
-	}
-	defer unix.Close(fd)
-	if attrs != 0 {
-		attr := &unix.MountAttr{Attr_set: attrs}
-		if err := unix.MountSetattr(fd, "", unix.AT_EMPTY_PATH|unix.AT_RECURSIVE, attr); err != nil {
-			return fmt.Errorf("bind %s: mount_setattr: %w", src, err)
-		}
-	}
-	if err := unix.MoveMount(fd, "", unix.AT_FDCWD, dst, unix.MOVE_MOUNT_F_EMPTY_PATH); err != nil {
-		return fmt.Errorf("bind %s on %s: %w", src, dst, err)
-	}
-	return nil
-}
-
-// setAttr sets mount attributes on the mount at path (recursively).
-func setAttr(path string, attrs uint64) error {
-	attr := &unix.MountAttr{Attr_set: attrs}
-	if err := unix.MountSetattr(unix.AT_FDCWD, path, unix.AT_RECURSIVE, attr); err != nil {
-		return fmt.Errorf("mount_setattr %s: %w", path, err)
-	}
-	return nil
+	return inside.BindMount(m.Source, dst, unix.MOUNT_ATTR_RDONLY|unix.MOUNT_ATTR_NOSUID|unix.MOUNT_ATTR_NODEV)
 }
 
 // mountDisk makes the sandbox's writable storage: one size- and inode-limited
@@ -166,7 +129,7 @@ func mountDisk(root string, spec *initSpec) error {
 		if err := os.MkdirAll(target, 0o755); err != nil {
 			return err
 		}
-		if err := bindMount(filepath.Join(stage, src), target, 0); err != nil {
+		if err := inside.BindMount(filepath.Join(stage, src), target, 0); err != nil {
 			return err
 		}
 	}
@@ -174,44 +137,6 @@ func mountDisk(root string, spec *initSpec) error {
 		return fmt.Errorf("unmount disk stage: %w", err)
 	}
 	return os.Remove(stage)
-}
-
-// MountProc mounts a fresh /proc for the sandbox's PID namespace and masks
-// the paths that reveal or touch the host kernel (the microvm guest's
-// sandbox gets the same, for its own kernel).
-func MountProc(root string) error {
-	proc := filepath.Join(root, "proc")
-	if err := os.Mkdir(proc, 0o555); err != nil && !os.IsExist(err) {
-		return err
-	}
-	if err := unix.Mount("proc", proc, "proc", unix.MS_NOSUID|unix.MS_NODEV|unix.MS_NOEXEC, ""); err != nil {
-		return fmt.Errorf("mount /proc: %w", err)
-	}
-	for _, name := range procMasked {
-		p := filepath.Join(proc, name)
-		fi, err := os.Lstat(p)
-		if err != nil {
-			continue // not on this kernel
-		}
-		if fi.IsDir() {
-			err = unix.Mount("tmpfs", p, "tmpfs", unix.MS_RDONLY|unix.MS_NOSUID|unix.MS_NODEV|unix.MS_NOEXEC, "size=4k,nr_inodes=2,mode=555")
-		} else {
-			err = bindMount("/dev/null", p, unix.MOUNT_ATTR_RDONLY|unix.MOUNT_ATTR_NOSUID|unix.MOUNT_ATTR_NOEXEC)
-		}
-		if err != nil {
-			return fmt.Errorf("mask /proc/%s: %w", name, err)
-		}
-	}
-	for _, name := range procReadOnly {
-		p := filepath.Join(proc, name)
-		if _, err := os.Lstat(p); err != nil {
-			continue
-		}
-		if err := bindMount(p, p, unix.MOUNT_ATTR_RDONLY|unix.MOUNT_ATTR_NOSUID|unix.MOUNT_ATTR_NODEV|unix.MOUNT_ATTR_NOEXEC); err != nil {
-			return fmt.Errorf("read-only /proc/%s: %w", name, err)
-		}
-	}
-	return nil
 }
 
 // pivot makes root the process's root and detaches the host's tree.

@@ -21,6 +21,7 @@ import (
 
 	"github.com/cagehq/cage/internal/cgroups"
 	"github.com/cagehq/cage/internal/ids"
+	"github.com/cagehq/cage/internal/inside"
 	"github.com/cagehq/cage/internal/network"
 	"github.com/cagehq/cage/internal/template"
 	"github.com/cagehq/cage/internal/trace"
@@ -203,7 +204,7 @@ func Prepare(ctx context.Context, cfg Config) (sb *Sandbox, err error) {
 	sb.disk, sb.shm = cfg.DiskBytes, cfg.ShmBytes
 	err = sb.send(&initSpec{
 		ID: sb.id, Hostname: ids.Hostname(sb.id), Root: sb.root,
-		Mounts: cfg.Template.Mounts, Image: image, Build: cfg.Template.Build, DiskBytes: sb.disk, DiskInodes: InodesFor(sb.disk),
+		Mounts: cfg.Template.Mounts, Image: image, Build: cfg.Template.Build, DiskBytes: sb.disk, DiskInodes: inside.InodesFor(sb.disk),
 		ShmBytes: sb.shm, UserName: userName, UserUID: userUID, UserGID: userUID,
 		OOMEvents: sb.cg.OOMEventsFile(), PidsEvents: sb.cg.PidsEventsFile(),
 		Debug: trace.On(), DieWithParent: sb.dieWithParent,
@@ -255,7 +256,7 @@ func (sb *Sandbox) Start(s Spec) error {
 		disk = sb.disk
 	}
 	if sb.image && disk != sb.disk {
-		if err := template.ResizeImageDisk(sb.dir, disk, InodesFor(disk)); err != nil {
+		if err := template.ResizeImageDisk(sb.dir, disk, inside.InodesFor(disk)); err != nil {
 			return err
 		}
 	}
@@ -263,7 +264,7 @@ func (sb *Sandbox) Start(s Spec) error {
 		shm = sb.shm
 	}
 	err = sb.send(&startSpec{Token: s.Token, Env: s.Env, MaxOutput: s.MaxOutput,
-		DiskBytes: disk, DiskInodes: InodesFor(disk), ShmBytes: shm, ResolvConf: resolvConf})
+		DiskBytes: disk, DiskInodes: inside.InodesFor(disk), ShmBytes: shm, ResolvConf: resolvConf})
 	sb.specW.Close()
 	sb.specW = nil
 	if err != nil {
@@ -310,9 +311,6 @@ func (sb *Sandbox) renice() {
 	}
 	sb.niced = false
 }
-
-// InodesFor sizes the disk's inode table: one per 8 KiB, at least 4096.
-func InodesFor(bytes int64) int64 { return max(4096, bytes/8192) }
 
 // makeDirs creates the sandbox's state directory and the empty directory its
 // root is mounted on, which belongs to the sandbox's root user.
@@ -437,7 +435,7 @@ func (sb *Sandbox) sendImageRoot(cfg Config, sock *os.File) (string, error) {
 			unix.Close(nsFD)
 		}
 	}()
-	root, err := cfg.Template.MountImage(sb.dir, uint32(sb.ids.Base), once, cfg.DiskBytes, InodesFor(cfg.DiskBytes))
+	root, err := cfg.Template.MountImage(sb.dir, uint32(sb.ids.Base), once, cfg.DiskBytes, inside.InodesFor(cfg.DiskBytes))
 	if err != nil {
 		return "", err
 	}

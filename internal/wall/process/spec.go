@@ -23,7 +23,7 @@
 // sandbox's filesystem.
 package process
 
-import "github.com/cagehq/cage/internal/template"
+import "github.com/cagehq/cage/internal/inside"
 
 // The host sends the child two JSON documents over a pipe. initSpec, once
 // the child is in its cgroups, says how to build the sandbox: the child
@@ -31,10 +31,10 @@ import "github.com/cagehq/cage/internal/template"
 // particular to one request; the child then seals itself and serves. A pool
 // keeps sandboxes between the two.
 type initSpec struct {
-	ID       string           `json:"id"`
-	Hostname string           `json:"hostname"`
-	Root     string           `json:"root"` // host directory the new root is mounted on
-	Mounts   []template.Mount `json:"mounts"`
+	ID       string         `json:"id"`
+	Hostname string         `json:"hostname"`
+	Root     string         `json:"root"` // host directory the new root is mounted on
+	Mounts   []inside.Mount `json:"mounts"`
 	// Image, when set, names a writable root the host mounted (an image
 	// template's overlay); the child gets a detached copy of it on fdRoot
 	// and attaches it instead of building a root from Mounts. The disk is
@@ -80,14 +80,9 @@ const (
 	fdRoot     = 6 // image templates: a socket the host sends the root's mount on
 )
 
-// AgentThreads is how many threads the agent holds (it takes them before it
-// serves); the pids limit is raised by as much, so that the workload's
-// budget is what was asked.
-const AgentThreads = 20
-
 // The sandbox's own user, as the template's accounts define it.
 const (
-	userName = template.UserName
-	userUID  = template.UserUID
-	agentUID = template.AgentUID
+	userName = inside.UserName
+	userUID  = inside.UserUID
+	agentUID = inside.AgentUID
 )

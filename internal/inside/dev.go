@@ -1,4 +1,4 @@
-package process
+package inside
 
 import (
 	"fmt"
@@ -32,7 +32,7 @@ func BuildDev(root string, shmBytes int64) error {
 			return err
 		}
 		f.Close()
-		if err := bindMount(filepath.Join("/dev", name), dst, unix.MOUNT_ATTR_NOSUID|unix.MOUNT_ATTR_NOEXEC); err != nil {
+		if err := BindMount(filepath.Join("/dev", name), dst, unix.MOUNT_ATTR_NOSUID|unix.MOUNT_ATTR_NOEXEC); err != nil {
 			return err
 		}
 	}

@@ -1,0 +1,84 @@
+package inside
+
+import (
+	"fmt"
+	"os"
+	"path/filepath"
+
+	"golang.org/x/sys/unix"
+)
+
+// Paths of /proc that are hidden (files: /dev/null bound over them; dirs: an
+// empty read-only tmpfs) or made read-only, as container runtimes do.
+var (
+	procMasked   = []string{"kcore", "keys", "timer_list", "sched_debug", "latency_stats", "kallsyms", "acpi", "scsi", "asound", "firmware", "interrupts", "kpagecount", "kpageflags", "kpagecgroup", "vmallocinfo"}
+	procReadOnly = []string{"bus", "fs", "irq", "sys", "sysrq-trigger"}
+)
+
+// BindMount clones the mount tree at src onto dst with extra attributes set
+// on every mount of the tree (a recursive read-only bind that also covers
+// submounts, which a classic MS_BIND remount does not).
+func BindMount(src, dst string, attrs uint64) error {
+	fd, err := unix.OpenTree(unix.AT_FDCWD, src, unix.OPEN_TREE_CLONE|unix.OPEN_TREE_CLOEXEC|unix.AT_RECURSIVE)
+	if err != nil {
+		return fmt.Errorf("bind %s: open_tree: %w", src, err)
+	}
+	defer unix.Close(fd)
+	if attrs != 0 {
+		attr := &unix.MountAttr{Attr_set: attrs}
+		if err := unix.MountSetattr(fd, "", unix.AT_EMPTY_PATH|unix.AT_RECURSIVE, attr); err != nil {
+			return fmt.Errorf("bind %s: mount_setattr: %w", src, err)
+		}
+	}
+	if err := unix.MoveMount(fd, "", unix.AT_FDCWD, dst, unix.MOVE_MOUNT_F_EMPTY_PATH); err != nil {
+		return fmt.Errorf("bind %s on %s: %w", src, dst, err)
+	}
+	return nil
+}
+
+// SetAttr sets mount attributes on the mount at path (recursively).
+func SetAttr(path string, attrs uint64) error {
+	attr := &unix.MountAttr{Attr_set: attrs}
+	if err := unix.MountSetattr(unix.AT_FDCWD, path, unix.AT_RECURSIVE, attr); err != nil {
+		return fmt.Errorf("mount_setattr %s: %w", path, err)
+	}
+	return nil
+}
+
+// MountProc mounts a fresh /proc for the sandbox's PID namespace and masks
+// the paths that reveal or touch the host kernel (the microvm guest's
+// sandbox gets the same, for its own kernel).
+func MountProc(root string) error {
+	proc := filepath.Join(root, "proc")
+	if err := os.Mkdir(proc, 0o555); err != nil && !os.IsExist(err) {
+		return err
+	}
+	if err := unix.Mount("proc", proc, "proc", unix.MS_NOSUID|unix.MS_NODEV|unix.MS_NOEXEC, ""); err != nil {
+		return fmt.Errorf("mount /proc: %w", err)
+	}
+	for _, name := range procMasked {
+		p := filepath.Join(proc, name)
+		fi, err := os.Lstat(p)
+		if err != nil {
+			continue // not on this kernel
+		}
+		if fi.IsDir() {
+			err = unix.Mount("tmpfs", p, "tmpfs", unix.MS_RDONLY|unix.MS_NOSUID|unix.MS_NODEV|unix.MS_NOEXEC, "size=4k,nr_inodes=2,mode=555")
+		} else {
+			err = BindMount("/dev/null", p, unix.MOUNT_ATTR_RDONLY|unix.MOUNT_ATTR_NOSUID|unix.MOUNT_ATTR_NOEXEC)
+		}
+		if err != nil {
+			return fmt.Errorf("mask /proc/%s: %w", name, err)
+		}
+	}
+	for _, name := range procReadOnly {
+		p := filepath.Join(proc, name)
+		if _, err := os.Lstat(p); err != nil {
+			continue
+		}
+		if err := BindMount(p, p, unix.MOUNT_ATTR_RDONLY|unix.MOUNT_ATTR_NOSUID|unix.MOUNT_ATTR_NODEV|unix.MOUNT_ATTR_NOEXEC); err != nil {
+			return fmt.Errorf("read-only /proc/%s: %w", name, err)
+		}
+	}
+	return nil
+}
