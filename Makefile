@@ -7,7 +7,7 @@ GOFLAGS_BUILD = -trimpath -ldflags '-s -w'
 RUNSC_VERSION ?= v0.0.0-20260905035102-160fafc42237
 RUNSC_DIR ?= $(CURDIR)/.tools/bin
 
-.PHONY: all build demo test test-unit proto vet fmt bench clean runsc base
+.PHONY: all build demo test test-unit proto api vet fmt bench clean runsc base
 
 all: build
 
@@ -29,6 +29,10 @@ test:
 
 proto:
 	./scripts/gen-proto.sh
+
+# api/types, the control API's Go types, from api/openapi.yaml.
+api:
+	./scripts/gen-api.sh
 
 runsc:
 	mkdir -p $(RUNSC_DIR)
