@@ -17,6 +17,7 @@ import (
 	"strconv"
 	"time"
 
+	"github.com/cagehq/cage/api/types"
 	"github.com/cagehq/cage/internal/manager"
 	"github.com/cagehq/cage/internal/sandbox"
 	"github.com/cagehq/cage/internal/store"
@@ -60,7 +61,7 @@ func Handler(cfg Config) http.Handler {
 	s := &server{cfg: cfg, log: cfg.Log}
 	mux := http.NewServeMux()
 	mux.HandleFunc("GET /health", func(w http.ResponseWriter, r *http.Request) {
-		writeJSON(w, http.StatusOK, map[string]string{"status": "ok"})
+		writeJSON(w, http.StatusOK, types.Health{Status: types.HealthStatusOk})
 	})
 	auth := s.authenticated
 	mux.Handle("POST /sandboxes", auth(s.create(false)))
@@ -124,11 +125,6 @@ func recoverer(log *slog.Logger, next http.Handler) http.Handler {
 	})
 }
 
-type apiError struct {
-	Code    int    `json:"code"`
-	Message string `json:"message"`
-}
-
 func writeJSON(w http.ResponseWriter, status int, v any) {
 	w.Header().Set("Content-Type", "application/json")
 	w.WriteHeader(status)
@@ -136,7 +132,7 @@ func writeJSON(w http.ResponseWriter, status int, v any) {
 }
 
 func writeError(w http.ResponseWriter, status int, msg string) {
-	writeJSON(w, status, apiError{Code: status, Message: msg})
+	writeJSON(w, status, types.Error{Code: int32(status), Message: msg})
 }
 
 // fail maps an error kind to its status.

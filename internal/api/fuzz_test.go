@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/cagehq/cage/api/types"
 	"github.com/cagehq/cage/internal/sandbox"
 )
 
@@ -34,7 +35,7 @@ func FuzzCreateBody(f *testing.F) {
 	s := &server{cfg: Config{DefaultWall: "process", V1Timeout: 15 * time.Second, V2Timeout: 300 * time.Second}}
 	f.Fuzz(func(t *testing.T, data []byte, v2 bool) {
 		r := httptest.NewRequest("POST", "/v2/sandboxes", bytes.NewReader(data))
-		var body newSandbox
+		var body types.NewSandbox
 		if err := decode(r, &body, false); err != nil {
 			if !errors.Is(err, errBadRequest) {
 				t.Fatalf("decode error of the wrong kind: %v", err)

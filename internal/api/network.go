@@ -1,44 +1,27 @@
 package api
 
 import (
-	"encoding/json"
 	"fmt"
 	"net/http"
 
+	"github.com/cagehq/cage/api/types"
 	"github.com/cagehq/cage/internal/manager"
 	"github.com/cagehq/cage/internal/network"
 	"github.com/cagehq/cage/internal/store"
 )
 
-// networkJSON is E2B's network configuration (create, update and detail),
-// with cage's mode. E2B's fields map onto cage's policy: allow_internet_access
-// false, or 0.0.0.0/0 in denyOut, makes an allowlist of allowOut; otherwise
-// the sandbox has the internet less denyOut, with allowOut overriding it.
-type networkJSON struct {
-	AllowOut           []string `json:"allowOut,omitempty"`
-	DenyOut            []string `json:"denyOut,omitempty"`
-	AllowPublicTraffic *bool    `json:"allowPublicTraffic,omitempty"`
-	// Mode is cage's: none (no interface at all), internet or allowlist. It
-	// overrides what the E2B fields imply.
-	Mode string `json:"mode,omitempty"`
-	// E2B features cage does not have; a request that sets one is refused
-	// rather than silently run without it.
-	MaskRequestHost *string          `json:"maskRequestHost,omitempty"`
-	Rules           *json.RawMessage `json:"rules,omitempty"`
-	EgressProxy     *json.RawMessage `json:"egressProxy,omitempty"`
-	HTTPSPorts      *json.RawMessage `json:"httpsPorts,omitempty"`
-}
-
 // allTraffic is E2B's "every address" selector.
 const allTraffic = "0.0.0.0/0"
 
-// policyOf maps E2B's fields to a policy. internet is allow_internet_access
-// (nil: E2B's default, true).
-func policyOf(internet *bool, n *networkJSON) (network.Policy, error) {
+// policyOf maps E2B's network fields (create and update) to a policy.
+// internet is allow_internet_access (nil: E2B's default, true). false, or
+// 0.0.0.0/0 in denyOut, makes an allowlist of allowOut; otherwise the
+// sandbox has the internet less denyOut, with allowOut overriding it.
+// cage's mode overrides what the E2B fields imply. A request that sets an
+// E2B feature cage does not have is refused rather than silently run
+// without it.
+func policyOf(internet *bool, n types.SandboxNetworkConfig) (network.Policy, error) {
 	var p network.Policy
-	if n == nil {
-		n = &networkJSON{}
-	}
 	for name, set := range map[string]bool{"maskRequestHost": n.MaskRequestHost != nil, "rules": n.Rules != nil,
 		"egressProxy": n.EgressProxy != nil, "httpsPorts": n.HTTPSPorts != nil} {
 		if set {
@@ -73,7 +56,7 @@ func policyOf(internet *bool, n *networkJSON) (network.Policy, error) {
 		p.Mode = network.Internet
 	}
 	if n.Mode != "" {
-		m, err := network.ParseMode(n.Mode)
+		m, err := network.ParseMode(string(n.Mode))
 		if err != nil {
 			return p, fmt.Errorf("%w: network.mode: %v", errBadRequest, err)
 		}
@@ -88,11 +71,12 @@ func policyOf(internet *bool, n *networkJSON) (network.Policy, error) {
 	return p, nil
 }
 
-// networkOf is a record's network as E2B's detail shows it.
-func networkOf(rec *store.Sandbox) (*networkJSON, bool) {
+// networkOf is a record's network as E2B's detail shows it, and whether
+// the sandbox has the whole internet.
+func networkOf(rec *store.Sandbox) (types.SandboxNetworkConfig, bool) {
 	p, err := manager.DecodePolicy(rec.Network)
 	public := rec.PublicTraffic
-	n := &networkJSON{AllowPublicTraffic: &public, Mode: string(p.Mode)}
+	n := types.SandboxNetworkConfig{AllowPublicTraffic: &public, Mode: types.NetworkMode(p.Mode)}
 	if err != nil {
 		return n, false
 	}
@@ -113,10 +97,7 @@ func networkOf(rec *store.Sandbox) (*networkJSON, bool) {
 // updateNetwork is E2B's PUT /sandboxes/{id}/network: the new egress
 // configuration replaces the old one whole.
 func (s *server) updateNetwork(w http.ResponseWriter, r *http.Request) {
-	var body struct {
-		networkJSON
-		AllowInternetAccess *bool `json:"allow_internet_access"`
-	}
+	var body types.SandboxNetworkUpdate
 	if err := decode(r, &body, true); err != nil {
 		s.fail(w, r, err)
 		return
@@ -125,7 +106,10 @@ func (s *server) updateNetwork(w http.ResponseWriter, r *http.Request) {
 		s.fail(w, r, fmt.Errorf("%w: allowPublicTraffic is set at create; it cannot change", errBadRequest))
 		return
 	}
-	p, err := policyOf(body.AllowInternetAccess, &body.networkJSON)
+	p, err := policyOf(body.AllowInternetAccess, types.SandboxNetworkConfig{
+		AllowOut: body.AllowOut, DenyOut: body.DenyOut, Mode: body.Mode, MaskRequestHost: body.MaskRequestHost,
+		Rules: body.Rules, EgressProxy: body.EgressProxy, HTTPSPorts: body.HTTPSPorts,
+	})
 	if err == nil {
 		_, err = s.cfg.Manager.SetNetwork(keyID(r), r.PathValue("sandboxID"), p)
 	}
@@ -155,15 +139,15 @@ func (s *server) networkRecords(w http.ResponseWriter, r *http.Request) {
 	if page.Next != "" {
 		w.Header().Set("X-Next-Token", page.Next)
 	}
-	writeJSON(w, http.StatusOK, recordsJSON{Records: page.Records, Dropped: page.Dropped, NextToken: page.Next})
+	out := types.NetworkRecords{Records: make([]types.NetworkRecord, 0, len(page.Records)), Dropped: page.Dropped,
+		NextToken: page.Next}
+	for _, x := range page.Records {
+		out.Records = append(out.Records, types.NetworkRecord{Time: x.Time, Sandbox: x.Sandbox,
+			Kind: types.NetworkRecordKind(x.Kind), Decision: types.NetworkRecordDecision(x.Decision), Proto: x.Proto,
+			Dest: x.Dest, Name: x.Name, Qtype: x.QType, Detail: x.Detail})
+	}
+	writeJSON(w, http.StatusOK, out)
 }
 
 // defaultRecordsPage is a records page's size when the request names none.
 const defaultRecordsPage = 100
-
-// recordsJSON is one page of network records.
-type recordsJSON struct {
-	Records   []network.Record `json:"records"`
-	Dropped   int64            `json:"dropped"`
-	NextToken string           `json:"nextToken,omitempty"`
-}

@@ -6,6 +6,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/cagehq/cage/api/types"
 	"github.com/cagehq/cage/internal/manager"
 	"github.com/cagehq/cage/internal/network"
 	"github.com/cagehq/cage/internal/store"
@@ -39,7 +40,7 @@ func FuzzNetworkMapping(f *testing.F) {
 		f.Add(s.allow, s.deny, s.mode, s.internet)
 	}
 	f.Fuzz(func(t *testing.T, allow, deny, mode string, internet byte) {
-		n := &networkJSON{AllowOut: lines(allow), DenyOut: lines(deny), Mode: mode}
+		n := types.SandboxNetworkConfig{AllowOut: lines(allow), DenyOut: lines(deny), Mode: types.NetworkMode(mode)}
 		var flag *bool // 0: absent, 1: false, 2: true
 		if internet%3 > 0 {
 			v := internet%3 == 2
@@ -95,7 +96,7 @@ func lines(s string) []string {
 	return strings.Split(s, "\n")
 }
 
-func fromRequest(r network.Rule, n *networkJSON) bool {
+func fromRequest(r network.Rule, n types.SandboxNetworkConfig) bool {
 	for _, s := range append(append([]string(nil), n.AllowOut...), n.DenyOut...) {
 		if q, err := network.ParseRule(s); err == nil && q == r {
 			return true

@@ -7,68 +7,11 @@ import (
 	"strings"
 	"time"
 
+	"github.com/cagehq/cage/api/types"
 	"github.com/cagehq/cage/internal/manager"
 	"github.com/cagehq/cage/internal/sandbox"
 	"github.com/cagehq/cage/internal/store"
 )
-
-// newSandbox is the create body of both API versions (v1 adds `secure`).
-type newSandbox struct {
-	TemplateID          string            `json:"templateID"`
-	Timeout             *int64            `json:"timeout"`
-	Metadata            map[string]string `json:"metadata"`
-	EnvVars             map[string]string `json:"envVars"`
-	Secure              *bool             `json:"secure"`
-	AllowInternetAccess *bool             `json:"allow_internet_access"`
-	Network             *networkJSON      `json:"network"`
-	AutoPause           bool              `json:"autoPause"`
-	Wall                string            `json:"wall"`
-	CPUCount            float64           `json:"cpuCount"`
-	MemoryMB            int64             `json:"memoryMB"`
-	DiskSizeMB          int64             `json:"diskSizeMB"`
-	Pids                int64             `json:"pids"`
-}
-
-// sandboxJSON is E2B's Sandbox (create and connect) with cage's fields.
-type sandboxJSON struct {
-	SandboxID          string  `json:"sandboxID"`
-	TemplateID         string  `json:"templateID"`
-	ClientID           string  `json:"clientID"`
-	EnvdVersion        string  `json:"envdVersion"`
-	EnvdAccessToken    string  `json:"envdAccessToken"`
-	TrafficAccessToken *string `json:"trafficAccessToken"`
-	Domain             *string `json:"domain"`
-	Wall               string  `json:"wall"`
-	CPUCount           float64 `json:"cpuCount"`
-	MemoryMB           int64   `json:"memoryMB"`
-	DiskSizeMB         int64   `json:"diskSizeMB"`
-	Pids               int64   `json:"pids"`
-}
-
-// listedJSON is E2B's ListedSandbox; detailJSON its SandboxDetail.
-type listedJSON struct {
-	SandboxID   string            `json:"sandboxID"`
-	TemplateID  string            `json:"templateID"`
-	ClientID    string            `json:"clientID"`
-	StartedAt   time.Time         `json:"startedAt"`
-	EndAt       time.Time         `json:"endAt"`
-	CPUCount    float64           `json:"cpuCount"`
-	MemoryMB    int64             `json:"memoryMB"`
-	DiskSizeMB  int64             `json:"diskSizeMB"`
-	Metadata    map[string]string `json:"metadata"`
-	State       string            `json:"state"`
-	EnvdVersion string            `json:"envdVersion"`
-	Wall        string            `json:"wall"`
-	Pids        int64             `json:"pids"`
-}
-
-type detailJSON struct {
-	listedJSON
-	EnvdAccessToken     string       `json:"envdAccessToken"`
-	Domain              *string      `json:"domain"`
-	AllowInternetAccess bool         `json:"allowInternetAccess"`
-	Network             *networkJSON `json:"network"`
-}
 
 const clientID = "cage"
 
@@ -80,28 +23,46 @@ func (s *server) domain() *string {
 	return &d
 }
 
-func (s *server) sandboxOf(rec *store.Sandbox) sandboxJSON {
+// metadataOf is a record's metadata as the API shows it: never null.
+func metadataOf(rec *store.Sandbox) types.SandboxMetadata {
+	if rec.Metadata == nil {
+		return types.SandboxMetadata{}
+	}
+	return rec.Metadata
+}
+
+// sandboxOf is a record as E2B's Sandbox (create and connect answers).
+func (s *server) sandboxOf(rec *store.Sandbox) types.Sandbox {
 	traffic := rec.TrafficToken
-	return sandboxJSON{SandboxID: rec.ID, TemplateID: rec.TemplateID, ClientID: clientID,
+	return types.Sandbox{SandboxID: rec.ID, TemplateID: rec.TemplateID, ClientID: clientID,
 		EnvdVersion: EnvdVersion, EnvdAccessToken: rec.AccessToken, TrafficAccessToken: &traffic,
-		Domain: s.domain(), Wall: rec.Wall, CPUCount: rec.CPUs, MemoryMB: rec.Memory >> 20,
+		Domain: s.domain(), Wall: types.Wall(rec.Wall), CPUCount: rec.CPUs, MemoryMB: rec.Memory >> 20,
 		DiskSizeMB: rec.Disk >> 20, Pids: rec.Pids}
 }
 
-func listedOf(rec *store.Sandbox) listedJSON {
-	md := rec.Metadata
-	if md == nil {
-		md = map[string]string{}
-	}
-	return listedJSON{SandboxID: rec.ID, TemplateID: rec.TemplateID, ClientID: clientID,
+// listedOf is a record as E2B's ListedSandbox.
+func listedOf(rec *store.Sandbox) types.ListedSandbox {
+	return types.ListedSandbox{SandboxID: rec.ID, TemplateID: rec.TemplateID, ClientID: clientID,
 		StartedAt: rec.StartedAt.UTC(), EndAt: rec.EndAt.UTC(), CPUCount: rec.CPUs, MemoryMB: rec.Memory >> 20,
-		DiskSizeMB: rec.Disk >> 20, Metadata: md, State: rec.State, EnvdVersion: EnvdVersion,
-		Wall: rec.Wall, Pids: rec.Pids}
+		DiskSizeMB: rec.Disk >> 20, Metadata: metadataOf(rec), State: types.SandboxState(rec.State),
+		EnvdVersion: EnvdVersion, Wall: types.Wall(rec.Wall), Pids: rec.Pids}
+}
+
+// detailOf is a record as E2B's SandboxDetail: ListedSandbox's fields and
+// what a client needs to reach it.
+func (s *server) detailOf(rec *store.Sandbox) types.SandboxDetail {
+	n, internet := networkOf(rec)
+	return types.SandboxDetail{SandboxID: rec.ID, TemplateID: rec.TemplateID, ClientID: clientID,
+		StartedAt: rec.StartedAt.UTC(), EndAt: rec.EndAt.UTC(), CPUCount: rec.CPUs, MemoryMB: rec.Memory >> 20,
+		DiskSizeMB: rec.Disk >> 20, Metadata: metadataOf(rec), State: types.SandboxState(rec.State),
+		EnvdVersion: EnvdVersion, Wall: types.Wall(rec.Wall), Pids: rec.Pids,
+		EnvdAccessToken: rec.AccessToken, Domain: s.domain(), AllowInternetAccess: &internet, Network: n}
 }
 
 func (s *server) create(v2 bool) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		var body newSandbox
+		// Both versions' bodies decode as v1's (NewSandboxV2 and secure).
+		var body types.NewSandbox
 		if err := decode(r, &body, false); err != nil {
 			s.fail(w, r, err)
 			return
@@ -123,12 +84,13 @@ func (s *server) create(v2 bool) http.Handler {
 
 // createRequest checks a create body and turns it into the manager's
 // request (without the key).
-func (s *server) createRequest(body newSandbox, v2 bool) (manager.CreateRequest, error) {
+func (s *server) createRequest(body types.NewSandbox, v2 bool) (manager.CreateRequest, error) {
 	if body.TemplateID == "" {
 		return manager.CreateRequest{}, fmt.Errorf("%w: templateID is required", errBadRequest)
 	}
-	if body.Wall == "" {
-		body.Wall = s.cfg.DefaultWall
+	wall := string(body.Wall)
+	if wall == "" {
+		wall = s.cfg.DefaultWall
 	}
 	def := s.cfg.V1Timeout
 	if v2 {
@@ -157,11 +119,11 @@ func (s *server) createRequest(body newSandbox, v2 bool) (manager.CreateRequest,
 	if err != nil {
 		return manager.CreateRequest{}, err
 	}
-	public := body.Network == nil || body.Network.AllowPublicTraffic == nil || *body.Network.AllowPublicTraffic
+	public := body.Network.AllowPublicTraffic == nil || *body.Network.AllowPublicTraffic
 	return manager.CreateRequest{
 		Template: body.TemplateID, Timeout: timeout, Metadata: body.Metadata,
 		Env: body.EnvVars, CPUs: body.CPUCount, Memory: memory, Disk: disk,
-		Pids: body.Pids, Net: policy, PublicTraffic: public, AutoPause: body.AutoPause, Wall: body.Wall,
+		Pids: body.Pids, Net: policy, PublicTraffic: public, AutoPause: body.AutoPause, Wall: wall,
 	}, nil
 }
 
@@ -230,7 +192,7 @@ func (s *server) listV2(w http.ResponseWriter, r *http.Request) {
 	if next != "" {
 		w.Header().Set("X-Next-Token", next)
 	}
-	out := make([]listedJSON, 0, len(items))
+	out := make([]types.ListedSandbox, 0, len(items))
 	for _, rec := range items {
 		out = append(out, listedOf(rec))
 	}
@@ -250,7 +212,7 @@ func (s *server) listV1(w http.ResponseWriter, r *http.Request) {
 		s.fail(w, r, err)
 		return
 	}
-	out := make([]listedJSON, 0, len(items))
+	out := make([]types.ListedSandbox, 0, len(items))
 	for _, rec := range items {
 		out = append(out, listedOf(rec))
 	}
@@ -263,9 +225,7 @@ func (s *server) get(w http.ResponseWriter, r *http.Request) {
 		s.fail(w, r, err)
 		return
 	}
-	n, internet := networkOf(rec)
-	writeJSON(w, http.StatusOK, detailJSON{listedJSON: listedOf(rec), EnvdAccessToken: rec.AccessToken, Domain: s.domain(),
-		AllowInternetAccess: internet, Network: n})
+	writeJSON(w, http.StatusOK, s.detailOf(rec))
 }
 
 func (s *server) kill(w http.ResponseWriter, r *http.Request) {
@@ -277,9 +237,7 @@ func (s *server) kill(w http.ResponseWriter, r *http.Request) {
 }
 
 func (s *server) timeout(w http.ResponseWriter, r *http.Request) {
-	var body struct {
-		Timeout *int64 `json:"timeout"`
-	}
+	var body types.SandboxTimeoutRequest
 	if err := decode(r, &body, false); err != nil {
 		s.fail(w, r, err)
 		return
@@ -302,9 +260,7 @@ func (s *server) timeout(w http.ResponseWriter, r *http.Request) {
 // refresh is the older SDKs' keep-alive: live at least duration (default
 // 60 s) from now.
 func (s *server) refresh(w http.ResponseWriter, r *http.Request) {
-	var body struct {
-		Duration *int64 `json:"duration"`
-	}
+	var body types.SandboxRefreshRequest
 	if err := decode(r, &body, true); err != nil {
 		s.fail(w, r, err)
 		return
@@ -342,18 +298,12 @@ func (s *server) extend(r *http.Request, d time.Duration) error {
 // yet, so it is always 200.
 func (s *server) connect(v2 bool) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		var body struct {
-			Timeout *int64 `json:"timeout"`
-		}
-		if err := decode(r, &body, v2); err != nil {
+		timeout, err := connectTimeout(r, v2)
+		if err != nil {
 			s.fail(w, r, err)
 			return
 		}
-		if !v2 && body.Timeout == nil {
-			s.fail(w, r, fmt.Errorf("%w: timeout is required", errBadRequest))
-			return
-		}
-		d, err := seconds(body.Timeout, s.cfg.V2Timeout)
+		d, err := seconds(timeout, s.cfg.V2Timeout)
 		if err != nil {
 			s.fail(w, r, err)
 			return
@@ -371,16 +321,22 @@ func (s *server) connect(v2 bool) http.Handler {
 	})
 }
 
-type metricJSON struct {
-	Timestamp     time.Time `json:"timestamp"`
-	TimestampUnix int64     `json:"timestampUnix"`
-	CPUCount      float64   `json:"cpuCount"`
-	CPUUsedPct    float64   `json:"cpuUsedPct"`
-	MemUsed       int64     `json:"memUsed"`
-	MemTotal      int64     `json:"memTotal"`
-	MemCache      int64     `json:"memCache"`
-	DiskUsed      int64     `json:"diskUsed"`
-	DiskTotal     int64     `json:"diskTotal"`
+// connectTimeout reads a connect body's timeout: required by v1, and v2's
+// body is optional.
+func connectTimeout(r *http.Request, v2 bool) (*int64, error) {
+	if v2 {
+		var body types.ConnectSandboxV2
+		err := decode(r, &body, true)
+		return body.Timeout, err
+	}
+	var body types.ConnectSandbox
+	if err := decode(r, &body, false); err != nil {
+		return nil, err
+	}
+	if body.Timeout == nil {
+		return nil, fmt.Errorf("%w: timeout is required", errBadRequest)
+	}
+	return body.Timeout, nil
 }
 
 func (s *server) metrics(w http.ResponseWriter, r *http.Request) {
@@ -396,9 +352,9 @@ func (s *server) metrics(w http.ResponseWriter, r *http.Request) {
 		s.fail(w, r, err)
 		return
 	}
-	out := make([]metricJSON, 0, len(ms))
+	out := make([]types.SandboxMetric, 0, len(ms))
 	for _, m := range ms {
-		out = append(out, metricJSON{Timestamp: m.Time.UTC(), TimestampUnix: m.Time.Unix(), CPUCount: m.CPUCount,
+		out = append(out, types.SandboxMetric{Timestamp: m.Time.UTC(), TimestampUnix: m.Time.Unix(), CPUCount: m.CPUCount,
 			CPUUsedPct: m.CPUUsedPct, MemUsed: m.MemUsed, MemTotal: m.MemTotal, MemCache: m.MemCache,
 			DiskUsed: m.DiskUsed, DiskTotal: m.DiskTotal})
 	}

@@ -16,6 +16,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/cagehq/cage/api/types"
 	"github.com/cagehq/cage/internal/agentclient"
 	"github.com/cagehq/cage/internal/client"
 )
@@ -124,7 +125,7 @@ func TimeToInteractive(ctx context.Context, c *client.Client, runs, concurrency 
 	var firstErr error
 	one := func(record bool) {
 		start := time.Now()
-		sb, err := c.Create(ctx, map[string]any{"templateID": "host", "timeout": 120})
+		sb, err := c.Create(ctx, hostSandbox(120))
 		if err == nil {
 			var ac *agentclient.Client
 			if ac, err = c.Agent(sb.SandboxID, sb.EnvdAccessToken); err == nil {
@@ -164,10 +165,16 @@ func TimeToInteractive(ctx context.Context, c *client.Client, runs, concurrency 
 	return stats.Summarize(samples), firstErr
 }
 
+// hostSandbox is a create request for a sandbox of the host template that
+// lives timeout seconds.
+func hostSandbox(timeout int64) types.NewSandboxV2 {
+	return types.NewSandboxV2{TemplateID: "host", Timeout: &timeout}
+}
+
 // ProxyRoundTrip times Start -> end of `true` in one sandbox through the
 // daemon's proxy, as an SDK's commands.run does.
 func ProxyRoundTrip(ctx context.Context, c *client.Client, runs int) (stats.Stats, error) {
-	sb, err := c.Create(ctx, map[string]any{"templateID": "host", "timeout": 600})
+	sb, err := c.Create(ctx, hostSandbox(600))
 	if err != nil {
 		return stats.Stats{}, err
 	}
@@ -211,7 +218,7 @@ func DaemonLoad(ctx context.Context, d *Daemon, n, concurrency int) (rate float6
 				}
 				next++
 				mu.Unlock()
-				if _, cerr := c.Create(ctx, map[string]any{"templateID": "host", "timeout": 600}); cerr != nil {
+				if _, cerr := c.Create(ctx, hostSandbox(600)); cerr != nil {
 					mu.Lock()
 					err = cerr
 					mu.Unlock()

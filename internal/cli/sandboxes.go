@@ -17,6 +17,7 @@ import (
 	"golang.org/x/term"
 
 	pb "github.com/cagehq/cage/api/gen/process"
+	"github.com/cagehq/cage/api/types"
 	"github.com/cagehq/cage/internal/agentclient"
 	"github.com/cagehq/cage/internal/client"
 	"github.com/cagehq/cage/internal/network"
@@ -107,37 +108,33 @@ func newCreateCmd(d *daemonFlags) *cobra.Command {
 			if err != nil {
 				return err
 			}
-			body := map[string]any{"templateID": template}
-			if wallName != "" {
-				body["wall"] = wallName
-			}
+			body := types.NewSandboxV2{TemplateID: template, Wall: types.Wall(wallName), CPUCount: max(cpus, 0),
+				Pids: max(pids, 0)}
 			if timeout != "" {
 				t, err := units.ParseDuration(timeout)
 				if err != nil || t < time.Second {
 					return exitf(ExitUsage, "--timeout %q: want at least 1s", timeout)
 				}
-				body["timeout"] = int64(t / time.Second)
+				secs := int64(t / time.Second)
+				body.Timeout = &secs
 			}
-			for flag, v := range map[string]string{"memoryMB": memory, "diskSizeMB": disk} {
-				if v == "" {
+			for _, f := range []struct {
+				flag string
+				dst  *int64
+			}{{memory, &body.MemoryMB}, {disk, &body.DiskSizeMB}} {
+				if f.flag == "" {
 					continue
 				}
-				n, err := units.ParseSize(v)
+				n, err := units.ParseSize(f.flag)
 				if err != nil {
 					return exitf(ExitUsage, "%v", err)
 				}
-				body[flag] = n >> 20
+				*f.dst = n >> 20
 			}
-			if cpus > 0 {
-				body["cpuCount"] = cpus
-			}
-			if pids > 0 {
-				body["pids"] = pids
-			}
-			if body["envVars"], err = parseKV("env", env); err != nil {
+			if body.EnvVars, err = parseKV("env", env); err != nil {
 				return err
 			}
-			if body["metadata"], err = parseKV("metadata", meta); err != nil {
+			if body.Metadata, err = parseKV("metadata", meta); err != nil {
 				return err
 			}
 			// cage's default is no network (E2B's routes default to the
@@ -146,7 +143,7 @@ func newCreateCmd(d *daemonFlags) *cobra.Command {
 			if err != nil {
 				return err
 			}
-			body["network"] = networkBody(p)
+			body.Network = networkBody(p)
 			sb, err := c.Create(ctx(cmd), body)
 			if err != nil {
 				return apiFailure(err)
@@ -178,20 +175,13 @@ func newCreateCmd(d *daemonFlags) *cobra.Command {
 }
 
 // networkBody is a policy as the API's network field.
-func networkBody(p network.Policy) map[string]any {
-	n := map[string]any{"mode": string(p.Mode)}
-	var allow, deny []string
+func networkBody(p network.Policy) types.SandboxNetworkConfig {
+	n := types.SandboxNetworkConfig{Mode: types.NetworkMode(p.Mode)}
 	for _, r := range p.Allow {
-		allow = append(allow, r.String())
+		n.AllowOut = append(n.AllowOut, r.String())
 	}
 	for _, r := range p.Deny {
-		deny = append(deny, r.String())
-	}
-	if len(allow) > 0 {
-		n["allowOut"] = allow
-	}
-	if len(deny) > 0 {
-		n["denyOut"] = deny
+		n.DenyOut = append(n.DenyOut, r.String())
 	}
 	return n
 }
@@ -224,7 +214,7 @@ func newLsCmd(d *daemonFlags) *cobra.Command {
 			}
 			if d.json {
 				if list == nil {
-					list = []client.Sandbox{}
+					list = []types.ListedSandbox{}
 				}
 				return jsonEncoder(cmd.OutOrStdout()).Encode(list)
 			}
@@ -353,7 +343,7 @@ func newExecCmd(d *daemonFlags) *cobra.Command {
 }
 
 // execIn runs a command in a daemon's sandbox with the caller's terminal.
-func execIn(ctx context.Context, ac *agentclient.Client, opts agentclient.RunOptions, tty string, sb *client.Sandbox) error {
+func execIn(ctx context.Context, ac *agentclient.Client, opts agentclient.RunOptions, tty string, sb *types.SandboxDetail) error {
 	var restore func()
 	if tty == "always" || (tty == "auto" && term.IsTerminal(int(os.Stdin.Fd()))) {
 		restore = setupPTY(ctx, ac, &opts)

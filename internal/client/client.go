@@ -1,6 +1,6 @@
 // Package client is how the CLI reaches a running daemon: the control API
-// (E2B's REST with cage's fields) and, through the daemon's proxy, a
-// sandbox's agent. Like tailscale's CLI, the CLI never touches daemon state
+// (E2B's REST with cage's fields, in api/types' generated types) and,
+// through the daemon's proxy, a sandbox's agent. Like tailscale's CLI, the CLI never touches daemon state
 // directly.
 package client
 
@@ -18,6 +18,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/cagehq/cage/api/types"
 	"github.com/cagehq/cage/internal/agentclient"
 )
 
@@ -44,25 +45,6 @@ type Client struct {
 func New(api, proxy, key string) *Client {
 	return &Client{API: strings.TrimRight(api, "/"), Proxy: strings.TrimRight(proxy, "/"), Key: key,
 		http: &http.Client{Timeout: 5 * time.Minute}}
-}
-
-// Sandbox is what the API says of a sandbox (the union of E2B's Sandbox
-// and SandboxDetail, with cage's fields).
-type Sandbox struct {
-	SandboxID       string            `json:"sandboxID"`
-	TemplateID      string            `json:"templateID"`
-	ClientID        string            `json:"clientID"`
-	EnvdVersion     string            `json:"envdVersion"`
-	EnvdAccessToken string            `json:"envdAccessToken,omitempty"`
-	StartedAt       time.Time         `json:"startedAt,omitzero"`
-	EndAt           time.Time         `json:"endAt,omitzero"`
-	CPUCount        float64           `json:"cpuCount"`
-	MemoryMB        int64             `json:"memoryMB"`
-	DiskSizeMB      int64             `json:"diskSizeMB"`
-	Pids            int64             `json:"pids"`
-	Metadata        map[string]string `json:"metadata,omitempty"`
-	State           string            `json:"state,omitempty"`
-	Wall            string            `json:"wall"`
 }
 
 func (c *Client) do(ctx context.Context, method, path string, body, out any) (http.Header, error) {
@@ -92,9 +74,7 @@ func (c *Client) do(ctx context.Context, method, path string, body, out any) (ht
 	defer resp.Body.Close()
 	data, _ := io.ReadAll(io.LimitReader(resp.Body, 16<<20))
 	if resp.StatusCode >= 300 {
-		var e struct {
-			Message string `json:"message"`
-		}
+		var e types.Error
 		if json.Unmarshal(data, &e) != nil || e.Message == "" {
 			e.Message = strings.TrimSpace(string(data))
 		}
@@ -108,15 +88,15 @@ func (c *Client) do(ctx context.Context, method, path string, body, out any) (ht
 	return resp.Header, nil
 }
 
-// Create makes a sandbox; body is E2B's NewSandbox with cage's fields.
-func (c *Client) Create(ctx context.Context, body map[string]any) (*Sandbox, error) {
-	var sb Sandbox
+// Create makes a sandbox.
+func (c *Client) Create(ctx context.Context, body types.NewSandboxV2) (*types.Sandbox, error) {
+	var sb types.Sandbox
 	_, err := c.do(ctx, http.MethodPost, "/v2/sandboxes", body, &sb)
 	return &sb, err
 }
 
 // List returns every running sandbox of the key, following pages.
-func (c *Client) List(ctx context.Context, metadata map[string]string) ([]Sandbox, error) {
+func (c *Client) List(ctx context.Context, metadata map[string]string) ([]types.ListedSandbox, error) {
 	q := url.Values{"limit": {"100"}}
 	if len(metadata) > 0 {
 		md := url.Values{}
@@ -125,9 +105,9 @@ func (c *Client) List(ctx context.Context, metadata map[string]string) ([]Sandbo
 		}
 		q.Set("metadata", md.Encode())
 	}
-	var all []Sandbox
+	var all []types.ListedSandbox
 	for {
-		var page []Sandbox
+		var page []types.ListedSandbox
 		h, err := c.do(ctx, http.MethodGet, "/v2/sandboxes?"+q.Encode(), nil, &page)
 		if err != nil {
 			return nil, err
@@ -142,8 +122,8 @@ func (c *Client) List(ctx context.Context, metadata map[string]string) ([]Sandbo
 }
 
 // Get returns one sandbox.
-func (c *Client) Get(ctx context.Context, id string) (*Sandbox, error) {
-	var sb Sandbox
+func (c *Client) Get(ctx context.Context, id string) (*types.SandboxDetail, error) {
+	var sb types.SandboxDetail
 	_, err := c.do(ctx, http.MethodGet, "/sandboxes/"+url.PathEscape(id), nil, &sb)
 	return &sb, err
 }

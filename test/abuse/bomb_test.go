@@ -68,7 +68,7 @@ func TestBodyBombs(t *testing.T) {
 	// The disk (a tmpfs, counted in the memory) well under the memory: an
 	// upload that fills it gets 507, and the sandbox lives on.
 	sb := d.Create(t, d.Key, map[string]any{"memoryMB": 512, "diskSizeMB": 32, "timeout": 600})
-	pid, err := cageserve.AgentPID(sb.ID)
+	pid, err := cageserve.AgentPID(sb.SandboxID)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -94,7 +94,7 @@ func TestBodyBombs(t *testing.T) {
 			body = b.body()
 		}
 		req, _ := http.NewRequest(tg.method, "http://"+d.Proxy+tg.path, body)
-		req.Header.Set("E2b-Sandbox-Id", sb.ID)
+		req.Header.Set("E2b-Sandbox-Id", sb.SandboxID)
 		if tg.contentType != "" {
 			req.Header.Set("Content-Type", tg.contentType)
 		}
@@ -139,7 +139,7 @@ func TestBodyBombs(t *testing.T) {
 			if tg.method == "GET" {
 				continue
 			}
-			status, err := send(tg, b, sb.Token)
+			status, err := send(tg, b, sb.EnvdAccessToken)
 			if err != nil {
 				continue // a connection cut at the limit is a refusal
 			}
@@ -161,7 +161,7 @@ func TestBodyBombs(t *testing.T) {
 	if peak-rss0 > 96<<20 {
 		t.Errorf("authenticated bombs grew the agent's peak memory by %.1f MiB (bound 96 MiB)", mib(peak-rss0))
 	}
-	ac := d.Agent(sb.ID, sb.Token)
+	ac := d.Agent(sb.SandboxID, sb.EnvdAccessToken)
 	defer ac.Close()
 	if out, err := runSh(ac, "echo alive; ls /tmp | grep -c bomb || true"); err != nil || !strings.HasPrefix(out, "alive\n") {
 		t.Errorf("the sandbox after the bombs: %q, %v; want it alive", out, err)

@@ -38,7 +38,7 @@ func TestThousandRPCs(t *testing.T) {
 	const clients = 20 // an h2c connection each, as many SDK processes would have
 	acs := make([]*agentclient.Client, clients)
 	for i := range acs {
-		acs[i] = d.Agent(sb.ID, sb.Token)
+		acs[i] = d.Agent(sb.SandboxID, sb.EnvdAccessToken)
 		defer acs[i].Close()
 	}
 	var failed atomic.Int64
@@ -111,7 +111,7 @@ func TestPortSweep(t *testing.T) {
 			defer wg.Done()
 			for port := range ports {
 				req, _ := http.NewRequest(http.MethodGet, "http://"+d.Proxy+"/", nil)
-				req.Header.Set("E2b-Sandbox-Id", sb.ID)
+				req.Header.Set("E2b-Sandbox-Id", sb.SandboxID)
 				req.Header.Set("E2b-Sandbox-Port", strconv.Itoa(port))
 				resp, err := hc.Do(req)
 				if err != nil {
@@ -149,7 +149,7 @@ func TestPortSweep(t *testing.T) {
 		t.Errorf("a port sweep grew the daemon by %.1f MiB (bound 128 MiB)", mib(peak-rss0))
 	}
 	// The sandbox still answers.
-	ac := d.Agent(sb.ID, sb.Token)
+	ac := d.Agent(sb.SandboxID, sb.EnvdAccessToken)
 	defer ac.Close()
 	if out, err := runSh(ac, "echo alive"); err != nil || out != "alive\n" {
 		t.Errorf("the sandbox after the sweep: %q %v", out, err)
@@ -169,7 +169,7 @@ func TestSlowloris(t *testing.T) {
 	}
 	d := cageserve.Start(t, "--config", cfg)
 	sb := d.Create(t, d.Key, map[string]any{"timeout": 600})
-	ac := d.Agent(sb.ID, sb.Token)
+	ac := d.Agent(sb.SandboxID, sb.EnvdAccessToken)
 	defer ac.Close()
 	bystander := func(rounds int) (exec, api []time.Duration) {
 		for range rounds {

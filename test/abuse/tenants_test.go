@@ -9,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/cagehq/cage/api/types"
 	"github.com/cagehq/cage/internal/apispec"
 	"github.com/cagehq/cage/internal/testutil/cageserve"
 )
@@ -25,7 +26,7 @@ func TestCrossKeyMatrix(t *testing.T) {
 	sbA := d.Create(t, keyA, map[string]any{"timeout": 600, "metadata": map[string]string{"owner": "a"},
 		"network": map[string]any{"allowOut": []string{"example.com"}, "denyOut": []string{"0.0.0.0/0"}}})
 	sbB := d.Create(t, keyB, map[string]any{"timeout": 600})
-	before := detail(t, d, keyA, sbA.ID)
+	before := detail(t, d, keyA, sbA.SandboxID)
 
 	doc, err := apispec.Doc()
 	if err != nil {
@@ -60,7 +61,7 @@ func TestCrossKeyMatrix(t *testing.T) {
 				body = map[string]any{}
 			}
 		}
-		real := strings.ReplaceAll(path, "{sandboxID}", sbA.ID)
+		real := strings.ReplaceAll(path, "{sandboxID}", sbA.SandboxID)
 		status, got, err := d.Do(method, real, keyB, body)
 		if err != nil {
 			t.Fatalf("%s: %v", route, err)
@@ -70,27 +71,27 @@ func TestCrossKeyMatrix(t *testing.T) {
 			t.Errorf("%s with tenant B's key on A's sandbox: %d %s (for a sandbox that never existed: %d); want 404", route, status, got, gStatus)
 			continue
 		}
-		if strings.ReplaceAll(string(got), sbA.ID, ghost) != string(want) {
+		if strings.ReplaceAll(string(got), sbA.SandboxID, ghost) != string(want) {
 			t.Errorf("%s: B learns A's sandbox exists: %s, against %s for one that does not", route, got, want)
 		}
 	}
-	after := detail(t, d, keyA, sbA.ID)
+	after := detail(t, d, keyA, sbA.SandboxID)
 	if after.EndAt.Before(before.EndAt) || !after.EndAt.After(time.Now().Add(5*time.Minute)) {
 		t.Errorf("A's end moved from %v to %v after B's attempts", before.EndAt, after.EndAt)
 	}
-	if string(after.Network) != string(before.Network) || after.State != "running" {
-		t.Errorf("A's sandbox changed after B's attempts: network %s -> %s, state %s", before.Network, after.Network, after.State)
+	if nb, na := jsonOf(before.Network), jsonOf(after.Network); na != nb || after.State != "running" {
+		t.Errorf("A's sandbox changed after B's attempts: network %s -> %s, state %s", nb, na, after.State)
 	}
 	// Listing shows B only its own.
 	status, out, _ := d.Do(http.MethodGet, "/v2/sandboxes", keyB, nil)
-	if status != http.StatusOK || strings.Contains(string(out), sbA.ID) || !strings.Contains(string(out), sbB.ID) {
+	if status != http.StatusOK || strings.Contains(string(out), sbA.SandboxID) || !strings.Contains(string(out), sbB.SandboxID) {
 		t.Errorf("GET /v2/sandboxes with B's key: %d %s; want B's sandbox alone", status, out)
 	}
 	// The proxy: B's own sandbox's token opens nothing of A's.
 	for _, path := range []string{"/envs", "/files?path=/etc/hostname"} {
 		req, _ := http.NewRequest(http.MethodGet, "http://"+d.Proxy+path, nil)
-		req.Header.Set("E2b-Sandbox-Id", sbA.ID)
-		req.Header.Set("X-Access-Token", sbB.Token)
+		req.Header.Set("E2b-Sandbox-Id", sbA.SandboxID)
+		req.Header.Set("X-Access-Token", sbB.EnvdAccessToken)
 		resp, err := d.HTTP.Do(req)
 		if err != nil {
 			t.Fatal(err)
@@ -102,16 +103,16 @@ func TestCrossKeyMatrix(t *testing.T) {
 	}
 }
 
-type sandboxDetail struct {
-	State   string          `json:"state"`
-	EndAt   time.Time       `json:"endAt"`
-	Network json.RawMessage `json:"network"`
+// jsonOf is v as JSON, to compare and show.
+func jsonOf(v any) string {
+	b, _ := json.Marshal(v)
+	return string(b)
 }
 
-func detail(t *testing.T, d *cageserve.Daemon, key, id string) sandboxDetail {
+func detail(t *testing.T, d *cageserve.Daemon, key, id string) types.SandboxDetail {
 	t.Helper()
 	status, out, err := d.Do(http.MethodGet, "/sandboxes/"+id, key, nil)
-	var sd sandboxDetail
+	var sd types.SandboxDetail
 	if err != nil || status != http.StatusOK || json.Unmarshal(out, &sd) != nil {
 		t.Fatalf("GET /sandboxes/%s: %d %s %v", id, status, out, err)
 	}
@@ -136,7 +137,7 @@ func TestConcurrentCreates(t *testing.T) {
 			defer wg.Done()
 			<-start
 			sb, status, msg := d.TryCreate(d.Key, map[string]any{"timeout": 300})
-			statuses[i], ids[i] = status, sb.ID
+			statuses[i], ids[i] = status, sb.SandboxID
 			if status != http.StatusCreated && status != http.StatusTooManyRequests {
 				t.Errorf("create %d: %d %s", i, status, msg)
 			}
@@ -154,7 +155,7 @@ func TestConcurrentCreates(t *testing.T) {
 		t.Errorf("%d creates succeeded with --max-sandboxes %d", count[http.StatusCreated], max)
 	}
 	status, out, _ := d.Do(http.MethodGet, "/v2/sandboxes", d.Key, nil)
-	var listed []map[string]any
+	var listed []types.ListedSandbox
 	_ = json.Unmarshal(out, &listed)
 	if status != http.StatusOK || len(listed) != max {
 		t.Errorf("after the burst the list has %d sandboxes (%d), want %d", len(listed), status, max)

@@ -8,6 +8,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/cagehq/cage/api/types"
 )
 
 // TestAPIRoutes drives every route of the control API end to end, each
@@ -44,7 +46,7 @@ func TestAPIRoutes(t *testing.T) {
 		"templateID": "host", "timeout": 600, "secure": true,
 		"metadata": map[string]string{"suite": suite, "role": "v1"},
 	}})
-	var v1 sandbox
+	var v1 types.Sandbox
 	r.decode(t, &v1)
 	d.remember(v1.SandboxID, key)
 	if v1.SandboxID == "" || v1.SandboxID == sb.SandboxID {
@@ -108,7 +110,7 @@ func TestAPIRoutes(t *testing.T) {
 	pages := 0
 	for {
 		r := d.expect(t, http.StatusOK, call{method: "GET", path: "/v2/sandboxes?" + q.Encode(), key: key})
-		var page []listed
+		var page []types.ListedSandbox
 		r.decode(t, &page)
 		pages++
 		if len(page) > 1 {
@@ -137,7 +139,7 @@ func TestAPIRoutes(t *testing.T) {
 
 	// GET /sandboxes (v1): every running sandbox, unpaginated.
 	r = d.expect(t, http.StatusOK, call{method: "GET", path: "/sandboxes", key: key})
-	var v1list []listed
+	var v1list []types.ListedSandbox
 	r.decode(t, &v1list)
 	if ids := idsOf(v1list); !sameSet(ids, all) {
 		t.Errorf("GET /sandboxes: %v, want %v", ids, all)
@@ -196,7 +198,7 @@ func TestAPIRoutes(t *testing.T) {
 	} {
 		before := d.get(t, key, sb.SandboxID).EndAt
 		r := d.expect(t, http.StatusOK, call{method: "POST", path: c.path, key: key, body: c.body})
-		var cs sandbox
+		var cs types.Sandbox
 		r.decode(t, &cs)
 		if cs.SandboxID != sb.SandboxID || cs.EnvdAccessToken != sb.EnvdAccessToken {
 			t.Errorf("POST %s: %+v, want the sandbox and its access token", c.path, cs)
@@ -241,23 +243,11 @@ func TestAPIRoutes(t *testing.T) {
 	}
 }
 
-type metric struct {
-	Timestamp     time.Time `json:"timestamp"`
-	TimestampUnix int64     `json:"timestampUnix"`
-	CPUCount      float64   `json:"cpuCount"`
-	CPUUsedPct    float64   `json:"cpuUsedPct"`
-	MemUsed       int64     `json:"memUsed"`
-	MemTotal      int64     `json:"memTotal"`
-	MemCache      int64     `json:"memCache"`
-	DiskUsed      int64     `json:"diskUsed"`
-	DiskTotal     int64     `json:"diskTotal"`
-}
-
 // metrics returns the newest sample of GET /sandboxes/{id}/metrics.
-func (d *daemon) metrics(t *testing.T, key, id string) metric {
+func (d *daemon) metrics(t *testing.T, key, id string) types.SandboxMetric {
 	t.Helper()
 	r := d.expect(t, http.StatusOK, call{method: "GET", path: "/sandboxes/" + id + "/metrics", key: key})
-	var ms []metric
+	var ms []types.SandboxMetric
 	r.decode(t, &ms)
 	if len(ms) == 0 {
 		t.Fatalf("GET /sandboxes/%s/metrics: no sample", id)
@@ -269,7 +259,7 @@ func (d *daemon) metrics(t *testing.T, key, id string) metric {
 	return m
 }
 
-func idsOf(ls []listed) []string {
+func idsOf(ls []types.ListedSandbox) []string {
 	var ids []string
 	for _, l := range ls {
 		ids = append(ids, l.SandboxID)

@@ -11,6 +11,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/cagehq/cage/api/types"
 )
 
 // TestBadInput sends the control API what a careless or hostile client
@@ -108,7 +110,7 @@ func TestBadInput(t *testing.T) {
 		r := d.do(t, call{method: "POST", path: path, key: key, body: map[string]any{"templateID": "host", "timeout": 60}})
 		if r.status != http.StatusTooManyRequests {
 			t.Errorf("POST %s with one sandbox running and --max-sandboxes 1: %v, want 429", path, r)
-			var sb sandbox
+			var sb types.Sandbox
 			if json.Unmarshal(r.body, &sb) == nil && sb.SandboxID != "" {
 				d.remember(sb.SandboxID, key)
 			}
@@ -169,7 +171,7 @@ func TestBadInput(t *testing.T) {
 			data, _ := io.ReadAll(resp.Body)
 			resp.Body.Close()
 			statuses[i] = resp.StatusCode
-			var sb sandbox
+			var sb types.Sandbox
 			if resp.StatusCode == http.StatusCreated && json.Unmarshal(data, &sb) == nil {
 				d.remember(sb.SandboxID, key)
 			}

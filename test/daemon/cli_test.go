@@ -16,6 +16,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/cagehq/cage/api/types"
 )
 
 // Exit codes of cage itself (internal/cli/cli.go).
@@ -87,11 +89,7 @@ func TestCLI(t *testing.T) {
 	key := d.key
 
 	r := d.cli(t, key, "create", "--json", "--timeout", "5m", "--memory", "256M", "--env", "GREETING=hello cli", "--metadata", "from=cli")
-	var sb struct {
-		SandboxID       string `json:"sandboxID"`
-		EnvdAccessToken string `json:"envdAccessToken"`
-		MemoryMB        int64  `json:"memoryMB"`
-	}
+	var sb types.SandboxDetail
 	if r.code != 0 || json.Unmarshal([]byte(r.stdout), &sb) != nil || sb.SandboxID == "" {
 		t.Fatalf("cage create --json: %v; want JSON with a sandboxID", r)
 	}
@@ -116,7 +114,7 @@ func TestCLI(t *testing.T) {
 		t.Errorf("cage ls: %v; want a table with a header and %s", r, id)
 	}
 	r = d.cli(t, key, "ls", "--json")
-	var ls []listed
+	var ls []types.ListedSandbox
 	if r.code != 0 || json.Unmarshal([]byte(r.stdout), &ls) != nil {
 		t.Errorf("cage ls --json: %v; want a JSON array", r)
 	} else if ids := idsOf(ls); !sameSet(ids, []string{id, plain}) {
@@ -149,7 +147,7 @@ func TestCLI(t *testing.T) {
 		t.Errorf("cage inspect: %v", r)
 	}
 	r = d.cli(t, key, "inspect", "--json", id)
-	var detail listed
+	var detail types.SandboxDetail
 	if r.code != 0 || json.Unmarshal([]byte(r.stdout), &detail) != nil || detail.SandboxID != id || detail.State != "running" ||
 		detail.Metadata["from"] != "cli" || detail.MemoryMB != 256 {
 		t.Errorf("cage inspect --json: %v", r)

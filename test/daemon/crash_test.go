@@ -19,6 +19,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/cagehq/cage/api/types"
 	"github.com/cagehq/cage/internal/agentclient"
 	"github.com/cagehq/cage/internal/apispec"
 )
@@ -196,9 +197,9 @@ func TestCrashDuringCreates(t *testing.T) {
 		_, err := os.Lstat(filepath.Join(d.runDir, "sandboxes", id))
 		return err == nil
 	}
-	var lst map[string]listed
+	var lst map[string]types.ListedSandbox
 	problems := eventually(10*time.Second, func() string {
-		lst = map[string]listed{}
+		lst = map[string]types.ListedSandbox{}
 		for _, l := range d.list(t, key, nil) {
 			lst[l.SandboxID] = l
 		}
@@ -229,7 +230,7 @@ func TestCrashDuringCreates(t *testing.T) {
 		t.Errorf("after killing every sandbox, listed: %v", idsOf(ls))
 	}
 	if why := eventually(5*time.Second, func() string {
-		return d.disagreements(t, map[string]listed{}, nil, &mu, mine)
+		return d.disagreements(t, map[string]types.ListedSandbox{}, nil, &mu, mine)
 	}); why != "" {
 		t.Errorf("after killing every listed sandbox, left on the host:\n%s", why)
 	}
@@ -261,7 +262,7 @@ func createRaw(t *testing.T, d *daemon, hc *http.Client, key string) string {
 		t.Errorf("create during the crashes: %d %s", resp.StatusCode, data)
 		return ""
 	}
-	var sb sandbox
+	var sb types.Sandbox
 	if err := json.Unmarshal(data, &sb); err != nil || sb.SandboxID == "" {
 		t.Errorf("create during the crashes: %v: %s", err, data)
 		return ""
@@ -275,7 +276,7 @@ func createRaw(t *testing.T, d *daemon, hc *http.Client, key string) string {
 // cgroup of one of this run directory's sandboxes that is not listed, and a
 // process in the sandbox uid ranges that belongs to this run directory and is
 // not an agent of a listed sandbox or one of its descendants.
-func (d *daemon) disagreements(t *testing.T, listed map[string]listed, answered map[string]bool, mu *sync.Mutex, mine func(string) bool) string {
+func (d *daemon) disagreements(t *testing.T, listed map[string]types.ListedSandbox, answered map[string]bool, mu *sync.Mutex, mine func(string) bool) string {
 	var out []string
 	for id := range listed {
 		// Lists do not carry the access token; the sandbox's detail does.

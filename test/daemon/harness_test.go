@@ -32,6 +32,7 @@ import (
 
 	"github.com/cagehq/cage/api/gen/filesystem/filesystemconnect"
 	"github.com/cagehq/cage/api/gen/process/processconnect"
+	"github.com/cagehq/cage/api/types"
 	"github.com/cagehq/cage/internal/agentclient"
 	"github.com/cagehq/cage/internal/apispec"
 	"github.com/cagehq/cage/internal/testutil"
@@ -531,43 +532,10 @@ func noStack(t *testing.T, what, s string) {
 	}
 }
 
-// sandbox is E2B's Sandbox (create, connect) with cage's fields.
-type sandbox struct {
-	SandboxID          string  `json:"sandboxID"`
-	TemplateID         string  `json:"templateID"`
-	ClientID           string  `json:"clientID"`
-	EnvdVersion        string  `json:"envdVersion"`
-	EnvdAccessToken    string  `json:"envdAccessToken"`
-	TrafficAccessToken *string `json:"trafficAccessToken"`
-	Domain             *string `json:"domain"`
-	Wall               string  `json:"wall"`
-	CPUCount           float64 `json:"cpuCount"`
-	MemoryMB           int64   `json:"memoryMB"`
-	DiskSizeMB         int64   `json:"diskSizeMB"`
-	Pids               int64   `json:"pids"`
-}
-
-// listed is E2B's ListedSandbox and SandboxDetail with cage's fields.
-type listed struct {
-	SandboxID       string            `json:"sandboxID"`
-	TemplateID      string            `json:"templateID"`
-	StartedAt       time.Time         `json:"startedAt"`
-	EndAt           time.Time         `json:"endAt"`
-	CPUCount        float64           `json:"cpuCount"`
-	MemoryMB        int64             `json:"memoryMB"`
-	DiskSizeMB      int64             `json:"diskSizeMB"`
-	Pids            int64             `json:"pids"`
-	Metadata        map[string]string `json:"metadata"`
-	State           string            `json:"state"`
-	Wall            string            `json:"wall"`
-	EnvdAccessToken string            `json:"envdAccessToken"`
-	Domain          *string           `json:"domain"`
-}
-
 // create makes a sandbox with POST /v2/sandboxes and body (templateID
 // "host" and timeout 300 unless body says otherwise), remembering it for
 // cleanup.
-func (d *daemon) create(t *testing.T, key string, body map[string]any) sandbox {
+func (d *daemon) create(t *testing.T, key string, body map[string]any) types.Sandbox {
 	t.Helper()
 	if body == nil {
 		body = map[string]any{}
@@ -582,7 +550,7 @@ func (d *daemon) create(t *testing.T, key string, body map[string]any) sandbox {
 	if r.status != http.StatusCreated {
 		t.Fatalf("POST /v2/sandboxes %v: %v", body, r)
 	}
-	var sb sandbox
+	var sb types.Sandbox
 	r.decode(t, &sb)
 	d.remember(sb.SandboxID, key)
 	return sb
@@ -595,25 +563,25 @@ func (d *daemon) remember(id, key string) {
 }
 
 // get returns GET /sandboxes/{id}, which must be 200.
-func (d *daemon) get(t *testing.T, key, id string) listed {
+func (d *daemon) get(t *testing.T, key, id string) types.SandboxDetail {
 	t.Helper()
 	r := d.do(t, call{method: "GET", path: "/sandboxes/" + id, key: key})
 	if r.status != http.StatusOK {
 		t.Fatalf("GET /sandboxes/%s: %v", id, r)
 	}
-	var l listed
+	var l types.SandboxDetail
 	r.decode(t, &l)
 	return l
 }
 
 // list returns every sandbox GET /v2/sandboxes lists for key with query q,
 // following X-Next-Token.
-func (d *daemon) list(t *testing.T, key string, q url.Values) []listed {
+func (d *daemon) list(t *testing.T, key string, q url.Values) []types.ListedSandbox {
 	t.Helper()
 	if q == nil {
 		q = url.Values{}
 	}
-	var all []listed
+	var all []types.ListedSandbox
 	for pages := 0; ; pages++ {
 		if pages > 1000 {
 			t.Fatalf("GET /v2/sandboxes: more than 1000 pages")
@@ -626,7 +594,7 @@ func (d *daemon) list(t *testing.T, key string, q url.Values) []listed {
 		if r.status != http.StatusOK {
 			t.Fatalf("GET %s: %v", path, r)
 		}
-		var page []listed
+		var page []types.ListedSandbox
 		r.decode(t, &page)
 		all = append(all, page...)
 		next := r.header.Get("X-Next-Token")

@@ -9,6 +9,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/cagehq/cage/api/types"
 )
 
 // TestAPIKeys checks that a key sees only its own sandboxes (another key
@@ -53,7 +55,7 @@ func TestAPIKeys(t *testing.T) {
 		t.Errorf("another key's timeout/refresh/connect moved A's deadline to %v from now", time.Until(got.EndAt))
 	}
 	for _, q := range []string{"/v2/sandboxes", "/sandboxes"} {
-		var ls []listed
+		var ls []types.ListedSandbox
 		d.expect(t, http.StatusOK, call{method: "GET", path: q, key: keyB}).decode(t, &ls)
 		if ids := idsOf(ls); !slices.Equal(ids, []string{sbB.SandboxID}) {
 			t.Errorf("GET %s with key B: %v, want only B's %s", q, ids, sbB.SandboxID)

@@ -13,6 +13,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/cagehq/cage/api/types"
 	"github.com/cagehq/cage/internal/bench/stats"
 	"github.com/cagehq/cage/internal/testutil"
 )
@@ -77,15 +78,6 @@ func fileSize(paths ...string) int64 {
 	return n
 }
 
-type recordsPage struct {
-	Records []struct {
-		Time                                time.Time
-		Kind, Decision, Name, Dest, Sandbox string
-	}
-	Dropped   int64
-	NextToken string
-}
-
 // Attack: code in a sandbox floods the host's resolver with questions for
 // random names, each of which used to become an event in the daemon's one
 // database, unrated and never pruned. Expected: the sandbox's records stop
@@ -135,7 +127,7 @@ func TestNetworkRecordsFlood(t *testing.T) {
 			q.Set("nextToken", next)
 		}
 		r := d.expect(t, http.StatusOK, call{method: "GET", path: "/sandboxes/" + flooder.SandboxID + "/network/records?" + q.Encode(), key: d.key})
-		var page recordsPage
+		var page types.NetworkRecords
 		r.decode(t, &page)
 		if h := r.header.Get("X-Next-Token"); h != page.NextToken {
 			t.Errorf("X-Next-Token %q, body's nextToken %q", h, page.NextToken)

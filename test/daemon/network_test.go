@@ -13,19 +13,15 @@ import (
 
 	"github.com/coder/websocket"
 
+	"github.com/cagehq/cage/api/types"
 	"github.com/cagehq/cage/internal/testutil"
 )
 
-// networkDetail is the network part of GET /sandboxes/{id}.
-type networkDetail struct {
-	AllowInternetAccess bool `json:"allowInternetAccess"`
-	Network             struct {
-		AllowOut           []string `json:"allowOut"`
-		DenyOut            []string `json:"denyOut"`
-		AllowPublicTraffic *bool    `json:"allowPublicTraffic"`
-		Mode               string   `json:"mode"`
-	} `json:"network"`
-}
+// networkDetail is GET /sandboxes/{id}, for its network part.
+type networkDetail struct{ types.SandboxDetail }
+
+// internet is allowInternetAccess (false when absent).
+func (n networkDetail) internet() bool { return n.AllowInternetAccess != nil && *n.AllowInternetAccess }
 
 func (d *daemon) networkOf(t *testing.T, id string) networkDetail {
 	t.Helper()
@@ -57,7 +53,7 @@ func TestNetworkAPI(t *testing.T) {
 		return strings.TrimSpace(r.stdout)
 	}
 	n := d.networkOf(t, sb.SandboxID)
-	if !n.AllowInternetAccess || n.Network.Mode != "internet" || n.Network.AllowPublicTraffic == nil || !*n.Network.AllowPublicTraffic {
+	if !n.internet() || n.Network.Mode != "internet" || n.Network.AllowPublicTraffic == nil || !*n.Network.AllowPublicTraffic {
 		t.Errorf("default network: %+v, want the internet with public ports (E2B's defaults)", n)
 	}
 	if got := get("http://other.example.org/"); got != "OK:other "+testutil.OtherHost.String() {
@@ -71,7 +67,7 @@ func TestNetworkAPI(t *testing.T) {
 	d.expect(t, http.StatusNoContent, call{method: "PUT", path: "/sandboxes/" + sb.SandboxID + "/network", key: d.key,
 		body: map[string]any{"allowOut": []string{"allowed.example.com"}, "denyOut": []string{"0.0.0.0/0"}}})
 	n = d.networkOf(t, sb.SandboxID)
-	if n.AllowInternetAccess || n.Network.Mode != "allowlist" || !slices.Equal(n.Network.AllowOut, []string{"allowed.example.com"}) ||
+	if n.internet() || n.Network.Mode != "allowlist" || !slices.Equal(n.Network.AllowOut, []string{"allowed.example.com"}) ||
 		!slices.Equal(n.Network.DenyOut, []string{"0.0.0.0/0"}) {
 		t.Errorf("after the update: %+v", n)
 	}
@@ -87,16 +83,12 @@ func TestNetworkAPI(t *testing.T) {
 
 	// The records: the allowed name, the denied name, the refused address.
 	r := d.expect(t, http.StatusOK, call{method: "GET", path: "/sandboxes/" + sb.SandboxID + "/network/records", key: d.key})
-	var page struct {
-		Records []struct {
-			Kind, Decision, Name, Dest, Sandbox string
-		}
-	}
+	var page types.NetworkRecords
 	r.decode(t, &page)
 	recs := page.Records
 	has := func(kind, decision, name, dest string) bool {
-		return slices.ContainsFunc(recs, func(x struct{ Kind, Decision, Name, Dest, Sandbox string }) bool {
-			return x.Kind == kind && x.Decision == decision && (name == "" || x.Name == name) && (dest == "" || x.Dest == dest) && x.Sandbox == sb.SandboxID
+		return slices.ContainsFunc(recs, func(x types.NetworkRecord) bool {
+			return string(x.Kind) == kind && string(x.Decision) == decision && (name == "" || x.Name == name) && (dest == "" || x.Dest == dest) && x.Sandbox == sb.SandboxID
 		})
 	}
 	for _, want := range [][4]string{
@@ -135,7 +127,7 @@ func TestNetworkAPI(t *testing.T) {
 
 	// Created with cage's mode none: no interface, so no rules to change.
 	none := d.create(t, d.key, map[string]any{"network": map[string]any{"mode": "none"}})
-	if n := d.networkOf(t, none.SandboxID); n.AllowInternetAccess || n.Network.Mode != "none" {
+	if n := d.networkOf(t, none.SandboxID); n.internet() || n.Network.Mode != "none" {
 		t.Errorf("mode none: %+v", n)
 	}
 	r = d.do(t, call{method: "PUT", path: "/sandboxes/" + none.SandboxID + "/network", key: d.key,

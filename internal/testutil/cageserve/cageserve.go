@@ -24,6 +24,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/cagehq/cage/api/types"
 	"github.com/cagehq/cage/internal/agentclient"
 	"github.com/cagehq/cage/internal/testutil"
 )
@@ -160,15 +161,9 @@ func (d *Daemon) Do(method, path, key string, body any) (int, []byte, error) {
 	return resp.StatusCode, b, err
 }
 
-// Sandbox is what a create returns that the tests use.
-type Sandbox struct {
-	ID    string `json:"sandboxID"`
-	Token string `json:"envdAccessToken"`
-}
-
 // Create creates a sandbox with key (body: the create request; templateID
 // defaults to host) and fails the test unless it gets 201.
-func (d *Daemon) Create(t testing.TB, key string, body map[string]any) Sandbox {
+func (d *Daemon) Create(t testing.TB, key string, body map[string]any) types.Sandbox {
 	t.Helper()
 	sb, status, msg := d.TryCreate(key, body)
 	if status != http.StatusCreated {
@@ -178,22 +173,22 @@ func (d *Daemon) Create(t testing.TB, key string, body map[string]any) Sandbox {
 }
 
 // TryCreate is Create that returns the status and message instead.
-func (d *Daemon) TryCreate(key string, body map[string]any) (Sandbox, int, string) {
+func (d *Daemon) TryCreate(key string, body map[string]any) (types.Sandbox, int, string) {
 	b := map[string]any{"templateID": "host"}
 	for k, v := range body {
 		b[k] = v
 	}
 	status, out, err := d.Do(http.MethodPost, "/v2/sandboxes", key, b)
 	if err != nil {
-		return Sandbox{}, 0, err.Error()
+		return types.Sandbox{}, 0, err.Error()
 	}
-	var sb Sandbox
+	var sb types.Sandbox
 	if status == http.StatusCreated {
 		if err := json.Unmarshal(out, &sb); err != nil {
 			return sb, 0, err.Error()
 		}
 		d.mu.Lock()
-		d.created[sb.ID] = key
+		d.created[sb.SandboxID] = key
 		d.mu.Unlock()
 	}
 	return sb, status, string(out)
