@@ -1,7 +1,9 @@
 // Package api is the daemon's control API: E2B's REST API (so the E2B SDKs
 // work unchanged) with cage's own fields added. The document is
-// api/openapi.yaml. Errors are E2B's JSON {code, message}; kinds of errors
-// become statuses only here.
+// api/openapi.yaml, and the bodies are its types generated in api/types.
+// Errors are E2B's JSON {code, message}; kinds of errors become statuses
+// only here, and sizes are MiB only here (memoryMB, diskSizeMB): the
+// manager and everything behind it count bytes.
 package api
 
 import (
