@@ -524,7 +524,7 @@ type SandboxNetworkConfig struct {
 	Rules interface{} `json:"rules,omitempty,omitzero"`
 }
 
-// SandboxNetworkUpdate A running sandbox's new egress rules. cage: the fields of SandboxNetworkConfig that E2B does not have or cage does not support are refused here as there, and `allowPublicTraffic` is refused with 400 (it is set at create).
+// SandboxNetworkUpdate A running sandbox's new egress rules. cage: the E2B fields cage does not support (maskRequestHost, rules, egressProxy, httpsPorts) are refused with 400 as on create, and so is `allowPublicTraffic` (it is set at create).
 type SandboxNetworkUpdate struct {
 	AllowOut []string `json:"allowOut,omitempty,omitzero"`
 
