@@ -13,24 +13,24 @@ import (
 
 	"github.com/cagehq/cage/internal/agent"
 	"github.com/cagehq/cage/internal/trace"
-	"github.com/cagehq/cage/internal/vm"
-	"github.com/cagehq/cage/internal/wall/microvm"
-	"github.com/cagehq/cage/internal/wall/oci"
-	"github.com/cagehq/cage/internal/wall/process"
+	"github.com/cagehq/cage/internal/vm/jail"
+	"github.com/cagehq/cage/internal/wall/microvm/guest"
+	"github.com/cagehq/cage/internal/wall/oci/container"
+	"github.com/cagehq/cage/internal/wall/process/child"
 )
 
 func main() {
-	if microvm.IsGuestInit() {
+	if guest.IsGuestInit() {
 		// The init of a microvm guest.
-		err := microvm.GuestServe()
+		err := guest.GuestServe()
 		fmt.Fprintln(os.Stderr, "cage-agent:", err)
-		microvm.PowerOff()
+		guest.PowerOff()
 		return
 	}
-	if len(os.Args) > 2 && os.Args[1] == vm.JailArg {
+	if len(os.Args) > 2 && os.Args[1] == jail.Arg {
 		// The host runs this in QEMU's new namespaces: build its root,
 		// drop to its uid, exec it (the microvm wall's jail).
-		fail("qemu-jail", vm.JailMain(os.Args[2:]))
+		fail("qemu-jail", jail.Main(os.Args[2:]))
 	}
 	if len(os.Args) == 2 && os.Args[1] == "hold" {
 		// The host runs this in a user namespace only to get hold of the
@@ -41,7 +41,7 @@ func main() {
 	}
 	if len(os.Args) == 2 && os.Args[1] == "serve" {
 		// The OCI walls: runc or runsc made the container; seal and serve.
-		if err := oci.Serve(); err != nil {
+		if err := container.Serve(); err != nil {
 			fail("serve", err)
 		}
 		return
@@ -51,11 +51,11 @@ func main() {
 		os.Exit(2)
 	}
 	trace.Mark("agent main")
-	child, err := process.Init()
+	sb, err := child.Init()
 	if err != nil {
 		fail("sandbox setup", err)
 	}
-	cfg := child.Config
+	cfg := sb.Config
 	cfg.Log = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
 	// The agent is built while the root is: neither needs the other.
 	var srv *agent.Server
@@ -65,22 +65,22 @@ func main() {
 		srv, err = agent.New(cfg)
 		built <- err
 	}()
-	if err := child.Build(); err != nil {
+	if err := sb.Build(); err != nil {
 		fail("sandbox setup", err)
 	}
 	if err := <-built; err != nil {
 		fail("sandbox setup", err)
 	}
 	// Built; now wait for the request (at once, unless kept in a pool).
-	token, env, maxOutput, err := child.WaitStart()
+	token, env, maxOutput, err := sb.WaitStart()
 	if err != nil {
 		fail("sandbox setup", err)
 	}
 	srv.Configure(token, env, maxOutput)
-	if err := child.Seal(); err != nil {
+	if err := sb.Seal(); err != nil {
 		fail("sandbox setup", err)
 	}
-	if err := srv.Serve(child.Listener); err != nil {
+	if err := srv.Serve(sb.Listener); err != nil {
 		fail("serve", err)
 	}
 }

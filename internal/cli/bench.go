@@ -3,18 +3,18 @@ package cli
 import (
 	"context"
 	"fmt"
-	"github.com/cagehq/cage/internal/bench/stats"
 	"io"
 	"os"
 	"strings"
 	"time"
+
+	"github.com/cagehq/cage/internal/bench/stats"
 
 	"github.com/spf13/cobra"
 
 	"github.com/cagehq/cage/internal/bench"
 	"github.com/cagehq/cage/internal/sandbox"
 	"github.com/cagehq/cage/internal/units"
-	"github.com/cagehq/cage/internal/wall/microvm"
 )
 
 func newBenchCmd(g *globals) *cobra.Command {
@@ -86,7 +86,7 @@ func runBench(ctx context.Context, g *globals, w io.Writer, runs, idle int, only
 		if err != nil {
 			return exitf(ExitInternal, "create (pool): %v", err)
 		}
-		fmt.Fprintf(w, "  ... from a pool of 4 prepared        %s (pool empty %d times)\n", s, pooled.PoolMisses.Load())
+		fmt.Fprintf(w, "  ... from a pool of 4 prepared        %s (pool empty %d times)\n", s, pooled.PoolMisses())
 	}
 	if want["roundtrip"] {
 		s, err := bench.RoundTrip(ctx, h, max(runs, 200))
@@ -198,9 +198,8 @@ func benchMicroVM(ctx context.Context, w io.Writer, h *sandbox.Host, runs int) e
 			return err
 		}
 	}
-	accel, why := h.MicroVMAccel(ctx)
-	if accel == "tcg" {
-		fmt.Fprintf(w, "microvm: TCG (%s): %s\n", why, microvm.TCGWarning)
+	if warning := h.Warning(ctx, "microvm"); warning != "" {
+		fmt.Fprintf(w, "microvm: %s\n", warning)
 	}
 	if _, err := bench.WallToFirstOutput(ctx, h, "microvm", 0, 2); err != nil {
 		return exitf(ExitInternal, "microvm: %v", err)
@@ -256,7 +255,7 @@ func benchWalls(ctx context.Context, w io.Writer, h *sandbox.Host, runs int) err
 		}
 		cs, bs := stats.Summarize(cage), stats.Summarize(bare)
 		fmt.Fprintf(w, "%s: cage create -> first output      %s\n", name, cs)
-		fmt.Fprintf(w, "%s: raw %s run of the same bundle  %s\n", name, h.Runtimes[name].Binary, bs)
+		fmt.Fprintf(w, "%s: the raw runtime running the same bundle  %s\n", name, bs)
 		fmt.Fprintf(w, "%s: ratio of medians cage/raw         %.2fx\n", name, stats.Ratio(cs, bs))
 		m, err := bench.WallIdleMemory(ctx, h, name, 50)
 		if err != nil {

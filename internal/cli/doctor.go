@@ -17,8 +17,6 @@ import (
 	"github.com/cagehq/cage/internal/cgroups"
 	"github.com/cagehq/cage/internal/network"
 	"github.com/cagehq/cage/internal/sandbox"
-	"github.com/cagehq/cage/internal/vm"
-	"github.com/cagehq/cage/internal/wall/microvm"
 )
 
 func newDoctorCmd(g *globals) *cobra.Command {
@@ -141,36 +139,24 @@ func probeWall(ctx context.Context, g *globals, wallName string) (bool, string) 
 		return false, err.Error()
 	}
 	if err := h.WallMissing(wallName); err != nil {
-		if wallName == "microvm" {
-			return false, err.Error() + "; " + microvmInfo()
-		}
 		return false, err.Error()
 	}
-	if wallName == "microvm" {
-		// It starts from base, in the template store.
-		if h.Templates, err = openTemplates(""); err != nil {
-			return false, err.Error()
-		}
-	}
-	runtime := ""
-	if rt := h.Runtimes[wallName]; rt != nil {
-		runtime = rt.Binary + " " + strings.Join(rt.Flags, " ") + "; "
+	// A wall whose sandboxes start from an image (microvm: base) needs
+	// the template store.
+	if h.Templates, err = openTemplates(""); err != nil {
+		return false, err.Error()
 	}
 	if ctx == nil {
 		ctx = context.Background()
 	}
-	limit := 20 * time.Second
-	if wallName == "microvm" {
-		// The first microvm of a template makes its image and snapshot.
-		limit = 3 * time.Minute
-	}
-	ctx, cancel := context.WithTimeout(ctx, limit)
+	// The first microvm of a template makes its image and snapshot.
+	ctx, cancel := context.WithTimeout(ctx, 3*time.Minute)
 	defer cancel()
 	start := time.Now()
 	sb, err := h.Create(ctx, sandbox.Options{Wall: wallName, DieWithCaller: true})
 	if err != nil {
-		if wallName == "microvm" && errors.Is(err, sandbox.ErrNotFound) {
-			return false, "create failed: it starts from the base template, which the store lacks (make base): " + err.Error()
+		if errors.Is(err, sandbox.ErrNotFound) {
+			return false, "create failed: the wall's default template is not in the store (make base builds base): " + err.Error()
 		}
 		return false, "create failed: " + err.Error()
 	}
@@ -190,18 +176,10 @@ func probeWall(ctx context.Context, g *globals, wallName string) (bool, string) 
 		return false, fmt.Sprintf("`true` exited %d", end.GetExitCode())
 	}
 	note := ""
-	if wallName == "microvm" {
-		accel, why := h.MicroVMAccel(ctx)
-		note = " (" + microvmInfo() + "; accelerator " + accel
-		if accel == "tcg" {
-			note += ": " + why + "; " + microvm.TCGWarning
-		}
-		note += ")"
+	if d := h.Describe(ctx, wallName); d != "" {
+		note = " (" + d + ")"
 	}
-	if wallName == "gvisor" {
-		note = " (platform systrap, which needs no KVM; a networked sandbox gets --network=sandbox: its netstack in the sandbox namespace)"
-	}
-	return true, fmt.Sprintf("%sworks: create → `true` ended in %v%s", runtime, time.Since(start).Round(100*time.Microsecond), note)
+	return true, fmt.Sprintf("works: create → `true` ended in %v%s", time.Since(start).Round(100*time.Microsecond), note)
 }
 
 // probeFavorDynmods reports whether cgroup migrations are cheap. Moving a
@@ -221,27 +199,4 @@ func probeFavorDynmods() check {
 		}
 	}
 	return check{"cgroup migration", true, "the first sandbox after a pause waits ~10 ms for an RCU grace period; mount cgroup2 with -o favordynmods to avoid it"}
-}
-
-// microvmInfo says what this host has of the microvm wall: QEMU, the
-// guest kernel, and /dev/kvm (used only if a guest really boots under it:
-// sandbox.Host.MicroVMAccel probes once per boot).
-func microvmInfo() string {
-	var parts []string
-	if p, err := exec.LookPath(vm.QEMU); err == nil {
-		parts = append(parts, p)
-	} else {
-		parts = append(parts, "no QEMU")
-	}
-	if k, err := vm.FindKernel(sandbox.KernelDir()); err == nil {
-		parts = append(parts, "guest kernel "+k.Version)
-	} else {
-		parts = append(parts, "no guest kernel (scripts/kernel.sh)")
-	}
-	if _, err := os.Stat("/dev/kvm"); err == nil {
-		parts = append(parts, "/dev/kvm present (KVM counts only once a guest boots under it)")
-	} else {
-		parts = append(parts, "no /dev/kvm")
-	}
-	return strings.Join(parts, "; ")
 }

@@ -24,7 +24,6 @@ import (
 	"github.com/cagehq/cage/internal/trace"
 	"github.com/cagehq/cage/internal/units"
 	"github.com/cagehq/cage/internal/wall"
-	"github.com/cagehq/cage/internal/wall/microvm"
 )
 
 type runFlags struct {
@@ -210,10 +209,8 @@ func runCommand(ctx context.Context, g *globals, f *runFlags, args []string, std
 	if err != nil {
 		return err
 	}
-	if sb.Wall() == "microvm" {
-		if accel, why := host.MicroVMAccel(ctx); accel == "tcg" {
-			fmt.Fprintf(stderr, "cage: warning: %s (%s)\n", microvm.TCGWarning, why)
-		}
+	if w := host.Warning(ctx, sb.Wall()); w != "" {
+		fmt.Fprintf(stderr, "cage: warning: %s\n", w)
 	}
 	defer host.GC() // after the command: leftovers of runs that were killed
 	defer sb.Destroy()

@@ -9,7 +9,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"github.com/cagehq/cage/internal/wall/microvm"
 	"log/slog"
 	"net"
 	"net/http"
@@ -249,16 +248,16 @@ func Run(ctx context.Context, cfg Config, log *slog.Logger, ready func(apiAddr, 
 	if err := host.WallMissing(cfg.DefaultWall); err != nil {
 		return fmt.Errorf("default wall: %w", err)
 	}
-	for _, w := range []string{"runc", "gvisor", "microvm"} {
+	for _, w := range sandbox.Walls {
 		if err := host.WallMissing(w); err != nil {
 			log.Warn("wall not available", "wall", w, "why", err)
-		} else if w == "microvm" {
-			go func() { // a KVM probe may take 10 s, once per boot
-				if accel, why := host.MicroVMAccel(context.Background()); accel == "tcg" {
-					log.Warn(microvm.TCGWarning, "why", why)
-				}
-			}()
+			continue
 		}
+		go func() { // a wall's probe (microvm: KVM) may take 10 s, once per boot
+			if warning := host.Warning(context.Background(), w); warning != "" {
+				log.Warn(warning, "wall", w)
+			}
+		}()
 	}
 	apiSrv := newServer(api.Handler(api.Config{Manager: mgr, Store: st, Log: log, Domain: cfg.Domain,
 		DefaultWall: cfg.DefaultWall}), true)

@@ -22,7 +22,6 @@ import (
 	"github.com/cagehq/cage/internal/sandbox"
 	"github.com/cagehq/cage/internal/store"
 	"github.com/cagehq/cage/internal/wall"
-	"github.com/cagehq/cage/internal/wall/process"
 )
 
 // Error kinds, mapped to HTTP statuses by the API.
@@ -141,14 +140,8 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (*store.Sandbox
 	}
 	defer release()
 
-	if req.Wall == "" {
-		req.Wall = "process"
-	}
-	if err := m.cfg.Host.WallMissing(req.Wall); err != nil {
-		return nil, err
-	}
 	opts := sandbox.Options{
-		Wall: req.Wall, Template: req.Template, Token: ids.NewToken(), Env: req.Env, CPUs: req.CPUs,
+		Wall: req.Wall, Template: req.Template, Env: req.Env, CPUs: req.CPUs,
 		Memory: req.Memory, Disk: req.Disk, Pids: req.Pids, Net: req.Net, Max: m.cfg.Max,
 	}
 	var sb wall.Sandbox
@@ -156,7 +149,7 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (*store.Sandbox
 	for attempt := 0; ; attempt++ {
 		var err error
 		sb, rec, err = m.start(ctx, req, &opts)
-		if errors.Is(err, process.ErrStale) && attempt < 8 {
+		if errors.Is(err, wall.ErrStale) && attempt < 8 {
 			continue // a pooled sandbox older than its template's files; the next is fresher
 		}
 		if err != nil {
@@ -170,61 +163,27 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (*store.Sandbox
 	return rec, nil
 }
 
-// start prepares a sandbox, records it, then starts it.
+// start names a sandbox, records it (state creating, so that a crash
+// leaves a record the next start cleans up), then starts it.
 func (m *Manager) start(ctx context.Context, req CreateRequest, opts *sandbox.Options) (wall.Sandbox, *store.Sandbox, error) {
-	if opts.Wall != "process" {
-		return m.startOCI(ctx, req, opts)
-	}
-	sb, err := m.cfg.Host.Prepare(ctx, opts)
+	p, err := m.cfg.Host.Begin(ctx, opts)
 	if err != nil {
 		return nil, nil, err
 	}
 	now := time.Now()
 	rec := &store.Sandbox{
-		ID: sb.ID(), KeyID: req.KeyID, TemplateID: req.Template, Wall: opts.Wall,
+		ID: p.ID(), KeyID: req.KeyID, TemplateID: req.Template, Wall: opts.Wall,
 		State: store.StateCreating, Metadata: req.Metadata, EnvVars: req.Env,
 		CPUs: opts.CPUs, Memory: opts.Memory, Disk: opts.Disk, Pids: opts.Pids,
-		AccessToken: opts.Token, TrafficToken: ids.NewToken(), AgentPID: sb.AgentPID(),
-		StartedAt: now, EndAt: now.Add(req.Timeout), AllowInternet: req.Net.Mode == network.Internet, AutoPause: req.AutoPause,
-		NetSlot: -1, PublicTraffic: req.PublicTraffic,
-	}
-	rec.AgentStart, _ = hostproc.StartTime(sb.AgentPID())
-	if err := m.cfg.Store.InsertSandbox(rec); err != nil {
-		_ = sb.Destroy()
-		return nil, nil, err
-	}
-	if err := m.cfg.Host.Start(sb, *opts); err != nil {
-		m.discard(sb, "create failed: "+err.Error())
-		return nil, nil, err
-	}
-	rec.State = store.StateRunning
-	setNetwork(rec, sb)
-	if err := m.cfg.Store.UpdateSandbox(rec); err != nil {
-		m.discard(sb, "record failed: "+err.Error())
-		return nil, nil, err
-	}
-	return sb, rec, nil
-}
-
-// startOCI records an OCI-wall sandbox (state creating) and then creates it.
-func (m *Manager) startOCI(ctx context.Context, req CreateRequest, opts *sandbox.Options) (wall.Sandbox, *store.Sandbox, error) {
-	if err := opts.Validate(); err != nil {
-		return nil, nil, err
-	}
-	opts.ID = ids.NewID()
-	now := time.Now()
-	rec := &store.Sandbox{
-		ID: opts.ID, KeyID: req.KeyID, TemplateID: req.Template, Wall: opts.Wall,
-		State: store.StateCreating, Metadata: req.Metadata, EnvVars: req.Env,
-		CPUs: opts.CPUs, Memory: opts.Memory, Disk: opts.Disk, Pids: opts.Pids,
-		AccessToken: opts.Token, TrafficToken: ids.NewToken(),
+		AccessToken: p.Spec().Token, TrafficToken: ids.NewToken(),
 		StartedAt: now, EndAt: now.Add(req.Timeout), AllowInternet: req.Net.Mode == network.Internet, AutoPause: req.AutoPause,
 		NetSlot: -1, PublicTraffic: req.PublicTraffic,
 	}
 	if err := m.cfg.Store.InsertSandbox(rec); err != nil {
+		p.Abort()
 		return nil, nil, err
 	}
-	sb, err := m.cfg.Host.Create(ctx, *opts)
+	sb, err := p.Start(ctx)
 	if err != nil {
 		_ = m.cfg.Store.DeleteSandbox(rec.ID)
 		return nil, nil, err

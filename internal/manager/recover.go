@@ -23,7 +23,7 @@ func (m *Manager) Recover() error {
 	h := m.cfg.Host
 	for _, rec := range recs {
 		if rec.State == store.StateRunning {
-			sb, err := h.Adopt(rec.ID, rec.Wall, rec.AgentPID, rec.AgentStart, rec.AccessToken)
+			sb, err := h.Adopt(rec.Wall, wall.Adoption{ID: rec.ID, PID: rec.AgentPID, StartTime: rec.AgentStart, Token: rec.AccessToken})
 			if err == nil && rec.Network != "" {
 				err = m.adoptNetwork(sb, rec)
 			}

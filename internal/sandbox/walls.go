@@ -5,113 +5,127 @@ import (
 	"fmt"
 	"io"
 	"os"
-	"os/exec"
+	"path/filepath"
 
-	"github.com/cagehq/cage/internal/cgroups"
-	"github.com/cagehq/cage/internal/ids"
-	"github.com/cagehq/cage/internal/inside"
 	"github.com/cagehq/cage/internal/wall"
+	"github.com/cagehq/cage/internal/wall/microvm"
 	"github.com/cagehq/cage/internal/wall/oci"
+	"github.com/cagehq/cage/internal/wall/process"
 )
 
-// Walls lists every wall cage knows, in order of hardness.
+// Walls lists every wall cage knows, in order of hardness; the first is
+// the default.
 var Walls = []string{"process", "runc", "gvisor", "microvm"}
 
-// ProbeRuntimes finds the OCI runtimes this host has: runc on the PATH, and
-// runsc ($CAGE_RUNSC, else on the PATH). gVisor runs with the systrap
-// platform (KVM is used only where a probe shows it works; not yet), no
-// network, and host sockets it may connect to (the agent's channel) but
-// never create.
-func ProbeRuntimes() map[string]*oci.Runtime {
-	rts := map[string]*oci.Runtime{}
-	if p, err := exec.LookPath("runc"); err == nil {
-		rts["runc"] = &oci.Runtime{Wall: "runc", Binary: p}
-	}
-	runsc := os.Getenv("CAGE_RUNSC")
-	if runsc == "" {
-		runsc, _ = exec.LookPath("runsc")
-	}
-	if runsc != "" {
-		if _, err := os.Stat(runsc); err == nil {
-			rts["gvisor"] = &oci.Runtime{Wall: "gvisor", Binary: runsc,
-				Flags: []string{"--platform=systrap", "--network=none", "--host-uds=open"}}
+// drivers is the one table of walls: each driver probes the host for
+// itself. Nothing else names a wall to pick its code.
+func (h *Host) drivers() map[string]wall.Driver {
+	h.wallsOnce.Do(func() {
+		kernels := h.KernelDir
+		if kernels == "" {
+			kernels = KernelDir()
 		}
-	}
-	return rts
-}
-
-// WallMissing explains why a wall is not available here.
-func (h *Host) WallMissing(name string) error {
-	switch name {
-	case "", "process":
-		return nil
-	case "runc":
-		if h.Runtimes["runc"] == nil {
-			return fmt.Errorf("%w: the runc wall needs runc (apt-get install runc)", ErrUnavailable)
+		ociCfg := oci.Config{AgentPath: h.AgentPath, RunDir: h.RunDir, Cgroups: h.Cgroups, Log: h.Log}
+		all := []wall.Driver{
+			process.NewDriver(process.Config{AgentPath: h.AgentPath, RunDir: h.RunDir, Cgroups: h.Cgroups, Log: h.Log}),
+			oci.NewRunc(ociCfg),
+			oci.NewGVisor(ociCfg),
+			microvm.NewDriver(microvm.DriverConfig{RunDir: h.RunDir, Cache: h.microvmCache(), AgentPath: h.AgentPath,
+				KernelDir: kernels, Cgroups: h.Cgroups, Log: h.Log}),
 		}
-	case "gvisor":
-		if h.Runtimes["gvisor"] == nil {
-			return fmt.Errorf("%w: the gvisor wall needs runsc (make runsc, or set CAGE_RUNSC)", ErrUnavailable)
+		h.walls = map[string]wall.Driver{}
+		for _, d := range all {
+			h.walls[d.Name()] = d
 		}
-	case "microvm":
-		return h.microvmMissing()
-	default:
-		return fmt.Errorf("%w: unknown wall %q (walls: %v)", ErrInvalid, name, Walls)
-	}
-	return nil
-}
-
-func (h *Host) createOCI(ctx context.Context, o Options) (wall.Sandbox, error) {
-	if err := o.Validate(); err != nil {
-		return nil, err
-	}
-	if err := h.WallMissing(o.Wall); err != nil {
-		return nil, err
-	}
-	tmpl, err := h.lookup(o.Template)
-	if err != nil {
-		return nil, err
-	}
-	o.identify()
-	netHost, err := h.network(o.Net)
-	if err != nil {
-		return nil, err
-	}
-	sb, err := oci.Create(ctx, oci.Config{
-		ID: o.ID, AgentPath: h.AgentPath, RunDir: h.RunDir, Cgroups: h.Cgroups, Runtime: h.Runtimes[o.Wall],
-		Template: tmpl, Limits: cgroups.Limits{MemoryBytes: o.Memory, CPUs: o.CPUs, Pids: o.Pids + inside.AgentThreads},
-		DiskBytes: o.Disk, ShmBytes: o.Shm, Token: o.Token, Env: tmpl.EnvWith(o.Env), MaxOutput: o.MaxOutput,
-		Threads: inside.AgentThreads, DieWithCaller: o.DieWithCaller, Log: h.Log,
-		Net: netHost, NetPolicy: o.Net,
 	})
-	if err != nil {
-		return nil, err
-	}
-	if err := startCommand(sb, tmpl); err != nil {
-		_ = sb.Destroy()
-		return nil, err
-	}
-	return sb, nil
+	return h.walls
 }
 
-// RunBare runs argv directly as the container process of an OCI wall, in a
-// bundle built as a sandbox's, without the agent: the peer cage's OCI walls
-// are measured against.
-func (h *Host) RunBare(ctx context.Context, wallName string, argv []string, out io.Writer) error {
-	if err := h.WallMissing(wallName); err != nil {
+// Driver is the wall named name ("" is the default, process).
+func (h *Host) Driver(name string) (wall.Driver, error) {
+	if name == "" {
+		name = Walls[0]
+	}
+	d, ok := h.drivers()[name]
+	if !ok {
+		return nil, fmt.Errorf("%w: unknown wall %q (walls: %v)", ErrInvalid, name, Walls)
+	}
+	return d, nil
+}
+
+// WallMissing explains why a wall is not available here (nil when it is).
+func (h *Host) WallMissing(name string) error {
+	d, err := h.Driver(name)
+	if err != nil {
 		return err
+	}
+	return d.Missing()
+}
+
+// Describe is a wall's note for people (cage doctor), "" for none.
+func (h *Host) Describe(ctx context.Context, name string) string {
+	if d, err := h.Driver(name); err == nil {
+		if ds, ok := d.(wall.Describer); ok {
+			return ds.Describe(ctx)
+		}
+	}
+	return ""
+}
+
+// Warning is what a user must be told when creating a sandbox on a wall
+// here ("" for nothing): e.g. that the microvm wall under TCG is no
+// boundary.
+func (h *Host) Warning(ctx context.Context, name string) string {
+	if d, err := h.Driver(name); err == nil {
+		if ds, ok := d.(wall.Describer); ok {
+			return ds.Warning(ctx)
+		}
+	}
+	return ""
+}
+
+// RunBare runs argv directly in a wall's runtime, in the sandbox its
+// driver would make from default options, without the agent: the peer
+// cage's walls are measured against.
+func (h *Host) RunBare(ctx context.Context, wallName string, argv []string, out io.Writer) error {
+	d, err := h.Driver(wallName)
+	if err != nil {
+		return err
+	}
+	br, ok := d.(wall.BareRunner)
+	if !ok {
+		return fmt.Errorf("%w: the %s wall has no bare run to compare with", ErrUnavailable, wallName)
 	}
 	o := Options{Wall: wallName}
-	if err := o.Validate(); err != nil {
-		return err
-	}
-	tmpl, err := h.lookup(o.Template)
+	p, err := h.Begin(ctx, &o)
 	if err != nil {
 		return err
 	}
-	return oci.RunBare(ctx, oci.Config{
-		ID: ids.NewID(), AgentPath: h.AgentPath, RunDir: h.RunDir, Cgroups: h.Cgroups, Runtime: h.Runtimes[wallName],
-		Template: tmpl, Limits: cgroups.Limits{MemoryBytes: o.Memory, CPUs: o.CPUs, Pids: o.Pids},
-		DiskBytes: o.Disk, ShmBytes: o.Shm, Log: h.Log,
-	}, argv, out)
+	spec := p.Spec()
+	spec.Limits.Pids = o.Pids // no agent
+	return br.RunBare(ctx, spec, argv, out)
+}
+
+// KernelDir is where the microvm wall's guest kernel is looked for:
+// $CAGE_KERNEL_DIR, else .tools/kernel beside the directory of the running
+// executable (where `make` puts cage and scripts/kernel.sh the kernel).
+func KernelDir() string {
+	if dir := os.Getenv("CAGE_KERNEL_DIR"); dir != "" {
+		return dir
+	}
+	exe, err := os.Executable()
+	if err != nil {
+		return ""
+	}
+	return filepath.Join(filepath.Dir(filepath.Dir(exe)), ".tools", "kernel")
+}
+
+// microvmCache is where the microvm wall keeps template images, initramfs
+// and snapshots: beside the template store (DATA/microvm), else in the run
+// directory.
+func (h *Host) microvmCache() string {
+	if h.Templates != nil {
+		return filepath.Join(filepath.Dir(h.Templates.Dir()), "microvm")
+	}
+	return filepath.Join(h.RunDir, "microvm")
 }

@@ -29,7 +29,7 @@
 //     file and start others from it, the file mapped private, over QMP
 //     (qmp.go, a small client of QEMU's machine protocol).
 //
-// Guest side, GuestSetup is what the agent calls first when it runs as PID 1
+// Guest side, boot.GuestSetup is what the agent calls first when it runs as PID 1
 // inside the VM: it mounts /dev, /proc and /sys, loads the modules in the
 // order WriteInitramfs recorded, and opens the agent port.
 //

@@ -9,11 +9,9 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
-)
 
-// ModulesOrder is where the initramfs lists the modules GuestSetup loads,
-// one absolute path a line, in load order.
-const ModulesOrder = "/modules.order"
+	"github.com/cagehq/cage/internal/vm/boot"
+)
 
 // File types of a cpio entry's mode (the values of stat's S_IF*).
 const (
@@ -24,7 +22,7 @@ const (
 
 // WriteInitramfs writes the guest's initramfs to w: an uncompressed newc
 // cpio with the file at initPath as /init (mode 0755), the named modules of
-// k and all they depend on under /lib/modules/VERSION, and ModulesOrder.
+// k and all they depend on under /lib/modules/VERSION, and boot.ModulesOrder.
 // Modules built into k are left out. Compressed modules are copied as they
 // are when the kernel decompresses modules itself, and refused otherwise.
 // Owners are root and times zero, so the same inputs give the same bytes.
@@ -34,7 +32,7 @@ func WriteInitramfs(w io.Writer, k *Kernel, initPath string, modules []string) e
 		return err
 	}
 	for _, p := range paths {
-		if c := compression(p); c != "" {
+		if c := boot.Compression(p); c != "" {
 			ok, err := k.canLoadCompressed(c)
 			if err != nil {
 				return fmt.Errorf("read kernel %s's configuration: %w", k.Version, err)
@@ -86,7 +84,7 @@ func WriteInitramfs(w io.Writer, k *Kernel, initPath string, modules []string) e
 			return err
 		}
 	}
-	cw.data(strings.TrimPrefix(ModulesOrder, "/"), cpioReg|0o644, []byte(order.String()))
+	cw.data(strings.TrimPrefix(boot.ModulesOrder, "/"), cpioReg|0o644, []byte(order.String()))
 	cw.header("TRAILER!!!", 0, 0, 0, 0)
 	if cw.err != nil {
 		return fmt.Errorf("write initramfs: %w", cw.err)

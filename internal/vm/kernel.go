@@ -11,6 +11,8 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
+
+	"github.com/cagehq/cage/internal/vm/boot"
 )
 
 // Kernel is a guest kernel unpacked from Debian's package: its image and its
@@ -111,16 +113,6 @@ func modName(path string) string {
 	return strings.ReplaceAll(base, "-", "_")
 }
 
-// compression is how a module file is compressed: "", "xz", "zst" or "gz".
-func compression(path string) string {
-	for _, c := range []string{"xz", "zst", "gz"} {
-		if strings.HasSuffix(path, ".ko."+c) {
-			return c
-		}
-	}
-	return ""
-}
-
 // modules reads the kernel's loadable modules and their dependencies. It
 // reads modules.dep (what depmod writes; scripts/kernel.sh runs it), and
 // where that is missing, as in a bare unpacked Debian package, the
@@ -175,7 +167,7 @@ func readModinfoDeps(dir string) (map[string]module, error) {
 		}
 		rel, _ := filepath.Rel(dir, p)
 		m := module{path: filepath.ToSlash(rel)}
-		if c := compression(p); c != "" {
+		if c := boot.Compression(p); c != "" {
 			return fmt.Errorf("no modules.dep, and the modules are compressed (%s); run depmod (scripts/kernel.sh does)", c)
 		}
 		deps, err := modinfoDepends(p)

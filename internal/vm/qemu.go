@@ -14,6 +14,8 @@ import (
 	"sync"
 	"syscall"
 	"time"
+
+	"github.com/cagehq/cage/internal/vm/boot"
 )
 
 // QEMU is the emulator Start runs.
@@ -187,7 +189,7 @@ func (cfg Config) Args() []string {
 		"-serial", "chardev:console",
 		"-device", "virtio-serial-device,max_ports=2",
 		"-chardev", "socket,id=agent,fd="+strconv.Itoa(cfg.agentFD)+",server=on,wait=off",
-		"-device", "virtserialport,chardev=agent,name="+AgentPort,
+		"-device", "virtserialport,chardev=agent,name="+boot.AgentPort,
 		"-chardev", "socket,id=qmp,fd="+strconv.Itoa(cfg.qmpFD)+",server=on,wait=off",
 		"-mon", "chardev=qmp,mode=control",
 		"-no-reboot",

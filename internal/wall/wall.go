@@ -7,6 +7,7 @@ package wall
 
 import (
 	"context"
+	"errors"
 	"net"
 
 	"github.com/cagehq/cage/internal/cgroups"
@@ -27,3 +28,16 @@ type Sandbox interface {
 	Network() *network.Sandbox // its network; nil when it has none (loopback only)
 	Destroy() error            // kill everything and remove it; idempotent
 }
+
+// Error kinds a wall reports; callers map them to exit codes and HTTP
+// statuses at the edge (internal/sandbox re-exports them).
+var (
+	// ErrUnavailable: the host lacks what the wall needs.
+	ErrUnavailable = errors.New("unavailable on this host")
+	// ErrInvalid: the request cannot be made on this wall.
+	ErrInvalid = errors.New("invalid")
+	// ErrStale: a prepared sandbox was built from another copy of its
+	// template's files than the one now current (the host's /etc changed
+	// meanwhile); its creator makes a fresh one.
+	ErrStale = errors.New("prepared sandbox was built from an older copy of its template")
+)

@@ -21,6 +21,7 @@ import (
 	"github.com/cagehq/cage/internal/sandbox"
 	"github.com/cagehq/cage/internal/testutil"
 	cagewall "github.com/cagehq/cage/internal/wall"
+	"github.com/cagehq/cage/internal/wall/microvm"
 )
 
 // wall is one isolation tier under test.
@@ -131,14 +132,14 @@ func walls() []wall {
 func requireBase(t *testing.T, h *sandbox.Host) {
 	t.Helper()
 	if h.Templates != nil {
-		if _, err := h.Templates.Get(sandbox.MicroVMTemplate); err == nil {
+		if _, err := h.Templates.Get(microvm.DefaultTemplate); err == nil {
 			return
 		}
 	}
 	if os.Getenv("CAGE_REQUIRE_BASE") != "" {
-		t.Fatalf("CAGE_REQUIRE_BASE: no %s template in the store", sandbox.MicroVMTemplate)
+		t.Fatalf("CAGE_REQUIRE_BASE: no %s template in the store", microvm.DefaultTemplate)
 	}
-	t.Skipf("SKIP wall microvm: no %s template (make base)", sandbox.MicroVMTemplate)
+	t.Skipf("SKIP wall microvm: no %s template (make base)", microvm.DefaultTemplate)
 }
 
 // forEachWall runs fn as a subtest per wall.

@@ -188,11 +188,11 @@ func TestTemplatePool(t *testing.T) {
 		time.Sleep(1500 * time.Millisecond)
 	}
 	waitPool()
-	misses := h.PoolMisses.Load()
+	misses := h.PoolMisses()
 	if got := osRelease(); got != "ID=cage-test\n" {
 		t.Errorf("pooled create: %q", got)
 	}
-	if h.PoolMisses.Load() != misses {
+	if h.PoolMisses() != misses {
 		t.Errorf("the create of the pool's template found the pool empty")
 	}
 	// Import other files under the name: what the pool prepared is stale.

@@ -22,6 +22,9 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/cagehq/cage/internal/inside"
+	"github.com/cagehq/cage/internal/wall"
+
 	"github.com/hashicorp/yamux"
 	"golang.org/x/sys/unix"
 
@@ -32,12 +35,21 @@ import (
 	"github.com/cagehq/cage/internal/template"
 	"github.com/cagehq/cage/internal/trace"
 	"github.com/cagehq/cage/internal/vm"
+	"github.com/cagehq/cage/internal/wall/microvm/guest"
 	"github.com/cagehq/cage/internal/wall/state"
 )
 
 // Config describes one sandbox to create.
 type Config struct {
-	ID     string
+	// Spec is the sandbox: its Template must be an image; its Limits are
+	// the guest's: the guest applies them to a cgroup of its own that holds
+	// the agent and every command (so that the exit reasons are its
+	// kernel's), and they size the VM: RAM of the memory limit plus
+	// GuestOverheadMB, a vCPU per started CPU. QEMU itself runs in a host
+	// cgroup (Cgroups) capped by hostMemoryMB. ShmBytes is 64 MiB when 0.
+	// Net, with a networked NetPolicy, gives the VM a NIC: a tap in the
+	// sandbox's network namespace spliced with its veth (network.AttachTap).
+	wall.Spec
 	RunDir string
 	// Cache keeps what outlives a sandbox (template images, initramfs,
 	// snapshots; RunDir/microvm when ""): beside the template store, on
@@ -45,30 +57,13 @@ type Config struct {
 	Cache     string
 	AgentPath string // the static cage-agent: the guest's init
 	Kernel    *vm.Kernel
-	Template  *template.Template // an image template
-	// Limits are the sandbox's: the guest applies them to a cgroup of its
-	// own that holds the agent and every command (so that the exit reasons
-	// are its kernel's), and they size the VM: RAM of the memory limit plus
-	// GuestOverheadMB, a vCPU per started CPU. QEMU itself runs in a host
-	// cgroup (Cgroups) capped by hostMemoryMB.
-	Limits  cgroups.Limits
-	Cgroups *cgroups.Manager // nil: QEMU gets no cgroup (tests of the VM alone)
+	Cgroups   *cgroups.Manager // nil: QEMU gets no cgroup (tests of the VM alone)
 	// Accel is "kvm" or "tcg" ("": tcg); see Accel.
 	Accel string
 	// MemoryMB and CPUs, when set, size the VM instead of Limits.
-	MemoryMB  int
-	CPUs      int
-	DiskBytes int64
-	ShmBytes  int64 // /dev/shm's size; 64 MiB when 0
-	Token     string
-	Env       map[string]string
-	MaxOutput int64
-	Threads   int
-	Log       *slog.Logger // slog.Default() when nil
-	// Net, with a networked NetPolicy, gives the VM a NIC: a tap in the
-	// sandbox's network namespace spliced with its veth (network.AttachTap).
-	Net       *network.Host
-	NetPolicy network.Policy
+	MemoryMB int
+	CPUs     int
+	Log      *slog.Logger // slog.Default() when nil
 
 	coldBoot bool // boot, do not restore (tests compare the two)
 }
@@ -290,13 +285,13 @@ func Create(ctx context.Context, cfg Config) (sb *Sandbox, err error) {
 	vcfg := vm.Config{Kernel: cfg.Kernel, Initramfs: initrd, MemoryMB: memMB, CPUs: cpus, Accel: cfg.Accel,
 		Dir: filepath.Join(sb.dir, "vm"), Disks: []string{disk}, Credential: credential(sb.ids, cfg.Accel),
 		Jailer: cfg.AgentPath, Append: guestArgs}
-	var gnet *guestNet
+	var gnet *guest.Net
 	if cfg.Net != nil && cfg.NetPolicy.Networked() {
 		if err := sb.attachNetwork(cfg); err != nil {
 			return sb, err
 		}
 		vcfg.Tap, vcfg.MAC = sb.tap, network.GuestMAC
-		gnet = &guestNet{IP: sb.net.IP, Gateway: cfg.Net.Gateway(), ResolvConf: cfg.Net.ResolvConf()}
+		gnet = &guest.Net{IP: sb.net.IP, Gateway: cfg.Net.Gateway(), ResolvConf: cfg.Net.ResolvConf()}
 	}
 	if cfg.Cgroups != nil {
 		if sb.cg, err = cfg.Cgroups.Create(cfg.ID, cgroups.Limits{MemoryBytes: hostMemoryMB(memMB) << 20,
@@ -341,19 +336,22 @@ func Create(ctx context.Context, cfg Config) (sb *Sandbox, err error) {
 		return sb, err
 	}
 	defer first.Close()
-	hostname := ids.Hostname(cfg.ID)
+	hostname := cfg.Hostname
+	if hostname == "" {
+		hostname = ids.Hostname(cfg.ID)
+	}
 	// Every guest gets its own random bytes and the time, restored or not:
 	// see spec.
-	entropy := make([]byte, entropyBytes)
+	entropy := make([]byte, guest.EntropyBytes)
 	if _, err := rand.Read(entropy); err != nil {
 		return sb, err
 	}
-	if err := json.NewEncoder(first).Encode(spec{Token: cfg.Token, Env: cfg.Env, MaxOutput: cfg.MaxOutput,
-		Hostname: hostname, DiskBytes: cfg.DiskBytes, ShmBytes: shmBytes(cfg.ShmBytes), Threads: cfg.Threads, Limits: cfg.Limits, Net: gnet,
+	if err := json.NewEncoder(first).Encode(guest.Spec{Token: cfg.Token, Env: cfg.Env, MaxOutput: cfg.MaxOutput,
+		Hostname: hostname, DiskBytes: cfg.DiskBytes, ShmBytes: shmBytes(cfg.ShmBytes), Threads: inside.AgentThreads, Limits: cfg.Limits, Net: gnet,
 		Entropy: entropy, UnixNano: time.Now().UnixNano()}); err != nil {
 		return sb, err
 	}
-	if err := readLine(ctx, first, bufio.NewReader(first), ready); err != nil {
+	if err := readLine(ctx, first, bufio.NewReader(first), guest.Ready); err != nil {
 		return sb, fmt.Errorf("the guest's agent did not start: %w (%s%s)", err, consoleTail(sb.v), qemuEnd(sb.v))
 	}
 	trace.Mark("microvm: ready")

@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/cagehq/cage/internal/testutil"
+	"github.com/cagehq/cage/internal/wall"
 )
 
 // TestQEMUJail: a guest that escapes into QEMU finds nothing of the host.
@@ -28,8 +29,7 @@ func TestQEMUJail(t *testing.T) {
 	runDir := testutil.RunDir(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer cancel()
-	sb, err := Create(ctx, Config{ID: "0123456789abcdef0124", RunDir: runDir, AgentPath: filepath.Join(bin, "cage-agent"),
-		Kernel: k, Template: tmpl, MemoryMB: 256, CPUs: 1, DiskBytes: 16 << 20, Token: "secret", Threads: 20, coldBoot: true})
+	sb, err := Create(ctx, Config{Spec: wall.Spec{ID: "0123456789abcdef0124", Template: tmpl, DiskBytes: 16 << 20, Token: "secret"}, RunDir: runDir, AgentPath: filepath.Join(bin, "cage-agent"), Kernel: k, MemoryMB: 256, CPUs: 1, coldBoot: true})
 	if err != nil {
 		t.Fatalf("create: %v", err)
 	}

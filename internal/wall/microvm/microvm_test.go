@@ -5,7 +5,6 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
-	"github.com/cagehq/cage/internal/bench/stats"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -14,6 +13,9 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/cagehq/cage/internal/bench/stats"
+	"github.com/cagehq/cage/internal/wall"
 
 	"github.com/cagehq/cage/internal/agentclient"
 	"github.com/cagehq/cage/internal/imgstore"
@@ -71,8 +73,7 @@ func TestGuestAgent(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer cancel()
 	start := time.Now()
-	sb, err := Create(ctx, Config{ID: "0123456789abcdef0123", RunDir: runDir, AgentPath: filepath.Join(bin, "cage-agent"),
-		Kernel: k, Template: tmpl, MemoryMB: 256, CPUs: 1, DiskBytes: 16 << 20, Token: "secret", Threads: 20, coldBoot: true})
+	sb, err := Create(ctx, Config{Spec: wall.Spec{ID: "0123456789abcdef0123", Template: tmpl, DiskBytes: 16 << 20, Token: "secret"}, RunDir: runDir, AgentPath: filepath.Join(bin, "cage-agent"), Kernel: k, MemoryMB: 256, CPUs: 1, coldBoot: true})
 	if err != nil {
 		t.Fatalf("create: %v", err)
 	}
@@ -114,8 +115,7 @@ func BenchmarkColdBoot(b *testing.B) {
 	for i := 0; i < b.N; i++ {
 		ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 		start := time.Now()
-		sb, err := Create(ctx, Config{ID: fmt.Sprintf("bench%015d", i), RunDir: runDir, AgentPath: filepath.Join(bin, "cage-agent"),
-			Kernel: k, Template: tmpl, DiskBytes: 16 << 20, Token: "t", Threads: 20, coldBoot: true})
+		sb, err := Create(ctx, Config{Spec: wall.Spec{ID: fmt.Sprintf("bench%015d", i), Template: tmpl, DiskBytes: 16 << 20, Token: "t"}, RunDir: runDir, AgentPath: filepath.Join(bin, "cage-agent"), Kernel: k, coldBoot: true})
 		if err != nil {
 			b.Fatal(err)
 		}
@@ -180,8 +180,7 @@ func TestRestore(t *testing.T) {
 	var boxes []box
 	for i, id := range []string{"aaaaaaaa00000000000001", "bbbbbbbb00000000000002"} {
 		start := time.Now()
-		sb, err := Create(ctx, Config{ID: id, RunDir: runDir, AgentPath: filepath.Join(bin, "cage-agent"),
-			Kernel: k, Template: tmpl, MemoryMB: 256, CPUs: 1, DiskBytes: 16 << 20, Token: fmt.Sprintf("token-%d", i), Threads: 20})
+		sb, err := Create(ctx, Config{Spec: wall.Spec{ID: id, Template: tmpl, DiskBytes: 16 << 20, Token: fmt.Sprintf("token-%d", i)}, RunDir: runDir, AgentPath: filepath.Join(bin, "cage-agent"), Kernel: k, MemoryMB: 256, CPUs: 1})
 		if err != nil {
 			t.Fatalf("create %s: %v", id, err)
 		}
@@ -288,8 +287,7 @@ func BenchmarkRestore(b *testing.B) {
 	n := 0
 	create := func(ctx context.Context, cold bool) *Sandbox {
 		n++
-		sb, err := Create(ctx, Config{ID: fmt.Sprintf("bench%015d", n), RunDir: runDir, AgentPath: filepath.Join(bin, "cage-agent"),
-			Kernel: k, Template: tmpl, DiskBytes: 16 << 20, Token: "t", Threads: 20, coldBoot: cold})
+		sb, err := Create(ctx, Config{Spec: wall.Spec{ID: fmt.Sprintf("bench%015d", n), Template: tmpl, DiskBytes: 16 << 20, Token: "t"}, RunDir: runDir, AgentPath: filepath.Join(bin, "cage-agent"), Kernel: k, coldBoot: cold})
 		if err != nil {
 			b.Fatal(err)
 		}

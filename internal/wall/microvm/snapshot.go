@@ -24,6 +24,7 @@ import (
 	"github.com/cagehq/cage/internal/network"
 	"github.com/cagehq/cage/internal/vm"
 	"github.com/cagehq/cage/internal/wall/channel"
+	"github.com/cagehq/cage/internal/wall/microvm/guest"
 )
 
 // Snapshots: a guest booted once per VM shape (kernel, initramfs with the
@@ -343,9 +344,9 @@ func buildSnapshot(ctx context.Context, dir string, c vm.Config) error {
 		sess.Close()
 		return err
 	}
-	err = json.NewEncoder(first).Encode(spec{Prepare: true, DiskBytes: prepareDiskBytes, ShmBytes: shmBytes(0)})
+	err = json.NewEncoder(first).Encode(guest.Spec{Prepare: true, DiskBytes: prepareDiskBytes, ShmBytes: shmBytes(0)})
 	if err == nil {
-		err = readLine(ctx, first, bufio.NewReader(first), prepared)
+		err = readLine(ctx, first, bufio.NewReader(first), guest.Prepared)
 	}
 	first.Close()
 	// Leaving is the guest's cue to wait for the next host: it saw the
@@ -389,7 +390,7 @@ func greet(ctx context.Context, v *vm.VM) (*yamux.Session, error) {
 	}
 	// The guest's hello: it is up and holds its end of the port.
 	br := bufio.NewReader(conn)
-	if err := readLine(ctx, conn, br, hello); err != nil {
+	if err := readLine(ctx, conn, br, guest.Hello); err != nil {
 		conn.Close()
 		return nil, fmt.Errorf("the guest did not come up: %w (%s)", err, consoleTail(v))
 	}

@@ -17,6 +17,7 @@ import (
 	"github.com/cagehq/cage/internal/hostproc"
 	"github.com/cagehq/cage/internal/sandbox"
 	"github.com/cagehq/cage/internal/testutil"
+	"github.com/cagehq/cage/internal/wall"
 )
 
 // creatorEnv makes this test binary the creator of TestAdoptAfterKill's
@@ -77,7 +78,7 @@ func TestAdoptAfterKill(t *testing.T) {
 			if st, err := hostproc.StartTime(pid); err != nil || st != start {
 				t.Fatalf("the sandbox died with its creator")
 			}
-			sb, err := h.Adopt(id, w, pid, start, token)
+			sb, err := h.Adopt(w, wall.Adoption{ID: id, PID: pid, StartTime: start, Token: token})
 			if err != nil {
 				t.Fatalf("adopt: %v", err)
 			}

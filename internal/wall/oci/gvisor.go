@@ -10,22 +10,22 @@ import (
 
 	"github.com/cagehq/cage/internal/inside"
 	"github.com/cagehq/cage/internal/wall/channel"
+	"github.com/cagehq/cage/internal/wall/oci/container"
 )
 
 // Under gVisor the host cannot pass the agent a listening socket, and must
 // not dial one in a directory the sandbox can write: root inside (gVisor
 // has no user namespace) could leave a symlink to any host socket there, or
 // a socket of its own that learns every client's token. So the host
-// listens (package channel) on chanDir/chanSocket in the sandbox's state
+// listens (package channel) on chanDir/container.Socket in the sandbox's state
 // directory, which the container sees read-only at sockInside, and the
 // agent connects out. The socket is the agent's uid's, 0600: gVisor serves
 // host ids as they are, so no command (root inside has no
 // CAP_DAC_OVERRIDE) can connect to it. The channel's key is kept in the state directory,
 // which no sandbox sees, for the daemon that adopts the sandbox.
 const (
-	chanDir    = "chan"
-	chanSocket = "host.sock"
-	keyFile    = "channel.key"
+	chanDir = "chan"
+	keyFile = "channel.key"
 )
 
 // listenChannel makes the channel's directory, key and listening socket.
@@ -49,7 +49,7 @@ func (sb *Sandbox) listenChannel() ([]byte, error) {
 	if err := os.Mkdir(dir, 0o755); err != nil {
 		return nil, err
 	}
-	if sb.ch, err = channel.Listen(filepath.Join(dir, chanSocket), key, inside.AgentUID); err != nil {
+	if sb.ch, err = channel.Listen(filepath.Join(dir, container.Socket), key, inside.AgentUID); err != nil {
 		return nil, err
 	}
 	return key, nil
@@ -74,6 +74,6 @@ func (sb *Sandbox) adoptChannel() error {
 	if _, err := io.ReadFull(f, key); err != nil {
 		return fmt.Errorf("channel key: %w", err)
 	}
-	sb.ch, err = channel.Listen(filepath.Join(sb.dir, chanDir, chanSocket), key, inside.AgentUID)
+	sb.ch, err = channel.Listen(filepath.Join(sb.dir, chanDir, container.Socket), key, inside.AgentUID)
 	return err
 }

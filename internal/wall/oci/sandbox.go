@@ -26,12 +26,13 @@ import (
 
 	"github.com/cagehq/cage/internal/cgroups"
 	"github.com/cagehq/cage/internal/hostproc"
-	"github.com/cagehq/cage/internal/ids"
 	"github.com/cagehq/cage/internal/inside"
 	"github.com/cagehq/cage/internal/network"
 	"github.com/cagehq/cage/internal/rocache"
 	"github.com/cagehq/cage/internal/template"
+	"github.com/cagehq/cage/internal/wall"
 	"github.com/cagehq/cage/internal/wall/channel"
+	"github.com/cagehq/cage/internal/wall/oci/container"
 	"github.com/cagehq/cage/internal/wall/state"
 )
 
@@ -59,7 +60,7 @@ func (r *Runtime) flags(networked bool) []string {
 // attachNetwork makes the sandbox's network namespace with its veth, before
 // the runtime starts (gVisor reads the interfaces it finds as it starts),
 // and returns its resolv.conf.
-func (sb *Sandbox) attachNetwork(cfg Config) (string, error) {
+func (sb *Sandbox) attachNetwork(cfg job) (string, error) {
 	if cfg.Net == nil || !cfg.NetPolicy.Networked() {
 		return inside.NoNetworkResolvConf, nil
 	}
@@ -92,30 +93,21 @@ func (sb *Sandbox) SetNetwork(n *network.Sandbox) {
 
 func fileExists(p string) bool { _, err := os.Stat(p); return err == nil }
 
-// Config describes one sandbox.
+// Config is what an OCI wall needs of the host.
 type Config struct {
-	ID        string
 	AgentPath string
 	RunDir    string
 	Cgroups   *cgroups.Manager
 	Runtime   *Runtime
-	Template  *template.Template
-	Limits    cgroups.Limits
-	DiskBytes int64
-	ShmBytes  int64
-	Token     string
-	Env       map[string]string
-	MaxOutput int64
-	Threads   int // the agent's threads, added to the pids limit by the caller
-	// DieWithCaller ends the sandbox when this process dies (cage run).
-	DieWithCaller bool
-	// Net gives the sandbox a network under NetPolicy (nil, or a policy of
-	// mode none: loopback only).
-	Net       *network.Host
-	NetPolicy network.Policy
 	Log       *slog.Logger
+}
 
-	bare    []string // RunBare's command
+// job is one container to make: a sandbox's, or a bare run's (the
+// benchmark peer: bare is its command, with stdout to bareOut).
+type job struct {
+	Config
+	wall.Spec
+	bare    []string
 	bareOut io.Writer
 }
 
@@ -190,12 +182,9 @@ func (sb *Sandbox) Err() error {
 	return fmt.Errorf("sandbox %s (%s) is gone", sb.id, sb.rt.Wall)
 }
 
-// Create builds the bundle and starts the container. On error nothing is
+// create builds the bundle and starts the container. On error nothing is
 // left behind.
-func Create(ctx context.Context, cfg Config) (sb *Sandbox, err error) {
-	if cfg.Log == nil {
-		cfg.Log = slog.New(slog.DiscardHandler)
-	}
+func create(ctx context.Context, cfg job) (sb *Sandbox, err error) {
 	sb = &Sandbox{id: cfg.ID, token: cfg.Token, rt: cfg.Runtime, exited: make(chan struct{}), pidfd: -1,
 		dir: filepath.Join(cfg.RunDir, "sandboxes", cfg.ID), root: filepath.Join(cfg.RunDir, cfg.Runtime.Wall),
 		log: cfg.Log.With("sandbox", cfg.ID, "wall", cfg.Runtime.Wall)}
@@ -228,7 +217,6 @@ func Create(ctx context.Context, cfg Config) (sb *Sandbox, err error) {
 			return sb, err
 		}
 	}
-	hostname := ids.Hostname(cfg.ID)
 	resolvConf, err := sb.attachNetwork(cfg)
 	if err != nil {
 		return sb, err
@@ -260,7 +248,7 @@ func Create(ctx context.Context, cfg Config) (sb *Sandbox, err error) {
 			return sb, fmt.Errorf("mount the sandbox root: %w", err)
 		}
 	}
-	b := &bundleConfig{dir: filepath.Join(sb.dir, "bundle"), rootfs: sb.rootfs, id: cfg.ID, hostname: hostname,
+	b := &bundleConfig{dir: filepath.Join(sb.dir, "bundle"), rootfs: sb.rootfs, id: cfg.ID, hostname: cfg.Hostname,
 		agentPath: agentCopy, template: cfg.Template, disk: sb.diskMount,
 		cgroupPath: cgroupsPath(cfg.Cgroups, cfg.ID), shmBytes: cfg.ShmBytes,
 		idBase: uint32(sb.ids.Base), userns: !cfg.Runtime.gvisor(), args: []string{agentInside, "serve"},
@@ -289,13 +277,9 @@ func Create(ctx context.Context, cfg Config) (sb *Sandbox, err error) {
 	return sb, sb.run(ctx, cfg, key)
 }
 
-// RunBare runs argv as the container's process, without the agent, in the
-// foreground, with stdout to out, in a bundle built exactly as a sandbox's
-// (same root, mounts, namespaces, cgroups): the peer `cage bench` measures
-// the wall against. Everything is removed afterwards.
-func RunBare(ctx context.Context, cfg Config, argv []string, out io.Writer) error {
-	cfg.bare, cfg.bareOut = argv, out
-	sb, err := Create(ctx, cfg)
+// runBareJob runs cfg.bare as the container's process (see Driver.RunBare).
+func runBareJob(ctx context.Context, cfg job) error {
+	sb, err := create(ctx, cfg)
 	if sb != nil {
 		if derr := sb.Destroy(); err == nil {
 			err = derr
@@ -304,7 +288,7 @@ func RunBare(ctx context.Context, cfg Config, argv []string, out io.Writer) erro
 	return err
 }
 
-func (sb *Sandbox) runBare(ctx context.Context, cfg Config) error {
+func (sb *Sandbox) runBare(ctx context.Context, cfg job) error {
 	args := append(append([]string{}, cfg.Runtime.Flags...), "--root", sb.root, "run", "--bundle",
 		filepath.Join(sb.dir, "bundle"), sb.id)
 	cmd := exec.CommandContext(ctx, cfg.Runtime.Binary, args...)
@@ -323,7 +307,7 @@ func cgroupsPath(m *cgroups.Manager, id string) string { return "/" + m.Parent +
 // makeDisk mounts the sandbox's writable storage on the host: one size- and
 // inode-limited tmpfs whose directories the container sees as /tmp,
 // /var/tmp, /home and /root.
-func (sb *Sandbox) makeDisk(cfg Config) error {
+func (sb *Sandbox) makeDisk(cfg job) error {
 	sb.diskMount = filepath.Join(sb.dir, "disk")
 	if err := os.Mkdir(sb.diskMount, 0o711); err != nil {
 		return err
@@ -361,7 +345,7 @@ func (sb *Sandbox) makeDisk(cfg Config) error {
 
 // run starts the container with the agent's spec on fd 3 and waits for
 // the runtime to have started it (detached).
-func (sb *Sandbox) run(ctx context.Context, cfg Config, key []byte) error {
+func (sb *Sandbox) run(ctx context.Context, cfg job, key []byte) error {
 	specR, specW, err := os.Pipe()
 	if err != nil {
 		return err
@@ -379,8 +363,8 @@ func (sb *Sandbox) run(ctx context.Context, cfg Config, key []byte) error {
 		return err
 	}
 	defer pids.Close()
-	spec := serveSpec{Token: cfg.Token, Env: cfg.Env, MaxOutput: cfg.MaxOutput, UserName: inside.UserName,
-		AgentUID: inside.AgentUID, Threads: cfg.Threads, OOMFD: 4, PidsFD: 5,
+	spec := container.Spec{Token: cfg.Token, Env: cfg.Env, MaxOutput: cfg.MaxOutput, UserName: inside.UserName,
+		AgentUID: inside.AgentUID, Threads: inside.AgentThreads, OOMFD: 4, PidsFD: 5,
 		LoopbackUp: !cfg.Runtime.gvisor() && sb.netns == "", LifelineFD: -1, WritableRoot: cfg.Template.Image != nil,
 		TrimDev: cfg.Runtime.gvisor()}
 	files := []*os.File{specR, oom, pids, sb.ids.Lock}
@@ -574,35 +558,32 @@ func copyFile(src, dst string) error {
 	return out.Close()
 }
 
-// Adopt takes charge again of a running OCI sandbox whose creator is gone:
-// its container init is pid (started at startTime); the runtime's own state
+// adopt takes charge again of a running OCI sandbox whose creator is gone:
+// its container init is a.PID (started at a.StartTime); the runtime's own state
 // and the sandbox's directories are where Create put them.
-func Adopt(cfg Config, pid int, startTime uint64) (*Sandbox, error) {
-	if cfg.Log == nil {
-		cfg.Log = slog.New(slog.DiscardHandler)
+func adopt(cfg Config, a wall.Adoption) (*Sandbox, error) {
+	if st, err := hostproc.StartTime(a.PID); err != nil || st != a.StartTime {
+		return nil, fmt.Errorf("sandbox %s: its container (pid %d) is gone", a.ID, a.PID)
 	}
-	if st, err := hostproc.StartTime(pid); err != nil || st != startTime {
-		return nil, fmt.Errorf("sandbox %s: its container (pid %d) is gone", cfg.ID, pid)
-	}
-	sb := &Sandbox{id: cfg.ID, token: cfg.Token, rt: cfg.Runtime, pid: pid, exited: make(chan struct{}),
-		dir: filepath.Join(cfg.RunDir, "sandboxes", cfg.ID), root: filepath.Join(cfg.RunDir, cfg.Runtime.Wall),
-		cg: cfg.Cgroups.Open(cfg.ID), log: cfg.Log.With("sandbox", cfg.ID, "wall", cfg.Runtime.Wall)}
+	sb := &Sandbox{id: a.ID, token: a.Token, rt: cfg.Runtime, pid: a.PID, exited: make(chan struct{}),
+		dir: filepath.Join(cfg.RunDir, "sandboxes", a.ID), root: filepath.Join(cfg.RunDir, cfg.Runtime.Wall),
+		cg: cfg.Cgroups.Open(a.ID), log: cfg.Log.With("sandbox", a.ID, "wall", cfg.Runtime.Wall)}
 	sb.diskMount, sb.rootfs = filepath.Join(sb.dir, "disk"), filepath.Join(sb.dir, "rootfs")
 	sb.sock = filepath.Join(sb.dir, "agent.sock")
 	var err error
-	if sb.pidfd, err = unix.PidfdOpen(pid, 0); err != nil {
-		return nil, fmt.Errorf("sandbox %s: pidfd: %w", cfg.ID, err)
+	if sb.pidfd, err = unix.PidfdOpen(a.PID, 0); err != nil {
+		return nil, fmt.Errorf("sandbox %s: pidfd: %w", a.ID, err)
 	}
 	if sb.owner, err = state.LockOwner(sb.dir); err != nil {
 		unix.Close(sb.pidfd)
-		return nil, fmt.Errorf("sandbox %s: %w", cfg.ID, err)
+		return nil, fmt.Errorf("sandbox %s: %w", a.ID, err)
 	}
 	if cfg.Runtime.gvisor() {
 		// The agent connects again to the channel's socket, made anew.
 		if err := sb.adoptChannel(); err != nil {
 			sb.owner.Close()
 			unix.Close(sb.pidfd)
-			return nil, fmt.Errorf("sandbox %s: %w", cfg.ID, err)
+			return nil, fmt.Errorf("sandbox %s: %w", a.ID, err)
 		}
 	}
 	go sb.watch()

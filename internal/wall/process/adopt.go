@@ -2,43 +2,40 @@ package process
 
 import (
 	"fmt"
-	"log/slog"
 	"path/filepath"
 
 	"golang.org/x/sys/unix"
 
 	"github.com/cagehq/cage/internal/hostproc"
+	"github.com/cagehq/cage/internal/wall"
 	"github.com/cagehq/cage/internal/wall/state"
 )
 
 // A sandbox outlives the process that created it (a daemon that crashed or
-// was upgraded). Adopt takes charge of such a sandbox again: the agent is not
+// was upgraded). adopt takes charge of such a sandbox again: the agent is not
 // this process's child, so its exit is watched through a pidfd.
 
-// Adopt returns the running sandbox cfg.ID whose agent is pid, started at
-// startTime. It fails when that process is gone or is not the sandbox's.
-func Adopt(cfg Config, pid int, startTime uint64, token string) (*Sandbox, error) {
-	if cfg.Log == nil {
-		cfg.Log = slog.New(slog.DiscardHandler)
+// adopt returns the running sandbox a.ID whose agent is a.PID, started at
+// a.StartTime. It fails when that process is gone or is not the sandbox's.
+func adopt(cfg Config, a wall.Adoption) (*Sandbox, error) {
+	if st, err := hostproc.StartTime(a.PID); err != nil || st != a.StartTime {
+		return nil, fmt.Errorf("sandbox %s: its agent (pid %d) is gone", a.ID, a.PID)
 	}
-	if st, err := hostproc.StartTime(pid); err != nil || st != startTime {
-		return nil, fmt.Errorf("sandbox %s: its agent (pid %d) is gone", cfg.ID, pid)
+	cg := cfg.Cgroups.Open(a.ID)
+	if !contains(cg.Procs(), a.PID) {
+		return nil, fmt.Errorf("sandbox %s: pid %d is not in its cgroup", a.ID, a.PID)
 	}
-	cg := cfg.Cgroups.Open(cfg.ID)
-	if !contains(cg.Procs(), pid) {
-		return nil, fmt.Errorf("sandbox %s: pid %d is not in its cgroup", cfg.ID, pid)
-	}
-	pidfd, err := unix.PidfdOpen(pid, 0)
+	pidfd, err := unix.PidfdOpen(a.PID, 0)
 	if err != nil {
-		return nil, fmt.Errorf("sandbox %s: pidfd: %w", cfg.ID, err)
+		return nil, fmt.Errorf("sandbox %s: pidfd: %w", a.ID, err)
 	}
-	sb := &Sandbox{id: cfg.ID, token: token, pid: pid, cg: cg, started: true, pidfd: pidfd,
-		dir: filepath.Join(cfg.RunDir, "sandboxes", cfg.ID), exited: make(chan struct{}),
-		log: cfg.Log.With("sandbox", cfg.ID)}
+	sb := &Sandbox{id: a.ID, token: a.Token, pid: a.PID, cg: cg, started: true, pidfd: pidfd,
+		dir: filepath.Join(cfg.RunDir, "sandboxes", a.ID), exited: make(chan struct{}),
+		log: cfg.Log.With("sandbox", a.ID)}
 	sb.sock = filepath.Join(sb.dir, "agent.sock")
 	if sb.owner, err = state.LockOwner(sb.dir); err != nil {
 		unix.Close(pidfd)
-		return nil, fmt.Errorf("sandbox %s: %w", cfg.ID, err)
+		return nil, fmt.Errorf("sandbox %s: %w", a.ID, err)
 	}
 	go sb.watchPidfd()
 	return sb, nil

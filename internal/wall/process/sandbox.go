@@ -20,42 +20,30 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/cagehq/cage/internal/cgroups"
-	"github.com/cagehq/cage/internal/ids"
 	"github.com/cagehq/cage/internal/inside"
 	"github.com/cagehq/cage/internal/network"
 	"github.com/cagehq/cage/internal/template"
 	"github.com/cagehq/cage/internal/trace"
+	"github.com/cagehq/cage/internal/wall"
+	"github.com/cagehq/cage/internal/wall/process/child"
 	"github.com/cagehq/cage/internal/wall/state"
 )
 
-// Config describes one sandbox to create.
+// Config is what the process wall needs of the host.
 type Config struct {
-	ID        string // sandbox id: [a-z0-9]+
 	AgentPath string // host path of the cage-agent binary
 	RunDir    string // runtime state directory (e.g. /run/cage)
 	Cgroups   *cgroups.Manager
-	// DieWithParent kills the sandbox when the creating thread dies (cage run).
-	DieWithParent bool
-	// Background prepares at low CPU priority (a pool refilling must not slow
-	// the creates it serves); Start restores the normal priority.
-	Background bool
-	Log        *slog.Logger
-	Spec
+	Log       *slog.Logger
 }
 
-// Spec is what a prepared sandbox is started with.
-type Spec struct {
-	Template  *template.Template // what the root is made of
-	Limits    cgroups.Limits
-	DiskBytes int64 // size of the writable storage (/tmp, /home, /var/tmp)
-	ShmBytes  int64 // size of /dev/shm
-	Token     string
-	Env       map[string]string
-	MaxOutput int64
-	// Net gives the sandbox a network under NetPolicy (nil, or a policy
-	// of mode none: loopback only).
-	Net       *network.Host
-	NetPolicy network.Policy
+// job is one sandbox to prepare.
+type job struct {
+	Config
+	wall.Spec
+	// Background prepares at low CPU priority (a pool refilling must not
+	// slow the creates it serves); Start restores the normal priority.
+	Background bool
 }
 
 // Sandbox is a running sandbox of the process wall, seen from the host.
@@ -115,28 +103,13 @@ func (sb *Sandbox) DiskPath() string {
 // Wall is "process".
 func (sb *Sandbox) Wall() string { return "process" }
 
-// Create builds and starts a sandbox. The agent may still be setting up when
-// Create returns; Dial connects as soon as the agent accepts (connections
-// queue on the listening socket meanwhile). On error nothing is left behind.
-func Create(ctx context.Context, cfg Config) (*Sandbox, error) {
-	sb, err := Prepare(ctx, cfg)
-	if err != nil {
-		return nil, err
-	}
-	if err := sb.Start(cfg.Spec); err != nil {
-		_ = sb.Destroy()
-		return nil, err
-	}
-	return sb, nil
-}
-
-// Prepare does everything that does not depend on what the sandbox is for:
+// prepare does everything that does not depend on what the sandbox is for:
 // it reserves ids, makes the directories and the agent's socket, forks the
 // agent into its namespaces and puts it in its cgroups (without limits yet).
 // The agent then waits for Start. A pool keeps prepared sandboxes, so that a
 // create pays none of this; if the host goes away, the agent sees its spec
 // pipe close and exits.
-func Prepare(ctx context.Context, cfg Config) (sb *Sandbox, err error) {
+func prepare(ctx context.Context, cfg job) (sb *Sandbox, err error) {
 	if cfg.Log == nil {
 		cfg.Log = slog.New(slog.DiscardHandler)
 	}
@@ -202,10 +175,10 @@ func Prepare(ctx context.Context, cfg Config) (sb *Sandbox, err error) {
 	// sizes in cfg, and then waits for Start.
 	sb.etc = cfg.Template.EtcCache
 	sb.disk, sb.shm = cfg.DiskBytes, cfg.ShmBytes
-	err = sb.send(&initSpec{
-		ID: sb.id, Hostname: ids.Hostname(sb.id), Root: sb.root,
+	err = sb.send(&child.InitSpec{
+		ID: sb.id, Hostname: cfg.Hostname, Root: sb.root,
 		Mounts: cfg.Template.Mounts, Image: image, Build: cfg.Template.Build, DiskBytes: sb.disk, DiskInodes: inside.InodesFor(sb.disk),
-		ShmBytes: sb.shm, UserName: userName, UserUID: userUID, UserGID: userUID,
+		ShmBytes: sb.shm, UserName: inside.UserName, UserUID: inside.UserUID, UserGID: inside.UserUID,
 		OOMEvents: sb.cg.OOMEventsFile(), PidsEvents: sb.cg.PidsEventsFile(),
 		Debug: trace.On(), DieWithParent: sb.dieWithParent,
 	})
@@ -224,20 +197,15 @@ func (sb *Sandbox) send(doc any) error {
 	return nil
 }
 
-// ErrStale is returned by Start for a prepared sandbox built from another
-// copy of its template's files than the one now current (the host's /etc
-// changed meanwhile). Its creator starts a fresh one.
-var ErrStale = errors.New("prepared sandbox was built from an older copy of its template")
-
 // Start applies the limits and sends the agent the request's own settings:
 // from here the sandbox seals itself and serves.
-func (sb *Sandbox) Start(s Spec) error {
+func (sb *Sandbox) Start(s wall.Spec) error {
 	if sb.started {
 		return errors.New("sandbox already started")
 	}
 	if s.Template.EtcCache != sb.etc || s.Template.Name != sb.template ||
 		(s.Template.Image != nil && s.Template.Image.Info.ID != sb.imageID) {
-		return ErrStale
+		return wall.ErrStale
 	}
 	sb.started = true
 	sb.token = s.Token
@@ -263,7 +231,7 @@ func (sb *Sandbox) Start(s Spec) error {
 	if shm == 0 {
 		shm = sb.shm
 	}
-	err = sb.send(&startSpec{Token: s.Token, Env: s.Env, MaxOutput: s.MaxOutput,
+	err = sb.send(&child.StartSpec{Token: s.Token, Env: s.Env, MaxOutput: s.MaxOutput,
 		DiskBytes: disk, DiskInodes: inside.InodesFor(disk), ShmBytes: shm, ResolvConf: resolvConf})
 	sb.specW.Close()
 	sb.specW = nil
@@ -276,7 +244,7 @@ func (sb *Sandbox) Start(s Spec) error {
 
 // attachNetwork gives the sandbox's own network namespace a veth under the
 // policy, and returns the resolv.conf that goes with it ("" for none).
-func (sb *Sandbox) attachNetwork(s Spec) (string, error) {
+func (sb *Sandbox) attachNetwork(s wall.Spec) (string, error) {
 	if s.Net == nil || !s.NetPolicy.Networked() {
 		return "", nil
 	}
@@ -333,7 +301,7 @@ func (sb *Sandbox) makeDirs() (string, error) {
 
 // fork starts the agent in new namespaces and puts it in new cgroups; it
 // then waits for its spec (Start).
-func (sb *Sandbox) fork(cfg Config, listener *os.File) (rootSock *os.File, err error) {
+func (sb *Sandbox) fork(cfg job, listener *os.File) (rootSock *os.File, err error) {
 	specR, specW, err := os.Pipe()
 	if err != nil {
 		return nil, err
@@ -383,8 +351,8 @@ func (sb *Sandbox) fork(cfg Config, listener *os.File) (rootSock *os.File, err e
 			Setsid:                     true,
 		},
 	}
-	sb.dieWithParent = cfg.DieWithParent
-	if cfg.DieWithParent {
+	sb.dieWithParent = cfg.DieWithCaller
+	if cfg.DieWithCaller {
 		// The parent-death signal follows the thread that forked, so fork
 		// from a thread that lives as long as the process.
 		runtime.LockOSThread()
@@ -417,7 +385,7 @@ func (sb *Sandbox) fork(cfg Config, listener *os.File) (rootSock *os.File, err e
 
 // sendImageRoot mounts an image template's root (through the child's own
 // user namespace) and sends the child a detached copy of it.
-func (sb *Sandbox) sendImageRoot(cfg Config, sock *os.File) (string, error) {
+func (sb *Sandbox) sendImageRoot(cfg job, sock *os.File) (string, error) {
 	userns := func() (int, error) {
 		return unix.Open(fmt.Sprintf("/proc/%d/ns/user", sb.pid), unix.O_RDONLY|unix.O_CLOEXEC, 0)
 	}

@@ -10,12 +10,13 @@ import (
 	"strconv"
 	"strings"
 
-	"github.com/cagehq/cage/internal/vm"
 	"golang.org/x/sys/unix"
+
+	"github.com/cagehq/cage/internal/vm/boot"
 )
 
 func main() {
-	port, err := vm.GuestSetup()
+	port, err := boot.GuestSetup()
 	if err != nil {
 		fail(err)
 	}

@@ -1,36 +1,18 @@
-// Package process is cage's embedded default wall: a sandbox made of Linux
-// namespaces (user, PID, mount, IPC, UTS, cgroup, network), a pivot_root into
-// a root assembled from a template, cgroup limits, dropped capabilities,
-// no_new_privs, Landlock and a seccomp filter — pure Go, no external binary.
-//
-// Setup is a pipeline of steps that reads top to bottom, one file per step,
-// each with its host-side half (run by cage, as host root) and its child-side
-// half (run by cage-agent as it starts, inside the new namespaces, before it
-// serves):
-//
-//	userns.go    host: uid range per sandbox, id maps   child: —
-//	cgroups      host: create group, limits, join       child: own cgroup namespace
-//	mounts.go    host: —                                child: root, binds, /proc, disk
-//	dev.go       host: —                                child: minimal /dev
-//	etc.go       host: —                                child: generated /etc files
-//	net.go       host: —                                child: loopback up
-//	caps.go      host: —                                child: bounding set, securebits
-//	landlock.go  host: —                                child: filesystem rules
-//	seccomp      host: —                                child: syscall filter (internal/seccomp)
-//
-// The host reaches the agent through a unix socket that the host creates and
-// passes in as a listening descriptor; nothing of it is visible inside the
-// sandbox's filesystem.
-package process
+// Package child is the process wall's inside half: cage-agent's steps as
+// the sandbox's PID 1, inside the new namespaces, before it serves (read the
+// spec, build the root, pivot, seal). Its host half, package process, sends
+// it the two documents defined here. It imports nothing of the host's (see
+// cmd/cage-agent's dependency test).
+package child
 
 import "github.com/cagehq/cage/internal/inside"
 
-// The host sends the child two JSON documents over a pipe. initSpec, once
+// The host sends the child two JSON documents over a pipe. InitSpec, once
 // the child is in its cgroups, says how to build the sandbox: the child
-// builds it and waits. startSpec, when the sandbox is wanted, carries what is
+// builds it and waits. StartSpec, when the sandbox is wanted, carries what is
 // particular to one request; the child then seals itself and serves. A pool
 // keeps sandboxes between the two.
-type initSpec struct {
+type InitSpec struct {
 	ID       string         `json:"id"`
 	Hostname string         `json:"hostname"`
 	Root     string         `json:"root"` // host directory the new root is mounted on
@@ -60,9 +42,9 @@ type initSpec struct {
 	DieWithParent bool `json:"die_with_parent"`
 }
 
-// startSpec is the second document: one request's own settings. Disk and
-// shm sizes that differ from initSpec's are applied by remounting.
-type startSpec struct {
+// StartSpec is the second document: one request's own settings. Disk and
+// shm sizes that differ from InitSpec's are applied by remounting.
+type StartSpec struct {
 	Token      string            `json:"token"`
 	Env        map[string]string `json:"env"`
 	MaxOutput  int64             `json:"max_output"`

@@ -1,4 +1,4 @@
-package process
+package child
 
 import (
 	"fmt"
@@ -16,7 +16,7 @@ import (
 // namespace, then pivot_root into it. Nothing here is visible to the host:
 // propagation is private, and the namespace dies with the sandbox.
 
-func buildRoot(spec *initSpec) error {
+func buildRoot(spec *InitSpec) error {
 	if err := unix.Mount("", "/", "", unix.MS_REC|unix.MS_PRIVATE, ""); err != nil {
 		return fmt.Errorf("make mounts private: %w", err)
 	}
@@ -98,7 +98,7 @@ func placeMount(root string, m inside.Mount) error {
 // mountDisk makes the sandbox's writable storage: one size- and inode-limited
 // tmpfs whose directories appear as /tmp, /var/tmp, /home and /root, so that
 // the limit covers them together.
-func mountDisk(root string, spec *initSpec) error {
+func mountDisk(root string, spec *InitSpec) error {
 	stage := filepath.Join(root, ".disk")
 	if err := os.Mkdir(stage, 0o700); err != nil {
 		return err

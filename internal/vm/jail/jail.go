@@ -1,11 +1,13 @@
-package vm
+// Package jail is the jailer of QEMU: cage-agent's `qemu-jail` mode, root in
+// QEMU's new namespaces, which builds QEMU's root, drops to its credential
+// and execs it. The host (package vm) starts it with Command.
+package jail
 
 import (
 	"encoding/json"
 	"errors"
 	"fmt"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"runtime"
 	"syscall"
@@ -24,15 +26,15 @@ import (
 // path it could write is there: its sockets and console are descriptors.
 //
 // Namespaces are made by clone; the mounts need a process inside them
-// before QEMU: the jailer, cage-agent's `qemu-jail` mode (JailArg), which
+// before QEMU: the jailer, cage-agent's `qemu-jail` mode (Arg), which
 // builds the root, drops to QEMU's credential and execs QEMU.
 
-// JailArg is cage-agent's argument that makes it the jailer:
+// Arg is cage-agent's argument that makes it the jailer:
 // `cage-agent qemu-jail SPEC QEMU ARGS...`.
-const JailArg = "qemu-jail"
+const Arg = "qemu-jail"
 
-// jailSpec is what the jailer is told (as JSON, its first argument).
-type jailSpec struct {
+// Spec is what the jailer is told (as JSON, its first argument).
+type Spec struct {
 	UID      uint32   `json:"uid"`
 	GID      uint32   `json:"gid"`
 	Groups   []uint32 `json:"groups"`
@@ -40,42 +42,18 @@ type jailSpec struct {
 	Lifeline int      `json:"lifeline"` // read end of a pipe the host holds the other end of
 }
 
-// jailFlags are the namespaces QEMU gets.
-const jailFlags = syscall.CLONE_NEWNS | syscall.CLONE_NEWNET | syscall.CLONE_NEWPID |
+// Flags are the namespaces QEMU gets.
+const Flags = syscall.CLONE_NEWNS | syscall.CLONE_NEWNET | syscall.CLONE_NEWPID |
 	syscall.CLONE_NEWIPC | syscall.CLONE_NEWUTS
 
-// jailCommand is the command that runs QEMU (bin, args) jailed as cred,
-// with files as its descriptors 3 and up, and the read end of a lifeline
-// after them. The caller closes lifeR once the command has started, and
-// holds lifeW for as long as QEMU may run.
-func jailCommand(jailer, bin string, args []string, cred *syscall.Credential, kvm bool, files []*os.File) (cmd *exec.Cmd, lifeR, lifeW *os.File, err error) {
-	if lifeR, lifeW, err = os.Pipe(); err != nil {
-		return nil, nil, nil, err
-	}
-	spec, err := json.Marshal(jailSpec{UID: cred.Uid, GID: cred.Gid, Groups: cred.Groups, KVM: kvm,
-		Lifeline: 3 + len(files)})
-	if err != nil {
-		lifeR.Close()
-		lifeW.Close()
-		return nil, nil, nil, err
-	}
-	cmd = exec.Command(jailer, append([]string{JailArg, string(spec), bin}, args...)...)
-	cmd.Args[0] = "cage-agent"
-	cmd.Dir = "/"
-	cmd.Env = []string{}
-	cmd.ExtraFiles = append(append([]*os.File{}, files...), lifeR)
-	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL, Cloneflags: jailFlags}
-	return cmd, lifeR, lifeW, nil
-}
-
-// JailMain is the jailer (cage-agent qemu-jail SPEC QEMU ARGS...), root in
+// Main is the jailer (cage-agent qemu-jail SPEC QEMU ARGS...), root in
 // QEMU's new namespaces: it builds QEMU's root, becomes QEMU's uid and
 // execs QEMU. It returns only on error.
-func JailMain(args []string) error {
+func Main(args []string) error {
 	if len(args) < 2 {
 		return errors.New("usage: qemu-jail SPEC QEMU [ARGS...]")
 	}
-	var spec jailSpec
+	var spec Spec
 	if err := json.Unmarshal([]byte(args[0]), &spec); err != nil {
 		return fmt.Errorf("jail spec: %w", err)
 	}

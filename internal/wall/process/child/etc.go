@@ -1,4 +1,4 @@
-package process
+package child
 
 import (
 	"path/filepath"
@@ -10,6 +10,6 @@ import (
 // hosts, hostname and resolv.conf to /run/cage, which is part of the
 // sandbox's own root. A sandbox is built without a network; Start rewrites
 // resolv.conf when it gets one (see Child.WaitStart).
-func writeIdentity(root string, spec *initSpec) error {
+func writeIdentity(root string, spec *InitSpec) error {
 	return inside.WriteIdentity(filepath.Join(root, "run", "cage"), spec.Hostname, inside.NoNetworkResolvConf)
 }

@@ -1,4 +1,8 @@
-package vm
+// Package boot is the guest's side of a microVM's boot, run as PID 1 inside
+// the VM: /dev, /proc and /sys, the virtio modules in the initramfs's
+// order, the agent's virtio-serial port. It imports nothing of the host's:
+// it is in cage-agent, which is the guest's init.
+package boot
 
 import (
 	"errors"
@@ -15,6 +19,10 @@ import (
 // AgentPort is the name of the virtio-serial port between the host and the
 // agent.
 const AgentPort = "agent"
+
+// ModulesOrder is where the initramfs lists the modules GuestSetup loads,
+// one absolute path a line, in load order.
+const ModulesOrder = "/modules.order"
 
 // portWait bounds how long GuestSetup waits for the agent port to appear:
 // the host announces ports after the driver has loaded, asynchronously.
@@ -72,7 +80,7 @@ func loadModule(p string) error {
 	}
 	defer unix.Close(fd)
 	flags := 0
-	if compression(p) != "" {
+	if Compression(p) != "" {
 		flags |= unix.MODULE_INIT_COMPRESSED_FILE
 	}
 	// EEXIST: loaded already, or built in after all; either way it is there.
@@ -156,4 +164,14 @@ func findPort(name string) (string, error) {
 		}
 	}
 	return "", nil
+}
+
+// Compression is how a module file is compressed: "", "xz", "zst" or "gz".
+func Compression(path string) string {
+	for _, c := range []string{"xz", "zst", "gz"} {
+		if strings.HasSuffix(path, ".ko."+c) {
+			return c
+		}
+	}
+	return ""
 }

@@ -1,4 +1,4 @@
-package microvm
+package guest
 
 import (
 	"bufio"
@@ -20,7 +20,7 @@ import (
 	"github.com/cagehq/cage/internal/cgroups"
 	"github.com/cagehq/cage/internal/inside"
 	"github.com/cagehq/cage/internal/seal"
-	"github.com/cagehq/cage/internal/vm"
+	"github.com/cagehq/cage/internal/vm/boot"
 	"github.com/cagehq/cage/internal/wall/channel"
 )
 
@@ -64,10 +64,10 @@ func guestAgent(port *os.File) error {
 		// could reach the port after the host has left, stay queued in
 		// the snapshot and come before the hello every restored guest
 		// writes.
-		_, _ = io.WriteString(first, prepared)
+		_, _ = io.WriteString(first, Prepared)
 		<-sess.CloseChan()
 		sess.Close() // and the port with it
-		if port, err = vm.ReopenAgentPort(); err != nil {
+		if port, err = boot.ReopenAgentPort(); err != nil {
 			return err
 		}
 	}
@@ -115,11 +115,11 @@ func warmFile(p string) {
 
 // nextHost greets the host that connects to the port next and reads its
 // spec from the session's first stream.
-func nextHost(port *os.File) (*yamux.Session, net.Conn, spec, error) {
-	var sp spec
+func nextHost(port *os.File) (*yamux.Session, net.Conn, Spec, error) {
+	var sp Spec
 	// Blocks until a host holds the port's other end; a snapshot's guest
 	// is saved blocked here.
-	if _, err := port.WriteString(hello); err != nil {
+	if _, err := port.WriteString(Hello); err != nil {
 		return nil, nil, sp, fmt.Errorf("agent port: %w", err)
 	}
 	sess, err := yamux.Server(port, channel.SessionConfig())
@@ -128,10 +128,10 @@ func nextHost(port *os.File) (*yamux.Session, net.Conn, spec, error) {
 	}
 	first, err := sess.Accept()
 	if err != nil {
-		return nil, nil, sp, fmt.Errorf("wait for the spec: %w", err)
+		return nil, nil, sp, fmt.Errorf("wait for the Spec: %w", err)
 	}
 	if err := json.NewDecoder(bufio.NewReader(io.LimitReader(first, 1<<20))).Decode(&sp); err != nil {
-		return nil, nil, sp, fmt.Errorf("read the spec: %w", err)
+		return nil, nil, sp, fmt.Errorf("read the Spec: %w", err)
 	}
 	return sess, first, sp, nil
 }
@@ -140,7 +140,7 @@ func nextHost(port *os.File) (*yamux.Session, net.Conn, spec, error) {
 // sess. Its identity comes first: no command can run before the agent
 // exists, and the agent is made only once the guest has its own random
 // state, clock and name.
-func serve(sess *yamux.Session, first net.Conn, sp spec, restored bool) error {
+func serve(sess *yamux.Session, first net.Conn, sp Spec, restored bool) error {
 	if err := freshIdentity(sp); err != nil {
 		fmt.Fprintf(first, "error: %v\n", err)
 		return err
@@ -175,7 +175,7 @@ func serve(sess *yamux.Session, first net.Conn, sp spec, restored bool) error {
 	if _, err := seal.Seal(seal.Options{AgentUID: inside.AgentUID, WritableRoot: true}); err != nil {
 		return err
 	}
-	if _, err := io.WriteString(first, ready); err != nil {
+	if _, err := io.WriteString(first, Ready); err != nil {
 		return err
 	}
 	first.Close()
@@ -194,7 +194,7 @@ func spawnThread() error {
 
 // netUp configures the guest's eth0 (the virtio-net device) as spec n
 // says and writes its resolv.conf.
-func netUp(n *guestNet) error {
+func netUp(n *Net) error {
 	eth0, err := netlink.LinkByName("eth0")
 	if err != nil {
 		return fmt.Errorf("the guest's eth0: %w", err)
@@ -280,12 +280,12 @@ func guestCgroup(lim cgroups.Limits) (agent.LimitEvents, error) {
 // kernel's random state (the host's bytes, credited, then a reseed so that
 // no output of the old state follows), the wall clock (stopped at the
 // snapshot) and the hostname.
-func freshIdentity(sp spec) error {
-	if len(sp.Entropy) < entropyBytes {
-		return fmt.Errorf("the spec carries %d random bytes, want %d", len(sp.Entropy), entropyBytes)
+func freshIdentity(sp Spec) error {
+	if len(sp.Entropy) < EntropyBytes {
+		return fmt.Errorf("the Spec carries %d random bytes, want %d", len(sp.Entropy), EntropyBytes)
 	}
 	if sp.UnixNano == 0 {
-		return errors.New("the spec carries no time")
+		return errors.New("the Spec carries no time")
 	}
 	if err := addEntropy(sp.Entropy); err != nil {
 		return err
@@ -341,10 +341,10 @@ func resizeDisk(dir *os.File, size, shm int64) error {
 // overlay whose upper layer is a tmpfs of the disk size, gives it the
 // sandbox's minimal /dev and a fresh /proc as on the process wall (the
 // guest's devtmpfs and sysfs stay behind, reachable by the agent alone:
-// vm.KeepDevices), and makes it the root (an initramfs cannot pivot_root:
+// boot.KeepDevices), and makes it the root (an initramfs cannot pivot_root:
 // the new root is moved onto / and chrooted into, as switch_root does).
 // It returns the tmpfs's root directory, for resizeDisk.
-func switchRoot(sp spec) (*os.File, error) {
+func switchRoot(sp Spec) (*os.File, error) {
 	// Commands allocate as on a host, and meet the memory limit as an OOM
 	// kill rather than a refused allocation: the guest's RAM is the limit
 	// plus a little, so the default heuristic would refuse what the other
@@ -395,7 +395,7 @@ func switchRoot(sp spec) (*os.File, error) {
 	if err := inside.MountProc("/newroot"); err != nil {
 		return nil, err
 	}
-	if err := vm.KeepDevices(); err != nil {
+	if err := boot.KeepDevices(); err != nil {
 		return nil, err
 	}
 	if err := prepareCgroup(); err != nil {

@@ -1,4 +1,9 @@
-package oci
+// Package container is the OCI walls' inside half: `cage-agent serve`, the
+// container's init under runc or runsc. The runtime has made the
+// namespaces, mounts, cgroups and the user; the agent then seals itself
+// exactly as on the process wall and serves. Its host half, package oci,
+// writes the Spec defined here on the agent's descriptor 3.
+package container
 
 import (
 	"encoding/json"
@@ -17,12 +22,12 @@ import (
 	"github.com/cagehq/cage/internal/wall/channel"
 )
 
-// Child side: `cage-agent serve`, the container's init under runc or runsc.
-// The runtime has made the namespaces, mounts, cgroups and the user; the
-// agent then seals itself exactly as on the process wall and serves.
+// Socket is the name of the host's socket in a gVisor sandbox's channel
+// directory.
+const Socket = "host.sock"
 
-// serveSpec is what the host passes the agent on fd 3.
-type serveSpec struct {
+// Spec is what the host passes the agent on descriptor 3.
+type Spec struct {
 	// WritableRoot: the root is an image template's overlay (see
 	// seal.Options).
 	WritableRoot bool              `json:"writable_root,omitempty"`
@@ -85,7 +90,7 @@ func Serve() error {
 	if err != nil {
 		return fmt.Errorf("read the spec: %w", err)
 	}
-	var spec serveSpec
+	var spec Spec
 	if err := json.Unmarshal(data, &spec); err != nil {
 		return fmt.Errorf("decode the spec: %w", err)
 	}
@@ -99,7 +104,7 @@ func Serve() error {
 		if err != nil {
 			return fmt.Errorf("channel: %w", err)
 		}
-		if l, err = channel.Connect(dir, chanSocket, spec.ChannelKey); err != nil {
+		if l, err = channel.Connect(dir, Socket, spec.ChannelKey); err != nil {
 			return fmt.Errorf("channel: %w", err)
 		}
 	} else {

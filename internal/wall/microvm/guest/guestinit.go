@@ -1,4 +1,4 @@
-package microvm
+package guest
 
 import (
 	"errors"
@@ -9,7 +9,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
-	"github.com/cagehq/cage/internal/vm"
+	"github.com/cagehq/cage/internal/vm/boot"
 )
 
 // The guest runs two processes of cage-agent. The guest's init (PID 1 of
@@ -47,7 +47,7 @@ func GuestServe() error {
 		}
 		return guestAgent(port)
 	}
-	port, err := vm.GuestSetup()
+	port, err := boot.GuestSetup()
 	if err != nil {
 		return err
 	}

@@ -1,4 +1,4 @@
-package process
+package child
 
 import (
 	"encoding/json"
@@ -22,7 +22,7 @@ import (
 type Child struct {
 	Listener net.Listener
 	Config   agent.Config // the agent's configuration, SpawnThreadSetup included
-	spec     *initSpec
+	spec     *InitSpec
 	specs    *json.Decoder // the spec pipe; the start document comes later
 	specFile *os.File
 }
@@ -45,7 +45,7 @@ func Init() (*Child, error) {
 	_ = unix.CloseRange(fdIDLock+1, math.MaxUint32, unix.CLOSE_RANGE_CLOEXEC)
 	specFile := os.NewFile(fdSpec, "spec")
 	specs := json.NewDecoder(io.LimitReader(specFile, 1<<20))
-	spec := &initSpec{}
+	spec := &InitSpec{}
 	if err := readDoc(specs, spec); err != nil {
 		return nil, err
 	}
@@ -133,7 +133,7 @@ func readDoc(dec *json.Decoder, v any) error {
 // WaitStart waits for the request's own settings (the second document),
 // applies its disk and shm sizes, and returns them.
 func (c *Child) WaitStart() (token string, env map[string]string, maxOutput int64, err error) {
-	st := &startSpec{}
+	st := &StartSpec{}
 	err = readDoc(c.specs, st)
 	c.specFile.Close()
 	if err != nil {
@@ -163,7 +163,7 @@ func (c *Child) WaitStart() (token string, env map[string]string, maxOutput int6
 
 // openLimitEvents opens the host cgroup's counters before pivot_root; the
 // files themselves are never visible in the sandbox.
-func openLimitEvents(spec *initSpec) (cgroups.EventFiles, error) {
+func openLimitEvents(spec *InitSpec) (cgroups.EventFiles, error) {
 	var ev cgroups.EventFiles
 	var err error
 	if spec.OOMEvents != "" {

@@ -1,0 +1,97 @@
+package wall
+
+import (
+	"context"
+	"io"
+
+	"github.com/cagehq/cage/internal/cgroups"
+	"github.com/cagehq/cage/internal/network"
+	"github.com/cagehq/cage/internal/template"
+)
+
+// Driver is one wall: how the host makes sandboxes behind it. The drivers
+// are listed in one table (internal/sandbox's registry); nothing else
+// switches on a wall's name. Optional abilities are the small interfaces
+// below, found by type assertion.
+type Driver interface {
+	// Name is the wall's name in requests ("process", "runc", ...).
+	Name() string
+	// Missing says what this host lacks for the wall, nil when nothing.
+	Missing() error
+	// Create makes a sandbox from spec and starts its agent.
+	Create(ctx context.Context, spec Spec) (Sandbox, error)
+	// Adopt takes charge of a running sandbox another process created
+	// (a daemon restarted after a crash).
+	Adopt(a Adoption) (Sandbox, error)
+}
+
+// Spec is one sandbox as a driver makes it: built once by the registry,
+// after validation, in bytes.
+type Spec struct {
+	ID       string
+	Token    string // the agent's access token
+	Hostname string
+	Template *template.Template
+	// Limits are the sandbox's: the workload's, with the agent's threads
+	// added to the pids.
+	Limits    cgroups.Limits
+	DiskBytes int64             // the writable storage (/tmp, /home, /var/tmp)
+	ShmBytes  int64             // /dev/shm
+	Env       map[string]string // the template's, overridden by the request's
+	MaxOutput int64             // output forwarded per command (0: the agent's default)
+	// DieWithCaller ties the sandbox to the creating process (cage run).
+	DieWithCaller bool
+	// Net gives the sandbox a network under NetPolicy (nil, or a policy
+	// of mode none: loopback only).
+	Net       *network.Host
+	NetPolicy network.Policy
+}
+
+// Adoption names a sandbox another process created, as its record says.
+type Adoption struct {
+	ID        string
+	PID       int    // its agent's host pid
+	StartTime uint64 // the agent's start time, against pid reuse
+	Token     string
+}
+
+// Preparer is a driver that can make sandboxes ahead of their request (a
+// pool): everything but what the request says, which Start then applies.
+type Preparer interface {
+	Prepare(ctx context.Context, spec Spec, background bool) (Prepared, error)
+}
+
+// Prepared is a sandbox made ahead of its request.
+type Prepared interface {
+	Sandbox
+	// Start applies the request's part of spec (token, limits, sizes,
+	// environment, network) and lets the agent serve.
+	Start(spec Spec) error
+}
+
+// Networked is a sandbox whose network can be handed over after adoption.
+type Networked interface {
+	SetNetwork(n *network.Sandbox)
+}
+
+// Describer is a driver with something to tell people about the wall on
+// this host (cage doctor, warnings at create): accel, say, or a platform.
+type Describer interface {
+	// Describe is a short note for cage doctor ("" for none).
+	Describe(ctx context.Context) string
+	// Warning is what users must be told when they create a sandbox on
+	// this wall here ("" for nothing): e.g. that it is no boundary.
+	Warning(ctx context.Context) string
+}
+
+// DefaultTemplater is a driver whose sandboxes start from a template of its
+// own when a request names none.
+type DefaultTemplater interface {
+	DefaultTemplate() string
+}
+
+// BareRunner is a driver that can run a command straight in its runtime,
+// without cage's agent: the peer its benchmarks are measured against.
+type BareRunner interface {
+	RunBare(ctx context.Context, spec Spec, argv []string, out io.Writer) error
+}
