@@ -197,7 +197,7 @@ func runCommand(ctx context.Context, g *globals, f *runFlags, args []string, std
 	if host.NetConfig.Upstreams, err = network.ParseUpstreams(strings.Split(os.Getenv("CAGE_DNS"), ",")); err != nil {
 		return exitf(ExitUsage, "CAGE_DNS: %v", err)
 	}
-	if t := p.opts.Template; (t != "" && t != "host") || p.opts.Wall == "microvm" {
+	if t := p.opts.Template; t != "host" && (t != "" || host.DefaultTemplate(p.opts.Wall) != "host") {
 		if host.Templates, err = openTemplates(""); err != nil {
 			return err
 		}

@@ -93,7 +93,7 @@ func New(cfg Config) *Manager {
 
 // CreateRequest is what a client asks for.
 type CreateRequest struct {
-	Wall          string // "" or "process", "runc", "gvisor"
+	Wall          string // a wall of the registry (sandbox.Walls); "" is the default
 	KeyID         string
 	Template      string
 	Timeout       time.Duration // 0: the default

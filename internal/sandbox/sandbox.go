@@ -136,10 +136,7 @@ func (h *Host) Begin(ctx context.Context, o *Options) (*Pending, error) {
 	}
 	o.Wall = d.Name()
 	if o.Template == "" {
-		o.Template = "host"
-		if dt, ok := d.(wall.DefaultTemplater); ok {
-			o.Template = dt.DefaultTemplate()
-		}
+		o.Template = h.DefaultTemplate(d.Name())
 	}
 	if err := o.Validate(); err != nil {
 		return nil, err

@@ -53,6 +53,17 @@ func (h *Host) Driver(name string) (wall.Driver, error) {
 	return d, nil
 }
 
+// DefaultTemplate is the template a sandbox of the wall starts from when
+// its request names none: host, unless the driver has its own.
+func (h *Host) DefaultTemplate(name string) string {
+	if d, err := h.Driver(name); err == nil {
+		if dt, ok := d.(wall.DefaultTemplater); ok {
+			return dt.DefaultTemplate()
+		}
+	}
+	return "host"
+}
+
 // WallMissing explains why a wall is not available here (nil when it is).
 func (h *Host) WallMissing(name string) error {
 	d, err := h.Driver(name)
