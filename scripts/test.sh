@@ -95,6 +95,11 @@ if [ "$(id -u)" = 0 ]; then
   fi
   export CAGE_REQUIRE_E2B=1
 fi
+# The generators whose output is committed (api/types' test checks it is
+# current), fetched here: the tests run them offline.
+(cd tools && go mod download)
+export CAGE_REQUIRE_TOOLS=1
+
 # Every fuzz target, for a bounded time each (FUZZTIME, default 10s):
 # what their seed corpora hold runs in `go test` below too.
 echo "== fuzz (${FUZZTIME:-10s} per target)"

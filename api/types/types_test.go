@@ -24,7 +24,7 @@ func TestGeneratedTypesCurrent(t *testing.T) {
 	cmd.Env = append(os.Environ(), "GOPROXY=off", "GOFLAGS=-mod=readonly")
 	msg, err := cmd.CombinedOutput()
 	if err != nil {
-		if strings.Contains(string(msg), "GOPROXY=off") {
+		if strings.Contains(string(msg), "GOPROXY=off") && os.Getenv("CAGE_REQUIRE_TOOLS") != "1" {
 			t.Skipf("oapi-codegen is not in the module cache (run `make api` once to fetch it):\n%s", msg)
 		}
 		t.Fatalf("oapi-codegen: %v\n%s", err, msg)
