@@ -40,8 +40,9 @@ func (m Mode) String() string {
 	return "unknown"
 }
 
-// controllers cage uses on v1. cpuacct feeds CPU usage figures.
-var v1Controllers = []string{"memory", "cpu", "cpuacct", "pids"}
+// controllers cage uses on v1. cpuacct feeds CPU usage figures; freezer
+// pauses a sandbox.
+var v1Controllers = []string{"memory", "cpu", "cpuacct", "pids", "freezer"}
 
 // v2Controllers must be enabled in the parents' cgroup.subtree_control.
 var v2Controllers = []string{"memory", "cpu", "pids"}
@@ -369,6 +370,8 @@ func (cg *Cgroup) Destroy() error {
 }
 
 func removeGroup(dir string) error {
+	// A frozen process does not die of SIGKILL until it is thawed.
+	thawDir(dir)
 	deadline := time.Now().Add(5 * time.Second)
 	for {
 		err := syscall.Rmdir(dir)

@@ -104,6 +104,29 @@ var migrations = []string{
 	`ALTER TABLE sandboxes ADD COLUMN network TEXT NOT NULL DEFAULT '';
 	ALTER TABLE sandboxes ADD COLUMN net_slot INTEGER NOT NULL DEFAULT -1;
 	ALTER TABLE sandboxes ADD COLUMN public_traffic INTEGER NOT NULL DEFAULT 1;`,
+	// 3: durable state: how a paused sandbox was paused and when, what its
+	// lifecycle asks (pause at timeout keeping memory or not, resume on
+	// traffic), the timeout it was created with (an auto-resume's), and
+	// snapshots.
+	`ALTER TABLE sandboxes ADD COLUMN paused_at INTEGER NOT NULL DEFAULT 0;
+	ALTER TABLE sandboxes ADD COLUMN pause_kind TEXT NOT NULL DEFAULT '';
+	ALTER TABLE sandboxes ADD COLUMN auto_pause_memory INTEGER NOT NULL DEFAULT 1;
+	ALTER TABLE sandboxes ADD COLUMN auto_resume INTEGER NOT NULL DEFAULT 0;
+	ALTER TABLE sandboxes ADD COLUMN timeout_s INTEGER NOT NULL DEFAULT 0;
+	CREATE TABLE snapshots (
+		id          TEXT    NOT NULL PRIMARY KEY,
+		key_id      TEXT    NOT NULL DEFAULT '',
+		sandbox_id  TEXT    NOT NULL DEFAULT '',
+		name        TEXT    NOT NULL DEFAULT '',
+		template_id TEXT    NOT NULL DEFAULT '',
+		wall        TEXT    NOT NULL DEFAULT '',
+		kind        TEXT    NOT NULL DEFAULT 'files',
+		size        INTEGER NOT NULL DEFAULT 0,
+		created_at  INTEGER NOT NULL,
+		spec        TEXT    NOT NULL DEFAULT '{}'
+	);
+	CREATE INDEX snapshots_key ON snapshots (key_id, created_at, id);
+	CREATE UNIQUE INDEX snapshots_name ON snapshots (key_id, name) WHERE name != '';`,
 }
 
 // SchemaVersion is the schema version this binary writes.

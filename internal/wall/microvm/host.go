@@ -205,6 +205,9 @@ func (sb *Sandbox) Destroy() (err error) {
 		if sb.sess != nil {
 			sb.sess.Close()
 		}
+		if sb.cg != nil {
+			_ = sb.cg.Thaw() // a paused QEMU does not die frozen
+		}
 		if sb.v != nil {
 			sb.v.Stop()
 		}

@@ -481,6 +481,9 @@ func (sb *Sandbox) teardown() error {
 	if sb.ch != nil {
 		sb.ch.Close()
 	}
+	if sb.cg != nil {
+		_ = sb.cg.Thaw() // a paused sandbox's init does not die frozen
+	}
 	if sb.rt != nil {
 		rt := func(args ...string) {
 			a := append(append([]string{}, sb.rt.Flags...), append([]string{"--root", sb.root}, args...)...)

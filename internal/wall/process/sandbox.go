@@ -504,6 +504,9 @@ func (sb *Sandbox) teardown() error {
 	if sb.specW != nil {
 		sb.specW.Close()
 	}
+	if sb.cg != nil {
+		_ = sb.cg.Thaw() // a paused sandbox's agent does not die frozen
+	}
 	switch {
 	case sb.pidfd > 0:
 		_ = unix.PidfdSendSignal(sb.pidfd, unix.SIGKILL, nil, 0)
