@@ -121,6 +121,42 @@ func (e Wall) Valid() bool {
 	}
 }
 
+// Defines values for ListOrder.
+const (
+	ListOrderAsc  ListOrder = "asc"
+	ListOrderDesc ListOrder = "desc"
+)
+
+// Valid indicates whether the value is a known member of the ListOrder enum.
+func (e ListOrder) Valid() bool {
+	switch e {
+	case ListOrderAsc:
+		return true
+	case ListOrderDesc:
+		return true
+	default:
+		return false
+	}
+}
+
+// Defines values for ListSandboxesV2ParamsOrder.
+const (
+	ListSandboxesV2ParamsOrderAsc  ListSandboxesV2ParamsOrder = "asc"
+	ListSandboxesV2ParamsOrderDesc ListSandboxesV2ParamsOrder = "desc"
+)
+
+// Valid indicates whether the value is a known member of the ListSandboxesV2ParamsOrder enum.
+func (e ListSandboxesV2ParamsOrder) Valid() bool {
+	switch e {
+	case ListSandboxesV2ParamsOrderAsc:
+		return true
+	case ListSandboxesV2ParamsOrderDesc:
+		return true
+	default:
+		return false
+	}
+}
+
 // CPUCount CPU cores for the sandbox. E2B's is a whole number; cage: CPU bandwidth in cores, which may be fractional (e.g. 0.5).
 type CPUCount = float64
 
@@ -576,6 +612,9 @@ type TrafficAccessToken = string
 // Wall cage: the isolation boundary the sandbox runs behind. `process`: Linux namespaces, cgroups, seccomp and Landlock around an unprivileged process tree; `runc`: an OCI container run by runc; `gvisor`: gVisor's runsc, a kernel of its own in user space; `microvm`: a QEMU microvm guest with a kernel of its own.
 type Wall string
 
+// ListOrder defines model for listOrder.
+type ListOrder string
+
 // MetadataFilter defines model for metadataFilter.
 type MetadataFilter = string
 
@@ -588,8 +627,14 @@ type PaginationNextToken = string
 // SandboxIDParameter defines model for sandboxID.
 type SandboxIDParameter = string
 
+// StartedAfterFilter defines model for startedAfterFilter.
+type StartedAfterFilter = time.Time
+
 // StateFilter defines model for stateFilter.
 type StateFilter = []SandboxState
+
+// TemplateFilter defines model for templateFilter.
+type TemplateFilter = string
 
 // N400 defines model for 400.
 type N400 = Error
@@ -650,12 +695,24 @@ type ListSandboxesV2Params struct {
 	// State Only sandboxes in one of these states, comma-separated (`state=running,paused`); the E2B SDKs send arrays in this form. When absent, sandboxes in every state are listed.
 	State StateFilter `form:"state,omitempty" json:"state,omitempty,omitzero"`
 
+	// Template Only sandboxes created from this template: the `templateID` a sandbox shows (cage's templates are named, so the name is the ID). A template no sandbox was made from lists nothing; it is no error.
+	Template TemplateFilter `form:"template,omitempty" json:"template,omitempty,omitzero"`
+
+	// StartedAfter Only sandboxes started at or after this time (RFC 3339).
+	StartedAfter StartedAfterFilter `form:"startedAfter,omitempty" json:"startedAfter,omitempty,omitzero"`
+
+	// Order By start time, over the whole list before it is cut into pages: `desc` (newest first, E2B's default) or `asc`.
+	Order ListSandboxesV2ParamsOrder `form:"order,omitempty" json:"order,omitempty,omitzero"`
+
 	// Limit The most sandboxes one page may hold.
 	Limit PaginationLimit `form:"limit,omitempty" json:"limit,omitempty,omitzero"`
 
 	// NextToken Where the page starts: the `X-Next-Token` of the previous page, passed back unchanged. Absent for the first page.
 	NextToken PaginationNextToken `form:"nextToken,omitempty" json:"nextToken,omitempty,omitzero"`
 }
+
+// ListSandboxesV2ParamsOrder defines parameters for ListSandboxesV2.
+type ListSandboxesV2ParamsOrder string
 
 // CreateSandboxJSONRequestBody defines body for CreateSandbox for application/json ContentType.
 //

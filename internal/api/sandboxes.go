@@ -145,10 +145,26 @@ func (e badRequest) Unwrap() error      { return e.error }
 func (badRequest) Is(target error) bool { return target == errBadRequest }
 
 // listFilter reads E2B's list query: metadata (URL-encoded k=v&k2=v2),
-// state (running,paused), limit, nextToken.
+// state (running,paused), template (the name a sandbox was created from),
+// startedAfter (RFC 3339, inclusive), order (asc or desc by start time;
+// desc, E2B's default, when absent), limit, nextToken.
 func listFilter(r *http.Request) (store.ListFilter, error) {
 	q := r.URL.Query()
-	f := store.ListFilter{KeyID: keyID(r), Cursor: q.Get("nextToken")}
+	f := store.ListFilter{KeyID: keyID(r), Cursor: q.Get("nextToken"), Template: q.Get("template")}
+	switch o := q.Get("order"); o {
+	case "", "desc":
+		f.Desc = true
+	case "asc":
+	default:
+		return f, fmt.Errorf("%w: order %q (want asc or desc)", errBadRequest, o)
+	}
+	if sa := q.Get("startedAfter"); sa != "" {
+		t, err := time.Parse(time.RFC3339Nano, sa)
+		if err != nil {
+			return f, fmt.Errorf("%w: startedAfter %q is not an RFC 3339 time", errBadRequest, sa)
+		}
+		f.StartedAfter = t
+	}
 	if md := q.Get("metadata"); md != "" {
 		vals, err := url.ParseQuery(md)
 		if err != nil {
@@ -159,7 +175,8 @@ func listFilter(r *http.Request) (store.ListFilter, error) {
 			f.Metadata[k] = v[len(v)-1]
 		}
 	}
-	if st := q.Get("state"); st != "" {
+	// state=running,paused as the SDKs send it, or the parameter repeated.
+	for _, st := range q["state"] {
 		for _, s := range strings.Split(st, ",") {
 			if s != store.StateRunning && s != store.StatePaused {
 				return f, fmt.Errorf("%w: state %q (want running or paused)", errBadRequest, s)

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"strings"
 	"testing"
+	"time"
 )
 
 // walk pages through ListSandboxes with f and returns the ids in order,
@@ -189,5 +190,58 @@ func TestListCursorGarbage(t *testing.T) {
 	items, next, err := s.ListSandboxes(ListFilter{Cursor: encodeCursor(1<<62, "zzz")})
 	if err != nil || len(items) != 0 || next != "" {
 		t.Errorf("past the end: %v %q %v", items, next, err)
+	}
+}
+
+// TestListOrderTemplateStartedAfter holds E2B's newer list options: newest
+// first, template, started at or after, alone and together with the other
+// filters and with pages.
+func TestListOrderTemplateStartedAfter(t *testing.T) {
+	s := openTest(t, t.TempDir())
+	add := func(id, tmpl, state string, started int64) {
+		t.Helper()
+		sb := sample(id)
+		sb.TemplateID, sb.State, sb.StartedAt = tmpl, state, ts(started)
+		if err := s.InsertSandbox(sb); err != nil {
+			t.Fatal(err)
+		}
+	}
+	add("a", "base", StateRunning, 1)
+	add("b2", "host", StateRunning, 2)
+	add("b1", "base", StatePaused, 2)
+	add("c", "base", StateRunning, 3)
+	add("d", "team/snap:default", StateRunning, 4)
+
+	cases := []struct {
+		name string
+		f    ListFilter
+		want string
+	}{
+		{"desc", ListFilter{Desc: true}, "d,c,b2,b1,a"},
+		{"template", ListFilter{Template: "base"}, "a,b1,c"},
+		{"template desc", ListFilter{Template: "base", Desc: true}, "c,b1,a"},
+		{"template with slash and colon", ListFilter{Template: "team/snap:default"}, "d"},
+		{"unknown template", ListFilter{Template: "nope"}, ""},
+		{"template is exact", ListFilter{Template: "bas"}, ""},
+		{"started after is inclusive", ListFilter{StartedAfter: ts(2)}, "b1,b2,c,d"},
+		{"started after, a nanosecond later", ListFilter{StartedAfter: ts(2).Add(time.Nanosecond)}, "c,d"},
+		{"started after the last", ListFilter{StartedAfter: ts(5)}, ""},
+		{"started after long ago", ListFilter{StartedAfter: time.Date(1, 1, 1, 0, 0, 1, 0, time.UTC)}, "a,b1,b2,c,d"},
+		{"started after far ahead", ListFilter{StartedAfter: time.Date(9999, 1, 1, 0, 0, 0, 0, time.UTC)}, ""},
+		{"all together", ListFilter{Template: "base", StartedAfter: ts(2), States: []string{StateRunning}, Desc: true}, "c"},
+		{"with metadata", ListFilter{Template: "base", Metadata: map[string]string{"user": "alice"}, StartedAfter: ts(2)}, "b1,c"},
+	}
+	for _, c := range cases {
+		got := strings.Join(walk(t, s, c.f), ",")
+		if got != c.want {
+			t.Errorf("%s: got %q, want %q", c.name, got, c.want)
+		}
+		for limit := 1; limit <= 3; limit++ {
+			f := c.f
+			f.Limit = limit
+			if paged := strings.Join(walk(t, s, f), ","); paged != c.want {
+				t.Errorf("%s, limit %d: got %q, want %q", c.name, limit, paged, c.want)
+			}
+		}
 	}
 }

@@ -7,6 +7,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"math"
 	"sort"
 	"strconv"
 	"strings"
@@ -254,17 +255,22 @@ func (s *Store) execOne(what, query string, args ...any) error {
 
 // ListFilter selects sandboxes for ListSandboxes.
 type ListFilter struct {
-	KeyID    string            // "" = any key
-	States   []string          // empty = any
-	Metadata map[string]string // all must match exactly
-	Limit    int               // 0 = no limit
-	Cursor   string            // "" = from the start; else a next value from ListSandboxes
+	KeyID        string            // "" = any key
+	States       []string          // empty = any
+	Metadata     map[string]string // all must match exactly
+	Template     string            // "" = any; else the template the sandbox was created from, exactly
+	StartedAfter time.Time         // zero = any; else started at or after it
+	Desc         bool              // newest first (E2B's default order) instead of oldest first
+	Limit        int               // 0 = no limit
+	Cursor       string            // "" = from the start; else a next value from ListSandboxes
 }
 
-// ListSandboxes returns sandboxes matching f, ordered by StartedAt then ID,
-// starting after f.Cursor, at most f.Limit of them. next is the cursor to
-// pass to get the following page (E2B's X-Next-Token), "" when there is none.
-// A malformed cursor gives an error wrapping ErrInvalidCursor.
+// ListSandboxes returns sandboxes matching f, ordered by StartedAt then ID
+// (both descending when f.Desc), starting after f.Cursor, at most f.Limit of
+// them. next is the cursor to pass to get the following page (E2B's
+// X-Next-Token), "" when there is none; it is a position, so a cursor goes
+// on in the order of the request that passes it. A malformed cursor gives an
+// error wrapping ErrInvalidCursor.
 func (s *Store) ListSandboxes(f ListFilter) (items []*Sandbox, next string, err error) {
 	if f.Limit < 0 {
 		return nil, "", fmt.Errorf("store: list sandboxes: negative limit %d", f.Limit)
@@ -295,19 +301,31 @@ func (s *Store) ListSandboxes(f ListFilter) (items []*Sandbox, next string, err 
 			WHERE m.key = ? AND m.type = 'text' AND m.value = ?)`)
 		args = append(args, k, f.Metadata[k])
 	}
+	if f.Template != "" {
+		where = append(where, "template_id = ?")
+		args = append(args, f.Template)
+	}
+	if !f.StartedAfter.IsZero() {
+		where = append(where, "started_at >= ?")
+		args = append(args, clampedNanos(f.StartedAfter))
+	}
+	after, order := ">", " ORDER BY started_at, id"
+	if f.Desc {
+		after, order = "<", " ORDER BY started_at DESC, id DESC"
+	}
 	if f.Cursor != "" {
 		at, id, err := decodeCursor(f.Cursor)
 		if err != nil {
 			return nil, "", fmt.Errorf("store: list sandboxes: %w", err)
 		}
-		where = append(where, "(started_at, id) > (?, ?)")
+		where = append(where, "(started_at, id) "+after+" (?, ?)")
 		args = append(args, at, id)
 	}
 	q := "SELECT " + sandboxCols + " FROM sandboxes"
 	if len(where) > 0 {
 		q += " WHERE " + strings.Join(where, " AND ")
 	}
-	q += " ORDER BY started_at, id"
+	q += order
 	if f.Limit > 0 {
 		q += " LIMIT ?"
 		args = append(args, f.Limit+1) // one extra tells whether there is more
@@ -322,6 +340,18 @@ func (s *Store) ListSandboxes(f ListFilter) (items []*Sandbox, next string, err 
 		next = encodeCursor(nanos(last.StartedAt), last.ID)
 	}
 	return items, next, nil
+}
+
+// clampedNanos is t in Unix nanoseconds, saturated where int64 ends (years
+// 1677 and 2262) instead of wrapping.
+func clampedNanos(t time.Time) int64 {
+	switch {
+	case t.Before(time.Unix(0, math.MinInt64)):
+		return math.MinInt64
+	case t.After(time.Unix(0, math.MaxInt64)):
+		return math.MaxInt64
+	}
+	return t.UnixNano()
 }
 
 // AllSandboxes returns every sandbox in any state, ordered like
