@@ -35,9 +35,10 @@ const uploadTempPrefix = ".cage-upload-"
 
 // uploadedEntry is one element of the upload reply.
 type uploadedEntry struct {
-	Path string `json:"path"`
-	Name string `json:"name"`
-	Type string `json:"type"`
+	Path     string            `json:"path"`
+	Name     string            `json:"name"`
+	Type     string            `json:"type"`
+	Metadata map[string]string `json:"metadata,omitempty"`
 }
 
 // httpError is an error with the HTTP status it answers with.
@@ -258,9 +259,13 @@ func (f *filesystemService) serveUpload(w http.ResponseWriter, r *http.Request, 
 		writeHTTPError(w, httpErr(http.StatusBadRequest, "unsupported content encoding %q", enc))
 		return
 	}
-	up := uploader{root: root, u: u, q: r.URL.Query()}
+	md, herr := metadataFromHeaders(r.Header)
+	if herr != nil {
+		writeHTTPError(w, herr)
+		return
+	}
+	up := uploader{root: root, u: u, q: r.URL.Query(), md: md}
 	var entries []uploadedEntry
-	var herr *httpError
 	media, params, _ := mime.ParseMediaType(r.Header.Get("Content-Type"))
 	switch {
 	case media == "application/octet-stream":
@@ -312,6 +317,7 @@ type uploader struct {
 	root *fsRoot
 	u    User
 	q    url.Values
+	md   map[string]string // metadata every file of the upload gets
 }
 
 func (up *uploader) resolve(raw string) (string, *httpError) {
@@ -333,7 +339,7 @@ func (up *uploader) raw(body io.Reader) ([]uploadedEntry, *httpError) {
 	if err := up.write(p, body); err != nil {
 		return nil, fileHTTPError("write", p, err)
 	}
-	return []uploadedEntry{{Path: p, Name: path.Base(p), Type: "file"}}, nil
+	return []uploadedEntry{{Path: p, Name: path.Base(p), Type: "file", Metadata: up.md}}, nil
 }
 
 func (up *uploader) multipart(mr *multipart.Reader) ([]uploadedEntry, *httpError) {
@@ -368,7 +374,7 @@ func (up *uploader) multipart(mr *multipart.Reader) ([]uploadedEntry, *httpError
 		if err := up.write(p, part); err != nil {
 			return nil, fileHTTPError("write", p, err)
 		}
-		entries = append(entries, uploadedEntry{Path: p, Name: path.Base(p), Type: "file"})
+		entries = append(entries, uploadedEntry{Path: p, Name: path.Base(p), Type: "file", Metadata: up.md})
 	}
 }
 
@@ -461,6 +467,12 @@ func (up *uploader) replace(dfd int, name string, mode uint32, src io.Reader) er
 			return httpErr(http.StatusRequestEntityTooLarge, "%v", errInflateLimit)
 		case rt.err != nil:
 			return httpErr(http.StatusBadRequest, "reading upload body: %v", rt.err)
+		}
+		return err
+	}
+	if err := writeMetadata(fd, up.md); err != nil {
+		if errors.Is(err, errNoXattrs) {
+			return httpErr(http.StatusNotImplemented, "%v; the file was not written", err)
 		}
 		return err
 	}

@@ -164,9 +164,14 @@ func (f *filesystemService) Move(ctx context.Context, req *connect.Request[pb.Mo
 	return connect.NewResponse(&pb.MoveResponse{Entry: e}), nil
 }
 
+// Remove removes a file, a symlink or a directory tree. A path that does not
+// exist is removed already: success, as on E2B.
 func (f *filesystemService) Remove(ctx context.Context, req *connect.Request[pb.RemoveRequest]) (*connect.Response[pb.RemoveResponse], error) {
 	err := f.do(ctx, req.Header(), req.Msg.GetPath(), "remove", func(p string, en *entries) error {
-		return en.r.removeAll(p)
+		if err := en.r.removeAll(p); !errors.Is(err, unix.ENOENT) {
+			return err
+		}
+		return nil
 	})
 	if err != nil {
 		return nil, err
@@ -224,7 +229,9 @@ func (w *walker) walk(dirfd int, dir string, depth int) error {
 		if st.Mode&unix.S_IFMT == unix.S_IFLNK {
 			raw, _ = readlinkAt(dirfd, name)
 		}
-		w.out = append(w.out, w.e.entry(p, &st, raw))
+		en := w.e.entry(p, &st, raw)
+		en.Metadata = readMetadata(dirfd, name, st.Mode)
+		w.out = append(w.out, en)
 		if depth <= 1 || st.Mode&unix.S_IFMT != unix.S_IFDIR {
 			continue
 		}
@@ -264,7 +271,9 @@ func (e *entries) stat(p string) (*pb.EntryInfo, error) {
 	if st.Mode&unix.S_IFMT == unix.S_IFLNK {
 		raw, _ = e.r.readlink(p)
 	}
-	return e.entry(p, &st, raw), nil
+	en := e.entry(p, &st, raw)
+	en.Metadata = e.r.metadata(p, st.Mode)
+	return en, nil
 }
 
 func (e *entries) entry(p string, st *unix.Stat_t, rawTarget string) *pb.EntryInfo {

@@ -144,6 +144,20 @@ func (r *fsRoot) lstat(p string) (unix.Stat_t, error) {
 	return st, unix.Fstatat(dfd, name, &st, unix.AT_SYMLINK_NOFOLLOW)
 }
 
+// metadata returns the file metadata of p (see readMetadata), whose lstat
+// mode is mode.
+func (r *fsRoot) metadata(p string, mode uint32) map[string]string {
+	if path.Clean("/"+p) == "/" {
+		return readMetadata(r.fd, "", mode)
+	}
+	dfd, name, err := r.parent(p)
+	if err != nil {
+		return nil
+	}
+	defer unix.Close(dfd)
+	return readMetadata(dfd, name, mode)
+}
+
 // readlink returns the raw target of the symlink p.
 func (r *fsRoot) readlink(p string) (string, error) {
 	dfd, name, err := r.parent(p)
