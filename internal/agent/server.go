@@ -187,6 +187,7 @@ func (s *Server) Handler() http.Handler { return http.HandlerFunc(s.route) }
 // the process, so that sealing, which touches every thread, has few to
 // touch). Requests are accepted meanwhile; forks wait.
 func (s *Server) Serve(l net.Listener) error {
+	s.startSudo()
 	s.openGate.Do(func() {
 		go func() {
 			reserveThreads(s.cfg.Threads)

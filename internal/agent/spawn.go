@@ -283,6 +283,8 @@ func (ps *processService) reapLoop() {
 			ps.mu.Unlock()
 			if p != nil {
 				p.exited <- ws
+			} else {
+				sudoReaped(pid, ws)
 			}
 		}
 		<-sigs

@@ -38,9 +38,16 @@ type User struct {
 
 // accounts is one parsed account file.
 type accounts struct {
-	key   fileKey
-	users map[string]passwdEntry // passwd lines by name; the first line wins
-	names map[uint32]string      // name by id (field 3); the first line wins
+	key    fileKey
+	users  map[string]passwdEntry // passwd lines by name; the first line wins
+	names  map[uint32]string      // name by id (field 3); the first line wins
+	groups map[string]groupEntry  // group lines (four fields) by name; the first wins
+}
+
+type groupEntry struct {
+	gid     uint32
+	gidOK   bool
+	members []string
 }
 
 type passwdEntry struct {
@@ -130,7 +137,7 @@ func readAccountsFile(path string) (*accounts, error) {
 // without a name or with an id that is not a number in [0, maxID] name
 // nobody; passwd entries need the seven fields of passwd(5).
 func parseAccounts(data []byte) *accounts {
-	a := &accounts{users: map[string]passwdEntry{}, names: map[uint32]string{}}
+	a := &accounts{users: map[string]passwdEntry{}, names: map[uint32]string{}, groups: map[string]groupEntry{}}
 	for len(data) > 0 {
 		line := data
 		if i := bytes.IndexByte(data, '\n'); i >= 0 {
@@ -146,6 +153,15 @@ func parseAccounts(data []byte) *accounts {
 		id, idOK := parseID(fields[2])
 		if _, dup := a.names[id]; idOK && !dup {
 			a.names[id] = name
+		}
+		if _, dup := a.groups[name]; len(fields) == 4 && !dup {
+			var members []string
+			for _, m := range strings.Split(fields[3], ",") {
+				if m = strings.TrimSpace(m); m != "" {
+					members = append(members, m)
+				}
+			}
+			a.groups[name] = groupEntry{gid: id, gidOK: idOK, members: members}
 		}
 		if _, dup := a.users[name]; len(fields) < 7 || dup {
 			continue
@@ -185,6 +201,27 @@ func (a *accounts) lookup(name string) (User, error) {
 		return User{Name: name, UID: int(n), GID: int(n), Home: "/"}, nil
 	}
 	return User{}, fmt.Errorf("user %q does not exist in the sandbox", name)
+}
+
+// member reports whether user (whose primary group is gid) belongs to
+// group, by a's group lines.
+func (a *accounts) member(group, user string, gid uint32) bool {
+	if a == nil {
+		return false
+	}
+	g, ok := a.groups[group]
+	if !ok {
+		return false
+	}
+	if g.gidOK && g.gid == gid {
+		return true
+	}
+	for _, m := range g.members {
+		if m == user {
+			return true
+		}
+	}
+	return false
 }
 
 // name returns the name of id in a, or the number itself.
