@@ -29,11 +29,20 @@ type cpuReading struct {
 	nanos uint64
 }
 
-// Metrics samples a sandbox now, from its cgroup and its disk.
+// sampleStep is E2B's step between metric samples for ranges under an
+// hour: its first sample of a sandbox exists once the sandbox has run that
+// long, and until then it answers an empty list.
+const sampleStep = 5 * time.Second
+
+// Metrics samples a sandbox now, from its cgroup and its disk; none in its
+// first sampleStep, as on E2B.
 func (m *Manager) Metrics(keyID, id string) ([]Metric, error) {
 	rec, err := m.Get(keyID, id)
 	if err != nil {
 		return nil, err
+	}
+	if time.Since(rec.StartedAt) < sampleStep {
+		return []Metric{}, nil
 	}
 	sb, ok := m.Sandbox(id)
 	if !ok {
