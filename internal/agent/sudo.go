@@ -13,6 +13,7 @@ import (
 	"syscall"
 	"time"
 
+	"connectrpc.com/connect"
 	"golang.org/x/sys/unix"
 )
 
@@ -283,7 +284,11 @@ func (ps *processService) sudoStart(req sudoRequest, u User, fds []int, env []st
 	}
 	ps.mu.Unlock()
 	if err != nil {
-		return 0, nil, startError(req.Argv[0], dir, err)
+		var ce *connect.Error
+		if err = startError(req.Argv[0], dir, err); errors.As(err, &ce) {
+			err = errors.New(ce.Message())
+		}
+		return 0, nil, err
 	}
 	if !ps.init {
 		go func() {

@@ -237,3 +237,36 @@ func TestSudoHostileRequests(t *testing.T) {
 }
 
 func syscallRights(fds ...int) []byte { return syscall.UnixRights(fds...) }
+
+// TestGroupMember reads group membership as sudo needs it: the member
+// list, or the group as a user's primary one; the first line of a name
+// wins, and passwd-shaped lines are no groups.
+func TestGroupMember(t *testing.T) {
+	a := parseAccounts([]byte("sudo:x:27:alice, bob ,,carol\nsudo:x:28:mallory\nwheel:x:10:\n" +
+		"staff:x:50\nbad:x:notanumber:eve\nuser:x:1000:1000::/home/user:/bin/bash\n"))
+	for _, c := range []struct {
+		group, user string
+		gid         uint32
+		want        bool
+	}{
+		{"sudo", "alice", 1000, true},
+		{"sudo", "bob", 1000, true},
+		{"sudo", "carol", 1000, true},
+		{"sudo", "mallory", 1000, false}, // the second sudo line is ignored
+		{"sudo", "dave", 27, true},       // primary group
+		{"sudo", "dave", 1000, false},
+		{"wheel", "alice", 1000, false},
+		{"staff", "alice", 50, false}, // three fields: no group line
+		{"bad", "eve", 1000, true},
+		{"bad", "x", 0, false}, // an id that is no number is no primary group
+		{"user", "user", 1000, false},
+		{"nosuch", "alice", 27, false},
+	} {
+		if got := a.member(c.group, c.user, c.gid); got != c.want {
+			t.Errorf("member(%q, %q, %d) = %v, want %v", c.group, c.user, c.gid, got, c.want)
+		}
+	}
+	if (*accounts)(nil).member("sudo", "alice", 27) {
+		t.Error("no group file: a member")
+	}
+}
