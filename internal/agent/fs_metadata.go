@@ -4,9 +4,12 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
+	"runtime"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"unicode/utf8"
+	"unsafe"
 
 	"golang.org/x/sys/unix"
 )
@@ -111,20 +114,12 @@ func readMetadata(dirfd int, name string, mode uint32) map[string]string {
 	if t := mode & unix.S_IFMT; t != unix.S_IFREG && t != unix.S_IFDIR {
 		return nil
 	}
-	// One component under a descriptor the caller resolved safely: the
-	// kernel's own link to it, and name not followed (llistxattr).
-	p := "/proc/self/fd/" + strconv.Itoa(dirfd)
-	list, get := unix.Llistxattr, unix.Lgetxattr
-	if name != "" {
-		p += "/" + name
-	} else {
-		list, get = unix.Listxattr, unix.Getxattr // follow the fd link itself
-	}
+	x := xattrsAt{dirfd: dirfd, name: name}
 	buf := make([]byte, 4096)
-	n, err := list(p, buf)
+	n, err := x.list(buf)
 	if err == unix.ERANGE {
 		buf = make([]byte, 64<<10) // XATTR_LIST_MAX
-		n, err = list(p, buf)
+		n, err = x.list(buf)
 	}
 	if err != nil || n <= 0 {
 		return nil
@@ -137,7 +132,7 @@ func readMetadata(dirfd int, name string, mode uint32) map[string]string {
 		if !ok || key == "" || !utf8.ValidString(key) {
 			continue
 		}
-		m, err := get(p, attr, val)
+		m, err := x.get(attr, val)
 		if err != nil || !utf8.Valid(val[:m]) {
 			continue // gone, unreadable, or larger than any set's budget
 		}
@@ -150,4 +145,96 @@ func readMetadata(dirfd int, name string, mode uint32) map[string]string {
 		md[key] = string(val[:m])
 	}
 	return md
+}
+
+// xattrsAt reads the extended attributes of one entry named under a
+// directory descriptor, without following it: with listxattrat and
+// getxattrat (Linux 6.13), else through the kernel's own link to the
+// directory, /proc/self/fd/N/name (gVisor, older kernels; three times the
+// cost on a listing).
+type xattrsAt struct {
+	dirfd int
+	name  string
+}
+
+// xattrAtMissing is set once the kernel (or a seccomp filter) has refused
+// the *xattrat calls.
+var xattrAtMissing atomic.Bool
+
+func (x xattrsAt) list(buf []byte) (int, error) {
+	if !xattrAtMissing.Load() {
+		n, err := x.at(unix.SYS_LISTXATTRAT, nil, buf)
+		if err != unix.ENOSYS && err != unix.EPERM {
+			return n, err
+		}
+		xattrAtMissing.Store(true)
+	}
+	if x.name == "" {
+		return unix.Listxattr(x.procPath(), buf) // follows the fd's link itself
+	}
+	return unix.Llistxattr(x.procPath(), buf)
+}
+
+func (x xattrsAt) get(attr string, buf []byte) (int, error) {
+	if !xattrAtMissing.Load() {
+		n, err := x.at(unix.SYS_GETXATTRAT, &attr, buf)
+		if err != unix.ENOSYS && err != unix.EPERM {
+			return n, err
+		}
+		xattrAtMissing.Store(true)
+	}
+	if x.name == "" {
+		return unix.Getxattr(x.procPath(), attr, buf)
+	}
+	return unix.Lgetxattr(x.procPath(), attr, buf)
+}
+
+func (x xattrsAt) procPath() string {
+	p := "/proc/self/fd/" + strconv.Itoa(x.dirfd)
+	if x.name != "" {
+		p += "/" + x.name
+	}
+	return p
+}
+
+// xattrArgs is the kernel's struct xattr_args.
+type xattrArgs struct {
+	value uint64
+	size  uint32
+	flags uint32
+}
+
+// at calls listxattrat (attr nil) or getxattrat on the entry.
+func (x xattrsAt) at(nr uintptr, attr *string, buf []byte) (int, error) {
+	path, err := unix.BytePtrFromString(x.name)
+	if err != nil {
+		return 0, err
+	}
+	flags := uintptr(unix.AT_SYMLINK_NOFOLLOW)
+	if x.name == "" {
+		flags |= unix.AT_EMPTY_PATH
+	}
+	var bufp unsafe.Pointer
+	if len(buf) > 0 {
+		bufp = unsafe.Pointer(&buf[0])
+	}
+	var n uintptr
+	var errno unix.Errno
+	if attr == nil {
+		n, _, errno = unix.Syscall6(nr, uintptr(x.dirfd), uintptr(unsafe.Pointer(path)), flags,
+			uintptr(bufp), uintptr(len(buf)), 0)
+	} else {
+		name, err := unix.BytePtrFromString(*attr)
+		if err != nil {
+			return 0, err
+		}
+		args := xattrArgs{value: uint64(uintptr(bufp)), size: uint32(len(buf))}
+		n, _, errno = unix.Syscall6(nr, uintptr(x.dirfd), uintptr(unsafe.Pointer(path)), flags,
+			uintptr(unsafe.Pointer(name)), uintptr(unsafe.Pointer(&args)), unsafe.Sizeof(args))
+	}
+	runtime.KeepAlive(buf)
+	if errno != 0 {
+		return 0, errno
+	}
+	return int(n), nil
 }

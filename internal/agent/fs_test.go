@@ -31,7 +31,7 @@ const (
 // fsEnv is an agent serving a temporary sandbox root, with a canary file
 // outside that root that no request may ever read or change.
 type fsEnv struct {
-	t        *testing.T
+	t        testing.TB
 	root     string // sandbox root on the host
 	home     string // /home/user inside it
 	outside  string // a directory outside the root
@@ -51,7 +51,7 @@ func (tt fsTokenTransport) RoundTrip(r *http.Request) (*http.Response, error) {
 	return http.DefaultTransport.RoundTrip(r)
 }
 
-func newFSEnv(t *testing.T) *fsEnv {
+func newFSEnv(t testing.TB) *fsEnv {
 	t.Helper()
 	e := &fsEnv{t: t, root: t.TempDir(), outside: t.TempDir(), uid: os.Getuid(), gid: os.Getgid()}
 	if e.uid == 0 {
