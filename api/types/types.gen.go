@@ -79,6 +79,42 @@ func (e NetworkRecordKind) Valid() bool {
 	}
 }
 
+// Defines values for SandboxDetailPausedWith.
+const (
+	SandboxDetailPausedWithFiles  SandboxDetailPausedWith = "files"
+	SandboxDetailPausedWithMemory SandboxDetailPausedWith = "memory"
+)
+
+// Valid indicates whether the value is a known member of the SandboxDetailPausedWith enum.
+func (e SandboxDetailPausedWith) Valid() bool {
+	switch e {
+	case SandboxDetailPausedWithFiles:
+		return true
+	case SandboxDetailPausedWithMemory:
+		return true
+	default:
+		return false
+	}
+}
+
+// Defines values for SandboxLifecycleOnTimeout.
+const (
+	SandboxLifecycleOnTimeoutKill  SandboxLifecycleOnTimeout = "kill"
+	SandboxLifecycleOnTimeoutPause SandboxLifecycleOnTimeout = "pause"
+)
+
+// Valid indicates whether the value is a known member of the SandboxLifecycleOnTimeout enum.
+func (e SandboxLifecycleOnTimeout) Valid() bool {
+	switch e {
+	case SandboxLifecycleOnTimeoutKill:
+		return true
+	case SandboxLifecycleOnTimeoutPause:
+		return true
+	default:
+		return false
+	}
+}
+
 // Defines values for SandboxState.
 const (
 	SandboxStatePaused  SandboxState = "paused"
@@ -91,6 +127,21 @@ func (e SandboxState) Valid() bool {
 	case SandboxStatePaused:
 		return true
 	case SandboxStateRunning:
+		return true
+	default:
+		return false
+	}
+}
+
+// Defines values for SnapshotInfoKind.
+const (
+	SnapshotInfoKindFiles SnapshotInfoKind = "files"
+)
+
+// Valid indicates whether the value is a known member of the SnapshotInfoKind enum.
+func (e SnapshotInfoKind) Valid() bool {
+	switch e {
+	case SnapshotInfoKindFiles:
 		return true
 	default:
 		return false
@@ -165,14 +216,17 @@ type ClientID = string
 
 // ConnectSandbox defines model for ConnectSandbox.
 type ConnectSandbox struct {
+	// Memory As ConnectSandboxV2's `memory`.
+	Memory *bool `json:"memory,omitempty"`
+
 	// Timeout Seconds from now the sandbox should stay alive at least (the deadline is only extended). cage: at most the server's configured maximum.
 	Timeout *int64 `json:"timeout"`
 }
 
 // ConnectSandboxV2 defines model for ConnectSandboxV2.
 type ConnectSandboxV2 struct {
-	// Memory When resuming a paused sandbox: true restores its memory, false boots it afresh from its disk state only (the E2B SDK sends false for `onResume: "reboot"`). A server that cannot honour the value answers 400 rather than silently doing the other.
-	Memory bool `json:"-"`
+	// Memory When resuming a paused sandbox: true restores its memory where it was kept, false resumes it from its files only (its processes end; the E2B SDK sends false for `onResume: "reboot"`). On a running sandbox, or one paused without its memory, it changes nothing.
+	Memory *bool `json:"memory,omitempty"`
 
 	// Timeout Seconds from now the sandbox should stay alive at least (the deadline is only extended). cage: at most the server's configured maximum.
 	Timeout *int64 `json:"timeout,omitempty"`
@@ -308,8 +362,11 @@ type NewSandbox struct {
 	// AutoPause Pause the sandbox when its timeout expires instead of killing it.
 	AutoPause bool `json:"autoPause,omitempty,omitzero"`
 
-	// AutoResume Whether traffic to a paused sandbox resumes it. cage: accepted and not read.
-	AutoResume SandboxAutoResumeConfig `json:"-"`
+	// AutoPauseMemory With `autoPause`: keep the sandbox's memory when it pauses (false: only its files; its processes end). false without `autoPause`, or with `autoResume.enabled`, is refused with 400.
+	AutoPauseMemory *bool `json:"autoPauseMemory,omitempty"`
+
+	// AutoResume Whether traffic through the proxy to the paused sandbox resumes it (with its access token, or its traffic token on a private port), for the timeout it was created with.
+	AutoResume *SandboxAutoResumeConfig `json:"autoResume,omitempty"`
 
 	// CPUCount cage: CPU bandwidth in cores, fractions allowed. Default 1; below 0.01 is refused with 400.
 	CPUCount CPUCount `json:"cpuCount,omitempty,omitzero"`
@@ -353,8 +410,11 @@ type NewSandboxV2 struct {
 	// AutoPause Pause the sandbox when its timeout expires instead of killing it.
 	AutoPause bool `json:"autoPause,omitempty,omitzero"`
 
-	// AutoResume Whether traffic to a paused sandbox resumes it. cage: accepted and not read.
-	AutoResume SandboxAutoResumeConfig `json:"-"`
+	// AutoPauseMemory With `autoPause`: keep the sandbox's memory when it pauses (false: only its files; its processes end). false without `autoPause`, or with `autoResume.enabled`, is refused with 400.
+	AutoPauseMemory *bool `json:"autoPauseMemory,omitempty"`
+
+	// AutoResume Whether traffic through the proxy to the paused sandbox resumes it (with its access token, or its traffic token on a private port), for the timeout it was created with.
+	AutoResume *SandboxAutoResumeConfig `json:"autoResume,omitempty"`
 
 	// CPUCount cage: CPU bandwidth in cores, fractions allowed. Default 1; below 0.01 is refused with 400.
 	CPUCount CPUCount `json:"cpuCount,omitempty,omitzero"`
@@ -389,6 +449,19 @@ type NewSandboxV2 struct {
 
 // Pids cage: the most processes and threads the sandbox may hold at once.
 type Pids = int64
+
+// ResumedSandbox defines model for ResumedSandbox.
+type ResumedSandbox struct {
+	// AutoPause Accepted and not read (the create's lifecycle stays).
+	// Deprecated: this property has been marked as deprecated upstream, but no `x-deprecated-reason` was set
+	AutoPause bool `json:"autoPause,omitempty,omitzero"`
+
+	// Memory As ConnectSandboxV2's `memory`.
+	Memory *bool `json:"memory,omitempty"`
+
+	// Timeout Seconds from now the resumed sandbox lives.
+	Timeout *int64 `json:"timeout,omitempty"`
+}
 
 // Sandbox A started (or resumed) sandbox and what a client needs to reach it. cage always sends every field but `alias`.
 type Sandbox struct {
@@ -466,6 +539,9 @@ type SandboxDetail struct {
 	// EnvdVersion Version of the in-sandbox agent's protocol (E2B's envd) that the sandbox speaks. The E2B SDKs compare it as a semantic version (they refuse anything below 0.1.0 and enable features by version).
 	EnvdVersion EnvdVersion `json:"envdVersion"`
 
+	// Lifecycle What happens to the sandbox at its timeout, and whether traffic resumes it when paused.
+	Lifecycle SandboxLifecycle `json:"lifecycle,omitempty,omitzero"`
+
 	// MemoryMB Memory for the sandbox in MiB. cage: the limit includes swap and the sandbox's writable storage, which is RAM-backed.
 	MemoryMB MemoryMB `json:"memoryMB"`
 
@@ -474,6 +550,9 @@ type SandboxDetail struct {
 
 	// Network The sandbox's egress rules and the exposure of its ports. cage: always sent.
 	Network SandboxNetworkConfig `json:"network,omitempty,omitzero"`
+
+	// PausedWith cage: how a paused sandbox was paused: memory (frozen, its processes resume where they stood) or files (saved to disk, its memory released; it resumes without its processes). Absent while running.
+	PausedWith SandboxDetailPausedWith `json:"pausedWith,omitempty,omitzero"`
 
 	// Pids cage: the pids limit the sandbox was given.
 	Pids Pids `json:"pids"`
@@ -494,11 +573,23 @@ type SandboxDetail struct {
 	Wall Wall `json:"wall"`
 }
 
+// SandboxDetailPausedWith cage: how a paused sandbox was paused: memory (frozen, its processes resume where they stood) or files (saved to disk, its memory released; it resumes without its processes). Absent while running.
+type SandboxDetailPausedWith string
+
 // SandboxDomain Base domain under which the sandbox's ports are reachable (`<port>-<sandboxID>.<domain>`); null means the client's configured domain (`E2B_DOMAIN`).
 type SandboxDomain = string
 
 // SandboxID Identifier of the sandbox. The E2B SDKs put it in a host name (`<port>-<sandboxID>.<domain>`), so it is a lowercase DNS label.
 type SandboxID = string
+
+// SandboxLifecycle What happens to the sandbox at its timeout, and whether traffic resumes it when paused.
+type SandboxLifecycle struct {
+	AutoResume bool                      `json:"autoResume"`
+	OnTimeout  SandboxLifecycleOnTimeout `json:"onTimeout"`
+}
+
+// SandboxLifecycleOnTimeout defines model for SandboxLifecycle.OnTimeout.
+type SandboxLifecycleOnTimeout string
 
 // SandboxMetadata Caller-chosen string pairs attached to the sandbox.
 type SandboxMetadata map[string]string
@@ -585,6 +676,12 @@ type SandboxNetworkUpdate struct {
 	Rules interface{} `json:"rules,omitempty,omitzero"`
 }
 
+// SandboxPauseRequest defines model for SandboxPauseRequest.
+type SandboxPauseRequest struct {
+	// Memory Keep the sandbox's memory (its processes resume where they stood). false keeps only its files: every byte of its memory is released and its processes end.
+	Memory *bool `json:"memory,omitempty"`
+}
+
 // SandboxRefreshRequest defines model for SandboxRefreshRequest.
 type SandboxRefreshRequest struct {
 	// Duration Seconds from now the sandbox should stay alive at least. When absent the server chooses. cage: a value above the server's configured maximum timeout is refused with 400.
@@ -598,6 +695,36 @@ type SandboxState string
 type SandboxTimeoutRequest struct {
 	// Timeout Seconds from now after which the sandbox ends. cage: at least 1; a value above the server's configured maximum is refused with 400.
 	Timeout *int64 `json:"timeout"`
+}
+
+// SnapshotInfo defines model for SnapshotInfo.
+type SnapshotInfo struct {
+	// CreatedAt cage: when it was taken.
+	CreatedAt time.Time `json:"createdAt,omitempty,omitzero"`
+
+	// Kind cage: what it keeps: the sandbox's files (not its memory).
+	Kind SnapshotInfoKind `json:"kind,omitempty,omitzero"`
+
+	// Names The snapshot's names (`cage/NAME`), empty when unnamed.
+	Names []string `json:"names"`
+
+	// SandboxID cage: the sandbox it was taken of.
+	SandboxID string `json:"sandboxID,omitempty,omitzero"`
+
+	// Size cage: bytes of its files on the server's disk.
+	Size int64 `json:"size,omitempty,omitzero"`
+
+	// SnapshotID The snapshot's id, to create sandboxes from (as their templateID) and to delete it.
+	SnapshotID string `json:"snapshotID"`
+}
+
+// SnapshotInfoKind cage: what it keeps: the sandbox's files (not its memory).
+type SnapshotInfoKind string
+
+// SnapshotRequest defines model for SnapshotRequest.
+type SnapshotRequest struct {
+	// Name A name for the snapshot, unique among the key's.
+	Name string `json:"name,omitempty,omitzero"`
 }
 
 // TemplateAlias Alias (name) of the template, when it has one.
@@ -687,6 +814,17 @@ type GetSandboxNetworkRecordsParams struct {
 	NextToken string `form:"nextToken,omitempty" json:"nextToken,omitempty,omitzero"`
 }
 
+// ListSnapshotsParams defines parameters for ListSnapshots.
+type ListSnapshotsParams struct {
+	// SandboxID Only the snapshots of this sandbox.
+	SandboxID string `form:"sandboxID,omitempty" json:"sandboxID,omitempty,omitzero"`
+
+	// Name Only the snapshot of this name (with or without its namespace and tag).
+	Name      string `form:"name,omitempty" json:"name,omitempty,omitzero"`
+	Limit     int32  `form:"limit,omitempty" json:"limit,omitempty,omitzero"`
+	NextToken string `form:"nextToken,omitempty" json:"nextToken,omitempty,omitzero"`
+}
+
 // ListSandboxesV2Params defines parameters for ListSandboxesV2.
 type ListSandboxesV2Params struct {
 	// Metadata Only sandboxes whose metadata holds every given pair. The value is itself a URL-encoded query string of the pairs, each key and value URL-encoded first (e.g. `user%3Dabc%26app%3Dprod` for `user=abc&app=prod`).
@@ -727,8 +865,19 @@ type ConnectSandboxJSONRequestBody = ConnectSandbox
 // UpdateSandboxNetworkJSONRequestBody defines body for UpdateSandboxNetwork for application/json ContentType.
 type UpdateSandboxNetworkJSONRequestBody = SandboxNetworkUpdate
 
+// PauseSandboxJSONRequestBody defines body for PauseSandbox for application/json ContentType.
+type PauseSandboxJSONRequestBody = SandboxPauseRequest
+
 // RefreshSandboxJSONRequestBody defines body for RefreshSandbox for application/json ContentType.
 type RefreshSandboxJSONRequestBody = SandboxRefreshRequest
+
+// ResumeSandboxJSONRequestBody defines body for ResumeSandbox for application/json ContentType.
+//
+// Deprecated: this type has been marked as deprecated upstream, but no `x-deprecated-reason` was set
+type ResumeSandboxJSONRequestBody = ResumedSandbox
+
+// CreateSnapshotJSONRequestBody defines body for CreateSnapshot for application/json ContentType.
+type CreateSnapshotJSONRequestBody = SnapshotRequest
 
 // SetSandboxTimeoutJSONRequestBody defines body for SetSandboxTimeout for application/json ContentType.
 type SetSandboxTimeoutJSONRequestBody = SandboxTimeoutRequest

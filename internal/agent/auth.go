@@ -73,6 +73,8 @@ func messageLimit(path string) int64 {
 	switch {
 	case path == processconnect.ProcessStreamInputProcedure:
 		return 0
+	case path == "/cage/restore":
+		return 0 // a sandbox's files, bounded by its disk as they are written
 	case len(path) > len(processPrefix) && path[:len(processPrefix)] == processPrefix:
 		return maxProcessMessage
 	}

@@ -227,11 +227,14 @@ func (ps *processService) CloseStdin(ctx context.Context, req *connect.Request[p
 }
 
 // killAll kills every process group the agent started.
-func (ps *processService) killAll() {
+func (ps *processService) killAll() { ps.signalAll(syscall.SIGKILL) }
+
+// signalAll signals every process group the agent started.
+func (ps *processService) signalAll(sig syscall.Signal) {
 	ps.mu.Lock()
 	defer ps.mu.Unlock()
 	for _, p := range ps.table {
-		_ = p.signal(syscall.SIGKILL)
+		_ = p.signal(sig)
 	}
 }
 

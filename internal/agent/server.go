@@ -25,6 +25,7 @@ import (
 	"runtime/debug"
 	"strings"
 	"sync"
+	"syscall"
 	"time"
 
 	"connectrpc.com/connect"
@@ -158,6 +159,12 @@ func New(cfg Config) (*Server, error) {
 	mux.Handle("GET /envs", s.requireToken(http.HandlerFunc(s.serveEnvs)))
 	mux.HandleFunc("GET /files", s.files.serveFiles)
 	mux.HandleFunc("POST /files", s.files.serveFiles)
+	mux.Handle("GET /cage/archive", s.requireToken(http.HandlerFunc(s.serveArchive)))
+	mux.Handle("POST /cage/restore", s.requireToken(http.HandlerFunc(s.serveRestore)))
+	mux.Handle("POST /cage/kill", s.requireToken(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		s.signalAll(syscall.SIGKILL)
+		w.WriteHeader(http.StatusNoContent)
+	})))
 	s.mux = mux
 	trace("agent: handlers")
 	if cfg.Threads <= 0 || !s.procs.init {

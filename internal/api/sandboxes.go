@@ -56,7 +56,17 @@ func (s *server) detailOf(rec *store.Sandbox) types.SandboxDetail {
 		StartedAt: rec.StartedAt.UTC(), EndAt: rec.EndAt.UTC(), CPUCount: rec.CPUs, MemoryMB: rec.Memory >> 20,
 		DiskSizeMB: rec.Disk >> 20, Metadata: metadataOf(rec), State: types.SandboxState(rec.State),
 		EnvdVersion: EnvdVersion, Wall: types.Wall(rec.Wall), Pids: rec.Pids,
-		EnvdAccessToken: rec.AccessToken, Domain: s.domain(), AllowInternetAccess: &internet, Network: n}
+		EnvdAccessToken: rec.AccessToken, Domain: s.domain(), AllowInternetAccess: &internet, Network: n,
+		Lifecycle: lifecycleOf(rec), PausedWith: types.SandboxDetailPausedWith(rec.PauseKind)}
+}
+
+// lifecycleOf is E2B's lifecycle of a sandbox.
+func lifecycleOf(rec *store.Sandbox) types.SandboxLifecycle {
+	l := types.SandboxLifecycle{OnTimeout: types.SandboxLifecycleOnTimeoutKill, AutoResume: rec.AutoResume}
+	if rec.AutoPause {
+		l.OnTimeout = types.SandboxLifecycleOnTimeoutPause
+	}
+	return l
 }
 
 func (s *server) create(v2 bool) http.Handler {
@@ -120,10 +130,19 @@ func (s *server) createRequest(body types.NewSandbox, v2 bool) (manager.CreateRe
 		return manager.CreateRequest{}, err
 	}
 	public := body.Network.AllowPublicTraffic == nil || *body.Network.AllowPublicTraffic
+	keepMemory := body.AutoPauseMemory == nil || *body.AutoPauseMemory
+	autoResume := body.AutoResume != nil && body.AutoResume.Enabled
+	switch {
+	case !keepMemory && !body.AutoPause:
+		return manager.CreateRequest{}, fmt.Errorf("%w: autoPauseMemory false needs autoPause", errBadRequest)
+	case !keepMemory && autoResume:
+		return manager.CreateRequest{}, fmt.Errorf("%w: autoResume needs the memory kept (autoPauseMemory true)", errBadRequest)
+	}
 	return manager.CreateRequest{
 		Template: body.TemplateID, Timeout: timeout, Metadata: body.Metadata,
 		Env: body.EnvVars, CPUs: body.CPUCount, Memory: memory, Disk: disk,
-		Pids: body.Pids, Net: policy, PublicTraffic: public, AutoPause: body.AutoPause, Wall: wall,
+		Pids: body.Pids, Net: policy, PublicTraffic: public, Wall: wall,
+		AutoPause: body.AutoPause, AutoPauseMemory: keepMemory, AutoResume: autoResume,
 	}, nil
 }
 
@@ -313,9 +332,11 @@ func (s *server) extend(r *http.Request, d time.Duration) error {
 // connect returns a running sandbox and extends its life to at least timeout
 // from now (E2B's connect never shortens it). Paused sandboxes do not exist
 // yet, so it is always 200.
+// connect returns a sandbox, resuming it first when it is paused (201) and
+// extending a running one's deadline to at least timeout (200).
 func (s *server) connect(v2 bool) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		timeout, err := connectTimeout(r, v2)
+		timeout, memory, err := connectBody(r, v2)
 		if err != nil {
 			s.fail(w, r, err)
 			return
@@ -325,35 +346,77 @@ func (s *server) connect(v2 bool) http.Handler {
 			s.fail(w, r, err)
 			return
 		}
-		if err := s.extend(r, d); err != nil {
-			s.fail(w, r, err)
-			return
-		}
-		rec, err := s.cfg.Manager.Get(keyID(r), r.PathValue("sandboxID"))
+		rec, resumed, err := s.cfg.Manager.Resume(r.Context(), keyID(r), r.PathValue("sandboxID"), d, memory == nil || *memory)
 		if err != nil {
 			s.fail(w, r, err)
 			return
 		}
-		writeJSON(w, http.StatusOK, s.sandboxOf(rec))
+		status := http.StatusOK
+		if resumed {
+			status = http.StatusCreated
+		}
+		writeJSON(w, status, s.sandboxOf(rec))
 	})
 }
 
-// connectTimeout reads a connect body's timeout: required by v1, and v2's
-// body is optional.
-func connectTimeout(r *http.Request, v2 bool) (*int64, error) {
+// connectBody reads a connect body's timeout and memory: v1 requires the
+// timeout, and v2's body is optional.
+func connectBody(r *http.Request, v2 bool) (*int64, *bool, error) {
 	if v2 {
 		var body types.ConnectSandboxV2
 		err := decode(r, &body, true)
-		return body.Timeout, err
+		return body.Timeout, body.Memory, err
 	}
 	var body types.ConnectSandbox
 	if err := decode(r, &body, false); err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	if body.Timeout == nil {
-		return nil, fmt.Errorf("%w: timeout is required", errBadRequest)
+		return nil, nil, fmt.Errorf("%w: timeout is required", errBadRequest)
 	}
-	return body.Timeout, nil
+	return body.Timeout, body.Memory, nil
+}
+
+// pause pauses a running sandbox: 204, 409 when it is paused already.
+func (s *server) pause(w http.ResponseWriter, r *http.Request) {
+	var body types.SandboxPauseRequest
+	if err := decode(r, &body, true); err != nil {
+		s.fail(w, r, err)
+		return
+	}
+	keep := body.Memory == nil || *body.Memory
+	if err := s.cfg.Manager.Pause(r.Context(), keyID(r), r.PathValue("sandboxID"), keep); err != nil {
+		s.fail(w, r, err)
+		return
+	}
+	w.WriteHeader(http.StatusNoContent)
+}
+
+// resume is the older SDKs' resume: 201, 409 when the sandbox runs.
+func (s *server) resume(w http.ResponseWriter, r *http.Request) {
+	var body types.ResumedSandbox
+	if err := decode(r, &body, true); err != nil {
+		s.fail(w, r, err)
+		return
+	}
+	d, err := seconds(body.Timeout, 15*time.Second)
+	if err != nil {
+		s.fail(w, r, err)
+		return
+	}
+	id := r.PathValue("sandboxID")
+	rec, err := s.cfg.Manager.Get(keyID(r), id)
+	if err == nil && rec.State != store.StatePaused {
+		err = fmt.Errorf("%w: sandbox %q is running", manager.ErrConflict, id)
+	}
+	if err == nil {
+		rec, _, err = s.cfg.Manager.Resume(r.Context(), keyID(r), id, d, body.Memory == nil || *body.Memory)
+	}
+	if err != nil {
+		s.fail(w, r, err)
+		return
+	}
+	writeJSON(w, http.StatusCreated, s.sandboxOf(rec))
 }
 
 func (s *server) metrics(w http.ResponseWriter, r *http.Request) {

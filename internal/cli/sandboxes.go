@@ -86,7 +86,8 @@ func parseKV(flag string, kvs []string) (map[string]string, error) {
 
 func newClientCmds(g *globals) []*cobra.Command {
 	d := &daemonFlags{}
-	cmds := []*cobra.Command{newCreateCmd(d), newLsCmd(d), newExecCmd(d), newCpCmd(d), newRmCmd(d), newInspectCmd(d)}
+	cmds := []*cobra.Command{newCreateCmd(d), newLsCmd(d), newExecCmd(d), newCpCmd(d), newRmCmd(d), newInspectCmd(d),
+		newPauseCmd(d), newResumeCmd(d), newSnapshotCmd(d), newForkCmd(d)}
 	for _, c := range cmds {
 		d.register(c)
 	}

@@ -134,6 +134,33 @@ func (c *Client) Kill(ctx context.Context, id string) error {
 	return err
 }
 
+// Pause pauses a sandbox, keeping its memory or only its files.
+func (c *Client) Pause(ctx context.Context, id string, keepMemory bool) error {
+	_, err := c.do(ctx, http.MethodPost, "/sandboxes/"+url.PathEscape(id)+"/pause", types.SandboxPauseRequest{Memory: &keepMemory}, nil)
+	return err
+}
+
+// Resume resumes a paused sandbox (connect: a running one is only extended)
+// for timeout seconds from now.
+func (c *Client) Resume(ctx context.Context, id string, timeout int64) (*types.Sandbox, error) {
+	var sb types.Sandbox
+	_, err := c.do(ctx, http.MethodPost, "/v2/sandboxes/"+url.PathEscape(id)+"/connect", types.ConnectSandboxV2{Timeout: &timeout}, &sb)
+	return &sb, err
+}
+
+// Snapshot saves a running sandbox's files as a snapshot ("" name: none).
+func (c *Client) Snapshot(ctx context.Context, id, name string) (*types.SnapshotInfo, error) {
+	var sn types.SnapshotInfo
+	_, err := c.do(ctx, http.MethodPost, "/sandboxes/"+url.PathEscape(id)+"/snapshots", types.SnapshotRequest{Name: name}, &sn)
+	return &sn, err
+}
+
+// DeleteSnapshot deletes a snapshot by its id.
+func (c *Client) DeleteSnapshot(ctx context.Context, snapshotID string) error {
+	_, err := c.do(ctx, http.MethodDelete, "/templates/"+url.PathEscape(snapshotID), nil, nil)
+	return err
+}
+
 // Agent returns a client of the sandbox's agent, through the daemon's proxy.
 func (c *Client) Agent(id, token string) (*agentclient.Client, error) {
 	u, err := url.Parse(c.Proxy)

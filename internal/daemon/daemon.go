@@ -40,6 +40,9 @@ type Config struct {
 	Templates       string   `json:"templates"`    // the template store (default DATA/templates)
 	DefaultWall     string   `json:"default_wall"` // process, runc or gvisor
 	MaxTimeout      Duration `json:"max_timeout"`
+	// PausedRetention is how long a paused sandbox is kept (default 30
+	// days, as E2B), after which it is deleted.
+	PausedRetention Duration `json:"paused_retention"`
 	MaxSandboxes    int      `json:"max_sandboxes"`
 	Pool            int      `json:"pool"` // prepared sandboxes kept ready
 	// PoolTemplate is the template the pool prepares (default: the
@@ -200,7 +203,8 @@ func Run(ctx context.Context, cfg Config, log *slog.Logger, ready func(apiAddr, 
 		cfg.MaxSandboxes = sandbox.DefaultMaxSandboxes()
 	}
 	mgr := manager.New(manager.Config{Store: st, Host: host, Log: log, MaxTimeout: time.Duration(cfg.MaxTimeout),
-		DefaultTemplate: cfg.DefaultTemplate, MaxSandboxes: cfg.MaxSandboxes, MaxCreating: cfg.Limits.Creating, Max: maxima})
+		DefaultTemplate: cfg.DefaultTemplate, MaxSandboxes: cfg.MaxSandboxes, MaxCreating: cfg.Limits.Creating, Max: maxima,
+		Data: cfg.Data, PausedRetention: time.Duration(cfg.PausedRetention)})
 	recLimits, err := cfg.Records.limits()
 	if err != nil {
 		return err

@@ -11,14 +11,17 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"os"
 	"runtime"
 	"sync"
 	"sync/atomic"
 	"time"
 
+	"github.com/cagehq/cage/internal/agentclient"
 	"github.com/cagehq/cage/internal/hostproc"
 	"github.com/cagehq/cage/internal/ids"
 	"github.com/cagehq/cage/internal/network"
+	"github.com/cagehq/cage/internal/proxy"
 	"github.com/cagehq/cage/internal/sandbox"
 	"github.com/cagehq/cage/internal/store"
 	"github.com/cagehq/cage/internal/wall"
@@ -46,6 +49,11 @@ type Config struct {
 	MaxCreating int
 	// Max is the ceiling on one sandbox's limits (zero fields: the host's).
 	Max sandbox.Maxima
+	// Data is the daemon's data directory: paused sandboxes' files and
+	// snapshots are kept under it.
+	Data string
+	// PausedRetention is how long a paused sandbox is kept (0: 30 days).
+	PausedRetention time.Duration
 }
 
 // Manager owns the daemon's sandboxes.
@@ -62,6 +70,8 @@ type Manager struct {
 
 	createSlots chan struct{} // a token per create in progress
 	waiting     atomic.Int64  // creates waiting for a slot
+
+	transitions sync.Map // sandbox id -> *sync.Mutex (see transition)
 }
 
 type entry struct {
@@ -69,6 +79,21 @@ type entry struct {
 	timer   *time.Timer
 	traffic string // the traffic token, wanted at exposed ports unless public
 	public  bool
+
+	mu     sync.Mutex
+	paused bool // frozen (see Pause)
+}
+
+func (e *entry) setPaused(v bool) {
+	e.mu.Lock()
+	e.paused = v
+	e.mu.Unlock()
+}
+
+func (e *entry) isPaused() bool {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return e.paused
 }
 
 // New returns a manager; call Recover before serving.
@@ -88,6 +113,9 @@ func New(cfg Config) *Manager {
 	if cfg.MaxCreating <= 0 {
 		cfg.MaxCreating = 4 * runtime.NumCPU()
 	}
+	if cfg.PausedRetention <= 0 {
+		cfg.PausedRetention = DefaultPausedRetention
+	}
 	return &Manager{cfg: cfg, log: cfg.Log, live: map[string]*entry{}, createSlots: make(chan struct{}, cfg.MaxCreating)}
 }
 
@@ -104,7 +132,9 @@ type CreateRequest struct {
 	Pids          int64
 	Net           network.Policy // what the sandbox may reach
 	PublicTraffic bool           // exposed ports answer without the traffic token
-	AutoPause     bool
+	// Lifecycle: pause at the timeout instead of ending (keeping memory or
+	// only files), and resume on traffic through the proxy.
+	AutoPause, AutoPauseMemory, AutoResume bool
 }
 
 func (m *Manager) checkTimeout(d time.Duration) error {
@@ -130,6 +160,10 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (*store.Sandbox
 	if req.Template == "" {
 		req.Template = m.cfg.DefaultTemplate
 	}
+	snap, err := m.fromSnapshot(&req)
+	if err != nil {
+		return nil, err
+	}
 	if err := m.admit(); err != nil {
 		return nil, err
 	}
@@ -148,7 +182,7 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (*store.Sandbox
 	var rec *store.Sandbox
 	for attempt := 0; ; attempt++ {
 		var err error
-		sb, rec, err = m.start(ctx, req, &opts)
+		sb, rec, err = m.start(ctx, req, &opts, snap)
 		if errors.Is(err, wall.ErrStale) && attempt < 8 {
 			continue // a pooled sandbox older than its template's files; the next is fresher
 		}
@@ -165,7 +199,7 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (*store.Sandbox
 
 // start names a sandbox, records it (state creating, so that a crash
 // leaves a record the next start cleans up), then starts it.
-func (m *Manager) start(ctx context.Context, req CreateRequest, opts *sandbox.Options) (wall.Sandbox, *store.Sandbox, error) {
+func (m *Manager) start(ctx context.Context, req CreateRequest, opts *sandbox.Options, snap *store.Snapshot) (wall.Sandbox, *store.Sandbox, error) {
 	p, err := m.cfg.Host.Begin(ctx, opts)
 	if err != nil {
 		return nil, nil, err
@@ -177,13 +211,21 @@ func (m *Manager) start(ctx context.Context, req CreateRequest, opts *sandbox.Op
 		CPUs: opts.CPUs, Memory: opts.Memory, Disk: opts.Disk, Pids: opts.Pids,
 		AccessToken: p.Spec().Token, TrafficToken: ids.NewToken(),
 		StartedAt: now, EndAt: now.Add(req.Timeout), AllowInternet: req.Net.Mode == network.Internet, AutoPause: req.AutoPause,
-		NetSlot: -1, PublicTraffic: req.PublicTraffic,
+		NetSlot: -1, PublicTraffic: req.PublicTraffic, AutoPauseMemory: req.AutoPauseMemory, AutoResume: req.AutoResume,
+		TimeoutSeconds: int64(req.Timeout / time.Second),
 	}
 	if err := m.cfg.Store.InsertSandbox(rec); err != nil {
 		p.Abort()
 		return nil, nil, err
 	}
 	sb, err := p.Start(ctx)
+	if err == nil && snap != nil {
+		c := agentclient.New(sb.Dial, sb.Token())
+		if err = m.restoreSnapshot(ctx, snap, c); err != nil {
+			_ = sb.Destroy()
+		}
+		c.Close()
+	}
 	if err != nil {
 		_ = m.cfg.Store.DeleteSandbox(rec.ID)
 		return nil, nil, err
@@ -295,10 +337,13 @@ func (m *Manager) admitted() {
 
 // track starts the sandbox's end timer and watches for its death.
 func (m *Manager) track(sb wall.Sandbox, rec *store.Sandbox) {
-	e := &entry{sb: sb, traffic: rec.TrafficToken, public: rec.PublicTraffic}
+	e := &entry{sb: sb, traffic: rec.TrafficToken, public: rec.PublicTraffic, paused: rec.State == store.StatePaused}
 	m.mu.Lock()
 	m.live[sb.ID()] = e
-	e.timer = time.AfterFunc(time.Until(rec.EndAt), func() { m.expire(sb.ID()) })
+	e.timer = time.AfterFunc(time.Until(rec.EndAt), func() { m.timedOut(sb.ID()) })
+	if e.paused {
+		e.timer.Stop() // a paused sandbox does not time out
+	}
 	m.mu.Unlock()
 	go func() {
 		<-sb.Exited()
@@ -328,6 +373,7 @@ func (m *Manager) remove(id, why string) {
 	}
 	e.timer.Stop()
 	samples.Delete(id)
+	_ = os.Remove(m.savedFiles(id)) // a frozen sandbox's backup
 	m.discard(e.sb, why)
 }
 
@@ -366,10 +412,15 @@ func (m *Manager) List(f store.ListFilter) ([]*store.Sandbox, string, error) {
 	return items, next, err
 }
 
-// Kill destroys a sandbox now.
+// Kill destroys a sandbox now, paused or not.
 func (m *Manager) Kill(keyID, id string) error {
-	if _, err := m.Get(keyID, id); err != nil {
+	defer m.transition(id)()
+	rec, err := m.Get(keyID, id)
+	if err != nil {
 		return err
+	}
+	if rec.State == store.StatePaused && rec.PauseKind == PauseFiles {
+		return m.killPaused(rec, "killed by request")
 	}
 	m.mu.Lock()
 	_, ok := m.live[id]
@@ -392,12 +443,14 @@ func (m *Manager) SetTimeout(keyID, id string, d time.Duration) (*store.Sandbox,
 	}
 	m.mu.Lock()
 	e := m.live[id]
-	if e == nil {
+	if e == nil && rec.State != store.StatePaused {
 		m.mu.Unlock()
 		return nil, fmt.Errorf("%w: sandbox %q", ErrNotFound, id)
 	}
 	rec.EndAt = time.Now().Add(d)
-	e.timer.Reset(d)
+	if e != nil && !e.isPaused() { // a paused sandbox's timer starts at its resume
+		e.timer.Reset(d)
+	}
 	m.mu.Unlock()
 	if err := m.cfg.Store.SetEndAt(id, rec.EndAt); err != nil {
 		return nil, err
@@ -405,9 +458,9 @@ func (m *Manager) SetTimeout(keyID, id string, d time.Duration) (*store.Sandbox,
 	return rec, nil
 }
 
-// Sandbox returns a running sandbox for the traffic proxy (the agent's
-// token guards it there, not the API key).
-func (m *Manager) Sandbox(id string) (wall.Sandbox, bool) {
+// tracked returns the sandbox tracked under id (paused with its memory or
+// running).
+func (m *Manager) tracked(id string) (wall.Sandbox, bool) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	e := m.live[id]
@@ -417,16 +470,49 @@ func (m *Manager) Sandbox(id string) (wall.Sandbox, bool) {
 	return e.sb, true
 }
 
-// Traffic says whether a running sandbox's exposed ports want its traffic
-// token, and which.
-func (m *Manager) Traffic(id string) (token string, public, ok bool) {
-	m.mu.Lock()
-	defer m.mu.Unlock()
-	e := m.live[id]
-	if e == nil {
-		return "", false, false
+// Lookup tells the traffic proxy how to authorize traffic to a sandbox:
+// its access and traffic tokens and whether its ports are public. A paused
+// sandbox is found only where traffic resumes it.
+func (m *Manager) Lookup(id string) (proxy.Access, bool) {
+	rec, err := m.cfg.Store.GetSandbox(id)
+	if err != nil || rec.State == store.StateCreating {
+		return proxy.Access{}, false
 	}
-	return e.traffic, e.public, true
+	if rec.State == store.StatePaused && !rec.AutoResume {
+		return proxy.Access{}, false
+	}
+	return proxy.Access{Token: rec.AccessToken, Traffic: rec.TrafficToken, Public: rec.PublicTraffic}, true
+}
+
+// Ready returns the running sandbox for the traffic proxy, which has
+// authorized the request: a paused sandbox that resumes on traffic is
+// resumed first, for the timeout it was created with.
+func (m *Manager) Ready(ctx context.Context, id string, mayResume bool) (wall.Sandbox, error) {
+	m.mu.Lock()
+	e := m.live[id]
+	m.mu.Unlock()
+	if e != nil && !e.isPaused() {
+		return e.sb, nil
+	}
+	rec, err := m.cfg.Store.GetSandbox(id)
+	if err != nil || rec.State != store.StatePaused || !rec.AutoResume || !mayResume {
+		return nil, fmt.Errorf("%w: sandbox %q", ErrNotFound, id)
+	}
+	d := time.Duration(rec.TimeoutSeconds) * time.Second
+	if d <= 0 {
+		d = m.cfg.DefaultTimeout
+	}
+	if _, _, err := m.Resume(ctx, "", id, min(d, m.cfg.MaxTimeout), true); err != nil {
+		return nil, err
+	}
+	m.mu.Lock()
+	e = m.live[id]
+	m.mu.Unlock()
+	if e == nil {
+		return nil, fmt.Errorf("%w: sandbox %q", ErrNotFound, id)
+	}
+	m.log.Info("sandbox resumed by traffic", "sandbox", id)
+	return e.sb, nil
 }
 
 // Records returns the stored record of a running sandbox.

@@ -1,7 +1,6 @@
 package manager
 
 import (
-	"fmt"
 	"sync"
 	"time"
 
@@ -44,9 +43,9 @@ func (m *Manager) Metrics(keyID, id string) ([]Metric, error) {
 	if time.Since(rec.StartedAt) < sampleStep {
 		return []Metric{}, nil
 	}
-	sb, ok := m.Sandbox(id)
+	sb, ok := m.tracked(id)
 	if !ok {
-		return nil, fmt.Errorf("%w: sandbox %q", ErrNotFound, id)
+		return []Metric{}, nil // paused with its files: nothing runs to measure
 	}
 	u, err := sb.Cgroup().Usage()
 	if err != nil {

@@ -3,6 +3,7 @@ package manager
 import (
 	"context"
 	"fmt"
+	"os"
 	"time"
 
 	"github.com/cagehq/cage/internal/store"
@@ -22,6 +23,9 @@ func (m *Manager) Recover() error {
 	}
 	h := m.cfg.Host
 	for _, rec := range recs {
+		if rec.State == store.StatePaused && m.recoverPaused(rec) {
+			continue
+		}
 		if rec.State == store.StateRunning {
 			sb, err := h.Adopt(rec.Wall, wall.Adoption{ID: rec.ID, PID: rec.AgentPID, StartTime: rec.AgentStart, Token: rec.AccessToken})
 			if err == nil && rec.Network != "" {
@@ -67,7 +71,8 @@ func (m *Manager) sweep() {
 	h.GC()
 }
 
-// Sweep runs sweep every interval until ctx ends.
+// Sweep runs sweep (and removes the paused sandboxes kept past their
+// retention) every interval until ctx ends.
 func (m *Manager) Sweep(ctx context.Context, interval time.Duration) {
 	t := time.NewTicker(interval)
 	defer t.Stop()
@@ -77,6 +82,7 @@ func (m *Manager) Sweep(ctx context.Context, interval time.Duration) {
 			return
 		case <-t.C:
 			m.sweep()
+			m.expirePaused()
 		}
 	}
 }
@@ -96,4 +102,37 @@ func (m *Manager) adoptNetwork(sb wall.Sandbox, rec *store.Sandbox) error {
 		return err
 	}
 	return nil
+}
+
+// recoverPaused takes a paused sandbox back after a restart of the daemon:
+// a frozen one is adopted frozen; one whose processes are gone (the host
+// restarted) or that was paused with its files waits for its resume from
+// them. It reports false for a record to remove (nothing to resume from).
+func (m *Manager) recoverPaused(rec *store.Sandbox) bool {
+	h := m.cfg.Host
+	if rec.PauseKind == PauseMemory {
+		sb, err := h.Adopt(rec.Wall, wall.Adoption{ID: rec.ID, PID: rec.AgentPID, StartTime: rec.AgentStart, Token: rec.AccessToken})
+		if err == nil && rec.Network != "" {
+			err = m.adoptNetwork(sb, rec)
+		}
+		if err == nil {
+			m.track(sb, rec)
+			_ = m.cfg.Store.AddEvent(rec.ID, "adopted", "paused")
+			m.log.Info("paused sandbox adopted", "sandbox", rec.ID)
+			return true
+		}
+		m.log.Warn("paused sandbox lost its memory while the daemon was down; it resumes from its files", "sandbox", rec.ID, "err", err)
+		if err := state.Remove(h.RunDir, h.Cgroups, rec.ID); err != nil {
+			m.log.Warn("remove leftovers", "sandbox", rec.ID, "err", err)
+		}
+		rec.PauseKind, rec.AgentPID, rec.AgentStart, rec.NetSlot = PauseFiles, 0, 0, -1
+		if err := m.cfg.Store.UpdateSandbox(rec); err != nil {
+			return false
+		}
+	}
+	if _, err := os.Stat(m.savedFiles(rec.ID)); err != nil {
+		m.log.Warn("paused sandbox has no saved files; removing it", "sandbox", rec.ID, "err", err)
+		return false
+	}
+	return true
 }

@@ -39,12 +39,23 @@ import (
 // EnvdPort is the port E2B's SDKs address the agent (envd) on.
 const EnvdPort = 49983
 
-// Sandboxes finds a running sandbox by id.
+// Sandboxes finds sandboxes by id.
 type Sandboxes interface {
-	Sandbox(id string) (wall.Sandbox, bool)
-	// Traffic is the sandbox's traffic token and whether its ports are
-	// public (answer without it).
-	Traffic(id string) (token string, public, ok bool)
+	// Lookup says how to authorize traffic to a sandbox; ok is false when
+	// there is none to reach (a paused one is reachable only where traffic
+	// resumes it).
+	Lookup(id string) (a Access, ok bool)
+	// Ready returns the running sandbox; where it is paused and resumes on
+	// traffic, it resumes it first if mayResume. It is called only once
+	// the request is authorized.
+	Ready(ctx context.Context, id string, mayResume bool) (wall.Sandbox, error)
+}
+
+// Access is what authorizes traffic to one sandbox.
+type Access struct {
+	Token   string // the agent's access token
+	Traffic string // the exposed ports' traffic token
+	Public  bool   // exposed ports answer without the traffic token
 }
 
 // TrafficHeader carries the traffic token of a sandbox whose ports are not public.
@@ -132,26 +143,30 @@ func (p *Proxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 			"message": "no sandbox named: send E2b-Sandbox-Id (and E2b-Sandbox-Port, 1-65535) or use a {port}-{sandboxID}.{domain} host"})
 		return
 	}
-	sb, ok := p.sandboxes.Sandbox(id)
+	access, ok := p.sandboxes.Lookup(id)
 	if !ok {
 		writeJSON(w, http.StatusBadGateway, sandboxError{id, "The sandbox was not found", http.StatusBadGateway})
 		return
 	}
 	if port == EnvdPort {
-		if msg := envdUnauthorized(r, sb.Token()); msg != "" {
+		if msg := envdUnauthorized(r, access.Token); msg != "" {
 			writeUnauthorized(w, r, id, msg)
 			return
 		}
 	} else {
-		token, public, ok := p.sandboxes.Traffic(id)
-		if !ok {
-			writeJSON(w, http.StatusBadGateway, sandboxError{id, "The sandbox was not found", http.StatusBadGateway})
-			return
-		}
-		if !public && subtle.ConstantTimeCompare([]byte(r.Header.Get(TrafficHeader)), []byte(token)) != 1 {
+		if !access.Public && subtle.ConstantTimeCompare([]byte(r.Header.Get(TrafficHeader)), []byte(access.Traffic)) != 1 {
 			writeJSON(w, http.StatusForbidden, sandboxError{id, "This sandbox's ports need its traffic access token (" + TrafficHeader + ")", http.StatusForbidden})
 			return
 		}
+	}
+	// Only a request that carries a credential wakes a paused sandbox (an
+	// anonymous /health does not), as on E2B; public ports are anyone's.
+	mayResume := port != EnvdPort || r.URL.Path == "/files" ||
+		subtle.ConstantTimeCompare([]byte(r.Header.Get("X-Access-Token")), []byte(access.Token)) == 1
+	sb, err := p.sandboxes.Ready(r.Context(), id, mayResume)
+	if err != nil {
+		writeJSON(w, http.StatusBadGateway, sandboxError{id, "The sandbox was not found", http.StatusBadGateway})
+		return
 	}
 	rp := &httputil.ReverseProxy{
 		Rewrite: func(pr *httputil.ProxyRequest) {

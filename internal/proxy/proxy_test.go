@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"compress/gzip"
 	"context"
+	"errors"
 	"io"
 	"net"
 	"net/http"
@@ -77,8 +78,19 @@ func (s sb) Dial(ctx context.Context) (net.Conn, error) {
 
 type sandboxes struct{ s wall.Sandbox }
 
-func (x sandboxes) Sandbox(id string) (wall.Sandbox, bool) { return x.s, id == x.s.ID() }
-func (x sandboxes) Traffic(id string) (string, bool, bool) { return "traffic", false, id == x.s.ID() }
+func (x sandboxes) Lookup(id string) (Access, bool) {
+	if x.s == nil || id != x.s.ID() {
+		return Access{}, false
+	}
+	return Access{Token: x.s.Token(), Traffic: "traffic"}, true
+}
+
+func (x sandboxes) Ready(ctx context.Context, id string, _ bool) (wall.Sandbox, error) {
+	if x.s == nil || id != x.s.ID() {
+		return nil, errors.New("no such sandbox")
+	}
+	return x.s, nil
+}
 
 func gzipBomb(t *testing.T, size int) []byte {
 	var b bytes.Buffer

@@ -3,7 +3,6 @@ package conformance
 import (
 	"context"
 	"fmt"
-	"github.com/cagehq/cage/internal/bench/stats"
 	"io"
 	"net/http"
 	"net/http/httptest"
@@ -14,6 +13,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/cagehq/cage/internal/bench/stats"
 
 	"github.com/cagehq/cage/internal/agentclient"
 	"github.com/cagehq/cage/internal/network"
@@ -201,8 +202,11 @@ func median(v []float64) float64 {
 // oneSandbox is the proxy's view of a single public sandbox.
 type oneSandbox struct{ sb cagewall.Sandbox }
 
-func (o oneSandbox) Sandbox(id string) (cagewall.Sandbox, bool) { return o.sb, id == o.sb.ID() }
-func (o oneSandbox) Traffic(id string) (string, bool, bool)     { return "", true, id == o.sb.ID() }
+func (o oneSandbox) Lookup(id string) (proxy.Access, bool) {
+	return proxy.Access{Token: o.sb.Token(), Public: true}, id == o.sb.ID()
+}
+
+func (o oneSandbox) Ready(context.Context, string, bool) (cagewall.Sandbox, error) { return o.sb, nil }
 
 // BenchmarkExposedPort: an HTTP request (keep-alive) to a server inside a
 // sandbox through the daemon's proxy (which reaches it through the agent's

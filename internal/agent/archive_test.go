@@ -1,0 +1,114 @@
+package agent
+
+import (
+	"archive/tar"
+	"bytes"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+func tarOf(t *testing.T, hdrs []*tar.Header, bodies map[string]string) *tar.Reader {
+	t.Helper()
+	var b bytes.Buffer
+	tw := tar.NewWriter(&b)
+	for _, h := range hdrs {
+		if h.Typeflag == tar.TypeReg {
+			h.Size = int64(len(bodies[h.Name]))
+		}
+		if err := tw.WriteHeader(h); err != nil {
+			t.Fatal(err)
+		}
+		if h.Typeflag == tar.TypeReg {
+			_, _ = tw.Write([]byte(bodies[h.Name]))
+		}
+	}
+	tw.Close()
+	return tar.NewReader(&b)
+}
+
+// TestRestoreTree: a restore writes files, directories, symlinks and FIFOs
+// with their owners, modes, times and user.* attributes.
+func TestRestoreTree(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("SKIP: restoring owners needs root")
+	}
+	root := t.TempDir()
+	mt := time.Date(2024, 5, 6, 7, 8, 9, 0, time.UTC)
+	hdrs := []*tar.Header{
+		{Name: "home/", Typeflag: tar.TypeDir, Mode: 0o755, ModTime: mt},
+		{Name: "home/user/", Typeflag: tar.TypeDir, Mode: 0o700, Uid: 1000, Gid: 1000, ModTime: mt},
+		{Name: "home/user/notes.txt", Typeflag: tar.TypeReg, Mode: 0o640, Uid: 1000, Gid: 1000, ModTime: mt,
+			PAXRecords: map[string]string{"SCHILY.xattr.user.e2b.k": "v", "SCHILY.xattr.security.capability": "x"}},
+		{Name: "home/user/link", Typeflag: tar.TypeSymlink, Linkname: "notes.txt", Uid: 1000, Gid: 1000, ModTime: mt},
+		{Name: "home/user/fifo", Typeflag: tar.TypeFifo, Mode: 0o600, Uid: 1000, Gid: 1000, ModTime: mt},
+		{Name: "proc/evil", Typeflag: tar.TypeReg, Mode: 0o644, ModTime: mt},
+	}
+	n, err := restoreTree(tarOf(t, hdrs, map[string]string{"home/user/notes.txt": "hello", "proc/evil": "x"}), root)
+	if err != nil || n != 5 {
+		t.Fatalf("restore: %d entries, %v; want 5 (proc/ skipped)", n, err)
+	}
+	var st unix.Stat_t
+	f := filepath.Join(root, "home/user/notes.txt")
+	if err := unix.Lstat(f, &st); err != nil || st.Uid != 1000 || st.Mode&0o7777 != 0o640 || st.Mtim.Sec != mt.Unix() {
+		t.Errorf("notes.txt: %+v %v", st, err)
+	}
+	if b, _ := os.ReadFile(f); string(b) != "hello" {
+		t.Errorf("notes.txt holds %q", b)
+	}
+	v := make([]byte, 16)
+	if n, err := unix.Lgetxattr(f, "user.e2b.k", v); err != nil || string(v[:n]) != "v" {
+		t.Errorf("user.e2b.k: %q %v", v[:max(n, 0)], err)
+	}
+	if _, err := unix.Lgetxattr(f, "security.capability", v); err == nil {
+		t.Errorf("a security.* attribute was restored")
+	}
+	if l, err := os.Readlink(filepath.Join(root, "home/user/link")); err != nil || l != "notes.txt" {
+		t.Errorf("link: %q %v", l, err)
+	}
+	if err := unix.Lstat(filepath.Join(root, "home/user/fifo"), &st); err != nil || st.Mode&unix.S_IFMT != unix.S_IFIFO {
+		t.Errorf("fifo: %v", err)
+	}
+	if _, err := os.Stat(filepath.Join(root, "proc")); err == nil {
+		t.Errorf("an entry under /proc was restored")
+	}
+}
+
+// TestRestoreRefusesPathThroughSymlink: an archive whose later entry goes
+// through a symlink an earlier one made (home/user/x -> /etc, then
+// home/user/x/passwd) is refused, and nothing outside is written: the agent
+// restores as root, and no entry may steer another.
+func TestRestoreRefusesPathThroughSymlink(t *testing.T) {
+	root := t.TempDir()
+	outside := t.TempDir()
+	hdrs := []*tar.Header{
+		{Name: "home/", Typeflag: tar.TypeDir, Mode: 0o755},
+		{Name: "home/x", Typeflag: tar.TypeSymlink, Linkname: outside},
+		{Name: "home/x/passwd", Typeflag: tar.TypeReg, Mode: 0o644},
+	}
+	_, err := restoreTree(tarOf(t, hdrs, map[string]string{"home/x/passwd": "root::0:0::/:/bin/sh\n"}), root)
+	if err == nil || !strings.Contains(err.Error(), "not a directory") {
+		t.Errorf("restore through a symlink: %v, want a refusal", err)
+	}
+	if _, err := os.Stat(filepath.Join(outside, "passwd")); err == nil {
+		t.Errorf("the restore wrote through the symlink")
+	}
+}
+
+func TestParseMountinfo(t *testing.T) {
+	m, ok := parseMountinfo(`36 35 0:33 / /home/user\040dir rw,nosuid shared:1 - tmpfs tmpfs rw,size=1024k`)
+	if !ok || m.point != "/home/user dir" || m.fstype != "tmpfs" || m.readOnly {
+		t.Errorf("got %+v %v", m, ok)
+	}
+	m, ok = parseMountinfo(`40 35 8:1 /usr /usr ro,nosuid,nodev - ext4 /dev/sda1 rw`)
+	if !ok || !m.readOnly {
+		t.Errorf("a read-only bind: %+v %v", m, ok)
+	}
+	if _, ok := parseMountinfo("garbage"); ok {
+		t.Errorf("garbage parsed")
+	}
+}

@@ -1,0 +1,330 @@
+package manager
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"sync"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/cagehq/cage/internal/agentclient"
+	"github.com/cagehq/cage/internal/hostproc"
+	"github.com/cagehq/cage/internal/sandbox"
+	"github.com/cagehq/cage/internal/store"
+	"github.com/cagehq/cage/internal/wall"
+)
+
+// A paused sandbox is one of two kinds:
+//
+//   - memory: its cgroup frozen, on every wall (processes and memory kept
+//     in RAM, CPU zero), after its files were saved as below. It survives a
+//     restart of the daemon, which adopts it frozen; should it be lost (a
+//     restart of the host), it becomes a sandbox paused with its files.
+//     Resume thaws it: processes go on where they stood.
+//   - files: its writable files archived by its agent into
+//     DATA/paused/ID.tar, then the sandbox destroyed (every byte of its RAM
+//     released). Resume starts a new sandbox with the same id, token,
+//     template, limits and network, and restores the files into it;
+//     processes are gone. The archive survives anything but the data
+//     directory's loss.
+const (
+	PauseMemory = "memory"
+	PauseFiles  = "files"
+)
+
+// DefaultPausedRetention is how long a paused sandbox is kept (E2B: 30 days).
+const DefaultPausedRetention = 30 * 24 * time.Hour
+
+// transition serializes the lifecycle changes of one sandbox (pause,
+// resume, kill, snapshot) without holding the manager's lock.
+func (m *Manager) transition(id string) func() {
+	v, _ := m.transitions.LoadOrStore(id, &sync.Mutex{})
+	mu := v.(*sync.Mutex)
+	mu.Lock()
+	return mu.Unlock
+}
+
+func (m *Manager) savedFiles(id string) string {
+	return filepath.Join(m.cfg.Data, "paused", id+".tar")
+}
+
+// Pause pauses a running sandbox, keeping its memory or only its files.
+// Pausing a paused sandbox is ErrConflict.
+func (m *Manager) Pause(ctx context.Context, keyID, id string, keepMemory bool) error {
+	defer m.transition(id)()
+	rec, err := m.Get(keyID, id)
+	if err != nil {
+		return err
+	}
+	if rec.State == store.StatePaused {
+		return fmt.Errorf("%w: sandbox %q is already paused", ErrConflict, id)
+	}
+	return m.pause(ctx, rec, keepMemory)
+}
+
+func (m *Manager) pause(ctx context.Context, rec *store.Sandbox, keepMemory bool) error {
+	m.mu.Lock()
+	e := m.live[rec.ID]
+	m.mu.Unlock()
+	if e == nil {
+		return fmt.Errorf("%w: sandbox %q", ErrNotFound, rec.ID)
+	}
+	// The files first, in every case: a frozen sandbox lost with the host
+	// resumes from them.
+	if err := m.saveFiles(ctx, e.sb, rec.Disk, m.savedFiles(rec.ID)); err != nil {
+		return fmt.Errorf("pause sandbox %s: %w", rec.ID, err)
+	}
+	if keepMemory {
+		if err := e.sb.Cgroup().Freeze(ctx); err != nil {
+			_ = os.Remove(m.savedFiles(rec.ID))
+			return fmt.Errorf("pause sandbox %s: %w", rec.ID, err)
+		}
+		e.timer.Stop()
+		e.setPaused(true)
+		rec.State, rec.PausedAt, rec.PauseKind = store.StatePaused, time.Now(), PauseMemory
+		if err := m.cfg.Store.UpdateSandbox(rec); err != nil {
+			_ = e.sb.Cgroup().Thaw()
+			_ = os.Remove(m.savedFiles(rec.ID))
+			e.setPaused(false)
+			e.timer.Reset(time.Until(rec.EndAt))
+			return err
+		}
+		_ = m.cfg.Store.AddEvent(rec.ID, "paused", PauseMemory)
+		m.log.Info("sandbox paused", "sandbox", rec.ID, "kind", PauseMemory)
+		return nil
+	}
+	rec.State, rec.PausedAt, rec.PauseKind = store.StatePaused, time.Now(), PauseFiles
+	rec.AgentPID, rec.AgentStart, rec.NetSlot = 0, 0, -1
+	if err := m.cfg.Store.UpdateSandbox(rec); err != nil {
+		_ = os.Remove(m.savedFiles(rec.ID))
+		return err
+	}
+	m.forget(rec.ID, e)
+	if err := e.sb.Destroy(); err != nil {
+		m.log.Warn("destroy after saving its files", "sandbox", rec.ID, "err", err)
+	}
+	_ = m.cfg.Store.AddEvent(rec.ID, "paused", PauseFiles)
+	m.log.Info("sandbox paused", "sandbox", rec.ID, "kind", PauseFiles)
+	return nil
+}
+
+// forget drops a tracked sandbox without destroying it.
+func (m *Manager) forget(id string, e *entry) {
+	m.mu.Lock()
+	if m.live[id] == e {
+		delete(m.live, id)
+	}
+	m.mu.Unlock()
+	e.timer.Stop()
+	samples.Delete(id)
+}
+
+// archiveLimit bounds a sandbox's archive: its files fit its disk, and tar
+// adds at most a header (and padding) per inode of it.
+func archiveLimit(disk int64) int64 { return disk + disk/4 + 16<<20 }
+
+// saveFiles has the sandbox's agent archive its writable files (its other
+// processes halted meanwhile) into path. Nothing is left on failure, and
+// the sandbox goes on as before.
+func (m *Manager) saveFiles(ctx context.Context, sb wall.Sandbox, disk int64, path string) error {
+	limit := archiveLimit(disk)
+	if err := os.MkdirAll(filepath.Dir(path), 0o700); err != nil {
+		return err
+	}
+	var fs unix.Statfs_t
+	if err := unix.Statfs(filepath.Dir(path), &fs); err == nil {
+		if free := int64(fs.Bavail) * fs.Bsize; free < limit {
+			return fmt.Errorf("%w: not enough disk space to save its files (%d MiB free under %s, up to %d MiB needed)",
+				sandbox.ErrUnavailable, free>>20, filepath.Dir(path), limit>>20)
+		}
+	}
+	tmp := path + ".part"
+	f, err := os.OpenFile(tmp, os.O_WRONLY|os.O_CREATE|os.O_TRUNC|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0o600)
+	if err != nil {
+		return err
+	}
+	c := agentclient.New(sb.Dial, sb.Token())
+	defer c.Close()
+	_, err = c.Archive(ctx, f, "stop", limit)
+	if err == nil {
+		err = f.Sync()
+	}
+	if cerr := f.Close(); err == nil {
+		err = cerr
+	}
+	if err == nil {
+		err = os.Rename(tmp, path)
+	}
+	if err != nil {
+		_ = os.Remove(tmp)
+		if errors.Is(err, unix.ENOSPC) {
+			return fmt.Errorf("%w: the disk filled while saving its files", sandbox.ErrUnavailable)
+		}
+		return err
+	}
+	return nil
+}
+
+// Resume resumes a paused sandbox for d from now (a running one is only
+// extended, never shortened). keepMemory false resumes a memory-paused
+// sandbox without its processes (killed, files kept). resumed says whether
+// it was paused.
+func (m *Manager) Resume(ctx context.Context, keyID, id string, d time.Duration, keepMemory bool) (*store.Sandbox, bool, error) {
+	if err := m.checkTimeout(d); err != nil {
+		return nil, false, err
+	}
+	defer m.transition(id)()
+	rec, err := m.Get(keyID, id)
+	if err != nil {
+		return nil, false, err
+	}
+	if rec.State != store.StatePaused {
+		if time.Until(rec.EndAt) < d {
+			rec, err = m.SetTimeout(keyID, id, d)
+		}
+		return rec, false, err
+	}
+	if err := m.resume(ctx, rec, d, keepMemory); err != nil {
+		return nil, false, err
+	}
+	return rec, true, nil
+}
+
+func (m *Manager) resume(ctx context.Context, rec *store.Sandbox, d time.Duration, keepMemory bool) error {
+	if rec.PauseKind == PauseFiles {
+		return m.resumeFiles(ctx, rec, d)
+	}
+	m.mu.Lock()
+	e := m.live[rec.ID]
+	m.mu.Unlock()
+	if e == nil {
+		return fmt.Errorf("%w: sandbox %q", ErrNotFound, rec.ID)
+	}
+	if err := e.sb.Cgroup().Thaw(); err != nil {
+		return fmt.Errorf("resume sandbox %s: %w", rec.ID, err)
+	}
+	if !keepMemory {
+		c := agentclient.New(e.sb.Dial, e.sb.Token())
+		err := c.KillAll(ctx)
+		c.Close()
+		if err != nil {
+			m.log.Warn("resume without memory: kill the processes", "sandbox", rec.ID, "err", err)
+		}
+	}
+	rec.State, rec.PausedAt, rec.PauseKind, rec.EndAt = store.StateRunning, time.Time{}, "", time.Now().Add(d)
+	if err := m.cfg.Store.UpdateSandbox(rec); err != nil {
+		return err
+	}
+	e.setPaused(false)
+	e.timer.Reset(d)
+	_ = os.Remove(m.savedFiles(rec.ID))
+	_ = m.cfg.Store.AddEvent(rec.ID, "resumed", PauseMemory)
+	m.log.Info("sandbox resumed", "sandbox", rec.ID, "kind", PauseMemory)
+	return nil
+}
+
+// resumeFiles starts the sandbox again, same id and token, from its
+// template, and restores its saved files into it.
+func (m *Manager) resumeFiles(ctx context.Context, rec *store.Sandbox, d time.Duration) error {
+	saved, err := os.Open(m.savedFiles(rec.ID))
+	if err != nil {
+		return fmt.Errorf("resume sandbox %s: its saved files: %w", rec.ID, err)
+	}
+	defer saved.Close()
+	if err := m.admit(); err != nil {
+		return err
+	}
+	defer m.admitted()
+	policy, err := DecodePolicy(rec.Network)
+	if err != nil {
+		return err
+	}
+	opts := sandbox.Options{ID: rec.ID, Token: rec.AccessToken, Wall: rec.Wall, Template: rec.TemplateID, Env: rec.EnvVars,
+		CPUs: rec.CPUs, Memory: rec.Memory, Disk: rec.Disk, Pids: rec.Pids, Net: policy, Max: m.cfg.Max}
+	p, err := m.cfg.Host.Begin(ctx, &opts)
+	if err != nil {
+		return err
+	}
+	sb, err := p.Start(ctx)
+	if err != nil {
+		return err
+	}
+	c := agentclient.New(sb.Dial, sb.Token())
+	err = c.Restore(ctx, saved)
+	c.Close()
+	if err != nil {
+		_ = sb.Destroy()
+		return fmt.Errorf("resume sandbox %s: restore its files: %w", rec.ID, err)
+	}
+	rec.State, rec.PausedAt, rec.PauseKind, rec.EndAt = store.StateRunning, time.Time{}, "", time.Now().Add(d)
+	rec.AgentPID = sb.AgentPID()
+	rec.AgentStart, _ = hostproc.StartTime(sb.AgentPID())
+	setNetwork(rec, sb)
+	if err := m.cfg.Store.UpdateSandbox(rec); err != nil {
+		_ = sb.Destroy()
+		return err
+	}
+	m.track(sb, rec)
+	_ = os.Remove(m.savedFiles(rec.ID))
+	_ = m.cfg.Store.AddEvent(rec.ID, "resumed", PauseFiles)
+	m.log.Info("sandbox resumed", "sandbox", rec.ID, "kind", PauseFiles)
+	return nil
+}
+
+// timedOut is what a sandbox's end timer does: pause it where its
+// lifecycle says so, else kill it.
+func (m *Manager) timedOut(id string) {
+	rec, err := m.cfg.Store.GetSandbox(id)
+	if err == nil && rec.AutoPause && rec.State == store.StateRunning {
+		unlock := m.transition(id)
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+		err = m.pause(ctx, rec, rec.AutoPauseMemory)
+		cancel()
+		unlock()
+		if err == nil {
+			m.log.Info("sandbox paused at its timeout", "sandbox", id)
+			return
+		}
+		m.log.Warn("pause at timeout failed; killing it", "sandbox", id, "err", err)
+	}
+	m.expire(id)
+}
+
+// killPaused removes a sandbox paused with its files: its record and its
+// archive (there is nothing running). (A sandbox paused with its memory is
+// removed as a running one is, and its archive with it: see remove.)
+func (m *Manager) killPaused(rec *store.Sandbox, why string) error {
+	if err := os.Remove(m.savedFiles(rec.ID)); err != nil && !errors.Is(err, os.ErrNotExist) {
+		m.log.Warn("remove saved files", "sandbox", rec.ID, "err", err)
+	}
+	if err := m.cfg.Store.DeleteSandbox(rec.ID); err != nil && !errors.Is(err, store.ErrNotFound) {
+		return err
+	}
+	_ = m.cfg.Store.AddEvent(rec.ID, "killed", why)
+	return nil
+}
+
+// expirePaused removes the paused sandboxes kept longer than the retention.
+func (m *Manager) expirePaused() {
+	recs, err := m.cfg.Store.AllSandboxes()
+	if err != nil {
+		return
+	}
+	for _, rec := range recs {
+		if rec.State != store.StatePaused || time.Since(rec.PausedAt) < m.cfg.PausedRetention {
+			continue
+		}
+		m.log.Info("paused sandbox expired", "sandbox", rec.ID, "paused", rec.PausedAt)
+		unlock := m.transition(rec.ID)
+		if rec.PauseKind == PauseFiles {
+			_ = m.killPaused(rec, "kept paused past the retention")
+		} else {
+			m.remove(rec.ID, "kept paused past the retention")
+		}
+		unlock()
+	}
+}

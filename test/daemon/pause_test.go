@@ -1,0 +1,266 @@
+package daemontest
+
+import (
+	"fmt"
+	"net/http"
+	"net/url"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/cagehq/cage/api/types"
+)
+
+// counter starts a process that writes 1, 2, 3... to /tmp/count ten times
+// a second, in the background.
+const counter = `nohup sh -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/count.new; mv /tmp/count.new /tmp/count; sleep 0.1; done' >/dev/null 2>&1 &`
+
+func count(t *testing.T, out string) int {
+	t.Helper()
+	n, err := strconv.Atoi(strings.TrimSpace(out))
+	if err != nil {
+		t.Fatalf("count %q: %v", out, err)
+	}
+	return n
+}
+
+// TestPauseWithMemory: a paused sandbox keeps its processes and memory:
+// its state says paused, a second pause is 409, traffic to it finds
+// nothing (no auto-resume), connect resumes it (201) and the counter goes
+// on from where it stood, not from where time alone would have taken it;
+// connect of a running sandbox is 200. Ten cycles later it still works.
+func TestPauseWithMemory(t *testing.T) {
+	t.Parallel()
+	d := startDaemon(t)
+	sb := d.create(t, d.key, map[string]any{"timeout": 600})
+	id, path := sb.SandboxID, "/sandboxes/"+sb.SandboxID
+	ac := d.agent(id, sb.EnvdAccessToken)
+	defer ac.Close()
+	mustRun(t, ac, "echo kept > /home/user/file; "+counter)
+	time.Sleep(500 * time.Millisecond)
+
+	d.expect(t, http.StatusNoContent, call{method: "POST", path: path + "/pause", key: d.key, body: map[string]any{}})
+	paused := d.get(t, d.key, id)
+	if paused.State != "paused" || paused.PausedWith != "memory" {
+		t.Errorf("after pause: state %q, pausedWith %q; want paused, memory", paused.State, paused.PausedWith)
+	}
+	d.expect(t, http.StatusConflict, call{method: "POST", path: path + "/pause", key: d.key})
+	r := d.proxyGet(t, "/envs", map[string]string{"E2b-Sandbox-Id": id, "X-Access-Token": sb.EnvdAccessToken}, "")
+	checkProxyError(t, r, id, "The sandbox was not found")
+	// Frozen: the counter, read through the host, does not move.
+	v0 := count(t, readFrozenCount(t, d, id))
+	time.Sleep(1500 * time.Millisecond)
+	if v := count(t, readFrozenCount(t, d, id)); v != v0 {
+		t.Errorf("the counter of a paused sandbox moved from %d to %d", v0, v)
+	}
+
+	d.expect(t, http.StatusCreated, call{method: "POST", path: "/v2" + path + "/connect", key: d.key, body: map[string]any{"timeout": 300}})
+	v1 := count(t, mustRun(t, ac, "cat /tmp/count"))
+	if v1 < v0 || v1 > v0+5 {
+		t.Errorf("after resume the counter reads %d; it stood at %d when paused (1.5 s paused would be +15 had it run)", v1, v0)
+	}
+	time.Sleep(500 * time.Millisecond)
+	if v2 := count(t, mustRun(t, ac, "cat /tmp/count")); v2 <= v1 {
+		t.Errorf("the counter does not go on after resume: %d then %d", v1, v2)
+	}
+	if got := d.get(t, d.key, id); got.State != "running" || got.PausedWith != "" {
+		t.Errorf("after resume: state %q pausedWith %q", got.State, got.PausedWith)
+	}
+	d.expect(t, http.StatusOK, call{method: "POST", path: "/v2" + path + "/connect", key: d.key, body: map[string]any{}})
+	for i := 0; i < 10; i++ {
+		d.expect(t, http.StatusNoContent, call{method: "POST", path: path + "/pause", key: d.key})
+		d.expect(t, http.StatusCreated, call{method: "POST", path: "/v2" + path + "/connect", key: d.key})
+	}
+	if out := mustRun(t, ac, "cat /home/user/file"); out != "kept\n" {
+		t.Errorf("after 11 pause/resume cycles: %q", out)
+	}
+	if _, err := os.Stat(filepath.Join(d.data, "paused", id+".tar")); err == nil {
+		t.Errorf("a resumed sandbox's saved files were left on disk")
+	}
+}
+
+// readFrozenCount reads /tmp/count of a paused sandbox: its agent is
+// frozen, so through the host's view of the sandbox's disk (the process
+// wall with the host template keeps it in the agent's mount namespace).
+func readFrozenCount(t *testing.T, d *daemon, id string) string {
+	t.Helper()
+	pid := agentOf(t, id)
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/root/tmp/count", pid))
+	if err != nil {
+		t.Fatalf("read the paused sandbox's counter: %v", err)
+	}
+	return string(b)
+}
+
+// TestPauseFilesOnly: memory false saves the sandbox's files and releases
+// everything else: no agent runs while paused, connect starts it again
+// with the same id and token from its files (owners and modes kept), and
+// its processes are gone. A paused sandbox survives kill -9 of the daemon
+// and the loss of everything on the host but the data directory (a host
+// restart: every sandbox process killed, the run directory cleared).
+func TestPauseFilesOnly(t *testing.T) {
+	t.Parallel()
+	d := startDaemon(t)
+	sb := d.create(t, d.key, map[string]any{"timeout": 600})
+	id, path := sb.SandboxID, "/sandboxes/"+sb.SandboxID
+	ac := d.agent(id, sb.EnvdAccessToken)
+	defer ac.Close()
+	mustRun(t, ac, "mkdir -p /home/user/proj && echo 'print(42)' > /home/user/proj/main.py && chmod 750 /home/user/proj && "+
+		"head -c 3000000 /dev/urandom > /tmp/blob && sha256sum /tmp/blob > /home/user/sum && "+counter)
+	agent := agentOf(t, id)
+	d.expect(t, http.StatusNoContent, call{method: "POST", path: path + "/pause", key: d.key, body: map[string]any{"memory": false}})
+	if got := d.get(t, d.key, id); got.State != "paused" || got.PausedWith != "files" {
+		t.Errorf("after pause: state %q pausedWith %q", got.State, got.PausedWith)
+	}
+	if eventually(5*time.Second, func() string {
+		if _, ok := readProc(agent); ok {
+			return "alive"
+		}
+		return ""
+	}) != "" {
+		t.Errorf("the agent of a sandbox paused without memory still runs")
+	}
+	d.checkGone(t, id, 5*time.Second)
+
+	// A host restart: the daemon killed, nothing left in /run.
+	d.kill9(t)
+	forceRemoveSandboxes(d.runDir)
+	d.start(t)
+	if got := d.get(t, d.key, id); got.State != "paused" {
+		t.Fatalf("after a host restart: state %q, want paused", got.State)
+	}
+	d.expect(t, http.StatusCreated, call{method: "POST", path: "/v2" + path + "/connect", key: d.key, body: map[string]any{"timeout": 120}})
+	ac2 := d.agent(id, sb.EnvdAccessToken)
+	defer ac2.Close()
+	out := mustRun(t, ac2, "cat /home/user/proj/main.py; stat -c '%a %U' /home/user/proj; sha256sum -c /home/user/sum >/dev/null && echo same; pgrep -f '[c]ount.new' || echo no-counter")
+	if out != "print(42)\n750 user\nsame\nno-counter\n" {
+		t.Errorf("after resume from files: %q", out)
+	}
+	if got := d.get(t, d.key, id); got.State != "running" || got.EnvdAccessToken != sb.EnvdAccessToken {
+		t.Errorf("after resume: %+v", got)
+	}
+}
+
+// TestPauseBadInput: pause and resume of what cannot be paused or resumed.
+func TestPauseBadInput(t *testing.T) {
+	t.Parallel()
+	d := startDaemon(t)
+	sb := d.create(t, d.key, map[string]any{"timeout": 600})
+	path := "/sandboxes/" + sb.SandboxID
+	other := d.createKey(t, "other")
+	d.expect(t, http.StatusNotFound, call{method: "POST", path: path + "/pause", key: other})
+	d.expect(t, http.StatusNotFound, call{method: "POST", path: "/sandboxes/0123456789abcdef0123/pause", key: d.key})
+	d.expect(t, http.StatusConflict, call{method: "POST", path: path + "/resume", key: d.key})
+	d.expect(t, http.StatusBadRequest, call{method: "POST", path: path + "/pause", key: d.key, body: []byte(`{"memory": "no"}`), invalid: true})
+	d.kill(t, d.key, sb.SandboxID)
+	d.expect(t, http.StatusNotFound, call{method: "POST", path: "/v2" + path + "/connect", key: d.key})
+	for _, body := range []map[string]any{
+		{"templateID": "host", "autoPauseMemory": false},
+		{"templateID": "host", "autoPause": true, "autoPauseMemory": false, "autoResume": map[string]any{"enabled": true}},
+	} {
+		d.expect(t, http.StatusBadRequest, call{method: "POST", path: "/v2/sandboxes", key: d.key, body: body})
+	}
+}
+
+// TestLifecycle: a sandbox that pauses at its timeout and resumes on
+// traffic: getInfo reports it; it is paused once its time is up; an
+// anonymous /health does not wake it; a request with its access token
+// does, and goes through.
+func TestLifecycle(t *testing.T) {
+	t.Parallel()
+	d := startDaemon(t)
+	sb := d.create(t, d.key, map[string]any{"timeout": 2, "autoPause": true, "autoResume": map[string]any{"enabled": true}})
+	id := sb.SandboxID
+	if got := d.get(t, d.key, id); got.Lifecycle.OnTimeout != "pause" || !got.Lifecycle.AutoResume {
+		t.Errorf("lifecycle %+v, want pause and auto-resume", got.Lifecycle)
+	}
+	ac := d.agent(id, sb.EnvdAccessToken)
+	defer ac.Close()
+	mustRun(t, ac, "echo before > /home/user/f")
+	if why := eventually(20*time.Second, func() string {
+		if s := d.get(t, d.key, id).State; s != "paused" {
+			return "state " + string(s)
+		}
+		return ""
+	}); why != "" {
+		t.Fatalf("not paused after its timeout: %s", why)
+	}
+	r := d.proxyGet(t, "/health", map[string]string{"E2b-Sandbox-Id": id}, "")
+	checkProxyError(t, r, id, "The sandbox was not found")
+	if s := d.get(t, d.key, id).State; s != "paused" {
+		t.Errorf("an anonymous /health woke the sandbox: state %s", s)
+	}
+	if out := mustRun(t, ac, "cat /home/user/f"); out != "before\n" {
+		t.Errorf("through the proxy with the token, after auto-resume: %q", out)
+	}
+	if s := d.get(t, d.key, id).State; s != "running" {
+		t.Errorf("after traffic with its token: state %s, want running", s)
+	}
+}
+
+// TestSnapshotAndFork: a snapshot saves a running sandbox's files while it
+// runs on (same id, same end time, its processes going on); sandboxes
+// created from it start with those files, each with an identity of its
+// own; it is listed, deleted (by its percent-encoded id) and then gone.
+func TestSnapshotAndFork(t *testing.T) {
+	t.Parallel()
+	d := startDaemon(t)
+	sb := d.create(t, d.key, map[string]any{"timeout": 600, "envVars": map[string]string{"FROM": "origin"}})
+	id, path := sb.SandboxID, "/sandboxes/"+sb.SandboxID
+	ac := d.agent(id, sb.EnvdAccessToken)
+	defer ac.Close()
+	mustRun(t, ac, "mkdir -p /home/user/work && echo v1 > /home/user/work/state && "+counter)
+	before := d.get(t, d.key, id)
+
+	var info types.SnapshotInfo
+	d.expect(t, http.StatusCreated, call{method: "POST", path: path + "/snapshots", key: d.key, body: map[string]any{"name": "proj"}}).decode(t, &info)
+	if info.SnapshotID != "cage/proj:default" || len(info.Names) != 1 || info.Names[0] != "cage/proj" || info.Kind != "files" {
+		t.Errorf("snapshot: %+v", info)
+	}
+	after := d.get(t, d.key, id)
+	if after.State != "running" || !after.EndAt.Equal(before.EndAt) {
+		t.Errorf("the snapshotted sandbox: state %s, end %v (was %v)", after.State, after.EndAt, before.EndAt)
+	}
+	c1 := count(t, mustRun(t, ac, "cat /tmp/count"))
+	time.Sleep(500 * time.Millisecond)
+	if c2 := count(t, mustRun(t, ac, "cat /tmp/count")); c2 <= c1 {
+		t.Errorf("the snapshotted sandbox's processes stopped: %d then %d", c1, c2)
+	}
+	d.expect(t, http.StatusConflict, call{method: "POST", path: path + "/snapshots", key: d.key, body: map[string]any{"name": "proj"}})
+	d.expect(t, http.StatusBadRequest, call{method: "POST", path: path + "/snapshots", key: d.key, body: map[string]any{"name": "no/slash"}, invalid: true})
+
+	var listed []types.SnapshotInfo
+	d.expect(t, http.StatusOK, call{method: "GET", path: "/snapshots?sandboxID=" + id, key: d.key}).decode(t, &listed)
+	if len(listed) != 1 || listed[0].SnapshotID != info.SnapshotID {
+		t.Errorf("list: %+v", listed)
+	}
+	d.expect(t, http.StatusOK, call{method: "GET", path: "/snapshots", key: d.createKey(t, "stranger")}).decode(t, &listed)
+	if len(listed) != 0 {
+		t.Errorf("another key lists %d snapshots", len(listed))
+	}
+
+	seen := map[string]bool{id: true}
+	for i := 0; i < 3; i++ {
+		child := d.create(t, d.key, map[string]any{"templateID": info.SnapshotID, "timeout": 120})
+		if seen[child.SandboxID] || child.EnvdAccessToken == sb.EnvdAccessToken {
+			t.Errorf("fork %d: id %s, same token %v", i, child.SandboxID, child.EnvdAccessToken == sb.EnvdAccessToken)
+		}
+		seen[child.SandboxID] = true
+		cac := d.agent(child.SandboxID, child.EnvdAccessToken)
+		out := mustRun(t, cac, "cat /home/user/work/state; echo $FROM; hostname; pgrep -f '[c]ount.new' || echo none")
+		cac.Close()
+		want := "v1\norigin\ncage-" + child.SandboxID[:8] + "\nnone\n"
+		if out != want {
+			t.Errorf("fork %d: %q, want %q", i, out, want)
+		}
+	}
+	d.expect(t, http.StatusNoContent, call{method: "DELETE", path: "/templates/" + url.PathEscape(info.SnapshotID), key: d.key})
+	d.expect(t, http.StatusNotFound, call{method: "DELETE", path: "/templates/" + url.PathEscape(info.SnapshotID), key: d.key})
+	d.expect(t, http.StatusNotFound, call{method: "POST", path: "/v2/sandboxes", key: d.key, body: map[string]any{"templateID": info.SnapshotID}})
+
+	d.expect(t, http.StatusNoContent, call{method: "POST", path: path + "/pause", key: d.key})
+	d.expect(t, http.StatusConflict, call{method: "POST", path: path + "/snapshots", key: d.key, body: map[string]any{}})
+}
