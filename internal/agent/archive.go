@@ -30,10 +30,15 @@ import (
 //	POST /cage/restore                       unpack such a tar over the root
 //
 // What is saved: the files of every writable mount but the kernel's and
-// cage's own (/proc, /sys, /dev with /dev/shm, /run/cage), so an image
-// template's whole writable root, or the host template's /tmp, /var/tmp and
-// /home; with their owners, modes, times and user.* extended attributes.
-// Not saved: running processes, memory, sockets and devices. Files a
+// cage's own (/proc, /sys, /dev with /dev/shm, /run/cage): the host
+// template's /tmp, /var/tmp and /home whole, and of an image template's
+// writable root the files changed since the sandbox started (an inode's
+// change time is set by every write, chmod, chown, rename and copy-up;
+// the image's own files keep the time they were unpacked); with their
+// owners, modes, times and user.* extended attributes.
+// Not saved: running processes, memory, sockets and devices, and the
+// volumes mounted in the sandbox (the host keeps them; a walk never
+// crosses into a file system it does not save). Files a
 // sandbox deleted from its image's own layers are not recorded as deleted
 // (the overlay's whiteouts are the host's), so they are there again after
 // a restore.
@@ -58,7 +63,7 @@ type mount struct {
 // writableMounts reads the mount table and returns the mount points whose
 // files are saved and the devices they are on (one tmpfs is bound at
 // several points: /tmp, /var/tmp, /home).
-func writableMounts() (points []string, devs map[uint64]bool, err error) {
+func writableMounts(volumes []string) (points []string, devs map[uint64]bool, err error) {
 	f, err := os.Open("/proc/self/mountinfo")
 	if err != nil {
 		return nil, nil, err
@@ -69,7 +74,7 @@ func writableMounts() (points []string, devs map[uint64]bool, err error) {
 	sc.Buffer(make([]byte, 64<<10), 1<<20)
 	for sc.Scan() {
 		m, ok := parseMountinfo(sc.Text())
-		if !ok || m.readOnly || skipFS[m.fstype] || under(m.point, skipUnder) {
+		if !ok || m.readOnly || skipFS[m.fstype] || under(m.point, skipUnder) || under(m.point, volumes) {
 			continue
 		}
 		var st unix.Stat_t
@@ -137,14 +142,21 @@ func (s *Server) serveArchive(w http.ResponseWriter, r *http.Request) {
 		writeHTTPError(w, httpErr(http.StatusBadRequest, "processes: want stop or kill"))
 		return
 	}
-	points, devs, err := writableMounts()
+	points, devs, err := writableMounts(s.cfg.Volumes)
 	if err != nil {
 		writeHTTPError(w, httpErr(http.StatusInternalServerError, "mount table: %v", err))
 		return
 	}
+	// The root, when it is writable (an image's overlay), holds the image:
+	// only what changed since the start is the sandbox's. Two seconds of
+	// slack for clocks that step.
+	since := s.configured.Add(-2 * time.Second)
 	w.Header().Set("Content-Type", "application/x-tar")
 	tw := tar.NewWriter(w)
-	if err := archiveTree(tw, points, devs); err != nil {
+	keep := func(dir string, st *unix.Stat_t) bool {
+		return dir != "/" || s.configured.IsZero() || !time.Unix(st.Ctim.Sec, st.Ctim.Nsec).Before(since)
+	}
+	if err := archiveTree(tw, points, devs, keep); err != nil {
 		s.log.Warn("archive cut short", "err", err)
 		panic(http.ErrAbortHandler) // the client must see a broken stream, not a short tar
 	}
@@ -167,9 +179,10 @@ func (s *Server) signalAll(sig syscall.Signal) {
 	s.procs.signalAll(sig)
 }
 
-// archiveTree writes every file under the saved mount points, each path
-// once, crossing into no file system that is not saved.
-func archiveTree(tw *tar.Writer, points []string, devs map[uint64]bool) error {
+// archiveTree writes every file under the saved mount points that keep
+// accepts (given the mount point it is walked from), each path once,
+// crossing into no file system that is not saved.
+func archiveTree(tw *tar.Writer, points []string, devs map[uint64]bool, keep func(mount string, st *unix.Stat_t) bool) error {
 	sort.Strings(points)
 	seen := map[string]bool{}
 	for _, top := range points {
@@ -194,11 +207,17 @@ func archiveTree(tw *tar.Writer, points []string, devs map[uint64]bool) error {
 			if err := unix.Lstat(p, &st); err != nil {
 				return nil
 			}
-			if !devs[st.Dev] {
-				if d.IsDir() && p != "/" {
+			// A directory's device says which file system it is on; a
+			// file's may not (overlayfs answers with its layer's), and it
+			// is on its directory's.
+			if d.IsDir() && !devs[st.Dev] {
+				if p != "/" {
 					return fs.SkipDir // another file system, not saved
 				}
 				return nil
+			}
+			if !keep(top, &st) {
+				return nil // an image's file the sandbox did not change (its directory may hold some it did)
 			}
 			return addEntry(tw, p, &st)
 		})
@@ -243,8 +262,11 @@ func addEntry(tw *tar.Writer, p string, st *unix.Stat_t) error {
 	}
 	f := os.NewFile(uintptr(fd), p)
 	defer f.Close()
+	// (A regular file still: overlayfs answers fstat of an open file with
+	// the layer's device and inode, not the merged view's, so only the
+	// type can be compared.)
 	var now unix.Stat_t
-	if unix.Fstat(fd, &now) != nil || now.Ino != st.Ino || now.Dev != st.Dev || now.Mode&unix.S_IFMT != unix.S_IFREG {
+	if unix.Fstat(fd, &now) != nil || now.Mode&unix.S_IFMT != unix.S_IFREG {
 		return nil
 	}
 	if err := tw.WriteHeader(hdr); err != nil {

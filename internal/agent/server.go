@@ -72,6 +72,9 @@ type Config struct {
 	AgentUID int
 	// Limits, when set, tells why a process was killed (OOM, pids limit).
 	Limits LimitEvents
+	// Volumes are where volumes are mounted: their files are the volume's,
+	// kept by the host, never archived with the sandbox's (archive.go).
+	Volumes []string
 	Log    *slog.Logger
 }
 
@@ -94,6 +97,9 @@ type Server struct {
 	srv      *http.Server
 	openGate sync.Once
 	fileWork chan struct{} // a slot per file operation in progress
+	// configured is when the sandbox was started (Configure): files of its
+	// image changed since are its own (see archive.go).
+	configured time.Time
 }
 
 // heapTarget is the agent's soft heap limit: far above an idle agent's few
@@ -136,7 +142,7 @@ func New(cfg Config) (*Server, error) {
 		// than let the heap double first.
 		debug.SetMemoryLimit(heapTarget)
 	}
-	s := &Server{cfg: cfg, log: cfg.Log, fileWork: make(chan struct{}, fileWorkers)}
+	s := &Server{cfg: cfg, log: cfg.Log, fileWork: make(chan struct{}, fileWorkers), configured: time.Now()}
 	var err error
 	trace("agent: new")
 	if s.procs, err = newProcessService(s); err != nil {
@@ -177,6 +183,7 @@ func New(cfg Config) (*Server, error) {
 // token, the sandbox-wide environment and the output cap. It must come before
 // Serve (a pool builds the agent before the sandbox is asked for).
 func (s *Server) Configure(token string, env map[string]string, maxOutput int64) {
+	s.configured = time.Now()
 	s.cfg.Token, s.cfg.Env = token, env
 	if maxOutput > 0 {
 		s.cfg.MaxOutput = maxOutput
