@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"os"
+	"path/filepath"
 	"time"
 
 	"github.com/cagehq/cage/internal/store"
@@ -21,6 +22,7 @@ func (m *Manager) Recover() error {
 	if err != nil {
 		return err
 	}
+	m.removePartial()
 	h := m.cfg.Host
 	for _, rec := range recs {
 		if rec.State == store.StatePaused && m.recoverPaused(rec) {
@@ -32,6 +34,10 @@ func (m *Manager) Recover() error {
 				err = m.adoptNetwork(sb, rec)
 			}
 			if err == nil {
+				// A crash mid-pause may have left it frozen with its record
+				// still saying running, and its files saved.
+				_ = sb.Cgroup().Thaw()
+				_ = os.Remove(m.savedFiles(rec.ID))
 				if time.Now().After(rec.EndAt) {
 					m.discard(sb, "timed out while the daemon was down")
 					continue
@@ -130,9 +136,24 @@ func (m *Manager) recoverPaused(rec *store.Sandbox) bool {
 			return false
 		}
 	}
+	// Nothing runs for a sandbox paused with its files: whatever is on the
+	// host under its id is what a crash mid-resume left.
+	if err := state.Remove(h.RunDir, h.Cgroups, rec.ID); err != nil {
+		m.log.Warn("remove leftovers", "sandbox", rec.ID, "err", err)
+	}
 	if _, err := os.Stat(m.savedFiles(rec.ID)); err != nil {
 		m.log.Warn("paused sandbox has no saved files; removing it", "sandbox", rec.ID, "err", err)
 		return false
 	}
 	return true
+}
+
+// removePartial removes the archives a crash left half-written.
+func (m *Manager) removePartial() {
+	for _, dir := range []string{filepath.Join(m.cfg.Data, "paused"), filepath.Join(m.cfg.Data, "snapshots")} {
+		parts, _ := filepath.Glob(filepath.Join(dir, "*.part"))
+		for _, p := range parts {
+			_ = os.Remove(p)
+		}
+	}
 }

@@ -8,6 +8,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -263,4 +264,72 @@ func TestSnapshotAndFork(t *testing.T) {
 
 	d.expect(t, http.StatusNoContent, call{method: "POST", path: path + "/pause", key: d.key})
 	d.expect(t, http.StatusConflict, call{method: "POST", path: path + "/snapshots", key: d.key, body: map[string]any{}})
+}
+
+// TestPausedSurvivesCrash: a sandbox paused with its memory survives kill
+// -9 of the daemon (the next one adopts it frozen, and its counter goes on
+// after resume); one that also lost its processes (a host restart: every
+// sandbox process killed, /run cleared) resumes from its files. Nothing is
+// left on the host or in the data directory once they are killed.
+func TestPausedSurvivesCrash(t *testing.T) {
+	t.Parallel()
+	d := startDaemon(t)
+	frozen := d.create(t, d.key, map[string]any{"timeout": 600})
+	lost := d.create(t, d.key, map[string]any{"timeout": 600})
+	for _, sb := range []types.Sandbox{frozen, lost} {
+		ac := d.agent(sb.SandboxID, sb.EnvdAccessToken)
+		mustRun(t, ac, "echo mine > /home/user/mine; "+counter)
+		ac.Close()
+	}
+	time.Sleep(300 * time.Millisecond)
+	for _, sb := range []types.Sandbox{frozen, lost} {
+		d.expect(t, http.StatusNoContent, call{method: "POST", path: "/sandboxes/" + sb.SandboxID + "/pause", key: d.key})
+	}
+	v0 := count(t, readFrozenCount(t, d, frozen.SandboxID))
+
+	d.kill9(t)
+	d.start(t)
+	if got := d.get(t, d.key, frozen.SandboxID); got.State != "paused" || got.PausedWith != "memory" {
+		t.Errorf("the frozen sandbox after kill -9 of the daemon: %s %s", got.State, got.PausedWith)
+	}
+	d.expect(t, http.StatusCreated, call{method: "POST", path: "/v2/sandboxes/" + frozen.SandboxID + "/connect", key: d.key})
+	ac := d.agent(frozen.SandboxID, frozen.EnvdAccessToken)
+	if v := count(t, mustRun(t, ac, "cat /tmp/count")); v < v0 || v > v0+5 {
+		t.Errorf("the frozen sandbox's counter after the daemon's crash and a resume: %d (it stood at %d)", v, v0)
+	}
+	ac.Close()
+
+	// The host restarts: the other paused sandbox loses its processes.
+	d.kill9(t)
+	agent := agentOf(t, lost.SandboxID)
+	for _, dir := range cgroupDirs(lost.SandboxID) { // a frozen task dies only once thawed
+		_ = os.WriteFile(filepath.Join(dir, "freezer.state"), []byte("THAWED"), 0)
+		_ = os.WriteFile(filepath.Join(dir, "cgroup.freeze"), []byte("0"), 0)
+	}
+	_ = syscall.Kill(agent, syscall.SIGKILL)
+	for i := 0; i < 100; i++ {
+		if _, ok := readProc(agent); !ok {
+			break
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	d.start(t)
+	if got := d.get(t, d.key, lost.SandboxID); got.State != "paused" || got.PausedWith != "files" {
+		t.Errorf("a paused sandbox whose processes died with the host: %s %s, want paused files", got.State, got.PausedWith)
+	}
+	d.expect(t, http.StatusCreated, call{method: "POST", path: "/v2/sandboxes/" + lost.SandboxID + "/connect", key: d.key})
+	ac = d.agent(lost.SandboxID, lost.EnvdAccessToken)
+	if out := mustRun(t, ac, "cat /home/user/mine; pgrep -f '[c]ount.new' || echo none"); out != "mine\nnone\n" {
+		t.Errorf("resumed from its files after the host lost it: %q", out)
+	}
+	ac.Close()
+	for _, sb := range []types.Sandbox{frozen, lost} {
+		d.kill(t, d.key, sb.SandboxID)
+		d.checkGone(t, sb.SandboxID, 5*time.Second)
+	}
+	for _, dir := range []string{"paused", "snapshots"} {
+		if left, _ := filepath.Glob(filepath.Join(d.data, dir, "*")); len(left) > 0 {
+			t.Errorf("left in DATA/%s: %v", dir, left)
+		}
+	}
 }
