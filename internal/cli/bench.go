@@ -48,7 +48,7 @@ func newBenchCmd(g *globals) *cobra.Command {
 	}
 	cmd.Flags().IntVar(&runs, "runs", 30, "samples per measurement")
 	cmd.Flags().IntVar(&idle, "idle", 200, "sandboxes alive at once for the memory measurement")
-	cmd.Flags().StringVar(&only, "only", "run,create,roundtrip,memory,serve,walls,microvm", "measurements to take")
+	cmd.Flags().StringVar(&only, "only", "run,create,roundtrip,memory,serve,walls,microvm", "measurements to take (also durable: pause, resume and fork on every wall, minutes)")
 	return cmd
 }
 
@@ -107,6 +107,11 @@ func runBench(ctx context.Context, g *globals, w io.Writer, runs, idle int, only
 	}
 	if want["microvm"] {
 		if err := benchMicroVM(ctx, w, h, runs); err != nil {
+			return err
+		}
+	}
+	if want["durable"] {
+		if err := benchDurable(ctx, w, h, runs); err != nil {
 			return err
 		}
 	}
@@ -265,5 +270,47 @@ func benchWalls(ctx context.Context, w io.Writer, h *sandbox.Host, runs int) err
 			name, units.FormatSize(roundKiB(m.PerSandboxBytes)), units.FormatSize(roundKiB(m.AgentPSSBytes)),
 			units.FormatSize(roundKiB(m.CgroupBytes)))
 	}
+	return nil
+}
+
+// benchDurable measures pause and resume (with memory and with files only)
+// with 64 MiB, 256 MiB and 1 GiB of touched memory, and a fork of 10 from
+// one snapshot, on every wall this host has, through a daemon.
+func benchDurable(ctx context.Context, w io.Writer, h *sandbox.Host, runs int) error {
+	exe, err := os.Executable()
+	if err != nil {
+		return err
+	}
+	d, err := bench.StartDaemon(exe, 0)
+	if err != nil {
+		return exitf(ExitInternal, "durable: %v", err)
+	}
+	defer d.Stop()
+	runs = max(1, min(runs, 5))
+	for _, wall := range sandbox.Walls {
+		if err := h.WallMissing(wall); err != nil {
+			fmt.Fprintf(w, "durable %s: skipped: %v\n", wall, err)
+			continue
+		}
+		template := h.DefaultTemplate(wall)
+		for _, size := range []int64{64 << 20, 256 << 20, 1 << 30} {
+			f, err := bench.Pause(ctx, d, wall, template, size, runs)
+			if err != nil {
+				fmt.Fprintf(w, "durable %s %s: %v\n", wall, units.FormatSize(size), err)
+				continue
+			}
+			fmt.Fprintf(w, "durable %s, %s touched: pause (memory) %s, resume %s; paused, it holds %s of host memory\n",
+				wall, units.FormatSize(size), f.Pause, f.Resume, units.FormatSize(roundKiB(f.PausedBytes)))
+			fmt.Fprintf(w, "durable %s, %s touched: pause (files) %s, resume %s; its saved files %s, host memory 0\n",
+				wall, units.FormatSize(size), f.PauseFiles, f.ResumeFiles, units.FormatSize(roundKiB(f.FilesBytes)))
+		}
+		s, err := bench.Fork(ctx, d.Client(), wall, template, 10, runs)
+		if err != nil {
+			fmt.Fprintf(w, "durable %s fork: %v\n", wall, err)
+			continue
+		}
+		fmt.Fprintf(w, "durable %s: fork of 10 from one snapshot, to the first output of all  %s\n", wall, s)
+	}
+	fmt.Fprintln(w, "durable: E2B publishes about 4 s per GiB to pause and about 1 s to resume")
 	return nil
 }
