@@ -148,6 +148,30 @@ func (e SnapshotInfoKind) Valid() bool {
 	}
 }
 
+// Defines values for VolumeEntryStatType.
+const (
+	VolumeEntryStatTypeDirectory VolumeEntryStatType = "directory"
+	VolumeEntryStatTypeFile      VolumeEntryStatType = "file"
+	VolumeEntryStatTypeSymlink   VolumeEntryStatType = "symlink"
+	VolumeEntryStatTypeUnknown   VolumeEntryStatType = "unknown"
+)
+
+// Valid indicates whether the value is a known member of the VolumeEntryStatType enum.
+func (e VolumeEntryStatType) Valid() bool {
+	switch e {
+	case VolumeEntryStatTypeDirectory:
+		return true
+	case VolumeEntryStatTypeFile:
+		return true
+	case VolumeEntryStatTypeSymlink:
+		return true
+	case VolumeEntryStatTypeUnknown:
+		return true
+	default:
+		return false
+	}
+}
+
 // Defines values for Wall.
 const (
 	WallGvisor  Wall = "gvisor"
@@ -303,6 +327,9 @@ type ListedSandbox struct {
 	// TemplateID Identifier of the template the sandbox was created from.
 	TemplateID TemplateID `json:"templateID"`
 
+	// VolumeMounts The volumes mounted in the sandbox (absent when none).
+	VolumeMounts []SandboxVolumeMount `json:"volumeMounts,omitempty,omitzero"`
+
 	// Wall cage: the wall the sandbox runs behind.
 	Wall Wall `json:"wall"`
 }
@@ -398,6 +425,9 @@ type NewSandbox struct {
 	// Timeout Seconds from creation after which the sandbox ends (or pauses, with `autoPause`). cage: at least 1; a value above the server's configured maximum is refused with 400.
 	Timeout *int64 `json:"timeout,omitempty"`
 
+	// VolumeMounts Volumes of the key to mount, each at its path (E2B's SDK sends `volumeMounts: {"/path": volume}` this way). A volume the key does not have, or a path not allowed, is 400. cage: on the process, runc and gvisor walls; the microvm wall refuses them (400: its guest cannot mount a host directory safely here).
+	VolumeMounts []SandboxVolumeMount `json:"volumeMounts,omitempty,omitzero"`
+
 	// Wall cage: the wall to create the sandbox behind. Default: the server's (process unless configured).
 	Wall Wall `json:"wall,omitempty,omitzero"`
 }
@@ -443,8 +473,17 @@ type NewSandboxV2 struct {
 	// Timeout Seconds from creation after which the sandbox ends (or pauses, with `autoPause`). cage: at least 1; a value above the server's configured maximum is refused with 400.
 	Timeout *int64 `json:"timeout,omitempty"`
 
+	// VolumeMounts Volumes of the key to mount, each at its path (E2B's SDK sends `volumeMounts: {"/path": volume}` this way). A volume the key does not have, or a path not allowed, is 400. cage: on the process, runc and gvisor walls; the microvm wall refuses them (400: its guest cannot mount a host directory safely here).
+	VolumeMounts []SandboxVolumeMount `json:"volumeMounts,omitempty,omitzero"`
+
 	// Wall cage: the wall to create the sandbox behind. Default: the server's (process unless configured).
 	Wall Wall `json:"wall,omitempty,omitzero"`
+}
+
+// NewVolume defines model for NewVolume.
+type NewVolume struct {
+	// Name The volume's name, unique among the key's (`^[a-zA-Z0-9_-]+$`).
+	Name string `json:"name"`
 }
 
 // Pids cage: the most processes and threads the sandbox may hold at once.
@@ -500,6 +539,9 @@ type Sandbox struct {
 
 	// TrafficAccessToken Token required to reach the sandbox's ports through the proxy when its traffic is not public; null when none is needed.
 	TrafficAccessToken *TrafficAccessToken `json:"trafficAccessToken"`
+
+	// VolumeMounts The volumes mounted in the sandbox (absent when none).
+	VolumeMounts []SandboxVolumeMount `json:"volumeMounts,omitempty,omitzero"`
 
 	// Wall cage: the wall the sandbox runs behind.
 	Wall Wall `json:"wall"`
@@ -568,6 +610,9 @@ type SandboxDetail struct {
 
 	// TemplateID Identifier of the template the sandbox was created from.
 	TemplateID TemplateID `json:"templateID"`
+
+	// VolumeMounts The volumes mounted in the sandbox (absent when none).
+	VolumeMounts []SandboxVolumeMount `json:"volumeMounts,omitempty,omitzero"`
 
 	// Wall cage: the wall the sandbox runs behind.
 	Wall Wall `json:"wall"`
@@ -697,6 +742,15 @@ type SandboxTimeoutRequest struct {
 	Timeout *int64 `json:"timeout"`
 }
 
+// SandboxVolumeMount defines model for SandboxVolumeMount.
+type SandboxVolumeMount struct {
+	// Name The name of one of the key's volumes.
+	Name string `json:"name"`
+
+	// Path Where the sandbox sees it: an absolute path, not / nor in /proc, /sys, /dev, /run, /etc, /usr, /bin, /sbin, /lib*, /boot, nor /tmp, /var/tmp, /var, /home or /root themselves (directories under those are fine); two mounts may not share a path or nest.
+	Path string `json:"path"`
+}
+
 // SnapshotInfo defines model for SnapshotInfo.
 type SnapshotInfo struct {
 	// CreatedAt cage: when it was taken.
@@ -736,6 +790,58 @@ type TemplateID = string
 // TrafficAccessToken Token required to reach the sandbox's ports through the proxy when its traffic is not public; null when none is needed.
 type TrafficAccessToken = string
 
+// Volume defines model for Volume.
+type Volume struct {
+	Name     string `json:"name"`
+	VolumeID string `json:"volumeID"`
+}
+
+// VolumeAndToken defines model for VolumeAndToken.
+type VolumeAndToken struct {
+	// Domain The domain the SDK builds the content API's address from; absent when the server has none.
+	Domain string `json:"domain,omitempty,omitzero"`
+	Name   string `json:"name"`
+
+	// Token The bearer token of the volume's content API (`/volumecontent/{volumeID}/...`, served on this same address: point the SDK's `E2B_VOLUME_API_URL`, or `apiUrl`, at it). It opens this volume only.
+	Token    string `json:"token"`
+	VolumeID string `json:"volumeID"`
+}
+
+// VolumeContentError An error of the volume content API, in E2B's shape for it: a code word (bad_request, unauthorized, not_found, conflict, request_too_large, insufficient_storage, internal) rather than the status.
+type VolumeContentError struct {
+	Code    string `json:"code"`
+	Message string `json:"message"`
+}
+
+// VolumeEntryStat defines model for VolumeEntryStat.
+type VolumeEntryStat struct {
+	Atime time.Time `json:"atime"`
+	Ctime time.Time `json:"ctime"`
+	GID   int64     `json:"gid"`
+
+	// Mode Permission bits (with setuid, setgid and sticky).
+	Mode  int64     `json:"mode"`
+	Mtime time.Time `json:"mtime"`
+	Name  string    `json:"name"`
+	Path  string    `json:"path"`
+	Size  int64     `json:"size"`
+
+	// Target A symlink's target (never followed).
+	Target string              `json:"target,omitempty,omitzero"`
+	Type   VolumeEntryStatType `json:"type"`
+	UID    int64               `json:"uid"`
+}
+
+// VolumeEntryStatType defines model for VolumeEntryStat.Type.
+type VolumeEntryStatType string
+
+// VolumeMetadata defines model for VolumeMetadata.
+type VolumeMetadata struct {
+	GID  *int64 `json:"gid,omitempty"`
+	Mode *int64 `json:"mode,omitempty"`
+	UID  *int64 `json:"uid,omitempty"`
+}
+
 // Wall cage: the isolation boundary the sandbox runs behind. `process`: Linux namespaces, cgroups, seccomp and Landlock around an unprivileged process tree; `runc`: an OCI container run by runc; `gvisor`: gVisor's runsc, a kernel of its own in user space; `microvm`: a QEMU microvm guest with a kernel of its own.
 type Wall string
 
@@ -763,6 +869,24 @@ type StateFilter = []SandboxState
 // TemplateFilter defines model for templateFilter.
 type TemplateFilter = string
 
+// VolumeForce defines model for volumeForce.
+type VolumeForce = bool
+
+// VolumeGID defines model for volumeGID.
+type VolumeGID = int64
+
+// VolumeID defines model for volumeID.
+type VolumeID = string
+
+// VolumeMode defines model for volumeMode.
+type VolumeMode = int64
+
+// VolumePath defines model for volumePath.
+type VolumePath = string
+
+// VolumeUID defines model for volumeUID.
+type VolumeUID = int64
+
 // N400 defines model for 400.
 type N400 = Error
 
@@ -789,6 +913,27 @@ type N500 = Error
 
 // N503 defines model for 503.
 type N503 = Error
+
+// VolumeContent400 An error of the volume content API, in E2B's shape for it: a code word (bad_request, unauthorized, not_found, conflict, request_too_large, insufficient_storage, internal) rather than the status.
+type VolumeContent400 = VolumeContentError
+
+// VolumeContent401 An error of the volume content API, in E2B's shape for it: a code word (bad_request, unauthorized, not_found, conflict, request_too_large, insufficient_storage, internal) rather than the status.
+type VolumeContent401 = VolumeContentError
+
+// VolumeContent404 An error of the volume content API, in E2B's shape for it: a code word (bad_request, unauthorized, not_found, conflict, request_too_large, insufficient_storage, internal) rather than the status.
+type VolumeContent404 = VolumeContentError
+
+// VolumeContent409 An error of the volume content API, in E2B's shape for it: a code word (bad_request, unauthorized, not_found, conflict, request_too_large, insufficient_storage, internal) rather than the status.
+type VolumeContent409 = VolumeContentError
+
+// VolumeContent413 An error of the volume content API, in E2B's shape for it: a code word (bad_request, unauthorized, not_found, conflict, request_too_large, insufficient_storage, internal) rather than the status.
+type VolumeContent413 = VolumeContentError
+
+// VolumeContent500 An error of the volume content API, in E2B's shape for it: a code word (bad_request, unauthorized, not_found, conflict, request_too_large, insufficient_storage, internal) rather than the status.
+type VolumeContent500 = VolumeContentError
+
+// VolumeContent507 An error of the volume content API, in E2B's shape for it: a code word (bad_request, unauthorized, not_found, conflict, request_too_large, insufficient_storage, internal) rather than the status.
+type VolumeContent507 = VolumeContentError
 
 // ListSandboxesParams defines parameters for ListSandboxes.
 type ListSandboxesParams struct {
@@ -852,6 +997,74 @@ type ListSandboxesV2Params struct {
 // ListSandboxesV2ParamsOrder defines parameters for ListSandboxesV2.
 type ListSandboxesV2ParamsOrder string
 
+// ListVolumeDirParams defines parameters for ListVolumeDir.
+type ListVolumeDirParams struct {
+	Depth int32 `form:"depth,omitempty" json:"depth,omitempty,omitzero"`
+
+	// Path A path in the volume ("/" is its root; a relative path is taken from it; ".." stops at it). No symlink on the way is followed (400).
+	Path VolumePath `form:"path" json:"path"`
+}
+
+// MakeVolumeDirParams defines parameters for MakeVolumeDir.
+type MakeVolumeDirParams struct {
+	// UID Owner of the new entry (0 to 65535; default 1000).
+	UID VolumeUID `form:"uid,omitempty" json:"uid,omitempty,omitzero"`
+
+	// GID Group of the new entry (0 to 65535; default 1000).
+	GID VolumeGID `form:"gid,omitempty" json:"gid,omitempty,omitzero"`
+
+	// Mode Permission bits of the new entry (at most 07777, given in decimal).
+	Mode VolumeMode `form:"mode,omitempty" json:"mode,omitempty,omitzero"`
+
+	// Force Make the missing directories above the path.
+	Force VolumeForce `form:"force,omitempty" json:"force,omitempty,omitzero"`
+
+	// Path A path in the volume ("/" is its root; a relative path is taken from it; ".." stops at it). No symlink on the way is followed (400).
+	Path VolumePath `form:"path" json:"path"`
+}
+
+// ReadVolumeFileParams defines parameters for ReadVolumeFile.
+type ReadVolumeFileParams struct {
+	// Path A path in the volume ("/" is its root; a relative path is taken from it; ".." stops at it). No symlink on the way is followed (400).
+	Path VolumePath `form:"path" json:"path"`
+}
+
+// WriteVolumeFileParams defines parameters for WriteVolumeFile.
+type WriteVolumeFileParams struct {
+	// UID Owner of the new entry (0 to 65535; default 1000).
+	UID VolumeUID `form:"uid,omitempty" json:"uid,omitempty,omitzero"`
+
+	// GID Group of the new entry (0 to 65535; default 1000).
+	GID VolumeGID `form:"gid,omitempty" json:"gid,omitempty,omitzero"`
+
+	// Mode Permission bits of the new entry (at most 07777, given in decimal).
+	Mode VolumeMode `form:"mode,omitempty" json:"mode,omitempty,omitzero"`
+
+	// Force Make the missing directories above the path.
+	Force VolumeForce `form:"force,omitempty" json:"force,omitempty,omitzero"`
+
+	// Path A path in the volume ("/" is its root; a relative path is taken from it; ".." stops at it). No symlink on the way is followed (400).
+	Path VolumePath `form:"path" json:"path"`
+}
+
+// DeleteVolumePathParams defines parameters for DeleteVolumePath.
+type DeleteVolumePathParams struct {
+	// Path A path in the volume ("/" is its root; a relative path is taken from it; ".." stops at it). No symlink on the way is followed (400).
+	Path VolumePath `form:"path" json:"path"`
+}
+
+// GetVolumePathParams defines parameters for GetVolumePath.
+type GetVolumePathParams struct {
+	// Path A path in the volume ("/" is its root; a relative path is taken from it; ".." stops at it). No symlink on the way is followed (400).
+	Path VolumePath `form:"path" json:"path"`
+}
+
+// UpdateVolumePathParams defines parameters for UpdateVolumePath.
+type UpdateVolumePathParams struct {
+	// Path A path in the volume ("/" is its root; a relative path is taken from it; ".." stops at it). No symlink on the way is followed (400).
+	Path VolumePath `form:"path" json:"path"`
+}
+
 // CreateSandboxJSONRequestBody defines body for CreateSandbox for application/json ContentType.
 //
 // Deprecated: this type has been marked as deprecated upstream, but no `x-deprecated-reason` was set
@@ -887,3 +1100,9 @@ type CreateSandboxV2JSONRequestBody = NewSandboxV2
 
 // ConnectSandboxV2JSONRequestBody defines body for ConnectSandboxV2 for application/json ContentType.
 type ConnectSandboxV2JSONRequestBody = ConnectSandboxV2
+
+// UpdateVolumePathJSONRequestBody defines body for UpdateVolumePath for application/json ContentType.
+type UpdateVolumePathJSONRequestBody = VolumeMetadata
+
+// CreateVolumeJSONRequestBody defines body for CreateVolume for application/json ContentType.
+type CreateVolumeJSONRequestBody = NewVolume

@@ -75,7 +75,7 @@ type Config struct {
 	// Volumes are where volumes are mounted: their files are the volume's,
 	// kept by the host, never archived with the sandbox's (archive.go).
 	Volumes []string
-	Log    *slog.Logger
+	Log     *slog.Logger
 }
 
 // LimitEvents reads counters that the host's cgroups keep for the sandbox.

@@ -84,6 +84,7 @@ func Handler(cfg Config) http.Handler {
 	mux.Handle("GET /sandboxes/{sandboxID}/metrics", auth(http.HandlerFunc(s.metrics)))
 	mux.Handle("PUT /sandboxes/{sandboxID}/network", auth(http.HandlerFunc(s.updateNetwork)))
 	mux.Handle("GET /sandboxes/{sandboxID}/network/records", auth(http.HandlerFunc(s.networkRecords)))
+	s.volumeRoutes(mux)
 	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
 		writeError(w, http.StatusNotFound, "no such route: "+r.Method+" "+r.URL.Path)
 	})

@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"net/http"
 	"net/url"
+	"strconv"
 	"strings"
 	"time"
 
@@ -37,7 +38,7 @@ func (s *server) sandboxOf(rec *store.Sandbox) types.Sandbox {
 	return types.Sandbox{SandboxID: rec.ID, TemplateID: rec.TemplateID, ClientID: clientID,
 		EnvdVersion: EnvdVersion, EnvdAccessToken: rec.AccessToken, TrafficAccessToken: &traffic,
 		Domain: s.domain(), Wall: types.Wall(rec.Wall), CPUCount: rec.CPUs, MemoryMB: rec.Memory >> 20,
-		DiskSizeMB: rec.Disk >> 20, Pids: rec.Pids}
+		DiskSizeMB: rec.Disk >> 20, Pids: rec.Pids, VolumeMounts: mountsOf(rec)}
 }
 
 // listedOf is a record as E2B's ListedSandbox.
@@ -45,7 +46,7 @@ func listedOf(rec *store.Sandbox) types.ListedSandbox {
 	return types.ListedSandbox{SandboxID: rec.ID, TemplateID: rec.TemplateID, ClientID: clientID,
 		StartedAt: rec.StartedAt.UTC(), EndAt: rec.EndAt.UTC(), CPUCount: rec.CPUs, MemoryMB: rec.Memory >> 20,
 		DiskSizeMB: rec.Disk >> 20, Metadata: metadataOf(rec), State: types.SandboxState(rec.State),
-		EnvdVersion: EnvdVersion, Wall: types.Wall(rec.Wall), Pids: rec.Pids}
+		EnvdVersion: EnvdVersion, Wall: types.Wall(rec.Wall), Pids: rec.Pids, VolumeMounts: mountsOf(rec)}
 }
 
 // detailOf is a record as E2B's SandboxDetail: ListedSandbox's fields and
@@ -57,7 +58,7 @@ func (s *server) detailOf(rec *store.Sandbox) types.SandboxDetail {
 		DiskSizeMB: rec.Disk >> 20, Metadata: metadataOf(rec), State: types.SandboxState(rec.State),
 		EnvdVersion: EnvdVersion, Wall: types.Wall(rec.Wall), Pids: rec.Pids,
 		EnvdAccessToken: rec.AccessToken, Domain: s.domain(), AllowInternetAccess: &internet, Network: n,
-		Lifecycle: lifecycleOf(rec), PausedWith: types.SandboxDetailPausedWith(rec.PauseKind)}
+		Lifecycle: lifecycleOf(rec), PausedWith: types.SandboxDetailPausedWith(rec.PauseKind), VolumeMounts: mountsOf(rec)}
 }
 
 // lifecycleOf is E2B's lifecycle of a sandbox.
@@ -143,6 +144,7 @@ func (s *server) createRequest(body types.NewSandbox, v2 bool) (manager.CreateRe
 		Env: body.EnvVars, CPUs: body.CPUCount, Memory: memory, Disk: disk,
 		Pids: body.Pids, Net: policy, PublicTraffic: public, Wall: wall,
 		AutoPause: body.AutoPause, AutoPauseMemory: keepMemory, AutoResume: autoResume,
+		Volumes: volumeMountsOf(body.VolumeMounts),
 	}, nil
 }
 
@@ -421,13 +423,18 @@ func (s *server) resume(w http.ResponseWriter, r *http.Request) {
 
 func (s *server) metrics(w http.ResponseWriter, r *http.Request) {
 	q := r.URL.Query()
-	for _, p := range []string{"start", "end"} {
-		if _, err := atoiDefault(q.Get(p), 0); err != nil {
-			s.fail(w, r, err)
-			return
+	var bounds [2]time.Time
+	for i, p := range []string{"start", "end"} {
+		if v := q.Get(p); v != "" {
+			n, err := strconv.ParseInt(v, 10, 64)
+			if err != nil || n < 0 || n > 1<<40 {
+				s.fail(w, r, fmt.Errorf("%w: %s %q: want Unix seconds", errBadRequest, p, v))
+				return
+			}
+			bounds[i] = time.Unix(n, 0)
 		}
 	}
-	ms, err := s.cfg.Manager.Metrics(keyID(r), r.PathValue("sandboxID"))
+	ms, err := s.cfg.Manager.Metrics(keyID(r), r.PathValue("sandboxID"), bounds[0], bounds[1])
 	if err != nil {
 		s.fail(w, r, err)
 		return

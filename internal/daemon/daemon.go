@@ -52,6 +52,7 @@ type Config struct {
 	Network      Network `json:"network"`
 	Limits       Limits  `json:"limits"`
 	Records      Records `json:"records"`
+	Volumes      Volumes `json:"volumes"`
 }
 
 // Limits bound what one tenant can take: one sandbox's limits, creates in
@@ -202,9 +203,14 @@ func Run(ctx context.Context, cfg Config, log *slog.Logger, ready func(apiAddr, 
 	if cfg.MaxSandboxes == 0 {
 		cfg.MaxSandboxes = sandbox.DefaultMaxSandboxes()
 	}
+	vols, err := cfg.Volumes.manager(cfg.Data, cfg.RunDir, log)
+	if err != nil {
+		return err
+	}
+	defer vols.Close()
 	mgr := manager.New(manager.Config{Store: st, Host: host, Log: log, MaxTimeout: time.Duration(cfg.MaxTimeout),
 		DefaultTemplate: cfg.DefaultTemplate, MaxSandboxes: cfg.MaxSandboxes, MaxCreating: cfg.Limits.Creating, Max: maxima,
-		Data: cfg.Data, PausedRetention: time.Duration(cfg.PausedRetention)})
+		Data: cfg.Data, PausedRetention: time.Duration(cfg.PausedRetention), Volumes: vols, MaxVolumes: cfg.Volumes.MaxPerKey})
 	recLimits, err := cfg.Records.limits()
 	if err != nil {
 		return err

@@ -24,6 +24,7 @@ import (
 	"github.com/cagehq/cage/internal/proxy"
 	"github.com/cagehq/cage/internal/sandbox"
 	"github.com/cagehq/cage/internal/store"
+	"github.com/cagehq/cage/internal/volume"
 	"github.com/cagehq/cage/internal/wall"
 )
 
@@ -54,6 +55,10 @@ type Config struct {
 	Data string
 	// PausedRetention is how long a paused sandbox is kept (0: 30 days).
 	PausedRetention time.Duration
+	// Volumes keeps the volumes' files (nil: the server has no volumes).
+	Volumes *volume.Manager
+	// MaxVolumes is how many volumes one key may have (0: DefaultMaxVolumes).
+	MaxVolumes int
 }
 
 // Manager owns the daemon's sandboxes.
@@ -72,6 +77,12 @@ type Manager struct {
 	waiting     atomic.Int64  // creates waiting for a slot
 
 	transitions sync.Map // sandbox id -> *sync.Mutex (see transition)
+
+	// volMu: a create or resume that mounts volumes (read) against a
+	// volume's creation or deletion (write).
+	volMu sync.RWMutex
+	// metrics: each sandbox's samples (metrics.go).
+	metrics metricsTable
 }
 
 type entry struct {
@@ -135,6 +146,10 @@ type CreateRequest struct {
 	// Lifecycle: pause at the timeout instead of ending (keeping memory or
 	// only files), and resume on traffic through the proxy.
 	AutoPause, AutoPauseMemory, AutoResume bool
+	// Volumes are the key's volumes to mount, by name (see volumes.go).
+	Volumes []VolumeMount
+
+	mounts []store.VolumeMount // Volumes resolved (Create)
 }
 
 func (m *Manager) checkTimeout(d time.Duration) error {
@@ -178,6 +193,14 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (*store.Sandbox
 		Wall: req.Wall, Template: req.Template, Env: req.Env, CPUs: req.CPUs,
 		Memory: req.Memory, Disk: req.Disk, Pids: req.Pids, Net: req.Net, Max: m.cfg.Max,
 	}
+	if len(req.Volumes) > 0 {
+		m.volMu.RLock() // until the record names them: no volume is deleted meanwhile
+		defer m.volMu.RUnlock()
+		if req.mounts, opts.Volumes, err = m.openMounts(req.KeyID, req.Volumes); err != nil {
+			return nil, err
+		}
+		defer closeVolumes(opts.Volumes)
+	}
 	var sb wall.Sandbox
 	var rec *store.Sandbox
 	for attempt := 0; ; attempt++ {
@@ -212,7 +235,7 @@ func (m *Manager) start(ctx context.Context, req CreateRequest, opts *sandbox.Op
 		AccessToken: p.Spec().Token, TrafficToken: ids.NewToken(),
 		StartedAt: now, EndAt: now.Add(req.Timeout), AllowInternet: req.Net.Mode == network.Internet, AutoPause: req.AutoPause,
 		NetSlot: -1, PublicTraffic: req.PublicTraffic, AutoPauseMemory: req.AutoPauseMemory, AutoResume: req.AutoResume,
-		TimeoutSeconds: int64(req.Timeout / time.Second),
+		TimeoutSeconds: int64(req.Timeout / time.Second), VolumeMounts: req.mounts,
 	}
 	if err := m.cfg.Store.InsertSandbox(rec); err != nil {
 		p.Abort()
@@ -338,6 +361,7 @@ func (m *Manager) admitted() {
 // track starts the sandbox's end timer and watches for its death.
 func (m *Manager) track(sb wall.Sandbox, rec *store.Sandbox) {
 	e := &entry{sb: sb, traffic: rec.TrafficToken, public: rec.PublicTraffic, paused: rec.State == store.StatePaused}
+	m.startSampler()
 	m.mu.Lock()
 	m.live[sb.ID()] = e
 	e.timer = time.AfterFunc(time.Until(rec.EndAt), func() { m.timedOut(sb.ID()) })
@@ -372,7 +396,7 @@ func (m *Manager) remove(id, why string) {
 		return
 	}
 	e.timer.Stop()
-	samples.Delete(id)
+	m.metrics.forget(id)
 	_ = os.Remove(m.savedFiles(id)) // a frozen sandbox's backup
 	m.discard(e.sb, why)
 }
@@ -523,6 +547,7 @@ func (m *Manager) Record(id string) (*store.Sandbox, error) {
 // Close stops the timers; the sandboxes keep running for the next daemon
 // to adopt.
 func (m *Manager) Close() {
+	m.stopSampler()
 	m.FlushRecords()
 	m.mu.Lock()
 	defer m.mu.Unlock()

@@ -1,11 +1,25 @@
 package manager
 
 import (
+	"fmt"
 	"sync"
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/cagehq/cage/internal/store"
+	"github.com/cagehq/cage/internal/wall"
 )
+
+// Metrics over time, as E2B serves them: every running sandbox is sampled
+// every sampleStep (its cgroup's CPU time and memory, its disk's usage),
+// starting sampleStep after it started, so a sandbox younger than that has
+// no sample and its series is an empty list. A paused sandbox is not
+// sampled (nothing of it runs). The samples live in the daemon's memory,
+// per sandbox, for as long as the sandbox does (paused included), in two
+// rings of bounded size: the last hour at sampleStep, and one sample a
+// minute for the day before it; older ones are dropped. A daemon that
+// restarts starts the series again.
 
 // Metric is one sample of a sandbox's use, as E2B reports it.
 type Metric struct {
@@ -19,55 +33,240 @@ type Metric struct {
 	DiskTotal  int64
 }
 
-// samples remembers the previous CPU reading per sandbox, so a sample's CPU
-// percentage covers the time since the one before (or since creation).
-var samples sync.Map // id -> cpuReading
-
-type cpuReading struct {
-	at    time.Time
-	nanos uint64
-}
-
 // sampleStep is E2B's step between metric samples for ranges under an
-// hour: its first sample of a sandbox exists once the sandbox has run that
-// long, and until then it answers an empty list.
+// hour.
 const sampleStep = 5 * time.Second
 
-// Metrics samples a sandbox now, from its cgroup and its disk; none in its
-// first sampleStep, as on E2B.
-func (m *Manager) Metrics(keyID, id string) ([]Metric, error) {
+// The rings: fineSamples at sampleStep (an hour), coarseSamples at one a
+// minute (a day). A sample is 48 bytes: at most about 100 KiB a sandbox.
+const (
+	fineSamples   = int(time.Hour / sampleStep)
+	coarseEvery   = int(time.Minute / sampleStep)
+	coarseSamples = 24 * 60
+)
+
+// sample is a Metric as kept: its totals and CPU count are the series'.
+type sample struct {
+	at                  int64 // unix nanoseconds
+	cpuPct              float32
+	memUsed, memCache   int64
+	diskUsed, diskTotal int64
+}
+
+// ring is a fixed-size buffer of samples, oldest overwritten.
+type ring struct {
+	buf  []sample
+	next int
+	full bool
+}
+
+func (r *ring) add(s sample, size int) {
+	if r.buf == nil {
+		r.buf = make([]sample, 0, min(size, 64))
+	}
+	if len(r.buf) < size {
+		r.buf = append(r.buf, s)
+		return
+	}
+	r.buf[r.next] = s
+	r.next = (r.next + 1) % size
+	r.full = true
+}
+
+// each calls f on the samples oldest first.
+func (r *ring) each(f func(sample)) {
+	if !r.full {
+		for _, s := range r.buf {
+			f(s)
+		}
+		return
+	}
+	for i := range r.buf {
+		f(r.buf[(r.next+i)%len(r.buf)])
+	}
+}
+
+// series is one sandbox's samples and what the next one needs.
+type series struct {
+	fine, coarse ring
+	count        int       // samples taken
+	due          time.Time // when the next is taken
+	cpuAt        time.Time // the CPU reading the next percentage starts from
+	cpuNanos     uint64
+	cpus         float64
+	memTotal     int64
+}
+
+// metricsTable holds every sandbox's series.
+type metricsTable struct {
+	mu       sync.Mutex
+	series   map[string]*series
+	once     sync.Once
+	stopOnce sync.Once
+	stop     chan struct{}
+}
+
+func (t *metricsTable) forget(id string) {
+	t.mu.Lock()
+	delete(t.series, id)
+	t.mu.Unlock()
+}
+
+// startSampler starts the manager's sampler, once; Close stops it.
+func (m *Manager) startSampler() {
+	m.metrics.once.Do(func() {
+		m.metrics.stop = make(chan struct{})
+		go func() {
+			tick := time.NewTicker(time.Second)
+			defer tick.Stop()
+			for {
+				select {
+				case <-m.metrics.stop:
+					return
+				case now := <-tick.C:
+					m.sampleAll(now)
+				}
+			}
+		}()
+	})
+}
+
+func (m *Manager) stopSampler() {
+	m.metrics.once.Do(func() {}) // a sampler never started stays so
+	m.metrics.stopOnce.Do(func() {
+		if m.metrics.stop != nil {
+			close(m.metrics.stop)
+		}
+	})
+}
+
+// sampleAll samples every tracked sandbox whose sample is due.
+func (m *Manager) sampleAll(now time.Time) {
+	type due struct {
+		id     string
+		sb     wall.Sandbox
+		paused bool
+	}
+	m.mu.Lock()
+	list := make([]due, 0, len(m.live))
+	for id, e := range m.live {
+		list = append(list, due{id, e.sb, e.isPaused()})
+	}
+	m.mu.Unlock()
+	for _, d := range list {
+		m.sampleOne(d.id, d.sb, d.paused, now)
+	}
+}
+
+// sampleOne takes sandbox id's sample if it is due. While paused, only the
+// CPU reading moves on, so the first sample after a resume covers running
+// time alone.
+func (m *Manager) sampleOne(id string, sb wall.Sandbox, paused bool, now time.Time) {
+	t := &m.metrics
+	t.mu.Lock()
+	s := t.series[id]
+	t.mu.Unlock()
+	if s == nil {
+		rec, err := m.cfg.Store.GetSandbox(id)
+		if err != nil {
+			return
+		}
+		s = newSeries(rec)
+		t.mu.Lock()
+		if t.series == nil {
+			t.series = map[string]*series{}
+		}
+		if cur := t.series[id]; cur != nil {
+			s = cur
+		} else {
+			t.series[id] = s
+		}
+		t.mu.Unlock()
+	}
+	cg := sb.Cgroup()
+	if cg == nil {
+		return
+	}
+	u, err := cg.Usage()
+	if err != nil {
+		return
+	}
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if paused {
+		s.cpuAt, s.cpuNanos, s.due = now, u.CPUNanos, now.Add(sampleStep)
+		return
+	}
+	if now.Before(s.due) {
+		return
+	}
+	pct := 0.0
+	if wall := now.Sub(s.cpuAt); wall > 0 && s.cpus > 0 && u.CPUNanos >= s.cpuNanos {
+		pct = float64(u.CPUNanos-s.cpuNanos) / float64(wall.Nanoseconds()) / s.cpus * 100
+	}
+	s.cpuAt, s.cpuNanos, s.due = now, u.CPUNanos, now.Add(sampleStep)
+	if u.MemoryLimit > 0 {
+		s.memTotal = u.MemoryLimit
+	}
+	smp := sample{at: now.UnixNano(), cpuPct: float32(min(pct, 100)), memUsed: u.MemoryBytes, memCache: u.CacheBytes}
+	var st unix.Statfs_t
+	if err := unix.Statfs(sb.DiskPath(), &st); err == nil {
+		smp.diskTotal = int64(st.Blocks) * st.Bsize
+		smp.diskUsed = int64(st.Blocks-st.Bfree) * st.Bsize
+	}
+	s.fine.add(smp, fineSamples)
+	if s.count%coarseEvery == 0 {
+		s.coarse.add(smp, coarseSamples)
+	}
+	s.count++
+}
+
+// newSeries starts a sandbox's series: its first sample comes sampleStep
+// after it started, with its CPU time since then.
+func newSeries(rec *store.Sandbox) *series {
+	return &series{due: rec.StartedAt.Add(sampleStep), cpuAt: rec.StartedAt, cpus: rec.CPUs, memTotal: rec.Memory}
+}
+
+// Metrics returns a sandbox's samples taken between start and end
+// (inclusive; zero times: from its start, until now), oldest first: the
+// minute samples older than the last hour's, then those.
+func (m *Manager) Metrics(keyID, id string, start, end time.Time) ([]Metric, error) {
 	rec, err := m.Get(keyID, id)
 	if err != nil {
 		return nil, err
 	}
-	if time.Since(rec.StartedAt) < sampleStep {
-		return []Metric{}, nil
+	if !start.IsZero() && !end.IsZero() && end.Before(start) {
+		return nil, fmt.Errorf("%w: metrics range: end (%d) is before start (%d)", ErrInvalid, end.Unix(), start.Unix())
 	}
-	sb, ok := m.tracked(id)
-	if !ok {
-		return []Metric{}, nil // paused with its files: nothing runs to measure
+	t := &m.metrics
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	s := t.series[id]
+	out := []Metric{}
+	if s == nil {
+		return out, nil
 	}
-	u, err := sb.Cgroup().Usage()
-	if err != nil {
-		return nil, err
+	from, to := int64(0), int64(1)<<62
+	if !start.IsZero() {
+		from = start.UnixNano()
 	}
-	now := time.Now()
-	prev := cpuReading{at: rec.StartedAt}
-	if v, ok := samples.Load(id); ok {
-		prev = v.(cpuReading)
+	if !end.IsZero() {
+		to = end.Add(time.Second - 1).UnixNano() // the whole second end names
 	}
-	samples.Store(id, cpuReading{at: now, nanos: u.CPUNanos})
-	pct := 0.0
-	if wall := now.Sub(prev.at); wall > 0 && rec.CPUs > 0 && u.CPUNanos >= prev.nanos {
-		pct = float64(u.CPUNanos-prev.nanos) / float64(wall.Nanoseconds()) / rec.CPUs * 100
+	firstFine := int64(1) << 62
+	s.fine.each(func(x sample) { firstFine = min(firstFine, x.at) })
+	add := func(x sample) {
+		if x.at < from || x.at > to {
+			return
+		}
+		out = append(out, Metric{Time: time.Unix(0, x.at).UTC(), CPUCount: rec.CPUs, CPUUsedPct: float64(x.cpuPct),
+			MemUsed: x.memUsed, MemTotal: s.memTotal, MemCache: x.memCache, DiskUsed: x.diskUsed, DiskTotal: x.diskTotal})
 	}
-	mt := Metric{Time: now, CPUCount: rec.CPUs, CPUUsedPct: min(pct, 100), MemUsed: u.MemoryBytes,
-		MemTotal: u.MemoryLimit, MemCache: u.CacheBytes}
-	// The sandbox's disk, seen through its agent's root.
-	var st unix.Statfs_t
-	if err := unix.Statfs(sb.DiskPath(), &st); err == nil {
-		mt.DiskTotal = int64(st.Blocks) * st.Bsize
-		mt.DiskUsed = int64(st.Blocks-st.Bfree) * st.Bsize
-	}
-	return []Metric{mt}, nil
+	s.coarse.each(func(x sample) {
+		if x.at < firstFine {
+			add(x)
+		}
+	})
+	s.fine.each(add)
+	return out, nil
 }

@@ -120,7 +120,6 @@ func (m *Manager) forget(id string, e *entry) {
 	}
 	m.mu.Unlock()
 	e.timer.Stop()
-	samples.Delete(id)
 }
 
 // archiveLimit bounds a sandbox's archive: its files fit its disk, and tar
@@ -245,6 +244,12 @@ func (m *Manager) resumeFiles(ctx context.Context, rec *store.Sandbox, d time.Du
 	}
 	opts := sandbox.Options{ID: rec.ID, Token: rec.AccessToken, Wall: rec.Wall, Template: rec.TemplateID, Env: rec.EnvVars,
 		CPUs: rec.CPUs, Memory: rec.Memory, Disk: rec.Disk, Pids: rec.Pids, Net: policy, Max: m.cfg.Max}
+	m.volMu.RLock()
+	defer m.volMu.RUnlock()
+	if opts.Volumes, err = m.reopenMounts(rec); err != nil {
+		return err
+	}
+	defer closeVolumes(opts.Volumes)
 	p, err := m.cfg.Host.Begin(ctx, &opts)
 	if err != nil {
 		return err
@@ -298,6 +303,7 @@ func (m *Manager) timedOut(id string) {
 // archive (there is nothing running). (A sandbox paused with its memory is
 // removed as a running one is, and its archive with it: see remove.)
 func (m *Manager) killPaused(rec *store.Sandbox, why string) error {
+	m.metrics.forget(rec.ID)
 	if err := os.Remove(m.savedFiles(rec.ID)); err != nil && !errors.Is(err, os.ErrNotExist) {
 		m.log.Warn("remove saved files", "sandbox", rec.ID, "err", err)
 	}

@@ -56,6 +56,9 @@ type Options struct {
 	// Max is the ceiling on the limits above (zero fields: the host's
 	// defaults); the daemon sets its operator's.
 	Max Maxima
+	// Volumes are mounted in the sandbox (see CheckVolumePath); the
+	// caller opened them and closes them once it has started.
+	Volumes []wall.Volume
 }
 
 // Validate fills the limits' defaults and rejects limits that are
@@ -100,7 +103,7 @@ func (o *Options) Validate() error {
 	if err := o.Net.Validate(); err != nil {
 		return fmt.Errorf("%w: %v", ErrInvalid, err)
 	}
-	return nil
+	return checkVolumes(o.Volumes)
 }
 
 func containsAny(s, chars string) bool {

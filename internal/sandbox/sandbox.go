@@ -131,6 +131,9 @@ func (h *Host) Begin(ctx context.Context, o *Options) (*Pending, error) {
 	if err != nil {
 		return nil, err
 	}
+	if err := volumesOn(d, o.Volumes); err != nil {
+		return nil, err
+	}
 	if err := d.Missing(); err != nil {
 		return nil, err
 	}
@@ -150,8 +153,8 @@ func (h *Host) Begin(ctx context.Context, o *Options) (*Pending, error) {
 		return nil, err
 	}
 	p := &Pending{h: h, driver: d}
-	if !o.DieWithCaller && o.ID == "" {
-		p.prepared = h.pool.take(h, d.Name(), tmpl.Name)
+	if !o.DieWithCaller && o.ID == "" && len(o.Volumes) == 0 {
+		p.prepared = h.pool.take(h, d.Name(), tmpl.Name) // (prepared roots have no volumes)
 	}
 	id, token := o.ID, o.Token
 	if p.prepared != nil {
@@ -166,7 +169,7 @@ func (h *Host) Begin(ctx context.Context, o *Options) (*Pending, error) {
 	p.spec = wall.Spec{ID: id, Token: token, Hostname: ids.Hostname(id), Template: tmpl,
 		Limits:    cgroups.Limits{MemoryBytes: o.Memory, CPUs: o.CPUs, Pids: o.Pids + inside.AgentThreads},
 		DiskBytes: o.Disk, ShmBytes: o.Shm, Env: tmpl.EnvWith(o.Env), MaxOutput: o.MaxOutput,
-		DieWithCaller: o.DieWithCaller, Net: netHost, NetPolicy: o.Net}
+		DieWithCaller: o.DieWithCaller, Net: netHost, NetPolicy: o.Net, Volumes: o.Volumes}
 	return p, nil
 }
 

@@ -54,7 +54,7 @@ func handledRights(abi int) uint64 {
 
 // applyLandlock restricts every thread of the agent, and so every process it
 // starts. It returns the ABI used (0: the kernel has no Landlock).
-func applyLandlock(writableRoot bool) (int, error) {
+func applyLandlock(writableRoot bool, more []string) (int, error) {
 	abi := landlockABI()
 	if abi == 0 {
 		return 0, nil
@@ -84,6 +84,12 @@ func applyLandlock(writableRoot bool) (int, error) {
 	}
 	if writableRoot {
 		rules[0].access = writable
+	}
+	for _, p := range more {
+		rules = append(rules, struct {
+			path   string
+			access uint64
+		}{p, writable})
 	}
 	for _, r := range rules {
 		if err := landlockAllow(int(fd), r.path, r.access); err != nil {

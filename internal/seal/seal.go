@@ -28,6 +28,9 @@ type Options struct {
 	// template's overlay, whose upper layer is the sandbox's disk);
 	// otherwise only its storage directories.
 	WritableRoot bool
+	// Writable are more directories the sandbox may write under: the
+	// volumes mounted in it.
+	Writable []string
 }
 
 // SpawnThread prepares the calling thread, the agent's spawning thread (see
@@ -50,7 +53,7 @@ func Seal(o Options) (int, error) {
 		trace = func(string) {}
 	}
 	trace("landlock")
-	abi, err := applyLandlock(o.WritableRoot)
+	abi, err := applyLandlock(o.WritableRoot, o.Writable)
 	if err != nil {
 		return abi, fmt.Errorf("landlock: %w", err)
 	}

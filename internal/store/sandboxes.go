@@ -48,17 +48,18 @@ type Sandbox struct {
 	NetSlot       int    // the slot of its interface and rules; -1 for none
 	PublicTraffic bool   // its exposed ports answer without the traffic token
 	// Durable state (see Manager.Pause).
-	PausedAt        time.Time // when it was paused (zero while running)
-	PauseKind       string    // "memory" (frozen, RAM kept) or "files" (saved to disk, RAM freed)
-	AutoPauseMemory bool      // at timeout, pause keeping memory (with AutoPause)
-	AutoResume      bool      // traffic through the proxy resumes it when paused
-	TimeoutSeconds  int64     // the timeout it was created with
+	PausedAt        time.Time     // when it was paused (zero while running)
+	PauseKind       string        // "memory" (frozen, RAM kept) or "files" (saved to disk, RAM freed)
+	AutoPauseMemory bool          // at timeout, pause keeping memory (with AutoPause)
+	AutoResume      bool          // traffic through the proxy resumes it when paused
+	TimeoutSeconds  int64         // the timeout it was created with
+	VolumeMounts    []VolumeMount // volumes mounted at create
 }
 
 const sandboxCols = `id, key_id, template_id, wall, state, metadata, env_vars,
 	cpus, memory_mb, disk_mb, pids, access_token, traffic_token,
 	agent_pid, agent_start, started_at, end_at, allow_internet, auto_pause, network, net_slot, public_traffic,
-	paused_at, pause_kind, auto_pause_memory, auto_resume, timeout_s`
+	paused_at, pause_kind, auto_pause_memory, auto_resume, timeout_s, volume_mounts`
 
 // validID reports whether id is a non-empty string of [a-z0-9].
 func validID(id string) bool {
@@ -103,6 +104,10 @@ func sandboxArgs(sb *Sandbox) ([]any, error) {
 	if err != nil {
 		return nil, fmt.Errorf("env vars: %w", err)
 	}
+	mounts, err := encodeMounts(sb.VolumeMounts)
+	if err != nil {
+		return nil, fmt.Errorf("volume mounts: %w", err)
+	}
 	return []any{
 		sb.ID, sb.KeyID, sb.TemplateID, sb.Wall, sb.State, md, env,
 		sb.CPUs, sb.Memory >> 20, sb.Disk >> 20, sb.Pids, sb.AccessToken, sb.TrafficToken,
@@ -110,7 +115,7 @@ func sandboxArgs(sb *Sandbox) ([]any, error) {
 		int64(sb.AgentStart), // same bits; SQLite integers are signed
 		nanos(sb.StartedAt), nanos(sb.EndAt),
 		boolInt(sb.AllowInternet), boolInt(sb.AutoPause), sb.Network, int64(sb.NetSlot), boolInt(sb.PublicTraffic),
-		nanos(sb.PausedAt), sb.PauseKind, boolInt(sb.AutoPauseMemory), boolInt(sb.AutoResume), sb.TimeoutSeconds,
+		nanos(sb.PausedAt), sb.PauseKind, boolInt(sb.AutoPauseMemory), boolInt(sb.AutoResume), sb.TimeoutSeconds, mounts,
 	}, nil
 }
 
@@ -127,11 +132,12 @@ func scanSandbox(r scanner) (*Sandbox, error) {
 		memMiB, diskMiB int64
 		pausedAt        int64
 		apMem, aRes     int64
+		mounts          string
 	)
 	err := r.Scan(&sb.ID, &sb.KeyID, &sb.TemplateID, &sb.Wall, &sb.State, &md, &env,
 		&sb.CPUs, &memMiB, &diskMiB, &sb.Pids, &sb.AccessToken, &sb.TrafficToken,
 		&pid, &start, &started, &end, &internet, &pause, &sb.Network, &slot, &public,
-		&pausedAt, &sb.PauseKind, &apMem, &aRes, &sb.TimeoutSeconds)
+		&pausedAt, &sb.PauseKind, &apMem, &aRes, &sb.TimeoutSeconds, &mounts)
 	if err != nil {
 		return nil, err
 	}
@@ -152,6 +158,9 @@ func scanSandbox(r scanner) (*Sandbox, error) {
 	sb.PublicTraffic = public != 0
 	sb.PausedAt = fromNanos(pausedAt)
 	sb.AutoPauseMemory, sb.AutoResume = apMem != 0, aRes != 0
+	if sb.VolumeMounts, err = decodeMounts(mounts); err != nil {
+		return nil, fmt.Errorf("sandbox %s: volume mounts: %w", sb.ID, err)
+	}
 	return &sb, nil
 }
 

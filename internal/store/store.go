@@ -1,5 +1,6 @@
 // Package store is the daemon's state in an embedded SQLite database
-// (<dataDir>/cage.db): sandboxes, API keys and an audit trail of events;
+// (<dataDir>/cage.db): sandboxes, API keys, snapshots, volumes and an
+// audit trail of events;
 // and the sandboxes' network records in a database of their own
 // (<dataDir>/records.db, see Records), so that their floods never wait on
 // or hold up the rest.
@@ -127,6 +128,19 @@ var migrations = []string{
 	);
 	CREATE INDEX snapshots_key ON snapshots (key_id, created_at, id);
 	CREATE UNIQUE INDEX snapshots_name ON snapshots (key_id, name) WHERE name != '';`,
+	// 4: volumes (a key's named file systems, each with the bearer token
+	// of its content API and its size in bytes), and the volumes a sandbox
+	// mounts (JSON: [{id, name, path}]).
+	`CREATE TABLE volumes (
+		id         TEXT    NOT NULL PRIMARY KEY,
+		key_id     TEXT    NOT NULL DEFAULT '',
+		name       TEXT    NOT NULL,
+		token      TEXT    NOT NULL,
+		size       INTEGER NOT NULL DEFAULT 0,
+		created_at INTEGER NOT NULL
+	);
+	CREATE UNIQUE INDEX volumes_name ON volumes (key_id, name);
+	ALTER TABLE sandboxes ADD COLUMN volume_mounts TEXT NOT NULL DEFAULT '[]';`,
 }
 
 // SchemaVersion is the schema version this binary writes.

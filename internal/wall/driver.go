@@ -3,6 +3,7 @@ package wall
 import (
 	"context"
 	"io"
+	"os"
 
 	"github.com/cagehq/cage/internal/cgroups"
 	"github.com/cagehq/cage/internal/network"
@@ -45,6 +46,24 @@ type Spec struct {
 	// of mode none: loopback only).
 	Net       *network.Host
 	NetPolicy network.Policy
+	// Volumes are mounted in the sandbox (E2B's volumeMounts) by drivers
+	// that are VolumeMounters; the registry refuses them on other walls.
+	Volumes []Volume
+}
+
+// Volume is a volume a sandbox mounts: the host's mount of it, as a
+// descriptor of its root that the wall clones the mount from (never a
+// path), and where the sandbox sees it.
+type Volume struct {
+	Path string   // inside the sandbox: absolute, clean
+	Root *os.File // the volume's root on the host; the caller closes it
+}
+
+// VolumeMounter is a driver whose sandboxes can mount volumes (Spec.Volumes).
+type VolumeMounter interface {
+	// VolumesMissing says why the wall cannot mount volumes on this host
+	// (nil: it can).
+	VolumesMissing() error
 }
 
 // Adoption names a sandbox another process created, as its record says.

@@ -217,8 +217,9 @@ func TestAPIRoutes(t *testing.T) {
 	if m.MemUsed <= 0 || m.MemTotal != 256<<20 || m.DiskTotal != 64<<20 || m.CPUCount != 0.5 {
 		t.Errorf("metrics %+v: want memUsed > 0, memTotal %d (256 MiB), diskTotal %d (64 MiB), cpuCount 0.5", m, 256<<20, 64<<20)
 	}
+	burn := time.Now()
 	mustRun(t, ac, `end=$(($(date +%s)+2)); while [ "$(date +%s)" -lt "$end" ]; do :; done`)
-	if m := d.metrics(t, key, sb.SandboxID); !(m.CPUUsedPct > 0) {
+	if m := d.metricsAfter(t, key, sb.SandboxID, burn.Add(time.Second)); !(m.CPUUsedPct > 0) {
 		t.Errorf("metrics after burning CPU for a second or two: cpuUsedPct %v, want > 0 (%+v)", m.CPUUsedPct, m)
 	}
 	d.expect(t, http.StatusOK, call{method: "GET", path: path + "/metrics?start=0&end=" + strconv.FormatInt(time.Now().Add(time.Minute).Unix(), 10), key: key})
@@ -247,12 +248,20 @@ func TestAPIRoutes(t *testing.T) {
 // there is one: none exists in a sandbox's first 5 s, as on E2B.
 func (d *daemon) metrics(t *testing.T, key, id string) types.SandboxMetric {
 	t.Helper()
+	return d.metricsAfter(t, key, id, time.Time{})
+}
+
+// metricsAfter returns the newest sample, once one taken after since
+// exists (samples are taken every 5 s).
+func (d *daemon) metricsAfter(t *testing.T, key, id string, since time.Time) types.SandboxMetric {
+	t.Helper()
 	var ms []types.SandboxMetric
-	for deadline := time.Now().Add(10 * time.Second); len(ms) == 0; time.Sleep(250 * time.Millisecond) {
+	fresh := func() bool { return len(ms) > 0 && ms[len(ms)-1].Timestamp.After(since) }
+	for deadline := time.Now().Add(12 * time.Second); !fresh(); time.Sleep(250 * time.Millisecond) {
 		r := d.expect(t, http.StatusOK, call{method: "GET", path: "/sandboxes/" + id + "/metrics", key: key})
 		r.decode(t, &ms)
-		if len(ms) == 0 && time.Now().After(deadline) {
-			t.Fatalf("GET /sandboxes/%s/metrics: no sample 10 s on", id)
+		if !fresh() && time.Now().After(deadline) {
+			t.Fatalf("GET /sandboxes/%s/metrics: no sample after %v, 12 s on (%d samples)", id, since.Format(time.RFC3339), len(ms))
 		}
 	}
 	m := ms[len(ms)-1]

@@ -135,3 +135,15 @@ func (d *Driver) Create(ctx context.Context, spec wall.Spec) (wall.Sandbox, erro
 func (d *Driver) Adopt(a wall.Adoption) (wall.Sandbox, error) {
 	return nil, fmt.Errorf("%w: a microvm sandbox ends with the process that created it", wall.ErrUnavailable)
 }
+
+// VolumesMissing says why the microvm wall does not mount volumes: no way
+// to share a host directory with the guest holds here. Debian's cloud
+// kernel has no 9p file system (only virtiofs); virtiofs needs virtiofsd,
+// a host daemon outside QEMU's jail acting on the volume with the
+// privileges to set every owner, and the guest's RAM shared with it, which
+// the restore from a sealed snapshot mapped private rules out; and giving
+// the guest the volume's block device would have the host mount a file
+// system a hostile guest kernel wrote.
+func (d *Driver) VolumesMissing() error {
+	return fmt.Errorf("%w: the microvm wall cannot mount volumes (its guest kernel has no 9p, and virtiofs would need a host daemon with the guest's RAM shared); use the process, runc or gvisor wall for sandboxes with volumeMounts", wall.ErrInvalid)
+}

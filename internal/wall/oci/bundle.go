@@ -62,7 +62,8 @@ type bundleConfig struct {
 	args       []string // the container's process: the agent, or a bare command (RunBare)
 	netns      string   // a network namespace to join ("" = a new one, loopback only)
 	resolvConf string
-	image      bool // rootfs is an image template's overlay, writable
+	image      bool          // rootfs is an image template's overlay, writable
+	volumes    []specs.Mount // binds of the volumes' copies (see volumes.go)
 }
 
 // hostRoot fills the sandbox's own root tmpfs for the host template: the
@@ -192,6 +193,7 @@ func (b *bundleConfig) mounts(mounts []specs.Mount) []specs.Mount {
 			mounts = append(mounts, bind(d.dest, filepath.Join(b.disk, d.dir), "rbind", "rw", "nosuid", "nodev"))
 		}
 	}
+	mounts = append(mounts, b.volumes...) // after the disk: a volume may be under /home
 	mounts = append(mounts, bind(agentInside, b.agentPath, "bind", "ro", "nosuid", "nodev"))
 	if b.sockDir != "" {
 		// Read-only: the host's channel socket (see gvisor.go).

@@ -248,7 +248,11 @@ func create(ctx context.Context, cfg job) (sb *Sandbox, err error) {
 			return sb, fmt.Errorf("mount the sandbox root: %w", err)
 		}
 	}
-	b := &bundleConfig{dir: filepath.Join(sb.dir, "bundle"), rootfs: sb.rootfs, id: cfg.ID, hostname: cfg.Hostname,
+	volumes, err := sb.attachVolumes(cfg)
+	if err != nil {
+		return sb, err
+	}
+	b := &bundleConfig{dir: filepath.Join(sb.dir, "bundle"), rootfs: sb.rootfs, id: cfg.ID, hostname: cfg.Hostname, volumes: volumes,
 		agentPath: agentCopy, template: cfg.Template, disk: sb.diskMount,
 		cgroupPath: cgroupsPath(cfg.Cgroups, cfg.ID), shmBytes: cfg.ShmBytes,
 		idBase: uint32(sb.ids.Base), userns: !cfg.Runtime.gvisor(), args: []string{agentInside, "serve"},
@@ -367,6 +371,9 @@ func (sb *Sandbox) run(ctx context.Context, cfg job, key []byte) error {
 		AgentUID: inside.AgentUID, Threads: inside.AgentThreads, OOMFD: 4, PidsFD: 5,
 		LoopbackUp: !cfg.Runtime.gvisor() && sb.netns == "", LifelineFD: -1, WritableRoot: cfg.Template.Image != nil,
 		TrimDev: cfg.Runtime.gvisor()}
+	for _, v := range cfg.Volumes {
+		spec.Volumes = append(spec.Volumes, v.Path)
+	}
 	files := []*os.File{specR, oom, pids, sb.ids.Lock}
 	var lifeR *os.File
 	if cfg.DieWithCaller {

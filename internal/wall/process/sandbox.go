@@ -165,11 +165,25 @@ func prepare(ctx context.Context, cfg job) (sb *Sandbox, err error) {
 		// exists (its layers are idmapped through it); the child attaches
 		// a detached copy of the mount.
 		image, err = sb.sendImageRoot(cfg, rootSock)
-		rootSock.Close()
 		if err != nil {
+			rootSock.Close()
 			return sb, err
 		}
 		trace.Mark("image mounted")
+	}
+	if len(cfg.Volumes) > 0 {
+		err = sb.sendVolumes(cfg.Volumes, rootSock)
+		if err != nil {
+			rootSock.Close()
+			return sb, err
+		}
+	}
+	if rootSock != nil {
+		rootSock.Close()
+	}
+	volumes := make([]string, 0, len(cfg.Volumes))
+	for _, v := range cfg.Volumes {
+		volumes = append(volumes, v.Path)
 	}
 	// The child builds the sandbox now, from the template and the default
 	// sizes in cfg, and then waits for Start.
@@ -177,7 +191,7 @@ func prepare(ctx context.Context, cfg job) (sb *Sandbox, err error) {
 	sb.disk, sb.shm = cfg.DiskBytes, cfg.ShmBytes
 	err = sb.send(&child.InitSpec{
 		ID: sb.id, Hostname: cfg.Hostname, Root: sb.root,
-		Mounts: cfg.Template.Mounts, Image: image, Build: cfg.Template.Build, DiskBytes: sb.disk, DiskInodes: inside.InodesFor(sb.disk),
+		Mounts: cfg.Template.Mounts, Image: image, Build: cfg.Template.Build, Volumes: volumes, DiskBytes: sb.disk, DiskInodes: inside.InodesFor(sb.disk),
 		ShmBytes: sb.shm, UserName: inside.UserName, UserUID: inside.UserUID, UserGID: inside.UserUID,
 		OOMEvents: sb.cg.OOMEventsFile(), PidsEvents: sb.cg.PidsEventsFile(),
 		Debug: trace.On(), DieWithParent: sb.dieWithParent,
@@ -322,7 +336,7 @@ func (sb *Sandbox) fork(cfg job, listener *os.File) (rootSock *os.File, err erro
 	}
 	defer devnull.Close()
 	files := []uintptr{devnull.Fd(), errW.Fd(), errW.Fd(), specR.Fd(), listener.Fd(), sb.ids.Lock.Fd()}
-	if sb.image {
+	if sb.image || len(cfg.Volumes) > 0 {
 		fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
 		if err != nil {
 			return nil, err

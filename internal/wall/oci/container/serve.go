@@ -56,6 +56,8 @@ type Spec struct {
 	// TrimDev: /dev is gVisor's, which holds every device its kernel has
 	// (fuse, net/tun, char/): the agent leaves only sandboxDev.
 	TrimDev bool `json:"trim_dev,omitempty"`
+	// Volumes are where volumes are mounted (writable; never archived).
+	Volumes []string `json:"volumes,omitempty"`
 }
 
 // sandboxDev is what a sandbox's /dev holds on every wall (the process
@@ -139,13 +141,13 @@ func Serve() error {
 	cfg := agent.Config{
 		Token: spec.Token, DefaultUser: spec.UserName, Env: spec.Env, MaxOutput: spec.MaxOutput,
 		Limits: cgroups.EventFiles{OOM: fileOrNil(spec.OOMFD), Pids: fileOrNil(spec.PidsFD)}, SpawnThreadSetup: seal.SpawnThread,
-		AgentUID: spec.AgentUID, Threads: spec.Threads,
+		AgentUID: spec.AgentUID, Threads: spec.Threads, Volumes: spec.Volumes,
 	}
 	srv, err := agent.New(cfg)
 	if err != nil {
 		return err
 	}
-	if _, err := seal.Seal(seal.Options{AgentUID: spec.AgentUID, WritableRoot: spec.WritableRoot}); err != nil {
+	if _, err := seal.Seal(seal.Options{AgentUID: spec.AgentUID, WritableRoot: spec.WritableRoot, Writable: spec.Volumes}); err != nil {
 		return err
 	}
 	return srv.Serve(l)

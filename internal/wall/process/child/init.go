@@ -73,6 +73,7 @@ func Init() (*Child, error) {
 		SpawnThreadSetup: spawnSetup(spec.Build),
 		AgentUID:         agentUID,
 		Threads:          inside.AgentThreads,
+		Volumes:          spec.Volumes,
 	}}, nil
 }
 
@@ -110,7 +111,7 @@ func (c *Child) Build() error {
 // seccomp filter (whose TSYNC also spreads no_new_privs to every thread).
 func (c *Child) Seal() error {
 	if _, err := seal.Seal(seal.Options{AgentUID: agentUID, DieWithParent: c.spec.DieWithParent, Trace: trace.Mark,
-		WritableRoot: c.spec.Image != ""}); err != nil {
+		WritableRoot: c.spec.Image != "", Writable: c.spec.Volumes}); err != nil {
 		return err
 	}
 	if trace.On() {

@@ -1,10 +1,12 @@
 package child
 
 import (
+	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
 	"strconv"
+	"strings"
 
 	"golang.org/x/sys/unix"
 
@@ -49,6 +51,15 @@ func buildRoot(spec *InitSpec) error {
 		if err := mountDisk(root, spec); err != nil {
 			return err
 		}
+	}
+	if len(spec.Volumes) > 0 {
+		trace.Mark("root: volumes")
+		if err := mountVolumes(root, spec.Volumes); err != nil {
+			return err
+		}
+	}
+	if spec.Image != "" || len(spec.Volumes) > 0 {
+		unix.Close(fdRoot) // everything the host sends on it has come
 	}
 	trace.Mark("root: dev")
 	if err := inside.BuildDev(root, spec.ShmBytes); err != nil {
@@ -170,23 +181,87 @@ func pivot(root string, writable bool) error {
 // host sends on fdRoot and attaches it at root (it is nosuid and nodev
 // already: the host mounted it so).
 func attachRoot(root string) error {
-	buf, oob := make([]byte, 16), make([]byte, unix.CmsgSpace(4))
-	_, oobn, _, _, err := unix.Recvmsg(fdRoot, buf, oob, unix.MSG_CMSG_CLOEXEC)
-	unix.Close(fdRoot)
+	fd, err := receiveMount("the image's root")
 	if err != nil {
-		return fmt.Errorf("receive the image's root: %w", err)
+		return err
 	}
-	msgs, err := unix.ParseSocketControlMessage(oob[:oobn])
-	if err != nil || len(msgs) != 1 {
-		return fmt.Errorf("receive the image's root: no descriptor")
-	}
-	fds, err := unix.ParseUnixRights(&msgs[0])
-	if err != nil || len(fds) != 1 {
-		return fmt.Errorf("receive the image's root: no descriptor")
-	}
-	defer unix.Close(fds[0])
-	if err := unix.MoveMount(fds[0], "", unix.AT_FDCWD, root, unix.MOVE_MOUNT_F_EMPTY_PATH); err != nil {
+	defer unix.Close(fd)
+	if err := unix.MoveMount(fd, "", unix.AT_FDCWD, root, unix.MOVE_MOUNT_F_EMPTY_PATH); err != nil {
 		return fmt.Errorf("attach the image's root: %w", err)
 	}
 	return nil
+}
+
+// receiveMount receives one detached mount the host sends on fdRoot.
+func receiveMount(what string) (int, error) {
+	buf, oob := make([]byte, 16), make([]byte, unix.CmsgSpace(4))
+	_, oobn, _, _, err := unix.Recvmsg(fdRoot, buf, oob, unix.MSG_CMSG_CLOEXEC)
+	if err != nil {
+		return -1, fmt.Errorf("receive %s: %w", what, err)
+	}
+	msgs, err := unix.ParseSocketControlMessage(oob[:oobn])
+	if err != nil || len(msgs) != 1 {
+		return -1, fmt.Errorf("receive %s: no descriptor", what)
+	}
+	fds, err := unix.ParseUnixRights(&msgs[0])
+	if err != nil || len(fds) != 1 {
+		for _, fd := range fds {
+			unix.Close(fd)
+		}
+		return -1, fmt.Errorf("receive %s: no descriptor", what)
+	}
+	return fds[0], nil
+}
+
+// mountVolumes attaches the volumes the host sends on fdRoot (detached
+// copies of their mounts, idmapped onto the sandbox's ids, nosuid and
+// nodev) at their paths in root. The directories on the way are made or
+// entered one at a time without following any symlink: an image's files
+// are not trusted, and before pivot_root an absolute link would name the
+// host's tree.
+func mountVolumes(root string, paths []string) error {
+	rfd, err := unix.Open(root, unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return err
+	}
+	defer unix.Close(rfd)
+	for _, p := range paths {
+		at, err := mkdirsBeneath(rfd, p)
+		if err != nil {
+			return fmt.Errorf("volume mount point %s: %w", p, err)
+		}
+		fd, err := receiveMount("the volume at " + p)
+		if err == nil {
+			err = unix.MoveMount(fd, "", at, "", unix.MOVE_MOUNT_F_EMPTY_PATH|unix.MOVE_MOUNT_T_EMPTY_PATH)
+			unix.Close(fd)
+		}
+		unix.Close(at)
+		if err != nil {
+			return fmt.Errorf("attach the volume at %s: %w", p, err)
+		}
+	}
+	return nil
+}
+
+// mkdirsBeneath opens the directory p under dirfd, making what is missing
+// (0755), following no symlink.
+func mkdirsBeneath(dirfd int, p string) (int, error) {
+	cur, err := unix.Dup(dirfd)
+	if err != nil {
+		return -1, err
+	}
+	for _, c := range strings.Split(strings.Trim(p, "/"), "/") {
+		if err := unix.Mkdirat(cur, c, 0o755); err != nil && !errors.Is(err, unix.EEXIST) {
+			unix.Close(cur)
+			return -1, err
+		}
+		next, err := unix.Openat2(cur, c, &unix.OpenHow{Flags: unix.O_PATH | unix.O_DIRECTORY | unix.O_NOFOLLOW | unix.O_CLOEXEC,
+			Resolve: unix.RESOLVE_BENEATH | unix.RESOLVE_NO_SYMLINKS | unix.RESOLVE_NO_MAGICLINKS})
+		unix.Close(cur)
+		if err != nil {
+			return -1, err
+		}
+		cur = next
+	}
+	return cur, nil
 }

@@ -24,6 +24,9 @@ type InitSpec struct {
 	Image string `json:"image,omitempty"`
 	// Build: a template build's sandbox (see template.Template.Build).
 	Build bool `json:"build,omitempty"`
+	// Volumes are where the volumes the host sends on fdRoot (after the
+	// image's root, if any), in order, are mounted.
+	Volumes []string `json:"volumes,omitempty"`
 
 	DiskBytes  int64 `json:"disk_bytes"`
 	DiskInodes int64 `json:"disk_inodes"`
@@ -59,7 +62,7 @@ const (
 	fdSpec     = 3 // read end of the spec pipe
 	fdListener = 4 // the agent's listening socket
 	fdIDLock   = 5 // the sandbox's uid-range lock, held for as long as the agent lives
-	fdRoot     = 6 // image templates: a socket the host sends the root's mount on
+	fdRoot     = 6 // image templates, volumes: a socket the host sends the root's and volumes' mounts on
 )
 
 // The sandbox's own user, as the template's accounts define it.

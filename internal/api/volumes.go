@@ -1,0 +1,336 @@
+package api
+
+import (
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/cagehq/cage/api/types"
+	"github.com/cagehq/cage/internal/manager"
+	"github.com/cagehq/cage/internal/sandbox"
+	"github.com/cagehq/cage/internal/store"
+	"github.com/cagehq/cage/internal/volume"
+)
+
+// Volumes, E2B's Volume API. The control routes (/volumes) take the API
+// key like every other; the content routes (/volumecontent/{volumeID}/...,
+// E2B's second base URL, served on this same listener) take the volume's
+// own bearer token, checked (in constant time, by the manager) before a
+// byte of the body is read, and answer errors in E2B's shape for them,
+// {code: word, message}.
+
+// volumeRoutes registers the volume routes on mux.
+func (s *server) volumeRoutes(mux *http.ServeMux) {
+	auth := s.authenticated
+	mux.Handle("POST /volumes", auth(http.HandlerFunc(s.createVolume)))
+	mux.Handle("GET /volumes", auth(http.HandlerFunc(s.listVolumes)))
+	mux.Handle("GET /volumes/{volumeID}", auth(http.HandlerFunc(s.getVolume)))
+	mux.Handle("DELETE /volumes/{volumeID}", auth(http.HandlerFunc(s.deleteVolume)))
+	c := s.volumeToken
+	mux.Handle("GET /volumecontent/{volumeID}/path", c(s.statPath))
+	mux.Handle("PATCH /volumecontent/{volumeID}/path", c(s.updatePath))
+	mux.Handle("DELETE /volumecontent/{volumeID}/path", c(s.removePath))
+	mux.Handle("GET /volumecontent/{volumeID}/dir", c(s.listDir))
+	mux.Handle("POST /volumecontent/{volumeID}/dir", c(s.makeDir))
+	mux.Handle("GET /volumecontent/{volumeID}/file", c(s.readFile))
+	mux.Handle("PUT /volumecontent/{volumeID}/file", c(s.writeFile))
+	mux.HandleFunc("/volumecontent/", func(w http.ResponseWriter, r *http.Request) {
+		writeContentError(w, http.StatusNotFound, "not_found", "no such route: "+r.Method+" "+r.URL.Path)
+	})
+}
+
+func (s *server) volumeAndToken(v *store.Volume) types.VolumeAndToken {
+	return types.VolumeAndToken{VolumeID: v.ID, Name: v.Name, Token: v.Token, Domain: s.cfg.Domain}
+}
+
+func (s *server) createVolume(w http.ResponseWriter, r *http.Request) {
+	var body types.NewVolume
+	if err := decode(r, &body, false); err != nil {
+		s.fail(w, r, err)
+		return
+	}
+	v, err := s.cfg.Manager.CreateVolume(keyID(r), body.Name)
+	if err != nil {
+		s.fail(w, r, err)
+		return
+	}
+	writeJSON(w, http.StatusCreated, s.volumeAndToken(v))
+}
+
+func (s *server) listVolumes(w http.ResponseWriter, r *http.Request) {
+	vs, err := s.cfg.Manager.Volumes(keyID(r))
+	if err != nil {
+		s.fail(w, r, err)
+		return
+	}
+	out := make([]types.Volume, 0, len(vs))
+	for _, v := range vs {
+		out = append(out, types.Volume{VolumeID: v.ID, Name: v.Name})
+	}
+	writeJSON(w, http.StatusOK, out)
+}
+
+func (s *server) getVolume(w http.ResponseWriter, r *http.Request) {
+	v, err := s.cfg.Manager.Volume(keyID(r), r.PathValue("volumeID"))
+	if err != nil {
+		s.fail(w, r, err)
+		return
+	}
+	writeJSON(w, http.StatusOK, s.volumeAndToken(v))
+}
+
+func (s *server) deleteVolume(w http.ResponseWriter, r *http.Request) {
+	if err := s.cfg.Manager.DeleteVolume(keyID(r), r.PathValue("volumeID")); err != nil {
+		s.fail(w, r, err)
+		return
+	}
+	w.WriteHeader(http.StatusNoContent)
+}
+
+// volumeMountsOf is a create body's volume mounts as the manager's.
+func volumeMountsOf(in []types.SandboxVolumeMount) []manager.VolumeMount {
+	var out []manager.VolumeMount
+	for _, m := range in {
+		out = append(out, manager.VolumeMount{Name: m.Name, Path: m.Path})
+	}
+	return out
+}
+
+// mountsOf is a sandbox's volume mounts as the API shows them.
+func mountsOf(rec *store.Sandbox) []types.SandboxVolumeMount {
+	var out []types.SandboxVolumeMount
+	for _, m := range rec.VolumeMounts {
+		out = append(out, types.SandboxVolumeMount{Name: m.Name, Path: m.Path})
+	}
+	return out
+}
+
+// The content API.
+
+// contentHandler is a content route's handler, given the volume's root.
+type contentHandler func(w http.ResponseWriter, r *http.Request, root *volume.Root)
+
+// volumeToken opens the route's volume with the request's bearer token
+// before anything of the request's body is read; then (an upload may be
+// long) the listener's one-minute bound on reading a request gives way to
+// an hour, as E2B's SDK allows its file operations.
+func (s *server) volumeToken(h contentHandler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		auth := r.Header.Get("Authorization")
+		token, ok := strings.CutPrefix(auth, "Bearer ")
+		if !ok || token == "" {
+			writeContentError(w, http.StatusUnauthorized, "unauthorized", "missing volume token: send Authorization: Bearer <the volume's token>")
+			return
+		}
+		root, err := s.cfg.Manager.OpenVolume(r.PathValue("volumeID"), token)
+		if err != nil {
+			s.contentFail(w, r, err)
+			return
+		}
+		defer root.Close()
+		_ = http.NewResponseController(w).SetReadDeadline(time.Now().Add(time.Hour))
+		h(w, r, root)
+	})
+}
+
+func writeContentError(w http.ResponseWriter, status int, code, msg string) {
+	writeJSON(w, status, types.VolumeContentError{Code: code, Message: msg})
+}
+
+// contentFail maps an error kind to its status and E2B's code word.
+func (s *server) contentFail(w http.ResponseWriter, r *http.Request, err error) {
+	switch {
+	case errors.Is(err, manager.ErrUnauthorized):
+		writeContentError(w, http.StatusUnauthorized, "unauthorized", err.Error())
+	case errors.Is(err, volume.ErrNotFound):
+		writeContentError(w, http.StatusNotFound, "not_found", err.Error())
+	case errors.Is(err, volume.ErrInvalid), errors.Is(err, volume.ErrTooLarge), errors.Is(err, errBadRequest):
+		writeContentError(w, http.StatusBadRequest, "bad_request", err.Error())
+	case errors.Is(err, volume.ErrExists):
+		writeContentError(w, http.StatusConflict, "conflict", err.Error())
+	case errors.Is(err, volume.ErrNoSpace):
+		writeContentError(w, http.StatusInsufficientStorage, "insufficient_storage", err.Error())
+	case errors.Is(err, sandbox.ErrUnavailable), errors.Is(err, volume.ErrUnavailable):
+		writeContentError(w, http.StatusInternalServerError, "internal", err.Error())
+	default:
+		id := requestID()
+		s.log.Error("volume request failed", "route", r.Method+" "+r.URL.Path, "request", id, "err", err)
+		writeContentError(w, http.StatusInternalServerError, "internal", "internal error (request "+id+"; the server's log has the detail)")
+	}
+}
+
+func entryJSON(e volume.Entry) types.VolumeEntryStat {
+	return types.VolumeEntryStat{Name: e.Name, Path: e.Path, Type: types.VolumeEntryStatType(e.Type), Size: e.Size,
+		Mode: int64(e.Mode), UID: int64(e.UID), GID: int64(e.GID), Atime: e.Atime, Mtime: e.Mtime, Ctime: e.Ctime, Target: e.Target}
+}
+
+// contentQuery reads the path and, where a route takes them, uid, gid,
+// mode and force.
+func contentQuery(r *http.Request) (string, volume.Meta, bool, error) {
+	q := r.URL.Query()
+	p := q.Get("path")
+	if p == "" {
+		return "", volume.Meta{}, false, fmt.Errorf("%w: the path parameter is required", errBadRequest)
+	}
+	var meta volume.Meta
+	for name, dst := range map[string]**uint32{"uid": &meta.UID, "gid": &meta.GID, "mode": &meta.Mode} {
+		v := q.Get(name)
+		if v == "" {
+			continue
+		}
+		n, err := strconv.ParseUint(v, 10, 32)
+		if err != nil {
+			return "", meta, false, fmt.Errorf("%w: %s %q is not a number", errBadRequest, name, v)
+		}
+		u := uint32(n)
+		*dst = &u
+	}
+	force := false
+	if v := q.Get("force"); v != "" {
+		b, err := strconv.ParseBool(v)
+		if err != nil {
+			return "", meta, false, fmt.Errorf("%w: force %q: want true or false", errBadRequest, v)
+		}
+		force = b
+	}
+	return p, meta, force, nil
+}
+
+func (s *server) statPath(w http.ResponseWriter, r *http.Request, root *volume.Root) {
+	p, _, _, err := contentQuery(r)
+	var e volume.Entry
+	if err == nil {
+		e, err = root.Stat(p)
+	}
+	if err != nil {
+		s.contentFail(w, r, err)
+		return
+	}
+	writeJSON(w, http.StatusOK, entryJSON(e))
+}
+
+func (s *server) updatePath(w http.ResponseWriter, r *http.Request, root *volume.Root) {
+	p, _, _, err := contentQuery(r)
+	if err != nil {
+		s.contentFail(w, r, err)
+		return
+	}
+	var body types.VolumeMetadata
+	r.Body = http.MaxBytesReader(w, r.Body, 64<<10)
+	if err := decode(r, &body, false); err != nil {
+		var tooBig *http.MaxBytesError
+		if errors.As(err, &tooBig) {
+			writeContentError(w, http.StatusRequestEntityTooLarge, "request_too_large", "the metadata body is larger than 64 KiB")
+			return
+		}
+		s.contentFail(w, r, fmt.Errorf("%w: %v", errBadRequest, err))
+		return
+	}
+	var meta volume.Meta
+	for _, f := range []struct {
+		in  *int64
+		out **uint32
+	}{{body.UID, &meta.UID}, {body.GID, &meta.GID}, {body.Mode, &meta.Mode}} {
+		if f.in == nil {
+			continue
+		}
+		if *f.in < 0 || *f.in > 1<<32-1 {
+			s.contentFail(w, r, fmt.Errorf("%w: uid, gid and mode must be positive", errBadRequest))
+			return
+		}
+		v := uint32(*f.in)
+		*f.out = &v
+	}
+	e, err := root.SetMeta(p, meta)
+	if err != nil {
+		s.contentFail(w, r, err)
+		return
+	}
+	writeJSON(w, http.StatusOK, entryJSON(e))
+}
+
+func (s *server) removePath(w http.ResponseWriter, r *http.Request, root *volume.Root) {
+	p, _, _, err := contentQuery(r)
+	if err == nil {
+		err = root.Remove(p)
+	}
+	if err != nil {
+		s.contentFail(w, r, err)
+		return
+	}
+	w.WriteHeader(http.StatusNoContent)
+}
+
+func (s *server) listDir(w http.ResponseWriter, r *http.Request, root *volume.Root) {
+	p, _, _, err := contentQuery(r)
+	if err != nil {
+		s.contentFail(w, r, err)
+		return
+	}
+	depth := 1
+	if v := r.URL.Query().Get("depth"); v != "" {
+		if depth, err = strconv.Atoi(v); err != nil {
+			s.contentFail(w, r, fmt.Errorf("%w: depth %q is not a number", errBadRequest, v))
+			return
+		}
+	}
+	es, err := root.List(p, depth)
+	if err != nil {
+		s.contentFail(w, r, err)
+		return
+	}
+	out := make([]types.VolumeEntryStat, 0, len(es))
+	for _, e := range es {
+		out = append(out, entryJSON(e))
+	}
+	writeJSON(w, http.StatusOK, out)
+}
+
+func (s *server) makeDir(w http.ResponseWriter, r *http.Request, root *volume.Root) {
+	p, meta, force, err := contentQuery(r)
+	var e volume.Entry
+	if err == nil {
+		e, err = root.MakeDir(p, meta, force)
+	}
+	if err != nil {
+		s.contentFail(w, r, err)
+		return
+	}
+	writeJSON(w, http.StatusCreated, entryJSON(e))
+}
+
+func (s *server) readFile(w http.ResponseWriter, r *http.Request, root *volume.Root) {
+	p, _, _, err := contentQuery(r)
+	if err != nil {
+		s.contentFail(w, r, err)
+		return
+	}
+	f, e, err := root.Open(p)
+	if err != nil {
+		s.contentFail(w, r, err)
+		return
+	}
+	defer f.Close()
+	w.Header().Set("Content-Type", "application/octet-stream")
+	w.Header().Set("Content-Length", strconv.FormatInt(e.Size, 10))
+	w.WriteHeader(http.StatusOK)
+	// A file that grows while it is read is cut at the size announced.
+	_, _ = io.Copy(w, io.LimitReader(f, e.Size))
+}
+
+func (s *server) writeFile(w http.ResponseWriter, r *http.Request, root *volume.Root) {
+	p, meta, force, err := contentQuery(r)
+	var e volume.Entry
+	if err == nil {
+		e, err = root.Write(p, r.Body, meta, force)
+	}
+	if err != nil {
+		s.contentFail(w, r, err)
+		return
+	}
+	writeJSON(w, http.StatusCreated, entryJSON(e))
+}

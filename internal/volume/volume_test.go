@@ -1,0 +1,280 @@
+package volume
+
+import (
+	"errors"
+	"io"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/cagehq/cage/internal/testutil"
+)
+
+// newVolume makes a manager in temporary directories and one volume of
+// size bytes, opened; everything is removed at the end.
+func newVolume(t *testing.T, size int64) (*Manager, *Root, string) {
+	t.Helper()
+	testutil.RequireRoot(t)
+	m := New(Config{Data: t.TempDir(), RunDir: t.TempDir(), Size: size})
+	const id = "v0test"
+	if err := m.Create(id); err != nil {
+		t.Fatal(err)
+	}
+	r, err := m.Open(id)
+	if err != nil {
+		_ = m.Remove(id)
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		r.Close()
+		if err := m.Remove(id); err != nil {
+			t.Errorf("remove: %v", err)
+		}
+		if isMountRoot(m.mountDir(id)) {
+			t.Errorf("%s is still mounted after Remove", m.mountDir(id))
+		}
+	})
+	return m, r, m.mountDir(id)
+}
+
+func u32(v uint32) *uint32 { return &v }
+
+func TestVolumeFiles(t *testing.T) {
+	_, r, _ := newVolume(t, 16<<20)
+	root, err := r.Stat("/")
+	if err != nil || root.Type != "directory" || root.UID != UserID || root.GID != UserID || root.Mode != 0o755 {
+		t.Fatalf("the root: %+v, %v; want a directory of %d:%d, 0755", root, err, UserID, UserID)
+	}
+	e, err := r.Write("/a/b/c.txt", strings.NewReader("hello"), Meta{}, true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if e.Type != "file" || e.Size != 5 || e.Mode != 0o644 || e.UID != UserID || e.Path != "/a/b/c.txt" || e.Name != "c.txt" {
+		t.Errorf("written: %+v", e)
+	}
+	if _, err := r.Write("/x/y.txt", strings.NewReader("x"), Meta{}, false); !errors.Is(err, ErrNotFound) {
+		t.Errorf("a write without force under a missing directory: %v, want ErrNotFound", err)
+	}
+	f, _, err := r.Open("a/b/c.txt") // relative: from the root
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, _ := io.ReadAll(f)
+	f.Close()
+	if string(b) != "hello" {
+		t.Errorf("read %q", b)
+	}
+	if _, err := r.Write("/a/b/c.txt", strings.NewReader("replaced"), Meta{UID: u32(0), Mode: u32(0o600)}, false); err != nil {
+		t.Fatal(err)
+	}
+	if e, _ := r.Stat("/a/b/c.txt"); e.Size != 8 || e.UID != 0 || e.Mode != 0o600 {
+		t.Errorf("replaced: %+v", e)
+	}
+	if _, err := r.MakeDir("/a", Meta{}, false); !errors.Is(err, ErrExists) {
+		t.Errorf("mkdir of an existing directory: %v, want ErrExists", err)
+	}
+	if _, err := r.MakeDir("/a", Meta{}, true); err != nil {
+		t.Errorf("mkdir -p of an existing directory: %v", err)
+	}
+	if e, err := r.MakeDir("/d", Meta{Mode: u32(0o700), GID: u32(5)}, false); err != nil || e.Mode != 0o700 || e.GID != 5 || e.UID != UserID {
+		t.Errorf("mkdir /d: %+v, %v", e, err)
+	}
+	if e, err := r.SetMeta("/d", Meta{Mode: u32(0o750), UID: u32(7)}); err != nil || e.Mode != 0o750 || e.UID != 7 {
+		t.Errorf("update /d: %+v, %v", e, err)
+	}
+	for _, bad := range []Meta{{UID: u32(65536)}, {Mode: u32(0o10000)}} {
+		if _, err := r.SetMeta("/d", bad); !errors.Is(err, ErrInvalid) {
+			t.Errorf("update with %+v: %v, want ErrInvalid", bad, err)
+		}
+	}
+	list, err := r.List("/", 1)
+	if err != nil || len(list) != 2 || list[0].Path != "/a" || list[1].Path != "/d" {
+		t.Errorf("list / depth 1: %+v, %v", list, err)
+	}
+	list, err = r.List("/", 3)
+	if err != nil || len(list) != 4 || list[2].Path != "/a/b/c.txt" {
+		t.Errorf("list / depth 3: %+v, %v", list, err)
+	}
+	if err := r.Remove("/a"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := r.Stat("/a/b"); !errors.Is(err, ErrNotFound) {
+		t.Errorf("after removing /a: %v", err)
+	}
+	if err := r.Remove("/"); !errors.Is(err, ErrInvalid) {
+		t.Errorf("remove /: %v, want ErrInvalid", err)
+	}
+	if err := r.Remove("/nothing"); !errors.Is(err, ErrNotFound) {
+		t.Errorf("remove of a missing path: %v, want ErrNotFound", err)
+	}
+}
+
+// TestVolumeQuota: the volume's size is its quota; a write past it fails
+// with ErrNoSpace and leaves nothing behind.
+func TestVolumeQuota(t *testing.T) {
+	_, r, _ := newVolume(t, 16<<20)
+	_, err := r.Write("/big", io.LimitReader(zeros{}, 64<<20), Meta{}, false)
+	if !errors.Is(err, ErrNoSpace) {
+		t.Fatalf("64 MiB into a 16 MiB volume: %v, want ErrNoSpace", err)
+	}
+	if list, _ := r.List("/", 1); len(list) != 0 {
+		t.Errorf("after the failed write the volume holds %+v, want nothing", list)
+	}
+	if _, err := r.Write("/small", strings.NewReader("fits"), Meta{}, false); err != nil {
+		t.Errorf("a small write after the failed one: %v", err)
+	}
+}
+
+type zeros struct{}
+
+func (zeros) Read(p []byte) (int, error) { clear(p); return len(p), nil }
+
+// TestVolumeHostileEntries: what a sandbox may leave in a volume (planted
+// here through the host's mount, as a sandbox's root would make them)
+// never leads an operation out of it, blocks it, or is written through.
+func TestVolumeHostileEntries(t *testing.T) {
+	_, r, dir := newVolume(t, 32<<20)
+	outside := t.TempDir()
+	secret := filepath.Join(outside, "secret")
+	if err := os.WriteFile(secret, []byte("host secret"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	must := func(err error) {
+		t.Helper()
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	must(os.Symlink(secret, filepath.Join(dir, "link")))
+	must(os.Symlink(outside, filepath.Join(dir, "dirlink")))
+	must(os.Symlink("..", filepath.Join(dir, "up")))
+	must(unix.Mkfifo(filepath.Join(dir, "fifo"), 0o666))
+	must(os.WriteFile(filepath.Join(dir, "orig"), []byte("original"), 0o644))
+	must(os.Link(filepath.Join(dir, "orig"), filepath.Join(dir, "hardlink")))
+
+	if _, _, err := r.Open("/link"); !errors.Is(err, ErrInvalid) {
+		t.Errorf("read through a symlink to a host file: %v, want ErrInvalid", err)
+	}
+	if _, _, err := r.Open("/dirlink/secret"); !errors.Is(err, ErrInvalid) {
+		t.Errorf("read through a symlinked directory: %v, want ErrInvalid", err)
+	}
+	if _, _, err := r.Open("/up/" + filepath.Base(dir)); err == nil {
+		t.Errorf("read through a symlink to ..: allowed")
+	}
+	done := make(chan error, 1)
+	go func() { _, _, err := r.Open("/fifo"); done <- err }()
+	select {
+	case err := <-done:
+		if !errors.Is(err, ErrInvalid) {
+			t.Errorf("read of a FIFO: %v, want ErrInvalid", err)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("read of a FIFO blocked")
+	}
+	if _, err := r.Write("/link", strings.NewReader("overwritten"), Meta{}, false); err != nil {
+		t.Fatal(err)
+	}
+	if b, _ := os.ReadFile(secret); string(b) != "host secret" {
+		t.Errorf("a write at a symlink changed its target to %q", b)
+	}
+	if e, _ := r.Stat("/link"); e.Type != "file" {
+		t.Errorf("a write at a symlink left %+v; want the link replaced by a file", e)
+	}
+	if _, err := r.Write("/dirlink/new", strings.NewReader("x"), Meta{}, false); !errors.Is(err, ErrInvalid) {
+		t.Errorf("a write under a symlinked directory: %v, want ErrInvalid", err)
+	}
+	if _, err := os.Stat(filepath.Join(outside, "new")); err == nil {
+		t.Errorf("a write under a symlinked directory landed on the host")
+	}
+	if _, err := r.Write("/hardlink", strings.NewReader("replaced"), Meta{}, false); err != nil {
+		t.Fatal(err)
+	}
+	if b, _ := os.ReadFile(filepath.Join(dir, "orig")); string(b) != "original" {
+		t.Errorf("a write at a hard link wrote through it: the other name reads %q", b)
+	}
+	if _, err := r.SetMeta("/dirlink", Meta{Mode: u32(0o777)}); !errors.Is(err, ErrInvalid) {
+		t.Errorf("chmod of a symlink: %v, want ErrInvalid", err)
+	}
+	if _, err := r.SetMeta("/dirlink", Meta{UID: u32(0)}); err != nil {
+		t.Errorf("chown of a symlink itself: %v", err)
+	}
+	var st unix.Stat_t
+	if unix.Stat(outside, &st) == nil && st.Mode&0o777 == 0o777 {
+		t.Errorf("chmod through a symlink reached the host directory")
+	}
+	if e, err := r.Stat("/dirlink"); err != nil || e.Type != "symlink" || e.Target != outside {
+		t.Errorf("stat of a symlink: %+v, %v; want the link, its target named, not followed", e, err)
+	}
+	if list, err := r.List("/dirlink", 1); !errors.Is(err, ErrInvalid) {
+		t.Errorf("list of a symlinked directory: %+v, %v; want ErrInvalid", list, err)
+	}
+	if list, err := r.List("/", 5); err != nil || containsPath(list, "/dirlink/secret") {
+		t.Errorf("a deep listing followed a symlink: %+v, %v", list, err)
+	}
+	if err := r.Remove("/dirlink"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat(secret); err != nil {
+		t.Errorf("removing a symlink to a host directory removed what it names: %v", err)
+	}
+	if err := r.Remove("/up"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat(dir); err != nil {
+		t.Errorf("removing a symlink to .. touched the volume: %v", err)
+	}
+}
+
+func containsPath(list []Entry, p string) bool {
+	for _, e := range list {
+		if e.Path == p {
+			return true
+		}
+	}
+	return false
+}
+
+// TestVolumeDeepTree: a tree deeper than the bounds is refused with a
+// clear error, listed only to the depth asked, and wider than the bound
+// not listed whole.
+func TestVolumeDeepTree(t *testing.T) {
+	_, r, dir := newVolume(t, 64<<20)
+	p := dir
+	for i := 0; i < maxRemoveDepth+10; i++ {
+		p = filepath.Join(p, "d")
+		if err := unix.Mkdir(p, 0o755); err != nil {
+			t.Fatalf("depth %d: %v", i, err)
+		}
+	}
+	if err := r.Remove("/d"); !errors.Is(err, ErrTooLarge) {
+		t.Errorf("remove of a tree %d deep: %v, want ErrTooLarge", maxRemoveDepth+10, err)
+	}
+	if list, err := r.List("/", MaxListDepth); err != nil || len(list) != MaxListDepth {
+		t.Errorf("list at depth %d: %d entries, %v", MaxListDepth, len(list), err)
+	}
+	if _, err := r.List("/", MaxListDepth+1); !errors.Is(err, ErrInvalid) {
+		t.Errorf("list deeper than %d: %v, want ErrInvalid", MaxListDepth, err)
+	}
+	wide := filepath.Join(dir, "wide")
+	if err := os.Mkdir(wide, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	for i := 0; i <= MaxListEntries; i++ {
+		f, err := os.Create(filepath.Join(wide, "f"+strconv.Itoa(i)))
+		if err != nil {
+			t.Fatal(err)
+		}
+		f.Close()
+	}
+	if _, err := r.List("/wide", 1); !errors.Is(err, ErrTooLarge) {
+		t.Errorf("a listing of %d entries: %v, want ErrTooLarge", MaxListEntries+1, err)
+	}
+	if err := r.Remove("/wide"); err != nil {
+		t.Errorf("remove a wide directory: %v", err)
+	}
+}
