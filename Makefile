@@ -1,4 +1,5 @@
-# cage's build. `make` builds bin/cage and bin/cage-agent (both static).
+# cage's build. `make` builds bin/cage, bin/cage-agent and bin/cage-interp
+# (all static).
 GO      ?= go
 BIN     ?= bin
 GOFLAGS_BUILD = -trimpath -ldflags '-s -w'
@@ -7,19 +8,30 @@ GOFLAGS_BUILD = -trimpath -ldflags '-s -w'
 RUNSC_VERSION ?= v0.0.0-20260905035102-160fafc42237
 RUNSC_DIR ?= $(CURDIR)/.tools/bin
 
-.PHONY: all build demo test test-unit proto api vet fmt bench clean runsc base
+.PHONY: all build demo test test-unit proto api vet fmt bench clean runsc base code-interpreter
 
 all: build
 
 build:
 	CGO_ENABLED=0 $(GO) build $(GOFLAGS_BUILD) -o $(BIN)/cage ./cmd/cage
 	CGO_ENABLED=0 $(GO) build $(GOFLAGS_BUILD) -o $(BIN)/cage-agent ./cmd/cage-agent
+	CGO_ENABLED=0 $(GO) build $(GOFLAGS_BUILD) -o $(BIN)/cage-interp ./cmd/cage-interp
 
 # The ready-made template "base" (Debian 12, python3, node, git, curl, the
 # user account), made once from Debian's mirror and cached in the template
 # store ($CAGE_TEMPLATES, else /var/lib/cage/templates).
 base: build
 	./bin/cage template build --net internet templates/base base
+
+# The template "code-interpreter-v1" (@e2b/code-interpreter's default): base
+# with Debian's Python data stack, R, TypeScript and bin/cage-interp, built
+# from templates/code-interpreter with the binary added to the context. Its
+# steps are cached: again, it rebuilds only what changed (cage-interp: the
+# last layers).
+code-interpreter: build
+	rm -rf .tools/code-interpreter && mkdir -p .tools
+	cp -r templates/code-interpreter .tools/code-interpreter && cp $(BIN)/cage-interp .tools/code-interpreter/
+	./bin/cage template build --net internet .tools/code-interpreter code-interpreter-v1
 
 demo: build
 	./scripts/demo.sh
