@@ -1,9 +1,12 @@
 package agent
 
 import (
+	"bufio"
+	"bytes"
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"net"
 	"os"
 	"path"
@@ -31,9 +34,10 @@ import (
 // have; a user gains the sandbox's root, which E2B's templates give `user`
 // too (passwordless sudo).
 //
-// The client may send signal numbers afterwards, which go to the command's
-// process group; when the client goes away the group is killed (a sudo
-// killed takes its command with it). The reply is the exit status.
+// The protocol is JSON lines on a stream socket. Afterwards the client may
+// send signal numbers, which go to the command's process group; when the
+// client goes away the group is killed (a sudo killed takes its command
+// with it). The reply is the exit status.
 
 // SudoSocket is the abstract socket name ("@" is the leading NUL).
 const SudoSocket = "@cage/sudo"
@@ -62,9 +66,11 @@ type sudoReply struct {
 }
 
 // serveSudo listens on name and serves sudo requests until the agent ends.
-// A failure to listen is logged: the sandbox works, sudo does not.
+// A failure to listen is logged: the sandbox works, sudo does not. The
+// socket is a stream: gVisor records SO_PEERCRED only for streams (a
+// seqpacket peer would read as the agent itself).
 func (s *Server) serveSudo(name string) {
-	l, err := net.ListenUnix("unixpacket", &net.UnixAddr{Name: name, Net: "unixpacket"})
+	l, err := net.ListenUnix("unix", &net.UnixAddr{Name: name, Net: "unix"})
 	if err != nil {
 		s.log.Warn("sudo: cannot listen", "socket", name, "err", err)
 		return
@@ -91,13 +97,15 @@ func (s *Server) serveSudo(name string) {
 	}()
 }
 
-// sudoSession serves one client connection.
+// sudoSession serves one client connection: a request line (with the
+// descriptors), then signal lines from the client, a reply line from the
+// agent when the command ends.
 func (s *Server) sudoSession(c *net.UnixConn) {
 	reply := func(r sudoReply) {
 		b, _ := json.Marshal(r)
-		_, _ = c.Write(b)
+		_, _ = c.Write(append(b, '\n'))
 	}
-	req, fds, err := readSudoRequest(c)
+	req, rest, fds, err := readSudoRequest(c)
 	defer func() {
 		for _, fd := range fds {
 			unix.Close(fd)
@@ -126,18 +134,15 @@ func (s *Server) sudoSession(c *net.UnixConn) {
 	gone := make(chan struct{})
 	go func() {
 		defer close(gone)
-		buf := make([]byte, 64)
-		for {
-			n, err := c.Read(buf)
-			if err != nil {
-				_ = syscall.Kill(-pid, syscall.SIGKILL)
-				return
-			}
+		sc := bufio.NewScanner(io.MultiReader(bytes.NewReader(rest), c))
+		sc.Buffer(make([]byte, 256), 256)
+		for sc.Scan() {
 			var m struct{ Signal int }
-			if json.Unmarshal(buf[:n], &m) == nil && m.Signal > 0 && m.Signal < 65 {
+			if json.Unmarshal(sc.Bytes(), &m) == nil && m.Signal > 0 && m.Signal < 65 {
 				_ = syscall.Kill(-pid, syscall.Signal(m.Signal))
 			}
 		}
+		_ = syscall.Kill(-pid, syscall.SIGKILL) // the client left (or sent garbage)
 	}()
 	ws := <-exited
 	if ws.Signaled() {
@@ -153,43 +158,66 @@ func (s *Server) sudoSession(c *net.UnixConn) {
 	}
 }
 
-// readSudoRequest reads the one request message and its three descriptors.
-func readSudoRequest(c *net.UnixConn) (sudoRequest, []int, error) {
-	var req sudoRequest
+// readSudoRequest reads the request line, whose first bytes carry the three
+// descriptors, and returns what was read past it.
+func readSudoRequest(c *net.UnixConn) (req sudoRequest, rest []byte, fds []int, err error) {
 	_ = c.SetReadDeadline(time.Now().Add(sudoReadTimeout))
 	defer c.SetReadDeadline(time.Time{})
-	buf := make([]byte, maxSudoRequest+1)
+	buf := make([]byte, 0, 64<<10)
 	oob := make([]byte, unix.CmsgSpace(4*4))
-	n, oobn, flags, _, err := c.ReadMsgUnix(buf, oob)
-	if err != nil {
-		return req, nil, fmt.Errorf("reading the request: %v", err)
-	}
-	var fds []int
-	if cmsgs, err := unix.ParseSocketControlMessage(oob[:oobn]); err == nil {
-		for _, m := range cmsgs {
-			if got, err := unix.ParseUnixRights(&m); err == nil {
-				fds = append(fds, got...)
+	for first := true; ; first = false {
+		if len(buf) == cap(buf) {
+			if cap(buf) > maxSudoRequest {
+				return req, nil, fds, fmt.Errorf("request larger than %d bytes", maxSudoRequest)
 			}
+			buf = append(buf[:cap(buf)], make([]byte, cap(buf))...)[:len(buf)]
+		}
+		var n int
+		if first {
+			// Descriptors come with the first bytes; later ones, read
+			// without a control buffer, are closed by the kernel.
+			var oobn, flags int
+			n, oobn, flags, _, err = c.ReadMsgUnix(buf[len(buf):cap(buf)], oob)
+			if cmsgs, perr := unix.ParseSocketControlMessage(oob[:oobn]); perr == nil {
+				for _, m := range cmsgs {
+					if got, perr := unix.ParseUnixRights(&m); perr == nil {
+						fds = append(fds, got...)
+					}
+				}
+			}
+			if flags&unix.MSG_CTRUNC != 0 {
+				return req, nil, fds, errors.New("too many descriptors")
+			}
+		} else {
+			n, err = c.Read(buf[len(buf):cap(buf)])
+		}
+		buf = buf[:len(buf)+n]
+		if i := bytes.IndexByte(buf, '\n'); i >= 0 {
+			if i > maxSudoRequest {
+				return req, nil, fds, fmt.Errorf("request larger than %d bytes", maxSudoRequest)
+			}
+			buf, rest = buf[:i], buf[i+1:]
+			break
+		}
+		if err != nil {
+			return req, nil, fds, fmt.Errorf("reading the request: %v", err)
 		}
 	}
-	switch {
-	case flags&unix.MSG_TRUNC != 0 || n > maxSudoRequest:
-		return req, fds, fmt.Errorf("request larger than %d bytes", maxSudoRequest)
-	case flags&unix.MSG_CTRUNC != 0 || len(fds) != 3:
-		return req, fds, errors.New("the request must carry exactly three descriptors (stdin, stdout, stderr)")
+	if len(fds) != 3 {
+		return req, nil, fds, errors.New("the request must carry exactly three descriptors (stdin, stdout, stderr)")
 	}
-	if err := json.Unmarshal(buf[:n], &req); err != nil {
-		return req, fds, fmt.Errorf("malformed request: %v", err)
+	if err := json.Unmarshal(buf, &req); err != nil {
+		return req, nil, fds, fmt.Errorf("malformed request: %v", err)
 	}
 	if len(req.Argv) == 0 || req.Argv[0] == "" {
-		return req, fds, errors.New("no command")
+		return req, nil, fds, errors.New("no command")
 	}
 	for _, s := range append(append([]string{req.Cwd, req.User}, req.Argv...), req.Env...) {
 		if strings.IndexByte(s, 0) >= 0 {
-			return req, fds, errors.New("a NUL byte in the request")
+			return req, nil, fds, errors.New("a NUL byte in the request")
 		}
 	}
-	return req, fds, nil
+	return req, rest, fds, nil
 }
 
 // sudoAllowed names the caller (SO_PEERCRED) and, when the caller may use

@@ -187,48 +187,61 @@ func TestSudoClientGone(t *testing.T) {
 	}
 }
 
-// TestSudoHostileRequests: the socket takes one bounded request with
-// exactly three descriptors; anything else is answered with an error and
-// runs nothing.
+// TestSudoHostileRequests: the socket takes one bounded request line whose
+// first bytes carry exactly three descriptors; anything else is answered
+// with an error and runs nothing.
 func TestSudoHostileRequests(t *testing.T) {
 	e := newSudoEnv(t)
 	marker := filepath.Join(t.TempDir(), "ran")
 	req, _ := json.Marshal(sudoRequest{Argv: []string{"touch", marker}})
+	req = append(req, '\n')
 	devnull, _ := os.Open(os.DevNull)
 	defer devnull.Close()
 	fd := int(devnull.Fd())
+	three := []int{fd, fd, fd}
+	huge := append(append([]byte(`{"argv":["touch","`+marker+`"],"env":["A=`), bytes.Repeat([]byte("a"), 600<<10)...), []byte("\"]}\n")...)
 	for name, c := range map[string]struct {
-		data []byte
-		fds  []int
+		data  []byte
+		fds   []int
+		later []byte // sent after the first message, with three more descriptors
 	}{
-		"no descriptors":      {req, nil},
-		"two descriptors":     {req, []int{fd, fd}},
-		"four descriptors":    {req, []int{fd, fd, fd, fd}},
-		"not JSON":            {[]byte("touch " + marker), []int{fd, fd, fd}},
-		"no command":          {[]byte(`{"argv":[]}`), []int{fd, fd, fd}},
-		"NUL in an argument":  {[]byte(`{"argv":["touch","` + marker + `\u0000x"]}`), []int{fd, fd, fd}},
-		"larger than 256 KiB": {append(append([]byte(`{"argv":["touch","`+marker+`"],"env":["A=`), bytes.Repeat([]byte("a"), 300<<10)...), []byte(`"]}`)...), []int{fd, fd, fd}},
+		"no descriptors":             {req, nil, nil},
+		"two descriptors":            {req, []int{fd, fd}, nil},
+		"four descriptors":           {req, []int{fd, fd, fd, fd}, nil},
+		"descriptors only later":     {req[:5], nil, req[5:]},
+		"not JSON":                   {[]byte("touch " + marker + "\n"), three, nil},
+		"no command":                 {[]byte(`{"argv":[]}` + "\n"), three, nil},
+		"NUL in an argument":         {[]byte(`{"argv":["touch","` + marker + `\u0000x"]}` + "\n"), three, nil},
+		"a line longer than 256 KiB": {huge, three, nil},
+		"no end of line":             {req[:len(req)-1], three, nil},
 	} {
-		conn, err := net.DialUnix("unixpacket", nil, &net.UnixAddr{Name: e.socket, Net: "unixpacket"})
+		conn, err := net.DialUnix("unix", nil, &net.UnixAddr{Name: e.socket, Net: "unix"})
 		if err != nil {
 			t.Fatal(err)
 		}
-		// Past the default socket buffer (the kernel would refuse the
-		// send itself): the agent's own bound is what is tested.
-		raw, _ := conn.SyscallConn()
-		raw.Control(func(s uintptr) { syscall.SetsockoptInt(int(s), syscall.SOL_SOCKET, syscall.SO_SNDBUFFORCE, 4<<20) })
 		var oob []byte
 		if c.fds != nil {
 			oob = syscallRights(c.fds...)
 		}
-		_, _, err = conn.WriteMsgUnix(c.data, oob, nil)
-		buf := make([]byte, 4096)
-		conn.SetReadDeadline(time.Now().Add(10 * time.Second))
-		n, rerr := conn.Read(buf)
+		go func() {
+			// A stream may take part of a message: send the rest.
+			if n, _, err := conn.WriteMsgUnix(c.data, oob, nil); err == nil && n < len(c.data) {
+				conn.Write(c.data[n:])
+			}
+			if c.later != nil {
+				time.Sleep(50 * time.Millisecond)
+				conn.WriteMsgUnix(c.later, syscallRights(three...), nil)
+			}
+			if name == "no end of line" {
+				conn.CloseWrite()
+			}
+		}()
+		conn.SetReadDeadline(time.Now().Add(15 * time.Second))
+		line, rerr := bufio.NewReader(conn).ReadBytes('\n')
 		conn.Close()
 		var rep sudoReply
-		if rerr != nil || json.Unmarshal(buf[:n], &rep) != nil || rep.Error == "" || rep.Code != nil {
-			t.Errorf("%s: write %v, reply %q %v; want an error reply", name, err, buf[:n], rerr)
+		if rerr != nil || json.Unmarshal(line, &rep) != nil || rep.Error == "" || rep.Code != nil {
+			t.Errorf("%s: reply %q %v; want an error reply", name, line, rerr)
 		}
 	}
 	if _, err := os.Stat(marker); err == nil {
