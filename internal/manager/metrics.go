@@ -37,12 +37,13 @@ type Metric struct {
 // hour.
 const sampleStep = 5 * time.Second
 
-// The rings: fineSamples at sampleStep (an hour), coarseSamples at one a
-// minute (a day). A sample is 48 bytes: at most about 100 KiB a sandbox.
+// The rings: fineSamples at sampleStep (the last hour), coarseSamples at
+// one a minute (the last 25 hours: the day before the fine ring's hour). A
+// sample is 48 bytes: at most about 105 KiB a sandbox.
 const (
 	fineSamples   = int(time.Hour / sampleStep)
 	coarseEvery   = int(time.Minute / sampleStep)
-	coarseSamples = 24 * 60
+	coarseSamples = 25 * 60
 )
 
 // sample is a Metric as kept: its totals and CPU count are the series'.

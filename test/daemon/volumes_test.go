@@ -10,6 +10,7 @@ import (
 	"net/url"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -338,33 +339,56 @@ func TestVolumeHostilePlanting(t *testing.T) {
 	d.expect(t, http.StatusNoContent, call{method: "DELETE", path: "/volumes/" + v.VolumeID, key: d.key})
 }
 
-// TestVolumeOtherWalls: the same volume mounted under runc and gVisor,
-// owners kept across walls.
+// TestVolumeOtherWalls: two volumes mounted on every wall present, of the
+// host template and (where the shared store has it) the base image: a log
+// each sandbox appends to keeps its owner across walls, and a volume of
+// the configured size (volumes.max_size, 32M here) fills with ENOSPC
+// inside.
 func TestVolumeOtherWalls(t *testing.T) {
 	t.Parallel()
-	d := startDaemon(t)
+	cfg := map[string]any{"network": map[string]any{"dns": testutil.SharedWorld(t).Upstreams()},
+		"volumes": map[string]any{"max_size": "32M"}}
+	templates := []string{"host"}
+	if dir := os.Getenv("CAGE_TEMPLATES"); dir != "" {
+		cfg["templates"] = dir
+		templates = append(templates, "base")
+	}
+	p := filepath.Join(t.TempDir(), "volumes.json")
+	b, _ := json.Marshal(cfg)
+	if err := os.WriteFile(p, b, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	d := startDaemon(t, "--config", p)
 	v := d.createVolume(t, d.key, "walls")
+	small := d.createVolume(t, d.key, "small")
 	defer d.expect(t, http.StatusNoContent, call{method: "DELETE", path: "/volumes/" + v.VolumeID, key: d.key})
-	mounts := []map[string]string{{"name": "walls", "path": "/home/user/vol"}}
+	defer d.expect(t, http.StatusNoContent, call{method: "DELETE", path: "/volumes/" + small.VolumeID, key: d.key})
+	mounts := []map[string]string{{"name": "walls", "path": "/home/user/vol"}, {"name": "small", "path": "/data/small"}}
 	prev := ""
-	for _, w := range []string{"runc", "gvisor", "process"} {
-		if !wallHere(w) {
-			if testutil.WallRequired(w) {
-				t.Fatalf("wall %s is required here (CAGE_REQUIRE_WALLS) but is not on this host", w)
+	for _, tmpl := range templates {
+		for _, w := range []string{"runc", "gvisor", "process"} {
+			if !wallHere(w) {
+				if testutil.WallRequired(w) {
+					t.Fatalf("wall %s is required here (CAGE_REQUIRE_WALLS) but is not on this host", w)
+				}
+				t.Logf("SKIP wall %s: not on this host", w)
+				continue
 			}
-			t.Logf("SKIP wall %s: not on this host", w)
-			continue
+			sb := d.create(t, d.key, map[string]any{"templateID": tmpl, "wall": w, "volumeMounts": mounts})
+			ac := d.agent(sb.SandboxID, sb.EnvdAccessToken)
+			out := mustRun(t, ac, "cat /home/user/vol/log 2>/dev/null; echo "+tmpl+"-"+w+" >> /home/user/vol/log && stat -c '%U %a' /home/user/vol/log")
+			if want := prev + "user 644\n"; out != want {
+				t.Errorf("%s on %s: %q, want %q", tmpl, w, out, want)
+			}
+			prev += tmpl + "-" + w + "\n"
+			t.Logf("%s on %s: the log reads back, owner user", tmpl, w)
+			r := run(ac, "dd if=/dev/zero of=/data/small/fill bs=1M count=64 2>&1; sync; rm -f /data/small/fill")
+			if !strings.Contains(r.stdout, "No space left on device") {
+				t.Errorf("%s on %s: 64 MiB into a 32 MiB volume: %q (exit %d), want ENOSPC", tmpl, w, r.stdout, r.exit)
+			}
+			ac.Close()
+			d.kill(t, d.key, sb.SandboxID)
 		}
-		sb := d.create(t, d.key, map[string]any{"wall": w, "volumeMounts": mounts})
-		ac := d.agent(sb.SandboxID, sb.EnvdAccessToken)
-		out := mustRun(t, ac, "cat /home/user/vol/log 2>/dev/null; echo "+w+" >> /home/user/vol/log && stat -c '%U %a' /home/user/vol/log")
-		want := prev + "user 644\n"
-		if out != want {
-			t.Errorf("on %s: %q, want %q", w, out, want)
-		}
-		prev += w + "\n"
-		ac.Close()
-		d.kill(t, d.key, sb.SandboxID)
 	}
 	d.expect(t, http.StatusBadRequest, call{method: "POST", path: "/v2/sandboxes", key: d.key,
 		body: map[string]any{"templateID": "base", "wall": "microvm", "volumeMounts": mounts}})
@@ -384,4 +408,44 @@ func wallHere(w string) bool {
 		return err == nil
 	}
 	return true
+}
+
+// TestVolumePauseResume: a sandbox paused without its memory keeps its
+// volume mounted in its record (the volume cannot be deleted under it); the
+// volume is not part of the files saved, so what was written to it while
+// the sandbox was paused is there after the resume, not overwritten; a
+// snapshot leaves the volume out too.
+func TestVolumePauseResume(t *testing.T) {
+	t.Parallel()
+	d := startDaemon(t)
+	v := d.createVolume(t, d.key, "kept")
+	mounts := []map[string]string{{"name": "kept", "path": "/mnt/kept"}}
+	sb := d.create(t, d.key, map[string]any{"volumeMounts": mounts})
+	ac := d.agent(sb.SandboxID, sb.EnvdAccessToken)
+	mustRun(t, ac, "echo before > /mnt/kept/f && echo home > /home/user/h")
+	ac.Close()
+	d.expect(t, http.StatusNoContent, call{method: "POST", path: "/sandboxes/" + sb.SandboxID + "/pause", key: d.key, body: map[string]any{"memory": false}})
+	d.expect(t, http.StatusConflict, call{method: "DELETE", path: "/volumes/" + v.VolumeID, key: d.key})
+	if r := d.content(t, "PUT", v.VolumeID, v.Token, "file", q("path", "/f"), []byte("while paused\n")); r.status != http.StatusCreated {
+		t.Fatalf("PUT while paused: %v", r)
+	}
+	d.expect(t, http.StatusCreated, call{method: "POST", path: "/v2/sandboxes/" + sb.SandboxID + "/connect", key: d.key, body: map[string]any{"timeout": 120}})
+	ac = d.agent(sb.SandboxID, sb.EnvdAccessToken)
+	if out := mustRun(t, ac, "cat /mnt/kept/f /home/user/h"); out != "while paused\nhome\n" {
+		t.Errorf("after resume from files: %q, want the volume as written while paused and the sandbox's own file", out)
+	}
+	ac.Close()
+	r := d.expect(t, http.StatusCreated, call{method: "POST", path: "/sandboxes/" + sb.SandboxID + "/snapshots", key: d.key, body: map[string]any{}})
+	var snap types.SnapshotInfo
+	r.decode(t, &snap)
+	d.kill(t, d.key, sb.SandboxID)
+	fork := d.create(t, d.key, map[string]any{"templateID": snap.SnapshotID})
+	ac = d.agent(fork.SandboxID, fork.EnvdAccessToken)
+	if out := mustRun(t, ac, "cat /home/user/h; ls -A /mnt/kept 2>/dev/null | wc -l"); out != "home\n0\n" {
+		t.Errorf("a sandbox from the snapshot, without the volume: %q; want its home file and nothing of the volume", out)
+	}
+	ac.Close()
+	d.kill(t, d.key, fork.SandboxID)
+	d.expect(t, http.StatusNoContent, call{method: "DELETE", path: "/templates/" + url.PathEscape(snap.SnapshotID), key: d.key})
+	d.expect(t, http.StatusNoContent, call{method: "DELETE", path: "/volumes/" + v.VolumeID, key: d.key})
 }

@@ -94,6 +94,15 @@ func (b *bundleConfig) hostRoot() ([]specs.Mount, error) {
 			return nil, err
 		}
 	}
+	// The volumes' mount points: the root is the host's tmpfs, where the
+	// container's root (under runc, an unprivileged uid) cannot make them.
+	// (Under /home and the other disk binds the runtime makes them in the
+	// disk, which is the container's.)
+	for _, v := range b.volumes {
+		if err := os.MkdirAll(filepath.Join(rootfs, v.Destination), 0o755); err != nil {
+			return nil, err
+		}
+	}
 	var mounts []specs.Mount
 	for _, m := range b.template.Mounts {
 		switch m.Kind {

@@ -1,0 +1,132 @@
+package abuse
+
+import (
+	"encoding/json"
+	"io"
+	"net/http"
+	"sort"
+	"strings"
+	"testing"
+
+	"github.com/cagehq/cage/api/types"
+	"github.com/cagehq/cage/internal/apispec"
+	"github.com/cagehq/cage/internal/testutil/cageserve"
+)
+
+// TestCrossKeyVolumes is the cross-key matrix of the volume routes: every
+// route of api/openapi.yaml under /volumes/{volumeID} answers tenant B's
+// key on A's volume exactly as on a volume that never existed (404, the
+// same body), and changes nothing; every content route answers B's
+// volume's token on A's volume as a token that opens nothing (401, the
+// same body); B's name is B's own (a mount by A's volume's name gets B's
+// volume, or none).
+func TestCrossKeyVolumes(t *testing.T) {
+	d := cageserve.Start(t)
+	keyA, keyB := d.Key, d.NewKey(t, "tenant-b")
+	volA, volB := newVolume(t, d, keyA, "shared-name"), newVolume(t, d, keyB, "b-only")
+	writeFile(t, d, volA, "/secret.txt", "A's data\n")
+	const ghost = "0123456789abcdef0123"
+
+	doc, err := apispec.Doc()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var control, content []string
+	for path, item := range doc.Paths.Map() {
+		for method := range item.Operations() {
+			switch {
+			case strings.HasPrefix(path, "/volumes/{volumeID}"):
+				control = append(control, method+" "+path)
+			case strings.HasPrefix(path, "/volumecontent/{volumeID}"):
+				content = append(content, method+" "+path)
+			}
+		}
+	}
+	sort.Strings(control)
+	sort.Strings(content)
+	if len(control) < 2 || len(content) < 7 {
+		t.Fatalf("the document lists %d volume and %d content routes: %v %v", len(control), len(content), control, content)
+	}
+	for _, route := range control {
+		method, path, _ := strings.Cut(route, " ")
+		status, got, err := d.Do(method, strings.ReplaceAll(path, "{volumeID}", volA.VolumeID), keyB, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		gStatus, want, _ := d.Do(method, strings.ReplaceAll(path, "{volumeID}", ghost), keyB, nil)
+		if status != http.StatusNotFound || gStatus != http.StatusNotFound {
+			t.Errorf("%s with B's key on A's volume: %d %s (never existed: %d); want 404", route, status, got, gStatus)
+		} else if strings.ReplaceAll(string(got), volA.VolumeID, ghost) != string(want) {
+			t.Errorf("%s: B learns A's volume exists: %s, against %s", route, got, want)
+		}
+	}
+	for _, route := range content {
+		method, path, _ := strings.Cut(route, " ")
+		var body io.Reader
+		if method == http.MethodPut || method == http.MethodPatch {
+			body = strings.NewReader(`{"mode":511}`)
+		}
+		status, got := contentDo(t, d, method, strings.ReplaceAll(path, "{volumeID}", volA.VolumeID)+"?path=/secret.txt", volB.Token, body)
+		if method == http.MethodPut || method == http.MethodPatch {
+			body = strings.NewReader(`{"mode":511}`)
+		}
+		gStatus, want := contentDo(t, d, method, strings.ReplaceAll(path, "{volumeID}", ghost)+"?path=/secret.txt", volB.Token, body)
+		if status != http.StatusUnauthorized || gStatus != http.StatusUnauthorized {
+			t.Errorf("%s with B's volume token on A's volume: %d %s (never existed: %d); want 401", route, status, got, gStatus)
+		} else if strings.ReplaceAll(string(got), volA.VolumeID, ghost) != string(want) {
+			t.Errorf("%s: B's token learns A's volume exists: %s, against %s", route, got, want)
+		}
+	}
+	// A's volume is as A left it.
+	if status, got := contentDo(t, d, "GET", "/volumecontent/"+volA.VolumeID+"/file?path=/secret.txt", volA.Token, nil); status != http.StatusOK || string(got) != "A's data\n" {
+		t.Errorf("A's file after B's attempts: %d %q", status, got)
+	}
+	// Lists: each its own.
+	_, out, _ := d.Do("GET", "/volumes", keyB, nil)
+	if strings.Contains(string(out), volA.VolumeID) || !strings.Contains(string(out), volB.VolumeID) {
+		t.Errorf("GET /volumes with B's key: %s", out)
+	}
+	// B mounting by A's volume's name: B has no volume of that name.
+	_, status, msg := d.TryCreate(keyB, map[string]any{"volumeMounts": []map[string]string{{"name": "shared-name", "path": "/mnt/a"}}})
+	if status != http.StatusBadRequest || strings.Contains(msg, volA.VolumeID) {
+		t.Errorf("B mounting A's volume by name: %d %s; want 400 (B has no such volume), naming nothing of A's", status, msg)
+	}
+}
+
+func newVolume(t *testing.T, d *cageserve.Daemon, key, name string) types.VolumeAndToken {
+	t.Helper()
+	status, b, err := d.Do("POST", "/volumes", key, map[string]any{"name": name})
+	if err != nil || status != http.StatusCreated {
+		t.Fatalf("POST /volumes %s: %d %s %v", name, status, b, err)
+	}
+	var v types.VolumeAndToken
+	if err := json.Unmarshal(b, &v); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _, _, _ = d.Do("DELETE", "/volumes/"+v.VolumeID, key, nil) })
+	return v
+}
+
+func writeFile(t *testing.T, d *cageserve.Daemon, v types.VolumeAndToken, path, data string) {
+	t.Helper()
+	if status, b := contentDo(t, d, "PUT", "/volumecontent/"+v.VolumeID+"/file?path="+path, v.Token, strings.NewReader(data)); status != http.StatusCreated {
+		t.Fatalf("PUT %s: %d %s", path, status, b)
+	}
+}
+
+// contentDo sends a content API request with a bearer token.
+func contentDo(t *testing.T, d *cageserve.Daemon, method, path, token string, body io.Reader) (int, []byte) {
+	t.Helper()
+	req, err := http.NewRequest(method, "http://"+d.API+path, body)
+	if err != nil {
+		t.Fatal(err)
+	}
+	req.Header.Set("Authorization", "Bearer "+token)
+	resp, err := d.HTTP.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return resp.StatusCode, b
+}
