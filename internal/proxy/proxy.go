@@ -10,7 +10,9 @@
 // passes without. Any other port is a server inside the sandbox, reached
 // through the agent's port forward (agentclient.DialPort); unless the
 // sandbox allows public traffic, such a request must carry the sandbox's
-// traffic token in E2b-Traffic-Access-Token.
+// traffic token in E2b-Traffic-Access-Token. Port 49999, the code
+// interpreter, also takes the access token to run code (see
+// interpUnauthorized), and never passes it on.
 //
 // Each sandbox has one connection pool, whatever the number of its ports a
 // client sweeps: ports are pool keys, not pools.
@@ -158,6 +160,12 @@ func (p *Proxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 			writeJSON(w, http.StatusForbidden, sandboxError{id, "This sandbox's ports need its traffic access token (" + TrafficHeader + ")", http.StatusForbidden})
 			return
 		}
+		if port == InterpPort {
+			if msg := interpUnauthorized(r, access.Token); msg != "" {
+				writeUnauthorized(w, r, id, msg)
+				return
+			}
+		}
 	}
 	// Only a request that carries a credential wakes a paused sandbox (an
 	// anonymous /health does not), as on E2B; public ports are anyone's.
@@ -180,6 +188,9 @@ func (p *Proxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 			pr.Out.Header.Del("E2b-Sandbox-Id")
 			pr.Out.Header.Del("E2b-Sandbox-Port")
 			pr.Out.Header.Del(TrafficHeader)
+			if port == InterpPort {
+				pr.Out.Header.Del("X-Access-Token") // checked here; code in the sandbox never sees it
+			}
 		},
 		Transport:     p.transport(sb),
 		FlushInterval: -1,
@@ -204,6 +215,54 @@ func (p *Proxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	// the unread body at the first flush, and the stream breaks.
 	_ = http.NewResponseController(w).EnableFullDuplex()
 	rp.ServeHTTP(w, r)
+}
+
+// InterpPort is the port of the code interpreter (cage-interp) that
+// @e2b/code-interpreter addresses.
+const InterpPort = 49999
+
+// interpUnauthorized says why a request for the code interpreter may not
+// pass ("" when it may). The SDK sends the sandbox's access token
+// (X-Access-Token) only on POST /execute, so running code takes it; the
+// context routes it does not send it on (GET /health, GET and POST
+// /contexts, POST /contexts/{id}/restart, DELETE /contexts/{id}) pass
+// without, guarded only by the traffic token where the sandbox is not
+// public. A token that is sent must be the right one, on any route.
+func interpUnauthorized(r *http.Request, token string) string {
+	got, sent := r.Header["X-Access-Token"]
+	if sent {
+		if len(got) == 1 && subtle.ConstantTimeCompare([]byte(got[0]), []byte(token)) == 1 {
+			return ""
+		}
+		return "invalid access token (X-Access-Token)"
+	}
+	if interpOpenRoute(r.Method, r.URL.Path) {
+		return ""
+	}
+	return "running code needs the sandbox's access token (X-Access-Token)"
+}
+
+// interpOpenRoute says whether a route of the code interpreter is one the
+// SDK calls without the access token.
+func interpOpenRoute(method, path string) bool {
+	switch {
+	case path == "/health":
+		return method == http.MethodGet || method == http.MethodHead
+	case path == "/contexts":
+		return method == http.MethodGet || method == http.MethodPost
+	}
+	rest, ok := strings.CutPrefix(path, "/contexts/")
+	if !ok {
+		return false
+	}
+	id, restart, hasSlash := strings.Cut(rest, "/")
+	if id == "" || strings.ContainsAny(id, ".%") {
+		return false
+	}
+	if hasSlash {
+		return restart == "restart" && method == http.MethodPost
+	}
+	return method == http.MethodDelete
 }
 
 // envdUnauthorized says why a request for the agent may not pass ("" when
