@@ -12,6 +12,7 @@ command -v unshare >/dev/null || need+=(util-linux)
 command -v ip >/dev/null || need+=(iproute2)
 command -v runc >/dev/null || need+=(runc)
 [ -x /bin/busybox ] || need+=(busybox-static) # the test images' one binary
+python3 -c 'import ipykernel' 2>/dev/null || need+=(python3-ipykernel) # internal/interp's tests talk to a real kernel
 command -v mmdebstrap >/dev/null || need+=(mmdebstrap) # FROM debian:bookworm (the base template)
 if [ ${#need[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ]; then
@@ -79,6 +80,13 @@ if [ "$(id -u)" = 0 ]; then
   fi
   touch "$CAGE_TEMPLATES"
   export CAGE_REQUIRE_BASE=1
+  # code-interpreter-v1 (@e2b/code-interpreter's template): base and
+  # Debian's data stack (about five minutes the first time), then cached
+  # step by step: a later run rebuilds only what changed (cage-interp).
+  echo "== the code-interpreter-v1 template (cached steps are not run again)"
+  make -s code-interpreter >.tools/code-interpreter-build.log 2>&1 ||
+    { tail -30 .tools/code-interpreter-build.log >&2; exit 1; }
+  export CAGE_REQUIRE_CODE_INTERPRETER=1
 
   # The E2B SDK from npm (test/e2b), installed here and not by the tests:
   # they run in network namespaces of their own, where the registry does
@@ -94,6 +102,9 @@ if [ "$(id -u)" = 0 ]; then
       sha256sum package.json package-lock.json >node_modules/.cage-lock-sha256)
   fi
   export CAGE_REQUIRE_E2B=1
+  # internal/interp's kernels: python3-ipykernel (above), node, and
+  # TypeScript from test/e2b's packages.
+  export CAGE_REQUIRE_KERNELS=1
 fi
 # The generators whose output is committed (api/types' test checks it is
 # current), fetched here: the tests run them offline.

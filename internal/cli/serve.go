@@ -7,6 +7,8 @@ import (
 	"io"
 	"os"
 	"os/signal"
+	"strconv"
+	"strings"
 	"syscall"
 	"text/tabwriter"
 	"time"
@@ -20,6 +22,7 @@ import (
 func newServeCmd(g *globals) *cobra.Command {
 	cfg := daemon.Defaults()
 	var configFile, maxTimeout string
+	var poolsOf []string
 	cmd := &cobra.Command{
 		Use:   "serve",
 		Short: "Run the daemon: E2B-compatible API and sandbox proxy",
@@ -66,6 +69,16 @@ and E2B_API_KEY set to a key from 'cage keys create'.`,
 			if fl.Changed("pool") {
 				final.Pool = cfg.Pool
 			}
+			for _, kv := range poolsOf {
+				name, n, err := templateCount(kv)
+				if err != nil {
+					return exitf(ExitUsage, "--pool-of %q: %v", kv, err)
+				}
+				if final.Pools == nil {
+					final.Pools = map[string]int{}
+				}
+				final.Pools[name] = n
+			}
 			if fl.Changed("max-sandboxes") {
 				final.MaxSandboxes = cfg.MaxSandboxes
 			}
@@ -91,10 +104,21 @@ and E2B_API_KEY set to a key from 'cage keys create'.`,
 	fl.StringVar(&cfg.Data, "data", cfg.Data, "state directory")
 	fl.StringVar(&cfg.Domain, "domain", "", "domain of {port}-{sandboxID}.{domain} hosts")
 	fl.IntVar(&cfg.Pool, "pool", cfg.Pool, "prepared sandboxes kept ready (process wall)")
+	fl.StringArrayVar(&poolsOf, "pool-of", nil, "TEMPLATE=N: keep N sandboxes of TEMPLATE ready too, started if it has a start command (repeatable)")
 	fl.StringVar(&cfg.DefaultWall, "wall", cfg.DefaultWall, "wall of a create that names none: process, runc, gvisor")
 	fl.IntVar(&cfg.MaxSandboxes, "max-sandboxes", 0, "sandboxes alive at once (0: one per 8 MiB of the host's RAM, at least 16); beyond it creates get 429")
 	fl.StringVar(&maxTimeout, "max-timeout", "24h", "longest timeout a sandbox may ask for")
 	return cmd
+}
+
+// templateCount reads TEMPLATE=N.
+func templateCount(kv string) (string, int, error) {
+	name, v, ok := strings.Cut(kv, "=")
+	n, err := strconv.Atoi(v)
+	if !ok || name == "" || err != nil || n < 0 || n > 1000 {
+		return "", 0, errors.New("want TEMPLATE=N with N from 0 to 1000")
+	}
+	return name, n, nil
 }
 
 func newKeysCmd(g *globals) *cobra.Command {

@@ -47,12 +47,16 @@ type Config struct {
 	Pool            int      `json:"pool"` // prepared sandboxes kept ready
 	// PoolTemplate is the template the pool prepares (default: the
 	// default template; E2B's SDKs ask for "base" when given none).
-	PoolTemplate string  `json:"pool_template"`
-	AgentPath    string  `json:"agent"`
-	Network      Network `json:"network"`
-	Limits       Limits  `json:"limits"`
-	Records      Records `json:"records"`
-	Volumes      Volumes `json:"volumes"`
+	PoolTemplate string `json:"pool_template"`
+	// Pools keeps sandboxes of more templates ready: template name ->
+	// how many. A template with a start command (code-interpreter-v1) is
+	// kept started, its command run and ready.
+	Pools     map[string]int `json:"pools"`
+	AgentPath string         `json:"agent"`
+	Network   Network        `json:"network"`
+	Limits    Limits         `json:"limits"`
+	Records   Records        `json:"records"`
+	Volumes   Volumes        `json:"volumes"`
 }
 
 // Limits bound what one tenant can take: one sandbox's limits, creates in
@@ -236,6 +240,9 @@ func Run(ctx context.Context, cfg Config, log *slog.Logger, ready func(apiAddr, 
 		host.PoolTemplate = cfg.DefaultTemplate
 	}
 	host.StartPool(cfg.Pool)
+	for name, n := range cfg.Pools {
+		host.AddPool(name, n)
+	}
 	defer host.Close()
 
 	apiL, err := net.Listen("tcp", cfg.API)

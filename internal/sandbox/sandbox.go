@@ -49,7 +49,7 @@ type Host struct {
 
 	tmpl templates
 	net  networks
-	pool pool
+	pool pools
 }
 
 // NewHost checks that this host can run sandboxes at all (root, the
@@ -154,11 +154,14 @@ func (h *Host) Begin(ctx context.Context, o *Options) (*Pending, error) {
 	}
 	p := &Pending{h: h, driver: d}
 	if !o.DieWithCaller && o.ID == "" && len(o.Volumes) == 0 {
-		p.prepared = h.pool.take(h, d.Name(), tmpl.Name) // (prepared roots have no volumes)
+		p.prepared = h.pool.take(d.Name(), tmpl.Name, o) // (prepared roots have no volumes)
 	}
 	id, token := o.ID, o.Token
 	if p.prepared != nil {
 		id = p.prepared.ID()
+		if t := p.prepared.Token(); t != "" {
+			token = t // a started sandbox from the pool has its own
+		}
 	}
 	if id == "" {
 		id = ids.NewID()
@@ -185,7 +188,7 @@ func (p *Pending) Start(ctx context.Context) (wall.Sandbox, error) {
 	} else {
 		sb, err = p.driver.Create(ctx, p.spec)
 	}
-	if err == nil {
+	if s, ok := sb.(interface{ ranStartCommand() bool }); err == nil && !(ok && s.ranStartCommand()) {
 		err = startCommand(sb, p.spec.Template)
 	}
 	if err != nil {
