@@ -11,6 +11,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -448,4 +449,51 @@ func TestVolumePauseResume(t *testing.T) {
 	d.kill(t, d.key, fork.SandboxID)
 	d.expect(t, http.StatusNoContent, call{method: "DELETE", path: "/templates/" + url.PathEscape(snap.SnapshotID), key: d.key})
 	d.expect(t, http.StatusNoContent, call{method: "DELETE", path: "/volumes/" + v.VolumeID, key: d.key})
+}
+
+// TestVolumeAcrossRestart: a sandbox keeps its volume mounted while the
+// daemon stops (SIGTERM: the host's mount goes) or dies (kill -9: it
+// stays); the next daemon mounts the same file system again, never a
+// second one of the same bytes: what the API writes, the running sandbox
+// reads, and the other way round.
+func TestVolumeAcrossRestart(t *testing.T) {
+	t.Parallel()
+	d := startDaemon(t)
+	v := d.createVolume(t, d.key, "lasting")
+	sb := d.create(t, d.key, map[string]any{"volumeMounts": []map[string]string{{"name": "lasting", "path": "/mnt/v"}}})
+	for i, restart := range []func(*testing.T){d.stop, d.kill9} {
+		restart(t)
+		d.start(t)
+		name := "/after-" + strconv.Itoa(i)
+		if r := d.content(t, "PUT", v.VolumeID, v.Token, "file", q("path", name), []byte("from the API\n")); r.status != http.StatusCreated {
+			t.Fatalf("PUT %s after restart %d: %v", name, i, r)
+		}
+		ac := d.agent(sb.SandboxID, sb.EnvdAccessToken)
+		if out := mustRun(t, ac, "cat /mnt/v"+name+" && echo inside > /mnt/v/inside-"+strconv.Itoa(i)); out != "from the API\n" {
+			t.Errorf("after restart %d the sandbox reads %q of what the API wrote", i, out)
+		}
+		ac.Close()
+		if r := d.content(t, "GET", v.VolumeID, v.Token, "file", q("path", "/inside-"+strconv.Itoa(i)), nil); string(r.body) != "inside\n" {
+			t.Errorf("after restart %d the API reads %v of what the sandbox wrote", i, r)
+		}
+	}
+	if n := loopsOf(t, d.data); n != 1 {
+		t.Errorf("%d loop devices hold the volume's image, want 1", n)
+	}
+	d.kill(t, d.key, sb.SandboxID)
+	d.expect(t, http.StatusNoContent, call{method: "DELETE", path: "/volumes/" + v.VolumeID, key: d.key})
+}
+
+// loopsOf counts the loop devices whose backing file is under dir.
+func loopsOf(t *testing.T, dir string) int {
+	t.Helper()
+	files, _ := filepath.Glob("/sys/block/loop*/loop/backing_file")
+	n := 0
+	for _, f := range files {
+		b, err := os.ReadFile(f)
+		if err == nil && strings.HasPrefix(strings.TrimSpace(string(b)), dir) {
+			n++
+		}
+	}
+	return n
 }
