@@ -336,6 +336,47 @@ func TestVolumeHostilePlanting(t *testing.T) {
 			t.Errorf("a listing followed the planted /etc link: %+v", e)
 		}
 	}
+
+	// The race: the sandbox swaps a directory for a symlink to the host's
+	// /tmp and back as fast as it can while the API writes into it and
+	// lists it. Every write lands in the volume or is refused; none
+	// reaches the host.
+	hostDir := t.TempDir()
+	if err := os.Chmod(hostDir, 0o777); err != nil {
+		t.Fatal(err)
+	}
+	swapper := "cd /vol && end=$(($(date +%s)+4)); while [ $(date +%s) -lt $end ]; do rm -rf race; ln -s " +
+		hostDir + " race; rm -f race; mkdir race; done; echo done"
+	swapped := make(chan runResult, 1)
+	go func() { swapped <- run(ac, swapper) }()
+	landed, links := 0, 0
+	for i := 0; i < 150; i++ {
+		name := "/race/w" + strconv.Itoa(i)
+		switch r := d.content(t, "PUT", v.VolumeID, v.Token, "file", q("path", name, "force", "true"), []byte("x")); r.status {
+		case http.StatusCreated:
+			landed++
+		case http.StatusBadRequest, http.StatusNotFound, http.StatusConflict:
+		default:
+			t.Errorf("PUT %s during the swaps: %v", name, r)
+		}
+		d.content(t, "GET", v.VolumeID, v.Token, "dir", q("path", "/race", "depth", "2"), nil)
+		var e types.VolumeEntryStat
+		if r := d.content(t, "GET", v.VolumeID, v.Token, "path", q("path", "/race"), nil); r.status == http.StatusOK {
+			if r.decode(t, &e); e.Type == "symlink" {
+				links++
+			}
+		}
+	}
+	if r := <-swapped; r.stdout != "done\n" {
+		t.Errorf("the swapper: %+v", r)
+	}
+	if ents, _ := os.ReadDir(hostDir); len(ents) > 0 {
+		t.Errorf("writes during the swaps reached the host directory the symlink named: %d entries", len(ents))
+	}
+	if links == 0 {
+		t.Errorf("the API never met the symlink during the swaps: the race was not run")
+	}
+	t.Logf("during the swaps %d of 150 writes landed in the volume, the rest were refused; the API met the symlink %d times", landed, links)
 	d.kill(t, d.key, sb.SandboxID)
 	d.expect(t, http.StatusNoContent, call{method: "DELETE", path: "/volumes/" + v.VolumeID, key: d.key})
 }
