@@ -117,6 +117,9 @@ func pathErr(op, p string, err error) error {
 		return fmt.Errorf("%w: %s %s: crosses into another file system", ErrInvalid, op, p)
 	case errors.Is(err, unix.ENAMETOOLONG):
 		return fmt.Errorf("%w: %s %s: name too long", ErrInvalid, op, p)
+	case errors.Is(err, unix.ENXIO), errors.Is(err, unix.EACCES), errors.Is(err, unix.EPERM):
+		// A socket, or a device node (the volume is mounted nodev).
+		return fmt.Errorf("%w: %s %s: not a regular file or directory the API can open", ErrInvalid, op, p)
 	}
 	return fmt.Errorf("%s %s: %w", op, p, err)
 }

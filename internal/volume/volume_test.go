@@ -154,6 +154,11 @@ func TestVolumeHostileEntries(t *testing.T) {
 	must(os.Symlink(outside, filepath.Join(dir, "dirlink")))
 	must(os.Symlink("..", filepath.Join(dir, "up")))
 	must(unix.Mkfifo(filepath.Join(dir, "fifo"), 0o666))
+	must(unix.Mknod(filepath.Join(dir, "null"), unix.S_IFCHR|0o666, int(unix.Mkdev(1, 3))))
+	sock, err := unix.Socket(unix.AF_UNIX, unix.SOCK_STREAM, 0)
+	must(err)
+	must(unix.Bind(sock, &unix.SockaddrUnix{Name: filepath.Join(dir, "sock")}))
+	unix.Close(sock)
 	must(os.WriteFile(filepath.Join(dir, "orig"), []byte("original"), 0o644))
 	must(os.Link(filepath.Join(dir, "orig"), filepath.Join(dir, "hardlink")))
 
@@ -175,6 +180,11 @@ func TestVolumeHostileEntries(t *testing.T) {
 		}
 	case <-time.After(5 * time.Second):
 		t.Fatal("read of a FIFO blocked")
+	}
+	for _, p := range []string{"/null", "/sock"} {
+		if _, _, err := r.Open(p); !errors.Is(err, ErrInvalid) {
+			t.Errorf("read of %s (a device node, a socket): %v, want ErrInvalid", p, err)
+		}
 	}
 	if _, err := r.Write("/link", strings.NewReader("overwritten"), Meta{}, false); err != nil {
 		t.Fatal(err)
