@@ -27,6 +27,9 @@ var volumeName = regexp.MustCompile(`^[a-zA-Z0-9_-]{1,128}$`)
 // DefaultMaxVolumes is how many volumes a key may have unless configured.
 const DefaultMaxVolumes = 100
 
+// MaxVolumeMounts is how many volumes one sandbox may mount.
+const MaxVolumeMounts = 32
+
 // ErrUnauthorized: a volume's token does not open it.
 var ErrUnauthorized = errors.New("unauthorized")
 
@@ -151,6 +154,9 @@ func (m *Manager) OpenVolume(id, token string) (*volume.Root, error) {
 func (m *Manager) openMounts(keyID string, req []VolumeMount) ([]store.VolumeMount, []wall.Volume, error) {
 	if len(req) == 0 {
 		return nil, nil, nil
+	}
+	if len(req) > MaxVolumeMounts {
+		return nil, nil, fmt.Errorf("%w: %d volume mounts; at most %d", ErrInvalid, len(req), MaxVolumeMounts)
 	}
 	vm, err := m.volumes()
 	if err != nil {

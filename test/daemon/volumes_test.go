@@ -204,9 +204,10 @@ func TestVolumes(t *testing.T) {
 		[]map[string]string{{"name": "data_1-A", "path": "/home"}},
 		[]map[string]string{{"name": "data_1-A", "path": "/usr/local/x"}},
 		[]map[string]string{{"name": "data_1-A", "path": "/mnt/a"}, {"name": "data_1-A", "path": "/mnt/a/b"}},
+		manyMounts(33),
 	} {
 		d.expect(t, http.StatusBadRequest, call{method: "POST", path: "/v2/sandboxes", key: key,
-			body: map[string]any{"templateID": "host", "volumeMounts": bad}})
+			body: map[string]any{"templateID": "host", "volumeMounts": bad}, invalid: true})
 	}
 	// Another key cannot mount this key's volume by its name: it has its own.
 	sb3 := d.create(t, other, map[string]any{"volumeMounts": mounts})
@@ -537,4 +538,13 @@ func loopsOf(t *testing.T, dir string) int {
 		}
 	}
 	return n
+}
+
+// manyMounts is n mounts of the volume data_1-A.
+func manyMounts(n int) []map[string]string {
+	var out []map[string]string
+	for i := 0; i < n; i++ {
+		out = append(out, map[string]string{"name": "data_1-A", "path": "/mnt/m" + strconv.Itoa(i)})
+	}
+	return out
 }
