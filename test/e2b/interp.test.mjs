@@ -4,6 +4,7 @@
 // and kills them in a finally.
 import { test } from 'node:test'
 import assert from 'node:assert/strict'
+import http from 'node:http'
 import { inflateSync } from 'node:zlib'
 
 import { errText } from './helpers.mjs'
@@ -30,13 +31,29 @@ async function withInterp(opts, fn) {
   }
 }
 
-/** A raw request to the sandbox's port 49999 through cage's proxy: its status and body. */
-async function raw(sbx, path, { method = 'POST', body, token, traffic } = {}) {
+/**
+ * A raw request to the sandbox's port 49999 through cage's proxy, on a
+ * connection of its own (a refused large body closes its connection):
+ * its status and body.
+ */
+function raw(sbx, path, { method = 'POST', body, token, traffic } = {}) {
   const headers = { 'Content-Type': 'application/json', 'E2b-Sandbox-Id': sbx.sandboxId, 'E2b-Sandbox-Port': '49999' }
   if (token !== undefined) headers['X-Access-Token'] = token
   if (traffic !== undefined) headers['E2B-Traffic-Access-Token'] = traffic
-  const res = await fetch(`${process.env.E2B_SANDBOX_URL}${path}`, { method, headers, body })
-  return { status: res.status, text: await res.text() }
+  return new Promise((resolve, reject) => {
+    let answered = false
+    const req = http.request(`${process.env.E2B_SANDBOX_URL}${path}`, { method, headers, agent: false }, (res) => {
+      answered = true
+      const chunks = []
+      res.on('data', (c) => chunks.push(c))
+      res.on('end', () => resolve({ status: res.statusCode, text: Buffer.concat(chunks).toString() }))
+      res.on('error', reject)
+    })
+    // A server may answer (413) and close before it has read all of a
+    // large body: the answer counts.
+    req.on('error', (err) => (answered ? undefined : reject(err)))
+    req.end(body)
+  })
 }
 
 /** Width and height of a PNG, after inflating its image data to the size they imply (8-bit RGBA or RGB). */
@@ -160,7 +177,8 @@ test('contexts: create with cwd and language, list, restart, remove', T, async (
     assert.equal((await sbx.runCode('import os\nos.getcwd()', { context: ctx })).text, '/tmp', 'cwd kept')
     await sbx.removeCodeContext(ctx.id)
     assert.ok(!(await sbx.listCodeContexts()).some((c) => c.id === ctx.id))
-    await assert.rejects(sbx.runCode('1', { context: ctx }), NotFoundError)
+    // (A refused runCode leaves the SDK's request timer pending: short.)
+    await assert.rejects(sbx.runCode('1', { context: ctx, requestTimeoutMs: 5000 }), NotFoundError)
     const js = await sbx.createCodeContext({ language: 'javascript', cwd: '/tmp' })
     assert.equal((await sbx.runCode('process.cwd()', { context: js })).text, '/tmp')
   })
@@ -237,12 +255,12 @@ test('bad input: context and language, unknown context and language, malformed J
     let res = await raw(sbx, '/execute', { token, body: JSON.stringify({ code: '1', context_id: ctx.id, language: 'python' }) })
     assert.equal(res.status, 400)
     assert.equal(res.text, 'Only one of context_id or language can be provided')
-    await assert.rejects(sbx.runCode('1', { context: { id: 'no-such-context', language: 'python', cwd: '/' } }), (err) => {
+    await assert.rejects(sbx.runCode('1', { context: { id: 'no-such-context', language: 'python', cwd: '/' }, requestTimeoutMs: 5000 }), (err) => {
       assert.ok(err instanceof NotFoundError, errText(err))
       assert.match(err.message, /Context no-such-context not found/)
       return true
     })
-    await assert.rejects(sbx.runCode('1', { language: 'cobol' }), (err) => {
+    await assert.rejects(sbx.runCode('1', { language: 'cobol', requestTimeoutMs: 5000 }), (err) => {
       assert.ok(err instanceof SandboxError && /400/.test(err.message), errText(err))
       return true
     })
