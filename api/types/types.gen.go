@@ -624,6 +624,23 @@ type SandboxDetailPausedWith string
 // SandboxDomain Base domain under which the sandbox's ports are reachable (`<port>-<sandboxID>.<domain>`); null means the client's configured domain (`E2B_DOMAIN`).
 type SandboxDomain = string
 
+// SandboxForkRequest defines model for SandboxForkRequest.
+type SandboxForkRequest struct {
+	// Count How many sandboxes to make from the one snapshot.
+	Count int32 `json:"count,omitempty,omitzero"`
+
+	// Timeout Time to live of each new sandbox, in seconds.
+	Timeout int32 `json:"timeout,omitempty,omitzero"`
+}
+
+// SandboxForkResult One fork's outcome; exactly one of sandbox and error is set.
+type SandboxForkResult struct {
+	Error Error `json:"error,omitempty,omitzero"`
+
+	// Sandbox A started (or resumed) sandbox and what a client needs to reach it. cage always sends every field but `alias`.
+	Sandbox Sandbox `json:"sandbox,omitempty,omitzero"`
+}
+
 // SandboxID Identifier of the sandbox. The E2B SDKs put it in a host name (`<port>-<sandboxID>.<domain>`), so it is a lowercase DNS label.
 type SandboxID = string
 
@@ -1074,6 +1091,9 @@ type CreateSandboxJSONRequestBody = NewSandbox
 //
 // Deprecated: this type has been marked as deprecated upstream, but no `x-deprecated-reason` was set
 type ConnectSandboxJSONRequestBody = ConnectSandbox
+
+// ForkSandboxJSONRequestBody defines body for ForkSandbox for application/json ContentType.
+type ForkSandboxJSONRequestBody = SandboxForkRequest
 
 // UpdateSandboxNetworkJSONRequestBody defines body for UpdateSandboxNetwork for application/json ContentType.
 type UpdateSandboxNetworkJSONRequestBody = SandboxNetworkUpdate

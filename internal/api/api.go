@@ -77,6 +77,7 @@ func Handler(cfg Config) http.Handler {
 	mux.Handle("POST /sandboxes/{sandboxID}/pause", auth(http.HandlerFunc(s.pause)))
 	mux.Handle("POST /sandboxes/{sandboxID}/resume", auth(http.HandlerFunc(s.resume)))
 	mux.Handle("POST /sandboxes/{sandboxID}/snapshots", auth(http.HandlerFunc(s.createSnapshot)))
+	mux.Handle("POST /sandboxes/{sandboxID}/fork", auth(http.HandlerFunc(s.fork)))
 	mux.Handle("GET /snapshots", auth(http.HandlerFunc(s.listSnapshots)))
 	mux.Handle("DELETE /templates/{templateID}", auth(http.HandlerFunc(s.deleteTemplate)))
 	mux.Handle("POST /sandboxes/{sandboxID}/connect", auth(s.connect(false)))
@@ -145,28 +146,35 @@ func writeError(w http.ResponseWriter, status int, msg string) {
 
 // fail maps an error kind to its status.
 func (s *server) fail(w http.ResponseWriter, r *http.Request, err error) {
+	code, msg := s.failure(r, err)
+	if code == http.StatusTooManyRequests {
+		w.Header().Set("Retry-After", "1")
+	}
+	writeError(w, code, msg)
+}
+
+// failure is the status and one-line message a client gets for err.
+func (s *server) failure(r *http.Request, err error) (int, string) {
 	var tooBig *http.MaxBytesError
 	switch {
 	case errors.As(err, &tooBig):
-		writeError(w, http.StatusRequestEntityTooLarge, fmt.Sprintf("request body larger than %d bytes", maxBody))
+		return http.StatusRequestEntityTooLarge, fmt.Sprintf("request body larger than %d bytes", maxBody)
 	case errors.Is(err, manager.ErrNotFound), errors.Is(err, sandbox.ErrNotFound):
-		writeError(w, http.StatusNotFound, err.Error())
+		return http.StatusNotFound, err.Error()
 	case errors.Is(err, sandbox.ErrInvalid), errors.Is(err, errBadRequest):
-		writeError(w, http.StatusBadRequest, err.Error())
+		return http.StatusBadRequest, err.Error()
 	case errors.Is(err, manager.ErrConflict):
-		writeError(w, http.StatusConflict, err.Error())
+		return http.StatusConflict, err.Error()
 	case errors.Is(err, manager.ErrLimit):
-		w.Header().Set("Retry-After", "1")
-		writeError(w, http.StatusTooManyRequests, err.Error())
+		return http.StatusTooManyRequests, err.Error()
 	case errors.Is(err, sandbox.ErrUnavailable), errors.Is(err, sandbox.ErrPermission):
-		writeError(w, http.StatusServiceUnavailable, err.Error())
-	default:
-		// The detail (host paths, SQL) is the operator's, in the log; the
-		// client gets an id to quote.
-		id := requestID()
-		s.log.Error("request failed", "route", r.Method+" "+r.URL.Path, "request", id, "err", err)
-		writeError(w, http.StatusInternalServerError, "internal error (request "+id+"; the server's log has the detail)")
+		return http.StatusServiceUnavailable, err.Error()
 	}
+	// The detail (host paths, SQL) is the operator's, in the log; the
+	// client gets an id to quote.
+	id := requestID()
+	s.log.Error("request failed", "route", r.Method+" "+r.URL.Path, "request", id, "err", err)
+	return http.StatusInternalServerError, "internal error (request " + id + "; the server's log has the detail)"
 }
 
 var errBadRequest = errors.New("bad request")

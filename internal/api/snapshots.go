@@ -3,6 +3,7 @@ package api
 import (
 	"fmt"
 	"net/http"
+	"time"
 
 	"github.com/cagehq/cage/api/types"
 	"github.com/cagehq/cage/internal/manager"
@@ -64,4 +65,40 @@ func (s *server) deleteTemplate(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	w.WriteHeader(http.StatusNoContent)
+}
+
+// fork makes count sandboxes from a running sandbox's snapshot: 201 with
+// one entry a fork, its sandbox or its error (E2B's SandboxForkResult).
+func (s *server) fork(w http.ResponseWriter, r *http.Request) {
+	var body types.SandboxForkRequest
+	if err := decode(r, &body, true); err != nil {
+		s.fail(w, r, err)
+		return
+	}
+	count, timeout := int(body.Count), time.Duration(body.Timeout)*time.Second
+	if count == 0 {
+		count = 1
+	}
+	if body.Timeout == 0 {
+		timeout = 15 * time.Second // E2B's default
+	}
+	if body.Timeout < 0 {
+		s.fail(w, r, fmt.Errorf("%w: timeout must be at least 1 second", errBadRequest))
+		return
+	}
+	forks, err := s.cfg.Manager.Fork(r.Context(), keyID(r), r.PathValue("sandboxID"), count, timeout)
+	if err != nil {
+		s.fail(w, r, err)
+		return
+	}
+	out := make([]types.SandboxForkResult, len(forks))
+	for i, f := range forks {
+		if f.Err != nil {
+			code, msg := s.failure(r, f.Err)
+			out[i].Error = types.Error{Code: int32(code), Message: msg}
+			continue
+		}
+		out[i].Sandbox = s.sandboxOf(f.Sandbox)
+	}
+	writeJSON(w, http.StatusCreated, out)
 }

@@ -116,8 +116,9 @@ for i in $(seq 600); do [ -e /tmp/touched ] && exit 0; sleep 0.1; done; exit 1`
 	return sb, nil
 }
 
-// Fork measures n sandboxes made from one snapshot of a running sandbox:
-// from the snapshot's request to the first output of all n.
+// Fork measures E2B's fork of n sandboxes from a running sandbox (one
+// snapshot, n sandboxes from it): from the fork's request to the first
+// output of all n.
 func Fork(ctx context.Context, c *client.Client, wall, template string, n, runs int) (stats.Stats, error) {
 	if template == "" {
 		template = "host"
@@ -130,46 +131,30 @@ func Fork(ctx context.Context, c *client.Client, wall, template string, n, runs 
 			return stats.Stats{}, err
 		}
 		start := time.Now()
-		sn, err := c.Snapshot(ctx, src.SandboxID, "")
-		if err != nil {
-			_ = c.Kill(ctx, src.SandboxID)
-			return stats.Stats{}, err
-		}
+		forks, err := c.Fork(ctx, src.SandboxID, int32(n), int32(timeout))
+		ids := []string{src.SandboxID}
+		errs := make([]error, len(forks))
 		var wg sync.WaitGroup
-		errs := make([]error, n)
-		ids := make([]string, n)
-		for i := range n {
+		for i, f := range forks {
+			if f.Error.Code != 0 {
+				errs[i] = fmt.Errorf("fork %d: %s", i+1, f.Error.Message)
+				continue
+			}
+			ids = append(ids, f.Sandbox.SandboxID)
 			wg.Add(1)
 			go func() {
 				defer wg.Done()
-				sb, err := c.Create(ctx, types.NewSandboxV2{TemplateID: sn.SnapshotID, Timeout: &timeout, Wall: types.Wall(wall)})
-				if err != nil {
-					errs[i] = err
-					return
-				}
-				ids[i] = sb.SandboxID
-				ac, err := c.Agent(sb.SandboxID, sb.EnvdAccessToken)
-				if err != nil {
-					errs[i] = err
-					return
-				}
-				fw := &firstWrite{start: start}
-				end, err := ac.Run(ctx, agentclient.RunOptions{Cmd: "echo", Args: []string{"ready"}, Stdout: fw, Stderr: io.Discard})
-				ac.Close()
-				if err == nil {
-					err = fw.check(end.GetExitCode())
-				}
-				errs[i] = err
+				errs[i] = firstOutput(ctx, c, f.Sandbox, start)
 			}()
 		}
 		wg.Wait()
 		samples = append(samples, time.Since(start))
-		for _, id := range append(ids, src.SandboxID) {
-			if id != "" {
-				_ = c.Kill(ctx, id)
-			}
+		for _, id := range ids {
+			_ = c.Kill(ctx, id)
 		}
-		_ = c.DeleteSnapshot(ctx, sn.SnapshotID)
+		if err != nil {
+			return stats.Stats{}, err
+		}
 		for _, err := range errs {
 			if err != nil {
 				return stats.Stats{}, err
@@ -177,4 +162,19 @@ func Fork(ctx context.Context, c *client.Client, wall, template string, n, runs 
 		}
 	}
 	return stats.Summarize(samples), nil
+}
+
+// firstOutput runs echo in sb and waits for its output.
+func firstOutput(ctx context.Context, c *client.Client, sb types.Sandbox, start time.Time) error {
+	ac, err := c.Agent(sb.SandboxID, sb.EnvdAccessToken)
+	if err != nil {
+		return err
+	}
+	defer ac.Close()
+	fw := &firstWrite{start: start}
+	end, err := ac.Run(ctx, agentclient.RunOptions{Cmd: "echo", Args: []string{"ready"}, Stdout: fw, Stderr: io.Discard})
+	if err != nil {
+		return err
+	}
+	return fw.check(end.GetExitCode())
 }

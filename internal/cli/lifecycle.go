@@ -3,12 +3,13 @@ package cli
 import (
 	"context"
 	"fmt"
-	"sync"
+	"math"
 	"time"
+
+	"github.com/spf13/cobra"
 
 	"github.com/cagehq/cage/api/types"
 	"github.com/cagehq/cage/internal/units"
-	"github.com/spf13/cobra"
 )
 
 // The lifecycle commands: pause, resume, snapshot and fork, clients of the
@@ -46,7 +47,7 @@ func newResumeCmd(d *daemonFlags) *cobra.Command {
 		Args:  cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			t, err := units.ParseDuration(timeout)
-			if err != nil || t < time.Second {
+			if err != nil || t < time.Second || t/time.Second > math.MaxInt32 {
 				return exitf(ExitUsage, "--timeout %q: want a duration of at least 1s", timeout)
 			}
 			c, err := d.client()
@@ -99,49 +100,39 @@ func newForkCmd(d *daemonFlags) *cobra.Command {
 	var timeout string
 	cmd := &cobra.Command{
 		Use:   "fork ID",
-		Short: "Make N sandboxes from a running sandbox's files (a snapshot taken and deleted after)",
+		Short: "Make N sandboxes from a running sandbox's files, on its wall (its processes are not copied)",
 		Args:  cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			if n < 1 || n > 100 {
 				return exitf(ExitUsage, "-n %d: want 1 to 100", n)
 			}
 			t, err := units.ParseDuration(timeout)
-			if err != nil || t < time.Second {
+			if err != nil || t < time.Second || t/time.Second > math.MaxInt32 {
 				return exitf(ExitUsage, "--timeout %q: want a duration of at least 1s", timeout)
 			}
 			c, err := d.client()
 			if err != nil {
 				return err
 			}
-			sn, err := c.Snapshot(ctx(cmd), args[0], "")
+			forks, err := c.Fork(ctx(cmd), args[0], int32(n), int32(t/time.Second))
 			if err != nil {
 				return apiFailure(err)
 			}
-			defer c.DeleteSnapshot(context.Background(), sn.SnapshotID)
-			secs := int64(t / time.Second)
-			made := make([]*types.Sandbox, n)
-			errs := make([]error, n)
-			var wg sync.WaitGroup
-			sem := make(chan struct{}, 4)
-			for i := range n {
-				wg.Add(1)
-				go func() {
-					defer wg.Done()
-					sem <- struct{}{}
-					defer func() { <-sem }()
-					made[i], errs[i] = c.Create(ctx(cmd), types.NewSandboxV2{TemplateID: sn.SnapshotID, Timeout: &secs})
-				}()
-			}
-			wg.Wait()
-			for _, err := range errs {
-				if err != nil {
-					for _, sb := range made {
-						if sb != nil {
-							_ = c.Kill(context.Background(), sb.SandboxID)
-						}
-					}
-					return apiFailure(err)
+			made := make([]types.Sandbox, 0, len(forks))
+			var failed []string
+			for i, f := range forks {
+				if f.Error.Code != 0 {
+					failed = append(failed, fmt.Sprintf("fork %d: %s", i+1, f.Error.Message))
+					continue
 				}
+				made = append(made, f.Sandbox)
+			}
+			if len(failed) > 0 {
+				// All or nothing: the ones that started go with the others.
+				for _, sb := range made {
+					_ = c.Kill(context.Background(), sb.SandboxID)
+				}
+				return exitf(ExitInternal, "%d of %d forks failed: %s", len(failed), n, failed[0])
 			}
 			if d.json {
 				return jsonEncoder(cmd.OutOrStdout()).Encode(made)

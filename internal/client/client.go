@@ -155,6 +155,14 @@ func (c *Client) Snapshot(ctx context.Context, id, name string) (*types.Snapshot
 	return &sn, err
 }
 
+// Fork makes count sandboxes from a running sandbox, each living
+// timeout seconds: one result a fork, its sandbox or its error.
+func (c *Client) Fork(ctx context.Context, id string, count, timeout int32) ([]types.SandboxForkResult, error) {
+	var out []types.SandboxForkResult
+	_, err := c.do(ctx, http.MethodPost, "/sandboxes/"+url.PathEscape(id)+"/fork", types.SandboxForkRequest{Count: count, Timeout: timeout}, &out)
+	return out, err
+}
+
 // DeleteSnapshot deletes a snapshot by its id.
 func (c *Client) DeleteSnapshot(ctx context.Context, snapshotID string) error {
 	_, err := c.do(ctx, http.MethodDelete, "/templates/"+url.PathEscape(snapshotID), nil, nil)

@@ -36,7 +36,8 @@ func TestCrossKeyMatrix(t *testing.T) {
 	// an open network.
 	bodies := map[string]any{"timeout": map[string]any{"timeout": 1}, "refreshes": map[string]any{"duration": 1},
 		"connect": map[string]any{"timeout": 1}, "network": map[string]any{"allowInternetAccess": true},
-		"pause": map[string]any{}, "resume": map[string]any{"timeout": 1}, "snapshots": map[string]any{}}
+		"pause": map[string]any{}, "resume": map[string]any{"timeout": 1}, "snapshots": map[string]any{},
+		"fork": map[string]any{"count": 2, "timeout": 60}}
 	const ghost = "0123456789abcdef0123"
 	var routes []string
 	for path, item := range doc.Paths.Map() {

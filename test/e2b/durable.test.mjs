@@ -105,3 +105,26 @@ test('snapshots: create, start sandboxes from one, list, delete', T, async () =>
     }
   })
 })
+
+test('fork: three sandboxes from one, each with the files and an identity of its own', T, async () => {
+  await withSandbox({}, async (sbx) => {
+    await sbx.files.write('/home/user/state.txt', 'forked\n')
+    const forks = await sbx.fork({ count: 3, timeoutMs: 120_000 })
+    try {
+      assert.equal(forks.length, 3)
+      const ids = new Set([sbx.sandboxId])
+      for (const f of forks) {
+        assert.ok(f instanceof Sandbox, `a fork failed: ${f}`)
+        assert.ok(!ids.has(f.sandboxId), `fork id ${f.sandboxId} seen before`)
+        ids.add(f.sandboxId)
+        assert.equal(await f.files.read('/home/user/state.txt'), 'forked\n')
+        assert.equal((await f.commands.run('hostname')).stdout.trim(), `cage-${f.sandboxId.slice(0, 8)}`)
+      }
+      assert.equal(await sbx.isRunning(), true, 'the sandbox runs on')
+      const listed = await Sandbox.listSnapshots({ sandboxId: sbx.sandboxId }).nextItems()
+      assert.equal(listed.length, 0, `the fork's snapshot is kept: ${JSON.stringify(listed)}`)
+    } finally {
+      await Promise.all(forks.filter((f) => f instanceof Sandbox).map((f) => f.kill().catch(() => {})))
+    }
+  })
+})
