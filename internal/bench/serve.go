@@ -37,8 +37,9 @@ func freeAddr() (string, error) {
 	return l.Addr().String(), nil
 }
 
-// StartDaemon runs exe serve with fresh state and an API key.
-func StartDaemon(exe string, pool int) (*Daemon, error) {
+// StartDaemon runs exe serve with fresh state and an API key; extra are
+// more flags of serve.
+func StartDaemon(exe string, pool int, extra ...string) (*Daemon, error) {
 	d := &Daemon{}
 	var err error
 	if d.data, err = os.MkdirTemp("", "cage-bench-data-"); err != nil {
@@ -63,8 +64,8 @@ func StartDaemon(exe string, pool int) (*Daemon, error) {
 		return nil, err
 	}
 	d.API, d.Proxy = "http://"+api, "http://"+px
-	d.cmd = exec.Command(exe, "--run-dir", d.run, "serve", "--data", d.data, "--api", api, "--proxy", px,
-		"--pool", strconv.Itoa(pool))
+	d.cmd = exec.Command(exe, append([]string{"--run-dir", d.run, "serve", "--data", d.data, "--api", api, "--proxy", px,
+		"--pool", strconv.Itoa(pool)}, extra...)...)
 	d.cmd.Stderr = io.Discard
 	if err := d.cmd.Start(); err != nil {
 		return nil, err

@@ -37,7 +37,11 @@ func newBenchCmd(g *globals) *cobra.Command {
   serve      against a cage serve it starts: time to interactive (create -> first
              output through the API and proxy) sequential and 20 at once, the
              round trip through the proxy, and --idle sandboxes created through
-             the API (rate, daemon memory)`,
+             the API (rate, daemon memory)
+  interp     the code interpreter (template code-interpreter-v1), as
+             @e2b/code-interpreter uses it through cage serve: create -> first
+             runCode('1+1') result from a pool of started sandboxes and cold,
+             and runCode('1+1') in a live context`,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			ctx := cmd.Context()
 			if ctx == nil {
@@ -97,6 +101,11 @@ func runBench(ctx context.Context, g *globals, w io.Writer, runs, idle int, only
 	}
 	if want["serve"] {
 		if err := benchServe(ctx, w, runs, idle); err != nil {
+			return err
+		}
+	}
+	if want["interp"] {
+		if err := benchInterp(ctx, w, h, runs); err != nil {
 			return err
 		}
 	}
@@ -186,6 +195,61 @@ func benchServe(ctx context.Context, w io.Writer, runs, idle int) error {
 	}
 	fmt.Fprintf(w, "serve: %d sandboxes created through the API at %.1f/s; daemon RSS %s idle, %s with them alive\n",
 		idle, rate, units.FormatSize(roundKiB(before)), units.FormatSize(roundKiB(after)))
+	return nil
+}
+
+// benchInterp measures the code interpreter through daemons it starts:
+// one keeping a pool of started code-interpreter-v1 sandboxes, one
+// without (every create starts its kernel).
+func benchInterp(ctx context.Context, w io.Writer, h *sandbox.Host, runs int) error {
+	if h.Templates == nil {
+		var err error
+		if h.Templates, err = openTemplates(""); err != nil {
+			return err
+		}
+	}
+	if _, err := h.Template(bench.InterpTemplate); err != nil {
+		fmt.Fprintf(w, "interp: skipped: %v (make code-interpreter builds it)\n", err)
+		return nil
+	}
+	exe, err := os.Executable()
+	if err != nil {
+		return err
+	}
+	for _, pooled := range []bool{true, false} {
+		var extra []string
+		if pooled {
+			extra = []string{"--pool-of", bench.InterpTemplate + "=2"}
+		}
+		d, err := bench.StartDaemon(exe, 0, extra...)
+		if err != nil {
+			return exitf(ExitInternal, "interp: %v", err)
+		}
+		c := d.Client()
+		// A pool of 2 refills one sandbox (its Python kernel) in about a
+		// second here: the pause keeps samples apart from refills.
+		pause := 100 * time.Millisecond
+		if pooled {
+			pause = 3 * time.Second
+		}
+		s, n, err := bench.InterpCreateToFirstResult(ctx, c, d.Proxy, runs, pause)
+		if err != nil {
+			d.Stop()
+			return exitf(ExitInternal, "interp: %v", err)
+		}
+		if pooled {
+			fmt.Fprintf(w, "interp: create -> first runCode('1+1'), pool of 2 started  %s (%d of %d from the pool)\n", s, n, s.N)
+			rt, err := bench.InterpRoundTrip(ctx, c, d.Proxy, max(runs, 200))
+			if err != nil {
+				d.Stop()
+				return exitf(ExitInternal, "interp: %v", err)
+			}
+			fmt.Fprintf(w, "interp: runCode('1+1') round trip in a live context  %s\n", rt)
+		} else {
+			fmt.Fprintf(w, "interp: create -> first runCode('1+1'), cold (kernel starts)  %s\n", s)
+		}
+		d.Stop()
+	}
 	return nil
 }
 
