@@ -4,6 +4,7 @@ import (
 	"context"
 	"strings"
 	"testing"
+	"time"
 )
 
 // TestDisconnectInterrupts: a client that goes away mid-run (the SDK's
@@ -101,5 +102,22 @@ func TestOutputBounded(t *testing.T) {
 				t.Errorf("the next run: %+v", a.lines)
 			}
 		})
+	}
+}
+
+// TestKeepalive: a run silent for longer than KeepaliveEvery gets keepalive
+// lines (a client gone away is noticed by a write), and they do not count
+// as output.
+func TestKeepalive(t *testing.T) {
+	s, url := testServer(t, Config{})
+	requireLanguage(t, s, "bash")
+	defer func(d time.Duration) { KeepaliveEvery = d }(KeepaliveEvery)
+	KeepaliveEvery = 100 * time.Millisecond
+	r := execute(t, context.Background(), url, inLang("bash", "sleep 0.7; echo done"), nil)
+	if n := len(r.of("keepalive")); n < 3 {
+		t.Errorf("%d keepalive lines in a 0.7 s silence with keepalive every 0.1 s: %+v", n, r.lines)
+	}
+	if r.text("stdout") != "done\n" {
+		t.Errorf("stdout: %q", r.text("stdout"))
 	}
 }

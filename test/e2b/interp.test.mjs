@@ -247,6 +247,19 @@ test('a run that kills its kernel: the next run says so, a restart recovers', T,
   })
 })
 
+test('code that kills the interpreter: it starts again, with fresh contexts', T, async () => {
+  await withInterp({}, async (sbx) => {
+    await sbx.runCode('kept = 1')
+    await assert.rejects(sbx.runCode('import os, signal\nos.kill(os.getppid(), signal.SIGKILL)', { timeoutMs: 10_000, requestTimeoutMs: 10_000 }))
+    let ex
+    for (let i = 0; i < 100 && !ex; i++) {
+      ex = await sbx.runCode('1 + 1', { requestTimeoutMs: 5000 }).catch(() => new Promise((r) => setTimeout(r, 200)))
+    }
+    assert.equal(ex?.text, '2', 'the interpreter answers again within 20 s')
+    assert.equal((await sbx.runCode('kept')).error?.name, 'NameError', 'its state went with it')
+  })
+})
+
 test('bad input: context and language, unknown context and language, malformed JSON, 10 MB of code', T, async () => {
   await withInterp({}, async (sbx) => {
     const ctx = await sbx.createCodeContext()

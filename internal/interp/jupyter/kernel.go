@@ -41,20 +41,6 @@ var (
 	ErrRestarted = errors.New("the kernel was restarted during the run")
 )
 
-// ExitError says the kernel process ended on its own.
-type ExitError struct {
-	Status string // "exit status 1", "signal: killed"
-	Stderr string // the end of what it wrote
-}
-
-func (e *ExitError) Error() string {
-	msg := "the kernel exited (" + e.Status + ")"
-	if e.Stderr != "" {
-		msg += ": " + e.Stderr
-	}
-	return msg
-}
-
 // Kernel is a kernel process this client launched, with its sockets.
 type Kernel struct {
 	spec    Spec
@@ -158,7 +144,9 @@ func (k *Kernel) launch(ctx context.Context) error {
 	}
 	out := &tail{max: 4096}
 	cmd.Stdout, cmd.Stderr = out, out
-	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	// A group of its own (interrupts and kills reach what it started); it
+	// dies with this server (a server started again knows nothing of it).
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
 	if err := cmd.Start(); err != nil {
 		return fmt.Errorf("start the %s kernel: %w", k.spec.Name, err)
 	}
@@ -432,48 +420,6 @@ func (k *Kernel) Interrupt() error {
 	return syscall.Kill(-p.cmd.Process.Pid, syscall.SIGINT)
 }
 
-// exitError describes how p ended.
-func (k *Kernel) exitError(p *proc) error {
-	<-p.done
-	if p.stopped.Load() {
-		return ErrRestarted
-	}
-	status := "exit status 0"
-	if p.waitErr != nil {
-		status = p.waitErr.Error()
-	}
-	return &ExitError{Status: status, Stderr: p.out.String()}
-}
-
-// Exited says whether the kernel process ended on its own, and how.
-func (k *Kernel) Exited() error {
-	k.mu.Lock()
-	p := k.p
-	k.mu.Unlock()
-	if p == nil {
-		return ErrRestarted
-	}
-	select {
-	case <-p.done:
-		return k.exitError(p)
-	default:
-		return nil
-	}
-}
-
-// kill ends p and everything it started, and closes its sockets.
-func (k *Kernel) kill(p *proc) {
-	p.stopped.Store(true)
-	_ = syscall.Kill(-p.cmd.Process.Pid, syscall.SIGKILL)
-	<-p.done
-	p.cancel()
-	for _, s := range []zmq4.Socket{p.shell, p.control, p.iopub} {
-		if s != nil {
-			_ = s.Close()
-		}
-	}
-}
-
 // Restart ends the kernel process (its state is lost) and starts it again
 // with the same connection; a run in progress ends with ErrRestarted.
 func (k *Kernel) Restart(ctx context.Context) error {
@@ -497,34 +443,4 @@ func (k *Kernel) Close() error {
 		k.kill(p)
 	}
 	return os.RemoveAll(k.dir)
-}
-
-// tail keeps the last max bytes written to it.
-type tail struct {
-	mu  sync.Mutex
-	max int
-	b   []byte
-}
-
-func (t *tail) Write(p []byte) (int, error) {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	t.b = append(t.b, p...)
-	if len(t.b) > t.max {
-		t.b = append(t.b[:0], t.b[len(t.b)-t.max:]...)
-	}
-	return len(p), nil
-}
-
-func (t *tail) String() string {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	s := strings.TrimSpace(string(t.b))
-	if i := strings.LastIndex(s, "\n"); len(s) > 600 && i >= 0 {
-		s = s[i+1:] // the last line says most
-	}
-	if len(s) > 600 {
-		s = s[len(s)-600:]
-	}
-	return s
 }
