@@ -29,7 +29,7 @@ func (m *Manager) Recover() error {
 			continue
 		}
 		if rec.State == store.StateRunning {
-			sb, err := h.Adopt(rec.Wall, wall.Adoption{ID: rec.ID, PID: rec.AgentPID, StartTime: rec.AgentStart, Token: rec.AccessToken})
+			sb, err := h.Adopt(rec.Wall, wall.Adoption{ID: rec.ID, PID: rec.AgentPID, StartTime: rec.AgentStart, Token: rec.AccessToken, Slot: rec.NetSlot})
 			if err == nil && rec.Network != "" {
 				err = m.adoptNetwork(sb, rec)
 			}
@@ -117,7 +117,7 @@ func (m *Manager) adoptNetwork(sb wall.Sandbox, rec *store.Sandbox) error {
 func (m *Manager) recoverPaused(rec *store.Sandbox) bool {
 	h := m.cfg.Host
 	if rec.PauseKind == PauseMemory {
-		sb, err := h.Adopt(rec.Wall, wall.Adoption{ID: rec.ID, PID: rec.AgentPID, StartTime: rec.AgentStart, Token: rec.AccessToken})
+		sb, err := h.Adopt(rec.Wall, wall.Adoption{ID: rec.ID, PID: rec.AgentPID, StartTime: rec.AgentStart, Token: rec.AccessToken, Slot: rec.NetSlot})
 		if err == nil && rec.Network != "" {
 			err = m.adoptNetwork(sb, rec)
 		}

@@ -72,6 +72,40 @@ type Adoption struct {
 	PID       int    // its agent's host pid
 	StartTime uint64 // the agent's start time, against pid reuse
 	Token     string
+	// Slot is the sandbox's network slot when it has a network (-1: none
+	// recorded), which an adopting process holds again where nothing
+	// inside the sandbox does (a sandbox restored from a checkpoint).
+	Slot int
+}
+
+// Checkpointer is a driver whose sandboxes can be checkpointed: saved
+// whole (memory, processes, files) into a directory and stopped, every
+// byte of their RAM released, then restored from it (see Checkpointable).
+type Checkpointer interface {
+	// AdoptCheckpointed takes charge of a sandbox another process
+	// checkpointed into dir (a daemon restarted): spec is the sandbox's
+	// as when it was made (id, token, template, limits, network), slot
+	// its network slot (-1: none). The sandbox returned is stopped;
+	// its Restore starts it. An error means the checkpoint cannot be
+	// used here (the host restarted, the slot is taken): the caller
+	// resumes the sandbox some other way and removes dir.
+	AdoptCheckpointed(ctx context.Context, spec Spec, slot int, dir string) (Sandbox, error)
+}
+
+// Checkpointable is a sandbox of a Checkpointer. The host stores what the
+// wall's runtime writes into the directory and never reads it: only the
+// runtime (runsc, QEMU) does, when the same sandbox is restored.
+type Checkpointable interface {
+	// Checkpoint saves the running sandbox into dir (made by the caller,
+	// empty) and stops it, releasing its memory; the sandbox keeps its
+	// id, token and network slot for Restore. On error the sandbox runs
+	// on as before and dir holds nothing to use.
+	Checkpoint(ctx context.Context, dir string) error
+	// Restore starts a checkpointed sandbox again from dir, with the same
+	// id, token and network; its processes go on where they stood and
+	// Dial reaches its agent. On error the sandbox stays stopped (the
+	// caller destroys it).
+	Restore(ctx context.Context, dir string) error
 }
 
 // Preparer is a driver that can make sandboxes ahead of their request (a

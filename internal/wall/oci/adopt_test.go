@@ -78,7 +78,7 @@ func TestAdoptAfterKill(t *testing.T) {
 			if st, err := hostproc.StartTime(pid); err != nil || st != start {
 				t.Fatalf("the sandbox died with its creator")
 			}
-			sb, err := h.Adopt(w, wall.Adoption{ID: id, PID: pid, StartTime: start, Token: token})
+			sb, err := h.Adopt(w, wall.Adoption{ID: id, PID: pid, StartTime: start, Token: token, Slot: -1})
 			if err != nil {
 				t.Fatalf("adopt: %v", err)
 			}

@@ -128,13 +128,16 @@ type Sandbox struct {
 	net       *network.Sandbox
 	netns     string        // the network namespace made for it (a network's)
 	ch        *channel.Host // gVisor: the agent connects to the host
-	exited    chan struct{}
+	exited    chan struct{} // closed once the sandbox is gone for good
+	gone      sync.Once
+	procDone  chan struct{} // closed once the current container process has exited
 	log       *slog.Logger
 
-	mu      sync.Mutex
-	stderr  []byte
-	destroy sync.Once
-	destErr error
+	mu       sync.Mutex
+	stderr   []byte
+	stopping bool // a checkpoint stops the container: its exit is no death
+	destroy  sync.Once
+	destErr  error
 }
 
 func (sb *Sandbox) ID() string              { return sb.id }
@@ -370,7 +373,7 @@ func (sb *Sandbox) run(ctx context.Context, cfg job, key []byte) error {
 	spec := container.Spec{Token: cfg.Token, Env: cfg.Env, MaxOutput: cfg.MaxOutput, UserName: inside.UserName,
 		AgentUID: inside.AgentUID, Threads: inside.AgentThreads, OOMFD: 4, PidsFD: 5,
 		LoopbackUp: !cfg.Runtime.gvisor() && sb.netns == "", LifelineFD: -1, WritableRoot: cfg.Template.Image != nil,
-		TrimDev: cfg.Runtime.gvisor()}
+		TrimDev: cfg.Runtime.gvisor(), LockFD: -1}
 	for _, v := range cfg.Volumes {
 		spec.Volumes = append(spec.Volumes, v.Path)
 	}
@@ -391,8 +394,18 @@ func (sb *Sandbox) run(ctx context.Context, cfg job, key []byte) error {
 	args := cfg.Runtime.flags(sb.netns != "")
 	args = append(args, "--root", sb.root, "run", "--detach", "--bundle", filepath.Join(sb.dir, "bundle"),
 		"--pid-file", filepath.Join(sb.dir, "pid"))
+	var stdin, stdout *os.File
 	if cfg.Runtime.gvisor() {
+		// The counters ride the agent's standard input and output: runsc
+		// restore hands a restored container its standard streams again,
+		// and no other descriptor it was passed (see checkpoint.go).
 		spec.Channel, spec.ChannelKey = sockInside, key
+		spec.OOMFD, spec.PidsFD, spec.LockFD = 0, 1, 4
+		stdin, stdout = oom, pids
+		files = append([]*os.File{specR, sb.ids.Lock}, files[4:]...)
+		if lifeR != nil {
+			spec.LifelineFD = 2 + len(files)
+		}
 		for fd := 3; fd < 3+len(files); fd++ {
 			args = append(args, "--pass-fd", fmt.Sprintf("%d:%d", fd, fd))
 		}
@@ -432,6 +445,9 @@ func (sb *Sandbox) run(ctx context.Context, cfg job, key []byte) error {
 		return err
 	}
 	cmd.Stdout, cmd.Stderr = errW, errW
+	if stdin != nil {
+		cmd.Stdin, cmd.Stdout = stdin, stdout
+	}
 	go sb.drain(errR)
 	err = cmd.Run()
 	errW.Close()
@@ -439,9 +455,14 @@ func (sb *Sandbox) run(ctx context.Context, cfg job, key []byte) error {
 		time.Sleep(50 * time.Millisecond) // let the drain catch the runtime's last words
 		return fmt.Errorf("%s run: %v: %s", filepath.Base(cfg.Runtime.Binary), err, sb.Err())
 	}
-	pidb, err := os.ReadFile(filepath.Join(sb.dir, "pid"))
+	return sb.started(filepath.Join(sb.dir, "pid"))
+}
+
+// started watches the container whose pid the runtime wrote to pidFile.
+func (sb *Sandbox) started(pidFile string) error {
+	pidb, err := os.ReadFile(pidFile)
 	if err != nil {
-		return fmt.Errorf("%s left no pid file: %w", filepath.Base(cfg.Runtime.Binary), err)
+		return fmt.Errorf("%s left no pid file: %w", filepath.Base(sb.rt.Binary), err)
 	}
 	if sb.pid, err = strconv.Atoi(strings.TrimSpace(string(pidb))); err != nil {
 		return err
@@ -449,7 +470,8 @@ func (sb *Sandbox) run(ctx context.Context, cfg job, key []byte) error {
 	if sb.pidfd, err = unix.PidfdOpen(sb.pid, 0); err != nil {
 		return fmt.Errorf("watch the container: %w", err)
 	}
-	go sb.watch()
+	sb.procDone = make(chan struct{})
+	go sb.watch(sb.pidfd, sb.procDone)
 	return nil
 }
 
@@ -472,10 +494,20 @@ func (sb *Sandbox) drain(r *os.File) {
 	}
 }
 
-func (sb *Sandbox) watch() {
-	hostproc.WaitPidfd(sb.pidfd)
-	close(sb.exited)
+// watch waits for the container process (pidfd) to end and closes done;
+// the sandbox is gone then, unless a checkpoint stopped it.
+func (sb *Sandbox) watch(pidfd int, done chan struct{}) {
+	hostproc.WaitPidfd(pidfd)
+	close(done)
+	sb.mu.Lock()
+	stopping := sb.stopping
+	sb.mu.Unlock()
+	if !stopping {
+		sb.setGone()
+	}
 }
+
+func (sb *Sandbox) setGone() { sb.gone.Do(func() { close(sb.exited) }) }
 
 // Destroy kills the container and removes everything it had on the host.
 func (sb *Sandbox) Destroy() error {
@@ -500,14 +532,16 @@ func (sb *Sandbox) teardown() error {
 		if sb.pidfd >= 0 {
 			_ = unix.PidfdSendSignal(sb.pidfd, unix.SIGKILL, nil, 0)
 			select {
-			case <-sb.exited:
+			case <-sb.procDone:
 			case <-time.After(10 * time.Second):
 				errs = append(errs, fmt.Errorf("sandbox %s: the container did not exit", sb.id))
 			}
 			unix.Close(sb.pidfd)
+			sb.pidfd = -1
 		}
 		rt("delete", "--force", sb.id)
 	}
+	sb.setGone() // a checkpointed sandbox has no process to end
 	if sb.cg != nil {
 		errs = append(errs, sb.cg.Destroy())
 	}
@@ -595,7 +629,14 @@ func adopt(cfg Config, a wall.Adoption) (*Sandbox, error) {
 			unix.Close(sb.pidfd)
 			return nil, fmt.Errorf("sandbox %s: %w", a.ID, err)
 		}
+		// One restored from a checkpoint holds no lock on its slot (see
+		// checkpoint.go): hold it as its creator did. (Held: the
+		// container holds it.)
+		if a.Slot >= 0 {
+			sb.ids, _ = state.ReserveSlot(a.Slot)
+		}
 	}
-	go sb.watch()
+	sb.procDone = make(chan struct{})
+	go sb.watch(sb.pidfd, sb.procDone)
 	return sb, nil
 }

@@ -65,6 +65,31 @@ func ReserveIDs() (*IDRange, error) {
 	return nil, fmt.Errorf("all %d sandbox uid ranges are in use", idSlots)
 }
 
+// ReserveSlot reserves the range of slot n, as ReserveIDs would have: for
+// a sandbox that must have the same slot again (its network address is in
+// the memory of a checkpoint). It fails when another holds it.
+func ReserveSlot(n int) (*IDRange, error) {
+	if n < 0 || n >= idSlots {
+		return nil, fmt.Errorf("slot %d out of range", n)
+	}
+	if err := os.MkdirAll(IDLockDir, 0o700); err != nil {
+		return nil, err
+	}
+	f, err := os.OpenFile(filepath.Join(IDLockDir, strconv.Itoa(n)), os.O_CREATE|os.O_RDWR|syscall.O_CLOEXEC, 0o600)
+	if err != nil {
+		return nil, err
+	}
+	if err := syscall.Flock(int(f.Fd()), syscall.LOCK_EX|syscall.LOCK_NB); err != nil {
+		f.Close()
+		return nil, fmt.Errorf("slot %d is held by another sandbox", n)
+	}
+	if !sameFile(f) {
+		f.Close()
+		return nil, fmt.Errorf("slot %d was released meanwhile; try again", n)
+	}
+	return &IDRange{Base: idBase + n*idRangeSize, Lock: f}, nil
+}
+
 // release frees the range and removes its lock file.
 func (s *IDRange) Release() {
 	if s == nil || s.Lock == nil {

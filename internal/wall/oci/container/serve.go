@@ -12,6 +12,7 @@ import (
 	"math"
 	"net"
 	"os"
+	"os/signal"
 
 	"golang.org/x/sys/unix"
 
@@ -58,6 +59,11 @@ type Spec struct {
 	TrimDev bool `json:"trim_dev,omitempty"`
 	// Volumes are where volumes are mounted (writable; never archived).
 	Volumes []string `json:"volumes,omitempty"`
+	// LockFD, when not -1 (gVisor), is the host's lock on the sandbox's
+	// uid range and network slot, held for as long as the sandbox runs,
+	// which the agent lets go at SIGUSR2: a checkpoint holds no host
+	// descriptor but the standard streams (the host holds the lock then).
+	LockFD int `json:"lock_fd,omitempty"`
 }
 
 // sandboxDev is what a sandbox's /dev holds on every wall (the process
@@ -128,6 +134,9 @@ func Serve() error {
 			}
 		}(os.NewFile(uintptr(spec.LifelineFD), "lifeline"))
 	}
+	if spec.LockFD > 0 {
+		releaseOnSignal(os.NewFile(uintptr(spec.LockFD), "slot-lock"))
+	}
 	if spec.TrimDev {
 		if err := trimDev("/dev"); err != nil {
 			return err
@@ -151,6 +160,16 @@ func Serve() error {
 		return err
 	}
 	return srv.Serve(l)
+}
+
+// releaseOnSignal closes f at the first SIGUSR2.
+func releaseOnSignal(f *os.File) {
+	sig := make(chan os.Signal, 1)
+	signal.Notify(sig, unix.SIGUSR2)
+	go func() {
+		<-sig
+		f.Close()
+	}()
 }
 
 func fileOrNil(fd int) *os.File {
