@@ -145,6 +145,7 @@ func (d *daemon) cageCmd(ctx context.Context, env []string, args ...string) *exe
 			cmd.Env = append(cmd.Env, kv)
 		}
 	}
+	cmd.Env = append(cmd.Env, "CAGE_KERNEL_DIR="+testutil.KernelDir()) // where the guest kernel is, not a setting
 	cmd.Env = append(cmd.Env, env...)
 	cmd.WaitDelay = 5 * time.Second
 	return cmd

@@ -449,6 +449,10 @@ func wallHere(w string) bool {
 		}
 		_, err := exec.LookPath("runsc")
 		return err == nil
+	case "microvm":
+		_, qerr := exec.LookPath("qemu-system-x86_64")
+		_, kerr := os.Stat(filepath.Join(testutil.KernelDir(), "current"))
+		return qerr == nil && kerr == nil
 	}
 	return true
 }
