@@ -611,6 +611,9 @@ type SandboxDetail struct {
 	// TemplateID Identifier of the template the sandbox was created from.
 	TemplateID TemplateID `json:"templateID"`
 
+	// TrafficAccessToken cage: as in Sandbox: the token the proxy wants (in `E2b-Traffic-Access-Token`) for the sandbox's ports when its traffic is not public, so that a client holding only the id (cage mcp) can reach them. Absent from E2B's SandboxDetail.
+	TrafficAccessToken *TrafficAccessToken `json:"trafficAccessToken,omitempty"`
+
 	// VolumeMounts The volumes mounted in the sandbox (absent when none).
 	VolumeMounts []SandboxVolumeMount `json:"volumeMounts,omitempty,omitzero"`
 

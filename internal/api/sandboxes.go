@@ -53,11 +53,12 @@ func listedOf(rec *store.Sandbox) types.ListedSandbox {
 // what a client needs to reach it.
 func (s *server) detailOf(rec *store.Sandbox) types.SandboxDetail {
 	n, internet := networkOf(rec)
+	traffic := rec.TrafficToken
 	return types.SandboxDetail{SandboxID: rec.ID, TemplateID: rec.TemplateID, ClientID: clientID,
 		StartedAt: rec.StartedAt.UTC(), EndAt: rec.EndAt.UTC(), CPUCount: rec.CPUs, MemoryMB: rec.Memory >> 20,
 		DiskSizeMB: rec.Disk >> 20, Metadata: metadataOf(rec), State: types.SandboxState(rec.State),
 		EnvdVersion: EnvdVersion, Wall: types.Wall(rec.Wall), Pids: rec.Pids,
-		EnvdAccessToken: rec.AccessToken, Domain: s.domain(), AllowInternetAccess: &internet, Network: n,
+		EnvdAccessToken: rec.AccessToken, TrafficAccessToken: &traffic, Domain: s.domain(), AllowInternetAccess: &internet, Network: n,
 		Lifecycle: lifecycleOf(rec), PausedWith: types.SandboxDetailPausedWith(rec.PauseKind), VolumeMounts: mountsOf(rec)}
 }
 
