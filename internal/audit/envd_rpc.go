@@ -1,0 +1,248 @@
+package audit
+
+import (
+	"bytes"
+	"compress/gzip"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"io"
+	"mime"
+	"net/http"
+	"strings"
+	"sync"
+
+	"google.golang.org/protobuf/encoding/protojson"
+	"google.golang.org/protobuf/encoding/protowire"
+	"google.golang.org/protobuf/proto"
+)
+
+// How the proxy's envd traffic is read: Connect RPCs (unary: the body is
+// the message; streams and gRPC: 5-byte envelopes, flags then a big-endian
+// length), in JSON (the JS SDK) or protobuf (Go clients), gzip-compressed
+// where the client or the agent chose. The host reads what passes without
+// holding it back: requests are copied as they stream (up to a bound) and
+// decoded once complete; responses are scanned envelope by envelope, small
+// messages decoded, large ones (output) skipped.
+
+// codec is how an RPC's messages are encoded.
+type codec struct {
+	json     bool
+	envelope bool   // 5-byte envelopes (streams, gRPC)
+	gzip     bool   // messages (or, unary, the body) gzip-compressed
+	endJSON  bool   // an end-of-stream message (flag 0x02) is Connect's JSON
+	media    string // the content type's media type
+}
+
+// codecOf reads a request's or response's content type and compression
+// headers.
+func codecOf(h http.Header) codec {
+	media, _, _ := mime.ParseMediaType(h.Get("Content-Type"))
+	c := codec{media: media}
+	switch {
+	case strings.HasPrefix(media, "application/connect+"):
+		c.envelope, c.endJSON = true, true
+		c.json = strings.HasSuffix(media, "+json")
+		c.gzip = strings.EqualFold(h.Get("Connect-Content-Encoding"), "gzip")
+	case strings.HasPrefix(media, "application/grpc"):
+		c.envelope = true
+		c.json = strings.HasSuffix(media, "+json")
+		c.gzip = strings.EqualFold(h.Get("Grpc-Encoding"), "gzip")
+	default:
+		c.json = media == "application/json"
+		c.gzip = strings.EqualFold(h.Get("Content-Encoding"), "gzip")
+	}
+	return c
+}
+
+// maxDecoded bounds a message the host decodes for the trail (a process's
+// argv and environment, a path).
+const maxDecoded = 1 << 20
+
+var errTooLarge = errors.New("larger than the audit trail decodes")
+
+// gunzip inflates b, at most maxDecoded bytes.
+func gunzip(b []byte) ([]byte, error) {
+	zr, err := gzip.NewReader(bytes.NewReader(b))
+	if err != nil {
+		return nil, err
+	}
+	out, err := io.ReadAll(io.LimitReader(zr, maxDecoded+1))
+	if err != nil {
+		return nil, err
+	}
+	if len(out) > maxDecoded {
+		return nil, errTooLarge
+	}
+	return out, nil
+}
+
+// unmarshal decodes one message in the codec's encoding.
+func (c codec) unmarshal(b []byte, m proto.Message) error {
+	if c.json {
+		return protojson.UnmarshalOptions{DiscardUnknown: true}.Unmarshal(b, m)
+	}
+	return proto.UnmarshalOptions{DiscardUnknown: true}.Unmarshal(b, m)
+}
+
+// decodeRequest decodes a captured request body: its first message.
+func (c codec) decodeRequest(body []byte, m proto.Message) error {
+	msg := body
+	compressed := c.gzip
+	if c.envelope {
+		if len(body) < 5 {
+			return io.ErrUnexpectedEOF
+		}
+		n := binary.BigEndian.Uint32(body[1:5])
+		if uint64(len(body)-5) < uint64(n) {
+			return io.ErrUnexpectedEOF
+		}
+		msg, compressed = body[5:5+n], body[0]&1 != 0
+	}
+	if compressed {
+		var err error
+		if msg, err = gunzip(msg); err != nil {
+			return err
+		}
+	}
+	return c.unmarshal(msg, m)
+}
+
+// capture copies what passes through a request body, up to limit bytes.
+// The transport reads the body in a goroutine of its own: bytes() is
+// safe to call meanwhile.
+type capture struct {
+	rc    io.ReadCloser
+	limit int
+
+	mu   sync.Mutex
+	buf  []byte
+	over bool
+	n    int64
+}
+
+func newCapture(rc io.ReadCloser, limit int) *capture { return &capture{rc: rc, limit: limit} }
+
+func (c *capture) Read(p []byte) (int, error) {
+	n, err := c.rc.Read(p)
+	c.mu.Lock()
+	c.n += int64(n)
+	if !c.over {
+		if len(c.buf)+n <= c.limit {
+			c.buf = append(c.buf, p[:n]...)
+		} else {
+			c.over, c.buf = true, nil
+		}
+	}
+	c.mu.Unlock()
+	return n, err
+}
+
+func (c *capture) Close() error { return c.rc.Close() }
+
+// bytes is what was captured, and whether the body was larger than the
+// bound, and how many bytes passed in all.
+func (c *capture) bytes() ([]byte, bool, int64) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.buf, c.over, c.n
+}
+
+// decodeCaptured decodes the captured request, or says why it cannot.
+func decodeCaptured(c *capture, cd codec, m proto.Message) error {
+	b, over, n := c.bytes()
+	if over {
+		return fmt.Errorf("request of %d bytes or more: %w", n, errTooLarge)
+	}
+	return cd.decodeRequest(b, m)
+}
+
+// maxScanned bounds a response message the scanner decodes; larger ones
+// are a process's output and are skipped.
+const maxScanned = 64 << 10
+
+// scanner passes a streamed response through and hands each envelope's
+// message (those up to maxScanned bytes) to on, as they complete.
+type scanner struct {
+	rc    io.ReadCloser
+	on    func(flags byte, msg []byte)
+	hdr   [5]byte
+	hn    int
+	need  uint32
+	keep  bool
+	msg   []byte
+	bytes int64
+}
+
+func (s *scanner) Read(p []byte) (int, error) {
+	n, err := s.rc.Read(p)
+	s.bytes += int64(n)
+	s.feed(p[:n])
+	return n, err
+}
+
+func (s *scanner) Close() error { return s.rc.Close() }
+
+func (s *scanner) feed(b []byte) {
+	for len(b) > 0 {
+		if s.hn < 5 {
+			k := copy(s.hdr[s.hn:], b)
+			s.hn += k
+			b = b[k:]
+			if s.hn < 5 {
+				return
+			}
+			s.need = binary.BigEndian.Uint32(s.hdr[1:])
+			s.keep = s.need <= maxScanned
+			s.msg = s.msg[:0]
+			if s.need == 0 {
+				s.deliver()
+				continue
+			}
+		}
+		k := min(uint32(len(b)), s.need)
+		if s.keep {
+			s.msg = append(s.msg, b[:k]...)
+		}
+		s.need -= k
+		b = b[k:]
+		if s.need == 0 {
+			s.deliver()
+		}
+	}
+}
+
+func (s *scanner) deliver() {
+	s.hn = 0
+	if s.keep {
+		s.on(s.hdr[0], s.msg)
+	}
+}
+
+// processEventField is which event a StartResponse or ConnectResponse
+// message carries (1 start, 2 data, 3 end, 4 keepalive; 0 unknown),
+// without decoding the message: data events are skipped unread.
+func processEventField(c codec, msg []byte) int {
+	if c.json {
+		switch {
+		case bytes.Contains(msg, []byte(`"end"`)):
+			return 3
+		case bytes.Contains(msg, []byte(`"start"`)):
+			return 1
+		}
+		return 0
+	}
+	num, typ, n := protowire.ConsumeTag(msg)
+	if n < 0 || num != 1 || typ != protowire.BytesType {
+		return 0
+	}
+	inner, m := protowire.ConsumeBytes(msg[n:])
+	if m < 0 {
+		return 0
+	}
+	num, _, n = protowire.ConsumeTag(inner)
+	if n < 0 {
+		return 0
+	}
+	return int(num)
+}
