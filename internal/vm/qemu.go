@@ -54,6 +54,11 @@ type Config struct {
 	// MemoryFile: a descriptor QEMU inherits (a sealed memfd, which QEMU
 	// may open for writing as QEMU 7.2 insists but can never write to).
 	MemoryFD *os.File
+	// NamedRAM, with neither MemoryFile nor MemoryFD, puts the RAM in an
+	// anonymous memory backend named as the file-backed one is: the RAM
+	// of a VM resumed from a checkpoint of a VM whose RAM was a file
+	// (a migration matches RAM by its name).
+	NamedRAM bool
 
 	// Tap, when set, backs the VM's NIC (virtio-net, MAC address MAC): a
 	// tap device's descriptor, opened with IFF_VNET_HDR.
@@ -152,6 +157,9 @@ func (cfg Config) Args() []string {
 	if cfg.MemoryFD != nil {
 		machine += ",memory-backend=mem"
 		memArgs = []string{"-object", "memory-backend-file,id=mem,size=" + strconv.Itoa(mem) + "M,mem-path=" + optValue(cfg.path(memFDKey)) + ",share=off"}
+	} else if cfg.MemoryFile == "" && cfg.NamedRAM {
+		machine += ",memory-backend=mem"
+		memArgs = []string{"-object", "memory-backend-ram,id=mem,size=" + strconv.Itoa(mem) + "M"}
 	} else if cfg.MemoryFile != "" {
 		share := "off"
 		if cfg.ShareMemory {

@@ -90,14 +90,16 @@ func Restore(ctx context.Context, cfg Config, stateFile string) (*VM, error) {
 			return nil, fmt.Errorf("restore vm: %w", err)
 		}
 	}
-	if err := v.restore(ctx, f); err != nil {
+	if err := v.incomingFrom(ctx, f, migrationCaps); err != nil {
 		v.Stop()
 		return nil, fmt.Errorf("restore vm: %w", err)
 	}
 	return v, nil
 }
 
-func (v *VM) restore(ctx context.Context, state *os.File) error {
+// incomingFrom feeds a VM waiting for a migration (-incoming defer) the
+// state in state, with the capabilities caps, and lets it run.
+func (v *VM) incomingFrom(ctx context.Context, state *os.File, caps map[string]any) error {
 	q, err := v.qmp(ctx)
 	if err != nil {
 		return err
@@ -106,7 +108,7 @@ func (v *VM) restore(ctx context.Context, state *os.File) error {
 	// All at once: QEMU waits (-incoming defer) and each reply would only
 	// cost a round trip.
 	if err := q.pipeline(ctx,
-		qmpCommand{name: "migrate-set-capabilities", args: migrationCaps},
+		qmpCommand{name: "migrate-set-capabilities", args: caps},
 		qmpCommand{name: "getfd", args: map[string]any{"fdname": stateFD}, file: state},
 		qmpCommand{name: "migrate-incoming", args: map[string]any{"uri": "fd:" + stateFD}},
 	); err != nil {

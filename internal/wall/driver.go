@@ -82,6 +82,9 @@ type Adoption struct {
 // whole (memory, processes, files) into a directory and stopped, every
 // byte of their RAM released, then restored from it (see Checkpointable).
 type Checkpointer interface {
+	// CheckpointsMissing says why the wall's sandboxes cannot be
+	// checkpointed here (nil: they can).
+	CheckpointsMissing() error
 	// AdoptCheckpointed takes charge of a sandbox another process
 	// checkpointed into dir (a daemon restarted): spec is the sandbox's
 	// as when it was made (id, token, template, limits, network), slot

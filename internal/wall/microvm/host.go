@@ -127,6 +127,15 @@ type Sandbox struct {
 	cg        *cgroups.Cgroup
 	destroy   sync.Once
 	destroyed chan struct{}
+
+	// For checkpoints (checkpoint.go): what the VM was made of, and the
+	// sandbox's end, which a checkpoint's stop of QEMU is not.
+	cfg      Config
+	vcfg     vm.Config
+	exited   chan struct{}
+	gone     sync.Once
+	mu       sync.Mutex
+	stopping bool // QEMU is stopped on purpose (a checkpoint)
 }
 
 // ID is the sandbox's id.
@@ -150,8 +159,22 @@ func (sb *Sandbox) Wall() string { return "microvm" }
 // AgentPID is QEMU's host pid: the sandbox lives as long as it does.
 func (sb *Sandbox) AgentPID() int { return sb.v.Pid() }
 
-// Exited is closed once the VM has ended.
-func (sb *Sandbox) Exited() <-chan struct{} { return sb.v.Exited() }
+// Exited is closed once the sandbox has ended: its VM ended (not stopped
+// for a checkpoint), or it was destroyed.
+func (sb *Sandbox) Exited() <-chan struct{} { return sb.exited }
+
+// watchVM ends the sandbox when v ends, unless a checkpoint stopped it.
+func (sb *Sandbox) watchVM(v *vm.VM) {
+	<-v.Exited()
+	sb.mu.Lock()
+	stopping := sb.stopping
+	sb.mu.Unlock()
+	if !stopping {
+		sb.setGone()
+	}
+}
+
+func (sb *Sandbox) setGone() { sb.gone.Do(func() { close(sb.exited) }) }
 
 // Err says why the VM ended, once Exited is closed.
 func (sb *Sandbox) Err() error {
@@ -202,37 +225,50 @@ func (sb *Sandbox) attachNetwork(cfg Config) error {
 func (sb *Sandbox) Destroy() (err error) {
 	sb.destroy.Do(func() {
 		close(sb.destroyed)
-		if sb.sess != nil {
-			sb.sess.Close()
-		}
-		if sb.cg != nil {
-			_ = sb.cg.Thaw() // a paused QEMU does not die frozen
-		}
-		if sb.v != nil {
-			sb.v.Stop()
-		}
-		if sb.cg != nil {
-			err = sb.cg.Destroy()
-		}
-		if sb.tap != nil {
-			sb.tap.Close()
-		}
-		if sb.net != nil {
-			if nerr := sb.net.Close(); err == nil {
-				err = nerr
-			}
-		}
-		if sb.netns != "" {
-			network.RemoveNamespace(sb.netns)
-		}
+		err = sb.release()
 		sb.ids.Release()
-		if rerr := state.RemoveTree(sb.dir); err == nil {
-			err = rerr
-		}
-		if sb.owner != nil {
-			sb.owner.Close()
-		}
+		sb.setGone()
 	})
+	return err
+}
+
+// release stops the VM and removes what it had on the host, but for its
+// uid range (and network slot): a checkpointed sandbox keeps those.
+func (sb *Sandbox) release() (err error) {
+	if sb.sess != nil {
+		sb.sess.Close()
+	}
+	if sb.cg != nil {
+		_ = sb.cg.Thaw() // a paused QEMU does not die frozen
+	}
+	if sb.v != nil {
+		sb.v.Stop()
+	}
+	if sb.cg != nil {
+		err = sb.cg.Destroy()
+		sb.cg = nil
+	}
+	if sb.tap != nil {
+		sb.tap.Close()
+		sb.tap = nil
+	}
+	if sb.net != nil {
+		if nerr := sb.net.Close(); err == nil {
+			err = nerr
+		}
+		sb.net = nil
+	}
+	if sb.netns != "" {
+		network.RemoveNamespace(sb.netns)
+		sb.netns = ""
+	}
+	if rerr := state.RemoveTree(sb.dir); err == nil {
+		err = rerr
+	}
+	if sb.owner != nil {
+		sb.owner.Close()
+		sb.owner = nil
+	}
 	return err
 }
 
@@ -244,64 +280,28 @@ func Create(ctx context.Context, cfg Config) (sb *Sandbox, err error) {
 	if cfg.Template == nil || cfg.Template.Image == nil {
 		return nil, errors.New("the microvm wall runs image templates only (not host)")
 	}
-	sb = &Sandbox{id: cfg.ID, token: cfg.Token, dir: filepath.Join(cfg.RunDir, "sandboxes", cfg.ID), destroyed: make(chan struct{})}
+	sb = newSandbox(cfg)
 	defer func() {
 		if err != nil {
 			_ = sb.Destroy()
 			sb = nil
 		}
 	}()
-	// Traversable, as on the other walls (QEMU needs none of it: it gets
-	// its sockets and files as descriptors, in a jail of its own).
-	for _, d := range []string{cfg.RunDir, filepath.Dir(sb.dir)} {
-		if err := os.MkdirAll(d, 0o711); err != nil {
-			return sb, err
-		}
-		if err := os.Chmod(d, 0o711); err != nil {
-			return sb, err
-		}
-	}
-	if err := os.Mkdir(sb.dir, 0o711); err != nil {
-		return sb, err
-	}
-	if sb.owner, err = state.LockOwner(sb.dir); err != nil {
-		return sb, err
-	}
-	cache := cfg.Cache
-	if cache == "" {
-		cache = filepath.Join(cfg.RunDir, "microvm")
-	}
-	initrd, err := Initramfs(cache, cfg.Kernel, cfg.AgentPath)
-	if err != nil {
-		return sb, err
-	}
-	disk, err := TemplateImage(cache, cfg.Template)
-	if err != nil {
-		return sb, err
-	}
-	memMB, cpus := vmSize(cfg)
 	// QEMU runs as the first uid of a range of its own, which owns nothing
 	// on the host, in namespaces of its own (vm's jail).
 	if sb.ids, err = state.ReserveIDs(); err != nil {
 		return sb, err
 	}
-	vcfg := vm.Config{Kernel: cfg.Kernel, Initramfs: initrd, MemoryMB: memMB, CPUs: cpus, Accel: cfg.Accel,
-		Dir: filepath.Join(sb.dir, "vm"), Disks: []string{disk}, Credential: credential(sb.ids, cfg.Accel),
-		Jailer: cfg.AgentPath, Append: guestArgs}
-	var gnet *guest.Net
-	if cfg.Net != nil && cfg.NetPolicy.Networked() {
-		if err := sb.attachNetwork(cfg); err != nil {
-			return sb, err
-		}
-		vcfg.Tap, vcfg.MAC = sb.tap, network.GuestMAC
-		gnet = &guest.Net{IP: sb.net.IP, Gateway: cfg.Net.Gateway(), ResolvConf: cfg.Net.ResolvConf()}
+	if err := sb.vmConfig(); err != nil {
+		return sb, err
 	}
-	if cfg.Cgroups != nil {
-		if sb.cg, err = cfg.Cgroups.Create(cfg.ID, cgroups.Limits{MemoryBytes: hostMemoryMB(memMB) << 20,
-			CPUs: float64(cpus), Pids: qemuPids}); err != nil {
-			return sb, fmt.Errorf("cgroup: %w", err)
-		}
-		vcfg.Jail = sb.cg.AddProc
+	if err := sb.setUp(); err != nil {
+		return sb, err
+	}
+	vcfg, cache := sb.vcfg, cacheDir(cfg)
+	var gnet *guest.Net
+	if sb.net != nil {
+		gnet = &guest.Net{IP: sb.net.IP, Gateway: cfg.Net.Gateway(), ResolvConf: cfg.Net.ResolvConf()}
 	}
 	trace.Mark("microvm: restore")
 	if !cfg.coldBoot {
@@ -329,6 +329,7 @@ func Create(ctx context.Context, cfg Config) (sb *Sandbox, err error) {
 			return sb, err
 		}
 	}
+	go sb.watchVM(sb.v)
 	trace.Mark("microvm: running")
 	if sb.sess, err = greet(ctx, sb.v); err != nil {
 		return sb, err
@@ -359,6 +360,80 @@ func Create(ctx context.Context, cfg Config) (sb *Sandbox, err error) {
 	}
 	trace.Mark("microvm: ready")
 	return sb, nil
+}
+
+func newSandbox(cfg Config) *Sandbox {
+	return &Sandbox{id: cfg.ID, token: cfg.Token, dir: filepath.Join(cfg.RunDir, "sandboxes", cfg.ID),
+		destroyed: make(chan struct{}), exited: make(chan struct{}), cfg: cfg}
+}
+
+func cacheDir(cfg Config) string {
+	if cfg.Cache == "" {
+		return filepath.Join(cfg.RunDir, "microvm")
+	}
+	return cfg.Cache
+}
+
+// vmConfig sets sb.vcfg: the VM of sb.cfg, as QEMU (jailed as sb.ids'
+// first uid) runs it; its tap and jail come with setUp.
+func (sb *Sandbox) vmConfig() error {
+	cfg := sb.cfg
+	cache := cacheDir(cfg)
+	initrd, err := Initramfs(cache, cfg.Kernel, cfg.AgentPath)
+	if err != nil {
+		return err
+	}
+	disk, err := TemplateImage(cache, cfg.Template)
+	if err != nil {
+		return err
+	}
+	memMB, cpus := vmSize(cfg)
+	sb.vcfg = vm.Config{Kernel: cfg.Kernel, Initramfs: initrd, MemoryMB: memMB, CPUs: cpus, Accel: cfg.Accel,
+		Dir: filepath.Join(sb.dir, "vm"), Disks: []string{disk}, Credential: credential(sb.ids, cfg.Accel),
+		Jailer: cfg.AgentPath, Append: guestArgs}
+	if cfg.Net != nil && cfg.NetPolicy.Networked() {
+		sb.vcfg.MAC = network.GuestMAC
+	}
+	return nil
+}
+
+// setUp makes what the VM needs on the host: the sandbox's directory and
+// owner lock, its network (in sb.ids' slot) with the tap of its NIC, and
+// QEMU's cgroup; and puts the tap and the cgroup into sb.vcfg.
+func (sb *Sandbox) setUp() error {
+	cfg := sb.cfg
+	// Traversable, as on the other walls (QEMU needs none of it: it gets
+	// its sockets and files as descriptors, in a jail of its own).
+	for _, d := range []string{cfg.RunDir, filepath.Dir(sb.dir)} {
+		if err := os.MkdirAll(d, 0o711); err != nil {
+			return err
+		}
+		if err := os.Chmod(d, 0o711); err != nil {
+			return err
+		}
+	}
+	if err := os.Mkdir(sb.dir, 0o711); err != nil {
+		return err
+	}
+	var err error
+	if sb.owner, err = state.LockOwner(sb.dir); err != nil {
+		return err
+	}
+	sb.vcfg.Tap, sb.vcfg.Jail = nil, nil
+	if cfg.Net != nil && cfg.NetPolicy.Networked() {
+		if err := sb.attachNetwork(cfg); err != nil {
+			return err
+		}
+		sb.vcfg.Tap = sb.tap
+	}
+	if cfg.Cgroups != nil {
+		if sb.cg, err = cfg.Cgroups.Create(cfg.ID, cgroups.Limits{MemoryBytes: hostMemoryMB(sb.vcfg.MemoryMB) << 20,
+			CPUs: float64(sb.vcfg.CPUs), Pids: qemuPids}); err != nil {
+			return fmt.Errorf("cgroup: %w", err)
+		}
+		sb.vcfg.Jail = sb.cg.AddProc
+	}
+	return nil
 }
 
 func shmBytes(n int64) int64 {

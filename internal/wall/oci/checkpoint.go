@@ -190,6 +190,19 @@ func lastLine(s string) string {
 	return s
 }
 
+// CheckpointsMissing: gVisor checkpoints; runc would need CRIU, whose
+// kernel check fails on the hosts cage runs on (runc sandboxes are frozen
+// instead).
+func (d *Driver) CheckpointsMissing() error {
+	if err := d.Missing(); err != nil {
+		return err
+	}
+	if d.name != "gvisor" {
+		return fmt.Errorf("%w: the %s wall cannot checkpoint (CRIU); its sandboxes are frozen instead", wall.ErrInvalid, d.name)
+	}
+	return nil
+}
+
 // AdoptCheckpointed takes charge of a sandbox another process checkpointed:
 // its state directory, cgroup and network are as it left them (unless the
 // host restarted, which removed them).

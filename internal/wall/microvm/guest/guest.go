@@ -30,7 +30,11 @@ import (
 func guestAgent(port *os.File) error {
 	var disk *os.File // the root's upper layer, once mounted
 	for {
-		sess, first, sp, err := nextHost(port)
+		conn, err := dupPort(port)
+		if err != nil {
+			return err
+		}
+		sess, first, sp, err := nextHost(conn)
 		if err != nil {
 			return err
 		}
@@ -46,7 +50,7 @@ func guestAgent(port *os.File) error {
 		}
 		if !sp.Prepare {
 			disk.Close()
-			return serve(sess, first, sp, restored)
+			return serve(sess, first, sp, restored, port)
 		}
 		if err := warmUp(); err != nil {
 			fmt.Fprintf(first, "error: %v\n", err)
@@ -66,7 +70,8 @@ func guestAgent(port *os.File) error {
 		// writes.
 		_, _ = io.WriteString(first, Prepared)
 		<-sess.CloseChan()
-		sess.Close() // and the port with it
+		sess.Close() // and its descriptor of the port
+		port.Close()
 		if port, err = boot.ReopenAgentPort(); err != nil {
 			return err
 		}
@@ -113,13 +118,22 @@ func warmFile(p string) {
 	_, _ = io.Copy(io.Discard, f)
 }
 
+// dupPort is a descriptor of its own of the port, for one session.
+func dupPort(port *os.File) (*os.File, error) {
+	fd, err := unix.FcntlInt(port.Fd(), unix.F_DUPFD_CLOEXEC, 0)
+	if err != nil {
+		return nil, fmt.Errorf("agent port: %w", err)
+	}
+	return os.NewFile(uintptr(fd), "agent-port"), nil
+}
+
 // nextHost greets the host that connects to the port next and reads its
 // spec from the session's first stream.
-func nextHost(port *os.File) (*yamux.Session, net.Conn, Spec, error) {
+func nextHost(port io.ReadWriteCloser) (*yamux.Session, net.Conn, Spec, error) {
 	var sp Spec
 	// Blocks until a host holds the port's other end; a snapshot's guest
 	// is saved blocked here.
-	if _, err := port.WriteString(Hello); err != nil {
+	if _, err := io.WriteString(port, Hello); err != nil {
 		return nil, nil, sp, fmt.Errorf("agent port: %w", err)
 	}
 	sess, err := yamux.Server(port, channel.SessionConfig())
@@ -136,11 +150,30 @@ func nextHost(port *os.File) (*yamux.Session, net.Conn, Spec, error) {
 	return sess, first, sp, nil
 }
 
+// nextHostAgain greets the host that comes after the one serving left (a
+// checkpoint: the VM is saved with its agent waiting here, and the host
+// that resumes it connects), on a descriptor of its own of the port (a
+// session closes its descriptor as it ends, which cuts short any write of
+// the old session still waiting for a host). Its spec must be a resume's.
+func nextHostAgain(port *os.File) (*yamux.Session, net.Conn, Spec, error) {
+	conn, err := dupPort(port)
+	if err != nil {
+		return nil, nil, Spec{}, err
+	}
+	sess, first, sp, err := nextHost(conn)
+	if err == nil && !sp.Resume {
+		fmt.Fprintf(first, "error: a serving guest takes only a resume's spec\n")
+		sess.Close()
+		err = errors.New("a host sent a serving guest a spec that is not a resume's")
+	}
+	return sess, first, sp, err
+}
+
 // serve makes the guest the sandbox sp describes and serves the agent on
 // sess. Its identity comes first: no command can run before the agent
 // exists, and the agent is made only once the guest has its own random
 // state, clock and name.
-func serve(sess *yamux.Session, first net.Conn, sp Spec, restored bool) error {
+func serve(sess *yamux.Session, first net.Conn, sp Spec, restored bool, port *os.File) error {
 	if err := freshIdentity(sp); err != nil {
 		fmt.Fprintf(first, "error: %v\n", err)
 		return err
@@ -179,7 +212,22 @@ func serve(sess *yamux.Session, first net.Conn, sp Spec, restored bool) error {
 		return err
 	}
 	first.Close()
-	return srv.Serve(sess)
+	for {
+		_ = srv.Serve(sess) // until the host leaves
+		sess.Close()
+		var sp Spec
+		if sess, first, sp, err = nextHostAgain(port); err != nil {
+			return err
+		}
+		if err := resumed(sp); err != nil {
+			fmt.Fprintf(first, "error: %v\n", err)
+			return err
+		}
+		if _, err := io.WriteString(first, Ready); err != nil {
+			return err
+		}
+		first.Close()
+	}
 }
 
 // spawnThread prepares the thread that starts every command: a cgroup
@@ -281,6 +329,18 @@ func guestCgroup(lim cgroups.Limits) (agent.LimitEvents, error) {
 // no output of the old state follows), the wall clock (stopped at the
 // snapshot) and the hostname.
 func freshIdentity(sp Spec) error {
+	if err := setClock(sp); err != nil {
+		return err
+	}
+	if err := unix.Sethostname([]byte(sp.Hostname)); err != nil {
+		return fmt.Errorf("set the hostname: %w", err)
+	}
+	return nil
+}
+
+// setClock mixes sp's random bytes into the kernel's RNG and sets the
+// clock to sp's time.
+func setClock(sp Spec) error {
 	if len(sp.Entropy) < EntropyBytes {
 		return fmt.Errorf("the Spec carries %d random bytes, want %d", len(sp.Entropy), EntropyBytes)
 	}
@@ -293,9 +353,6 @@ func freshIdentity(sp Spec) error {
 	ts := unix.NsecToTimespec(sp.UnixNano)
 	if err := unix.ClockSettime(unix.CLOCK_REALTIME, &ts); err != nil {
 		return fmt.Errorf("set the clock: %w", err)
-	}
-	if err := unix.Sethostname([]byte(sp.Hostname)); err != nil {
-		return fmt.Errorf("set the hostname: %w", err)
 	}
 	return nil
 }

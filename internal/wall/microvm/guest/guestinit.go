@@ -1,6 +1,7 @@
 package guest
 
 import (
+	"encoding/json"
 	"errors"
 	"fmt"
 	"math"
@@ -24,8 +25,12 @@ import (
 // guestAgentArg is the agent's argument in the guest: `cage-agent guest`.
 const guestAgentArg = "guest"
 
-// portFD is the agent port's descriptor in the guest's agent.
-const portFD = 3
+// portFD is the agent port's descriptor in the guest's agent; clockFD its
+// end of the socket to the init (see serveClock).
+const (
+	portFD  = 3
+	clockFD = 4
+)
 
 // IsGuestInit reports whether this process is a microvm guest's init (PID
 // 1, started by the kernel without arguments) or its agent (PID 1 of the
@@ -51,21 +56,74 @@ func GuestServe() error {
 	if err != nil {
 		return err
 	}
-	pid, err := startGuestAgent(port)
+	pair, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return fmt.Errorf("the clock's socket: %w", err)
+	}
+	pid, err := startGuestAgent(port, pair[1])
 	port.Close()
+	unix.Close(pair[1])
 	if err != nil {
 		return err
 	}
+	go serveClock(pair[0])
 	return reapUntil(pid)
 }
 
+// serveClock is the init's service to its agent, which cannot do it once
+// sealed: for each resume (see Spec) it sets the clock and mixes random
+// bytes in, and answers "ok" or the error. Only the agent holds the
+// other end.
+func serveClock(fd int) {
+	buf := make([]byte, 4096)
+	for {
+		n, err := unix.Read(fd, buf)
+		if errors.Is(err, unix.EINTR) {
+			continue
+		}
+		if err != nil || n == 0 {
+			return
+		}
+		var sp Spec
+		answer := "ok"
+		if err := json.Unmarshal(buf[:n], &sp); err != nil {
+			answer = err.Error()
+		} else if err := setClock(sp); err != nil {
+			answer = err.Error()
+		}
+		_, _ = unix.Write(fd, []byte(answer))
+	}
+}
+
+// resumed has the init set the clock and add the random bytes of a
+// resume's spec (see serveClock).
+func resumed(sp Spec) error {
+	b, err := json.Marshal(Spec{Resume: true, Entropy: sp.Entropy, UnixNano: sp.UnixNano})
+	if err != nil {
+		return err
+	}
+	if _, err := unix.Write(clockFD, b); err != nil {
+		return fmt.Errorf("ask the init for the clock: %w", err)
+	}
+	buf := make([]byte, 512)
+	n, err := unix.Read(clockFD, buf)
+	if err != nil {
+		return fmt.Errorf("ask the init for the clock: %w", err)
+	}
+	if got := string(buf[:n]); got != "ok" {
+		return fmt.Errorf("the init: %s", got)
+	}
+	return nil
+}
+
 // startGuestAgent starts `cage-agent guest` (this binary, the initramfs's
-// /init) as PID 1 of a new PID namespace, with the port as its fd 3.
-func startGuestAgent(port *os.File) (int, error) {
+// /init) as PID 1 of a new PID namespace, with the port as its fd 3 and
+// its end of the clock's socket as fd 4.
+func startGuestAgent(port *os.File, clock int) (int, error) {
 	pid, err := syscall.ForkExec("/init", []string{"cage-agent", guestAgentArg}, &syscall.ProcAttr{
 		Dir:   "/",
 		Env:   []string{"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"},
-		Files: []uintptr{0, 1, 2, port.Fd()},
+		Files: []uintptr{0, 1, 2, port.Fd(), uintptr(clock)},
 		Sys:   &syscall.SysProcAttr{Cloneflags: syscall.CLONE_NEWPID},
 	})
 	if err != nil {

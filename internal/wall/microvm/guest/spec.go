@@ -23,8 +23,15 @@ import (
 // snapshot, so the guest mixes the host's random bytes into its RNG and
 // sets its clock before the agent exists. A cold-booted guest does the
 // same; it costs nothing.
+//
+// A resume spec (Resume set, with Entropy and UnixNano) is what the host
+// sends a guest restored from a checkpoint of a serving sandbox: its
+// agent, which saw the host go as the VM was saved, serves the new host
+// as it served the old, after the guest's init has set the clock and
+// mixed the random bytes in (the agent, sealed, may do neither).
 type Spec struct {
 	Prepare  bool   `json:"prepare,omitempty"`
+	Resume   bool   `json:"resume,omitempty"`
 	Entropy  []byte `json:"entropy,omitempty"`
 	UnixNano int64  `json:"unix_nano,omitempty"`
 
