@@ -97,7 +97,16 @@ func (c *Client) Create(ctx context.Context, body types.NewSandboxV2) (*types.Sa
 
 // List returns every running sandbox of the key, following pages.
 func (c *Client) List(ctx context.Context, metadata map[string]string) ([]types.ListedSandbox, error) {
+	return c.ListStates(ctx, nil, metadata)
+}
+
+// ListStates returns every sandbox of the key in the given states
+// (running, paused; none: running), following pages.
+func (c *Client) ListStates(ctx context.Context, states []string, metadata map[string]string) ([]types.ListedSandbox, error) {
 	q := url.Values{"limit": {"100"}}
+	if len(states) > 0 {
+		q.Set("state", strings.Join(states, ","))
+	}
 	if len(metadata) > 0 {
 		md := url.Values{}
 		for k, v := range metadata {

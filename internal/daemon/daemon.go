@@ -276,8 +276,8 @@ func Run(ctx context.Context, cfg Config, log *slog.Logger, ready func(apiAddr, 
 			}
 		}()
 	}
-	apiSrv := newServer(api.Handler(api.Config{Manager: mgr, Store: st, Log: log, Domain: cfg.Domain,
-		DefaultWall: cfg.DefaultWall}), true)
+	apiSrv := newServer(withMCP(api.Handler(api.Config{Manager: mgr, Store: st, Log: log, Domain: cfg.Domain,
+		DefaultWall: cfg.DefaultWall}), st, apiL.Addr(), proxyL.Addr(), log), true)
 	proxySrv := newServer(proxy.New(mgr, cfg.Domain, log), false)
 	errs := make(chan error, 2)
 	go func() { errs <- apiSrv.Serve(apiL) }()

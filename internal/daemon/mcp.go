@@ -1,0 +1,72 @@
+package daemon
+
+import (
+	"errors"
+	"log/slog"
+	"net"
+	"net/http"
+	"strconv"
+	"strings"
+
+	"github.com/cagehq/cage/internal/client"
+	"github.com/cagehq/cage/internal/mcp"
+	"github.com/cagehq/cage/internal/store"
+)
+
+// withMCP serves MCP's streamable HTTP transport at /mcp beside the API:
+// the same keys, checked before the body as the API checks them, and the
+// same isolation, since each request's tools are a client of this
+// daemon's own API and proxy with the request's key.
+func withMCP(apiHandler http.Handler, st *store.Store, apiAddr, proxyAddr net.Addr, log *slog.Logger) http.Handler {
+	api, proxy := dialURL(apiAddr), dialURL(proxyAddr)
+	h := mcp.Handler(mcp.HTTPConfig{
+		Log: log,
+		Verify: func(key string) (bool, error) {
+			_, err := st.VerifyKey(key)
+			if errors.Is(err, store.ErrNotFound) {
+				return false, nil
+			}
+			return err == nil, err
+		},
+		Server: func(r *http.Request, key string) mcp.Config {
+			return mcp.Config{Client: client.New(api, proxy, key), ProxyURL: publicURL(proxyAddr, r)}
+		},
+	})
+	mux := http.NewServeMux()
+	mux.Handle("/mcp", h)
+	mux.Handle("/", apiHandler)
+	return mux
+}
+
+// dialURL is where this process reaches one of its listeners: loopback for
+// a listener on every address.
+func dialURL(a net.Addr) string {
+	ta, ok := a.(*net.TCPAddr)
+	if !ok {
+		return "http://" + a.String()
+	}
+	ip := ta.IP
+	if ip == nil || ip.IsUnspecified() {
+		ip = net.IPv4(127, 0, 0, 1)
+	}
+	return "http://" + net.JoinHostPort(ip.String(), strconv.Itoa(ta.Port))
+}
+
+// publicURL is the proxy as the MCP client reaches it: its own address,
+// or, for a listener on every address, the host the client reached the
+// API by, on the proxy's port.
+func publicURL(proxyAddr net.Addr, r *http.Request) string {
+	ta, ok := proxyAddr.(*net.TCPAddr)
+	if !ok || (ta.IP != nil && !ta.IP.IsUnspecified()) {
+		return dialURL(proxyAddr)
+	}
+	host := r.Host
+	if h, _, err := net.SplitHostPort(host); err == nil {
+		host = h
+	}
+	host = strings.Trim(host, "[]")
+	if host == "" {
+		return dialURL(proxyAddr)
+	}
+	return "http://" + net.JoinHostPort(host, strconv.Itoa(ta.Port))
+}

@@ -1,0 +1,307 @@
+package mcp
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"encoding/base64"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"sort"
+	"strings"
+	"time"
+
+	sdk "github.com/modelcontextprotocol/go-sdk/mcp"
+)
+
+// run_code: code through the code interpreter (cage-interp, port 49999 of
+// template code-interpreter-v1), reached through the daemon's proxy with
+// the sandbox's access token, as @e2b/code-interpreter reaches it.
+
+const (
+	interpPort  = "49999"
+	maxImages   = 8
+	maxImage    = 4 << 20 // decoded bytes of one image returned
+	maxLineSize = 24 << 20
+)
+
+type codeIn struct {
+	SandboxID      string            `json:"sandbox_id" jsonschema:"the sandbox (of template code-interpreter-v1, or one built from it)"`
+	Code           string            `json:"code" jsonschema:"the code to run; state (variables, imports) stays between runs in the same context"`
+	Language       string            `json:"language,omitempty" jsonschema:"python (default), javascript, typescript, r or bash; runs in that language's default context"`
+	ContextID      string            `json:"context_id,omitempty" jsonschema:"a code context made with the code interpreter's API instead of a language's default one"`
+	Envs           map[string]string `json:"envs,omitempty" jsonschema:"environment variables for this run only"`
+	TimeoutS       int64             `json:"timeout_s,omitempty" jsonschema:"interrupt the run after this many seconds (the context keeps its state)"`
+	MaxOutputBytes int               `json:"max_output_bytes,omitempty" jsonschema:"bytes kept of stdout and of stderr each; beyond, the head and the tail are kept and truncated is set"`
+}
+
+var codeSchema = schemaFor[codeIn](func(p props) {
+	p.sandboxID().minLen("code", 1).maxLen("code", maxCodeLen).
+		enum("language", "python", "javascript", "typescript", "r", "bash").maxLen("context_id", 128).
+		maxProps("envs", maxEnvs).def("timeout_s", defaultExecTimeout).rng("timeout_s", 1, maxExecTimeout).
+		def("max_output_bytes", defaultOutput).rng("max_output_bytes", minOutput, maxOutput)
+})
+
+type codeResult struct {
+	IsMain  bool     `json:"is_main" jsonschema:"the value of the run's last expression (else: something displayed)"`
+	Text    string   `json:"text,omitempty" jsonschema:"its text/plain form"`
+	Formats []string `json:"formats" jsonschema:"the forms it came in (png and jpeg are returned as image content)"`
+	HTML    string   `json:"html,omitempty"`
+	JSON    any      `json:"json,omitempty"`
+}
+
+type codeError struct {
+	Name      string `json:"name"`
+	Value     string `json:"value"`
+	Traceback string `json:"traceback,omitempty"`
+}
+
+type codeOut struct {
+	Stdout    string       `json:"stdout"`
+	Stderr    string       `json:"stderr"`
+	Results   []codeResult `json:"results"`
+	Error     *codeError   `json:"error,omitempty" jsonschema:"the exception the code raised, if it did"`
+	Images    int          `json:"images" jsonschema:"images returned as image content"`
+	Truncated bool         `json:"truncated" jsonschema:"output or images were left out (said in the text)"`
+}
+
+func checkCode(in codeIn) error {
+	if err := checkID(in.SandboxID); err != nil {
+		return err
+	}
+	switch {
+	case strings.TrimSpace(in.Code) == "":
+		return errors.New("code is empty")
+	case len(in.Code) > maxCodeLen:
+		return fmt.Errorf("code is %d bytes, over %d: write it to a file with file_write and run that", len(in.Code), maxCodeLen)
+	case in.Language != "" && in.ContextID != "":
+		return errors.New("give language or context_id, not both")
+	case in.TimeoutS < 0 || in.TimeoutS > maxExecTimeout:
+		return fmt.Errorf("timeout_s %d: want 1 to %d", in.TimeoutS, maxExecTimeout)
+	case in.MaxOutputBytes != 0 && (in.MaxOutputBytes < minOutput || in.MaxOutputBytes > maxOutput):
+		return fmt.Errorf("max_output_bytes %d: want %d to %d", in.MaxOutputBytes, minOutput, maxOutput)
+	}
+	return checkEnvs(in.Envs)
+}
+
+func (t *tools) runCode(ctx context.Context, _ *sdk.CallToolRequest, in codeIn) (*sdk.CallToolResult, codeOut, error) {
+	if err := checkCode(in); err != nil {
+		return nil, codeOut{}, err
+	}
+	sb, err := t.reach(ctx, in.SandboxID)
+	if err != nil {
+		return nil, codeOut{}, err
+	}
+	sb.release() // run_code goes to the interpreter's port, not the agent
+	timeout := in.TimeoutS
+	if timeout == 0 {
+		timeout = defaultExecTimeout
+	}
+	limit := in.MaxOutputBytes
+	if limit == 0 {
+		limit = defaultOutput
+	}
+	rctx, cancel := context.WithTimeout(ctx, time.Duration(timeout)*time.Second)
+	defer cancel()
+	body, err := t.execute(rctx, sb, in)
+	if err != nil {
+		return nil, codeOut{}, err
+	}
+	defer body.Close()
+	r := &codeRun{stdout: newCapture(limit), stderr: newCapture(limit)}
+	if err := r.read(body); err != nil {
+		if rctx.Err() != nil && ctx.Err() == nil {
+			return nil, codeOut{}, fmt.Errorf("the code ran past timeout_s=%d seconds and was interrupted (its context keeps its state)", timeout)
+		}
+		return nil, codeOut{}, t.failure(err)
+	}
+	return r.result()
+}
+
+// execute POSTs the run to the interpreter and returns the streamed answer.
+func (t *tools) execute(ctx context.Context, sb *sandbox, in codeIn) (io.ReadCloser, error) {
+	req := map[string]any{"code": in.Code}
+	if in.ContextID != "" {
+		req["context_id"] = in.ContextID
+	} else if in.Language != "" {
+		req["language"] = in.Language
+	}
+	if len(in.Envs) > 0 {
+		req["env_vars"] = in.Envs
+	}
+	b, _ := json.Marshal(req)
+	hr, err := http.NewRequestWithContext(ctx, http.MethodPost, t.c.Proxy+"/execute", bytes.NewReader(b))
+	if err != nil {
+		return nil, err
+	}
+	hr.Header.Set("Content-Type", "application/json")
+	hr.Header.Set("E2b-Sandbox-Id", sb.SandboxID)
+	hr.Header.Set("E2b-Sandbox-Port", interpPort)
+	hr.Header.Set("X-Access-Token", sb.EnvdAccessToken)
+	if tok := sb.TrafficAccessToken; tok != nil && *tok != "" {
+		hr.Header.Set("E2b-Traffic-Access-Token", *tok)
+	}
+	resp, err := codeHTTP.Do(hr)
+	if err != nil {
+		return nil, t.failure(err)
+	}
+	if resp.StatusCode == http.StatusOK {
+		return resp.Body, nil
+	}
+	msg, _ := io.ReadAll(io.LimitReader(resp.Body, 4096))
+	resp.Body.Close()
+	text := strings.TrimSpace(string(msg))
+	var e struct {
+		Message string `json:"message"`
+	}
+	if json.Unmarshal(msg, &e) == nil && e.Message != "" {
+		text = e.Message
+	}
+	if resp.StatusCode == http.StatusBadGateway {
+		return nil, fmt.Errorf("sandbox %s (template %s) has no code interpreter: nothing listens on port %s. run_code needs a sandbox of template code-interpreter-v1 (sandbox_create with template code-interpreter-v1); use exec to run scripts here (%s)",
+			sb.SandboxID, sb.TemplateID, interpPort, clip(text, 200))
+	}
+	return nil, fmt.Errorf("the code interpreter refused the run: %s (HTTP %d)", clip(text, 500), resp.StatusCode)
+}
+
+// codeHTTP reaches the proxy; runs last as long as their timeout_s.
+var codeHTTP = &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 16, IdleConnTimeout: 90 * time.Second}}
+
+// codeRun gathers one run's stream of NDJSON lines.
+type codeRun struct {
+	stdout, stderr *capture
+	results        []codeResult
+	images         []*sdk.ImageContent
+	dropped        []string // why images were left out
+	err            *codeError
+	ended          bool
+}
+
+func (r *codeRun) read(body io.Reader) error {
+	sc := bufio.NewScanner(body)
+	sc.Buffer(make([]byte, 64<<10), maxLineSize)
+	for sc.Scan() {
+		var l struct {
+			Type      string          `json:"type"`
+			Text      json.RawMessage `json:"text"`
+			IsMain    bool            `json:"is_main_result"`
+			Name      string          `json:"name"`
+			Value     string          `json:"value"`
+			Traceback string          `json:"traceback"`
+			HTML      string          `json:"html"`
+			PNG       string          `json:"png"`
+			JPEG      string          `json:"jpeg"`
+			JSON      any             `json:"json"`
+			SVG       string          `json:"svg"`
+			Markdown  string          `json:"markdown"`
+			Extra     map[string]any  `json:"extra"`
+		}
+		if json.Unmarshal(sc.Bytes(), &l) != nil {
+			continue
+		}
+		switch l.Type {
+		case "stdout", "stderr":
+			var s string
+			_ = json.Unmarshal(l.Text, &s)
+			w := r.stdout
+			if l.Type == "stderr" {
+				w = r.stderr
+			}
+			_, _ = w.Write([]byte(s))
+		case "error":
+			if r.err == nil {
+				r.err = &codeError{Name: l.Name, Value: l.Value, Traceback: clip(l.Traceback, 16<<10)}
+			}
+		case "result":
+			var text string
+			_ = json.Unmarshal(l.Text, &text)
+			cr := codeResult{IsMain: l.IsMain, Text: clip(text, 64<<10), HTML: clip(l.HTML, 64<<10), JSON: l.JSON, Formats: []string{}}
+			for name, v := range map[string]string{"text": text, "html": l.HTML, "png": l.PNG, "jpeg": l.JPEG, "svg": l.SVG, "markdown": l.Markdown} {
+				if v != "" {
+					cr.Formats = append(cr.Formats, name)
+				}
+			}
+			if l.JSON != nil {
+				cr.Formats = append(cr.Formats, "json")
+			}
+			for k := range l.Extra {
+				cr.Formats = append(cr.Formats, k)
+			}
+			sort.Strings(cr.Formats)
+			r.image("image/png", l.PNG)
+			r.image("image/jpeg", l.JPEG)
+			r.results = append(r.results, cr)
+		case "end_of_execution":
+			r.ended = true
+			return nil
+		}
+	}
+	if err := sc.Err(); err != nil {
+		return err
+	}
+	return errors.New("the code interpreter's answer ended before the run did")
+}
+
+func (r *codeRun) image(mime, b64 string) {
+	if b64 == "" {
+		return
+	}
+	data, err := base64.StdEncoding.DecodeString(b64)
+	switch {
+	case err != nil:
+		r.dropped = append(r.dropped, mime+" that is not base64")
+	case len(r.images) >= maxImages:
+		r.dropped = append(r.dropped, fmt.Sprintf("%s past the first %d images", mime, maxImages))
+	case len(data) > maxImage:
+		r.dropped = append(r.dropped, fmt.Sprintf("%s of %d bytes (over %d)", mime, len(data), maxImage))
+	default:
+		r.images = append(r.images, &sdk.ImageContent{Data: data, MIMEType: mime})
+	}
+}
+
+// result is the tool's answer: a text a model reads first, the images,
+// and the structured output.
+func (r *codeRun) result() (*sdk.CallToolResult, codeOut, error) {
+	out := codeOut{Results: r.results, Error: r.err, Images: len(r.images)}
+	if out.Results == nil {
+		out.Results = []codeResult{}
+	}
+	var cut1, cut2 bool
+	out.Stdout, cut1 = r.stdout.text("stdout")
+	out.Stderr, cut2 = r.stderr.text("stderr")
+	out.Truncated = cut1 || cut2 || len(r.dropped) > 0
+	var b strings.Builder
+	if out.Stdout != "" {
+		fmt.Fprintf(&b, "stdout:\n%s\n", strings.TrimRight(out.Stdout, "\n"))
+	}
+	if out.Stderr != "" {
+		fmt.Fprintf(&b, "stderr:\n%s\n", strings.TrimRight(out.Stderr, "\n"))
+	}
+	for _, res := range out.Results {
+		what := "displayed"
+		if res.IsMain {
+			what = "result"
+		}
+		fmt.Fprintf(&b, "%s (%s): %s\n", what, strings.Join(res.Formats, ", "), res.Text)
+	}
+	if r.err != nil {
+		fmt.Fprintf(&b, "error: %s: %s\n%s\n", r.err.Name, r.err.Value, r.err.Traceback)
+	}
+	for _, d := range r.dropped {
+		fmt.Fprintf(&b, "cage: left out an image: %s\n", d)
+	}
+	if len(r.images) > 0 {
+		fmt.Fprintf(&b, "%d image(s) follow\n", len(r.images))
+	}
+	if b.Len() == 0 {
+		b.WriteString("(no output)\n")
+	}
+	content := []sdk.Content{&sdk.TextContent{Text: b.String()}}
+	for _, img := range r.images {
+		content = append(content, img)
+	}
+	return &sdk.CallToolResult{Content: content}, out, nil
+}

@@ -1,0 +1,134 @@
+package mcp
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"log/slog"
+	"net/http"
+	"strings"
+
+	sdk "github.com/modelcontextprotocol/go-sdk/mcp"
+)
+
+// MaxHTTPBody bounds a request body on /mcp: a file_write of maxWriteBytes
+// in base64 and its envelope.
+const MaxHTTPBody = 8 << 20
+
+// HTTPConfig configures the streamable HTTP endpoint.
+type HTTPConfig struct {
+	// Verify checks an API key: ok false for one the daemon never issued
+	// (or revoked); err for a failure to tell.
+	Verify func(key string) (ok bool, err error)
+	// Server is the server configuration for one request made with a key
+	// Verify accepted (its Client carries that key).
+	Server func(r *http.Request, key string) Config
+	Log    *slog.Logger
+}
+
+type serverKey struct{}
+
+// Handler serves MCP's streamable HTTP transport, statelessly (no session
+// outlives its request: state lives in the sandboxes), with JSON answers.
+// The key is checked before a byte of the body is read; a request that
+// carries a credential in its URL is refused whatever else it carries.
+func Handler(cfg HTTPConfig) http.Handler {
+	if cfg.Log == nil {
+		cfg.Log = slog.New(slog.DiscardHandler)
+	}
+	schemas := sdk.NewSchemaCache()
+	h := sdk.NewStreamableHTTPHandler(func(r *http.Request) *sdk.Server {
+		s, _ := r.Context().Value(serverKey{}).(*sdk.Server)
+		return s
+	}, &sdk.StreamableHTTPOptions{
+		Stateless:    true,
+		JSONResponse: true,
+		// The API key guards every request, so a page that rebinds a name
+		// to loopback gets nowhere; a reverse proxy in front of the
+		// daemon's loopback listener keeps working.
+		DisableLocalhostProtection: true,
+		MaxRequestBodyBytes:        MaxHTTPBody,
+		Logger:                     cfg.Log,
+	})
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		defer func() {
+			if v := recover(); v != nil {
+				if v == http.ErrAbortHandler {
+					panic(v)
+				}
+				cfg.Log.Error("panic in /mcp", "panic", fmt.Sprint(v))
+				httpError(w, http.StatusInternalServerError, "internal error")
+			}
+		}()
+		if name := credentialInURL(r); name != "" {
+			httpError(w, http.StatusBadRequest, fmt.Sprintf("refused: the URL carries a credential (%s); send the API key in the Authorization: Bearer or X-API-Key header, never in a URL (it ends up in logs)", name))
+			return
+		}
+		key, msg := requestKey(r)
+		if msg != "" {
+			w.Header().Set("WWW-Authenticate", `Bearer realm="cage"`)
+			httpError(w, http.StatusUnauthorized, msg)
+			return
+		}
+		ok, err := cfg.Verify(key)
+		if err != nil {
+			cfg.Log.Error("/mcp: verify key", "err", err)
+			httpError(w, http.StatusInternalServerError, "internal error (the server's log has the detail)")
+			return
+		}
+		if !ok {
+			w.Header().Set("WWW-Authenticate", `Bearer realm="cage", error="invalid_token"`)
+			httpError(w, http.StatusUnauthorized, "invalid API key")
+			return
+		}
+		sc := cfg.Server(r, key)
+		sc.Schemas = schemas
+		ctx := context.WithValue(r.Context(), serverKey{}, NewServer(sc))
+		h.ServeHTTP(w, r.WithContext(ctx))
+	})
+}
+
+// requestKey is the key a request carries, or why it carries none.
+func requestKey(r *http.Request) (key, msg string) {
+	xkey := r.Header.Get("X-API-Key")
+	var bearer string
+	if a := r.Header.Get("Authorization"); a != "" {
+		scheme, rest, _ := strings.Cut(a, " ")
+		if !strings.EqualFold(scheme, "Bearer") || strings.TrimSpace(rest) == "" {
+			return "", "Authorization: want Bearer <API key>"
+		}
+		bearer = strings.TrimSpace(rest)
+	}
+	switch {
+	case xkey == "" && bearer == "":
+		return "", "missing API key: send it as Authorization: Bearer <key> or in the X-API-Key header"
+	case xkey != "" && bearer != "" && xkey != bearer:
+		return "", "two different API keys (Authorization and X-API-Key): send one"
+	case xkey != "":
+		return xkey, ""
+	}
+	return bearer, ""
+}
+
+// credentialInURL names a query parameter that looks like a credential.
+func credentialInURL(r *http.Request) string {
+	for name, vals := range r.URL.Query() {
+		n := strings.ToLower(strings.NewReplacer("-", "", "_", "").Replace(name))
+		switch n {
+		case "key", "apikey", "xapikey", "token", "accesstoken", "authorization", "auth", "bearer", "e2bapikey", "cageapikey":
+			return name
+		}
+		for _, v := range vals {
+			if strings.HasPrefix(v, "e2b_") {
+				return name
+			}
+		}
+	}
+	return ""
+}
+
+func httpError(w http.ResponseWriter, status int, msg string) {
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(status)
+	_ = json.NewEncoder(w).Encode(map[string]any{"code": status, "message": msg})
+}
