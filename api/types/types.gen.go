@@ -81,13 +81,16 @@ func (e NetworkRecordKind) Valid() bool {
 
 // Defines values for SandboxDetailPausedWith.
 const (
-	SandboxDetailPausedWithFiles  SandboxDetailPausedWith = "files"
-	SandboxDetailPausedWithMemory SandboxDetailPausedWith = "memory"
+	SandboxDetailPausedWithCheckpoint SandboxDetailPausedWith = "checkpoint"
+	SandboxDetailPausedWithFiles      SandboxDetailPausedWith = "files"
+	SandboxDetailPausedWithMemory     SandboxDetailPausedWith = "memory"
 )
 
 // Valid indicates whether the value is a known member of the SandboxDetailPausedWith enum.
 func (e SandboxDetailPausedWith) Valid() bool {
 	switch e {
+	case SandboxDetailPausedWithCheckpoint:
+		return true
 	case SandboxDetailPausedWithFiles:
 		return true
 	case SandboxDetailPausedWithMemory:
@@ -593,7 +596,7 @@ type SandboxDetail struct {
 	// Network The sandbox's egress rules and the exposure of its ports. cage: always sent.
 	Network SandboxNetworkConfig `json:"network,omitempty,omitzero"`
 
-	// PausedWith cage: how a paused sandbox was paused: memory (frozen, its processes resume where they stood) or files (saved to disk, its memory released; it resumes without its processes). Absent while running.
+	// PausedWith cage: how a paused sandbox was paused: memory (frozen in RAM on the process and runc walls, its processes resume where they stood), checkpoint (gVisor and microvm: its memory and processes saved to disk by the wall, its RAM released; its processes resume where they stood) or files (saved to disk, its memory released; it resumes without its processes). Absent while running.
 	PausedWith SandboxDetailPausedWith `json:"pausedWith,omitempty,omitzero"`
 
 	// Pids cage: the pids limit the sandbox was given.
@@ -621,7 +624,7 @@ type SandboxDetail struct {
 	Wall Wall `json:"wall"`
 }
 
-// SandboxDetailPausedWith cage: how a paused sandbox was paused: memory (frozen, its processes resume where they stood) or files (saved to disk, its memory released; it resumes without its processes). Absent while running.
+// SandboxDetailPausedWith cage: how a paused sandbox was paused: memory (frozen in RAM on the process and runc walls, its processes resume where they stood), checkpoint (gVisor and microvm: its memory and processes saved to disk by the wall, its RAM released; its processes resume where they stood) or files (saved to disk, its memory released; it resumes without its processes). Absent while running.
 type SandboxDetailPausedWith string
 
 // SandboxDomain Base domain under which the sandbox's ports are reachable (`<port>-<sandboxID>.<domain>`); null means the client's configured domain (`E2B_DOMAIN`).

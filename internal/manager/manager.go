@@ -397,7 +397,8 @@ func (m *Manager) remove(id, why string) {
 	}
 	e.timer.Stop()
 	m.metrics.forget(id)
-	_ = os.Remove(m.savedFiles(id)) // a frozen sandbox's backup
+	_ = os.Remove(m.savedFiles(id))       // a frozen sandbox's backup
+	_ = os.RemoveAll(m.checkpointDir(id)) // a checkpointed one's
 	m.discard(e.sb, why)
 }
 

@@ -18,9 +18,10 @@ import (
 	"github.com/cagehq/cage/internal/wall"
 )
 
-// A paused sandbox is one of two kinds:
+// A paused sandbox is one of three kinds (and checkpoint, checkpoint.go,
+// is what memory is on the walls that checkpoint):
 //
-//   - memory: its cgroup frozen, on every wall (processes and memory kept
+//   - memory: its cgroup frozen, on process and runc (processes and memory kept
 //     in RAM, CPU zero), after its files were saved as below. It survives a
 //     restart of the daemon, which adopts it frozen; should it be lost (a
 //     restart of the host), it becomes a sandbox paused with its files.
@@ -77,6 +78,13 @@ func (m *Manager) pause(ctx context.Context, rec *store.Sandbox, keepMemory bool
 	// resumes from them.
 	if err := m.saveFiles(ctx, e.sb, rec.Disk, m.savedFiles(rec.ID)); err != nil {
 		return fmt.Errorf("pause sandbox %s: %w", rec.ID, err)
+	}
+	if cp := m.checkpointable(rec.Wall, e.sb); keepMemory && cp != nil {
+		if err := m.pauseCheckpoint(ctx, rec, e, cp); err != nil {
+			_ = os.Remove(m.savedFiles(rec.ID))
+			return fmt.Errorf("pause sandbox %s: %w", rec.ID, err)
+		}
+		return nil
 	}
 	if keepMemory {
 		if err := e.sb.Cgroup().Freeze(ctx); err != nil {
@@ -197,6 +205,9 @@ func (m *Manager) resume(ctx context.Context, rec *store.Sandbox, d time.Duratio
 	if rec.PauseKind == PauseFiles {
 		return m.resumeFiles(ctx, rec, d)
 	}
+	if rec.PauseKind == PauseCheckpoint {
+		return m.resumeCheckpoint(ctx, rec, d, keepMemory)
+	}
 	m.mu.Lock()
 	e := m.live[rec.ID]
 	m.mu.Unlock()
@@ -307,6 +318,7 @@ func (m *Manager) killPaused(rec *store.Sandbox, why string) error {
 	if err := os.Remove(m.savedFiles(rec.ID)); err != nil && !errors.Is(err, os.ErrNotExist) {
 		m.log.Warn("remove saved files", "sandbox", rec.ID, "err", err)
 	}
+	_ = os.RemoveAll(m.checkpointDir(rec.ID))
 	if err := m.cfg.Store.DeleteSandbox(rec.ID); err != nil && !errors.Is(err, store.ErrNotFound) {
 		return err
 	}

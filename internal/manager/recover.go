@@ -25,6 +25,16 @@ func (m *Manager) Recover() error {
 	m.removePartial()
 	h := m.cfg.Host
 	for _, rec := range recs {
+		if rec.State == store.StateRunning {
+			if kind := m.checkpointedMidPause(rec); kind != "" {
+				// A crash as it was checkpointed: paused, as asked.
+				rec.State, rec.PausedAt, rec.PauseKind, rec.AgentPID, rec.AgentStart = store.StatePaused, time.Now(), kind, 0, 0
+				if kind == PauseFiles {
+					rec.NetSlot = -1
+				}
+				_ = m.cfg.Store.UpdateSandbox(rec)
+			}
+		}
 		if rec.State == store.StatePaused && m.recoverPaused(rec) {
 			continue
 		}
@@ -56,6 +66,7 @@ func (m *Manager) Recover() error {
 		_ = m.cfg.Store.DeleteSandbox(rec.ID)
 		_ = m.cfg.Store.AddEvent(rec.ID, "removed", "state "+rec.State+" at daemon start")
 	}
+	m.removeStaleCheckpoints()
 	m.sweep()
 	return nil
 }
@@ -116,6 +127,9 @@ func (m *Manager) adoptNetwork(sb wall.Sandbox, rec *store.Sandbox) error {
 // them. It reports false for a record to remove (nothing to resume from).
 func (m *Manager) recoverPaused(rec *store.Sandbox) bool {
 	h := m.cfg.Host
+	if rec.PauseKind == PauseCheckpoint && m.recoverCheckpoint(rec) {
+		return true
+	}
 	if rec.PauseKind == PauseMemory {
 		sb, err := h.Adopt(rec.Wall, wall.Adoption{ID: rec.ID, PID: rec.AgentPID, StartTime: rec.AgentStart, Token: rec.AccessToken, Slot: rec.NetSlot})
 		if err == nil && rec.Network != "" {

@@ -9,6 +9,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"syscall"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -140,6 +141,9 @@ func (sb *Sandbox) Restore(ctx context.Context, dir string) error {
 	args = append(args, "--root", sb.root, "restore", "--image-path", dir, "--bundle", filepath.Join(sb.dir, "bundle"),
 		"--detach", "--pid-file", pidFile, sb.id)
 	cmd := exec.CommandContext(ctx, sb.rt.Binary, args...)
+	// A restore goes with the daemon that started it: the next one finds
+	// the sandbox checkpointed, not half restored behind its back.
+	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 	errR, errW, err := os.Pipe()
 	if err != nil {
 		return err
