@@ -7,6 +7,27 @@ import (
 	"time"
 )
 
+// Defines values for AuditEntrySource.
+const (
+	AuditEntrySourceAgent AuditEntrySource = "agent"
+	AuditEntrySourceCli   AuditEntrySource = "cli"
+	AuditEntrySourceHost  AuditEntrySource = "host"
+)
+
+// Valid indicates whether the value is a known member of the AuditEntrySource enum.
+func (e AuditEntrySource) Valid() bool {
+	switch e {
+	case AuditEntrySourceAgent:
+		return true
+	case AuditEntrySourceCli:
+		return true
+	case AuditEntrySourceHost:
+		return true
+	default:
+		return false
+	}
+}
+
 // Defines values for HealthStatus.
 const (
 	HealthStatusOk HealthStatus = "ok"
@@ -233,6 +254,57 @@ func (e ListSandboxesV2ParamsOrder) Valid() bool {
 	default:
 		return false
 	}
+}
+
+// AuditEntry cage: one entry of the audit trail.
+type AuditEntry struct {
+	// Client The caller's address.
+	Client string `json:"client,omitempty,omitzero"`
+
+	// Detail What the kind says (argv, paths, sizes and SHA-256 of files, exit codes, ...).
+	Detail map[string]interface{} `json:"detail,omitempty,omitzero"`
+
+	// Hash SHA-256 over prev and every field of the entry.
+	Hash string `json:"hash"`
+
+	// KeyID The key whose entry this is.
+	KeyID string `json:"keyID,omitempty,omitzero"`
+
+	// Kind What happened: api.call, sandbox.create, sandbox.pause, sandbox.resume, sandbox.snapshot, sandbox.fork, sandbox.kill, sandbox.timeout, sandbox.died, sandbox.oom, sandbox.pids_limit, sandbox.adopt, sandbox.removed, sandbox.network, process.start, process.end, process.signal, process.code, file.write, file.read, file.move, file.mkdir, file.remove, envd.call, net.connect, net.dns, volume.create, volume.delete, key.create, key.revoke, proxy.denied, audit.start, audit.anchor, audit.capped, audit.dropped.
+	Kind string `json:"kind"`
+
+	// Prev The hash of entry seq-1 (64 zeros for entry 1).
+	Prev string `json:"prev"`
+
+	// Route An API call's method and route, or an envd request's method and path.
+	Route     string `json:"route,omitempty,omitzero"`
+	SandboxID string `json:"sandboxID,omitempty,omitzero"`
+
+	// Seq The entry's place in the chain (1, 2, 3, ... without gaps).
+	Seq int64 `json:"seq"`
+
+	// Source Who observed it: the daemon itself (`host`), the sandbox's agent as it reported it (`agent`: a process's pid and how it ended), or a `cage` command on the host (`cli`).
+	Source AuditEntrySource `json:"source"`
+
+	// Status The HTTP status the caller got.
+	Status int `json:"status,omitempty,omitzero"`
+
+	// TeamID The key's team (teams do not exist yet).
+	TeamID string    `json:"teamID,omitempty,omitzero"`
+	Time   time.Time `json:"time"`
+}
+
+// AuditEntrySource Who observed it: the daemon itself (`host`), the sandbox's agent as it reported it (`agent`: a process's pid and how it ended), or a `cage` command on the host (`cli`).
+type AuditEntrySource string
+
+// AuditPage cage: one page of the audit trail.
+type AuditPage struct {
+	// Dropped With `sandboxID`: that sandbox's entries not kept (beyond the daemon's cap per sandbox, config `audit.per_sandbox`, or while its queue was full). The trail itself says so too (`audit.capped`, `audit.dropped`).
+	Dropped int64        `json:"dropped,omitempty,omitzero"`
+	Entries []AuditEntry `json:"entries"`
+
+	// NextToken The cursor of the next page (as `X-Next-Token`); absent on the last page.
+	NextToken string `json:"nextToken,omitempty,omitzero"`
 }
 
 // CPUCount CPU cores for the sandbox. E2B's is a whole number; cage: CPU bandwidth in cores, which may be fractional (e.g. 0.5).
@@ -957,6 +1029,27 @@ type VolumeContent500 = VolumeContentError
 
 // VolumeContent507 An error of the volume content API, in E2B's shape for it: a code word (bad_request, unauthorized, not_found, conflict, request_too_large, insufficient_storage, internal) rather than the status.
 type VolumeContent507 = VolumeContentError
+
+// ListAuditParams defines parameters for ListAudit.
+type ListAuditParams struct {
+	// SandboxID Only the entries of this sandbox.
+	SandboxID string `form:"sandboxID,omitempty" json:"sandboxID,omitempty,omitzero"`
+
+	// Kind Only these kinds, comma-separated: a kind (`process.start`) or a family (`process`: every `process.` kind).
+	Kind string `form:"kind,omitempty" json:"kind,omitempty,omitzero"`
+
+	// Since Only entries at or after this time.
+	Since time.Time `form:"since,omitempty" json:"since,omitempty,omitzero"`
+
+	// Until Only entries before this time.
+	Until time.Time `form:"until,omitempty" json:"until,omitempty,omitzero"`
+
+	// Limit The most entries one page may hold.
+	Limit int `form:"limit,omitempty" json:"limit,omitempty,omitzero"`
+
+	// NextToken Where the page starts: the `X-Next-Token` of the previous page, passed back unchanged. Absent for the first page.
+	NextToken string `form:"nextToken,omitempty" json:"nextToken,omitempty,omitzero"`
+}
 
 // ListSandboxesParams defines parameters for ListSandboxes.
 type ListSandboxesParams struct {

@@ -20,6 +20,7 @@ import (
 	"time"
 
 	"github.com/cagehq/cage/api/types"
+	"github.com/cagehq/cage/internal/audit"
 	"github.com/cagehq/cage/internal/manager"
 	"github.com/cagehq/cage/internal/sandbox"
 	"github.com/cagehq/cage/internal/store"
@@ -42,6 +43,9 @@ type Config struct {
 	// V1Timeout and V2Timeout are the defaults when a create names none
 	// (E2B: 15 s for POST /sandboxes, 300 s for POST /v2/sandboxes).
 	V1Timeout, V2Timeout time.Duration
+	// Audit is the audit trail (nil: none): every call is recorded, and
+	// GET /audit serves a key's entries.
+	Audit *audit.Trail
 }
 
 type server struct {
@@ -85,11 +89,12 @@ func Handler(cfg Config) http.Handler {
 	mux.Handle("GET /sandboxes/{sandboxID}/metrics", auth(http.HandlerFunc(s.metrics)))
 	mux.Handle("PUT /sandboxes/{sandboxID}/network", auth(http.HandlerFunc(s.updateNetwork)))
 	mux.Handle("GET /sandboxes/{sandboxID}/network/records", auth(http.HandlerFunc(s.networkRecords)))
+	mux.Handle("GET /audit", auth(http.HandlerFunc(s.auditEntries)))
 	s.volumeRoutes(mux)
 	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
 		writeError(w, http.StatusNotFound, "no such route: "+r.Method+" "+r.URL.Path)
 	})
-	return recoverer(s.log, mux)
+	return recoverer(s.log, s.audited(mux))
 }
 
 type ctxKey struct{}
@@ -111,6 +116,7 @@ func (s *server) authenticated(next http.Handler) http.Handler {
 			writeError(w, http.StatusUnauthorized, "invalid API key")
 			return
 		}
+		noteKey(r, k.ID)
 		r.Body = http.MaxBytesReader(w, r.Body, maxBody)
 		next.ServeHTTP(w, r.WithContext(context.WithValue(r.Context(), ctxKey{}, k.ID)))
 	})

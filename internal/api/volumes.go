@@ -132,6 +132,9 @@ func (s *server) volumeToken(h contentHandler) http.Handler {
 			return
 		}
 		defer root.Close()
+		if v, err := s.cfg.Store.GetVolume("", r.PathValue("volumeID")); err == nil {
+			noteKey(r, v.KeyID) // the audit trail's: the volume's owner
+		}
 		_ = http.NewResponseController(w).SetReadDeadline(time.Now().Add(time.Hour))
 		h(w, r, root)
 	})

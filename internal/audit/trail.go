@@ -78,7 +78,7 @@ type Trail struct {
 	db    *DB
 	lim   Limits
 	log   *slog.Logger
-	owner func(sandboxID string) string
+	owner atomic.Pointer[func(sandboxID string) string]
 
 	ch    chan Event
 	flush chan chan struct{}
@@ -102,15 +102,13 @@ type bucket struct {
 	last   time.Time
 }
 
-// Start starts a trail writing to db. owner, when not nil, names the key a
-// sandbox belongs to (for entries recorded without one); it is called by
-// the writer, off every request's path.
-func Start(db *DB, lim Limits, log *slog.Logger, owner func(sandboxID string) string) *Trail {
+// Start starts a trail writing to db.
+func Start(db *DB, lim Limits, log *slog.Logger) *Trail {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
 	lim = lim.withDefaults()
-	t := &Trail{db: db, lim: lim, log: log, owner: owner, ch: make(chan Event, lim.Queue),
+	t := &Trail{db: db, lim: lim, log: log, ch: make(chan Event, lim.Queue),
 		flush: make(chan chan struct{}), stop: make(chan struct{}), buckets: map[string]*bucket{}, lost: map[string]int64{}}
 	t.w = newWriterState()
 	t.done.Add(2)
@@ -119,6 +117,15 @@ func Start(db *DB, lim Limits, log *slog.Logger, owner func(sandboxID string) st
 	t.Record(Event{Kind: KindStart, Detail: map[string]any{"per_sandbox": lim.PerSandbox, "max_age": lim.MaxAge.String(),
 		"max_bytes": lim.MaxBytes}})
 	return t
+}
+
+// SetOwner gives the trail a way to name the key a sandbox belongs to, for
+// entries recorded without one; the writer calls it, off every request's
+// path.
+func (t *Trail) SetOwner(owner func(sandboxID string) string) {
+	if t != nil {
+		t.owner.Store(&owner)
+	}
 }
 
 // DB is the trail's database.

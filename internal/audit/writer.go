@@ -150,10 +150,11 @@ func (t *Trail) ownerOf(sb string) string {
 	if k, ok := t.w.owners[sb]; ok {
 		return k
 	}
-	if t.owner == nil {
+	owner := t.owner.Load()
+	if owner == nil {
 		return ""
 	}
-	k := t.owner(sb)
+	k := (*owner)(sb)
 	if k != "" {
 		t.w.owners[sb] = k
 	}

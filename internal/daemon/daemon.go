@@ -56,6 +56,7 @@ type Config struct {
 	Network   Network        `json:"network"`
 	Limits    Limits         `json:"limits"`
 	Records   Records        `json:"records"`
+	Audit     Audit          `json:"audit"`
 	Volumes   Volumes        `json:"volumes"`
 }
 
@@ -212,9 +213,19 @@ func Run(ctx context.Context, cfg Config, log *slog.Logger, ready func(apiAddr, 
 		return err
 	}
 	defer vols.Close()
+	trail, err := cfg.Audit.start(cfg.Data, log)
+	if err != nil {
+		return err
+	}
+	if trail != nil {
+		defer trail.DB().Close()
+		defer trail.Close() // after everything that records (deferred earlier, runs later)
+	}
 	mgr := manager.New(manager.Config{Store: st, Host: host, Log: log, MaxTimeout: time.Duration(cfg.MaxTimeout),
 		DefaultTemplate: cfg.DefaultTemplate, MaxSandboxes: cfg.MaxSandboxes, MaxCreating: cfg.Limits.Creating, Max: maxima,
-		Data: cfg.Data, PausedRetention: time.Duration(cfg.PausedRetention), Volumes: vols, MaxVolumes: cfg.Volumes.MaxPerKey})
+		Data: cfg.Data, PausedRetention: time.Duration(cfg.PausedRetention), Volumes: vols, MaxVolumes: cfg.Volumes.MaxPerKey,
+		Audit: trail})
+	trail.SetOwner(mgr.Owner)
 	recLimits, err := cfg.Records.limits()
 	if err != nil {
 		return err
@@ -277,8 +288,12 @@ func Run(ctx context.Context, cfg Config, log *slog.Logger, ready func(apiAddr, 
 		}()
 	}
 	apiSrv := newServer(withMCP(api.Handler(api.Config{Manager: mgr, Store: st, Log: log, Domain: cfg.Domain,
-		DefaultWall: cfg.DefaultWall}), st, apiL.Addr(), proxyL.Addr(), log), true)
-	proxySrv := newServer(proxy.New(mgr, cfg.Domain, log), false)
+		DefaultWall: cfg.DefaultWall, Audit: trail}), st, apiL.Addr(), proxyL.Addr(), log), true)
+	px := proxy.New(mgr, cfg.Domain, log)
+	if trail != nil {
+		px.Observe, px.Denied = trail.ObserveEnvd, trail.ProxyDenied
+	}
+	proxySrv := newServer(px, false)
 	errs := make(chan error, 2)
 	go func() { errs <- apiSrv.Serve(apiL) }()
 	go func() { errs <- proxySrv.Serve(proxyL) }()

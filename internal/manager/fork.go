@@ -6,6 +6,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/cagehq/cage/internal/audit"
 	"github.com/cagehq/cage/internal/store"
 )
 
@@ -76,13 +77,14 @@ func (m *Manager) Fork(ctx context.Context, keyID, id string, count int, d time.
 		}()
 	}
 	wg.Wait()
-	made := 0
+	made, started := 0, []string{}
 	for _, f := range out {
 		if f.Err == nil {
 			made++
+			started = append(started, f.Sandbox.ID)
 		}
 	}
-	_ = m.cfg.Store.AddEvent(id, "forked", fmt.Sprintf("%d of %d started", made, count))
+	m.event(id, rec.KeyID, audit.KindFork, map[string]any{"asked": count, "started": started})
 	m.log.Info("sandbox forked", "sandbox", id, "asked", count, "started", made)
 	return out, nil
 }

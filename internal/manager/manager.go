@@ -18,6 +18,7 @@ import (
 	"time"
 
 	"github.com/cagehq/cage/internal/agentclient"
+	"github.com/cagehq/cage/internal/audit"
 	"github.com/cagehq/cage/internal/hostproc"
 	"github.com/cagehq/cage/internal/ids"
 	"github.com/cagehq/cage/internal/network"
@@ -59,6 +60,8 @@ type Config struct {
 	Volumes *volume.Manager
 	// MaxVolumes is how many volumes one key may have (0: DefaultMaxVolumes).
 	MaxVolumes int
+	// Audit is the audit trail (nil: none).
+	Audit *audit.Trail
 }
 
 // Manager owns the daemon's sandboxes.
@@ -215,7 +218,9 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (*store.Sandbox
 		break
 	}
 	m.track(sb, rec)
-	_ = m.cfg.Store.AddEvent(rec.ID, "created", fmt.Sprintf("template=%s key=%s", rec.TemplateID, rec.KeyID))
+	m.event(rec.ID, rec.KeyID, audit.KindCreate, map[string]any{"template": rec.TemplateID, "wall": rec.Wall,
+		"cpus": rec.CPUs, "memory": rec.Memory, "disk": rec.Disk, "pids": rec.Pids, "timeout_s": rec.TimeoutSeconds,
+		"network": rec.Network, "public_traffic": rec.PublicTraffic, "agent_pid": rec.AgentPID})
 	m.log.Info("sandbox created", "sandbox", rec.ID, "template", rec.TemplateID)
 	return rec, nil
 }
@@ -314,7 +319,7 @@ func (m *Manager) SetNetwork(keyID, id string, p network.Policy) (*store.Sandbox
 	if err := m.cfg.Store.UpdateSandbox(rec); err != nil {
 		return nil, err
 	}
-	_ = m.cfg.Store.AddEvent(id, "network", rec.Network)
+	m.event(id, rec.KeyID, audit.KindNetwork, map[string]any{"network": rec.Network})
 	return rec, nil
 }
 
@@ -407,10 +412,11 @@ func (m *Manager) discard(sb wall.Sandbox, why string) {
 	if err := sb.Destroy(); err != nil {
 		m.log.Warn("destroy", "sandbox", sb.ID(), "err", err)
 	}
+	key := m.Owner(sb.ID())
 	if err := m.cfg.Store.DeleteSandbox(sb.ID()); err != nil && !errors.Is(err, store.ErrNotFound) {
 		m.log.Warn("delete record", "sandbox", sb.ID(), "err", err)
 	}
-	_ = m.cfg.Store.AddEvent(sb.ID(), "killed", why)
+	m.event(sb.ID(), key, endKind(why), map[string]any{"reason": why})
 }
 
 // Get returns a sandbox that keyID may see ("" sees all).
@@ -506,7 +512,7 @@ func (m *Manager) Lookup(id string) (proxy.Access, bool) {
 	if rec.State == store.StatePaused && !rec.AutoResume {
 		return proxy.Access{}, false
 	}
-	return proxy.Access{Token: rec.AccessToken, Traffic: rec.TrafficToken, Public: rec.PublicTraffic}, true
+	return proxy.Access{Token: rec.AccessToken, Traffic: rec.TrafficToken, Public: rec.PublicTraffic, Owner: rec.KeyID}, true
 }
 
 // Ready returns the running sandbox for the traffic proxy, which has

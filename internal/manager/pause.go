@@ -12,6 +12,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/cagehq/cage/internal/agentclient"
+	"github.com/cagehq/cage/internal/audit"
 	"github.com/cagehq/cage/internal/hostproc"
 	"github.com/cagehq/cage/internal/sandbox"
 	"github.com/cagehq/cage/internal/store"
@@ -101,7 +102,7 @@ func (m *Manager) pause(ctx context.Context, rec *store.Sandbox, keepMemory bool
 			e.timer.Reset(time.Until(rec.EndAt))
 			return err
 		}
-		_ = m.cfg.Store.AddEvent(rec.ID, "paused", PauseMemory)
+		m.event(rec.ID, rec.KeyID, audit.KindPause, map[string]any{"kind": PauseMemory})
 		m.log.Info("sandbox paused", "sandbox", rec.ID, "kind", PauseMemory)
 		return nil
 	}
@@ -115,7 +116,7 @@ func (m *Manager) pause(ctx context.Context, rec *store.Sandbox, keepMemory bool
 	if err := e.sb.Destroy(); err != nil {
 		m.log.Warn("destroy after saving its files", "sandbox", rec.ID, "err", err)
 	}
-	_ = m.cfg.Store.AddEvent(rec.ID, "paused", PauseFiles)
+	m.event(rec.ID, rec.KeyID, audit.KindPause, map[string]any{"kind": PauseFiles})
 	m.log.Info("sandbox paused", "sandbox", rec.ID, "kind", PauseFiles)
 	return nil
 }
@@ -232,7 +233,7 @@ func (m *Manager) resume(ctx context.Context, rec *store.Sandbox, d time.Duratio
 	e.setPaused(false)
 	e.timer.Reset(d)
 	_ = os.Remove(m.savedFiles(rec.ID))
-	_ = m.cfg.Store.AddEvent(rec.ID, "resumed", PauseMemory)
+	m.event(rec.ID, rec.KeyID, audit.KindResume, map[string]any{"kind": PauseMemory})
 	m.log.Info("sandbox resumed", "sandbox", rec.ID, "kind", PauseMemory)
 	return nil
 }
@@ -286,7 +287,7 @@ func (m *Manager) resumeFiles(ctx context.Context, rec *store.Sandbox, d time.Du
 	}
 	m.track(sb, rec)
 	_ = os.Remove(m.savedFiles(rec.ID))
-	_ = m.cfg.Store.AddEvent(rec.ID, "resumed", PauseFiles)
+	m.event(rec.ID, rec.KeyID, audit.KindResume, map[string]any{"kind": PauseFiles})
 	m.log.Info("sandbox resumed", "sandbox", rec.ID, "kind", PauseFiles)
 	return nil
 }
@@ -302,6 +303,7 @@ func (m *Manager) timedOut(id string) {
 		cancel()
 		unlock()
 		if err == nil {
+			m.event(id, rec.KeyID, audit.KindTimeout, map[string]any{"action": "paused"})
 			m.log.Info("sandbox paused at its timeout", "sandbox", id)
 			return
 		}
@@ -322,7 +324,7 @@ func (m *Manager) killPaused(rec *store.Sandbox, why string) error {
 	if err := m.cfg.Store.DeleteSandbox(rec.ID); err != nil && !errors.Is(err, store.ErrNotFound) {
 		return err
 	}
-	_ = m.cfg.Store.AddEvent(rec.ID, "killed", why)
+	m.event(rec.ID, rec.KeyID, endKind(why), map[string]any{"reason": why, "paused": true})
 	return nil
 }
 

@@ -128,6 +128,7 @@ func (m *Manager) NetRecord(r network.Record) {
 	if !ok {
 		return
 	}
+	m.netEvent(r)
 	select {
 	case rec.ch <- r:
 	default:

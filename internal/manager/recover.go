@@ -7,6 +7,7 @@ import (
 	"path/filepath"
 	"time"
 
+	"github.com/cagehq/cage/internal/audit"
 	"github.com/cagehq/cage/internal/store"
 	"github.com/cagehq/cage/internal/wall"
 	"github.com/cagehq/cage/internal/wall/state"
@@ -53,7 +54,7 @@ func (m *Manager) Recover() error {
 					continue
 				}
 				m.track(sb, rec)
-				_ = m.cfg.Store.AddEvent(rec.ID, "adopted", "")
+				m.event(rec.ID, rec.KeyID, audit.KindAdopt, nil)
 				m.log.Info("sandbox adopted", "sandbox", rec.ID)
 				continue
 			}
@@ -64,7 +65,7 @@ func (m *Manager) Recover() error {
 			m.log.Warn("remove leftovers", "sandbox", rec.ID, "err", err)
 		}
 		_ = m.cfg.Store.DeleteSandbox(rec.ID)
-		_ = m.cfg.Store.AddEvent(rec.ID, "removed", "state "+rec.State+" at daemon start")
+		m.event(rec.ID, rec.KeyID, audit.KindRemoved, map[string]any{"reason": "state " + rec.State + " at daemon start"})
 	}
 	m.removeStaleCheckpoints()
 	m.sweep()
@@ -137,7 +138,7 @@ func (m *Manager) recoverPaused(rec *store.Sandbox) bool {
 		}
 		if err == nil {
 			m.track(sb, rec)
-			_ = m.cfg.Store.AddEvent(rec.ID, "adopted", "paused")
+			m.event(rec.ID, rec.KeyID, audit.KindAdopt, map[string]any{"paused": true})
 			m.log.Info("paused sandbox adopted", "sandbox", rec.ID)
 			return true
 		}

@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/cagehq/cage/internal/agentclient"
+	"github.com/cagehq/cage/internal/audit"
 	"github.com/cagehq/cage/internal/ids"
 	"github.com/cagehq/cage/internal/sandbox"
 	"github.com/cagehq/cage/internal/store"
@@ -100,7 +101,7 @@ func (m *Manager) Snapshot(ctx context.Context, keyID, id, name string) (*store.
 		}
 		return nil, err
 	}
-	_ = m.cfg.Store.AddEvent(id, "snapshot", SnapshotRef(sn))
+	m.event(id, rec.KeyID, audit.KindSnapshot, map[string]any{"snapshot": SnapshotRef(sn), "bytes": sn.Size})
 	m.log.Info("sandbox snapshotted", "sandbox", id, "snapshot", sn.ID, "bytes", sn.Size)
 	return sn, nil
 }

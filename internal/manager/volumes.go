@@ -8,6 +8,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/cagehq/cage/internal/audit"
 	"github.com/cagehq/cage/internal/ids"
 	"github.com/cagehq/cage/internal/sandbox"
 	"github.com/cagehq/cage/internal/store"
@@ -80,7 +81,7 @@ func (m *Manager) CreateVolume(keyID, name string) (*store.Volume, error) {
 		}
 		return nil, err
 	}
-	_ = m.cfg.Store.AddEvent("", "volume created", fmt.Sprintf("volume=%s name=%s key=%s", v.ID, name, keyID))
+	m.cfg.Audit.Record(audit.Event{Kind: audit.KindVolumeCreate, KeyID: keyID, Detail: map[string]any{"volume": v.ID, "name": name}})
 	m.log.Info("volume created", "volume", v.ID, "name", name)
 	return v, nil
 }
@@ -124,7 +125,7 @@ func (m *Manager) DeleteVolume(keyID, id string) error {
 	if err := vm.Remove(id); err != nil {
 		m.log.Warn("remove a volume's files", "volume", id, "err", err)
 	}
-	_ = m.cfg.Store.AddEvent("", "volume deleted", "volume="+id)
+	m.cfg.Audit.Record(audit.Event{Kind: audit.KindVolumeDelete, KeyID: keyID, Detail: map[string]any{"volume": id}})
 	return nil
 }
 

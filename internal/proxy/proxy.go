@@ -58,6 +58,7 @@ type Access struct {
 	Token   string // the agent's access token
 	Traffic string // the exposed ports' traffic token
 	Public  bool   // exposed ports answer without the traffic token
+	Owner   string // the API key the sandbox belongs to (for the audit trail)
 }
 
 // TrafficHeader carries the traffic token of a sandbox whose ports are not public.
@@ -71,6 +72,15 @@ type Proxy struct {
 
 	mu         sync.Mutex
 	transports map[wall.Sandbox]*http.Transport
+
+	// Observe, when set, is given every authorized request before it is
+	// forwarded (the audit trail): it may replace r.Body, and returns
+	// what to call with the response (nil when the sandbox was not
+	// reached) and once the request is over; or nils.
+	Observe func(r *http.Request, sandbox, owner string, port int) (response func(*http.Response), done func())
+	// Denied, when set, is told of each request refused for want of a
+	// valid token.
+	Denied func(r *http.Request, sandbox string, port, status int, why string)
 }
 
 // New returns a proxy; domain is the suffix of host-routed requests ("" to
@@ -152,16 +162,19 @@ func (p *Proxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	}
 	if port == EnvdPort {
 		if msg := envdUnauthorized(r, access.Token); msg != "" {
+			p.denied(r, id, port, http.StatusUnauthorized, msg)
 			writeUnauthorized(w, r, id, msg)
 			return
 		}
 	} else {
 		if !access.Public && subtle.ConstantTimeCompare([]byte(r.Header.Get(TrafficHeader)), []byte(access.Traffic)) != 1 {
+			p.denied(r, id, port, http.StatusForbidden, "missing or invalid traffic access token")
 			writeJSON(w, http.StatusForbidden, sandboxError{id, "This sandbox's ports need its traffic access token (" + TrafficHeader + ")", http.StatusForbidden})
 			return
 		}
 		if port == InterpPort {
 			if msg := interpUnauthorized(r, access.Token); msg != "" {
+				p.denied(r, id, port, http.StatusUnauthorized, msg)
 				writeUnauthorized(w, r, id, msg)
 				return
 			}
@@ -175,6 +188,11 @@ func (p *Proxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	if err != nil {
 		writeJSON(w, http.StatusBadGateway, sandboxError{id, "The sandbox was not found", http.StatusBadGateway})
 		return
+	}
+	var observed func(*http.Response)
+	var done func()
+	if p.Observe != nil {
+		observed, done = p.Observe(r, id, access.Owner, port)
 	}
 	rp := &httputil.ReverseProxy{
 		Rewrite: func(pr *httputil.ProxyRequest) {
@@ -194,6 +212,12 @@ func (p *Proxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		},
 		Transport:     p.transport(sb),
 		FlushInterval: -1,
+		ModifyResponse: func(resp *http.Response) error {
+			if observed != nil {
+				observed(resp)
+			}
+			return nil
+		},
 		ErrorHandler: func(w http.ResponseWriter, r *http.Request, err error) {
 			select {
 			case <-sb.Exited():
@@ -214,7 +238,16 @@ func (p *Proxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	// read the request body; without full duplex, Go's HTTP/1 server closes
 	// the unread body at the first flush, and the stream breaks.
 	_ = http.NewResponseController(w).EnableFullDuplex()
+	if done != nil {
+		defer done() // also when the copy aborts the handler (a client gone mid-stream)
+	}
 	rp.ServeHTTP(w, r)
+}
+
+func (p *Proxy) denied(r *http.Request, id string, port, status int, why string) {
+	if p.Denied != nil {
+		p.Denied(r, id, port, status, why)
+	}
 }
 
 // InterpPort is the port of the code interpreter (cage-interp) that

@@ -1,0 +1,192 @@
+package api
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"net"
+	"net/http"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/cagehq/cage/api/types"
+	"github.com/cagehq/cage/internal/audit"
+)
+
+// The audit trail's side of the API: every call is recorded once it is
+// answered (route, key, sandbox, status, client address; GET /health
+// aside), and GET /audit serves a key's entries.
+
+// callInfo is what the handlers learn of a call for its entry: the key
+// that made it (or, on the volume content API, the volume's owner).
+type callInfo struct{ key string }
+
+type callInfoKey struct{}
+
+func noteKey(r *http.Request, key string) {
+	if info, _ := r.Context().Value(callInfoKey{}).(*callInfo); info != nil {
+		info.key = key
+	}
+}
+
+// statusWriter remembers the status a handler answered.
+type statusWriter struct {
+	http.ResponseWriter
+	status int
+}
+
+func (w *statusWriter) WriteHeader(code int) {
+	if w.status == 0 {
+		w.status = code
+	}
+	w.ResponseWriter.WriteHeader(code)
+}
+
+func (w *statusWriter) Write(b []byte) (int, error) {
+	if w.status == 0 {
+		w.status = http.StatusOK
+	}
+	return w.ResponseWriter.Write(b)
+}
+
+func (w *statusWriter) Flush() { _ = http.NewResponseController(w.ResponseWriter).Flush() }
+
+func (w *statusWriter) Unwrap() http.ResponseWriter { return w.ResponseWriter }
+
+// audited records each call the mux answers.
+func (s *server) audited(mux http.Handler) http.Handler {
+	if s.cfg.Audit == nil {
+		return mux
+	}
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path == "/health" {
+			mux.ServeHTTP(w, r)
+			return
+		}
+		info := &callInfo{}
+		r = r.WithContext(context.WithValue(r.Context(), callInfoKey{}, info))
+		sw := &statusWriter{ResponseWriter: w}
+		finished := false
+		defer func() {
+			status := sw.status
+			if status == 0 {
+				status = http.StatusOK
+				if !finished {
+					status = http.StatusInternalServerError // a panic (recoverer answers)
+				}
+			}
+			s.recordCall(r, info.key, status)
+		}()
+		mux.ServeHTTP(sw, r)
+		finished = true
+	})
+}
+
+// recordCall records one answered call; r is the request the mux routed.
+func (s *server) recordCall(r *http.Request, key string, status int) {
+	route := r.Pattern
+	if route == "" || route == "/" || route == "/volumecontent/" {
+		route = r.Method + " (no such route)"
+	}
+	var detail map[string]any
+	if v := r.PathValue("volumeID"); v != "" {
+		detail = map[string]any{"volume": v}
+	}
+	client := r.RemoteAddr
+	if h, _, err := net.SplitHostPort(client); err == nil {
+		client = h
+	}
+	s.cfg.Audit.Record(audit.Event{Kind: audit.KindAPICall, KeyID: key, SandboxID: r.PathValue("sandboxID"),
+		Route: route, Status: status, Client: client, Detail: detail})
+}
+
+const (
+	defaultAuditPage = 100
+	maxAuditPage     = 1000
+)
+
+// auditEntries is GET /audit: a page of the key's entries, oldest first.
+func (s *server) auditEntries(w http.ResponseWriter, r *http.Request) {
+	if s.cfg.Audit == nil {
+		s.fail(w, r, fmt.Errorf("%w: this server keeps no audit trail", errBadRequest))
+		return
+	}
+	f, err := auditFilter(r)
+	if err != nil {
+		s.fail(w, r, err)
+		return
+	}
+	limit := f.Limit
+	f.Limit++
+	s.cfg.Audit.Flush() // what happened up to this call
+	es, err := s.cfg.Audit.DB().Query(f)
+	if err != nil {
+		s.fail(w, r, err)
+		return
+	}
+	page := types.AuditPage{Entries: make([]types.AuditEntry, 0, min(len(es), limit))}
+	if len(es) > limit {
+		es = es[:limit]
+		page.NextToken = strconv.FormatInt(es[limit-1].Seq, 10)
+		w.Header().Set("X-Next-Token", page.NextToken)
+	}
+	for _, e := range es {
+		page.Entries = append(page.Entries, EntryJSON(e))
+	}
+	if f.SandboxID != "" {
+		key, _, dropped, err := s.cfg.Audit.DB().Counts(f.SandboxID)
+		if err != nil {
+			s.fail(w, r, err)
+			return
+		}
+		if key == f.KeyID {
+			page.Dropped = dropped
+		}
+	}
+	writeJSON(w, http.StatusOK, page)
+}
+
+// auditFilter reads GET /audit's query for the calling key.
+func auditFilter(r *http.Request) (audit.Filter, error) {
+	q := r.URL.Query()
+	f := audit.Filter{KeyID: keyID(r), SandboxID: q.Get("sandboxID")}
+	var err error
+	if f.Limit, err = atoiDefault(q.Get("limit"), defaultAuditPage); err != nil || f.Limit < 1 || f.Limit > maxAuditPage {
+		return f, fmt.Errorf("%w: limit must be 1 to %d entries", errBadRequest, maxAuditPage)
+	}
+	if v := q.Get("kind"); v != "" {
+		for _, k := range strings.Split(v, ",") {
+			if k = strings.TrimSpace(k); !audit.ValidKind(k) {
+				return f, fmt.Errorf("%w: kind %q: want a kind (process.start) or a family (process)", errBadRequest, k)
+			}
+			f.Kinds = append(f.Kinds, k)
+		}
+	}
+	for _, t := range []struct {
+		name string
+		dst  *time.Time
+	}{{"since", &f.Since}, {"until", &f.Until}} {
+		if v := q.Get(t.name); v != "" {
+			if *t.dst, err = time.Parse(time.RFC3339Nano, v); err != nil {
+				return f, fmt.Errorf("%w: %s %q: want an RFC 3339 time", errBadRequest, t.name, v)
+			}
+		}
+	}
+	if v := q.Get("nextToken"); v != "" {
+		if f.After, err = strconv.ParseInt(v, 10, 64); err != nil || f.After < 1 {
+			return f, fmt.Errorf("%w: nextToken %q is not one this server gave", errBadRequest, v)
+		}
+	}
+	return f, nil
+}
+
+// EntryJSON is an entry as the API shows it.
+func EntryJSON(e audit.Entry) types.AuditEntry {
+	out := types.AuditEntry{Seq: e.Seq, Time: e.Time, Kind: e.Kind, Source: types.AuditEntrySource(e.Source), KeyID: e.KeyID,
+		TeamID: e.TeamID, SandboxID: e.SandboxID, Route: e.Route, Status: e.Status, Client: e.Client, Prev: e.Prev, Hash: e.Hash}
+	if e.Detail != "" && e.Detail != "{}" {
+		_ = json.Unmarshal([]byte(e.Detail), &out.Detail)
+	}
+	return out
+}

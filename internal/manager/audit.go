@@ -1,0 +1,56 @@
+package manager
+
+import (
+	"strings"
+
+	"github.com/cagehq/cage/internal/audit"
+	"github.com/cagehq/cage/internal/network"
+)
+
+// The manager's entries in the audit trail (Config.Audit; nil: none):
+// each sandbox's lifecycle as the host carries it out, its network
+// decisions and its out-of-memory and pids-limit kills (read from its
+// host cgroup's counters), volumes made and deleted.
+
+// event records a lifecycle entry of a sandbox; key "" lets the trail find
+// the sandbox's owner.
+func (m *Manager) event(id, key, kind string, detail map[string]any) {
+	m.cfg.Audit.Record(audit.Event{Kind: kind, KeyID: key, SandboxID: id, Detail: detail})
+}
+
+// endKind is the kind of entry that ends a sandbox, from why it ends.
+func endKind(why string) string {
+	switch {
+	case strings.HasPrefix(why, "timed out"):
+		return audit.KindTimeout
+	case strings.HasPrefix(why, "died"):
+		return audit.KindDied
+	}
+	return audit.KindKill
+}
+
+// netEvent records a network decision the network's log or resolver made
+// for a sandbox.
+func (m *Manager) netEvent(r network.Record) {
+	kind := audit.KindNetConnect
+	if r.Kind == "dns" {
+		kind = audit.KindNetDNS
+	}
+	d := map[string]any{"decision": r.Decision}
+	for k, v := range map[string]string{"proto": r.Proto, "dest": r.Dest, "name": r.Name, "qtype": r.QType, "detail": r.Detail} {
+		if v != "" {
+			d[k] = v
+		}
+	}
+	m.cfg.Audit.Record(audit.Event{Time: r.Time, Kind: kind, SandboxID: r.Sandbox, Detail: d})
+}
+
+// Owner is the key a sandbox belongs to ("" when there is no such
+// sandbox): the trail's way to fill in entries recorded without one.
+func (m *Manager) Owner(id string) string {
+	rec, err := m.cfg.Store.GetSandbox(id)
+	if err != nil {
+		return ""
+	}
+	return rec.KeyID
+}
