@@ -15,6 +15,7 @@ import (
 
 	"github.com/spf13/cobra"
 
+	"github.com/cagehq/cage/internal/audit"
 	"github.com/cagehq/cage/internal/daemon"
 	"github.com/cagehq/cage/internal/store"
 )
@@ -147,8 +148,16 @@ func newKeysCmd(g *globals) *cobra.Command {
 				return err
 			}
 			defer st.Close()
+			ka, err := openKeyAudit(data)
+			if err != nil {
+				return err
+			}
 			plain, k, err := st.CreateKey(name)
 			if err != nil {
+				ka.db.Close()
+				return err
+			}
+			if err := ka.record(audit.KindKeyCreate, k.ID, map[string]any{"name": k.Name, "prefix": k.Prefix}); err != nil {
 				return err
 			}
 			if asJSON {
@@ -211,11 +220,21 @@ func newKeysCmd(g *globals) *cobra.Command {
 				return err
 			}
 			defer st.Close()
+			ka, err := openKeyAudit(data)
+			if err != nil {
+				return err
+			}
 			k, err := st.RevokeKey(args[0])
+			if err != nil {
+				ka.db.Close()
+			}
 			if errors.Is(err, store.ErrNotFound) {
 				return exitf(ExitUsage, "no API key %q", args[0])
 			}
 			if err != nil {
+				return err
+			}
+			if err := ka.record(audit.KindKeyRevoke, k.ID, map[string]any{"name": k.Name, "prefix": k.Prefix}); err != nil {
 				return err
 			}
 			fmt.Fprintf(cmd.OutOrStdout(), "revoked %s\n", k.ID)
