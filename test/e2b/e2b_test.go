@@ -171,6 +171,7 @@ type daemon struct {
 	waitErr  error
 	stopped  bool
 	template string // what the suite's sandboxes start from ("": host)
+	data     string // its data directory (more keys: cage keys create --data)
 }
 
 // startDaemon skips unless this host can run the suite, builds cage, makes
@@ -227,6 +228,7 @@ func startDaemon(t *testing.T, extra ...string) *daemon {
 		apiURL:   "http://" + api,
 		proxyURL: "http://" + proxy,
 		key:      key,
+		data:     data,
 		log:      &syncBuffer{},
 		done:     make(chan struct{}),
 	}

@@ -1,0 +1,291 @@
+package mcp
+
+import (
+	"context"
+	"encoding/base64"
+	"errors"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"unicode/utf8"
+
+	sdk "github.com/modelcontextprotocol/go-sdk/mcp"
+
+	"github.com/cagehq/cage/internal/client"
+)
+
+// connectServer runs a server whose daemon is an HTTP server counting the
+// requests that reach it, and returns a client session of it.
+func connectServer(t *testing.T) (*sdk.ClientSession, *atomic.Int64) {
+	t.Helper()
+	var hits atomic.Int64
+	daemon := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		hits.Add(1)
+		http.Error(w, `{"code":404,"message":"not found: sandbox"}`, http.StatusNotFound)
+	}))
+	t.Cleanup(daemon.Close)
+	s := NewServer(Config{Client: client.New(daemon.URL, daemon.URL, "e2b_test")})
+	st, ct := sdk.NewInMemoryTransports()
+	ctx := context.Background()
+	ss, err := s.Connect(ctx, st, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ss.Close() })
+	cs, err := sdk.NewClient(&sdk.Implementation{Name: "test", Version: "1"}, nil).Connect(ctx, ct, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { cs.Close() })
+	return cs, &hits
+}
+
+func resultText(r *sdk.CallToolResult) string {
+	var b strings.Builder
+	for _, c := range r.Content {
+		if tc, ok := c.(*sdk.TextContent); ok {
+			b.WriteString(tc.Text)
+		}
+	}
+	return b.String()
+}
+
+// TestInputValidation: bad arguments are tool errors (isError, never a
+// protocol error) that name the problem, and none reaches the daemon.
+func TestInputValidation(t *testing.T) {
+	cs, hits := connectServer(t)
+	long := strings.Repeat("a", maxCommandLen+1)
+	cases := []struct {
+		tool string
+		args map[string]any
+		want string
+	}{
+		{"exec", map[string]any{"command": "true"}, "sandbox_id"},
+		{"exec", map[string]any{"sandbox_id": "abc"}, "command"},
+		{"exec", map[string]any{"sandbox_id": "ABC", "command": "true"}, "sandbox_id"},
+		{"exec", map[string]any{"sandbox_id": "../etc", "command": "true"}, "sandbox_id"},
+		{"exec", map[string]any{"sandbox_id": strings.Repeat("a", 65), "command": "true"}, "sandbox_id"},
+		{"exec", map[string]any{"sandbox_id": "abc", "command": ""}, "command"},
+		{"exec", map[string]any{"sandbox_id": "abc", "command": long}, "command"},
+		{"exec", map[string]any{"sandbox_id": "abc", "command": "true", "timeout_s": 0}, "timeout_s"},
+		{"exec", map[string]any{"sandbox_id": "abc", "command": "true", "timeout_s": 3601}, "timeout_s"},
+		{"exec", map[string]any{"sandbox_id": "abc", "command": "true", "max_output_bytes": 10}, "max_output_bytes"},
+		{"exec", map[string]any{"sandbox_id": "abc", "command": "true", "envs": map[string]any{"1BAD": "x"}}, "envs"},
+		{"exec", map[string]any{"sandbox_id": "abc", "command": "true", "surprise": true}, "surprise"},
+		{"exec", map[string]any{"sandbox_id": 7, "command": "true"}, "sandbox_id"},
+		{"run_code", map[string]any{"sandbox_id": "abc", "code": "1", "language": "cobol"}, "language"},
+		{"run_code", map[string]any{"sandbox_id": "abc", "code": "1", "language": "python", "context_id": "c1"}, "not both"},
+		{"file_read", map[string]any{"sandbox_id": "abc", "path": ""}, "path"},
+		{"file_read", map[string]any{"sandbox_id": "abc", "path": "a\x00b"}, "NUL"},
+		{"file_read", map[string]any{"sandbox_id": "abc", "path": "a", "max_bytes": maxReadBytes + 1}, "max_bytes"},
+		{"file_read", map[string]any{"sandbox_id": "abc", "path": "a", "encoding": "latin1"}, "encoding"},
+		{"file_write", map[string]any{"sandbox_id": "abc", "path": "a", "content": "%%", "encoding": "base64"}, "base64"},
+		{"file_write", map[string]any{"sandbox_id": "abc", "path": "a", "content": "x", "mode": "rwx"}, "mode"},
+		{"file_list", map[string]any{"sandbox_id": "abc", "depth": 6}, "depth"},
+		{"file_list", map[string]any{"sandbox_id": "abc", "max_entries": 0}, "max_entries"},
+		{"port_url", map[string]any{"sandbox_id": "abc", "port": 0}, "port"},
+		{"port_url", map[string]any{"sandbox_id": "abc", "port": 65536}, "port"},
+		{"sandbox_create", map[string]any{"timeout_s": -1}, "timeout_s"},
+		{"sandbox_create", map[string]any{"wall": "chroot"}, "wall"},
+		{"sandbox_list", map[string]any{"state": "dead"}, "state"},
+		{"sandbox_kill", map[string]any{}, "sandbox_id"},
+	}
+	for _, c := range cases {
+		r, err := cs.CallTool(context.Background(), &sdk.CallToolParams{Name: c.tool, Arguments: c.args})
+		if err != nil {
+			t.Errorf("%s %v: a protocol error (%v), want a tool error", c.tool, c.args, err)
+			continue
+		}
+		if !r.IsError || !strings.Contains(resultText(r), c.want) {
+			t.Errorf("%s %v: isError=%v %q, want a tool error naming %q", c.tool, c.args, r.IsError, clip(resultText(r), 300), c.want)
+		}
+	}
+	if n := hits.Load(); n != 0 {
+		t.Errorf("the daemon got %d requests from invalid calls, want none", n)
+	}
+	// A valid call does reach the daemon, and its 404 is a tool error.
+	r, err := cs.CallTool(context.Background(), &sdk.CallToolParams{Name: "exec", Arguments: map[string]any{"sandbox_id": "abc", "command": "true"}})
+	if err != nil || !r.IsError || !strings.Contains(resultText(r), "not found") || hits.Load() == 0 {
+		t.Errorf("a valid exec of an unknown sandbox: %v, %+v (daemon hits %d), want the daemon's not found as a tool error", err, r, hits.Load())
+	}
+}
+
+// TestToolsDocumented: every tool has a description, annotations, an
+// output schema, and every input property a description.
+func TestToolsDocumented(t *testing.T) {
+	cs, _ := connectServer(t)
+	res, err := cs.ListTools(context.Background(), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(res.Tools) != len(ToolNames) {
+		t.Errorf("%d tools listed, want %d", len(res.Tools), len(ToolNames))
+	}
+	for _, tool := range res.Tools {
+		if tool.Description == "" || tool.Annotations == nil || tool.OutputSchema == nil {
+			t.Errorf("%s: description %q, annotations %v, output schema %v", tool.Name, tool.Description, tool.Annotations, tool.OutputSchema)
+		}
+		m := tool.InputSchema.(map[string]any)
+		if m["additionalProperties"] != false {
+			t.Errorf("%s: unknown arguments are not refused", tool.Name)
+		}
+		props, _ := m["properties"].(map[string]any)
+		for name, p := range props {
+			if d, _ := p.(map[string]any)["description"].(string); d == "" {
+				t.Errorf("%s.%s has no description", tool.Name, name)
+			}
+		}
+	}
+}
+
+// TestHTTPAuthBeforeBody: /mcp answers a missing, malformed or wrong key
+// (and any credential in the URL) without reading a byte of the body; a
+// credential in the URL is refused before the key is even looked at.
+func TestHTTPAuthBeforeBody(t *testing.T) {
+	var verified atomic.Int64
+	h := Handler(HTTPConfig{
+		Verify: func(key string) (bool, error) {
+			verified.Add(1)
+			if key == "broken" {
+				return false, errors.New("store down")
+			}
+			return key == "e2b_good", nil
+		},
+		Server: func(r *http.Request, key string) Config {
+			return Config{Client: client.New("http://127.0.0.1:1", "http://127.0.0.1:1", key)}
+		},
+	})
+	cases := []struct {
+		name, target string
+		header       map[string]string
+		status       int
+		verifies     bool
+	}{
+		{"no key", "/mcp", nil, 401, false},
+		{"wrong bearer", "/mcp", map[string]string{"Authorization": "Bearer e2b_bad"}, 401, true},
+		{"wrong X-API-Key", "/mcp", map[string]string{"X-API-Key": "e2b_bad"}, 401, true},
+		{"basic auth", "/mcp", map[string]string{"Authorization": "Basic e2b_good"}, 401, false},
+		{"empty bearer", "/mcp", map[string]string{"Authorization": "Bearer "}, 401, false},
+		{"two keys", "/mcp", map[string]string{"Authorization": "Bearer e2b_good", "X-API-Key": "e2b_bad"}, 401, false},
+		{"key in the URL", "/mcp?api_key=e2b_good", nil, 400, false},
+		{"key in the URL beside a good one", "/mcp?token=e2b_good", map[string]string{"X-API-Key": "e2b_good"}, 400, false},
+		{"a key's value under any name", "/mcp?q=e2b_good", map[string]string{"X-API-Key": "e2b_good"}, 400, false},
+		{"store failure", "/mcp", map[string]string{"X-API-Key": "broken"}, 500, true},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			before := verified.Load()
+			body := &trapBody{}
+			req := httptest.NewRequest(http.MethodPost, c.target, body)
+			req.Header.Set("Content-Type", "application/json")
+			req.Header.Set("Accept", "application/json, text/event-stream")
+			for k, v := range c.header {
+				req.Header.Set(k, v)
+			}
+			w := httptest.NewRecorder()
+			h.ServeHTTP(w, req)
+			if w.Code != c.status {
+				t.Errorf("status %d, want %d: %s", w.Code, c.status, w.Body)
+			}
+			if body.reads.Load() != 0 {
+				t.Errorf("the body was read %d times before the key was accepted", body.reads.Load())
+			}
+			if got := verified.Load() != before; got != c.verifies {
+				t.Errorf("the key was looked up: %v, want %v", got, c.verifies)
+			}
+			if strings.Contains(w.Body.String(), "e2b_good") {
+				t.Errorf("the answer echoes the key: %s", w.Body)
+			}
+		})
+	}
+	// The right key goes on to the MCP handler, which reads the body.
+	body := &trapBody{data: `{"jsonrpc":"2.0","id":1,"method":"initialize","params":{"protocolVersion":"2025-06-18","capabilities":{},"clientInfo":{"name":"t","version":"1"}}}`}
+	req := httptest.NewRequest(http.MethodPost, "/mcp", body)
+	req.Header.Set("Content-Type", "application/json")
+	req.Header.Set("Accept", "application/json, text/event-stream")
+	req.Header.Set("Authorization", "bearer e2b_good")
+	w := httptest.NewRecorder()
+	h.ServeHTTP(w, req)
+	if w.Code != 200 || body.reads.Load() == 0 || !strings.Contains(w.Body.String(), `"serverInfo"`) {
+		t.Errorf("with the right key: %d, %d reads, %s; want 200 and the initialize answer", w.Code, body.reads.Load(), w.Body)
+	}
+}
+
+// trapBody counts its reads.
+type trapBody struct {
+	data  string
+	off   int
+	reads atomic.Int64
+}
+
+func (b *trapBody) Read(p []byte) (int, error) {
+	b.reads.Add(1)
+	if b.off >= len(b.data) {
+		return 0, io.EOF
+	}
+	n := copy(p, b.data[b.off:])
+	b.off += n
+	return n, nil
+}
+
+// TestCapture: within the limit everything, beyond it the head and the
+// tail with a note of what was left out; UTF-8 is never cut mid-rune.
+func TestCapture(t *testing.T) {
+	c := newCapture(10)
+	c.Write([]byte("0123456789"))
+	if s, cut := c.text("stdout"); s != "0123456789" || cut {
+		t.Errorf("at the limit: %q %v", s, cut)
+	}
+	c = newCapture(10)
+	for i := 0; i < 1000; i++ {
+		c.Write([]byte("abcdefghij"))
+	}
+	c.Write([]byte("END"))
+	s, cut := c.text("stdout")
+	if !cut || !strings.HasPrefix(s, "abcde\n") || !strings.HasSuffix(s, "\nhijEND"[2:]) || !strings.Contains(s, "9993 bytes of stdout left out") {
+		t.Errorf("past the limit: %q %v", s, cut)
+	}
+	if c.total != 10003 {
+		t.Errorf("total %d, want 10003", c.total)
+	}
+	c = newCapture(1024)
+	big := strings.Repeat("é", 5000) // 2 bytes each
+	for i := 0; i < len(big); i += 333 {
+		c.Write([]byte(big[i:min(i+333, len(big))]))
+	}
+	s, _ = c.text("stderr")
+	if !utf8.ValidString(s) || strings.ContainsRune(s, utf8.RuneError) {
+		t.Errorf("a cut inside a rune shows: %q", clip(s, 100))
+	}
+}
+
+// TestEncodeRead: auto gives text for UTF-8, an image for a PNG read
+// whole, base64 for other bytes; utf8 refuses binary; a cut rune at the
+// end of a partial read is left for the next read.
+func TestEncodeRead(t *testing.T) {
+	png, _ := base64.StdEncoding.DecodeString("iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8BQDwAEhQGAhKmMIQAAAABJRU5ErkJggg==")
+	r, out, err := encodeRead("auto", png, readOut{Path: "p.png", Size: int64(len(png))})
+	if err != nil || out.Encoding != "image" || len(r.Content) != 2 {
+		t.Fatalf("a PNG: %v %+v", err, out)
+	}
+	if img, ok := r.Content[1].(*sdk.ImageContent); !ok || img.MIMEType != "image/png" || string(img.Data) != string(png) {
+		t.Errorf("a PNG is not image content: %#v", r.Content[1])
+	}
+	if _, _, err := encodeRead("auto", png[:20], readOut{Path: "p.png", Size: int64(len(png)), Truncated: true}); err == nil || !strings.Contains(err.Error(), "max_bytes") {
+		t.Errorf("part of a PNG: %v, want an error saying to read it whole", err)
+	}
+	_, out, _ = encodeRead("auto", []byte{0xff, 0xfe, 0, 1}, readOut{Size: 4})
+	if out.Encoding != "base64" || out.Content != "//4AAQ==" {
+		t.Errorf("binary: %+v", out)
+	}
+	if _, _, err := encodeRead("utf8", []byte{0xff, 0xfe}, readOut{Size: 2}); err == nil || !strings.Contains(err.Error(), "base64") {
+		t.Errorf("utf8 of binary: %v, want an error pointing at base64", err)
+	}
+	_, out, _ = encodeRead("auto", []byte("ab\xc3"), readOut{Size: 10, Truncated: true})
+	if out.Encoding != "utf8" || out.Content != "ab" || out.Bytes != 2 {
+		t.Errorf("a rune cut by max_bytes: %+v", out)
+	}
+}
