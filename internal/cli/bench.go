@@ -41,7 +41,10 @@ func newBenchCmd(g *globals) *cobra.Command {
   interp     the code interpreter (template code-interpreter-v1), as
              @e2b/code-interpreter uses it through cage serve: create -> first
              runCode('1+1') result from a pool of started sandboxes and cold,
-             and runCode('1+1') in a live context`,
+             and runCode('1+1') in a live context
+  mcp        against a cage serve it starts: the exec tool's round trip (true)
+             over MCP's stdio (cage mcp) and streamable HTTP (/mcp), interleaved
+             with the same command through the E2B protocol (the peer)`,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			ctx := cmd.Context()
 			if ctx == nil {
@@ -106,6 +109,11 @@ func runBench(ctx context.Context, g *globals, w io.Writer, runs, idle int, only
 	}
 	if want["interp"] {
 		if err := benchInterp(ctx, w, h, runs); err != nil {
+			return err
+		}
+	}
+	if want["mcp"] {
+		if err := benchMCP(ctx, w, max(runs, 200)); err != nil {
 			return err
 		}
 	}
@@ -195,6 +203,28 @@ func benchServe(ctx context.Context, w io.Writer, runs, idle int) error {
 	}
 	fmt.Fprintf(w, "serve: %d sandboxes created through the API at %.1f/s; daemon RSS %s idle, %s with them alive\n",
 		idle, rate, units.FormatSize(roundKiB(before)), units.FormatSize(roundKiB(after)))
+	return nil
+}
+
+// benchMCP measures the MCP server's exec against the E2B protocol's.
+func benchMCP(ctx context.Context, w io.Writer, runs int) error {
+	exe, err := os.Executable()
+	if err != nil {
+		return err
+	}
+	d, err := bench.StartDaemon(exe, 1)
+	if err != nil {
+		return exitf(ExitInternal, "mcp: %v", err)
+	}
+	defer d.Stop()
+	f, err := bench.MCPExec(ctx, exe, d, runs)
+	if err != nil {
+		return exitf(ExitInternal, "mcp: %v", err)
+	}
+	fmt.Fprintf(w, "mcp: exec round trip over stdio (cage mcp)          %s\n", f.Stdio)
+	fmt.Fprintf(w, "mcp: exec round trip over streamable HTTP (/mcp)   %s\n", f.HTTP)
+	fmt.Fprintf(w, "mcp: the same command through the E2B protocol     %s\n", f.E2B)
+	fmt.Fprintf(w, "mcp: ratio of medians stdio/E2B %.2fx, HTTP/E2B %.2fx\n", stats.Ratio(f.Stdio, f.E2B), stats.Ratio(f.HTTP, f.E2B))
 	return nil
 }
 

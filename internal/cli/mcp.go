@@ -43,7 +43,7 @@ Tools: ` + joinNames() + `.`,
 			}
 			ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 			defer stop()
-			s := mcp.NewServer(mcp.Config{Client: client.New(host, proxy, key), KeepAgents: true})
+			s := mcp.NewServer(mcp.Config{Client: client.New(host, proxy, key), Agents: mcp.NewAgents()})
 			err := s.Run(ctx, &sdk.IOTransport{Reader: readCloser{cmd.InOrStdin()}, Writer: writeCloser{cmd.OutOrStdout()}})
 			if err == nil || errors.Is(err, context.Canceled) || errors.Is(err, io.EOF) {
 				return nil

@@ -2,11 +2,13 @@ package mcp
 
 import (
 	"context"
+	"crypto/sha256"
 	"encoding/json"
 	"fmt"
 	"log/slog"
 	"net/http"
 	"strings"
+	"sync"
 
 	sdk "github.com/modelcontextprotocol/go-sdk/mcp"
 )
@@ -36,7 +38,8 @@ func Handler(cfg HTTPConfig) http.Handler {
 	if cfg.Log == nil {
 		cfg.Log = slog.New(slog.DiscardHandler)
 	}
-	schemas := sdk.NewSchemaCache()
+	servers := &serverCache{m: map[[32]byte]*sdk.Server{}}
+	schemas, agents := sdk.NewSchemaCache(), NewAgents()
 	h := sdk.NewStreamableHTTPHandler(func(r *http.Request) *sdk.Server {
 		s, _ := r.Context().Value(serverKey{}).(*sdk.Server)
 		return s
@@ -82,10 +85,37 @@ func Handler(cfg HTTPConfig) http.Handler {
 			return
 		}
 		sc := cfg.Server(r, key)
-		sc.Schemas = schemas
-		ctx := context.WithValue(r.Context(), serverKey{}, NewServer(sc))
+		sc.Schemas, sc.Agents = schemas, agents
+		ctx := context.WithValue(r.Context(), serverKey{}, servers.get(sc))
 		h.ServeHTTP(w, r.WithContext(ctx))
 	})
+}
+
+// serverCache keeps a server per key (and addresses): making one costs
+// about a millisecond (the SDK checks every tool's schema), once per key
+// instead of once per request. A server holds its key's client, so it is
+// reached only by requests whose key was verified to be that key.
+type serverCache struct {
+	mu sync.Mutex
+	m  map[[32]byte]*sdk.Server
+}
+
+// maxServers bounds the servers kept (a daemon has a few keys).
+const maxServers = 64
+
+func (c *serverCache) get(sc Config) *sdk.Server {
+	id := sha256.Sum256([]byte(strings.Join([]string{sc.Client.Key, sc.Client.API, sc.Client.Proxy, sc.ProxyURL}, "\x00")))
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if s, ok := c.m[id]; ok {
+		return s
+	}
+	if len(c.m) >= maxServers {
+		clear(c.m)
+	}
+	s := NewServer(sc)
+	c.m[id] = s
+	return s
 }
 
 // requestKey is the key a request carries, or why it carries none.

@@ -28,9 +28,10 @@ type Config struct {
 	// ProxyURL is the proxy as the MCP client's side reaches it, for
 	// port_url ("": Client.Proxy).
 	ProxyURL string
-	// KeepAgents keeps a connection to each sandbox's agent between calls
-	// (a long-lived server: cage mcp); otherwise each call closes its own.
-	KeepAgents bool
+	// Agents, when set, keeps connections to sandboxes' agents between
+	// calls, shared by every server holding it; otherwise each call opens
+	// and closes its own.
+	Agents *Agents
 	// Schemas, shared by servers made one per request, keeps the tools'
 	// resolved schemas.
 	Schemas *sdk.SchemaCache
@@ -45,7 +46,7 @@ file_write and file_list. port_url gives the URL of a server listening inside. K
 func NewServer(cfg Config) *sdk.Server {
 	s := sdk.NewServer(&sdk.Implementation{Name: Name, Title: "cage sandboxes", Version: version()},
 		&sdk.ServerOptions{Instructions: instructions, SchemaCache: cfg.Schemas})
-	t := &tools{c: cfg.Client, proxyURL: cfg.ProxyURL, keep: cfg.KeepAgents}
+	t := &tools{c: cfg.Client, proxyURL: cfg.ProxyURL, agents: cfg.Agents}
 	if t.proxyURL == "" {
 		t.proxyURL = cfg.Client.Proxy
 	}
@@ -64,10 +65,67 @@ func version() string {
 type tools struct {
 	c        *client.Client
 	proxyURL string
-	keep     bool
+	agents   *Agents
+}
 
-	mu     sync.Mutex
-	agents map[string]*agentclient.Client // by sandbox id + token, when keep
+// Agents are clients of sandboxes' agents kept between tool calls, by
+// sandbox id and access token: a server uses one only after the API told
+// it, for its key, that the sandbox has that token, so servers of
+// different keys may share them.
+type Agents struct {
+	mu sync.Mutex
+	m  map[string]*agentclient.Client
+}
+
+// NewAgents returns an empty set of kept agent clients.
+func NewAgents() *Agents { return &Agents{m: map[string]*agentclient.Client{}} }
+
+// maxAgents bounds the clients kept; past it they are all let go (closing
+// a client drops only its idle connections: calls in flight finish).
+const maxAgents = 64
+
+func (a *Agents) get(c *client.Client, d *types.SandboxDetail) (*agentclient.Client, error) {
+	key := d.SandboxID + "/" + d.EnvdAccessToken
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if ac, ok := a.m[key]; ok {
+		return ac, nil
+	}
+	ac, err := c.Agent(d.SandboxID, d.EnvdAccessToken)
+	if err != nil {
+		return nil, err
+	}
+	if len(a.m) >= maxAgents {
+		a.closeLocked()
+	}
+	a.m[key] = ac
+	return ac, nil
+}
+
+// forget drops the clients of a sandbox that is gone.
+func (a *Agents) forget(id string) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	for k, ac := range a.m {
+		if strings.HasPrefix(k, id+"/") {
+			ac.Close()
+			delete(a.m, k)
+		}
+	}
+}
+
+// Close drops every kept client's connections.
+func (a *Agents) Close() {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	a.closeLocked()
+}
+
+func (a *Agents) closeLocked() {
+	for k, ac := range a.m {
+		ac.Close()
+		delete(a.m, k)
+	}
 }
 
 // sandbox is a running sandbox reached through the proxy.
@@ -98,42 +156,21 @@ func (t *tools) reach(ctx context.Context, id string) (*sandbox, error) {
 }
 
 func (t *tools) agent(d *types.SandboxDetail) (*agentclient.Client, func(), error) {
-	if !t.keep {
-		ac, err := t.c.Agent(d.SandboxID, d.EnvdAccessToken)
-		if err != nil {
-			return nil, nil, err
-		}
-		return ac, ac.Close, nil
-	}
-	key := d.SandboxID + "/" + d.EnvdAccessToken
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	if ac, ok := t.agents[key]; ok {
-		return ac, func() {}, nil
+	if t.agents != nil {
+		ac, err := t.agents.get(t.c, d)
+		return ac, func() {}, err
 	}
 	ac, err := t.c.Agent(d.SandboxID, d.EnvdAccessToken)
 	if err != nil {
 		return nil, nil, err
 	}
-	if t.agents == nil || len(t.agents) >= 64 {
-		for _, old := range t.agents {
-			old.Close()
-		}
-		t.agents = map[string]*agentclient.Client{}
-	}
-	t.agents[key] = ac
-	return ac, func() {}, nil
+	return ac, ac.Close, nil
 }
 
-// forget drops a kept agent client of a sandbox that is gone.
+// forget drops the kept agent clients of a sandbox that is gone.
 func (t *tools) forget(id string) {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	for k, ac := range t.agents {
-		if strings.HasPrefix(k, id+"/") {
-			ac.Close()
-			delete(t.agents, k)
-		}
+	if t.agents != nil {
+		t.agents.forget(id)
 	}
 }
 
