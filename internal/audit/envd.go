@@ -95,7 +95,7 @@ func envdKind(method, path string) string {
 		}
 		return ""
 	}
-	if strings.HasPrefix(path, "/process.Process/") || strings.HasPrefix(path, "/filesystem.Filesystem/") ||
+	if strings.HasPrefix(path, "/process.Process/") || strings.HasPrefix(path, "/filesystem.Filesystem/") || path == "/health" ||
 		method == http.MethodGet || method == http.MethodHead || method == http.MethodOptions {
 		return "" // reads of state, a process's input, PTY sizes
 	}
@@ -246,6 +246,12 @@ func boundedArgv(argv []string) ([]string, string) {
 // failed.
 func (c *envdCall) onMessage(cd codec, flags byte, msg []byte) {
 	if flags&0x02 != 0 && cd.endJSON { // Connect's end of stream
+		if flags&1 != 0 {
+			var err error
+			if msg, err = gunzip(msg); err != nil {
+				return
+			}
+		}
 		var eos struct {
 			Error *struct{ Code, Message string } `json:"error"`
 		}
