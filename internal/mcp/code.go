@@ -118,7 +118,7 @@ func (t *tools) runCode(ctx context.Context, _ *sdk.CallToolRequest, in codeIn) 
 		}
 		return nil, codeOut{}, t.failure(err)
 	}
-	return r.result()
+	return r.answer()
 }
 
 // execute POSTs the run to the interpreter and returns the streamed answer.
@@ -177,28 +177,30 @@ type codeRun struct {
 	images         []*sdk.ImageContent
 	dropped        []string // why images were left out
 	err            *codeError
-	ended          bool
+}
+
+// codeLine is one line of the interpreter's stream (E2B's shapes).
+type codeLine struct {
+	Type      string          `json:"type"`
+	Text      json.RawMessage `json:"text"`
+	IsMain    bool            `json:"is_main_result"`
+	Name      string          `json:"name"`
+	Value     string          `json:"value"`
+	Traceback string          `json:"traceback"`
+	HTML      string          `json:"html"`
+	PNG       string          `json:"png"`
+	JPEG      string          `json:"jpeg"`
+	JSON      any             `json:"json"`
+	SVG       string          `json:"svg"`
+	Markdown  string          `json:"markdown"`
+	Extra     map[string]any  `json:"extra"`
 }
 
 func (r *codeRun) read(body io.Reader) error {
 	sc := bufio.NewScanner(body)
 	sc.Buffer(make([]byte, 64<<10), maxLineSize)
 	for sc.Scan() {
-		var l struct {
-			Type      string          `json:"type"`
-			Text      json.RawMessage `json:"text"`
-			IsMain    bool            `json:"is_main_result"`
-			Name      string          `json:"name"`
-			Value     string          `json:"value"`
-			Traceback string          `json:"traceback"`
-			HTML      string          `json:"html"`
-			PNG       string          `json:"png"`
-			JPEG      string          `json:"jpeg"`
-			JSON      any             `json:"json"`
-			SVG       string          `json:"svg"`
-			Markdown  string          `json:"markdown"`
-			Extra     map[string]any  `json:"extra"`
-		}
+		var l codeLine
 		if json.Unmarshal(sc.Bytes(), &l) != nil {
 			continue
 		}
@@ -216,26 +218,8 @@ func (r *codeRun) read(body io.Reader) error {
 				r.err = &codeError{Name: l.Name, Value: l.Value, Traceback: clip(l.Traceback, 16<<10)}
 			}
 		case "result":
-			var text string
-			_ = json.Unmarshal(l.Text, &text)
-			cr := codeResult{IsMain: l.IsMain, Text: clip(text, 64<<10), HTML: clip(l.HTML, 64<<10), JSON: l.JSON, Formats: []string{}}
-			for name, v := range map[string]string{"text": text, "html": l.HTML, "png": l.PNG, "jpeg": l.JPEG, "svg": l.SVG, "markdown": l.Markdown} {
-				if v != "" {
-					cr.Formats = append(cr.Formats, name)
-				}
-			}
-			if l.JSON != nil {
-				cr.Formats = append(cr.Formats, "json")
-			}
-			for k := range l.Extra {
-				cr.Formats = append(cr.Formats, k)
-			}
-			sort.Strings(cr.Formats)
-			r.image("image/png", l.PNG)
-			r.image("image/jpeg", l.JPEG)
-			r.results = append(r.results, cr)
+			r.result(&l)
 		case "end_of_execution":
-			r.ended = true
 			return nil
 		}
 	}
@@ -243,6 +227,28 @@ func (r *codeRun) read(body io.Reader) error {
 		return err
 	}
 	return errors.New("the code interpreter's answer ended before the run did")
+}
+
+// result records a result line: its text forms, and its images.
+func (r *codeRun) result(l *codeLine) {
+	var text string
+	_ = json.Unmarshal(l.Text, &text)
+	cr := codeResult{IsMain: l.IsMain, Text: clip(text, 64<<10), HTML: clip(l.HTML, 64<<10), JSON: l.JSON, Formats: []string{}}
+	for name, v := range map[string]string{"text": text, "html": l.HTML, "png": l.PNG, "jpeg": l.JPEG, "svg": l.SVG, "markdown": l.Markdown} {
+		if v != "" {
+			cr.Formats = append(cr.Formats, name)
+		}
+	}
+	if l.JSON != nil {
+		cr.Formats = append(cr.Formats, "json")
+	}
+	for k := range l.Extra {
+		cr.Formats = append(cr.Formats, k)
+	}
+	sort.Strings(cr.Formats)
+	r.image("image/png", l.PNG)
+	r.image("image/jpeg", l.JPEG)
+	r.results = append(r.results, cr)
 }
 
 func (r *codeRun) image(mime, b64 string) {
@@ -262,9 +268,9 @@ func (r *codeRun) image(mime, b64 string) {
 	}
 }
 
-// result is the tool's answer: a text a model reads first, the images,
+// answer is the tool's answer: a text a model reads first, the images,
 // and the structured output.
-func (r *codeRun) result() (*sdk.CallToolResult, codeOut, error) {
+func (r *codeRun) answer() (*sdk.CallToolResult, codeOut, error) {
 	out := codeOut{Results: r.results, Error: r.err, Images: len(r.images)}
 	if out.Results == nil {
 		out.Results = []codeResult{}

@@ -12,7 +12,7 @@
 // environment (internal/cli), and the daemon serves `/mcp` on its API
 // listener over streamable HTTP (Handler), checking the key in
 // `Authorization: Bearer` or `X-API-Key` before it reads a byte of the
-// body and building one stateless server per request with that key.
+// body and answering each request statelessly with that key's server.
 //
 // The tools (tools.go registers them): sandbox_create, sandbox_list,
 // sandbox_kill, sandbox_pause, sandbox_resume, exec, run_code, file_read,
