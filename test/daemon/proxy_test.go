@@ -90,9 +90,10 @@ func TestProxy(t *testing.T) {
 	})
 
 	t.Run("closed port", func(t *testing.T) {
-		r := d.proxyGet(t, "/", map[string]string{"E2b-Sandbox-Id": id, "E2b-Sandbox-Port": "49999"}, "")
+		// (49999, the code interpreter's, asks for the access token first.)
+		r := d.proxyGet(t, "/", map[string]string{"E2b-Sandbox-Id": id, "E2b-Sandbox-Port": "49998"}, "")
 		checkProxyError(t, r, id, "The sandbox is running but port is not open")
-		r = d.proxyGet(t, "/", nil, "49999-"+id+"."+domain)
+		r = d.proxyGet(t, "/", nil, "49998-"+id+"."+domain)
 		checkProxyError(t, r, id, "The sandbox is running but port is not open")
 	})
 
