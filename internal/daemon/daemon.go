@@ -288,7 +288,7 @@ func Run(ctx context.Context, cfg Config, log *slog.Logger, ready func(apiAddr, 
 		}()
 	}
 	apiSrv := newServer(withMCP(api.Handler(api.Config{Manager: mgr, Store: st, Log: log, Domain: cfg.Domain,
-		DefaultWall: cfg.DefaultWall, Audit: trail}), st, apiL.Addr(), proxyL.Addr(), log), true)
+		DefaultWall: cfg.DefaultWall, Audit: trail}), st, trail, apiL.Addr(), proxyL.Addr(), log), true)
 	px := proxy.New(mgr, cfg.Domain, log)
 	if trail != nil {
 		px.Observe, px.Denied = trail.ObserveEnvd, trail.ProxyDenied

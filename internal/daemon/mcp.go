@@ -8,6 +8,7 @@ import (
 	"strconv"
 	"strings"
 
+	"github.com/cagehq/cage/internal/audit"
 	"github.com/cagehq/cage/internal/client"
 	"github.com/cagehq/cage/internal/mcp"
 	"github.com/cagehq/cage/internal/store"
@@ -17,16 +18,30 @@ import (
 // the same keys, checked before the body as the API checks them, and the
 // same isolation, since each request's tools are a client of this
 // daemon's own API and proxy with the request's key.
-func withMCP(apiHandler http.Handler, st *store.Store, apiAddr, proxyAddr net.Addr, log *slog.Logger) http.Handler {
+//
+// Each request to /mcp goes into the audit trail as an API call (its
+// client, the key's id or none, the status); the tools' own calls are the
+// API's and the proxy's, recorded there.
+func withMCP(apiHandler http.Handler, st *store.Store, trail *audit.Trail, apiAddr, proxyAddr net.Addr, log *slog.Logger) http.Handler {
 	api, proxy := dialURL(apiAddr), dialURL(proxyAddr)
 	h := mcp.Handler(mcp.HTTPConfig{
 		Log: log,
-		Verify: func(key string) (bool, error) {
-			_, err := st.VerifyKey(key)
-			if errors.Is(err, store.ErrNotFound) {
-				return false, nil
+		Verify: func(key string) (string, error) {
+			k, err := st.VerifyKey(key)
+			switch {
+			case errors.Is(err, store.ErrNotFound):
+				return "", nil
+			case err != nil:
+				return "", err
 			}
-			return err == nil, err
+			return k.ID, nil
+		},
+		Record: func(r *http.Request, keyID string, status int) {
+			client := r.RemoteAddr
+			if h, _, err := net.SplitHostPort(client); err == nil {
+				client = h
+			}
+			trail.Record(audit.Event{Kind: audit.KindAPICall, KeyID: keyID, Route: r.Method + " /mcp", Status: status, Client: client})
 		},
 		Server: func(r *http.Request, key string) mcp.Config {
 			return mcp.Config{Client: client.New(api, proxy, key), ProxyURL: publicURL(proxyAddr, r)}

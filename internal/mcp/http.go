@@ -19,9 +19,12 @@ const MaxHTTPBody = 8 << 20
 
 // HTTPConfig configures the streamable HTTP endpoint.
 type HTTPConfig struct {
-	// Verify checks an API key: ok false for one the daemon never issued
-	// (or revoked); err for a failure to tell.
-	Verify func(key string) (ok bool, err error)
+	// Verify checks an API key and returns its id: "" for one the daemon
+	// never issued (or revoked); err for a failure to tell.
+	Verify func(key string) (id string, err error)
+	// Record, when set, is told of every answered request: the key's id
+	// ("" when refused) and the status.
+	Record func(r *http.Request, keyID string, status int)
 	// Server is the server configuration for one request made with a key
 	// Verify accepted (its Client carries that key).
 	Server func(r *http.Request, key string) Config
@@ -53,7 +56,18 @@ func Handler(cfg HTTPConfig) http.Handler {
 		MaxRequestBodyBytes:        MaxHTTPBody,
 		Logger:                     cfg.Log,
 	})
-	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+	return http.HandlerFunc(func(rw http.ResponseWriter, r *http.Request) {
+		w := &statusWriter{ResponseWriter: rw}
+		var keyID string
+		if cfg.Record != nil {
+			defer func() {
+				status := w.status
+				if status == 0 {
+					status = http.StatusOK
+				}
+				cfg.Record(r, keyID, status)
+			}()
+		}
 		defer func() {
 			if v := recover(); v != nil {
 				if v == http.ErrAbortHandler {
@@ -73,17 +87,18 @@ func Handler(cfg HTTPConfig) http.Handler {
 			httpError(w, http.StatusUnauthorized, msg)
 			return
 		}
-		ok, err := cfg.Verify(key)
+		id, err := cfg.Verify(key)
 		if err != nil {
 			cfg.Log.Error("/mcp: verify key", "err", err)
 			httpError(w, http.StatusInternalServerError, "internal error (the server's log has the detail)")
 			return
 		}
-		if !ok {
+		if id == "" {
 			w.Header().Set("WWW-Authenticate", `Bearer realm="cage", error="invalid_token"`)
 			httpError(w, http.StatusUnauthorized, "invalid API key")
 			return
 		}
+		keyID = id
 		sc := cfg.Server(r, key)
 		sc.Schemas, sc.Agents = schemas, agents
 		ctx := context.WithValue(r.Context(), serverKey{}, servers.get(sc))
@@ -156,6 +171,31 @@ func credentialInURL(r *http.Request) string {
 	}
 	return ""
 }
+
+// statusWriter remembers the status of an answer; Flush and Unwrap keep
+// what the SDK's handler asks of a ResponseWriter.
+type statusWriter struct {
+	http.ResponseWriter
+	status int
+}
+
+func (w *statusWriter) WriteHeader(code int) {
+	if w.status == 0 {
+		w.status = code
+	}
+	w.ResponseWriter.WriteHeader(code)
+}
+
+func (w *statusWriter) Write(b []byte) (int, error) {
+	if w.status == 0 {
+		w.status = http.StatusOK
+	}
+	return w.ResponseWriter.Write(b)
+}
+
+func (w *statusWriter) Flush() { _ = http.NewResponseController(w.ResponseWriter).Flush() }
+
+func (w *statusWriter) Unwrap() http.ResponseWriter { return w.ResponseWriter }
 
 func httpError(w http.ResponseWriter, status int, msg string) {
 	w.Header().Set("Content-Type", "application/json")

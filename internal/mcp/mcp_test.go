@@ -146,13 +146,24 @@ func TestToolsDocumented(t *testing.T) {
 // credential in the URL is refused before the key is even looked at.
 func TestHTTPAuthBeforeBody(t *testing.T) {
 	var verified atomic.Int64
+	type record struct {
+		keyID  string
+		status int
+	}
+	var recorded atomic.Pointer[record]
 	h := Handler(HTTPConfig{
-		Verify: func(key string) (bool, error) {
+		Verify: func(key string) (string, error) {
 			verified.Add(1)
-			if key == "broken" {
-				return false, errors.New("store down")
+			switch key {
+			case "broken":
+				return "", errors.New("store down")
+			case "e2b_good":
+				return "key_good", nil
 			}
-			return key == "e2b_good", nil
+			return "", nil
+		},
+		Record: func(r *http.Request, keyID string, status int) {
+			recorded.Store(&record{keyID, status})
 		},
 		Server: func(r *http.Request, key string) Config {
 			return Config{Client: client.New("http://127.0.0.1:1", "http://127.0.0.1:1", key)}
@@ -199,6 +210,9 @@ func TestHTTPAuthBeforeBody(t *testing.T) {
 			if strings.Contains(w.Body.String(), "e2b_good") {
 				t.Errorf("the answer echoes the key: %s", w.Body)
 			}
+			if rec := recorded.Swap(nil); rec == nil || rec.keyID != "" || rec.status != c.status {
+				t.Errorf("recorded %+v, want the refusal (%d) with no key", rec, c.status)
+			}
 		})
 	}
 	// The right key goes on to the MCP handler, which reads the body.
@@ -211,6 +225,9 @@ func TestHTTPAuthBeforeBody(t *testing.T) {
 	h.ServeHTTP(w, req)
 	if w.Code != 200 || body.reads.Load() == 0 || !strings.Contains(w.Body.String(), `"serverInfo"`) {
 		t.Errorf("with the right key: %d, %d reads, %s; want 200 and the initialize answer", w.Code, body.reads.Load(), w.Body)
+	}
+	if rec := recorded.Load(); rec == nil || rec.keyID != "key_good" || rec.status != 200 {
+		t.Errorf("recorded %+v, want the key's id and 200", rec)
 	}
 }
 

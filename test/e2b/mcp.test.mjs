@@ -347,6 +347,25 @@ for (const transport of ['stdio', 'http']) {
   })
 }
 
+test("the audit trail has /mcp's requests (the caller's address, the key) and the API calls its tools made", T, async () => {
+  const entries = []
+  for (let next = '', pages = 0; pages < 50; pages++) {
+    const res = await fetch(`${API}/audit?kind=api&limit=1000${next ? `&nextToken=${next}` : ''}`, { headers: { 'X-API-Key': KEY } })
+    assert.equal(res.status, 200)
+    const page = await res.json()
+    entries.push(...page.entries)
+    if (!page.nextToken) break
+    next = page.nextToken
+  }
+  const mcp = entries.filter((e) => e.route === 'POST /mcp')
+  assert.ok(mcp.length > 10, `POST /mcp entries: ${mcp.length}`)
+  // 200 for requests, 202 for notifications (notifications/initialized).
+  const odd = mcp.filter((e) => !e.keyID || e.client !== '127.0.0.1' || ![200, 202].includes(e.status))
+  assert.deepEqual(odd, [], 'every /mcp entry has the key, the caller and the status')
+  assert.ok(mcp.some((e) => e.status === 200))
+  assert.ok(entries.some((e) => e.route === 'POST /v2/sandboxes' && e.status === 201), 'sandbox_create went through the API')
+})
+
 test('a wrong key: over stdio every tool call is a tool error; over HTTP the connection is refused with 401', T, async () => {
   const wrong = 'e2b_' + '0'.repeat(40)
   const s = await connect('stdio', wrong)
