@@ -182,7 +182,7 @@ func (t *tools) failure(err error) error {
 	var ce *connect.Error
 	switch {
 	case errors.Is(err, client.ErrNotRunning):
-		return fmt.Errorf("the cage daemon is not running (%v): start it with cage serve", err)
+		return fmt.Errorf("%v: start it with cage serve (or point CAGE_HOST at it)", err)
 	case errors.As(err, &ae):
 		switch ae.Status {
 		case http.StatusUnauthorized:

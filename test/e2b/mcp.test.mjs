@@ -250,6 +250,20 @@ for (const transport of ['stdio', 'http']) {
         r = await ok(c, 'run_code', { sandbox_id: id, code: '[1, 2, 3].map((n) => n * 2).join(",")', language: 'javascript' })
         assert.equal(r.structuredContent.results.find((x) => x.is_main)?.text, '2,4,6')
       })
+      if (transport !== 'http') return
+      // A sandbox whose ports are not public: run_code sends its traffic token too.
+      const res = await fetch(`${API}/v2/sandboxes`, {
+        method: 'POST', headers: { 'X-API-Key': KEY, 'Content-Type': 'application/json' },
+        body: JSON.stringify({ templateID: 'code-interpreter-v1', timeout: 120, network: { allowPublicTraffic: false } }),
+      })
+      assert.equal(res.status, 201)
+      const sb = await res.json()
+      try {
+        const r = await ok(c, 'run_code', { sandbox_id: sb.sandboxID, code: '2 ** 10' })
+        assert.equal(r.structuredContent.results.find((x) => x.is_main)?.text, '1024')
+      } finally {
+        await ok(c, 'sandbox_kill', { sandbox_id: sb.sandboxID })
+      }
     })
 
     test('run_code on a sandbox without the code interpreter is a clear tool error', T, async () => {
@@ -282,6 +296,31 @@ for (const transport of ['stdio', 'http']) {
         assert.equal(viaHeaders.body, 'served over mcp\n')
         await fails(c, 'port_url', { sandbox_id: id, port: 70000 })
       })
+    })
+
+    test('port_url of a sandbox whose ports are not public carries its traffic token', T, async () => {
+      // Made through the API: sandbox_create leaves E2B's default (public).
+      const res = await fetch(`${API}/v2/sandboxes`, {
+        method: 'POST', headers: { 'X-API-Key': KEY, 'Content-Type': 'application/json' },
+        body: JSON.stringify({ templateID: 'host', timeout: 120, network: { allowPublicTraffic: false } }),
+      })
+      assert.equal(res.status, 201)
+      const sb = await res.json()
+      try {
+        await ok(c, 'exec', { sandbox_id: sb.sandboxID, command: 'cd /tmp && echo private > index.html && exec python3 -m http.server 8001 --bind 127.0.0.1', background: true })
+        const p = (await ok(c, 'port_url', { sandbox_id: sb.sandboxID, port: 8001 })).structuredContent
+        assert.equal(p.public, false)
+        assert.equal(p.headers['E2b-Traffic-Access-Token'], sb.trafficAccessToken)
+        const r = await until(async () => {
+          const r = await viaProxy(p.proxy + '/', { headers: p.headers })
+          return { ok: r.status === 200, ...r }
+        }, 20_000, 'the private port with its token')
+        assert.equal(r.body, 'private\n')
+        const bare = await viaProxy(p.proxy + '/', { host: new URL(p.url).host })
+        assert.notEqual(bare.status, 200, 'without the token the port does not answer')
+      } finally {
+        await ok(c, 'sandbox_kill', { sandbox_id: sb.sandboxID })
+      }
     })
 
     test("another key's sandbox is not found, whatever the tool", T, async () => {
