@@ -1,9 +1,12 @@
 package manager
 
 import (
+	"os"
 	"strings"
+	"time"
 
 	"github.com/cagehq/cage/internal/audit"
+	"github.com/cagehq/cage/internal/cgroups"
 	"github.com/cagehq/cage/internal/network"
 )
 
@@ -53,4 +56,41 @@ func (m *Manager) Owner(id string) string {
 		return ""
 	}
 	return rec.KeyID
+}
+
+// limitHits are a sandbox's cgroup counters of limit hits as last read.
+type limitHits struct {
+	read       bool
+	fresh      bool // the sandbox started just now: its counters start at zero
+	oom, forks uint64
+}
+
+// checkLimitHits reads a sandbox's host cgroup counters (the OOM killer's
+// kills, forks the pids limit refused) and records what they gained. A
+// sandbox the daemon adopted or resumed starts from what they hold.
+func (m *Manager) checkLimitHits(id string, h *limitHits, cg *cgroups.Cgroup, now time.Time) {
+	oom, forks := readCounter(cg.OOMEventsFile(), "oom_kill"), readCounter(cg.PidsEventsFile(), "max")
+	if !h.read && !h.fresh {
+		h.oom, h.forks = oom, forks
+	}
+	h.read = true
+	if oom > h.oom {
+		m.cfg.Audit.Record(audit.Event{Time: now, Kind: audit.KindOOM, SandboxID: id,
+			Detail: map[string]any{"oom_kills": oom - h.oom, "total": oom, "observed": "the sandbox's host cgroup"}})
+	}
+	if forks > h.forks {
+		m.cfg.Audit.Record(audit.Event{Time: now, Kind: audit.KindPidsMax, SandboxID: id,
+			Detail: map[string]any{"forks_refused": forks - h.forks, "total": forks, "observed": "the sandbox's host cgroup"}})
+	}
+	h.oom, h.forks = max(h.oom, oom), max(h.forks, forks)
+}
+
+// readCounter reads a "key N" line of a cgroup event file (0 when absent).
+func readCounter(path, key string) uint64 {
+	f, err := os.Open(path)
+	if err != nil {
+		return 0
+	}
+	defer f.Close()
+	return cgroups.Counter(f, key)
 }

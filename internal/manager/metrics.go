@@ -96,6 +96,7 @@ type series struct {
 	cpuNanos     uint64
 	cpus         float64
 	memTotal     int64
+	hits         limitHits // the cgroup's OOM kills and refused forks so far (audit.go)
 }
 
 // metricsTable holds every sandbox's series.
@@ -206,6 +207,7 @@ func (m *Manager) sampleOne(id string, sb wall.Sandbox, paused bool, now time.Ti
 		pct = float64(u.CPUNanos-s.cpuNanos) / float64(wall.Nanoseconds()) / s.cpus * 100
 	}
 	s.cpuAt, s.cpuNanos, s.due = now, u.CPUNanos, now.Add(sampleStep)
+	m.checkLimitHits(id, &s.hits, cg, now)
 	if u.MemoryLimit > 0 {
 		s.memTotal = u.MemoryLimit
 	}
@@ -225,7 +227,8 @@ func (m *Manager) sampleOne(id string, sb wall.Sandbox, paused bool, now time.Ti
 // newSeries starts a sandbox's series: its first sample comes sampleStep
 // after it started, with its CPU time since then.
 func newSeries(rec *store.Sandbox) *series {
-	return &series{due: rec.StartedAt.Add(sampleStep), cpuAt: rec.StartedAt, cpus: rec.CPUs, memTotal: rec.Memory}
+	return &series{due: rec.StartedAt.Add(sampleStep), cpuAt: rec.StartedAt, cpus: rec.CPUs, memTotal: rec.Memory,
+		hits: limitHits{fresh: time.Since(rec.StartedAt) < 2*sampleStep}}
 }
 
 // Metrics returns a sandbox's samples taken between start and end
