@@ -77,25 +77,8 @@ func Handler(cfg HTTPConfig) http.Handler {
 				httpError(w, http.StatusInternalServerError, "internal error")
 			}
 		}()
-		if name := credentialInURL(r); name != "" {
-			httpError(w, http.StatusBadRequest, fmt.Sprintf("refused: the URL carries a credential (%s); send the API key in the Authorization: Bearer or X-API-Key header, never in a URL (it ends up in logs)", name))
-			return
-		}
-		key, msg := requestKey(r)
-		if msg != "" {
-			w.Header().Set("WWW-Authenticate", `Bearer realm="cage"`)
-			httpError(w, http.StatusUnauthorized, msg)
-			return
-		}
-		id, err := cfg.Verify(key)
-		if err != nil {
-			cfg.Log.Error("/mcp: verify key", "err", err)
-			httpError(w, http.StatusInternalServerError, "internal error (the server's log has the detail)")
-			return
-		}
+		key, id := cfg.authorize(w, r)
 		if id == "" {
-			w.Header().Set("WWW-Authenticate", `Bearer realm="cage", error="invalid_token"`)
-			httpError(w, http.StatusUnauthorized, "invalid API key")
 			return
 		}
 		keyID = id
@@ -131,6 +114,33 @@ func (c *serverCache) get(sc Config) *sdk.Server {
 	s := NewServer(sc)
 	c.m[id] = s
 	return s
+}
+
+// authorize answers a request that carries a credential in its URL, or
+// no key, or a key the daemon does not have, and returns the key and its
+// id otherwise; it reads nothing of the body.
+func (cfg HTTPConfig) authorize(w http.ResponseWriter, r *http.Request) (key, id string) {
+	if name := credentialInURL(r); name != "" {
+		httpError(w, http.StatusBadRequest, fmt.Sprintf("refused: the URL carries a credential (%s); send the API key in the Authorization: Bearer or X-API-Key header, never in a URL (it ends up in logs)", name))
+		return "", ""
+	}
+	key, msg := requestKey(r)
+	if msg != "" {
+		w.Header().Set("WWW-Authenticate", `Bearer realm="cage"`)
+		httpError(w, http.StatusUnauthorized, msg)
+		return "", ""
+	}
+	id, err := cfg.Verify(key)
+	if err != nil {
+		cfg.Log.Error("/mcp: verify key", "err", err)
+		httpError(w, http.StatusInternalServerError, "internal error (the server's log has the detail)")
+		return "", ""
+	}
+	if id == "" {
+		w.Header().Set("WWW-Authenticate", `Bearer realm="cage", error="invalid_token"`)
+		httpError(w, http.StatusUnauthorized, "invalid API key")
+	}
+	return key, id
 }
 
 // requestKey is the key a request carries, or why it carries none.
