@@ -18,26 +18,45 @@ import (
 var ErrNoFreezer = errors.New("this host's cgroups have no freezer")
 
 // Freeze stops every task of the group and waits until the kernel says
-// they all are (or ctx ends, and the group is thawed again).
+// they all are (or ctx ends, and the group is thawed again). The v1
+// freezer can stay FREEZING for good when it meets a task between states
+// (a known livelock, worse under load): a try that has not frozen in a
+// while is thawed and tried again.
 func (cg *Cgroup) Freeze(ctx context.Context) error {
 	file, want, err := cg.freezeFile(true)
 	if err != nil {
 		return err
 	}
-	if err := os.WriteFile(file, []byte(want), 0); err != nil {
-		return fmt.Errorf("freeze: %w", err)
-	}
-	for {
-		if frozen, err := cg.Frozen(); err != nil || frozen {
+	for try := 0; ; try++ {
+		if err := os.WriteFile(file, []byte(want), 0); err != nil {
+			return fmt.Errorf("freeze: %w", err)
+		}
+		deadline := time.Now().Add(freezeTry(try))
+		for {
+			if frozen, err := cg.Frozen(); err != nil || frozen {
+				return err
+			}
+			if cg.m.Mode != V2 && time.Now().After(deadline) {
+				break // thaw and try again
+			}
+			select {
+			case <-ctx.Done():
+				_ = cg.Thaw()
+				return fmt.Errorf("freeze: %w", ctx.Err())
+			case <-time.After(time.Millisecond):
+			}
+		}
+		if err := cg.Thaw(); err != nil {
 			return err
 		}
-		select {
-		case <-ctx.Done():
-			_ = cg.Thaw()
-			return fmt.Errorf("freeze: %w", ctx.Err())
-		case <-time.After(time.Millisecond):
-		}
+		time.Sleep(time.Millisecond)
 	}
+}
+
+// freezeTry is how long try n waits for a v1 group to freeze before it
+// thaws it and tries again: 50 ms at first, at most a second.
+func freezeTry(n int) time.Duration {
+	return min(50*time.Millisecond<<min(n, 5), time.Second)
 }
 
 // Thaw lets the group's tasks run again.
