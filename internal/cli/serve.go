@@ -28,12 +28,13 @@ func newServeCmd(g *globals) *cobra.Command {
 		Use:   "serve",
 		Short: "Run the daemon: E2B-compatible API and sandbox proxy",
 		Long: `Run the daemon in the foreground. Settings come from flags, then the
-environment (CAGE_API, CAGE_PROXY, CAGE_DATA, CAGE_TEMPLATES, CAGE_DOMAIN, CAGE_CONFIG), then
-the JSON config file, then defaults. Sandboxes outlive the daemon: the next
+environment (CAGE_API, CAGE_PROXY, CAGE_DATA, CAGE_TEMPLATES, CAGE_DOMAIN, CAGE_CONFIG,
+CAGE_DIFY, CAGE_DIFY_KEY), then the JSON config file, then defaults. Sandboxes outlive the daemon: the next
 start adopts those still running and removes what a crash left behind.
 
 Point an E2B SDK at it with E2B_API_URL=http://API and E2B_SANDBOX_URL=http://PROXY
-and E2B_API_KEY set to a key from 'cage keys create'.`,
+and E2B_API_KEY set to a key from 'cage keys create'. Point Dify at --dify ADDR with
+CODE_EXECUTION_ENDPOINT=http://ADDR and CODE_EXECUTION_API_KEY set to the config's dify.key.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			final := daemon.Defaults()
@@ -46,7 +47,8 @@ and E2B_API_KEY set to a key from 'cage keys create'.`,
 				}
 			}
 			for env, dst := range map[string]*string{"CAGE_API": &final.API, "CAGE_PROXY": &final.Proxy,
-				"CAGE_DATA": &final.Data, "CAGE_DOMAIN": &final.Domain, "CAGE_TEMPLATES": &final.Templates} {
+				"CAGE_DATA": &final.Data, "CAGE_DOMAIN": &final.Domain, "CAGE_TEMPLATES": &final.Templates,
+				"CAGE_DIFY": &final.Dify.Addr, "CAGE_DIFY_KEY": &final.Dify.Key} {
 				if v := os.Getenv(env); v != "" {
 					*dst = v
 				}
@@ -63,6 +65,9 @@ and E2B_API_KEY set to a key from 'cage keys create'.`,
 			}
 			if fl.Changed("domain") {
 				final.Domain = cfg.Domain
+			}
+			if fl.Changed("dify") {
+				final.Dify.Addr = cfg.Dify.Addr
 			}
 			if fl.Changed("wall") {
 				final.DefaultWall = cfg.DefaultWall
@@ -104,6 +109,7 @@ and E2B_API_KEY set to a key from 'cage keys create'.`,
 	fl.StringVar(&cfg.Proxy, "proxy", cfg.Proxy, "sandbox traffic address")
 	fl.StringVar(&cfg.Data, "data", cfg.Data, "state directory")
 	fl.StringVar(&cfg.Domain, "domain", "", "domain of {port}-{sandboxID}.{domain} hosts")
+	fl.StringVar(&cfg.Dify.Addr, "dify", "", "address of Dify's sandbox API (e.g. 127.0.0.1:8194; off by default; its key: config dify.key or CAGE_DIFY_KEY)")
 	fl.IntVar(&cfg.Pool, "pool", cfg.Pool, "prepared sandboxes kept ready (process wall)")
 	fl.StringArrayVar(&poolsOf, "pool-of", nil, "TEMPLATE=N: keep N sandboxes of TEMPLATE ready too, started if it has a start command (repeatable)")
 	fl.StringVar(&cfg.DefaultWall, "wall", cfg.DefaultWall, "wall of a create that names none: process, runc, gvisor")

@@ -58,6 +58,7 @@ type Config struct {
 	Records   Records        `json:"records"`
 	Audit     Audit          `json:"audit"`
 	Volumes   Volumes        `json:"volumes"`
+	Dify      Dify           `json:"dify"`
 }
 
 // Limits bound what one tenant can take: one sandbox's limits, creates in
@@ -294,7 +295,13 @@ func Run(ctx context.Context, cfg Config, log *slog.Logger, ready func(apiAddr, 
 		px.Observe, px.Denied = trail.ObserveEnvd, trail.ProxyDenied
 	}
 	proxySrv := newServer(px, false)
-	errs := make(chan error, 2)
+	errs := make(chan error, 3)
+	difySrv, err := startDify(cfg, mgr, st, host, trail, log, errs)
+	if err != nil {
+		apiL.Close()
+		proxyL.Close()
+		return err
+	}
 	go func() { errs <- apiSrv.Serve(apiL) }()
 	go func() { errs <- proxySrv.Serve(proxyL) }()
 	log.Info("cage serve: ready", "api", apiL.Addr().String(), "proxy", proxyL.Addr().String(),
@@ -313,6 +320,9 @@ func Run(ctx context.Context, cfg Config, log *slog.Logger, ready func(apiAddr, 
 	defer cancel()
 	_ = apiSrv.Shutdown(sctx)
 	_ = proxySrv.Shutdown(sctx)
+	if difySrv != nil {
+		_ = difySrv.Shutdown(sctx)
+	}
 	log.Info("cage serve: stopped; sandboxes keep running for the next start", "sandboxes", mgr.Count())
 	return nil
 }
