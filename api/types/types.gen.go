@@ -270,7 +270,7 @@ type AuditEntry struct {
 	// KeyID The key whose entry this is.
 	KeyID string `json:"keyID,omitempty,omitzero"`
 
-	// Kind What happened: api.call, sandbox.create, sandbox.pause, sandbox.resume, sandbox.snapshot, sandbox.fork, sandbox.kill, sandbox.timeout, sandbox.died, sandbox.oom, sandbox.pids_limit, sandbox.adopt, sandbox.removed, sandbox.network, process.start, process.end, process.signal, process.code, file.write, file.read, file.move, file.mkdir, file.remove, envd.call, net.connect, net.dns, volume.create, volume.delete, key.create, key.revoke, proxy.denied, audit.start, audit.anchor, audit.capped, audit.dropped.
+	// Kind What happened: api.call, sandbox.create, sandbox.pause, sandbox.resume, sandbox.snapshot, sandbox.fork, sandbox.kill, sandbox.timeout, sandbox.died, sandbox.oom, sandbox.pids_limit, sandbox.adopt, sandbox.removed, sandbox.network, sandbox.checkpoint, process.start, process.end, process.signal, process.code, file.write, file.read, file.move, file.mkdir, file.remove, envd.call, net.connect, net.dns, volume.create, volume.delete, key.create, key.revoke, proxy.denied, audit.start, audit.anchor, audit.capped, audit.dropped.
 	Kind string `json:"kind"`
 
 	// Prev The hash of entry seq-1 (64 zeros for entry 1).

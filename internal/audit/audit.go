@@ -71,6 +71,9 @@ const (
 	KindAdopt    = "sandbox.adopt"
 	KindRemoved  = "sandbox.removed"
 	KindNetwork  = "sandbox.network"
+	// KindCheckpoint: a checkpointed sandbox's checkpoint could not be
+	// used (it resumes from its files).
+	KindCheckpoint = "sandbox.checkpoint"
 
 	KindProcessStart  = "process.start"
 	KindProcessEnd    = "process.end"

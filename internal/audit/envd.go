@@ -219,6 +219,10 @@ func (c *envdCall) startDetail() map[string]any {
 	return d
 }
 
+// maxCompressedEvent bounds a compressed stream message the trail inflates
+// to see which event it is: a start or an end event is tens of bytes.
+const maxCompressedEvent = 1 << 10
+
 // maxArgvBytes bounds the argv kept in an entry; the hash covers all of it.
 const maxArgvBytes = 16 << 10
 
@@ -268,7 +272,10 @@ func (c *envdCall) onMessage(cd codec, flags byte, msg []byte) {
 		return
 	}
 	field := processEventField(cd, msg)
-	if flags&1 != 0 && field == 0 { // compressed: look inside
+	if flags&1 != 0 && field == 0 { // compressed: look inside the small ones
+		if len(msg) > maxCompressedEvent {
+			return // output: a start or end event is far smaller
+		}
 		var err error
 		if msg, err = gunzip(msg); err != nil {
 			return
@@ -442,29 +449,33 @@ func callID() string {
 
 // endOnce says whether to record the end of process pid of a sandbox:
 // always from its Start stream (which remembers it), from a Connect stream
-// only when no stream recorded it in the last ten minutes. At most 4096
-// ends are remembered.
+// only when no stream recorded it in the last ten minutes. The last
+// maxEnds ends are remembered, the oldest forgotten first.
 func (t *Trail) endOnce(sandbox string, pid uint32, fromStart bool) bool {
 	k := sandbox + "/" + itoa(int64(pid))
 	now := time.Now()
 	t.endsMu.Lock()
 	defer t.endsMu.Unlock()
 	if t.ends == nil {
-		t.ends = map[string]time.Time{}
+		t.ends, t.endsRing = map[string]time.Time{}, make([]string, maxEnds)
 	}
-	if at, ok := t.ends[k]; ok && !fromStart && now.Sub(at) < 10*time.Minute {
+	at, ok := t.ends[k]
+	if ok && !fromStart && now.Sub(at) < 10*time.Minute {
 		return false
 	}
-	if len(t.ends) >= 4096 {
-		for key, at := range t.ends {
-			if now.Sub(at) > 10*time.Minute || len(t.ends) >= 4096 {
-				delete(t.ends, key)
-			}
+	if !ok {
+		if old := t.endsRing[t.endsNext]; old != "" {
+			delete(t.ends, old)
 		}
+		t.endsRing[t.endsNext] = k
+		t.endsNext = (t.endsNext + 1) % maxEnds
 	}
 	t.ends[k] = now
 	return true
 }
+
+// maxEnds is how many process ends endOnce remembers.
+const maxEnds = 4096
 
 // counter counts the bytes of a response body that pass.
 type counter struct {

@@ -61,12 +61,19 @@ const maxDecoded = 1 << 20
 
 var errTooLarge = errors.New("larger than the audit trail decodes")
 
-// gunzip inflates b, at most maxDecoded bytes.
+// gunzip inflates b, at most maxDecoded bytes, with a pooled reader.
 func gunzip(b []byte) ([]byte, error) {
-	zr, err := gzip.NewReader(bytes.NewReader(b))
+	zr, _ := gzipReaders.Get().(*gzip.Reader)
+	var err error
+	if zr == nil {
+		zr, err = gzip.NewReader(bytes.NewReader(b))
+	} else {
+		err = zr.Reset(bytes.NewReader(b))
+	}
 	if err != nil {
 		return nil, err
 	}
+	defer gzipReaders.Put(zr)
 	out, err := io.ReadAll(io.LimitReader(zr, maxDecoded+1))
 	if err != nil {
 		return nil, err
@@ -76,6 +83,8 @@ func gunzip(b []byte) ([]byte, error) {
 	}
 	return out, nil
 }
+
+var gzipReaders sync.Pool
 
 // unmarshal decodes one message in the codec's encoding.
 func (c codec) unmarshal(b []byte, m proto.Message) error {

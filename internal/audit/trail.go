@@ -92,8 +92,10 @@ type Trail struct {
 
 	w writerState // the writer goroutine's own
 
-	endsMu sync.Mutex
-	ends   map[string]time.Time // processes whose end is recorded (envd.go)
+	endsMu   sync.Mutex
+	ends     map[string]time.Time // processes whose end is recorded (envd.go)
+	endsRing []string             // their keys, oldest overwritten
+	endsNext int
 }
 
 // bucket is a token bucket.

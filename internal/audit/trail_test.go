@@ -166,3 +166,24 @@ func openDBb(b *testing.B) *DB {
 	b.Cleanup(func() { db.Close() })
 	return db
 }
+
+// A process's end seen on its Start stream and again on a Connect stream
+// is recorded once; what endOnce remembers is bounded, oldest forgotten.
+func TestEndOnce(t *testing.T) {
+	tr := &Trail{}
+	if !tr.endOnce("sb", 7, true) || tr.endOnce("sb", 7, false) {
+		t.Fatal("the Connect stream's end of a process whose Start stream recorded it was not refused")
+	}
+	if !tr.endOnce("sb", 7, true) {
+		t.Fatal("a Start stream's end (a pid used again) was refused")
+	}
+	for i := range maxEnds + 100 {
+		tr.endOnce("other", uint32(i), true)
+	}
+	if len(tr.ends) != maxEnds {
+		t.Fatalf("%d ends remembered; want %d", len(tr.ends), maxEnds)
+	}
+	if !tr.endOnce("sb", 7, false) {
+		t.Fatal("an end forgotten long ago was refused")
+	}
+}

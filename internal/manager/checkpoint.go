@@ -10,6 +10,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/cagehq/cage/internal/audit"
 	"github.com/cagehq/cage/internal/hostproc"
 	"github.com/cagehq/cage/internal/sandbox"
 	"github.com/cagehq/cage/internal/store"
@@ -104,7 +105,7 @@ func (m *Manager) pauseCheckpoint(ctx context.Context, rec *store.Sandbox, e *en
 		e.timer.Reset(time.Until(rec.EndAt))
 		return err
 	}
-	_ = m.cfg.Store.AddEvent(rec.ID, "paused", PauseCheckpoint)
+	m.event(rec.ID, rec.KeyID, audit.KindPause, map[string]any{"kind": PauseCheckpoint})
 	m.log.Info("sandbox paused", "sandbox", rec.ID, "kind", PauseCheckpoint)
 	return nil
 }
@@ -134,7 +135,7 @@ func (m *Manager) resumeCheckpoint(ctx context.Context, rec *store.Sandbox, d ti
 			return m.restored(rec, e, d)
 		}
 		m.log.Warn("checkpoint unusable; resuming from the saved files", "sandbox", rec.ID, "err", err)
-		_ = m.cfg.Store.AddEvent(rec.ID, "checkpoint unusable", err.Error())
+		m.event(rec.ID, rec.KeyID, audit.KindCheckpoint, map[string]any{"usable": false, "error": err.Error()})
 	}
 	if e != nil {
 		m.forget(rec.ID, e)
@@ -162,7 +163,7 @@ func (m *Manager) restored(rec *store.Sandbox, e *entry, d time.Duration) error 
 	e.timer.Reset(d)
 	_ = os.RemoveAll(m.checkpointDir(rec.ID))
 	_ = os.Remove(m.savedFiles(rec.ID))
-	_ = m.cfg.Store.AddEvent(rec.ID, "resumed", PauseCheckpoint)
+	m.event(rec.ID, rec.KeyID, audit.KindResume, map[string]any{"kind": PauseCheckpoint})
 	m.log.Info("sandbox resumed", "sandbox", rec.ID, "kind", PauseCheckpoint)
 	return nil
 }
@@ -176,7 +177,7 @@ func (m *Manager) recoverCheckpoint(rec *store.Sandbox) bool {
 	sb, err := m.adoptCheckpointed(rec, dir)
 	if err == nil {
 		m.track(sb, rec)
-		_ = m.cfg.Store.AddEvent(rec.ID, "adopted", "checkpointed")
+		m.event(rec.ID, rec.KeyID, audit.KindAdopt, map[string]any{"checkpointed": true})
 		m.log.Info("checkpointed sandbox adopted", "sandbox", rec.ID)
 		return true
 	}
