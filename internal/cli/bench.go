@@ -38,6 +38,10 @@ func newBenchCmd(g *globals) *cobra.Command {
              output through the API and proxy) sequential and 20 at once, the
              round trip through the proxy, and --idle sandboxes created through
              the API (rate, daemon memory)
+  audit      what the audit trail costs: create -> first output through cage serve
+             with the trail and without (interleaved; ratio of medians), the round
+             trip through the proxy, and another tenant's API latency while a
+             sandbox runs 10,000 commands in a loop, each with and without
   interp     the code interpreter (template code-interpreter-v1), as
              @e2b/code-interpreter uses it through cage serve: create -> first
              runCode('1+1') result from a pool of started sandboxes and cold,
@@ -104,6 +108,11 @@ func runBench(ctx context.Context, g *globals, w io.Writer, runs, idle int, only
 	}
 	if want["serve"] {
 		if err := benchServe(ctx, w, runs, idle); err != nil {
+			return err
+		}
+	}
+	if want["audit"] {
+		if err := benchAudit(ctx, w, runs); err != nil {
 			return err
 		}
 	}
