@@ -1,16 +1,11 @@
 package audit
 
 import (
-	"crypto/rand"
 	"crypto/sha256"
-	"encoding/base64"
 	"encoding/hex"
 	"encoding/json"
-	"io"
-	"net"
 	"net/http"
 	"sort"
-	"strconv"
 	"strings"
 	"sync"
 	"time"
@@ -412,41 +407,6 @@ func (c *envdCall) codeDetail() map[string]any {
 	return d
 }
 
-// rpcUser is the user an RPC acts as: E2B's Authorization: Basic
-// base64("name:"), "" for the agent's default.
-func rpcUser(r *http.Request) string {
-	v, ok := strings.CutPrefix(r.Header.Get("Authorization"), "Basic ")
-	if !ok {
-		return ""
-	}
-	b, err := base64.StdEncoding.DecodeString(strings.TrimSpace(v))
-	if err != nil {
-		return ""
-	}
-	name, _, _ := strings.Cut(string(b), ":")
-	return name
-}
-
-func userOrDefault(u string) string {
-	if u == "" {
-		return "(default)"
-	}
-	return u
-}
-
-func clientAddr(r *http.Request) string {
-	if h, _, err := net.SplitHostPort(r.RemoteAddr); err == nil {
-		return h
-	}
-	return r.RemoteAddr
-}
-
-func callID() string {
-	b := make([]byte, 6)
-	_, _ = rand.Read(b)
-	return hex.EncodeToString(b)
-}
-
 // endOnce says whether to record the end of process pid of a sandbox:
 // always from its Start stream (which remembers it), from a Connect stream
 // only when no stream recorded it in the last ten minutes. The last
@@ -476,22 +436,6 @@ func (t *Trail) endOnce(sandbox string, pid uint32, fromStart bool) bool {
 
 // maxEnds is how many process ends endOnce remembers.
 const maxEnds = 4096
-
-// counter counts the bytes of a response body that pass.
-type counter struct {
-	rc io.ReadCloser
-	n  int64
-}
-
-func (c *counter) Read(p []byte) (int, error) {
-	n, err := c.rc.Read(p)
-	c.n += int64(n)
-	return n, err
-}
-
-func (c *counter) Close() error { return c.rc.Close() }
-
-func itoa(n int64) string { return strconv.FormatInt(n, 10) }
 
 // ProxyDenied records a request the proxy refused for want of a valid
 // token (see proxy.Proxy.Denied). Its entries are the operator's alone,
