@@ -296,7 +296,7 @@ func Run(ctx context.Context, cfg Config, log *slog.Logger, ready func(apiAddr, 
 	}
 	proxySrv := newServer(px, false)
 	errs := make(chan error, 3)
-	difySrv, err := startDify(cfg, mgr, st, host, trail, log, errs)
+	difySrv, err := startDify(cfg, mgr, host, trail, log, errs)
 	if err != nil {
 		apiL.Close()
 		proxyL.Close()

@@ -12,7 +12,6 @@ import (
 	"github.com/cagehq/cage/internal/manager"
 	"github.com/cagehq/cage/internal/network"
 	"github.com/cagehq/cage/internal/sandbox"
-	"github.com/cagehq/cage/internal/store"
 	"github.com/cagehq/cage/internal/units"
 )
 
@@ -72,7 +71,7 @@ func (d Dify) config() (dify.Config, error) {
 // startDify listens on cfg.Dify.Addr and serves the Dify API until the
 // returned server is shut down; nil when the listener is off. Errors of
 // Serve go to errs.
-func startDify(cfg Config, mgr *manager.Manager, st *store.Store, host *sandbox.Host, trail *audit.Trail,
+func startDify(cfg Config, mgr *manager.Manager, host *sandbox.Host, trail *audit.Trail,
 	log *slog.Logger, errs chan<- error) (*http.Server, error) {
 	if cfg.Dify.Addr == "" {
 		return nil, nil
@@ -88,7 +87,7 @@ func startDify(cfg Config, mgr *manager.Manager, st *store.Store, host *sandbox.
 	if err := host.WallMissing(dc.Wall); err != nil {
 		return nil, fmt.Errorf("dify.wall: %w", err)
 	}
-	srv, err := dify.New(dc, mgr, st, log)
+	srv, err := dify.New(dc, mgr, log)
 	if err != nil {
 		return nil, err
 	}

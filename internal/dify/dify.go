@@ -9,7 +9,7 @@
 // dependencies/update, GET dependencies/refresh. Answers are Dify's
 // envelope {code, message, data}. Each run takes a fresh sandbox of the
 // configured template and wall from the daemon's manager (so from its
-// pool, with a record, limits, a network policy and events like any
+// pool, with a record, limits, a network policy and audit entries like any
 // sandbox's), feeds the code to python3 or node on its standard input,
 // waits at most the configured time, answers {stdout, stderr, error,
 // exit_code} and kills the sandbox.
@@ -141,18 +141,12 @@ type Sandboxes interface {
 	Kill(keyID, id string) error
 }
 
-// Events is the audit trail runs are recorded in (the store's events).
-type Events interface {
-	AddEvent(sandboxID, kind, detail string) error
-}
-
 // Server is the Dify-compatible sandbox service.
 type Server struct {
-	cfg    Config
-	sbx    Sandboxes
-	events Events
-	log    *slog.Logger
-	key    [sha256.Size]byte
+	cfg Config
+	sbx Sandboxes
+	log *slog.Logger
+	key [sha256.Size]byte
 
 	inflight atomic.Int64
 	workers  chan struct{}
@@ -161,7 +155,7 @@ type Server struct {
 }
 
 // New checks cfg and returns the service.
-func New(cfg Config, sbx Sandboxes, events Events, log *slog.Logger) (*Server, error) {
+func New(cfg Config, sbx Sandboxes, log *slog.Logger) (*Server, error) {
 	cfg, err := cfg.withDefaults()
 	if err != nil {
 		return nil, err
@@ -169,7 +163,7 @@ func New(cfg Config, sbx Sandboxes, events Events, log *slog.Logger) (*Server, e
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	s := &Server{cfg: cfg, sbx: sbx, events: events, log: log, key: sha256.Sum256([]byte(cfg.Key)),
+	s := &Server{cfg: cfg, sbx: sbx, log: log, key: sha256.Sum256([]byte(cfg.Key)),
 		workers: make(chan struct{}, cfg.MaxWorkers)}
 	s.run = s.execute
 	return s, nil

@@ -28,7 +28,7 @@ const testKey = "k3y-for-tests"
 func newTestServer(t *testing.T, cfg Config, run func(context.Context, runRequest, string) (*Result, error)) *httptest.Server {
 	t.Helper()
 	cfg.Key = testKey
-	s, err := New(cfg, nil, nil, nil)
+	s, err := New(cfg, nil, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -230,7 +230,7 @@ func TestOverload(t *testing.T) {
 	release := make(chan struct{})
 	var mu sync.Mutex
 	running, most := 0, 0
-	s, err := New(Config{Key: testKey, MaxRequests: 3, MaxWorkers: 1}, nil, nil, nil)
+	s, err := New(Config{Key: testKey, MaxRequests: 3, MaxWorkers: 1}, nil, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -288,11 +288,11 @@ func TestConfig(t *testing.T) {
 		{Config{Key: "k", Memory: -1}, "negative"},
 		{Config{Key: "k", Network: &network.Policy{Mode: "open"}}, "network"},
 	} {
-		if _, err := New(c.cfg, nil, nil, nil); err == nil || !strings.Contains(err.Error(), c.want) {
+		if _, err := New(c.cfg, nil, nil); err == nil || !strings.Contains(err.Error(), c.want) {
 			t.Errorf("%+v: %v, want an error about %s", c.cfg, err, c.want)
 		}
 	}
-	s, err := New(Config{Key: "k"}, nil, nil, nil)
+	s, err := New(Config{Key: "k"}, nil, nil)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -96,26 +96,20 @@ func (s *Server) execute(ctx context.Context, req runRequest, client string) (*R
 // maxCodeKept bounds the code an audit entry keeps (its hash covers all).
 const maxCodeKept = 4 << 10
 
-// record puts a run in the store's events and the audit trail.
+// record puts a run in the audit trail (and the debug log).
 func (s *Server) record(id string, req runRequest, res *Result, mode network.Mode, took time.Duration, client string) {
 	sum := sha256.Sum256([]byte(req.Code))
-	hash := hex.EncodeToString(sum[:])
-	detail := fmt.Sprintf("language=%s outcome=%s exit=%d took_ms=%d code_bytes=%d code_sha256=%s stdout_bytes=%d stderr_bytes=%d network=%s client=%s",
-		req.Language, res.outcome, res.ExitCode, took.Milliseconds(), len(req.Code), hash, len(res.Stdout), len(res.Stderr), mode, client)
-	if s.events != nil {
-		if err := s.events.AddEvent(id, "dify-run", detail); err != nil {
-			s.log.Warn("dify: record a run", "sandbox", id, "err", err)
-		}
-	}
 	code := req.Code
 	if len(code) > maxCodeKept {
 		code = code[:maxCodeKept] + "…(truncated)"
 	}
+	d := map[string]any{"via": "dify", "language": req.Language, "code": code, "code_bytes": len(req.Code),
+		"code_sha256": hex.EncodeToString(sum[:]), "exit_code": res.ExitCode, "outcome": res.outcome,
+		"took_ms": took.Milliseconds(), "stdout_bytes": len(res.Stdout), "stderr_bytes": len(res.Stderr), "network": string(mode)}
 	s.cfg.Audit.Record(audit.Event{Kind: audit.KindCodeRun, KeyID: KeyID, SandboxID: id, Route: "POST /v1/sandbox/run",
-		Status: http.StatusOK, Client: client, Detail: map[string]any{"via": "dify", "language": req.Language,
-			"code": code, "code_bytes": len(req.Code), "code_sha256": hash, "exit_code": res.ExitCode, "outcome": res.outcome,
-			"took_ms": took.Milliseconds(), "stdout_bytes": len(res.Stdout), "stderr_bytes": len(res.Stderr), "network": string(mode)}})
-	s.log.Debug("dify: run", "sandbox", id, "detail", detail)
+		Status: http.StatusOK, Client: client, Detail: d})
+	s.log.Debug("dify: run", "sandbox", id, "language", req.Language, "outcome", res.outcome, "exit", res.ExitCode,
+		"took", took, "client", client)
 }
 
 // runIn feeds the code to the language's interpreter in sb and waits for
