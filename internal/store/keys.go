@@ -30,9 +30,24 @@ type APIKey struct {
 	CreatedAt time.Time
 	RevokedAt *time.Time
 	LastUsed  *time.Time
+	// TeamID is the team the key belongs to ("" none: the key is its own
+	// owner). It is fixed when the key is made.
+	TeamID string
+	// Admin keys also manage teams and keys through the API.
+	Admin bool
 }
 
-const keyCols = "id, name, prefix, created_at, revoked_at, last_used"
+// Owner is who owns what the key makes (sandboxes, snapshots, volumes)
+// and whose audit entries it reads: its team, or the key itself when it
+// has none (a key without a team is a team of its own).
+func (k *APIKey) Owner() string {
+	if k.TeamID != "" {
+		return k.TeamID
+	}
+	return k.ID
+}
+
+const keyCols = "id, name, prefix, created_at, revoked_at, last_used, team_id, admin"
 
 func scanKey(r scanner, extra ...any) (*APIKey, error) {
 	var (
@@ -40,7 +55,7 @@ func scanKey(r scanner, extra ...any) (*APIKey, error) {
 		created           int64
 		revoked, lastUsed sql.NullInt64
 	)
-	dest := append([]any{&k.ID, &k.Name, &k.Prefix, &created, &revoked, &lastUsed}, extra...)
+	dest := append([]any{&k.ID, &k.Name, &k.Prefix, &created, &revoked, &lastUsed, &k.TeamID, &k.Admin}, extra...)
 	if err := r.Scan(dest...); err != nil {
 		return nil, err
 	}
@@ -81,6 +96,20 @@ func randomHex(n int) (string, error) {
 // CreateKey makes a new API key named name and returns it in plaintext; this
 // is the only time the plaintext exists, the database keeps its hash.
 func (s *Store) CreateKey(name string) (plaintext string, key *APIKey, err error) {
+	return s.CreateKeyWith(KeyOptions{Name: name})
+}
+
+// KeyOptions describe a key to make.
+type KeyOptions struct {
+	Name   string
+	TeamID string // a team's id ("" none); ErrNotFound when no such team
+	Admin  bool
+}
+
+// CreateKeyWith makes a new API key as CreateKey does, in a team or as an
+// admin key.
+func (s *Store) CreateKeyWith(o KeyOptions) (plaintext string, key *APIKey, err error) {
+	name := o.Name
 	for attempt := 0; attempt < 5; attempt++ {
 		body, err := randomHex(keyHexLen / 2)
 		if err != nil {
@@ -96,13 +125,17 @@ func (s *Store) CreateKey(name string) (plaintext string, key *APIKey, err error
 			Name:      name,
 			Prefix:    body[:displayLen],
 			CreatedAt: fromNanos(nanos(s.now())),
+			TeamID:    o.TeamID,
+			Admin:     o.Admin,
 		}
 		// An id or hash collision (48 resp. 160 random bits) inserts
-		// nothing; try again with fresh randomness.
+		// nothing; try again with fresh randomness. A team that does not
+		// exist inserts nothing either (told apart below).
 		res, err := s.db.ExecContext(context.Background(),
-			`INSERT INTO api_keys (id, name, prefix, hash, created_at) VALUES (?, ?, ?, ?, ?)
+			`INSERT INTO api_keys (id, name, prefix, hash, created_at, team_id, admin)
+			SELECT ?, ?, ?, ?, ?, ?, ? WHERE ? = '' OR EXISTS (SELECT 1 FROM teams WHERE id = ?)
 			ON CONFLICT DO NOTHING`,
-			k.ID, k.Name, k.Prefix, hashKey(plaintext), nanos(k.CreatedAt))
+			k.ID, k.Name, k.Prefix, hashKey(plaintext), nanos(k.CreatedAt), k.TeamID, boolInt(k.Admin), k.TeamID, k.TeamID)
 		if err != nil {
 			return "", nil, fmt.Errorf("store: create key: %w", err)
 		}
@@ -110,6 +143,11 @@ func (s *Store) CreateKey(name string) (plaintext string, key *APIKey, err error
 			return "", nil, fmt.Errorf("store: create key: %w", err)
 		} else if n == 1 {
 			return plaintext, k, nil
+		}
+		if o.TeamID != "" {
+			if _, err := s.GetTeam(o.TeamID); err != nil {
+				return "", nil, fmt.Errorf("store: create key: %w", err)
+			}
 		}
 	}
 	return "", nil, fmt.Errorf("store: create key: %w", ErrConflict)

@@ -26,7 +26,7 @@ const (
 // Sandbox is one row of the sandboxes table.
 type Sandbox struct {
 	ID            string // [a-z0-9]+
-	KeyID         string // API key that created it ("" allowed)
+	KeyID         string // its owner: the creating key's team, or that key when it has none ("" allowed; see teams.go)
 	TemplateID    string
 	Wall          string // "process" today
 	State         string // "creating", "running", "paused", "killed"

@@ -1,6 +1,6 @@
 // Package store is the daemon's state in an embedded SQLite database
-// (<dataDir>/cage.db): sandboxes, API keys, snapshots, volumes and an
-// audit trail of events;
+// (<dataDir>/cage.db): sandboxes, API keys, teams, snapshots, volumes and
+// an old table of events;
 // and the sandboxes' network records in a database of their own
 // (<dataDir>/records.db, see Records), so that their floods never wait on
 // or hold up the rest.
@@ -141,6 +141,18 @@ var migrations = []string{
 	);
 	CREATE UNIQUE INDEX volumes_name ON volumes (key_id, name);
 	ALTER TABLE sandboxes ADD COLUMN volume_mounts TEXT NOT NULL DEFAULT '[]';`,
+	// 5: teams (teams.go): a team owns what its keys make, and has quotas
+	// and rate limits (JSON); a key belongs to a team or to none (then it
+	// is its own owner, as before), and may be an admin key.
+	`CREATE TABLE teams (
+		id         TEXT    NOT NULL PRIMARY KEY,
+		name       TEXT    NOT NULL UNIQUE,
+		limits     TEXT    NOT NULL DEFAULT '{}',
+		created_at INTEGER NOT NULL
+	);
+	ALTER TABLE api_keys ADD COLUMN team_id TEXT NOT NULL DEFAULT '';
+	ALTER TABLE api_keys ADD COLUMN admin INTEGER NOT NULL DEFAULT 0;
+	CREATE INDEX api_keys_team ON api_keys (team_id);`,
 }
 
 // SchemaVersion is the schema version this binary writes.
