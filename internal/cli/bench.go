@@ -46,6 +46,9 @@ func newBenchCmd(g *globals) *cobra.Command {
              @e2b/code-interpreter uses it through cage serve: create -> first
              runCode('1+1') result from a pool of started sandboxes and cold,
              and runCode('1+1') in a live context
+  dify       Dify's code nodes through cage serve --dify: a python3 main
+             returning a dict, one at a time against a seccomp-only runner
+             (dify-sandbox's design) interleaved, and 100 runs at once
   mcp        against a cage serve it starts: the exec tool's round trip (true)
              over MCP's stdio (cage mcp) and streamable HTTP (/mcp), interleaved
              with the same command through the E2B protocol (the peer)`,
@@ -57,6 +60,7 @@ func newBenchCmd(g *globals) *cobra.Command {
 			return runBench(ctx, g, cmd.OutOrStdout(), runs, idle, only)
 		},
 	}
+	cmd.AddCommand(newSeccompExecCmd())
 	cmd.Flags().IntVar(&runs, "runs", 30, "samples per measurement")
 	cmd.Flags().IntVar(&idle, "idle", 200, "sandboxes alive at once for the memory measurement")
 	cmd.Flags().StringVar(&only, "only", "run,create,roundtrip,memory,serve,walls,microvm", "measurements to take (also durable: pause, resume and fork on every wall, minutes)")
@@ -108,6 +112,11 @@ func runBench(ctx context.Context, g *globals, w io.Writer, runs, idle int, only
 	}
 	if want["serve"] {
 		if err := benchServe(ctx, w, runs, idle); err != nil {
+			return err
+		}
+	}
+	if want["dify"] {
+		if err := benchDify(ctx, w, h, runs); err != nil {
 			return err
 		}
 	}
