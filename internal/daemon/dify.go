@@ -38,7 +38,7 @@ type Dify struct {
 	Pool        *int   `json:"pool"`
 	MaxRequests int    `json:"max_requests"` // runs in flight (default 200; beyond, 503)
 	MaxWorkers  int    `json:"max_workers"`  // runs with a sandbox at once (default 4 per CPU)
-	MaxOutput   string `json:"max_output"`   // stdout, and stderr, kept per run (default 8M)
+	MaxOutput   string `json:"max_output"`   // stdout, and stderr, kept per run (default 4M)
 	MaxBody     string `json:"max_body"`     // a request's body (default 16M)
 }
 
@@ -90,6 +90,9 @@ func startDify(cfg Config, mgr *manager.Manager, host *sandbox.Host, trail *audi
 	srv, err := dify.New(dc, mgr, log)
 	if err != nil {
 		return nil, err
+	}
+	if t := srv.Lifetime(); cfg.MaxTimeout > 0 && t > time.Duration(cfg.MaxTimeout) {
+		return nil, fmt.Errorf("dify.timeout: a run's sandbox lives up to %v, above max_timeout (%v)", t, time.Duration(cfg.MaxTimeout))
 	}
 	if dc.Key == "dify-sandbox" {
 		log.Warn("dify: the key is dify-sandbox's well-known default; anyone who reaches the listener can run code")

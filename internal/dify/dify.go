@@ -54,17 +54,17 @@ const (
 	DefaultCPUs        = 1.0
 	DefaultPids        = 128
 	DefaultMaxRequests = 200
-	DefaultMaxOutput   = 8 << 20  // per stream
+	DefaultMaxOutput   = 4 << 20  // per stream
 	DefaultMaxBody     = 16 << 20 // a run's request
 )
 
 // Config configures the service. Zero values are the defaults.
 type Config struct {
-	Key      string // what Dify sends as X-Api-Key (CODE_EXECUTION_API_KEY); required
-	Template string // the sandboxes' template (default base: python3 with jinja2, httpx, requests; node)
-	Wall     string // "" is the daemon's default wall
-	Timeout  time.Duration
-	Memory   int64 // bytes
+	Key      string        // what Dify sends as X-Api-Key (CODE_EXECUTION_API_KEY); required
+	Template string        // the sandboxes' template (default base: python3 with jinja2, httpx, requests; node)
+	Wall     string        // "" is the daemon's default wall
+	Timeout  time.Duration // a run's wall time; its sandbox lives LifeMargin longer at most
+	Memory   int64         // bytes
 	CPUs     float64
 	Pids     int64
 	// Network is the policy of a run that asks for the network (Dify
@@ -171,6 +171,10 @@ func New(cfg Config, sbx Sandboxes, log *slog.Logger) (*Server, error) {
 
 // Template is the template runs use.
 func (s *Server) Template() string { return s.cfg.Template }
+
+// Lifetime is the longest a run's sandbox lives: its timeout and
+// LifeMargin.
+func (s *Server) Lifetime() time.Duration { return s.cfg.Timeout + LifeMargin }
 
 // Handler serves the routes.
 func (s *Server) Handler() http.Handler {

@@ -45,9 +45,9 @@ var commands = map[string][]string{
 // destroys the sandbox either way).
 const hostGrace = 2 * time.Second
 
-// lifeMargin is what a run's sandbox may outlive its timeout by in the
+// LifeMargin is what a run's sandbox may outlive its timeout by in the
 // store: were the daemon to die mid-run, the next one would end it then.
-const lifeMargin = 30 * time.Second
+const LifeMargin = 30 * time.Second
 
 // execute runs a request in a fresh sandbox: a worker's turn (waiting for
 // one), a create through the manager, the code on the interpreter's
@@ -65,7 +65,7 @@ func (s *Server) execute(ctx context.Context, req runRequest, client string) (*R
 		policy = *s.cfg.Network
 	}
 	rec, err := s.sbx.Create(ctx, manager.CreateRequest{
-		KeyID: KeyID, Wall: s.cfg.Wall, Template: s.cfg.Template, Timeout: s.cfg.Timeout + lifeMargin,
+		KeyID: KeyID, Wall: s.cfg.Wall, Template: s.cfg.Template, Timeout: s.cfg.Timeout + LifeMargin,
 		Memory: s.cfg.Memory, CPUs: s.cfg.CPUs, Pids: s.cfg.Pids, Net: policy,
 		Metadata: map[string]string{"dify": req.Language},
 	})
