@@ -18,11 +18,12 @@ import (
 )
 
 // TestDify is Dify's code nodes against one cage serve --dify (process
-// wall, base template, pool of 4, runs of 4 s and 128 MiB): results of the
+// wall, base template, pool of 4, runs of 4 s and 128 MiB, 64 KiB of
+// output): results of the
 // three runner templates, failures as Dify must see them, hostile code,
 // bad requests, 100 runs at once, the audit trail, nothing left behind.
 func TestDify(t *testing.T) {
-	s := start(t, map[string]any{"timeout": "4s", "memory": "128M", "pids": 64, "pool": 4})
+	s := start(t, map[string]any{"timeout": "4s", "memory": "128M", "pids": 64, "pool": 4, "max_output": "64K"})
 	t.Run("runners", s.testRunners)
 	t.Run("failures", s.testFailures)
 	t.Run("memory bomb", s.testMemoryBomb)
@@ -114,6 +115,13 @@ func (s *service) testFailures(t *testing.T) {
 			t.Fatalf("timeout: stdout %q", out.Stdout)
 		}
 	}
+	// Output past max_output is cut, and the run then fails, saying so:
+	// a result cut short is no result.
+	out, err := s.mustRun(t, "python3", "import sys\nsys.stdout.write('x' * 100000)\nprint('warn', file=sys.stderr)\n", "")
+	if err == nil || out.ExitCode != 0 || len(out.Stdout) != 64<<10 || out.Stderr != "warn\n" ||
+		out.Error != "error: output truncated at 64KiB per stream\n" {
+		t.Fatalf("output past the bound: %v, exit %d, %d bytes of stdout, stderr %q, error %q", err, out.ExitCode, len(out.Stdout), out.Stderr, out.Error)
+	}
 	// Warnings on stderr with exit 0 are no failure: the result stands,
 	// stderr is reported apart.
 	warn := `import warnings, sys
@@ -123,7 +131,7 @@ def main() -> dict:
     print("log line", file=sys.stderr)
     return {"fine": True}
 `
-	out, err := s.mustRun(t, "python3", pythonRunner(warn, map[string]any{}), "")
+	out, err = s.mustRun(t, "python3", pythonRunner(warn, map[string]any{}), "")
 	if err != nil || out.ExitCode != 0 || out.Error != "" || result(t, out.Stdout)["fine"] != true {
 		t.Fatalf("warnings with exit 0: %v %+v", err, out)
 	}
