@@ -29,8 +29,9 @@ func newServeCmd(g *globals) *cobra.Command {
 		Short: "Run the daemon: E2B-compatible API and sandbox proxy",
 		Long: `Run the daemon in the foreground. Settings come from flags, then the
 environment (CAGE_API, CAGE_PROXY, CAGE_DATA, CAGE_TEMPLATES, CAGE_DOMAIN, CAGE_CONFIG,
-CAGE_DIFY, CAGE_DIFY_KEY), then the JSON config file, then defaults. Sandboxes outlive the daemon: the next
-start adopts those still running and removes what a crash left behind.
+CAGE_DIFY, CAGE_DIFY_KEY), then the JSON config file, then defaults. Sandboxes
+outlive the daemon: the next start adopts those still running and removes what
+a crash left behind.
 
 Point an E2B SDK at it with E2B_API_URL=http://API and E2B_SANDBOX_URL=http://PROXY
 and E2B_API_KEY set to a key from 'cage keys create'. Point Dify at --dify ADDR with
