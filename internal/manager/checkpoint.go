@@ -15,6 +15,7 @@ import (
 	"github.com/cagehq/cage/internal/sandbox"
 	"github.com/cagehq/cage/internal/store"
 	"github.com/cagehq/cage/internal/wall"
+	"github.com/cagehq/cage/internal/wall/state"
 )
 
 // PauseCheckpoint is a pause with memory on a wall that checkpoints
@@ -86,6 +87,9 @@ func (m *Manager) pauseCheckpoint(ctx context.Context, rec *store.Sandbox, e *en
 	}
 	if err != nil {
 		_ = os.RemoveAll(part)
+		if errors.Is(err, wall.ErrStopped) {
+			return m.stoppedMidCheckpoint(rec, e, err)
+		}
 		e.timer.Reset(time.Until(rec.EndAt))
 		if errors.Is(err, unix.ENOSPC) || diskFull(filepath.Dir(dir)) {
 			return fmt.Errorf("%w: the disk filled while checkpointing it: %v", sandbox.ErrUnavailable, err)
@@ -107,6 +111,25 @@ func (m *Manager) pauseCheckpoint(ctx context.Context, rec *store.Sandbox, e *en
 	}
 	m.event(rec.ID, rec.KeyID, audit.KindPause, map[string]any{"kind": PauseCheckpoint})
 	m.log.Info("sandbox paused", "sandbox", rec.ID, "kind", PauseCheckpoint)
+	return nil
+}
+
+// stoppedMidCheckpoint pauses with its files a sandbox whose failed
+// checkpoint stopped it (its files were saved first): nothing is lost but
+// its processes, and the pause succeeds as one without memory.
+func (m *Manager) stoppedMidCheckpoint(rec *store.Sandbox, e *entry, cause error) error {
+	m.log.Warn("checkpoint failed and stopped the sandbox; it is paused with its files", "sandbox", rec.ID, "err", cause)
+	_ = m.cfg.Store.AddEvent(rec.ID, "checkpoint failed", cause.Error())
+	rec.State, rec.PausedAt, rec.PauseKind = store.StatePaused, time.Now(), PauseFiles
+	rec.AgentPID, rec.AgentStart, rec.NetSlot = 0, 0, -1
+	if err := m.cfg.Store.UpdateSandbox(rec); err != nil {
+		return err
+	}
+	m.forget(rec.ID, e)
+	if err := e.sb.Destroy(); err != nil {
+		m.log.Warn("destroy after a failed checkpoint", "sandbox", rec.ID, "err", err)
+	}
+	_ = m.cfg.Store.AddEvent(rec.ID, "paused", PauseFiles)
 	return nil
 }
 
@@ -182,7 +205,7 @@ func (m *Manager) recoverCheckpoint(rec *store.Sandbox) bool {
 		return true
 	}
 	m.log.Warn("checkpoint unusable after the restart; the sandbox resumes from its files", "sandbox", rec.ID, "err", err)
-	_ = m.cfg.Store.AddEvent(rec.ID, "checkpoint unusable", err.Error())
+	m.event(rec.ID, rec.KeyID, audit.KindCheckpoint, map[string]any{"usable": false, "error": err.Error()})
 	_ = os.RemoveAll(dir)
 	rec.PauseKind, rec.AgentPID, rec.AgentStart, rec.NetSlot = PauseFiles, 0, 0, -1
 	_ = m.cfg.Store.UpdateSandbox(rec)
@@ -212,7 +235,20 @@ func (m *Manager) adoptCheckpointed(rec *store.Sandbox, dir string) (wall.Sandbo
 		CPUs: rec.CPUs, Memory: rec.Memory, Disk: rec.Disk, Pids: rec.Pids, Net: policy, Max: m.cfg.Max}
 	ctx, cancel := context.WithTimeout(context.Background(), checkpointOps)
 	defer cancel()
+	// The slot is held meanwhile: the network's first setup (in Begin)
+	// removes the interfaces and rules of every slot nobody holds.
+	var hold *os.File
+	if rec.NetSlot >= 0 {
+		ids, err := state.ReserveSlot(rec.NetSlot)
+		if err != nil {
+			return nil, err
+		}
+		hold = ids.Lock
+	}
 	p, err := m.cfg.Host.Begin(ctx, &opts)
+	if hold != nil {
+		hold.Close() // the wall takes the slot next
+	}
 	if err != nil {
 		return nil, err
 	}

@@ -187,3 +187,33 @@ func RemoveNamespace(path string) {
 	_ = unix.Unmount(path, unix.MNT_DETACH)
 	_ = os.Remove(path)
 }
+
+// ConfigureInside gives the sandbox's eth0, in the namespace nsFD, its
+// address and routes again (as Attach did): gVisor takes them off the
+// interface as it starts, and reads them from there when it restores a
+// checkpoint of the sandbox.
+func (sb *Sandbox) ConfigureInside(nsFD int) error {
+	h, err := netlink.NewHandleAt(netns.NsHandle(nsFD), unix.NETLINK_ROUTE)
+	if err != nil {
+		return fmt.Errorf("netlink in the sandbox's namespace: %w", err)
+	}
+	defer h.Close()
+	eth0, err := h.LinkByName("eth0")
+	if err != nil {
+		return fmt.Errorf("the sandbox's eth0: %w", err)
+	}
+	gw := sb.h.gateway
+	if err := h.AddrReplace(eth0, &netlink.Addr{IPNet: ipnet(sb.IP)}); err != nil {
+		return fmt.Errorf("address %s in the sandbox: %w", sb.IP, err)
+	}
+	if err := h.LinkSetUp(eth0); err != nil {
+		return err
+	}
+	if err := h.RouteReplace(&netlink.Route{LinkIndex: eth0.Attrs().Index, Dst: ipnet(gw), Scope: netlink.SCOPE_LINK}); err != nil {
+		return fmt.Errorf("route to the gateway in the sandbox: %w", err)
+	}
+	if err := h.RouteReplace(&netlink.Route{LinkIndex: eth0.Attrs().Index, Gw: gw.AsSlice()}); err != nil {
+		return fmt.Errorf("default route in the sandbox: %w", err)
+	}
+	return nil
+}

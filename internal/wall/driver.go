@@ -102,7 +102,9 @@ type Checkpointable interface {
 	// Checkpoint saves the running sandbox into dir (made by the caller,
 	// empty) and stops it, releasing its memory; the sandbox keeps its
 	// id, token and network slot for Restore. On error the sandbox runs
-	// on as before and dir holds nothing to use.
+	// on as before and dir holds nothing to use; or, where the runtime
+	// cannot undo its stop (gVisor's save failing midway), the error is
+	// ErrStopped: its processes are gone (the caller destroys it).
 	Checkpoint(ctx context.Context, dir string) error
 	// Restore starts a checkpointed sandbox again from dir, with the same
 	// id, token and network; its processes go on where they stood and

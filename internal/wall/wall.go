@@ -40,4 +40,7 @@ var (
 	// template's files than the one now current (the host's /etc changed
 	// meanwhile); its creator makes a fresh one.
 	ErrStale = errors.New("prepared sandbox was built from an older copy of its template")
+	// ErrStopped: a checkpoint failed, and the sandbox stopped with it
+	// (see Checkpointable).
+	ErrStopped = errors.New("the sandbox stopped with its failed checkpoint")
 )

@@ -83,8 +83,7 @@ func (sb *Sandbox) Checkpoint(ctx context.Context, dir string) error {
 		// The VM runs again (vm.Checkpoint sent cont): a host again.
 		if aerr := sb.attach(ctx); aerr != nil {
 			sb.v.Stop()
-			sb.setGone()
-			return fmt.Errorf("checkpoint sandbox %s: %w; and it could not go on: %v", sb.id, err, aerr)
+			return fmt.Errorf("checkpoint sandbox %s: %w: %v; and it could not go on: %v", sb.id, wall.ErrStopped, err, aerr)
 		}
 		sb.mu.Lock()
 		sb.stopping = false
@@ -129,13 +128,6 @@ func (sb *Sandbox) Restore(ctx context.Context, dir string) (err error) {
 	if err := json.Unmarshal(b, &meta); err != nil {
 		return fmt.Errorf("restore sandbox %s: %s: %w", sb.id, checkpointShape, err)
 	}
-	now, err := shapeOf(sb.vcfg)
-	if err != nil {
-		return err
-	}
-	if nb, _ := json.Marshal(now); string(nb) != string(mustJSON(meta.Shape)) {
-		return fmt.Errorf("restore sandbox %s: its checkpoint is of another VM (QEMU, kernel, agent or image changed since)", sb.id)
-	}
 	f, err := os.Open(filepath.Join(dir, checkpointState))
 	if err != nil {
 		return fmt.Errorf("restore sandbox %s: %w", sb.id, err)
@@ -149,6 +141,14 @@ func (sb *Sandbox) Restore(ctx context.Context, dir string) (err error) {
 	}()
 	if err := sb.setUp(); err != nil {
 		return fmt.Errorf("restore sandbox %s: %w", sb.id, err)
+	}
+	// The same machine (with its NIC, set up now), or nothing.
+	now, err := shapeOf(sb.vcfg)
+	if err != nil {
+		return err
+	}
+	if nb, _ := json.Marshal(now); string(nb) != string(mustJSON(meta.Shape)) {
+		return fmt.Errorf("restore sandbox %s: its checkpoint is of another VM (QEMU, kernel, agent or image changed since)", sb.id)
 	}
 	vcfg := sb.vcfg
 	vcfg.NamedRAM = meta.NamedRAM

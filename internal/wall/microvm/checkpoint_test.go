@@ -11,6 +11,8 @@ import (
 	"testing"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/cagehq/cage/internal/agentclient"
 	"github.com/cagehq/cage/internal/testutil"
 	"github.com/cagehq/cage/internal/wall"
@@ -110,6 +112,25 @@ for i in 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20; do [ -s /tmp/count 
 			t.Errorf("cycle %d: a wrong token ran a command", cycle)
 		}
 		bad.Close()
+	}
+	// No room for the state: the checkpoint fails, the sandbox runs on.
+	full := filepath.Join(t.TempDir(), "full")
+	if err := os.Mkdir(full, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	if err := unix.Mount("tmpfs", full, "tmpfs", 0, "size=1m"); err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Unmount(full, unix.MNT_DETACH)
+	before := count()
+	if err := sb.Checkpoint(ctx, full); err == nil {
+		t.Fatal("a checkpoint into 1 MiB succeeded")
+	} else {
+		t.Logf("a checkpoint into 1 MiB: %v", err)
+	}
+	time.Sleep(time.Second)
+	if after := count(); after <= before {
+		t.Errorf("the counter stopped after a failed checkpoint: %d then %d", before, after)
 	}
 	// A truncated state: the restore fails and leaves nothing running.
 	dir := filepath.Join(t.TempDir(), "ckpt")

@@ -66,14 +66,19 @@ func (sb *Sandbox) Checkpoint(ctx context.Context, dir string) error {
 		}
 	}
 	if err != nil {
+		select {
+		case <-sb.procDone:
+		case <-time.After(2 * time.Second): // a save failing midway takes the sandbox down within moments
+		}
+		select {
+		case <-sb.procDone:
+			// runsc's save failed midway and took the sandbox with it.
+			return fmt.Errorf("checkpoint sandbox %s: %w: %v%s", sb.id, wall.ErrStopped, err, out)
+		default:
+		}
 		sb.mu.Lock()
 		sb.stopping = false
 		sb.mu.Unlock()
-		select {
-		case <-sb.procDone:
-			sb.setGone() // it stopped all the same: nothing runs to resume
-		default:
-		}
 		return fmt.Errorf("checkpoint sandbox %s: %v%s", sb.id, err, out)
 	}
 	unix.Close(sb.pidfd)
@@ -125,6 +130,13 @@ func (sb *Sandbox) Restore(ctx context.Context, dir string) error {
 	}
 	// A restore cut short (a crash) may have left the runtime's record.
 	_, _ = sb.runtime(ctx, "delete", "--force", sb.id)
+	if sb.net != nil {
+		// runsc reads the interface's address and routes from the
+		// namespace, where it took them off as the sandbox started.
+		if err := sb.configureNetwork(); err != nil {
+			return fmt.Errorf("restore sandbox %s: %w", sb.id, err)
+		}
+	}
 	oom, err := os.Open(sb.cg.OOMEventsFile())
 	if err != nil {
 		return err
@@ -173,6 +185,15 @@ func (sb *Sandbox) Restore(ctx context.Context, dir string) error {
 	}
 	c.Close()
 	return nil
+}
+
+func (sb *Sandbox) configureNetwork() error {
+	ns, err := os.Open(sb.netns)
+	if err != nil {
+		return err
+	}
+	defer ns.Close()
+	return sb.net.ConfigureInside(int(ns.Fd()))
 }
 
 // runtime runs one of the runtime's commands on the sandbox and returns

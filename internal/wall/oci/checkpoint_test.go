@@ -2,12 +2,15 @@ package oci_test
 
 import (
 	"context"
+	"errors"
 	"os"
 	"path/filepath"
 	"strconv"
 	"strings"
 	"testing"
 	"time"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/cagehq/cage/internal/agentclient"
 	"github.com/cagehq/cage/internal/sandbox"
@@ -125,5 +128,46 @@ func TestCheckpointRestore(t *testing.T) {
 	}
 	if n := len(sb.Cgroup().Procs()); n != 0 {
 		t.Errorf("%d processes left by a failed restore", n)
+	}
+}
+
+// TestCheckpointDiskFull: a checkpoint with no room for its image fails,
+// and runsc's save takes the sandbox with it: Checkpoint says so
+// (wall.ErrStopped), and destroyed nothing of it is left. (The daemon checks for room
+// first, and pauses such a sandbox with its files, saved before.)
+func TestCheckpointDiskFull(t *testing.T) {
+	testutil.RequireRoot(t)
+	h := newHost(t, testutil.RunDir(t))
+	if err := h.WallMissing("gvisor"); err != nil {
+		testutil.SkipWall(t, "gvisor", "%v", err)
+	}
+	sb, err := h.Create(context.Background(), sandbox.Options{Wall: "gvisor"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer sb.Destroy()
+	cp := sb.(wall.Checkpointable)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	sh(t, sb, counterScript)
+	// No room for the image: the checkpoint fails, and runsc's save takes
+	// the sandbox with it (wall.ErrStopped; the daemon checks for room
+	// first, and resumes such a sandbox from its files).
+	full := filepath.Join(t.TempDir(), "full")
+	if err := os.Mkdir(full, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	if err := unix.Mount("tmpfs", full, "tmpfs", 0, "size=256k"); err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Unmount(full, unix.MNT_DETACH)
+	if err := cp.Checkpoint(ctx, full); !errors.Is(err, wall.ErrStopped) {
+		t.Fatalf("a checkpoint into 256 KiB: %v, want ErrStopped", err)
+	}
+	if err := sb.Destroy(); err != nil {
+		t.Errorf("destroy: %v", err)
+	}
+	if n := len(sb.Cgroup().Procs()); n != 0 {
+		t.Errorf("%d processes left after a failed checkpoint and destroy", n)
 	}
 }

@@ -8,6 +8,7 @@ import (
 	"os"
 	"syscall"
 
+	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
 
 	"github.com/cagehq/cage/internal/vm/boot"
@@ -71,8 +72,8 @@ func GuestServe() error {
 }
 
 // serveClock is the init's service to its agent, which cannot do it once
-// sealed: for each resume (see Spec) it sets the clock and mixes random
-// bytes in, and answers "ok" or the error. Only the agent holds the
+// sealed: for each resume (see Spec) it sets the clock, mixes random
+// bytes in and forgets the neighbours, and answers "ok" or the error. Only the agent holds the
 // other end.
 func serveClock(fd int) {
 	buf := make([]byte, 4096)
@@ -90,8 +91,23 @@ func serveClock(fd int) {
 			answer = err.Error()
 		} else if err := setClock(sp); err != nil {
 			answer = err.Error()
+		} else {
+			forgetNeighbours()
 		}
 		_, _ = unix.Write(fd, []byte(answer))
+	}
+}
+
+// forgetNeighbours empties the guest's neighbour table: a resumed guest's
+// NIC is spliced to a new interface on the host, whose address (the
+// gateway's) is the same but whose MAC is not.
+func forgetNeighbours() {
+	neighs, err := netlink.NeighList(0, netlink.FAMILY_ALL)
+	if err != nil {
+		return
+	}
+	for i := range neighs {
+		_ = netlink.NeighDel(&neighs[i])
 	}
 }
 
