@@ -256,6 +256,22 @@ func (e ListSandboxesV2ParamsOrder) Valid() bool {
 	}
 }
 
+// APIKeyInfo cage: an API key as the admin API shows it (never the key).
+type APIKeyInfo struct {
+	Admin     bool      `json:"admin"`
+	CreatedAt time.Time `json:"createdAt"`
+	KeyID     string    `json:"keyID"`
+	LastUsed  time.Time `json:"lastUsed,omitempty,omitzero"`
+	Name      string    `json:"name"`
+
+	// Prefix The key's first 8 hex digits after `e2b_`, to recognise it by.
+	Prefix    string    `json:"prefix"`
+	RevokedAt time.Time `json:"revokedAt,omitempty,omitzero"`
+
+	// TeamID Its team; absent for a key without one (its own owner).
+	TeamID string `json:"teamID,omitempty,omitzero"`
+}
+
 // AuditEntry cage: one entry of the audit trail.
 type AuditEntry struct {
 	// Client The caller's address.
@@ -267,10 +283,10 @@ type AuditEntry struct {
 	// Hash SHA-256 over prev and every field of the entry.
 	Hash string `json:"hash"`
 
-	// KeyID The key whose entry this is.
+	// KeyID The key that made the call; on what happened in and to a team's sandboxes, empty (the team's); the key's own for a key without a team.
 	KeyID string `json:"keyID,omitempty,omitzero"`
 
-	// Kind What happened: api.call, sandbox.create, sandbox.pause, sandbox.resume, sandbox.snapshot, sandbox.fork, sandbox.kill, sandbox.timeout, sandbox.died, sandbox.oom, sandbox.pids_limit, sandbox.adopt, sandbox.removed, sandbox.network, sandbox.checkpoint, process.start, process.end, process.signal, process.code, file.write, file.read, file.move, file.mkdir, file.remove, envd.call, net.connect, net.dns, volume.create, volume.delete, key.create, key.revoke, proxy.denied, audit.start, audit.anchor, audit.capped, audit.dropped.
+	// Kind What happened: api.call, sandbox.create, sandbox.pause, sandbox.resume, sandbox.snapshot, sandbox.fork, sandbox.kill, sandbox.timeout, sandbox.died, sandbox.oom, sandbox.pids_limit, sandbox.adopt, sandbox.removed, sandbox.network, sandbox.checkpoint, process.start, process.end, process.signal, process.code, file.write, file.read, file.move, file.mkdir, file.remove, envd.call, net.connect, net.dns, volume.create, volume.delete, key.create, key.revoke, team.create, team.update, team.delete, proxy.denied, audit.start, audit.anchor, audit.capped, audit.dropped.
 	Kind string `json:"kind"`
 
 	// Prev The hash of entry seq-1 (64 zeros for entry 1).
@@ -289,7 +305,7 @@ type AuditEntry struct {
 	// Status The HTTP status the caller got.
 	Status int `json:"status,omitempty,omitzero"`
 
-	// TeamID The key's team (teams do not exist yet).
+	// TeamID The team whose entry this is (a team's key reads its team's entries); empty for a key without a team and for the operator's.
 	TeamID string    `json:"teamID,omitempty,omitzero"`
 	Time   time.Time `json:"time"`
 }
@@ -329,6 +345,25 @@ type ConnectSandboxV2 struct {
 
 	// Timeout Seconds from now the sandbox should stay alive at least (the deadline is only extended). cage: at most the server's configured maximum.
 	Timeout *int64 `json:"timeout,omitempty"`
+}
+
+// CreatedAPIKey defines model for CreatedAPIKey.
+type CreatedAPIKey struct {
+	Admin     bool      `json:"admin"`
+	CreatedAt time.Time `json:"createdAt"`
+
+	// Key The key itself, shown this once.
+	Key      string    `json:"key"`
+	KeyID    string    `json:"keyID"`
+	LastUsed time.Time `json:"lastUsed,omitempty,omitzero"`
+	Name     string    `json:"name"`
+
+	// Prefix The key's first 8 hex digits after `e2b_`, to recognise it by.
+	Prefix    string    `json:"prefix"`
+	RevokedAt time.Time `json:"revokedAt,omitempty,omitzero"`
+
+	// TeamID Its team; absent for a key without one (its own owner).
+	TeamID string `json:"teamID,omitempty,omitzero"`
 }
 
 // DiskSizeMB Disk size for the sandbox in MiB. cage: the writable storage shared by /tmp, /var/tmp and /home (a RAM-backed tmpfs; it counts toward memoryMB).
@@ -456,6 +491,14 @@ type NetworkRecords struct {
 	Records   []NetworkRecord `json:"records"`
 }
 
+// NewAPIKey defines model for NewAPIKey.
+type NewAPIKey struct {
+	Name string `json:"name,omitempty,omitzero"`
+
+	// TeamID The team's id or name; absent for a key without a team.
+	TeamID string `json:"teamID,omitempty,omitzero"`
+}
+
 // NewSandbox A sandbox to create (`POST /sandboxes`): NewSandboxV2's fields, a 15-second default timeout, and `secure`.
 type NewSandbox struct {
 	// AllowInternetAccess Whether the sandbox may reach the internet; false is the same as `network.denyOut: ["0.0.0.0/0"]`.
@@ -553,6 +596,17 @@ type NewSandboxV2 struct {
 
 	// Wall cage: the wall to create the sandbox behind. Default: the server's (process unless configured).
 	Wall Wall `json:"wall,omitempty,omitzero"`
+}
+
+// NewTeam defines model for NewTeam.
+type NewTeam struct {
+	Name string `json:"name"`
+
+	// Quotas cage: what a team may hold at once; absent or 0 is no quota (the server's own bounds hold). Checked at create (each fork too), resume and pause; over one: 429 naming the quota, without Retry-After (a kill or a pause frees it).
+	Quotas TeamQuotas `json:"quotas,omitempty,omitzero"`
+
+	// RateLimits cage: each of the team's keys' rates, replacing the server's (config `limits.key_requests`, `limits.key_creates`); absent or 0 is the server's. Bursts are twice the rate (at least 1). Over a rate: 429 with Retry-After.
+	RateLimits TeamRateLimits `json:"rateLimits,omitempty,omitzero"`
 }
 
 // NewVolume defines model for NewVolume.
@@ -876,6 +930,62 @@ type SnapshotRequest struct {
 	Name string `json:"name,omitempty,omitzero"`
 }
 
+// Team cage: a team: the owner of what its keys make.
+type Team struct {
+	CreatedAt time.Time `json:"createdAt"`
+	Name      string    `json:"name"`
+
+	// Quotas cage: what a team may hold at once; absent or 0 is no quota (the server's own bounds hold). Checked at create (each fork too), resume and pause; over one: 429 naming the quota, without Retry-After (a kill or a pause frees it).
+	Quotas TeamQuotas `json:"quotas"`
+
+	// RateLimits cage: each of the team's keys' rates, replacing the server's (config `limits.key_requests`, `limits.key_creates`); absent or 0 is the server's. Bursts are twice the rate (at least 1). Over a rate: 429 with Retry-After.
+	RateLimits TeamRateLimits `json:"rateLimits"`
+	TeamID     string         `json:"teamID"`
+
+	// Usage cage: what a team holds now, in its quotas' terms.
+	Usage TeamUsage `json:"usage,omitempty,omitzero"`
+}
+
+// TeamQuotas cage: what a team may hold at once; absent or 0 is no quota (the server's own bounds hold). Checked at create (each fork too), resume and pause; over one: 429 naming the quota, without Retry-After (a kill or a pause frees it).
+type TeamQuotas struct {
+	// Cpus vCPUs of those.
+	Cpus float64 `json:"cpus,omitempty,omitzero"`
+
+	// DiskMB Disk sizes of every sandbox of the team, paused ones included, in MiB.
+	DiskMB int64 `json:"diskMB,omitempty,omitzero"`
+
+	// MemoryMB Memory limits of those and of sandboxes paused with their memory (frozen), in MiB.
+	MemoryMB int64 `json:"memoryMB,omitempty,omitzero"`
+
+	// Paused Paused sandboxes (a pause, or a pause at timeout, beyond it ends the sandbox instead).
+	Paused int64 `json:"paused,omitempty,omitzero"`
+
+	// Sandboxes Sandboxes running or being made.
+	Sandboxes int64 `json:"sandboxes,omitempty,omitzero"`
+}
+
+// TeamRateLimits cage: each of the team's keys' rates, replacing the server's (config `limits.key_requests`, `limits.key_creates`); absent or 0 is the server's. Bursts are twice the rate (at least 1). Over a rate: 429 with Retry-After.
+type TeamRateLimits struct {
+	// CreatesPerSecond Creates, resumes, forks and connects that resume, a second.
+	CreatesPerSecond  float64 `json:"createsPerSecond,omitempty,omitzero"`
+	RequestsPerSecond float64 `json:"requestsPerSecond,omitempty,omitzero"`
+}
+
+// TeamUpdate defines model for TeamUpdate.
+type TeamUpdate struct {
+	Quotas     *TeamQuotas     `json:"quotas,omitempty"`
+	RateLimits *TeamRateLimits `json:"rateLimits,omitempty"`
+}
+
+// TeamUsage cage: what a team holds now, in its quotas' terms.
+type TeamUsage struct {
+	Cpus      float64 `json:"cpus"`
+	DiskMB    int64   `json:"diskMB"`
+	MemoryMB  int64   `json:"memoryMB"`
+	Paused    int64   `json:"paused"`
+	Sandboxes int64   `json:"sandboxes"`
+}
+
 // TemplateAlias Alias (name) of the template, when it has one.
 type TemplateAlias = string
 
@@ -940,6 +1050,9 @@ type VolumeMetadata struct {
 // Wall cage: the isolation boundary the sandbox runs behind. `process`: Linux namespaces, cgroups, seccomp and Landlock around an unprivileged process tree; `runc`: an OCI container run by runc; `gvisor`: gVisor's runsc, a kernel of its own in user space; `microvm`: a QEMU microvm guest with a kernel of its own.
 type Wall string
 
+// KeyID defines model for keyID.
+type KeyID = string
+
 // ListOrder defines model for listOrder.
 type ListOrder string
 
@@ -960,6 +1073,9 @@ type StartedAfterFilter = time.Time
 
 // StateFilter defines model for stateFilter.
 type StateFilter = []SandboxState
+
+// TeamID defines model for teamID.
+type TeamID = string
 
 // TemplateFilter defines model for templateFilter.
 type TemplateFilter = string
@@ -987,6 +1103,9 @@ type N400 = Error
 
 // N401 defines model for 401.
 type N401 = Error
+
+// N403 defines model for 403.
+type N403 = Error
 
 // N404 defines model for 404.
 type N404 = Error
@@ -1180,6 +1299,15 @@ type UpdateVolumePathParams struct {
 	// Path A path in the volume ("/" is its root; a relative path is taken from it; ".." stops at it). No symlink on the way is followed (400).
 	Path VolumePath `form:"path" json:"path"`
 }
+
+// CreateKeyJSONRequestBody defines body for CreateKey for application/json ContentType.
+type CreateKeyJSONRequestBody = NewAPIKey
+
+// CreateTeamJSONRequestBody defines body for CreateTeam for application/json ContentType.
+type CreateTeamJSONRequestBody = NewTeam
+
+// UpdateTeamJSONRequestBody defines body for UpdateTeam for application/json ContentType.
+type UpdateTeamJSONRequestBody = TeamUpdate
 
 // CreateSandboxJSONRequestBody defines body for CreateSandbox for application/json ContentType.
 //

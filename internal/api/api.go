@@ -22,6 +22,7 @@ import (
 	"github.com/cagehq/cage/api/types"
 	"github.com/cagehq/cage/internal/audit"
 	"github.com/cagehq/cage/internal/manager"
+	"github.com/cagehq/cage/internal/metrics"
 	"github.com/cagehq/cage/internal/sandbox"
 	"github.com/cagehq/cage/internal/store"
 )
@@ -46,11 +47,17 @@ type Config struct {
 	// Audit is the audit trail (nil: none): every call is recorded, and
 	// GET /audit serves a key's entries.
 	Audit *audit.Trail
+	// Metrics counts calls, refusals by rate and quota (nil: none).
+	Metrics *metrics.Metrics
+	// Rates are each key's rate limits unless its team sets its own
+	// (zero fields: none).
+	Rates Rates
 }
 
 type server struct {
-	cfg Config
-	log *slog.Logger
+	cfg    Config
+	log    *slog.Logger
+	limits limiter
 }
 
 // Handler returns the API's HTTP handler.
@@ -91,6 +98,7 @@ func Handler(cfg Config) http.Handler {
 	mux.Handle("GET /sandboxes/{sandboxID}/network/records", auth(http.HandlerFunc(s.networkRecords)))
 	mux.Handle("GET /audit", auth(http.HandlerFunc(s.auditEntries)))
 	s.volumeRoutes(mux)
+	s.adminRoutes(mux)
 	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
 		writeError(w, http.StatusNotFound, "no such route: "+r.Method+" "+r.URL.Path)
 	})
@@ -99,7 +107,8 @@ func Handler(cfg Config) http.Handler {
 
 type ctxKey struct{}
 
-// authenticated checks X-API-Key and puts the key's id in the context.
+// authenticated checks X-API-Key, then the key's request rate, and puts
+// the key in the context.
 func (s *server) authenticated(next http.Handler) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		key := r.Header.Get("X-API-Key")
@@ -116,13 +125,29 @@ func (s *server) authenticated(next http.Handler) http.Handler {
 			writeError(w, http.StatusUnauthorized, "invalid API key")
 			return
 		}
-		noteKey(r, k.ID)
+		noteKey(r, k.ID, k.TeamID)
+		if !s.allowRequest(w, k) {
+			return
+		}
 		r.Body = http.MaxBytesReader(w, r.Body, maxBody)
-		next.ServeHTTP(w, r.WithContext(context.WithValue(r.Context(), ctxKey{}, k.ID)))
+		next.ServeHTTP(w, r.WithContext(context.WithValue(r.Context(), ctxKey{}, k)))
 	})
 }
 
-func keyID(r *http.Request) string { v, _ := r.Context().Value(ctxKey{}).(string); return v }
+// keyID is the owner of what the calling key makes and sees: its team,
+// or the key itself when it has none (store.APIKey.Owner).
+func keyID(r *http.Request) string {
+	if k := callerOf(r); k != nil {
+		return k.Owner()
+	}
+	return ""
+}
+
+// callerOf is the calling key (nil before authenticated).
+func callerOf(r *http.Request) *store.APIKey {
+	k, _ := r.Context().Value(ctxKey{}).(*store.APIKey)
+	return k
+}
 
 // recoverer turns a panic into a 500 without a stack trace for the client.
 func recoverer(log *slog.Logger, next http.Handler) http.Handler {
@@ -153,7 +178,7 @@ func writeError(w http.ResponseWriter, status int, msg string) {
 // fail maps an error kind to its status.
 func (s *server) fail(w http.ResponseWriter, r *http.Request, err error) {
 	code, msg := s.failure(r, err)
-	if code == http.StatusTooManyRequests {
+	if code == http.StatusTooManyRequests && !errors.Is(err, manager.ErrQuota) {
 		w.Header().Set("Retry-After", "1")
 	}
 	writeError(w, code, msg)
@@ -173,6 +198,11 @@ func (s *server) failure(r *http.Request, err error) (int, string) {
 		return http.StatusConflict, err.Error()
 	case errors.Is(err, manager.ErrLimit):
 		return http.StatusTooManyRequests, err.Error()
+	case errors.Is(err, manager.ErrQuota):
+		s.cfg.Metrics.QuotaRefused(quotaName(err))
+		return http.StatusTooManyRequests, err.Error()
+	case errors.Is(err, errForbidden):
+		return http.StatusForbidden, err.Error()
 	case errors.Is(err, sandbox.ErrUnavailable), errors.Is(err, sandbox.ErrPermission):
 		return http.StatusServiceUnavailable, err.Error()
 	}

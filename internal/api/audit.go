@@ -19,14 +19,15 @@ import (
 // aside), and GET /audit serves a key's entries.
 
 // callInfo is what the handlers learn of a call for its entry: the key
-// that made it (or, on the volume content API, the volume's owner).
-type callInfo struct{ key string }
+// that made it and its team (or, on the volume content API, the volume's
+// owner).
+type callInfo struct{ key, team string }
 
 type callInfoKey struct{}
 
-func noteKey(r *http.Request, key string) {
+func noteKey(r *http.Request, key, team string) {
 	if info, _ := r.Context().Value(callInfoKey{}).(*callInfo); info != nil {
-		info.key = key
+		info.key, info.team = key, team
 	}
 }
 
@@ -54,9 +55,10 @@ func (w *statusWriter) Flush() { _ = http.NewResponseController(w.ResponseWriter
 
 func (w *statusWriter) Unwrap() http.ResponseWriter { return w.ResponseWriter }
 
-// audited records each call the mux answers.
+// audited records each call the mux answers in the trail, and counts it
+// in the metrics.
 func (s *server) audited(mux http.Handler) http.Handler {
-	if s.cfg.Audit == nil {
+	if s.cfg.Audit == nil && s.cfg.Metrics == nil {
 		return mux
 	}
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
@@ -68,6 +70,7 @@ func (s *server) audited(mux http.Handler) http.Handler {
 		r = r.WithContext(context.WithValue(r.Context(), callInfoKey{}, info))
 		sw := &statusWriter{ResponseWriter: w}
 		finished := false
+		start := time.Now()
 		defer func() {
 			status := sw.status
 			if status == 0 {
@@ -76,15 +79,29 @@ func (s *server) audited(mux http.Handler) http.Handler {
 					status = http.StatusInternalServerError // a panic (recoverer answers)
 				}
 			}
-			s.recordCall(r, info.key, status)
+			if s.cfg.Metrics != nil {
+				s.cfg.Metrics.APICall(metricRoute(r), status, time.Since(start))
+			}
+			if s.cfg.Audit != nil {
+				s.recordCall(r, info, status)
+			}
 		}()
 		mux.ServeHTTP(sw, r)
 		finished = true
 	})
 }
 
+// metricRoute is a call's route as a metric's label: the mux's pattern,
+// a bounded set ("" for none).
+func metricRoute(r *http.Request) string {
+	if r.Pattern == "/" || r.Pattern == "/volumecontent/" {
+		return ""
+	}
+	return r.Pattern
+}
+
 // recordCall records one answered call; r is the request the mux routed.
-func (s *server) recordCall(r *http.Request, key string, status int) {
+func (s *server) recordCall(r *http.Request, info *callInfo, status int) {
 	route := r.Pattern
 	if route == "" || route == "/" || route == "/volumecontent/" {
 		route = r.Method + " (no such route)"
@@ -97,7 +114,7 @@ func (s *server) recordCall(r *http.Request, key string, status int) {
 	if h, _, err := net.SplitHostPort(client); err == nil {
 		client = h
 	}
-	s.cfg.Audit.Record(audit.Event{Kind: audit.KindAPICall, KeyID: key, SandboxID: r.PathValue("sandboxID"),
+	s.cfg.Audit.Record(audit.Event{Kind: audit.KindAPICall, KeyID: info.key, TeamID: info.team, SandboxID: r.PathValue("sandboxID"),
 		Route: route, Status: status, Client: client, Detail: detail})
 }
 
@@ -140,17 +157,19 @@ func (s *server) auditEntries(w http.ResponseWriter, r *http.Request) {
 			s.fail(w, r, err)
 			return
 		}
-		if key == f.KeyID {
+		if key == keyID(r) { // the sandbox's owner (its team, or the key)
 			page.Dropped = dropped
 		}
 	}
 	writeJSON(w, http.StatusOK, page)
 }
 
-// auditFilter reads GET /audit's query for the calling key.
+// auditFilter reads GET /audit's query for the calling key: its team's
+// entries, or its own when it has no team.
 func auditFilter(r *http.Request) (audit.Filter, error) {
 	q := r.URL.Query()
-	f := audit.Filter{KeyID: keyID(r), SandboxID: q.Get("sandboxID")}
+	f := audit.Filter{SandboxID: q.Get("sandboxID")}
+	f.KeyID, f.TeamID = audit.SplitOwner(keyID(r))
 	var err error
 	if f.Limit, err = atoiDefault(q.Get("limit"), defaultAuditPage); err != nil || f.Limit < 1 || f.Limit > maxAuditPage {
 		return f, fmt.Errorf("%w: limit must be 1 to %d entries", errBadRequest, maxAuditPage)

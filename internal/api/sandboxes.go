@@ -73,6 +73,9 @@ func lifecycleOf(rec *store.Sandbox) types.SandboxLifecycle {
 
 func (s *server) create(v2 bool) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if !s.allowCreate(w, r) {
+			return
+		}
 		// Both versions' bodies decode as v1's (NewSandboxV2 and secure).
 		var body types.NewSandbox
 		if err := decode(r, &body, false); err != nil {
@@ -349,6 +352,10 @@ func (s *server) connect(v2 bool) http.Handler {
 			s.fail(w, r, err)
 			return
 		}
+		// A connect that resumes is a create for the key's rate.
+		if rec, err := s.cfg.Manager.Get(keyID(r), r.PathValue("sandboxID")); err == nil && rec.State == store.StatePaused && !s.allowCreate(w, r) {
+			return
+		}
 		rec, resumed, err := s.cfg.Manager.Resume(r.Context(), keyID(r), r.PathValue("sandboxID"), d, memory == nil || *memory)
 		if err != nil {
 			s.fail(w, r, err)
@@ -397,6 +404,9 @@ func (s *server) pause(w http.ResponseWriter, r *http.Request) {
 
 // resume is the older SDKs' resume: 201, 409 when the sandbox runs.
 func (s *server) resume(w http.ResponseWriter, r *http.Request) {
+	if !s.allowCreate(w, r) {
+		return
+	}
 	var body types.ResumedSandbox
 	if err := decode(r, &body, true); err != nil {
 		s.fail(w, r, err)

@@ -70,6 +70,9 @@ func (s *server) deleteTemplate(w http.ResponseWriter, r *http.Request) {
 // fork makes count sandboxes from a running sandbox's snapshot: 201 with
 // one entry a fork, its sandbox or its error (E2B's SandboxForkResult).
 func (s *server) fork(w http.ResponseWriter, r *http.Request) {
+	if !s.allowCreate(w, r) {
+		return
+	}
 	var body types.SandboxForkRequest
 	if err := decode(r, &body, true); err != nil {
 		s.fail(w, r, err)

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/cagehq/cage/api/types"
+	"github.com/cagehq/cage/internal/audit"
 	"github.com/cagehq/cage/internal/manager"
 	"github.com/cagehq/cage/internal/sandbox"
 	"github.com/cagehq/cage/internal/store"
@@ -133,7 +134,8 @@ func (s *server) volumeToken(h contentHandler) http.Handler {
 		}
 		defer root.Close()
 		if v, err := s.cfg.Store.GetVolume("", r.PathValue("volumeID")); err == nil {
-			noteKey(r, v.KeyID) // the audit trail's: the volume's owner
+			key, team := audit.SplitOwner(v.KeyID)
+			noteKey(r, key, team) // the audit trail's: the volume's owner
 		}
 		_ = http.NewResponseController(w).SetReadDeadline(time.Now().Add(time.Hour))
 		h(w, r, root)

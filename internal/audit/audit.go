@@ -96,6 +96,10 @@ const (
 	KindKeyCreate = "key.create"
 	KindKeyRevoke = "key.revoke"
 
+	KindTeamCreate = "team.create"
+	KindTeamUpdate = "team.update"
+	KindTeamDelete = "team.delete"
+
 	KindAnchor  = "audit.anchor"
 	KindCapped  = "audit.capped"
 	KindDropped = "audit.dropped"
@@ -108,8 +112,8 @@ type Entry struct {
 	Time      time.Time
 	Kind      string
 	Source    string // SourceHost, SourceAgent or SourceCLI
-	KeyID     string // the API key whose trail this is ("" the operator's alone)
-	TeamID    string // (teams do not exist yet: always "")
+	KeyID     string // the API key whose trail this is ("" the operator's alone, or the team's)
+	TeamID    string // the team whose trail this is ("" a key without a team, or the operator)
 	SandboxID string
 	Route     string // an API call's method and route, an envd call's path
 	Status    int    // the HTTP status the caller got (0: none)
@@ -144,15 +148,30 @@ func field(h hash.Hash, s string) {
 // Event is what a producer records; the trail numbers, times (when Time is
 // zero), chains and stores it.
 type Event struct {
-	Time      time.Time
-	Kind      string
-	Source    string // "" is SourceHost
+	Time   time.Time
+	Kind   string
+	Source string // "" is SourceHost
+	// KeyID is the key, or an owner (SplitOwner: a team's id goes to
+	// TeamID when TeamID is empty).
 	KeyID     string
+	TeamID    string
 	SandboxID string
 	Route     string
 	Status    int
 	Client    string
 	Detail    map[string]any // marshalled by the writer: not to be changed once recorded
+}
+
+// TeamPrefix begins a team's id (store.TeamPrefix).
+const TeamPrefix = "team_"
+
+// SplitOwner is an owner (store.APIKey.Owner: a team's id, or the id of
+// a key without a team) as an entry's key and team.
+func SplitOwner(owner string) (key, team string) {
+	if strings.HasPrefix(owner, TeamPrefix) {
+		return "", owner
+	}
+	return owner, ""
 }
 
 // family is a kind's family ("process" of "process.start").
@@ -179,7 +198,7 @@ func capped(kind string) bool {
 // operator alone).
 func ownedBySandbox(kind string) bool {
 	switch family(kind) {
-	case "api", "proxy", "key":
+	case "api", "proxy", "key", "team":
 		return false
 	}
 	return true

@@ -58,6 +58,8 @@ var migrations = []string{
 		dropped    INTEGER NOT NULL DEFAULT 0,
 		updated    INTEGER NOT NULL DEFAULT 0
 	);`,
+	// 2: a team's entries (GET /audit of a team's key, cage audit --team).
+	`CREATE INDEX entries_team ON entries (team_id, seq);`,
 }
 
 // Open opens (creating it 0600 if needed) the trail database in dataDir.
@@ -152,6 +154,9 @@ func newRow(ev Event, now time.Time) row {
 	if ev.Source == "" {
 		ev.Source = SourceHost
 	}
+	if ev.TeamID == "" {
+		ev.KeyID, ev.TeamID = SplitOwner(ev.KeyID)
+	}
 	d := "{}"
 	if len(ev.Detail) > 0 {
 		if b, err := json.Marshal(ev.Detail); err == nil {
@@ -193,7 +198,7 @@ func appendTx(ctx context.Context, tx *sql.Tx, rows []row) error {
 	for _, r := range rows {
 		seq++
 		e := Entry{Seq: seq, Time: time.Unix(0, r.ev.Time.UnixNano()), Kind: r.ev.Kind, Source: r.ev.Source, KeyID: r.ev.KeyID,
-			SandboxID: r.ev.SandboxID, Route: r.ev.Route, Status: r.ev.Status, Client: r.ev.Client, Detail: r.detail, Prev: prev}
+			TeamID: r.ev.TeamID, SandboxID: r.ev.SandboxID, Route: r.ev.Route, Status: r.ev.Status, Client: r.ev.Client, Detail: r.detail, Prev: prev}
 		e.Hash = e.ComputeHash()
 		if _, err := ins.ExecContext(ctx, e.Seq, e.Time.UnixNano(), e.Kind, e.Source, e.KeyID, e.TeamID, e.SandboxID,
 			e.Route, e.Status, e.Client, e.Detail, e.Prev, e.Hash); err != nil {

@@ -11,9 +11,11 @@ import (
 // Filter selects entries. Entries come oldest first (by seq).
 type Filter struct {
 	// All reads every key's entries (the operator); otherwise only
-	// KeyID's.
+	// TeamID's (a team's key) or else KeyID's (a key without a team).
+	// With All, KeyID and TeamID filter when set.
 	All       bool
 	KeyID     string
+	TeamID    string
 	SandboxID string
 	// Kinds are kinds ("process.start") or families ("process"); any
 	// matches.
@@ -39,7 +41,10 @@ func scanEntry(rows *sql.Rows) (Entry, error) {
 func (db *DB) Query(f Filter) ([]Entry, error) {
 	var where []string
 	var args []any
-	if !f.All {
+	if f.TeamID != "" {
+		where, args = append(where, "team_id = ?"), append(args, f.TeamID)
+	}
+	if f.KeyID != "" || (!f.All && f.TeamID == "") {
 		where, args = append(where, "key_id = ?"), append(args, f.KeyID)
 	}
 	if f.SandboxID != "" {

@@ -19,6 +19,7 @@ import (
 	"github.com/cagehq/cage/api/types"
 	"github.com/cagehq/cage/internal/api"
 	"github.com/cagehq/cage/internal/audit"
+	"github.com/cagehq/cage/internal/store"
 )
 
 // ExitBroken is `cage audit verify`'s exit code when the chain does not
@@ -27,8 +28,8 @@ const ExitBroken = 1
 
 // auditFlags are `cage audit`'s filters.
 type auditFlags struct {
-	data, sandbox, since, until, kinds, keyID string
-	limit                                     int
+	data, sandbox, since, until, kinds, keyID, team string
+	limit                                           int
 }
 
 func newAuditCmd() *cobra.Command {
@@ -58,6 +59,7 @@ key's entries (root). With an API key (CAGE_API_KEY or --key) it asks the daemon
 	fl.StringVar(&f.until, "until", "", "only entries before this time (RFC 3339) or this long ago")
 	fl.StringVar(&f.kinds, "kind", "", "only these kinds or families, comma-separated (process, file.write, ...)")
 	fl.StringVar(&f.keyID, "key-id", "", "only this API key's entries (with --data)")
+	fl.StringVar(&f.team, "team", "", "only this team's entries, by name or id (with --data)")
 	fl.IntVar(&f.limit, "limit", 0, "at most this many entries (0: all)")
 	cmd.AddCommand(newAuditVerifyCmd(d, f), newAuditHeadCmd(f))
 	return cmd
@@ -131,7 +133,11 @@ func runAudit(ctx context.Context, w io.Writer, d *daemonFlags, f *auditFlags) e
 			return err
 		}
 		defer db.Close()
-		q := audit.Filter{All: f.keyID == "", KeyID: f.keyID, SandboxID: f.sandbox, Kinds: kinds, Since: since, Until: until}
+		team, err := teamIDOf(data, f.team)
+		if err != nil {
+			return err
+		}
+		q := audit.Filter{All: true, KeyID: f.keyID, TeamID: team, SandboxID: f.sandbox, Kinds: kinds, Since: since, Until: until}
 		for n := 0; f.limit == 0 || n < f.limit; {
 			q.Limit = 1000
 			if f.limit > 0 {
@@ -152,8 +158,8 @@ func runAudit(ctx context.Context, w io.Writer, d *daemonFlags, f *auditFlags) e
 		}
 		return out.flush()
 	}
-	if f.keyID != "" {
-		return exitf(ExitUsage, "--key-id reads the store on this host: add --data")
+	if f.keyID != "" || f.team != "" {
+		return exitf(ExitUsage, "--key-id and --team read the store on this host: add --data (a team's key reads its team's entries without them)")
 	}
 	return auditThroughAPI(ctx, d, f, out, kinds, since, until)
 }
@@ -376,6 +382,24 @@ func openKeyAudit(data string) (*keyAudit, error) {
 		return nil, exitf(ExitInternal, "open the audit trail in %s: %v", data, err)
 	}
 	return &keyAudit{db: db}, nil
+}
+
+// teamIDOf is a team's id from its name or id ("" for none): a name is
+// looked up in the store of data.
+func teamIDOf(data, ref string) (string, error) {
+	if ref == "" || strings.HasPrefix(ref, store.TeamPrefix) {
+		return ref, nil
+	}
+	st, err := store.Open(data)
+	if err != nil {
+		return "", exitf(ExitInternal, "open the store in %s: %v", data, err)
+	}
+	defer st.Close()
+	t, err := st.GetTeam(ref)
+	if err != nil {
+		return "", exitf(ExitNotFoundObj, "no team %q", ref)
+	}
+	return t.ID, nil
 }
 
 func (k *keyAudit) record(kind, keyID string, detail map[string]any) error {

@@ -29,7 +29,7 @@ func newServeCmd(g *globals) *cobra.Command {
 		Short: "Run the daemon: E2B-compatible API and sandbox proxy",
 		Long: `Run the daemon in the foreground. Settings come from flags, then the
 environment (CAGE_API, CAGE_PROXY, CAGE_DATA, CAGE_TEMPLATES, CAGE_DOMAIN, CAGE_CONFIG,
-CAGE_DIFY, CAGE_DIFY_KEY), then the JSON config file, then defaults. Sandboxes
+CAGE_DIFY, CAGE_DIFY_KEY, CAGE_METRICS), then the JSON config file, then defaults. Sandboxes
 outlive the daemon: the next start adopts those still running and removes what
 a crash left behind.
 
@@ -49,7 +49,7 @@ CODE_EXECUTION_ENDPOINT=http://ADDR and CODE_EXECUTION_API_KEY set to the config
 			}
 			for env, dst := range map[string]*string{"CAGE_API": &final.API, "CAGE_PROXY": &final.Proxy,
 				"CAGE_DATA": &final.Data, "CAGE_DOMAIN": &final.Domain, "CAGE_TEMPLATES": &final.Templates,
-				"CAGE_DIFY": &final.Dify.Addr, "CAGE_DIFY_KEY": &final.Dify.Key} {
+				"CAGE_DIFY": &final.Dify.Addr, "CAGE_DIFY_KEY": &final.Dify.Key, "CAGE_METRICS": &final.Metrics.Addr} {
 				if v := os.Getenv(env); v != "" {
 					*dst = v
 				}
@@ -72,6 +72,12 @@ CODE_EXECUTION_ENDPOINT=http://ADDR and CODE_EXECUTION_API_KEY set to the config
 			}
 			if fl.Changed("wall") {
 				final.DefaultWall = cfg.DefaultWall
+			}
+			if fl.Changed("metrics") {
+				final.Metrics.Addr = cfg.Metrics.Addr
+			}
+			if fl.Changed("metrics-token-file") {
+				final.Metrics.TokenFile = cfg.Metrics.TokenFile
 			}
 			if fl.Changed("pool") {
 				final.Pool = cfg.Pool
@@ -111,6 +117,8 @@ CODE_EXECUTION_ENDPOINT=http://ADDR and CODE_EXECUTION_API_KEY set to the config
 	fl.StringVar(&cfg.Data, "data", cfg.Data, "state directory")
 	fl.StringVar(&cfg.Domain, "domain", "", "domain of {port}-{sandboxID}.{domain} hosts")
 	fl.StringVar(&cfg.Dify.Addr, "dify", "", "address of Dify's sandbox API (e.g. 127.0.0.1:8194; off by default; its key: config dify.key or CAGE_DIFY_KEY)")
+	fl.StringVar(&cfg.Metrics.Addr, "metrics", "", "address of Prometheus's /metrics, a listener of its own (off by default; off loopback it needs --metrics-token-file)")
+	fl.StringVar(&cfg.Metrics.TokenFile, "metrics-token-file", "", "a file holding the bearer token /metrics asks for (Prometheus's credentials_file)")
 	fl.IntVar(&cfg.Pool, "pool", cfg.Pool, "prepared sandboxes kept ready (process wall)")
 	fl.StringArrayVar(&poolsOf, "pool-of", nil, "TEMPLATE=N: keep N sandboxes of TEMPLATE ready too, started if it has a start command (repeatable)")
 	fl.StringVar(&cfg.DefaultWall, "wall", cfg.DefaultWall, "wall of a create that names none: process, runc, gvisor")
@@ -144,10 +152,11 @@ func newKeysCmd(g *globals) *cobra.Command {
 	}
 	cmd := &cobra.Command{Use: "keys", Short: "Manage API keys (create | ls | revoke)"}
 	cmd.PersistentFlags().StringVar(&data, "data", "", "the daemon's state directory (default $CAGE_DATA or /var/lib/cage)")
-	var name string
+	var name, team string
+	var admin bool
 	create := &cobra.Command{
 		Use:   "create",
-		Short: "Create an API key; the key alone is printed on the last line",
+		Short: "Create an API key (in a team, or an admin key); the key alone is printed on the last line",
 		Args:  cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			st, err := open()
@@ -159,16 +168,29 @@ func newKeysCmd(g *globals) *cobra.Command {
 			if err != nil {
 				return err
 			}
-			plain, k, err := st.CreateKey(name)
+			opts := store.KeyOptions{Name: name, Admin: admin}
+			if team != "" {
+				t, err := st.GetTeam(team)
+				if err != nil {
+					ka.db.Close()
+					if errors.Is(err, store.ErrNotFound) {
+						return exitf(ExitNotFoundObj, "no team %q (cage teams create %s)", team, team)
+					}
+					return err
+				}
+				opts.TeamID = t.ID
+			}
+			plain, k, err := st.CreateKeyWith(opts)
 			if err != nil {
 				ka.db.Close()
 				return err
 			}
-			if err := ka.record(audit.KindKeyCreate, k.ID, map[string]any{"name": k.Name, "prefix": k.Prefix}); err != nil {
+			if err := ka.record(audit.KindKeyCreate, k.ID, map[string]any{"name": k.Name, "prefix": k.Prefix,
+				"team": k.TeamID, "admin": k.Admin}); err != nil {
 				return err
 			}
 			if asJSON {
-				return printJSON(cmd.OutOrStdout(), map[string]any{"id": k.ID, "name": k.Name, "key": plain})
+				return printJSON(cmd.OutOrStdout(), map[string]any{"id": k.ID, "name": k.Name, "key": plain, "team": k.TeamID, "admin": k.Admin})
 			}
 			fmt.Fprintf(cmd.ErrOrStderr(), "created API key %s (%s); it is shown once:\n", k.ID, k.Name)
 			fmt.Fprintln(cmd.OutOrStdout(), plain)
@@ -176,6 +198,8 @@ func newKeysCmd(g *globals) *cobra.Command {
 		},
 	}
 	create.Flags().StringVar(&name, "name", "", "a name to recognise the key by")
+	create.Flags().StringVar(&team, "team", "", "the team (name or id) the key belongs to: it shares the team's sandboxes, snapshots, volumes, audit entries and quotas (fixed; default none: the key is a team of its own)")
+	create.Flags().BoolVar(&admin, "admin", false, "an admin key: it also manages teams and keys through the API (/admin/...)")
 	ls := &cobra.Command{
 		Use:   "ls",
 		Short: "List API keys",
@@ -198,21 +222,30 @@ func newKeysCmd(g *globals) *cobra.Command {
 					CreatedAt time.Time  `json:"createdAt"`
 					RevokedAt *time.Time `json:"revokedAt,omitempty"`
 					LastUsed  *time.Time `json:"lastUsed,omitempty"`
+					TeamID    string     `json:"teamID,omitempty"`
+					Admin     bool       `json:"admin,omitempty"`
 				}
 				out := []keyJSON{}
 				for _, k := range keys {
-					out = append(out, keyJSON{k.ID, k.Name, k.Prefix, k.CreatedAt, k.RevokedAt, k.LastUsed})
+					out = append(out, keyJSON{k.ID, k.Name, k.Prefix, k.CreatedAt, k.RevokedAt, k.LastUsed, k.TeamID, k.Admin})
 				}
 				return printJSON(cmd.OutOrStdout(), out)
 			}
 			tw := tabwriter.NewWriter(cmd.OutOrStdout(), 0, 4, 2, ' ', 0)
-			fmt.Fprintln(tw, "ID\tNAME\tKEY\tCREATED\tSTATUS")
+			fmt.Fprintln(tw, "ID\tNAME\tKEY\tTEAM\tCREATED\tSTATUS")
 			for _, k := range keys {
 				status := "active"
 				if k.RevokedAt != nil {
 					status = "revoked " + k.RevokedAt.Format(time.RFC3339)
 				}
-				fmt.Fprintf(tw, "%s\t%s\te2b_%s…\t%s\t%s\n", k.ID, k.Name, k.Prefix, k.CreatedAt.Format(time.RFC3339), status)
+				if k.Admin {
+					status += ", admin"
+				}
+				team := k.TeamID
+				if team == "" {
+					team = "-"
+				}
+				fmt.Fprintf(tw, "%s\t%s\te2b_%s…\t%s\t%s\t%s\n", k.ID, k.Name, k.Prefix, team, k.CreatedAt.Format(time.RFC3339), status)
 			}
 			return tw.Flush()
 		},

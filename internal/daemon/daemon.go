@@ -21,6 +21,7 @@ import (
 	"github.com/cagehq/cage/internal/api"
 	"github.com/cagehq/cage/internal/imgstore"
 	"github.com/cagehq/cage/internal/manager"
+	"github.com/cagehq/cage/internal/metrics"
 	"github.com/cagehq/cage/internal/network"
 	"github.com/cagehq/cage/internal/proxy"
 	"github.com/cagehq/cage/internal/sandbox"
@@ -59,6 +60,7 @@ type Config struct {
 	Audit     Audit          `json:"audit"`
 	Volumes   Volumes        `json:"volumes"`
 	Dify      Dify           `json:"dify"`
+	Metrics   Metrics        `json:"metrics"`
 }
 
 // Limits bound what one tenant can take: one sandbox's limits, creates in
@@ -75,6 +77,24 @@ type Limits struct {
 	// client address (default 4096) and in all (default 32768).
 	ConnsPerClient int `json:"conns_per_client"`
 	Conns          int `json:"conns"`
+	// KeyRequests and KeyCreates are each API key's rates a second: API
+	// requests, and creates (resumes and forks included); bursts of twice
+	// the rate. 0: the defaults (api.DefaultRates: 200 and 20); a team
+	// may set its own.
+	KeyRequests float64 `json:"key_requests"`
+	KeyCreates  float64 `json:"key_creates"`
+}
+
+// rates reads the per-key rates.
+func (l Limits) rates() api.Rates {
+	r := api.DefaultRates
+	if l.KeyRequests > 0 {
+		r.Requests = l.KeyRequests
+	}
+	if l.KeyCreates > 0 {
+		r.Creates = l.KeyCreates
+	}
+	return r
 }
 
 // maxima reads the per-sandbox ceilings.
@@ -93,7 +113,7 @@ func (l Limits) maxima() (sandbox.Maxima, error) {
 		}
 		*f.dst = n
 	}
-	if m.CPUs < 0 || m.Pids < 0 || l.Creating < 0 || l.ConnsPerClient < 0 || l.Conns < 0 {
+	if m.CPUs < 0 || m.Pids < 0 || l.Creating < 0 || l.ConnsPerClient < 0 || l.Conns < 0 || l.KeyRequests < 0 || l.KeyCreates < 0 {
 		return m, fmt.Errorf("limits: negative values are not limits")
 	}
 	return m, nil
@@ -222,10 +242,19 @@ func Run(ctx context.Context, cfg Config, log *slog.Logger, ready func(apiAddr, 
 		defer trail.DB().Close()
 		defer trail.Close() // after everything that records (deferred earlier, runs later)
 	}
+	metricsL, metricsToken, err := cfg.Metrics.listen()
+	if err != nil {
+		return err
+	}
+	var mx *metrics.Metrics // nil (counting nothing) unless served
+	if metricsL != nil {
+		defer metricsL.Close()
+		mx = metrics.New()
+	}
 	mgr := manager.New(manager.Config{Store: st, Host: host, Log: log, MaxTimeout: time.Duration(cfg.MaxTimeout),
 		DefaultTemplate: cfg.DefaultTemplate, MaxSandboxes: cfg.MaxSandboxes, MaxCreating: cfg.Limits.Creating, Max: maxima,
 		Data: cfg.Data, PausedRetention: time.Duration(cfg.PausedRetention), Volumes: vols, MaxVolumes: cfg.Volumes.MaxPerKey,
-		Audit: trail})
+		Audit: trail, Metrics: mx})
 	trail.SetOwner(mgr.Owner)
 	recLimits, err := cfg.Records.limits()
 	if err != nil {
@@ -289,13 +318,18 @@ func Run(ctx context.Context, cfg Config, log *slog.Logger, ready func(apiAddr, 
 		}()
 	}
 	apiSrv := newServer(withMCP(api.Handler(api.Config{Manager: mgr, Store: st, Log: log, Domain: cfg.Domain,
-		DefaultWall: cfg.DefaultWall, Audit: trail}), st, trail, apiL.Addr(), proxyL.Addr(), log), true)
+		DefaultWall: cfg.DefaultWall, Audit: trail, Metrics: mx, Rates: cfg.Limits.rates()}), st, trail, apiL.Addr(), proxyL.Addr(), log), true)
 	px := proxy.New(mgr, cfg.Domain, log)
 	if trail != nil {
 		px.Observe, px.Denied = trail.ObserveEnvd, trail.ProxyDenied
 	}
+	if mx != nil {
+		px.Count = mx.ProxyRequest
+		mx.AddState(metricsState(st, mgr, host, cfg.Data, cfg.RunDir))
+	}
 	proxySrv := newServer(px, false)
-	errs := make(chan error, 3)
+	errs := make(chan error, 4)
+	metricsSrv := startMetrics(metricsL, metricsToken, mx, log, errs)
 	difySrv, err := startDify(cfg, mgr, host, trail, log, errs)
 	if err != nil {
 		apiL.Close()
@@ -305,7 +339,7 @@ func Run(ctx context.Context, cfg Config, log *slog.Logger, ready func(apiAddr, 
 	go func() { errs <- apiSrv.Serve(apiL) }()
 	go func() { errs <- proxySrv.Serve(proxyL) }()
 	log.Info("cage serve: ready", "api", apiL.Addr().String(), "proxy", proxyL.Addr().String(),
-		"data", cfg.Data, "sandboxes", mgr.Count())
+		"data", cfg.Data, "sandboxes", mgr.Count(), "metrics", cfg.Metrics.Addr)
 	if ready != nil {
 		ready(apiL.Addr().String(), proxyL.Addr().String())
 	}
@@ -320,6 +354,9 @@ func Run(ctx context.Context, cfg Config, log *slog.Logger, ready func(apiAddr, 
 	defer cancel()
 	_ = apiSrv.Shutdown(sctx)
 	_ = proxySrv.Shutdown(sctx)
+	if metricsSrv != nil {
+		_ = metricsSrv.Shutdown(sctx)
+	}
 	if difySrv != nil {
 		_ = difySrv.Shutdown(sctx)
 	}

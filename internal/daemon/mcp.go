@@ -41,7 +41,11 @@ func withMCP(apiHandler http.Handler, st *store.Store, trail *audit.Trail, apiAd
 			if h, _, err := net.SplitHostPort(client); err == nil {
 				client = h
 			}
-			trail.Record(audit.Event{Kind: audit.KindAPICall, KeyID: keyID, Route: r.Method + " /mcp", Status: status, Client: client})
+			var team string
+			if k, err := st.GetKey(keyID); keyID != "" && err == nil {
+				team = k.TeamID // a team's key: the team reads the entry
+			}
+			trail.Record(audit.Event{Kind: audit.KindAPICall, KeyID: keyID, TeamID: team, Route: r.Method + " /mcp", Status: status, Client: client})
 		},
 		Server: func(r *http.Request, key string) mcp.Config {
 			return mcp.Config{Client: client.New(api, proxy, key), ProxyURL: publicURL(proxyAddr, r)}

@@ -19,6 +19,14 @@ import (
 // the sandbox's owner.
 func (m *Manager) event(id, key, kind string, detail map[string]any) {
 	m.cfg.Audit.Record(audit.Event{Kind: kind, KeyID: key, SandboxID: id, Detail: detail})
+	switch kind {
+	case audit.KindKill, audit.KindDied, audit.KindRemoved:
+		m.cfg.Metrics.Ended(strings.TrimPrefix(kind, "sandbox."))
+	case audit.KindTimeout:
+		if detail["action"] != "paused" {
+			m.cfg.Metrics.Ended("timeout")
+		}
+	}
 }
 
 // endKind is the kind of entry that ends a sandbox, from why it ends.
@@ -74,6 +82,12 @@ func (m *Manager) checkLimitHits(id string, h *limitHits, cg *cgroups.Cgroup, no
 		h.oom, h.forks = oom, forks
 	}
 	h.read = true
+	if h.oom < oom {
+		m.cfg.Metrics.LimitHits("oom", oom-h.oom)
+	}
+	if h.forks < forks {
+		m.cfg.Metrics.LimitHits("pids", forks-h.forks)
+	}
 	if oom > h.oom {
 		m.cfg.Audit.Record(audit.Event{Time: now, Kind: audit.KindOOM, SandboxID: id,
 			Detail: map[string]any{"oom_kills": oom - h.oom, "total": oom, "observed": "the sandbox's host cgroup"}})

@@ -21,6 +21,7 @@ import (
 	"github.com/cagehq/cage/internal/audit"
 	"github.com/cagehq/cage/internal/hostproc"
 	"github.com/cagehq/cage/internal/ids"
+	"github.com/cagehq/cage/internal/metrics"
 	"github.com/cagehq/cage/internal/network"
 	"github.com/cagehq/cage/internal/proxy"
 	"github.com/cagehq/cage/internal/sandbox"
@@ -62,6 +63,9 @@ type Config struct {
 	MaxVolumes int
 	// Audit is the audit trail (nil: none).
 	Audit *audit.Trail
+	// Metrics counts creates, resumes, ends, limit hits and network
+	// decisions (nil: none).
+	Metrics *metrics.Metrics
 }
 
 // Manager owns the daemon's sandboxes.
@@ -86,6 +90,8 @@ type Manager struct {
 	volMu sync.RWMutex
 	// metrics: each sandbox's samples (metrics.go).
 	metrics metricsTable
+	// quotas: the teams' reservations in progress (quota.go).
+	quotas quotaBook
 }
 
 type entry struct {
@@ -153,6 +159,20 @@ type CreateRequest struct {
 	Volumes []VolumeMount
 
 	mounts []store.VolumeMount // Volumes resolved (Create)
+	quota  *reservation        // the team's quota, reserved (Create)
+}
+
+// wallLabel is the wall a create asked for, as a metric's label: the
+// registry's name for it, "invalid" for a name it does not know.
+func (m *Manager) wallLabel(name string) string {
+	if m.cfg.Host == nil {
+		return name
+	}
+	d, err := m.cfg.Host.Driver(name)
+	if err != nil || d == nil {
+		return "invalid"
+	}
+	return d.Name()
 }
 
 func (m *Manager) checkTimeout(d time.Duration) error {
@@ -168,7 +188,13 @@ func (m *Manager) checkTimeout(d time.Duration) error {
 // Create makes a sandbox and starts its timer. The record is written before
 // the sandbox starts, so a crash at any point leaves either a record that
 // Recover cleans up, or a prepared agent that exits when its creator dies.
-func (m *Manager) Create(ctx context.Context, req CreateRequest) (*store.Sandbox, error) {
+func (m *Manager) Create(ctx context.Context, req CreateRequest) (rec *store.Sandbox, err error) {
+	start := time.Now()
+	defer func() {
+		if !errors.Is(err, ErrQuota) && !errors.Is(err, ErrInvalid) {
+			m.cfg.Metrics.Created(m.wallLabel(req.Wall), time.Since(start), err)
+		}
+	}()
 	if req.Timeout == 0 {
 		req.Timeout = m.cfg.DefaultTimeout
 	}
@@ -196,6 +222,10 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (*store.Sandbox
 		Wall: req.Wall, Template: req.Template, Env: req.Env, CPUs: req.CPUs,
 		Memory: req.Memory, Disk: req.Disk, Pids: req.Pids, Net: req.Net, Max: m.cfg.Max,
 	}
+	if req.quota, err = m.reserve(req.KeyID, createNeed(&opts)); err != nil {
+		return nil, err
+	}
+	defer req.quota.release()
 	if len(req.Volumes) > 0 {
 		m.volMu.RLock() // until the record names them: no volume is deleted meanwhile
 		defer m.volMu.RUnlock()
@@ -205,7 +235,6 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (*store.Sandbox
 		defer closeVolumes(opts.Volumes)
 	}
 	var sb wall.Sandbox
-	var rec *store.Sandbox
 	for attempt := 0; ; attempt++ {
 		var err error
 		sb, rec, err = m.start(ctx, req, &opts, snap)
@@ -242,7 +271,7 @@ func (m *Manager) start(ctx context.Context, req CreateRequest, opts *sandbox.Op
 		NetSlot: -1, PublicTraffic: req.PublicTraffic, AutoPauseMemory: req.AutoPauseMemory, AutoResume: req.AutoResume,
 		TimeoutSeconds: int64(req.Timeout / time.Second), VolumeMounts: req.mounts,
 	}
-	if err := m.cfg.Store.InsertSandbox(rec); err != nil {
+	if err := req.quota.record(func() error { return m.cfg.Store.InsertSandbox(rec) }); err != nil {
 		p.Abort()
 		return nil, nil, err
 	}

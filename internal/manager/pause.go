@@ -75,6 +75,11 @@ func (m *Manager) pause(ctx context.Context, rec *store.Sandbox, keepMemory bool
 	if e == nil {
 		return fmt.Errorf("%w: sandbox %q", ErrNotFound, rec.ID)
 	}
+	q, err := m.reserve(rec.KeyID, store.Usage{Paused: 1})
+	if err != nil {
+		return err
+	}
+	defer q.release()
 	// The files first, in every case: a frozen sandbox lost with the host
 	// resumes from them.
 	if err := m.saveFiles(ctx, e.sb, rec.Disk, m.savedFiles(rec.ID)); err != nil {
@@ -196,7 +201,15 @@ func (m *Manager) Resume(ctx context.Context, keyID, id string, d time.Duration,
 		}
 		return rec, false, err
 	}
-	if err := m.resume(ctx, rec, d, keepMemory); err != nil {
+	q, err := m.reserve(rec.KeyID, resumeNeed(rec))
+	if err != nil {
+		return nil, false, err
+	}
+	defer q.release()
+	start, kind := time.Now(), rec.PauseKind
+	err = m.resume(ctx, rec, d, keepMemory)
+	m.cfg.Metrics.Resumed(kind, time.Since(start), err)
+	if err != nil {
 		return nil, false, err
 	}
 	return rec, true, nil

@@ -109,6 +109,7 @@ func (m *Manager) NetRecord(r network.Record) {
 	if rec == nil || r.Sandbox == "" {
 		return
 	}
+	m.cfg.Metrics.NetDecision(r.Kind, r.Decision) // every decision, kept or not
 	now := time.Now()
 	rec.mu.Lock()
 	b := rec.buckets[r.Sandbox]

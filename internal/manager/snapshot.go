@@ -51,6 +51,11 @@ func SnapshotNames(sn *store.Snapshot) []string {
 	return []string{snapshotNamespace + "/" + sn.Name}
 }
 
+// IsSnapshotRef says whether a template reference is a snapshot's in form.
+func IsSnapshotRef(ref string) bool {
+	return strings.HasSuffix(ref, snapshotTag) || strings.HasPrefix(ref, snapshotNamespace+"/")
+}
+
 // snapshotKey reads a client's reference to a snapshot: its ref, id or name.
 func snapshotKey(ref string) string {
 	ref = strings.TrimSuffix(ref, snapshotTag)

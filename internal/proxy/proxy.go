@@ -81,6 +81,10 @@ type Proxy struct {
 	// Denied, when set, is told of each request refused for want of a
 	// valid token.
 	Denied func(r *http.Request, sandbox string, port, status int, why string)
+	// Count, when set, is told of each request once answered: its port
+	// (0: none routed), path, status and the bytes of its body and of the
+	// answer (count.go; the daemon's metrics).
+	Count func(port int, path string, status int, in, out int64)
 }
 
 // New returns a proxy; domain is the suffix of host-routed requests ("" to
@@ -148,7 +152,7 @@ type sandboxError struct {
 	Code      int    `json:"code"`
 }
 
-func (p *Proxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+func (p *Proxy) serve(w http.ResponseWriter, r *http.Request) {
 	id, port, ok := p.route(r)
 	if !ok {
 		writeJSON(w, http.StatusBadRequest, map[string]any{"code": 400,

@@ -34,7 +34,9 @@ type pools struct {
 type pool struct {
 	template string
 	wall     string
-	started  atomic.Bool // its sandboxes are started (the template has a start command)
+	started  atomic.Bool  // its sandboxes are started (the template has a start command)
+	hits     atomic.Int64 // creates it served
+	misses   atomic.Int64 // creates that found it empty
 	ch       chan wall.Prepared
 	cancel   context.CancelFunc
 	done     chan struct{}
@@ -201,9 +203,11 @@ func (ps *pools) take(w, tmpl string, o *Options) wall.Prepared {
 				default:
 				}
 			}
+			p.hits.Add(1)
 			return sb
 		default:
 			ps.misses.Add(1)
+			p.misses.Add(1)
 			return nil
 		}
 	}
@@ -211,6 +215,26 @@ func (ps *pools) take(w, tmpl string, o *Options) wall.Prepared {
 
 // PoolMisses counts the creates that found their pool empty.
 func (h *Host) PoolMisses() int64 { return h.pool.misses.Load() }
+
+// PoolStat is one pool as the daemon's metrics show it.
+type PoolStat struct {
+	Template, Wall string
+	Ready, Size    int   // sandboxes ready now, and how many it keeps
+	Hits, Misses   int64 // creates it served, and creates that found it empty
+}
+
+// PoolStats describes every pool.
+func (h *Host) PoolStats() []PoolStat {
+	ps := &h.pool
+	ps.mu.Lock()
+	defer ps.mu.Unlock()
+	out := make([]PoolStat, 0, len(ps.byName))
+	for _, p := range ps.byName {
+		out = append(out, PoolStat{Template: p.template, Wall: p.wall, Ready: len(p.ch), Size: cap(p.ch),
+			Hits: p.hits.Load(), Misses: p.misses.Load()})
+	}
+	return out
+}
 
 func (ps *pools) stop() {
 	ps.mu.Lock()

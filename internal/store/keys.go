@@ -7,6 +7,7 @@ import (
 	"crypto/subtle"
 	"database/sql"
 	"encoding/hex"
+	"errors"
 	"fmt"
 	"strings"
 	"time"
@@ -232,6 +233,19 @@ func (s *Store) RevokeKey(idOrPrefix string) (*APIKey, error) {
 		return nil, fmt.Errorf("store: revoke key %s: %w", k.ID, err)
 	}
 	k.RevokedAt = &now
+	return k, nil
+}
+
+// GetKey returns the key with the given id, revoked or not; ErrNotFound
+// when there is none.
+func (s *Store) GetKey(id string) (*APIKey, error) {
+	k, err := scanKey(s.db.QueryRowContext(context.Background(), "SELECT "+keyCols+" FROM api_keys WHERE id = ?", id))
+	if errors.Is(err, sql.ErrNoRows) {
+		return nil, fmt.Errorf("store: key %q: %w", id, ErrNotFound)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("store: get key %q: %w", id, err)
+	}
 	return k, nil
 }
 

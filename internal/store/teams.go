@@ -206,6 +206,15 @@ type Usage struct {
 // Usage sums what owner's sandboxes hold; memoryKinds are the pause kinds
 // that keep a paused sandbox's memory on the host.
 func (s *Store) Usage(owner string, memoryKinds ...string) (Usage, error) {
+	return s.usage("key_id = ?", owner, memoryKinds)
+}
+
+// TotalUsage sums what every sandbox holds (the host's committed share).
+func (s *Store) TotalUsage(memoryKinds ...string) (Usage, error) {
+	return s.usage("? = ''", "", memoryKinds)
+}
+
+func (s *Store) usage(where, owner string, memoryKinds []string) (Usage, error) {
 	var u Usage
 	var mem, disk int64
 	kinds := "''"
@@ -223,7 +232,7 @@ func (s *Store) Usage(owner string, memoryKinds ...string) (Usage, error) {
 		COALESCE(SUM(CASE WHEN state IN (?, ?) OR (state = ? AND pause_kind IN (`+kinds+`)) THEN memory_mb ELSE 0 END), 0),
 		COALESCE(SUM(disk_mb), 0),
 		COALESCE(SUM(state = ?), 0)
-		FROM sandboxes WHERE key_id = ?`, args...).Scan(&u.Sandboxes, &u.CPUs, &mem, &disk, &u.Paused)
+		FROM sandboxes WHERE `+where, args...).Scan(&u.Sandboxes, &u.CPUs, &mem, &disk, &u.Paused)
 	if err != nil {
 		return u, fmt.Errorf("store: usage of %s: %w", owner, err)
 	}

@@ -124,6 +124,35 @@ func (d *Daemon) NewKey(t testing.TB, name string) string {
 	return lines[len(lines)-1]
 }
 
+// NewKeyIn creates an API key in a team (`cage keys create --team`), or an
+// admin key when team is "admin".
+func (d *Daemon) NewKeyIn(t testing.TB, name, team string) string {
+	t.Helper()
+	flag := []string{"--team", team}
+	if team == "admin" {
+		flag = []string{"--admin"}
+	}
+	out, err := d.cage(append([]string{"keys", "create", "--data", d.Data, "--name", name}, flag...)...).Output()
+	lines := strings.Split(strings.TrimSpace(string(out)), "\n")
+	if err != nil || !keyRE.MatchString(lines[len(lines)-1]) {
+		t.Fatalf("cage keys create --team %s: %v: %s", team, err, out)
+	}
+	return lines[len(lines)-1]
+}
+
+// Cage runs the cage CLI on the daemon's host (its data directory is
+// --data's, to pass), and returns its standard output and error.
+func (d *Daemon) Cage(args ...string) (stdout, stderr []byte, err error) {
+	cmd := d.cage(args...)
+	var out, errb strings.Builder
+	cmd.Stdout, cmd.Stderr = &out, &errb
+	err = cmd.Run()
+	return []byte(out.String()), []byte(errb.String()), err
+}
+
+// FreePort is a loopback address:port nothing listens on now.
+func FreePort(t testing.TB) string { return freePort(t) }
+
 // PID is the daemon's pid.
 func (d *Daemon) PID() int { return d.cmd.Process.Pid }
 

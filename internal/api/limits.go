@@ -1,0 +1,172 @@
+package api
+
+import (
+	"errors"
+	"fmt"
+	"math"
+	"net/http"
+	"strconv"
+	"sync"
+	"time"
+
+	"github.com/cagehq/cage/internal/manager"
+	"github.com/cagehq/cage/internal/store"
+)
+
+// Per-key rate limits: each key has two token buckets, one for its API
+// requests and one for its creates (a create, a resume, a fork, a connect
+// that resumes). A request over its bucket is refused before its body is
+// read: 429 in E2B's error shape, with Retry-After in whole seconds until
+// a token is back. The rates are the server's (Config.Rates), or the
+// key's team's where the team sets them; bursts are twice the rate (at
+// least 1). The buckets of idle keys are forgotten.
+
+// Rates are requests and creates a second per key; 0 is no limit.
+type Rates struct {
+	Requests float64
+	Creates  float64
+}
+
+// DefaultRates are the server's rates when its config names none.
+var DefaultRates = Rates{Requests: 200, Creates: 20}
+
+type tokenBucket struct {
+	tokens float64
+	last   time.Time
+}
+
+// limiter holds the buckets and a cache of the teams' rates.
+type limiter struct {
+	mu      sync.Mutex
+	buckets map[string]*tokenBucket // "r:"+key, "c:"+key
+	teams   map[string]teamRates
+	sweep   time.Time
+}
+
+type teamRates struct {
+	r  Rates
+	at time.Time
+}
+
+// teamRatesTTL is how long a team's rates are cached: a change through the
+// admin API applies at once (forget), one made by `cage teams` on the host
+// within this.
+const teamRatesTTL = 2 * time.Second
+
+func burstOf(rate float64) float64 { return max(1, 2*rate) }
+
+// take takes a token from bucket key (rate a second, burst twice that);
+// when there is none it says how long until there is.
+func (l *limiter) take(key string, rate float64, now time.Time) (bool, time.Duration) {
+	if rate <= 0 {
+		return true, 0
+	}
+	burst := burstOf(rate)
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.buckets == nil {
+		l.buckets = map[string]*tokenBucket{}
+	}
+	if now.Sub(l.sweep) > time.Minute {
+		l.sweep = now
+		for k, b := range l.buckets {
+			if now.Sub(b.last) > 10*time.Minute {
+				delete(l.buckets, k)
+			}
+		}
+	}
+	b := l.buckets[key]
+	if b == nil {
+		b = &tokenBucket{tokens: burst, last: now}
+		l.buckets[key] = b
+	}
+	b.tokens = min(burst, b.tokens+now.Sub(b.last).Seconds()*rate)
+	b.last = now
+	if b.tokens >= 1 {
+		b.tokens--
+		return true, 0
+	}
+	return false, time.Duration((1 - b.tokens) / rate * float64(time.Second))
+}
+
+// ratesOf is the rates of key k: its team's where set, else the server's.
+func (s *server) ratesOf(k *store.APIKey) Rates {
+	r := s.cfg.Rates
+	if k.TeamID == "" {
+		return r
+	}
+	l := &s.limits
+	now := time.Now()
+	l.mu.Lock()
+	c, ok := l.teams[k.TeamID]
+	l.mu.Unlock()
+	if !ok || now.Sub(c.at) > teamRatesTTL {
+		c = teamRates{r: r, at: now}
+		if t, err := s.cfg.Store.GetTeam(k.TeamID); err == nil {
+			if t.Limits.Requests > 0 {
+				c.r.Requests = t.Limits.Requests
+			}
+			if t.Limits.Creates > 0 {
+				c.r.Creates = t.Limits.Creates
+			}
+		}
+		l.mu.Lock()
+		if l.teams == nil {
+			l.teams = map[string]teamRates{}
+		}
+		l.teams[k.TeamID] = c
+		l.mu.Unlock()
+	}
+	return c.r
+}
+
+// forgetTeam drops a team's cached rates (they changed).
+func (s *server) forgetTeam(id string) {
+	s.limits.mu.Lock()
+	delete(s.limits.teams, id)
+	s.limits.mu.Unlock()
+}
+
+// allowRequest takes one of the key's request tokens, or answers 429.
+func (s *server) allowRequest(w http.ResponseWriter, k *store.APIKey) bool {
+	rate := s.ratesOf(k).Requests
+	ok, wait := s.limits.take("r:"+k.ID, rate, time.Now())
+	if !ok {
+		s.rateLimited(w, "requests", k.ID, rate, wait)
+	}
+	return ok
+}
+
+// allowCreate takes one of the calling key's create tokens, or answers 429.
+func (s *server) allowCreate(w http.ResponseWriter, r *http.Request) bool {
+	k := callerOf(r)
+	if k == nil {
+		return true
+	}
+	rate := s.ratesOf(k).Creates
+	ok, wait := s.limits.take("c:"+k.ID, rate, time.Now())
+	if !ok {
+		s.rateLimited(w, "creates", k.ID, rate, wait)
+	}
+	return ok
+}
+
+func (s *server) rateLimited(w http.ResponseWriter, what, key string, rate float64, wait time.Duration) {
+	secs := int(math.Ceil(wait.Seconds()))
+	if secs < 1 {
+		secs = 1
+	}
+	s.cfg.Metrics.RateLimited(what)
+	w.Header().Set("Retry-After", strconv.Itoa(secs))
+	writeError(w, http.StatusTooManyRequests, fmt.Sprintf("rate limit: key %s may make %s %s a second (bursts of %s); retry after %d s",
+		key, strconv.FormatFloat(rate, 'f', -1, 64), what, strconv.FormatFloat(burstOf(rate), 'f', -1, 64), secs))
+}
+
+// quotaName is the quota an ErrQuota names, for the metrics.
+func quotaName(err error) string {
+	var q *manager.QuotaError
+	if errors.As(err, &q) {
+		return q.Quota
+	}
+	return "other"
+}

@@ -1,0 +1,245 @@
+// Package metrics is the daemon's Prometheus metrics (the official Go
+// client, github.com/prometheus/client_golang), served on a listener of
+// their own (`cage serve --metrics ADDR`, off by default) for the
+// operator, never on the API: what a tenant can reach shows no metrics.
+//
+// No metric carries a sandbox's id, a key's or a volume's: labels are
+// bounded sets (states, walls, templates of the store, routes of the
+// API's own table, envd RPC names from a fixed list, quota names), so
+// neither the series count nor what a scrape reveals grows with what
+// tenants do. Teams appear by name only in the quota gauges.
+//
+// Counting is a few atomic adds on the paths it watches (an API call, a
+// proxied request, a create); what is read from the store and the host
+// (sandboxes by state, pools, headroom) is read when Prometheus scrapes,
+// by the collectors the daemon adds (Collect). A nil *Metrics counts
+// nothing, so callers need no checks.
+package metrics
+
+import (
+	"crypto/subtle"
+	"net/http"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+)
+
+// Metrics is the daemon's registry and the counters its parts update.
+type Metrics struct {
+	reg *prometheus.Registry
+
+	apiRequests  *prometheus.CounterVec   // route, code
+	apiSeconds   *prometheus.HistogramVec // route
+	rateLimited  *prometheus.CounterVec   // limit: requests, creates
+	quotaRefused *prometheus.CounterVec   // quota
+	creates      *prometheus.CounterVec   // wall, result
+	createSecs   *prometheus.HistogramVec // wall
+	resumes      *prometheus.CounterVec   // kind, result
+	resumeSecs   *prometheus.HistogramVec // kind
+	ends         *prometheus.CounterVec   // reason
+	limitHits    *prometheus.CounterVec   // limit: oom, pids
+	netDecisions *prometheus.CounterVec   // kind, decision
+	proxyReqs    *prometheus.CounterVec   // port, rpc, code
+	proxyBytes   *prometheus.CounterVec   // direction
+}
+
+// latencyBuckets span a pooled create (ms) to a cold microVM (s).
+var latencyBuckets = []float64{.002, .005, .01, .02, .05, .1, .2, .5, 1, 2, 5, 10, 30}
+
+// New makes the registry with the Go runtime's and the process's own
+// collectors (goroutines, heap, open descriptors, resident memory).
+func New() *Metrics {
+	m := &Metrics{reg: prometheus.NewRegistry()}
+	counter := func(name, help string, labels ...string) *prometheus.CounterVec {
+		return prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: "cage", Name: name, Help: help}, labels)
+	}
+	hist := func(name, help string, labels ...string) *prometheus.HistogramVec {
+		return prometheus.NewHistogramVec(prometheus.HistogramOpts{Namespace: "cage", Name: name, Help: help,
+			Buckets: latencyBuckets}, labels)
+	}
+	m.apiRequests = counter("api_requests_total", "Control API calls answered, by route and status.", "route", "code")
+	m.apiSeconds = hist("api_request_duration_seconds", "Control API calls' time to answer (a create's includes its sandbox's start).", "route")
+	m.rateLimited = counter("api_rate_limited_total", "API calls refused with 429 by a key's rate limit.", "limit")
+	m.quotaRefused = counter("quota_refused_total", "Creates, resumes and pauses refused by a team's quota.", "quota")
+	m.creates = counter("sandbox_creates_total", "Sandbox creates, by wall and result (ok, error).", "wall", "result")
+	m.createSecs = hist("sandbox_create_duration_seconds", "Time to create a sandbox (recorded and started), successful creates.", "wall")
+	m.resumes = counter("sandbox_resumes_total", "Resumes of paused sandboxes, by how they were paused and result.", "kind", "result")
+	m.resumeSecs = hist("sandbox_resume_duration_seconds", "Time to resume a paused sandbox, successful resumes.", "kind")
+	m.ends = counter("sandbox_ends_total", "Sandboxes ended, by why: kill, timeout, died, removed.", "reason")
+	m.limitHits = counter("sandbox_limit_hits_total", "Processes killed by a sandbox's memory limit (oom) and forks refused by its pids limit (pids), from the host cgroups.", "limit")
+	m.netDecisions = counter("network_decisions_total", "Sandbox network decisions (connections and DNS answers) allowed and denied, as the host logged them.", "kind", "decision")
+	m.proxyReqs = counter("proxy_requests_total", "Requests the sandbox-traffic proxy answered, by port (envd, interp, port), envd RPC and status.", "port", "rpc", "code")
+	m.proxyBytes = counter("proxy_bytes_total", "Bytes through the proxy: in (client to sandbox, request bodies), out (sandbox to client, responses). Upgraded connections (WebSocket) are not counted.", "direction")
+	m.reg.MustRegister(m.apiRequests, m.apiSeconds, m.rateLimited, m.quotaRefused, m.creates, m.createSecs, m.resumes,
+		m.resumeSecs, m.ends, m.limitHits, m.netDecisions, m.proxyReqs, m.proxyBytes,
+		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	return m
+}
+
+// Registry is the registry, for collectors of the daemon's own.
+func (m *Metrics) Registry() *prometheus.Registry { return m.reg }
+
+// Handler serves the metrics in Prometheus's text format; with a token,
+// only to a request that carries it as `Authorization: Bearer TOKEN`
+// (compared in constant time; 401 otherwise).
+func (m *Metrics) Handler(token string) http.Handler {
+	h := promhttp.HandlerFor(m.reg, promhttp.HandlerOpts{ErrorHandling: promhttp.ContinueOnError})
+	mux := http.NewServeMux()
+	mux.HandleFunc("/metrics", func(w http.ResponseWriter, r *http.Request) {
+		if token != "" {
+			got, ok := strings.CutPrefix(r.Header.Get("Authorization"), "Bearer ")
+			if !ok || subtle.ConstantTimeCompare([]byte(got), []byte(token)) != 1 {
+				w.Header().Set("WWW-Authenticate", `Bearer realm="cage metrics"`)
+				http.Error(w, "missing or wrong bearer token", http.StatusUnauthorized)
+				return
+			}
+		}
+		if r.Method != http.MethodGet && r.Method != http.MethodHead {
+			http.Error(w, "GET only", http.StatusMethodNotAllowed)
+			return
+		}
+		h.ServeHTTP(w, r)
+	})
+	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) { http.NotFound(w, r) })
+	return mux
+}
+
+// APICall counts an answered API call; route is the mux's pattern (a
+// bounded set), "" for none.
+func (m *Metrics) APICall(route string, status int, d time.Duration) {
+	if m == nil {
+		return
+	}
+	if route == "" {
+		route = "none"
+	}
+	m.apiRequests.WithLabelValues(route, strconv.Itoa(status)).Inc()
+	m.apiSeconds.WithLabelValues(route).Observe(d.Seconds())
+}
+
+// RateLimited counts a call refused by a key's rate: "requests" or
+// "creates".
+func (m *Metrics) RateLimited(limit string) {
+	if m != nil {
+		m.rateLimited.WithLabelValues(limit).Inc()
+	}
+}
+
+// QuotaRefused counts a refusal by a team's quota (sandboxes, cpus,
+// memory, disk, paused).
+func (m *Metrics) QuotaRefused(quota string) {
+	if m != nil {
+		m.quotaRefused.WithLabelValues(quota).Inc()
+	}
+}
+
+func result(err error) string {
+	if err != nil {
+		return "error"
+	}
+	return "ok"
+}
+
+// Created counts a create on wall and, when it succeeded, its time.
+func (m *Metrics) Created(wall string, d time.Duration, err error) {
+	if m == nil {
+		return
+	}
+	m.creates.WithLabelValues(wall, result(err)).Inc()
+	if err == nil {
+		m.createSecs.WithLabelValues(wall).Observe(d.Seconds())
+	}
+}
+
+// Resumed counts a resume of a sandbox paused as kind and, when it
+// succeeded, its time.
+func (m *Metrics) Resumed(kind string, d time.Duration, err error) {
+	if m == nil {
+		return
+	}
+	m.resumes.WithLabelValues(kind, result(err)).Inc()
+	if err == nil {
+		m.resumeSecs.WithLabelValues(kind).Observe(d.Seconds())
+	}
+}
+
+// Ended counts a sandbox's end: kill, timeout, died or removed.
+func (m *Metrics) Ended(reason string) {
+	if m != nil {
+		m.ends.WithLabelValues(reason).Inc()
+	}
+}
+
+// LimitHits counts n hits of a sandbox's limit: "oom" or "pids".
+func (m *Metrics) LimitHits(limit string, n uint64) {
+	if m != nil && n > 0 {
+		m.limitHits.WithLabelValues(limit).Add(float64(n))
+	}
+}
+
+// NetDecision counts a network decision: kind connect or dns, decision
+// allow or deny.
+func (m *Metrics) NetDecision(kind, decision string) {
+	if m == nil {
+		return
+	}
+	if kind != "dns" {
+		kind = "connect"
+	}
+	if decision != "allow" {
+		decision = "deny"
+	}
+	m.netDecisions.WithLabelValues(kind, decision).Inc()
+}
+
+// ProxyRequest counts a request the proxy answered, with its bytes.
+func (m *Metrics) ProxyRequest(port int, path string, status int, in, out int64) {
+	if m == nil {
+		return
+	}
+	class, rpc := "port", ""
+	switch port {
+	case EnvdPort:
+		class, rpc = "envd", envdRPC(path)
+	case InterpPort:
+		class = "interp"
+	}
+	m.proxyReqs.WithLabelValues(class, rpc, strconv.Itoa(status)).Inc()
+	if in > 0 {
+		m.proxyBytes.WithLabelValues("in").Add(float64(in))
+	}
+	if out > 0 {
+		m.proxyBytes.WithLabelValues("out").Add(float64(out))
+	}
+}
+
+// The ports the proxy tells apart (proxy.EnvdPort, proxy.InterpPort).
+const (
+	EnvdPort   = 49983
+	InterpPort = 49999
+)
+
+// envdRPCs are the agent's routes a label may name; any other path is
+// "other", so a client cannot mint series.
+var envdRPCs = map[string]bool{"/files": true, "/health": true, "/envs": true, "/init": true, "/metrics": true}
+
+func init() {
+	for _, m := range []string{"Start", "Connect", "List", "SendInput", "StreamInput", "SendSignal", "Update", "CloseStdin"} {
+		envdRPCs["/process.Process/"+m] = true
+	}
+	for _, m := range []string{"Stat", "MakeDir", "Move", "ListDir", "Remove", "WatchDir", "CreateWatcher",
+		"GetWatcherEvents", "RemoveWatcher"} {
+		envdRPCs["/filesystem.Filesystem/"+m] = true
+	}
+}
+
+func envdRPC(path string) string {
+	if envdRPCs[path] {
+		return path
+	}
+	return "other"
+}
