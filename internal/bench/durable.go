@@ -8,6 +8,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"sync"
+	"syscall"
 	"time"
 
 	"github.com/cagehq/cage/api/types"
@@ -24,9 +25,15 @@ type PauseFigures struct {
 	Touched int64
 	// With memory (frozen): pause and resume through the API.
 	Pause, Resume stats.Stats
-	// Host memory the paused sandbox holds (its cgroup's charge while
-	// frozen: its memory stays), mean over runs.
+	// Host memory the paused sandbox holds (its cgroup's charge: a frozen
+	// one's memory stays; a checkpointed one has no process, and a
+	// microvm none of its cgroup either), mean over runs.
 	PausedBytes int64
+	// PausedWith is how it was paused with memory (memory: frozen;
+	// checkpoint: saved to disk), and CheckpointBytes the size on disk of
+	// a checkpoint, mean over runs.
+	PausedWith      string
+	CheckpointBytes int64
 	// Without memory (files): pause (files saved, sandbox destroyed) and
 	// resume (started again, files restored); the saved files' size.
 	PauseFiles, ResumeFiles stats.Stats
@@ -47,7 +54,7 @@ func Pause(ctx context.Context, d *Daemon, wall, template string, touched int64,
 	}
 	memMB := touched>>20 + 256
 	var pause, resume, pauseF, resumeF []time.Duration
-	var held, saved int64
+	var held, saved, ckpt int64
 	for i := 0; i < runs; i++ {
 		sb, err := touchedSandbox(ctx, c, wall, template, memMB, touched)
 		if err != nil {
@@ -60,6 +67,10 @@ func Pause(ctx context.Context, d *Daemon, wall, template string, touched int64,
 			if u, uerr := cg.Open(sb.SandboxID).Usage(); uerr == nil {
 				held += u.MemoryBytes
 			}
+			if info, gerr := c.Get(ctx, sb.SandboxID); gerr == nil {
+				f.PausedWith = string(info.PausedWith)
+			}
+			ckpt += dirBytes(filepath.Join(d.data, "checkpoints", sb.SandboxID))
 			t0 = time.Now()
 			_, err = c.Resume(ctx, sb.SandboxID, 300)
 			resume = append(resume, time.Since(t0))
@@ -84,8 +95,22 @@ func Pause(ctx context.Context, d *Daemon, wall, template string, touched int64,
 	}
 	f.Pause, f.Resume = stats.Summarize(pause), stats.Summarize(resume)
 	f.PauseFiles, f.ResumeFiles = stats.Summarize(pauseF), stats.Summarize(resumeF)
-	f.PausedBytes, f.FilesBytes = held/int64(runs), saved/int64(runs)
+	f.PausedBytes, f.FilesBytes, f.CheckpointBytes = held/int64(runs), saved/int64(runs), ckpt/int64(runs)
 	return f, nil
+}
+
+// dirBytes is the disk space the files of dir take (0 when there is none).
+func dirBytes(dir string) int64 {
+	var n int64
+	ents, _ := os.ReadDir(dir)
+	for _, e := range ents {
+		if fi, err := e.Info(); err == nil && fi.Mode().IsRegular() {
+			if st, ok := fi.Sys().(*syscall.Stat_t); ok {
+				n += st.Blocks * 512
+			}
+		}
+	}
+	return n
 }
 
 // touchedSandbox creates a sandbox whose process holds touched bytes of

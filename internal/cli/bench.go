@@ -411,8 +411,12 @@ func benchDurable(ctx context.Context, w io.Writer, h *sandbox.Host, runs int) e
 				fmt.Fprintf(w, "durable %s %s: %v\n", wall, units.FormatSize(size), err)
 				continue
 			}
-			fmt.Fprintf(w, "durable %s, %s touched: pause (memory) %s, resume %s; paused, it holds %s of host memory\n",
-				wall, units.FormatSize(size), f.Pause, f.Resume, units.FormatSize(roundKiB(f.PausedBytes)))
+			kept := "frozen"
+			if f.PausedWith == "checkpoint" {
+				kept = "checkpoint of " + units.FormatSize(roundKiB(f.CheckpointBytes)) + " on disk"
+			}
+			fmt.Fprintf(w, "durable %s, %s touched: pause (memory) %s, resume %s; paused (%s), it holds %s of host memory\n",
+				wall, units.FormatSize(size), f.Pause, f.Resume, kept, units.FormatSize(roundKiB(f.PausedBytes)))
 			fmt.Fprintf(w, "durable %s, %s touched: pause (files) %s, resume %s; its saved files %s, host memory 0\n",
 				wall, units.FormatSize(size), f.PauseFiles, f.ResumeFiles, units.FormatSize(roundKiB(f.FilesBytes)))
 		}

@@ -18,8 +18,8 @@ import (
 // a snapshot and a sandbox started from it, a fork of two, and the
 // snapshot's deletion, each sandbox killed at the end. Afterwards nothing
 // is left: no sandbox listed, no state directory or cgroup of any sandbox
-// the cycles made, no saved files or snapshot archives in the data
-// directory, no sandbox state directory at all.
+// the cycles made, no saved files, checkpoints or snapshot archives in the
+// data directory, no sandbox state directory at all.
 func TestDurableLeakCheck(t *testing.T) {
 	t.Parallel()
 	cfg := map[string]any{"network": map[string]any{"dns": testutil.SharedWorld(t).Upstreams()}}
@@ -65,7 +65,7 @@ func TestDurableLeakCheck(t *testing.T) {
 	if left := d.list(t, d.key, url.Values{"state": {"running,paused"}}); len(left) > 0 {
 		t.Errorf("%d sandboxes still listed", len(left))
 	}
-	for _, dir := range []string{"paused", "snapshots"} {
+	for _, dir := range []string{"paused", "snapshots", "checkpoints"} {
 		if left, _ := filepath.Glob(filepath.Join(d.data, dir, "*")); len(left) > 0 {
 			t.Errorf("left in DATA/%s: %v", dir, left)
 		}
