@@ -351,9 +351,12 @@ func (d *daemon) checkNoSandboxesLeft(t *testing.T) {
 		t.Errorf("sandbox %s (metadata %v) still listed after the SDK tests killed theirs", s.SandboxID, s.Metadata)
 		req, _ := http.NewRequest(http.MethodDelete, d.apiURL+"/sandboxes/"+s.SandboxID, nil)
 		req.Header.Set("X-API-Key", d.key)
-		if resp, err := http.DefaultClient.Do(req); err == nil {
-			resp.Body.Close()
+		resp, err := (&http.Client{Timeout: time.Minute}).Do(req)
+		if err != nil {
+			t.Errorf("DELETE /sandboxes/%s: %v", s.SandboxID, err)
+			continue
 		}
+		resp.Body.Close()
 	}
 }
 
