@@ -28,7 +28,7 @@ type Rates struct {
 }
 
 // DefaultRates are the server's rates when its config names none.
-var DefaultRates = Rates{Requests: 200, Creates: 20}
+var DefaultRates = Rates{Requests: 1000, Creates: 100}
 
 type tokenBucket struct {
 	tokens float64

@@ -79,7 +79,7 @@ type Limits struct {
 	Conns          int `json:"conns"`
 	// KeyRequests and KeyCreates are each API key's rates a second: API
 	// requests, and creates (resumes and forks included); bursts of twice
-	// the rate. 0: the defaults (api.DefaultRates: 200 and 20); a team
+	// the rate. 0: the defaults (api.DefaultRates: 1000 and 100); a team
 	// may set its own.
 	KeyRequests float64 `json:"key_requests"`
 	KeyCreates  float64 `json:"key_creates"`
