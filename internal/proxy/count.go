@@ -62,15 +62,20 @@ func (p *Proxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		body = &countingBody{ReadCloser: r.Body}
 		r.Body = body
 	}
+	// Deferred: the reverse proxy aborts the handler with a panic when the
+	// client goes mid-answer (a stream cancelled once the client had what
+	// it wanted), and the request still counts.
+	defer func() {
+		_, port, _ := p.route(r)
+		var in int64
+		if body != nil {
+			in = body.n
+		}
+		status := cw.status
+		if status == 0 {
+			status = http.StatusOK
+		}
+		p.Count(port, r.URL.Path, status, in, cw.n)
+	}()
 	p.serve(cw, r)
-	_, port, _ := p.route(r)
-	var in int64
-	if body != nil {
-		in = body.n
-	}
-	status := cw.status
-	if status == 0 {
-		status = http.StatusOK
-	}
-	p.Count(port, r.URL.Path, status, in, cw.n)
 }
