@@ -42,6 +42,9 @@ func newBenchCmd(g *globals) *cobra.Command {
              with the trail and without (interleaved; ratio of medians), the round
              trip through the proxy, and another tenant's API latency while a
              sandbox runs 10,000 commands in a loop, each with and without
+  metrics    what Prometheus metrics cost: create -> first output through cage
+             serve with /metrics served (scraped every second) and without
+             (interleaved; ratio of medians), and a scrape's time
   interp     the code interpreter (template code-interpreter-v1), as
              @e2b/code-interpreter uses it through cage serve: create -> first
              runCode('1+1') result from a pool of started sandboxes and cold,
@@ -122,6 +125,11 @@ func runBench(ctx context.Context, g *globals, w io.Writer, runs, idle int, only
 	}
 	if want["audit"] {
 		if err := benchAudit(ctx, w, runs); err != nil {
+			return err
+		}
+	}
+	if want["metrics"] {
+		if err := benchMetrics(ctx, w, runs); err != nil {
 			return err
 		}
 	}
