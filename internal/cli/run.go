@@ -212,7 +212,7 @@ func runCommand(ctx context.Context, g *globals, f *runFlags, args []string, std
 	if w := host.Warning(ctx, sb.Wall()); w != "" {
 		fmt.Fprintf(stderr, "cage: warning: %s\n", w)
 	}
-	defer host.GC() // after the command: leftovers of runs that were killed
+	defer func() { trace.Mark("gc"); host.GC(); trace.Mark("gc done") }() // after the command: leftovers of runs that were killed
 	defer sb.Destroy()
 
 	// A closed stdout must not kill cage before it has destroyed the sandbox:

@@ -10,7 +10,6 @@ import (
 	"net"
 	"os"
 	"path/filepath"
-	"runtime"
 	"strconv"
 	"strings"
 	"sync"
@@ -365,33 +364,32 @@ func (sb *Sandbox) fork(cfg job, listener *os.File) (rootSock *os.File, err erro
 			Setsid:                     true,
 		},
 	}
-	sb.dieWithParent = cfg.DieWithCaller
-	if cfg.DieWithCaller {
-		// The parent-death signal follows the thread that forked, so fork
-		// from a thread that lives as long as the process.
-		runtime.LockOSThread()
-		defer runtime.UnlockOSThread()
-		attr.Sys.Pdeathsig = syscall.SIGKILL
-	}
-	trace.Mark("fork")
-	pid, err := syscall.ForkExec(cfg.AgentPath, []string{"cage-agent", "init"}, attr)
-	if err != nil {
-		return nil, fmt.Errorf("start the sandbox's agent %s: %w", cfg.AgentPath, err)
-	}
-	sb.pid = pid
-	if cfg.Background {
-		_ = unix.Setpriority(unix.PRIO_PROCESS, pid, backgroundNice)
-		sb.niced = true
-	}
-	go sb.reap()
-	trace.Mark("forked")
-	// The cgroups are made while the agent's runtime starts; it waits for
-	// the spec, which comes only once it is inside them (and limited).
+	// The agent is born in its cgroups (cgroups.Spawn), without limits
+	// yet; it waits for its spec, which comes only once it is inside them.
 	if sb.cg, err = cfg.Cgroups.Create(cfg.ID, cgroups.Limits{}); err != nil {
 		return nil, err
 	}
-	if err := sb.cg.AddProc(pid); err != nil {
-		return nil, err
+	sb.dieWithParent = cfg.DieWithCaller
+	if cfg.DieWithCaller {
+		// The parent-death signal follows the thread that forked (Spawn
+		// forks from a thread that lives as long as the process).
+		attr.Sys.Pdeathsig = syscall.SIGKILL
+	}
+	trace.Mark("fork")
+	pid, err := sb.cg.Spawn(func(cgroupFD int) (int, error) {
+		attr.Sys.UseCgroupFD, attr.Sys.CgroupFD = cgroupFD >= 0, cgroupFD
+		return syscall.ForkExec(cfg.AgentPath, []string{"cage-agent", "init"}, attr)
+	})
+	if pid > 0 {
+		sb.pid = pid
+		go sb.reap()
+	}
+	if err != nil {
+		return nil, fmt.Errorf("start the sandbox's agent %s: %w", cfg.AgentPath, err)
+	}
+	if cfg.Background {
+		_ = unix.Setpriority(unix.PRIO_PROCESS, pid, backgroundNice)
+		sb.niced = true
 	}
 	trace.Mark("in cgroups")
 	return rootSock, nil
