@@ -65,13 +65,17 @@ test('ten pause and resume cycles keep the files', T, async () => {
 })
 
 test('lifecycle: paused at its timeout, resumed by traffic through getHost', T, async () => {
-  const sbx = await Sandbox.create(TEMPLATE, { timeoutMs: 3_000, lifecycle: { onTimeout: 'pause', autoResume: true } })
+  // The server serves before the timeout: under TCG (microvm) python takes
+  // seconds to start, and a server not yet listening when the sandbox pauses
+  // is not yet listening when traffic resumes it either.
+  const sbx = await Sandbox.create(TEMPLATE, { timeoutMs: 10_000, lifecycle: { onTimeout: 'pause', autoResume: true } })
   try {
     const info = await Sandbox.getInfo(sbx.sandboxId)
     assert.deepEqual(info.lifecycle, { onTimeout: 'pause', autoResume: true })
     await sbx.files.write('/tmp/hello.txt', 'served\n')
-    await sbx.commands.run('cd /tmp && nohup python3 -m http.server 8000 >/dev/null 2>&1 &')
-    await waitFor(async () => (await Sandbox.getInfo(sbx.sandboxId)).state === 'paused', 30_000, () => 'the sandbox to pause at its timeout')
+    await sbx.commands.run('cd /tmp && (nohup python3 -m http.server 8000 >/dev/null 2>&1 &); ' +
+      'for i in $(seq 80); do curl -sf -o /dev/null http://127.0.0.1:8000/hello.txt && exit 0; sleep 0.1; done; exit 1')
+    await waitFor(async () => (await Sandbox.getInfo(sbx.sandboxId)).state === 'paused', 60_000, () => 'the sandbox to pause at its timeout')
     const url = `http://${sbx.getHost(8000)}/hello.txt`
     const res = await fetch(process.env.E2B_SANDBOX_URL + '/hello.txt', {
       headers: { 'E2b-Sandbox-Id': sbx.sandboxId, 'E2b-Sandbox-Port': '8000' },
