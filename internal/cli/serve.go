@@ -34,7 +34,9 @@ outlive the daemon: the next start adopts those still running and removes what
 a crash left behind.
 
 Point an E2B SDK at it with E2B_API_URL=http://API and E2B_SANDBOX_URL=http://PROXY
-and E2B_API_KEY set to a key from 'cage keys create'. Point Dify at --dify ADDR with
+and E2B_API_KEY set to a key from 'cage keys create'. With --tls-cert/--tls-key or
+--tls-self-signed the proxy speaks TLS (E2B_SANDBOX_URL=https://PROXY), as the
+https://{port}-{sandbox}.{domain} URLs the SDKs build (@e2b/desktop's stream) need. Point Dify at --dify ADDR with
 CODE_EXECUTION_ENDPOINT=http://ADDR and CODE_EXECUTION_API_KEY set to the config's dify.key.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
@@ -79,6 +81,9 @@ CODE_EXECUTION_ENDPOINT=http://ADDR and CODE_EXECUTION_API_KEY set to the config
 			if fl.Changed("metrics-token-file") {
 				final.Metrics.TokenFile = cfg.Metrics.TokenFile
 			}
+			if fl.Changed("tls-cert") || fl.Changed("tls-key") || fl.Changed("tls-self-signed") {
+				final.TLS = cfg.TLS
+			}
 			if fl.Changed("pool") {
 				final.Pool = cfg.Pool
 			}
@@ -119,8 +124,11 @@ CODE_EXECUTION_ENDPOINT=http://ADDR and CODE_EXECUTION_API_KEY set to the config
 	fl.StringVar(&cfg.Dify.Addr, "dify", "", "address of Dify's sandbox API (e.g. 127.0.0.1:8194; off by default; its key: config dify.key or CAGE_DIFY_KEY)")
 	fl.StringVar(&cfg.Metrics.Addr, "metrics", "", "address of Prometheus's /metrics, a listener of its own (off by default; off loopback it needs --metrics-token-file)")
 	fl.StringVar(&cfg.Metrics.TokenFile, "metrics-token-file", "", "a file holding the bearer token /metrics asks for (Prometheus's credentials_file)")
-	fl.IntVar(&cfg.Pool, "pool", cfg.Pool, "prepared sandboxes kept ready (process wall)")
-	fl.StringArrayVar(&poolsOf, "pool-of", nil, "TEMPLATE=N: keep N sandboxes of TEMPLATE ready too, started if it has a start command (repeatable)")
+	fl.StringVar(&cfg.TLS.Cert, "tls-cert", "", "the proxy serves TLS with this certificate (PEM, for the domain and *.domain)")
+	fl.StringVar(&cfg.TLS.Key, "tls-key", "", "the key of --tls-cert (PEM; refused if others may read it)")
+	fl.BoolVar(&cfg.TLS.SelfSigned, "tls-self-signed", false, "the proxy serves TLS with a certificate signed by a local CA kept in DATA/tls (printed at the start; needs --domain)")
+	fl.IntVar(&cfg.Pool, "pool", cfg.Pool, "prepared sandboxes kept ready (on the default wall)")
+	fl.StringArrayVar(&poolsOf, "pool-of", nil, "[WALL/]TEMPLATE=N: keep N sandboxes of TEMPLATE ready too, on WALL (default: the default wall), started if it has a start command (repeatable)")
 	fl.StringVar(&cfg.DefaultWall, "wall", cfg.DefaultWall, "wall of a create that names none: process, runc, gvisor")
 	fl.IntVar(&cfg.MaxSandboxes, "max-sandboxes", 0, "sandboxes alive at once (0: one per 8 MiB of the host's RAM, at least 16); beyond it creates get 429")
 	fl.StringVar(&maxTimeout, "max-timeout", "24h", "longest timeout a sandbox may ask for")
@@ -132,7 +140,7 @@ func templateCount(kv string) (string, int, error) {
 	name, v, ok := strings.Cut(kv, "=")
 	n, err := strconv.Atoi(v)
 	if !ok || name == "" || err != nil || n < 0 || n > 1000 {
-		return "", 0, errors.New("want TEMPLATE=N with N from 0 to 1000")
+		return "", 0, errors.New("want [WALL/]TEMPLATE=N with N from 0 to 1000")
 	}
 	return name, n, nil
 }

@@ -88,12 +88,12 @@ type Proxy struct {
 }
 
 // New returns a proxy; domain is the suffix of host-routed requests ("" to
-// accept any).
+// accept any; a port on it, as in cage.localhost:3001, is not compared).
 func New(sandboxes Sandboxes, domain string, log *slog.Logger) *Proxy {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	p := &Proxy{sandboxes: sandboxes, domain: domain, log: log, transports: map[wall.Sandbox]*http.Transport{}}
+	p := &Proxy{sandboxes: sandboxes, domain: DomainHost(domain), log: log, transports: map[wall.Sandbox]*http.Transport{}}
 	return p
 }
 
