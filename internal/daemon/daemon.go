@@ -49,10 +49,9 @@ type Config struct {
 	// PoolTemplate is the template the pool prepares (default: the
 	// default template; E2B's SDKs ask for "base" when given none).
 	PoolTemplate string `json:"pool_template"`
-	// Pools keeps sandboxes of more templates ready: template name (on
-	// the default wall) or WALL/TEMPLATE -> how many. A template with a
-	// start command (code-interpreter-v1) is kept started, its command run
-	// and ready. The pool of Pool is on the default wall.
+	// Pools keeps sandboxes of more templates ready: template name ->
+	// how many. A template with a start command (code-interpreter-v1) is
+	// kept started, its command run and ready.
 	Pools     map[string]int `json:"pools"`
 	AgentPath string         `json:"agent"`
 	Network   Network        `json:"network"`
@@ -62,7 +61,6 @@ type Config struct {
 	Volumes   Volumes        `json:"volumes"`
 	Dify      Dify           `json:"dify"`
 	Metrics   Metrics        `json:"metrics"`
-	UI        UI             `json:"ui"` // the dashboard at /ui (ui.go)
 	// TLS makes the proxy's listener speak TLS (tls.go).
 	TLS TLS `json:"tls"`
 }
@@ -284,16 +282,9 @@ func Run(ctx context.Context, cfg Config, log *slog.Logger, ready func(apiAddr, 
 	if host.PoolTemplate == "" {
 		host.PoolTemplate = cfg.DefaultTemplate
 	}
-	if err := host.AddWallPool(cfg.DefaultWall, host.PoolTemplate, cfg.Pool); err != nil {
-		log.Warn("pool: not kept", "wall", cfg.DefaultWall, "template", host.PoolTemplate, "why", err)
-	}
-	for key, n := range cfg.Pools {
-		wallName, name := sandbox.PoolOf(key)
-		if err := host.AddWallPool(wallName, name, n); errors.Is(err, sandbox.ErrInvalid) {
-			return fmt.Errorf("pools: %q: %w", key, err)
-		} else if err != nil {
-			log.Warn("pool: not kept", "pool", key, "why", err)
-		}
+	host.StartPool(cfg.Pool)
+	for name, n := range cfg.Pools {
+		host.AddPool(name, n)
 	}
 	defer host.Close()
 
@@ -328,16 +319,8 @@ func Run(ctx context.Context, cfg Config, log *slog.Logger, ready func(apiAddr, 
 			}
 		}()
 	}
-	apiH := api.Handler(api.Config{Manager: mgr, Store: st, Log: log, Domain: cfg.Domain,
-		DefaultWall: cfg.DefaultWall, Audit: trail, Metrics: mx, Rates: cfg.Limits.rates()})
-	apiMux, err := withUI(cfg.UI, withMCP(apiH, st, trail, apiL.Addr(), proxyL.Addr(), log), apiH, st, mgr, host,
-		proxyL.Addr(), cfg.Data, cfg.RunDir, log)
-	if err != nil {
-		apiL.Close()
-		proxyL.Close()
-		return err
-	}
-	apiSrv := newServer(apiMux, true)
+	apiSrv := newServer(withMCP(api.Handler(api.Config{Manager: mgr, Store: st, Log: log, Domain: cfg.Domain,
+		DefaultWall: cfg.DefaultWall, Audit: trail, Metrics: mx, Rates: cfg.Limits.rates()}), st, trail, apiL.Addr(), proxyL.Addr(), log), true)
 	px := proxy.New(mgr, cfg.Domain, log)
 	if trail != nil {
 		px.Observe, px.Denied = trail.ObserveEnvd, trail.ProxyDenied
