@@ -127,8 +127,8 @@ CODE_EXECUTION_ENDPOINT=http://ADDR and CODE_EXECUTION_API_KEY set to the config
 	fl.StringVar(&cfg.TLS.Cert, "tls-cert", "", "the proxy serves TLS with this certificate (PEM, for the domain and *.domain)")
 	fl.StringVar(&cfg.TLS.Key, "tls-key", "", "the key of --tls-cert (PEM; refused if others may read it)")
 	fl.BoolVar(&cfg.TLS.SelfSigned, "tls-self-signed", false, "the proxy serves TLS with a certificate signed by a local CA kept in DATA/tls (printed at the start; needs --domain)")
-	fl.IntVar(&cfg.Pool, "pool", cfg.Pool, "prepared sandboxes kept ready (process wall)")
-	fl.StringArrayVar(&poolsOf, "pool-of", nil, "TEMPLATE=N: keep N sandboxes of TEMPLATE ready too, started if it has a start command (repeatable)")
+	fl.IntVar(&cfg.Pool, "pool", cfg.Pool, "prepared sandboxes kept ready (on the default wall)")
+	fl.StringArrayVar(&poolsOf, "pool-of", nil, "[WALL/]TEMPLATE=N: keep N sandboxes of TEMPLATE ready too, on WALL (default: the default wall), started if it has a start command (repeatable)")
 	fl.StringVar(&cfg.DefaultWall, "wall", cfg.DefaultWall, "wall of a create that names none: process, runc, gvisor")
 	fl.IntVar(&cfg.MaxSandboxes, "max-sandboxes", 0, "sandboxes alive at once (0: one per 8 MiB of the host's RAM, at least 16); beyond it creates get 429")
 	fl.StringVar(&maxTimeout, "max-timeout", "24h", "longest timeout a sandbox may ask for")
@@ -140,7 +140,7 @@ func templateCount(kv string) (string, int, error) {
 	name, v, ok := strings.Cut(kv, "=")
 	n, err := strconv.Atoi(v)
 	if !ok || name == "" || err != nil || n < 0 || n > 1000 {
-		return "", 0, errors.New("want TEMPLATE=N with N from 0 to 1000")
+		return "", 0, errors.New("want [WALL/]TEMPLATE=N with N from 0 to 1000")
 	}
 	return name, n, nil
 }

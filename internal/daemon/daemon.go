@@ -49,9 +49,10 @@ type Config struct {
 	// PoolTemplate is the template the pool prepares (default: the
 	// default template; E2B's SDKs ask for "base" when given none).
 	PoolTemplate string `json:"pool_template"`
-	// Pools keeps sandboxes of more templates ready: template name ->
-	// how many. A template with a start command (code-interpreter-v1) is
-	// kept started, its command run and ready.
+	// Pools keeps sandboxes of more templates ready: template name (on
+	// the default wall) or WALL/TEMPLATE -> how many. A template with a
+	// start command (code-interpreter-v1) is kept started, its command run
+	// and ready. The pool of Pool is on the default wall.
 	Pools     map[string]int `json:"pools"`
 	AgentPath string         `json:"agent"`
 	Network   Network        `json:"network"`
@@ -282,9 +283,16 @@ func Run(ctx context.Context, cfg Config, log *slog.Logger, ready func(apiAddr, 
 	if host.PoolTemplate == "" {
 		host.PoolTemplate = cfg.DefaultTemplate
 	}
-	host.StartPool(cfg.Pool)
-	for name, n := range cfg.Pools {
-		host.AddPool(name, n)
+	if err := host.AddWallPool(cfg.DefaultWall, host.PoolTemplate, cfg.Pool); err != nil {
+		log.Warn("pool: not kept", "wall", cfg.DefaultWall, "template", host.PoolTemplate, "why", err)
+	}
+	for key, n := range cfg.Pools {
+		wallName, name := sandbox.PoolOf(key)
+		if err := host.AddWallPool(wallName, name, n); errors.Is(err, sandbox.ErrInvalid) {
+			return fmt.Errorf("pools: %q: %w", key, err)
+		} else if err != nil {
+			log.Warn("pool: not kept", "pool", key, "why", err)
+		}
 	}
 	defer host.Close()
 

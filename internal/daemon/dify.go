@@ -33,8 +33,8 @@ type Dify struct {
 	// "allow": [...]} names what runs may reach; {"mode": "none"}).
 	Network *network.Policy `json:"network"`
 	// Pool is how many sandboxes of the template the daemon keeps ready
-	// for runs (default 4), when the runs' wall is the one pools use
-	// (process); pools may name the template too (the first wins).
+	// for runs (default 4), on the runs' wall; pools may name the
+	// template too (the first wins).
 	Pool        *int   `json:"pool"`
 	MaxRequests int    `json:"max_requests"` // runs in flight (default 200; beyond, 503)
 	MaxWorkers  int    `json:"max_workers"`  // runs with a sandbox at once (default 4 per CPU)
@@ -101,8 +101,8 @@ func startDify(cfg Config, mgr *manager.Manager, host *sandbox.Host, trail *audi
 	if cfg.Dify.Pool != nil {
 		pool = *cfg.Dify.Pool
 	}
-	if d, err := host.Driver(""); err == nil && d.Name() == dc.Wall {
-		host.AddPool(srv.Template(), pool) // pools on the default wall only
+	if err := host.AddWallPool(dc.Wall, srv.Template(), pool); err != nil {
+		log.Warn("dify: pool not kept", "wall", dc.Wall, "why", err)
 	}
 	l, err := net.Listen("tcp", cfg.Dify.Addr)
 	if err != nil {

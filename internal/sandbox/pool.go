@@ -3,6 +3,7 @@ package sandbox
 import (
 	"context"
 	"errors"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -14,30 +15,46 @@ import (
 	"github.com/cagehq/cage/internal/wall"
 )
 
-// pools keep sandboxes made ahead of their request on the default wall,
-// if its driver can prepare (wall.Preparer), one pool per template, so
-// that a create only sends the request's part. A template without a start
-// command gets prepared sandboxes (forked into their namespaces and
-// cgroups, runtime started, waiting for a spec). A template with one gets
-// started sandboxes whose start command has run and passed its ready check
-// (code-interpreter-v1: its Python kernel is up), with the pool's fresh id
-// and token, the default sizes and no environment of the request's; a
-// create takes one only when it asks for nothing it cannot be given after
-// the start (see fits), and gets its limits and network policy applied.
-// Sandboxes tied to their caller (cage run) never come from a pool.
+// pools keep sandboxes made ahead of their request, one pool per (wall,
+// template), on every wall whose driver can prepare (wall.Preparer: the
+// process wall forks its agent into its namespaces and cgroups; runc and
+// gVisor start the container with its agent waiting for the request's
+// part of its spec; microvm restores a VM whose guest waits for its
+// identity), so that a create only sends the request's part. Every
+// member is made with a fresh id (and so hostname) of its own, default
+// sizes and limits, and, where the wall fixes it at preparation, a network
+// interface under a policy that allows nothing, or none: which of the two
+// follows the creates the pool last saw (demand). A create takes a member
+// that fits it (wall.Fitter), and a member made from what is no longer
+// current (wall.Staler: the template imported again, the agent, kernel or
+// runtime changed) is destroyed, never handed out, as the pool finds it
+// at a take or at its sweep (every sweepEvery).
+//
+// A template with a start command gets started sandboxes whose start
+// command has run and passed its ready check (code-interpreter-v1: its
+// Python kernel is up), with the pool's fresh id and token, the default
+// sizes and no environment of the request's; a create takes one only when
+// it asks for nothing it cannot be given after the start (see fits), and
+// gets its limits and network policy applied. Sandboxes tied to their
+// caller (cage run) never come from a pool.
 type pools struct {
 	mu     sync.Mutex
-	byName map[string]*pool
-	misses atomic.Int64 // creates that found their pool empty
+	byName map[string]*pool // by poolKey
+	misses atomic.Int64     // creates that found their pool empty
 }
 
 type pool struct {
 	template string
 	wall     string
+	prep     wall.Preparer
+	fixesNet bool         // the wall gives members their network as it prepares them
 	started  atomic.Bool  // its sandboxes are started (the template has a start command)
+	wantNet  atomic.Bool  // make members with a network interface (where the wall fixes it)
 	hits     atomic.Int64 // creates it served
 	misses   atomic.Int64 // creates that found it empty
+	stale    atomic.Int64 // members destroyed unused as stale
 	ch       chan wall.Prepared
+	room     chan struct{} // a token per place free in ch: fill prepares only into room
 	cancel   context.CancelFunc
 	done     chan struct{}
 }
@@ -47,17 +64,46 @@ type pool struct {
 // the create's latency).
 const refillPause = 10 * time.Millisecond
 
+// sweepEvery is how often a full pool looks for members gone stale or dead.
+var sweepEvery = 2 * time.Second
+
+func poolKey(wallName, tmpl string) string { return wallName + "/" + tmpl }
+
+// PoolOf splits a pool's name in configuration, TEMPLATE (on the default
+// wall) or WALL/TEMPLATE (template names hold no slash).
+func PoolOf(key string) (wallName, tmpl string) {
+	if w, t, ok := strings.Cut(key, "/"); ok {
+		return w, t
+	}
+	return "", key
+}
+
 // StartPool keeps n sandboxes of PoolTemplate prepared on the default wall
 // (process), if it can prepare them.
 func (h *Host) StartPool(n int) { h.AddPool(h.poolTemplate(), n) }
 
 // AddPool keeps n sandboxes of template name ready on the default wall (see
 // pools); a second call for the same template changes nothing.
-func (h *Host) AddPool(name string, n int) {
-	d, err := h.Driver("")
+func (h *Host) AddPool(name string, n int) { _ = h.AddWallPool("", name, n) }
+
+// AddWallPool keeps n sandboxes of template name ready on wall wallName
+// ("": the default wall). It says why when the wall cannot keep a pool
+// here (unknown, missing on this host, or unable to prepare); a second
+// call for the same wall and template changes nothing.
+func (h *Host) AddWallPool(wallName, name string, n int) error {
+	if n <= 0 {
+		return nil
+	}
+	d, err := h.Driver(wallName)
+	if err != nil {
+		return err
+	}
 	prep, ok := d.(wall.Preparer)
-	if n <= 0 || err != nil || !ok {
-		return
+	if !ok {
+		return errors.New("the " + d.Name() + " wall cannot prepare sandboxes")
+	}
+	if err := d.Missing(); err != nil {
+		return err
 	}
 	ps := &h.pool
 	ps.mu.Lock()
@@ -65,27 +111,64 @@ func (h *Host) AddPool(name string, n int) {
 	if ps.byName == nil {
 		ps.byName = map[string]*pool{}
 	}
-	if ps.byName[name] != nil {
-		return
+	key := poolKey(d.Name(), name)
+	if ps.byName[key] != nil {
+		return nil
 	}
 	ctx, cancel := context.WithCancel(context.Background())
-	p := &pool{template: name, wall: d.Name(), ch: make(chan wall.Prepared, n), cancel: cancel, done: make(chan struct{})}
-	ps.byName[name] = p
-	go p.fill(ctx, h, prep)
+	p := &pool{template: name, wall: d.Name(), prep: prep, ch: make(chan wall.Prepared, n), room: make(chan struct{}, n),
+		cancel: cancel, done: make(chan struct{})}
+	for range n {
+		p.room <- struct{}{}
+	}
+	if np, ok := d.(wall.NetPreparer); ok && np.PreparesNetwork() {
+		// Until creates say otherwise, members have a network interface
+		// where the host has a network: E2B's SDKs ask for one by default.
+		p.fixesNet = true
+		if _, err := h.net.get(h, network.Policy{Mode: network.Allowlist}); err == nil {
+			p.wantNet.Store(true)
+		}
+	}
+	ps.byName[key] = p
+	go p.fill(ctx, h)
+	return nil
 }
 
-func (p *pool) fill(ctx context.Context, h *Host, prep wall.Preparer) {
+func (p *pool) fill(ctx context.Context, h *Host) {
 	defer close(p.done)
 	wait := time.Second
+	sweep := time.NewTicker(sweepEvery)
+	defer sweep.Stop()
 	for ctx.Err() == nil {
-		sb, err := h.prepare(ctx, prep, p)
+		// Prepare only into a free place: what a sandbox is made with
+		// (the template's files, a network interface or none) is what is
+		// current as it is put in, not when the pool was last full.
+	room:
+		for {
+			select {
+			case <-p.room:
+				break room
+			case <-sweep.C:
+				p.sweep(h)
+			case <-ctx.Done():
+				return
+			}
+		}
+		// A place is often freed by a take: let the create that took the
+		// sandbox use the CPU before preparing the next.
+		select {
+		case <-time.After(refillPause):
+		case <-ctx.Done():
+		}
+		sb, err := h.prepare(ctx, p)
 		if err != nil {
+			p.free()
 			// A missing template (not built yet) is retried seldom, a
 			// failing start command less and less often.
 			if errors.Is(err, template.ErrNotFound) {
 				wait = 30 * time.Second
 			}
-			h.Log.Warn("pool: prepare a sandbox", "template", p.template, "err", err, "retry in", wait)
+			h.Log.Warn("pool: prepare a sandbox", "template", p.template, "wall", p.wall, "err", err, "retry in", wait)
 			select {
 			case <-time.After(wait):
 			case <-ctx.Done():
@@ -94,46 +177,83 @@ func (p *pool) fill(ctx context.Context, h *Host, prep wall.Preparer) {
 			continue
 		}
 		wait = time.Second
+		p.ch <- sb // (room was taken for it)
+	}
+}
+
+// sweep destroys the members that died or went stale while they waited
+// (the template imported again, the agent, kernel or runtime changed).
+func (p *pool) sweep(h *Host) {
+	tmpl, err := h.tmpl.lookup(h, p.template)
+	if err != nil && !errors.Is(err, template.ErrNotFound) {
+		return // cannot tell now
+	}
+	for n := len(p.ch); n > 0; n-- {
+		var sb wall.Prepared
 		select {
-		case p.ch <- sb:
-		case <-ctx.Done():
+		case sb = <-p.ch:
+		default:
+			return
+		}
+		if gone(sb) {
 			_ = sb.Destroy()
+			p.free()
 			continue
 		}
-		// The push above often follows a take at once: let the create
-		// that took it use the CPU before preparing the next.
-		select {
-		case <-time.After(refillPause):
-		case <-ctx.Done():
+		if s, ok := sb.(wall.Staler); ok && (tmpl == nil || s.Stale(tmpl)) {
+			p.stale.Add(1)
+			_ = sb.Destroy()
+			p.free()
+			continue
 		}
+		p.ch <- sb // (its place stayed taken)
+	}
+}
+
+// free gives back the place of a sandbox taken out for good.
+func (p *pool) free() {
+	select {
+	case p.room <- struct{}{}:
+	default:
+	}
+}
+
+func gone(sb wall.Sandbox) bool {
+	select {
+	case <-sb.Exited():
+		return true
+	default:
+		return false
 	}
 }
 
 // prepare makes one sandbox of the pool's template with the default sizes
-// (Start resizes), at background CPU priority; for a template with a start
-// command, it starts it too and waits for its ready check.
-func (h *Host) prepare(ctx context.Context, prep wall.Preparer, p *pool) (wall.Prepared, error) {
+// and limits (Start changes them where the wall can), at background CPU
+// priority; for a template with a start command, it starts it too and
+// waits for its ready check.
+func (h *Host) prepare(ctx context.Context, p *pool) (wall.Prepared, error) {
 	tmpl, err := h.tmpl.lookup(h, p.template)
 	if err != nil {
 		return nil, err
 	}
 	id := ids.NewID()
 	spec := wall.Spec{ID: id, Hostname: ids.Hostname(id), Template: tmpl, DiskBytes: DefaultDisk, ShmBytes: DefaultShm}
-	sb, err := prep.Prepare(ctx, spec, true)
-	if err != nil || !hasStartCommand(tmpl) {
+	spec.Limits.MemoryBytes, spec.Limits.CPUs, spec.Limits.Pids = DefaultMemory, DefaultCPUs, DefaultPids+inside.AgentThreads
+	started := hasStartCommand(tmpl)
+	if started || (p.fixesNet && p.wantNet.Load()) {
+		// Until a create takes it, the sandbox may reach nothing.
+		spec.NetPolicy = network.Policy{Mode: network.Allowlist}
+		if spec.Net, err = h.net.get(h, spec.NetPolicy); err != nil {
+			return nil, err
+		}
+	}
+	sb, err := p.prep.Prepare(ctx, spec, true)
+	if err != nil || !started {
 		return sb, err
 	}
 	p.started.Store(true)
-	// Until a create takes it, the sandbox may reach nothing; it has an
-	// interface so that a create that asks for a network can be given one.
 	spec.Token = ids.NewToken()
-	spec.Limits.MemoryBytes, spec.Limits.CPUs, spec.Limits.Pids = DefaultMemory, DefaultCPUs, DefaultPids+inside.AgentThreads
 	spec.Env = tmpl.EnvWith(nil)
-	spec.NetPolicy = network.Policy{Mode: network.Allowlist}
-	if spec.Net, err = h.net.get(h, spec.NetPolicy); err != nil {
-		_ = sb.Destroy()
-		return nil, err
-	}
 	if err := sb.Start(spec); err != nil {
 		_ = sb.Destroy()
 		return nil, err
@@ -142,7 +262,8 @@ func (h *Host) prepare(ctx context.Context, prep wall.Preparer, p *pool) (wall.P
 		_ = sb.Destroy()
 		return nil, err
 	}
-	return &startedSandbox{Prepared: sb}, nil
+	_, fixed := sb.(wall.Fitter)
+	return &startedSandbox{Prepared: sb, spec: spec, fixedLimits: fixed}, nil
 }
 
 func hasStartCommand(t *template.Template) bool {
@@ -151,11 +272,15 @@ func hasStartCommand(t *template.Template) bool {
 
 // startedSandbox is a pooled sandbox already started, its start command
 // run: Start applies only what a create may still change.
-type startedSandbox struct{ wall.Prepared }
+type startedSandbox struct {
+	wall.Prepared
+	spec        wall.Spec // what it was started with
+	fixedLimits bool      // its wall fixed its limits at the start (a VM's)
+}
 
 // Start applies spec's limits and network policy (fits checked the rest).
 func (s *startedSandbox) Start(spec wall.Spec) error {
-	if cg := s.Cgroup(); cg != nil {
+	if cg := s.Cgroup(); cg != nil && spec.Limits != s.spec.Limits {
 		if err := cg.Apply(spec.Limits); err != nil {
 			return err
 		}
@@ -164,6 +289,18 @@ func (s *startedSandbox) Start(spec wall.Spec) error {
 		return n.SetPolicy(spec.NetPolicy)
 	}
 	return nil
+}
+
+// Fits: a wall that fixed the sandbox's limits at its start serves only
+// creates with the same (fits checked the rest).
+func (s *startedSandbox) Fits(spec wall.Spec) bool {
+	return !s.fixedLimits || spec.Limits == s.spec.Limits
+}
+
+// Stale is the started sandbox's own (see wall.Staler).
+func (s *startedSandbox) Stale(t *template.Template) bool {
+	st, ok := s.Prepared.(wall.Staler)
+	return ok && st.Stale(t)
 }
 
 // ranStartCommand is true: Pending.Start does not run it again.
@@ -183,34 +320,63 @@ func fits(o *Options) bool {
 	return o.Disk == DefaultDisk && o.Shm == DefaultShm && len(o.Env) == 0 && o.MaxOutput == 0 && o.Net.Networked()
 }
 
-// take hands out a sandbox made ahead for a create of o (template tmpl on
-// wall w), if a pool keeps those and has one that fits.
-func (ps *pools) take(w, tmpl string, o *Options) wall.Prepared {
+// take hands out a sandbox made ahead for a create of o on wall w (spec:
+// what Begin built, without id and token yet), if a pool keeps those and
+// has one that fits. It destroys the members it finds dead or stale, and
+// those without the network interface (or with one) that creates now ask
+// for, so that the pool makes what is asked.
+func (ps *pools) take(w string, o *Options, spec wall.Spec) wall.Prepared {
 	ps.mu.Lock()
-	p := ps.byName[tmpl]
+	p := ps.byName[poolKey(w, spec.Template.Name)]
 	ps.mu.Unlock()
-	if p == nil || w != p.wall || (p.started.Load() && !fits(o)) {
+	if p == nil || (p.started.Load() && !fits(o)) {
 		return nil
 	}
-	for {
-		select {
-		case sb := <-p.ch:
-			if s, ok := sb.(*startedSandbox); ok {
-				select {
-				case <-s.Exited(): // its service died while it waited
-					_ = s.Destroy()
-					continue
-				default:
-				}
-			}
-			p.hits.Add(1)
-			return sb
-		default:
-			ps.misses.Add(1)
-			p.misses.Add(1)
-			return nil
-		}
+	networked := spec.Net != nil && spec.NetPolicy.Networked()
+	if p.fixesNet && !p.started.Load() {
+		p.wantNet.Store(networked)
 	}
+	var kept []wall.Prepared
+	defer func() {
+		for _, sb := range kept {
+			p.ch <- sb // (their places stayed taken)
+		}
+	}()
+	for n := len(p.ch); n > 0; n-- {
+		var sb wall.Prepared
+		select {
+		case sb = <-p.ch:
+		default:
+			n = 0
+			continue
+		}
+		if gone(sb) { // died while it waited
+			_ = sb.Destroy()
+			p.free()
+			continue
+		}
+		if s, ok := sb.(wall.Staler); ok && s.Stale(spec.Template) {
+			p.stale.Add(1)
+			_ = sb.Destroy()
+			p.free()
+			continue
+		}
+		if f, ok := sb.(wall.Fitter); ok && !f.Fits(spec) {
+			if p.fixesNet && !p.started.Load() && (sb.Network() != nil) != networked {
+				_ = sb.Destroy() // creates now ask for the other kind
+				p.free()
+			} else {
+				kept = append(kept, sb)
+			}
+			continue
+		}
+		p.hits.Add(1)
+		p.free()
+		return sb
+	}
+	ps.misses.Add(1)
+	p.misses.Add(1)
+	return nil
 }
 
 // PoolMisses counts the creates that found their pool empty.
@@ -221,6 +387,7 @@ type PoolStat struct {
 	Template, Wall string
 	Ready, Size    int   // sandboxes ready now, and how many it keeps
 	Hits, Misses   int64 // creates it served, and creates that found it empty
+	Stale          int64 // sandboxes it destroyed unused, made from what is no longer current
 }
 
 // PoolStats describes every pool.
@@ -231,10 +398,14 @@ func (h *Host) PoolStats() []PoolStat {
 	out := make([]PoolStat, 0, len(ps.byName))
 	for _, p := range ps.byName {
 		out = append(out, PoolStat{Template: p.template, Wall: p.wall, Ready: len(p.ch), Size: cap(p.ch),
-			Hits: p.hits.Load(), Misses: p.misses.Load()})
+			Hits: p.hits.Load(), Misses: p.misses.Load(), Stale: p.stale.Load()})
 	}
 	return out
 }
+
+// StopPools stops every pool and destroys the sandboxes waiting in them;
+// pools added later start afresh.
+func (h *Host) StopPools() { h.pool.stop() }
 
 func (ps *pools) stop() {
 	ps.mu.Lock()

@@ -153,8 +153,12 @@ func (h *Host) Begin(ctx context.Context, o *Options) (*Pending, error) {
 		return nil, err
 	}
 	p := &Pending{h: h, driver: d}
+	p.spec = wall.Spec{Template: tmpl,
+		Limits:    cgroups.Limits{MemoryBytes: o.Memory, CPUs: o.CPUs, Pids: o.Pids + inside.AgentThreads},
+		DiskBytes: o.Disk, ShmBytes: o.Shm, Env: tmpl.EnvWith(o.Env), MaxOutput: o.MaxOutput,
+		DieWithCaller: o.DieWithCaller, Net: netHost, NetPolicy: o.Net, Volumes: o.Volumes}
 	if !o.DieWithCaller && o.ID == "" && len(o.Volumes) == 0 {
-		p.prepared = h.pool.take(d.Name(), tmpl.Name, o) // (prepared roots have no volumes)
+		p.prepared = h.pool.take(d.Name(), o, p.spec) // (prepared roots have no volumes)
 	}
 	id, token := o.ID, o.Token
 	if p.prepared != nil {
@@ -169,10 +173,7 @@ func (h *Host) Begin(ctx context.Context, o *Options) (*Pending, error) {
 	if token == "" {
 		token = ids.NewToken()
 	}
-	p.spec = wall.Spec{ID: id, Token: token, Hostname: ids.Hostname(id), Template: tmpl,
-		Limits:    cgroups.Limits{MemoryBytes: o.Memory, CPUs: o.CPUs, Pids: o.Pids + inside.AgentThreads},
-		DiskBytes: o.Disk, ShmBytes: o.Shm, Env: tmpl.EnvWith(o.Env), MaxOutput: o.MaxOutput,
-		DieWithCaller: o.DieWithCaller, Net: netHost, NetPolicy: o.Net, Volumes: o.Volumes}
+	p.spec.ID, p.spec.Token, p.spec.Hostname = id, token, ids.Hostname(id)
 	return p, nil
 }
 

@@ -127,6 +127,31 @@ type Prepared interface {
 	Start(spec Spec) error
 }
 
+// NetPreparer is a Preparer whose sandboxes get their network interface,
+// or none, as they are prepared (gVisor's netstack and a VM's NIC are made
+// then): a pool prepares them with spec.Net set, under a policy that
+// allows nothing until Start sets the request's, or without, and hands
+// them only to creates of the same kind (see Fitter).
+type NetPreparer interface {
+	Preparer
+	PreparesNetwork() bool
+}
+
+// Fitter is a Prepared that fixed, as it was prepared, some of what a
+// create may ask for (a network interface or none, a VM's size, a disk's
+// or /dev/shm's size): it serves only creates whose spec Fits. A Prepared
+// that is not a Fitter serves any create of its template.
+type Fitter interface {
+	Fits(spec Spec) bool
+}
+
+// Staler is a Prepared that can tell it was made from what is no longer
+// current: its template imported again, or the agent, kernel or runtime it
+// runs changed on the host. A pool destroys such a sandbox unused.
+type Staler interface {
+	Stale(t *template.Template) bool
+}
+
 // Networked is a sandbox whose network can be handed over after adoption.
 type Networked interface {
 	SetNetwork(n *network.Sandbox)

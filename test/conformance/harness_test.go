@@ -11,6 +11,7 @@ import (
 	"log/slog"
 	"os"
 	"path/filepath"
+	"strconv"
 	"sync"
 	"testing"
 	"time"
@@ -107,6 +108,7 @@ func walls() []wall {
 					requireBase(t, h)
 				}
 				o.Wall = name
+				testPools(t, h, name)
 				sb, err := h.Create(context.Background(), o)
 				if err != nil {
 					t.Fatalf("create sandbox on %s: %v", name, err)
@@ -123,6 +125,21 @@ func walls() []wall {
 		})
 	}
 	return ws
+}
+
+// testPools keeps a pool of the wall's default template on h when
+// CAGE_TEST_POOLS is a number of sandboxes (the suite then runs with pools
+// on: `CAGE_TEST_POOLS=2 go test ./test/conformance`); creates that fit
+// take their sandbox from it. The pool starts at the wall's first create.
+func testPools(t *testing.T, h *sandbox.Host, wallName string) {
+	n, _ := strconv.Atoi(os.Getenv("CAGE_TEST_POOLS"))
+	if n <= 0 {
+		return
+	}
+	netHost(t) // the pool's networks reach the test's world
+	if err := h.AddWallPool(wallName, h.DefaultTemplate(wallName), n); err != nil {
+		t.Fatalf("CAGE_TEST_POOLS: a pool on %s: %v", wallName, err)
+	}
 }
 
 // requireBase skips unless the store has the base template, which a

@@ -96,8 +96,12 @@ func leakCheck(t *testing.T, wallName string, total, workers int, kindOf func(in
 			t.Fatalf("warm-up %s: %v", k, err)
 		}
 	}
+	// With pools on (CAGE_TEST_POOLS), the baseline has none; the pools
+	// run through the workload and are stopped before the final count.
+	h.StopPools()
 	base := takeLeakSnapshot(h.RunDir)
 	t.Logf("baseline: %s", base.summary())
+	testPools(t, h, wallName)
 
 	kinds := make([]leakKind, 0, total)
 	for i := range total {
@@ -144,6 +148,7 @@ func leakCheck(t *testing.T, wallName string, total, workers int, kindOf func(in
 	for id := range warm.ids {
 		run.ids[id] = true
 	}
+	h.StopPools()
 
 	// Everything must be back as it was. The kernel frees some things (net
 	// namespaces) asynchronously, and other processes on the host may have

@@ -66,6 +66,7 @@ type Config struct {
 	Log      *slog.Logger // slog.Default() when nil
 
 	coldBoot bool // boot, do not restore (tests compare the two)
+	prepare  bool // stop once the guest waits for its spec (prepare.go)
 }
 
 func logger(cfg Config) *slog.Logger {
@@ -125,6 +126,7 @@ type Sandbox struct {
 	netns     string
 	tap       *os.File
 	cg        *cgroups.Cgroup
+	prep      *preparation // made ahead of its request (prepare.go); nil when not
 	destroy   sync.Once
 	destroyed chan struct{}
 
@@ -299,10 +301,6 @@ func Create(ctx context.Context, cfg Config) (sb *Sandbox, err error) {
 		return sb, err
 	}
 	vcfg, cache := sb.vcfg, cacheDir(cfg)
-	var gnet *guest.Net
-	if sb.net != nil {
-		gnet = &guest.Net{IP: sb.net.IP, Gateway: cfg.Net.Gateway(), ResolvConf: cfg.Net.ResolvConf()}
-	}
 	trace.Mark("microvm: restore")
 	if !cfg.coldBoot {
 		snap, serr := cachedSnapshot(ctx, cache, vcfg)
@@ -335,31 +333,44 @@ func Create(ctx context.Context, cfg Config) (sb *Sandbox, err error) {
 		return sb, err
 	}
 	trace.Mark("microvm: greeted")
+	if cfg.prepare {
+		return sb, sb.prepared()
+	}
+	return sb, sb.start(ctx, cfg.Spec)
+}
+
+// start sends the guest its spec (its identity, limits and network) and
+// waits for its agent to serve.
+func (sb *Sandbox) start(ctx context.Context, spec wall.Spec) error {
+	var gnet *guest.Net
+	if sb.net != nil {
+		gnet = &guest.Net{IP: sb.net.IP, Gateway: spec.Net.Gateway(), ResolvConf: spec.Net.ResolvConf()}
+	}
 	first, err := sb.sess.Open()
 	if err != nil {
-		return sb, err
+		return err
 	}
 	defer first.Close()
-	hostname := cfg.Hostname
+	hostname := spec.Hostname
 	if hostname == "" {
-		hostname = ids.Hostname(cfg.ID)
+		hostname = ids.Hostname(spec.ID)
 	}
 	// Every guest gets its own random bytes and the time, restored or not:
 	// see spec.
 	entropy := make([]byte, guest.EntropyBytes)
 	if _, err := rand.Read(entropy); err != nil {
-		return sb, err
+		return err
 	}
-	if err := json.NewEncoder(first).Encode(guest.Spec{Token: cfg.Token, Env: cfg.Env, MaxOutput: cfg.MaxOutput,
-		Hostname: hostname, DiskBytes: cfg.DiskBytes, ShmBytes: shmBytes(cfg.ShmBytes), Threads: inside.AgentThreads, Limits: cfg.Limits, Net: gnet,
+	if err := json.NewEncoder(first).Encode(guest.Spec{Token: spec.Token, Env: spec.Env, MaxOutput: spec.MaxOutput,
+		Hostname: hostname, DiskBytes: spec.DiskBytes, ShmBytes: shmBytes(spec.ShmBytes), Threads: inside.AgentThreads, Limits: spec.Limits, Net: gnet,
 		Entropy: entropy, UnixNano: time.Now().UnixNano()}); err != nil {
-		return sb, err
+		return err
 	}
 	if err := readLine(ctx, first, bufio.NewReader(first), guest.Ready); err != nil {
-		return sb, fmt.Errorf("the guest's agent did not start: %w (%s%s)", err, consoleTail(sb.v), qemuEnd(sb.v))
+		return fmt.Errorf("the guest's agent did not start: %w (%s%s)", err, consoleTail(sb.v), qemuEnd(sb.v))
 	}
 	trace.Mark("microvm: ready")
-	return sb, nil
+	return nil
 }
 
 func newSandbox(cfg Config) *Sandbox {

@@ -109,6 +109,9 @@ type job struct {
 	wall.Spec
 	bare    []string
 	bareOut io.Writer
+	// prepare: the agent is started but waits for the request's part of
+	// its spec, which Start sends (see prepare.go).
+	prepare bool
 }
 
 // Sandbox is a running sandbox of an OCI wall.
@@ -125,6 +128,7 @@ type Sandbox struct {
 	diskMount string
 	rootfs    string
 	lifeline  *os.File // write end of the lifeline (DieWithCaller)
+	specW     *os.File // a prepared sandbox's spec pipe, until Start
 	net       *network.Sandbox
 	netns     string        // the network namespace made for it (a network's)
 	ch        *channel.Host // gVisor: the agent connects to the host
@@ -132,6 +136,8 @@ type Sandbox struct {
 	gone      sync.Once
 	procDone  chan struct{} // closed once the current container process has exited
 	log       *slog.Logger
+
+	prep *preparation // made ahead of its request (prepare.go); nil when not
 
 	mu       sync.Mutex
 	stderr   []byte
@@ -223,6 +229,11 @@ func create(ctx context.Context, cfg job) (sb *Sandbox, err error) {
 	resolvConf, err := sb.attachNetwork(cfg)
 	if err != nil {
 		return sb, err
+	}
+	if cfg.prepare {
+		if sb.prep, err = newPreparation(cfg, sb.netns != ""); err != nil {
+			return sb, err
+		}
 	}
 	agentCopy, err := agentCopy(cfg.RunDir, cfg.AgentPath)
 	if err != nil {
@@ -358,19 +369,23 @@ func (sb *Sandbox) run(ctx context.Context, cfg job, key []byte) error {
 		return err
 	}
 	defer specR.Close()
+	keep := false // a prepared sandbox keeps the spec's pipe for Start
+	defer func() {
+		if !keep {
+			specW.Close()
+		}
+	}()
 	oom, err := os.Open(sb.cg.OOMEventsFile())
 	if err != nil {
-		specW.Close()
 		return err
 	}
 	defer oom.Close()
 	pids, err := os.Open(sb.cg.PidsEventsFile())
 	if err != nil {
-		specW.Close()
 		return err
 	}
 	defer pids.Close()
-	spec := container.Spec{Token: cfg.Token, Env: cfg.Env, MaxOutput: cfg.MaxOutput, UserName: inside.UserName,
+	spec := container.Spec{UserName: inside.UserName,
 		AgentUID: inside.AgentUID, Threads: inside.AgentThreads, OOMFD: 4, PidsFD: 5,
 		LoopbackUp: !cfg.Runtime.gvisor() && sb.netns == "", LifelineFD: -1, WritableRoot: cfg.Template.Image != nil,
 		TrimDev: cfg.Runtime.gvisor(), LockFD: -1}
@@ -384,7 +399,6 @@ func (sb *Sandbox) run(ctx context.Context, cfg job, key []byte) error {
 		// lives; the kernel closes it when the process dies.
 		var err error
 		if lifeR, sb.lifeline, err = os.Pipe(); err != nil {
-			specW.Close()
 			return err
 		}
 		defer lifeR.Close()
@@ -412,14 +426,12 @@ func (sb *Sandbox) run(ctx context.Context, cfg job, key []byte) error {
 	} else {
 		l, err := net.ListenUnix("unix", &net.UnixAddr{Name: sb.sock, Net: "unix"})
 		if err != nil {
-			specW.Close()
 			return fmt.Errorf("agent socket: %w", err)
 		}
 		l.SetUnlinkOnClose(false)
 		lf, err := l.File()
 		l.Close()
 		if err != nil {
-			specW.Close()
 			return err
 		}
 		defer lf.Close()
@@ -431,10 +443,16 @@ func (sb *Sandbox) run(ctx context.Context, cfg job, key []byte) error {
 		}
 		args = append(args, "--preserve-fds", strconv.Itoa(len(files))) // fds 3 .. 3+len-1
 	}
+	// The spec is two documents: what the sandbox is, then what its
+	// request says (token, environment), which a prepared sandbox's agent
+	// waits for until Start.
 	data, _ := json.Marshal(spec)
-	_, err = specW.Write(data)
-	specW.Close()
-	if err != nil {
+	if _, err = specW.Write(append(data, '\n')); err != nil {
+		return err
+	}
+	if cfg.prepare {
+		keep, sb.specW = true, specW
+	} else if err := writeStart(specW, cfg.Spec); err != nil {
 		return err
 	}
 	args = append(args, sb.id)
@@ -561,6 +579,9 @@ func (sb *Sandbox) teardown() error {
 	}
 	if sb.lifeline != nil {
 		sb.lifeline.Close()
+	}
+	if sb.specW != nil {
+		sb.specW.Close()
 	}
 	sb.ids.Release()
 	return errors.Join(errs...)

@@ -2,7 +2,9 @@
 // container's init under runc or runsc. The runtime has made the
 // namespaces, mounts, cgroups and the user; the agent then seals itself
 // exactly as on the process wall and serves. Its host half, package oci,
-// writes the Spec defined here on the agent's descriptor 3.
+// writes the Spec defined here on the agent's descriptor 3, then its Start:
+// a prepared sandbox's agent (a pool's) gets ready to serve and waits for
+// the second document, which only the request that takes it sends.
 package container
 
 import (
@@ -27,17 +29,22 @@ import (
 // directory.
 const Socket = "host.sock"
 
-// Spec is what the host passes the agent on descriptor 3.
+// Start is the request's part of the spec: the second document on
+// descriptor 3.
+type Start struct {
+	Token     string            `json:"token"`
+	Env       map[string]string `json:"env"`
+	MaxOutput int64             `json:"max_output"`
+}
+
+// Spec is what the host passes the agent on descriptor 3, first.
 type Spec struct {
 	// WritableRoot: the root is an image template's overlay (see
 	// seal.Options).
-	WritableRoot bool              `json:"writable_root,omitempty"`
-	Token        string            `json:"token"`
-	Env          map[string]string `json:"env"`
-	MaxOutput    int64             `json:"max_output"`
-	UserName     string            `json:"user_name"`
-	AgentUID     int               `json:"agent_uid"`
-	Threads      int               `json:"threads"`
+	WritableRoot bool   `json:"writable_root,omitempty"`
+	UserName     string `json:"user_name"`
+	AgentUID     int    `json:"agent_uid"`
+	Threads      int    `json:"threads"`
 	// Channel, when set (gVisor), is the directory of the host's socket
 	// (package channel), which the agent connects to with ChannelKey;
 	// otherwise the agent's listening socket is fd 4 (runc passes it;
@@ -93,14 +100,11 @@ func trimDev(dir string) error {
 // Serve is cage-agent's `serve` mode. It returns only on error.
 func Serve() error {
 	f := os.NewFile(3, "spec")
-	data, err := io.ReadAll(io.LimitReader(f, 1<<20))
-	f.Close()
-	if err != nil {
-		return fmt.Errorf("read the spec: %w", err)
-	}
+	dec := json.NewDecoder(io.LimitReader(f, 1<<20))
 	var spec Spec
-	if err := json.Unmarshal(data, &spec); err != nil {
-		return fmt.Errorf("decode the spec: %w", err)
+	if err := dec.Decode(&spec); err != nil {
+		f.Close()
+		return fmt.Errorf("read the spec: %w", err)
 	}
 	// Nothing inherited may reach the commands.
 	_ = unix.CloseRange(3, math.MaxUint32, unix.CLOSE_RANGE_CLOEXEC)
@@ -117,6 +121,7 @@ func Serve() error {
 		}
 	} else {
 		lf := os.NewFile(4, "agent.sock")
+		var err error
 		l, err = net.FileListener(lf)
 		lf.Close()
 		if err != nil {
@@ -147,8 +152,16 @@ func Serve() error {
 			return err
 		}
 	}
+	// Ready: the request's part comes now, or when a create takes the
+	// prepared sandbox (a host that goes away first closes the pipe).
+	var start Start
+	err := dec.Decode(&start)
+	f.Close()
+	if err != nil {
+		return fmt.Errorf("read the spec's start: %w", err)
+	}
 	cfg := agent.Config{
-		Token: spec.Token, DefaultUser: spec.UserName, Env: spec.Env, MaxOutput: spec.MaxOutput,
+		Token: start.Token, DefaultUser: spec.UserName, Env: start.Env, MaxOutput: start.MaxOutput,
 		Limits: cgroups.EventFiles{OOM: fileOrNil(spec.OOMFD), Pids: fileOrNil(spec.PidsFD)}, SpawnThreadSetup: seal.SpawnThread,
 		AgentUID: spec.AgentUID, Threads: spec.Threads, Volumes: spec.Volumes,
 	}

@@ -1,0 +1,165 @@
+package oci
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"syscall"
+
+	"github.com/cagehq/cage/internal/inside"
+	"github.com/cagehq/cage/internal/template"
+	"github.com/cagehq/cage/internal/wall"
+	"github.com/cagehq/cage/internal/wall/oci/container"
+)
+
+// A prepared sandbox (a pool's, wall.Preparer) is a container made and
+// started as Create makes one, with its pool's id, hostname, template and
+// sizes, whose agent has read the first document of its spec, connected
+// its channel or taken its listener, and waits for the second: the
+// request's token, environment and output bound. Until then nothing but
+// the agent runs in it, and no one holds its token (it has none). Start
+// applies the request's limits and network policy, then sends the second
+// document; the agent seals itself and serves as after a Create.
+//
+// What the runtime fixed as it started the container stays: whether it
+// has a network interface (gVisor's netstack takes it over at its start,
+// and the image's resolv.conf is written then), and /dev/shm's size. Fits
+// says so. The disk is resized by Start (its tmpfs is the host's).
+
+// preparation is what a prepared sandbox was made from, to tell whether
+// a request fits it and whether it is stale.
+type preparation struct {
+	template, imageID, etc string
+	agent, runtime         string // the agent's and runtime's identities (fileID)
+	agentPath, runtimePath string
+	networked              bool
+	disk, shm              int64
+	started                bool
+}
+
+func newPreparation(cfg job, networked bool) (*preparation, error) {
+	p := &preparation{template: cfg.Template.Name, etc: cfg.Template.EtcCache, networked: networked,
+		disk: cfg.DiskBytes, shm: cfg.ShmBytes, agentPath: cfg.AgentPath, runtimePath: cfg.Runtime.Binary}
+	if cfg.Template.Image != nil {
+		p.imageID = cfg.Template.Image.Info.ID
+	}
+	var err error
+	if p.agent, err = fileID(cfg.AgentPath); err != nil {
+		return nil, err
+	}
+	if p.runtime, err = fileID(cfg.Runtime.Binary); err != nil {
+		return nil, err
+	}
+	return p, nil
+}
+
+// fileID names a file's content as it is now: its inode, size and
+// modification time (a binary installed anew changes at least one).
+func fileID(p string) (string, error) {
+	fi, err := os.Stat(p)
+	if err != nil {
+		return "", err
+	}
+	st := fi.Sys().(*syscall.Stat_t)
+	return fmt.Sprintf("%d-%d-%d-%d", st.Dev, st.Ino, fi.Size(), fi.ModTime().UnixNano()), nil
+}
+
+// Prepare makes a sandbox of spec (id, hostname, template, sizes, limits,
+// and a network under spec.NetPolicy when spec.Net is set) whose agent
+// waits for Start.
+func (d *Driver) Prepare(ctx context.Context, spec wall.Spec, background bool) (wall.Prepared, error) {
+	if err := d.Missing(); err != nil {
+		return nil, err
+	}
+	if spec.DieWithCaller || len(spec.Volumes) > 0 {
+		return nil, fmt.Errorf("%w: a prepared sandbox has no caller to die with and no volumes", wall.ErrInvalid)
+	}
+	return create(ctx, job{Config: d.cfg, Spec: spec, prepare: true})
+}
+
+// PreparesNetwork is true: the network interface is made as the runtime
+// starts (see wall.NetPreparer).
+func (d *Driver) PreparesNetwork() bool { return true }
+
+// Stale says whether the sandbox was prepared from other files than t's
+// now, or with another agent or runtime binary than the host has now.
+func (sb *Sandbox) Stale(t *template.Template) bool {
+	p := sb.prep
+	if p == nil {
+		return false
+	}
+	if t == nil || t.Name != p.template || t.EtcCache != p.etc || (t.Image == nil) != (p.imageID == "") ||
+		(t.Image != nil && t.Image.Info.ID != p.imageID) {
+		return true
+	}
+	agent, err := fileID(p.agentPath)
+	if err != nil || agent != p.agent {
+		return true
+	}
+	rt, err := fileID(p.runtimePath)
+	return err != nil || rt != p.runtime
+}
+
+// Fits says whether a create of spec can be given this prepared sandbox:
+// the same network interface (or none) and /dev/shm size, no volumes, not
+// tied to its caller.
+func (sb *Sandbox) Fits(spec wall.Spec) bool {
+	p := sb.prep
+	if p == nil || p.started {
+		return false
+	}
+	networked := spec.Net != nil && spec.NetPolicy.Networked()
+	return networked == p.networked && spec.ShmBytes == p.shm && len(spec.Volumes) == 0 && !spec.DieWithCaller
+}
+
+// Start gives the prepared sandbox its request: the token, limits, disk
+// size and network policy, then the agent's environment and output bound;
+// the agent then seals itself and serves. wall.ErrStale when the sandbox
+// was prepared from what is no longer current (the caller makes another).
+func (sb *Sandbox) Start(spec wall.Spec) error {
+	p := sb.prep
+	if p == nil || p.started || sb.specW == nil {
+		return errors.New("sandbox already started")
+	}
+	if sb.Stale(spec.Template) {
+		return wall.ErrStale
+	}
+	if !sb.Fits(spec) {
+		return fmt.Errorf("%w: the prepared sandbox does not fit the request", wall.ErrInvalid)
+	}
+	p.started = true
+	sb.token = spec.Token
+	if err := sb.cg.Apply(spec.Limits); err != nil {
+		return err
+	}
+	if spec.DiskBytes > 0 && spec.DiskBytes != p.disk && sb.diskMount != "" {
+		if err := template.ResizeImageDisk(sb.dir, spec.DiskBytes, inside.InodesFor(spec.DiskBytes)); err != nil {
+			return err
+		}
+	}
+	if sb.net != nil {
+		if err := sb.net.SetPolicy(spec.NetPolicy); err != nil {
+			return err
+		}
+	}
+	err := writeStart(sb.specW, spec)
+	sb.specW = nil
+	return err
+}
+
+// writeStart sends the agent the request's part of its spec and closes w.
+func writeStart(w *os.File, spec wall.Spec) error {
+	data, err := json.Marshal(container.Start{Token: spec.Token, Env: spec.Env, MaxOutput: spec.MaxOutput})
+	if err == nil {
+		_, err = w.Write(append(data, '\n'))
+	}
+	if cerr := w.Close(); err == nil {
+		err = cerr
+	}
+	if err != nil {
+		return fmt.Errorf("send the sandbox its spec: %w", err)
+	}
+	return nil
+}

@@ -1,0 +1,201 @@
+package conformance
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/google/go-containerregistry/pkg/v1/mutate"
+
+	"github.com/cagehq/cage/internal/agentclient"
+	"github.com/cagehq/cage/internal/ids"
+	"github.com/cagehq/cage/internal/imgstore"
+	"github.com/cagehq/cage/internal/inside"
+	"github.com/cagehq/cage/internal/network"
+	"github.com/cagehq/cage/internal/sandbox"
+	"github.com/cagehq/cage/internal/testutil"
+)
+
+// TestWallPools: a pool on each wall that prepares ahead (runc, gVisor,
+// microvm; the process wall's is TestTemplatePool's) serves creates of its
+// template. A pooled sandbox carries the create's identity and nothing of
+// the pool's: its own id and hostname (never an earlier sandbox's), the
+// create's token (a connection with none is refused), its environment,
+// limits and network policy; the network interface, or none, follows what
+// creates ask for. Once the template is imported again, and once the agent
+// binary changes, the pool drains what it prepared (counted as stale),
+// refills, and no create runs in the old files or the old agent.
+func TestWallPools(t *testing.T) {
+	for _, w := range walls() {
+		if w.name == "process" {
+			continue
+		}
+		t.Run(w.name, func(t *testing.T) { testWallPool(t, w) })
+	}
+}
+
+func testWallPool(t *testing.T, w wall) {
+	shared, world := netHost(t)
+	if err := shared.WallMissing(w.name); err != nil {
+		w.newBox(t, sandbox.Options{}) // skips (or fails where required) with the reason
+	}
+	importTestImage(t)
+	dir, err := os.MkdirTemp("/run", "cage-wallpool-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	_ = os.Chmod(dir, 0o711)
+	defer testutil.RemoveRunDir(dir)
+	// An agent of its own, changed below.
+	agent := filepath.Join(dir, "cage-agent")
+	if err := copyExec(shared.AgentPath, agent); err != nil {
+		t.Fatal(err)
+	}
+	h, err := sandbox.NewHost(dir, agent, shared.Log)
+	if err != nil {
+		t.Fatal(err)
+	}
+	h.Templates, h.KernelDir = shared.Templates, shared.KernelDir
+	h.NetConfig.Upstreams = world.Upstreams()
+	name := "pool-" + w.name
+	if _, err := h.Templates.Import(context.Background(), testutil.WriteDockerArchive(t, testutil.TestImage(t), "cage-test:"+name), name, imgstore.Options{}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = h.Templates.Remove(name) })
+	if err := h.AddWallPool(w.name, name, 1); err != nil {
+		t.Fatal(err)
+	}
+	defer h.Close()
+
+	stat := func() sandbox.PoolStat {
+		for _, s := range h.PoolStats() {
+			if s.Wall == w.name && s.Template == name {
+				return s
+			}
+		}
+		t.Fatalf("no pool of %s on %s: %+v", name, w.name, h.PoolStats())
+		return sandbox.PoolStat{}
+	}
+	// The pool fills in the background (a VM's first snapshot is made
+	// then): wait for it, however long that takes here.
+	waitFor := func(what string, ok func(sandbox.PoolStat) bool) {
+		t.Helper()
+		deadline := time.Now().Add(3 * time.Minute)
+		for !ok(stat()) {
+			if time.Now().After(deadline) {
+				t.Fatalf("the pool never %s: %+v", what, stat())
+			}
+			time.Sleep(50 * time.Millisecond)
+		}
+	}
+	ready := func(s sandbox.PoolStat) bool { return s.Ready == 1 }
+	seen := map[string]bool{}
+	create := func(o sandbox.Options, wantHit bool) *box {
+		t.Helper()
+		before := stat().Hits
+		o.Wall, o.Template = w.name, name
+		sb, err := h.Create(context.Background(), o)
+		if err != nil {
+			t.Fatalf("create: %v", err)
+		}
+		c := agentclient.New(sb.Dial, sb.Token())
+		t.Cleanup(func() { c.Close(); _ = sb.Destroy() })
+		if hit := stat().Hits > before; hit != wantHit {
+			t.Errorf("create %+v: from the pool %v, want %v (%+v)", o, hit, wantHit, stat())
+		}
+		if seen[sb.ID()] {
+			t.Errorf("sandbox id %s handed out twice", sb.ID())
+		}
+		seen[sb.ID()] = true
+		return &box{Client: c, sb: sb, t: t}
+	}
+
+	// A networked create, with its own environment and limits.
+	waitFor("filled", ready)
+	b := create(sandbox.Options{Net: network.Policy{Mode: network.Internet}, Env: map[string]string{"POOL_VAR": "mine"}, Pids: 40}, true)
+	id := b.sb.ID()
+	if got := strings.TrimSpace(b.mustSh("hostname; echo $POOL_VAR; head -1 /etc/os-release")); got != ids.Hostname(id)+"\nmine\nID=cage-test" {
+		t.Errorf("pooled sandbox %s: hostname, env, files %q", id, got)
+	}
+	if out := b.mustSh(fmt.Sprintf(`printf 'GET / HTTP/1.0\r\n\r\n' | nc -w 5 %s 80 | tail -1`, testutil.PublicHost)); !strings.HasPrefix(out, "public") {
+		t.Errorf("internet policy: the public host answered %q", out)
+	}
+	noToken := agentclient.New(b.sb.Dial, "")
+	if _, err := noToken.Run(context.Background(), agentclient.RunOptions{Cmd: "true"}); err == nil {
+		t.Errorf("a pooled sandbox's agent served a client without its token")
+	}
+	noToken.Close()
+	if cg := b.sb.Cgroup(); cg != nil && w.name != "microvm" {
+		// The host's group holds the sandbox (QEMU's is QEMU's own).
+		file := "pids.max"
+		if data, err := os.ReadFile(filepath.Join(cg.Dir("pids"), file)); err != nil || strings.TrimSpace(string(data)) != fmt.Sprint(40+insideAgentThreads()) {
+			t.Errorf("pids limit of the pooled sandbox: %q (%v), want %d", data, err, 40+insideAgentThreads())
+		}
+	}
+	if w.name != "gvisor" { // under gVisor the pids limit takes the sentry down (see the hostile table)
+		r := b.sh("while :; do sleep 30 & done", withTimeout(60*time.Second))
+		if r.err != nil || r.end.GetReason() != "pids_limit" {
+			t.Errorf("fork loop in a pooled sandbox: %+v %v, want reason pids_limit", r.end, r.err)
+		}
+	}
+
+	// Creates without a network: the pool turns to those.
+	waitFor("refilled", ready)
+	create(sandbox.Options{}, false) // (the pool's sandbox had an interface)
+	waitFor("refilled without a network", ready)
+	b = create(sandbox.Options{}, true)
+	if out := b.sh(fmt.Sprintf(`printf 'GET / HTTP/1.0\r\n\r\n' | nc -w 3 %s 80`, testutil.PublicHost)); strings.Contains(out.stdout, "public") {
+		t.Errorf("a pooled sandbox without a network reached the public host: %q", out.stdout)
+	}
+
+	// The template imported again: what the pool holds is stale.
+	waitFor("refilled", ready)
+	layer := testutil.Layer(t, testutil.LayerTar(t, []testutil.TarEntry{{Name: "etc/os-release", Body: []byte("ID=changed\n")}}))
+	img, err := mutate.AppendLayers(testutil.TestImage(t), layer)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := h.Templates.Import(context.Background(), testutil.WriteDockerArchive(t, img, "cage-test:"+name+"-changed"), name, imgstore.Options{}); err != nil {
+		t.Fatal(err)
+	}
+	waitFor("drained its stale sandbox", func(s sandbox.PoolStat) bool { return s.Stale >= 1 })
+	waitFor("refilled", ready)
+	b = create(sandbox.Options{}, true)
+	if got := b.mustSh("head -1 /etc/os-release"); got != "ID=changed\n" {
+		t.Errorf("after the template changed, a pooled create ran in %q; want the new files", got)
+	}
+	if w.name == "microvm" {
+		return // a new agent is a new initramfs and snapshot: a cold boot under TCG
+	}
+
+	// The agent binary changes (a new cage installed): stale too.
+	waitFor("refilled", ready)
+	f, err := os.OpenFile(agent, os.O_WRONLY|os.O_APPEND, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, err = f.Write([]byte("changed"))
+	if cerr := f.Close(); err == nil {
+		err = cerr
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	waitFor("drained its sandbox of the old agent", func(s sandbox.PoolStat) bool { return s.Stale >= 2 })
+	waitFor("refilled", ready)
+	create(sandbox.Options{}, true).mustSh("true")
+}
+
+func insideAgentThreads() int64 { return int64(inside.AgentThreads) }
+
+func copyExec(src, dst string) error {
+	data, err := os.ReadFile(src)
+	if err != nil {
+		return err
+	}
+	return os.WriteFile(dst, data, 0o755)
+}
