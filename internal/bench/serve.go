@@ -201,8 +201,16 @@ func ProxyRoundTrip(ctx context.Context, c *client.Client, runs int) (stats.Stat
 // DaemonLoad creates n sandboxes through the API and reports the creation
 // rate and the daemon's resident memory with all of them alive.
 func DaemonLoad(ctx context.Context, d *Daemon, n, concurrency int) (rate float64, rssBefore, rssAfter int64, err error) {
-	c := d.Client()
 	rssBefore = rss(d.Pid())
+	rate, err = CreateMany(ctx, d.Client(), n, concurrency)
+	time.Sleep(time.Second)
+	return rate, rssBefore, rss(d.Pid()), err
+}
+
+// CreateMany creates n sandboxes through the API, concurrency at a time,
+// and leaves them alive; it returns the rate of creates a second. A
+// create that fails ends it with that error.
+func CreateMany(ctx context.Context, c *client.Client, n, concurrency int) (rate float64, err error) {
 	start := time.Now()
 	var wg sync.WaitGroup
 	var mu sync.Mutex
@@ -221,7 +229,9 @@ func DaemonLoad(ctx context.Context, d *Daemon, n, concurrency int) (rate float6
 				mu.Unlock()
 				if _, cerr := c.Create(ctx, hostSandbox(600)); cerr != nil {
 					mu.Lock()
-					err = cerr
+					if err == nil {
+						err = fmt.Errorf("create %d of %d: %w", next, n, cerr)
+					}
 					mu.Unlock()
 					return
 				}
@@ -229,9 +239,39 @@ func DaemonLoad(ctx context.Context, d *Daemon, n, concurrency int) (rate float6
 		}()
 	}
 	wg.Wait()
-	rate = float64(n) / time.Since(start).Seconds()
+	return float64(n) / time.Since(start).Seconds(), err
+}
+
+// Rates is the API's create rate with few sandboxes alive and with many.
+type Rates struct {
+	Empty, Full   float64 // creates a second: the first window, the last
+	Alive         int     // sandboxes alive at the end
+	RSSBefore     int64   // the daemon's resident memory before
+	RSSFull       int64   // ... with Alive sandboxes alive
+	Window, Conns int
+}
+
+// CreateRates creates alive sandboxes through the API, concurrency at a
+// time: the rate of the first window creates (next to none alive) and of
+// the last window (next to alive), so that a rate that falls as sandboxes
+// pile up shows. They stay alive (Daemon.Stop removes them).
+func CreateRates(ctx context.Context, d *Daemon, alive, window, concurrency int) (Rates, error) {
+	window = max(1, min(window, alive/2))
+	r := Rates{Alive: alive, Window: window, Conns: concurrency, RSSBefore: rss(d.Pid())}
+	c := d.Client()
+	var err error
+	if r.Empty, err = CreateMany(ctx, c, window, concurrency); err != nil {
+		return r, err
+	}
+	if _, err = CreateMany(ctx, c, alive-2*window, concurrency); err != nil {
+		return r, err
+	}
+	if r.Full, err = CreateMany(ctx, c, window, concurrency); err != nil {
+		return r, err
+	}
 	time.Sleep(time.Second)
-	return rate, rssBefore, rss(d.Pid()), err
+	r.RSSFull = rss(d.Pid())
+	return r, nil
 }
 
 func rss(pid int) int64 {

@@ -3,9 +3,9 @@ package cli
 import (
 	"context"
 	"fmt"
-	"io"
 	"os"
 	"path/filepath"
+	"strings"
 
 	"github.com/cagehq/cage/internal/bench"
 	"github.com/cagehq/cage/internal/bench/stats"
@@ -18,7 +18,7 @@ const auditLoop, auditLoopWorkers = 10000, 4
 
 // benchAudit measures what the audit trail costs: two daemons, one keeping
 // the trail and one not (config audit.disabled), each with a pool of 4.
-func benchAudit(ctx context.Context, w io.Writer, runs int) error {
+func benchAudit(ctx context.Context, t *bench.Table, runs int) error {
 	exe, err := os.Executable()
 	if err != nil {
 		return err
@@ -34,46 +34,48 @@ func benchAudit(ctx context.Context, w io.Writer, runs int) error {
 	}
 	dOn, err := bench.StartDaemon(exe, 4)
 	if err != nil {
-		return exitf(ExitInternal, "audit: %v", err)
+		return err
 	}
 	defer dOn.Stop()
 	dOff, err := bench.StartDaemon(exe, 4, "--config", off)
 	if err != nil {
-		return exitf(ExitInternal, "audit: %v", err)
+		return err
 	}
 	defer dOff.Stop()
 	on, offS, err := bench.InterleavedTTI(ctx, dOn.Client(), dOff.Client(), runs)
 	if err != nil {
-		return exitf(ExitInternal, "audit: %v", err)
+		return err
 	}
-	fmt.Fprintf(w, "audit: create -> first output, trail kept     %s\n", on)
-	fmt.Fprintf(w, "audit: create -> first output, no trail       %s\n", offS)
-	fmt.Fprintf(w, "audit: ratio of medians kept/none             %.3fx (target <= 1.05)\n", stats.Ratio(on, offS))
+	r := stats.Ratio(on, offS)
+	t.Set(bench.Row{ID: "audit.tti", What: "audit: create -> first output (API + proxy), trail kept", Cage: bench.Latency(on),
+		PeerName: "no trail", Peer: bench.Latency(offS), Ratio: r, Target: "<= 1.05x", Status: bench.Judge(r <= 1.05)})
 	for _, d := range []struct {
 		name string
 		d    *bench.Daemon
-	}{{"trail kept", dOn}, {"no trail  ", dOff}} {
+	}{{"trail kept", dOn}, {"no trail", dOff}} {
 		rt, err := bench.ProxyRoundTrip(ctx, d.d.Client(), max(runs, 200))
 		if err != nil {
-			return exitf(ExitInternal, "audit: %v", err)
+			return err
 		}
-		fmt.Fprintf(w, "audit: round trip through the proxy, %s %s\n", d.name, rt)
+		t.Set(bench.Row{ID: "audit.roundtrip." + strings.ReplaceAll(d.name, " ", "-"), What: "audit: round trip through the proxy, " + d.name,
+			Cage: bench.Latency(rt), Status: bench.NoTarget})
 	}
 	var tenants [2]bench.Tenant
 	for i, d := range []*bench.Daemon{dOn, dOff} {
 		key, err := d.NewKey(exe)
 		if err != nil {
-			return exitf(ExitInternal, "audit: %v", err)
+			return err
 		}
 		tenants[i] = bench.Tenant{Loop: d.Client(), Other: client.New(d.API, d.Proxy, key)}
 	}
 	lat, rate, err := bench.LoopLoad(ctx, tenants[0], tenants[1], auditLoop, auditLoopWorkers, 500)
 	if err != nil {
-		return exitf(ExitInternal, "audit: %v", err)
+		return err
 	}
-	for i, name := range []string{"trail kept", "no trail  "} {
-		fmt.Fprintf(w, "audit: %d commands in a loop (%d at a time, chunks of 500 in turn), %s: %.0f commands/s; another tenant's GET %s\n",
-			auditLoop, auditLoopWorkers, name, rate[i], lat[i])
+	for i, name := range []string{"trail kept", "no trail"} {
+		t.Set(bench.Row{ID: "audit.loop." + strings.ReplaceAll(name, " ", "-"),
+			What: fmt.Sprintf("audit: another tenant's GET while a sandbox runs %d commands (%d at a time), %s", auditLoop, auditLoopWorkers, name),
+			Cage: bench.Latency(lat[i]), Status: bench.NoTarget, Note: fmt.Sprintf("%.0f commands/s", rate[i])})
 	}
 	return nil
 }

@@ -4,7 +4,6 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
-	"io"
 	"net"
 	"net/http"
 	"os"
@@ -28,7 +27,7 @@ const difyConcurrent = 100
 // template, the process wall, a pool of 4, Dify's default of a network)
 // against the seccomp-only peer (dify-sandbox's design) in the same run:
 // latency one run at a time, interleaved, and 100 runs at once.
-func benchDify(ctx context.Context, w io.Writer, h *sandbox.Host, runs int) error {
+func benchDify(ctx context.Context, t *bench.Table, h *sandbox.Host, runs int) error {
 	if h.Templates == nil {
 		var err error
 		if h.Templates, err = openTemplates(""); err != nil {
@@ -36,7 +35,7 @@ func benchDify(ctx context.Context, w io.Writer, h *sandbox.Host, runs int) erro
 		}
 	}
 	if _, err := h.Template(dify.DefaultTemplate); err != nil {
-		fmt.Fprintf(w, "dify: skipped: %v (make base builds it)\n", err)
+		t.Skip("dify", "dify: code nodes", fmt.Sprintf("%v (make base builds it)", err))
 		return nil
 	}
 	exe, err := os.Executable()
@@ -62,34 +61,40 @@ func benchDify(ctx context.Context, w io.Writer, h *sandbox.Host, runs int) erro
 	l.Close()
 	d, err := bench.StartDaemon(exe, 0, "--dify", addr, "--config", path)
 	if err != nil {
-		return exitf(ExitInternal, "dify: %v", err)
+		return err
 	}
 	defer d.Stop()
 	cageURL := "http://" + addr
 	if err := waitHealthy(cageURL); err != nil {
-		return exitf(ExitInternal, "dify: %v", err)
+		return err
 	}
 	peer, err := bench.StartSeccompPeer(exe, workers, 2*difyConcurrent, dify.DefaultTimeout)
 	if err != nil {
-		fmt.Fprintf(w, "dify: skipped: %v\n", err)
+		t.Skip("dify", "dify: code nodes", err.Error())
 		return nil
 	}
 	defer peer.Stop()
 	lat, err := bench.DifyLatency(ctx, []string{cageURL, peer.URL}, runs)
 	if err != nil {
-		return exitf(ExitInternal, "dify: %v", err)
+		return err
 	}
-	fmt.Fprintf(w, "dify: python3 main -> dict, one at a time, cage serve --dify (base, process wall, pool of 4)  %s\n", lat[0])
-	fmt.Fprintf(w, "dify: the same, seccomp-only peer (python3, seccomp, uid %d, no namespaces or limits)  %s\n", bench.PeerUID, lat[1])
-	fmt.Fprintf(w, "dify: ratio of medians cage/peer  %.2fx\n", stats.Ratio(lat[0], lat[1]))
-	for _, t := range []struct{ name, url string }{{"cage serve --dify", cageURL}, {"seccomp-only peer", peer.URL}} {
+	t.Set(bench.Row{ID: "dify.latency", What: "dify: python3 main -> dict, one at a time (base, process wall, pool of 4)", Cage: bench.Latency(lat[0]),
+		PeerName: fmt.Sprintf("seccomp-only runner (uid %d, no namespaces or limits)", bench.PeerUID), Peer: bench.Latency(lat[1]),
+		Ratio: stats.Ratio(lat[0], lat[1]), Status: bench.NoTarget})
+	var rs [2]bench.Throughput
+	for i, url := range []string{cageURL, peer.URL} {
 		time.Sleep(2 * time.Second) // a pool refilled, a machine settled
-		r := bench.DifyThroughput(ctx, t.url, difyConcurrent)
-		fmt.Fprintf(w, "dify: %d at once (%d workers), %s: %.1f runs/s, all answered in %v, %d failed; latency %s\n",
-			difyConcurrent, workers, t.name, r.PerSecond(), r.Took.Round(time.Millisecond), r.Failed, r.Latency)
-		if r.First != nil {
-			fmt.Fprintf(w, "dify:   first failure: %v\n", r.First)
-		}
+		rs[i] = bench.DifyThroughput(ctx, url, difyConcurrent)
+	}
+	note := fmt.Sprintf("%d workers; %d and %d failed", workers, rs[0].Failed, rs[1].Failed)
+	if rs[0].First != nil {
+		note += "; cage's first failure: " + rs[0].First.Error()
+	}
+	t.Set(bench.Row{ID: "dify.throughput", What: fmt.Sprintf("dify: %d at once", difyConcurrent), Cage: bench.Quantity(rs[0].PerSecond(), "runs/s"),
+		PeerName: "seccomp-only runner", Peer: bench.Quantity(rs[1].PerSecond(), "runs/s"), Ratio: rs[0].PerSecond() / rs[1].PerSecond(),
+		Status: bench.NoTarget, Note: note})
+	if rs[0].Failed > 0 {
+		t.Fail("dify.throughput", "", fmt.Errorf("%d of %d runs failed at once: %v", rs[0].Failed, difyConcurrent, rs[0].First))
 	}
 	return nil
 }

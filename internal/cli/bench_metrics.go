@@ -3,7 +3,6 @@ package cli
 import (
 	"context"
 	"fmt"
-	"io"
 	"net"
 	"os"
 	"time"
@@ -15,7 +14,7 @@ import (
 // benchMetrics measures what Prometheus metrics cost the API: two daemons
 // with a pool of 4, one serving /metrics (scraped every second meanwhile)
 // and one without, create -> first output interleaved.
-func benchMetrics(ctx context.Context, w io.Writer, runs int) error {
+func benchMetrics(ctx context.Context, t *bench.Table, runs int) error {
 	exe, err := os.Executable()
 	if err != nil {
 		return err
@@ -28,21 +27,21 @@ func benchMetrics(ctx context.Context, w io.Writer, runs int) error {
 	l.Close()
 	dOn, err := bench.StartDaemon(exe, 4, "--metrics", addr)
 	if err != nil {
-		return exitf(ExitInternal, "metrics: %v", err)
+		return err
 	}
 	defer dOn.Stop()
 	dOff, err := bench.StartDaemon(exe, 4)
 	if err != nil {
-		return exitf(ExitInternal, "metrics: %v", err)
+		return err
 	}
 	defer dOff.Stop()
 	on, off, scrapes, size, err := bench.MetricsTTI(ctx, dOn, dOff, addr, runs, time.Second)
 	if err != nil {
-		return exitf(ExitInternal, "metrics: %v", err)
+		return err
 	}
-	fmt.Fprintf(w, "metrics: create -> first output, /metrics served and scraped every 1 s  %s\n", on)
-	fmt.Fprintf(w, "metrics: create -> first output, no metrics                          %s\n", off)
-	fmt.Fprintf(w, "metrics: ratio of medians on/off                                     %.3fx (target <= 1.05)\n", stats.Ratio(on, off))
-	fmt.Fprintf(w, "metrics: a scrape of /metrics (%d bytes)                              %s\n", size, scrapes)
+	r := stats.Ratio(on, off)
+	t.Set(bench.Row{ID: "metrics.tti", What: "metrics: create -> first output, /metrics served and scraped every 1 s", Cage: bench.Latency(on),
+		PeerName: "no metrics", Peer: bench.Latency(off), Ratio: r, Target: "<= 1.05x", Status: bench.Judge(r <= 1.05)})
+	t.Set(bench.Row{ID: "metrics.scrape", What: fmt.Sprintf("metrics: a scrape of /metrics (%d bytes)", size), Cage: bench.Latency(scrapes), Status: bench.NoTarget})
 	return nil
 }

@@ -1,0 +1,80 @@
+package cli
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strconv"
+	"time"
+
+	"github.com/cagehq/cage/internal/bench"
+	"github.com/cagehq/cage/internal/units"
+)
+
+// serveWindow is how many creates each of serve's create rates is taken
+// over, and serveConns how many the client keeps in flight (the daemon's
+// default limits.creating on a 2-core host).
+const serveWindow, serveConns = 100, 8
+
+// benchServe measures through a cage serve it starts (pool of 4): time
+// to interactive one at a time and 20 at once, the round trip through the
+// proxy, and the API's create rate with none and with alive sandboxes
+// alive. The per-key rate limits are lifted for it (they are a policy, not
+// what the daemon can do); the server's own bounds are the defaults.
+func benchServe(ctx context.Context, t *bench.Table, runs, alive int) error {
+	exe, err := os.Executable()
+	if err != nil {
+		return err
+	}
+	dir, err := os.MkdirTemp("", "cage-bench-serve-")
+	if err != nil {
+		return err
+	}
+	defer os.RemoveAll(dir)
+	cfg, _ := json.Marshal(map[string]any{"limits": map[string]any{"key_requests": 1e6, "key_creates": 1e6}})
+	path := filepath.Join(dir, "cage.json")
+	if err := os.WriteFile(path, cfg, 0o600); err != nil {
+		return err
+	}
+	d, err := bench.StartDaemon(exe, 4, "--config", path, "--max-sandboxes", strconv.Itoa(alive+serveWindow))
+	if err != nil {
+		return err
+	}
+	defer d.Stop()
+	c := d.Client()
+	s, err := bench.TimeToInteractive(ctx, c, runs, 1)
+	if err != nil {
+		t.Fail("serve.tti", "", err)
+	} else {
+		t.Set(bench.Row{ID: "serve.tti", Cage: bench.Latency(s), Status: bench.NoTarget})
+	}
+	s, err = bench.TimeToInteractive(ctx, c, max(runs, 40), 20)
+	if err != nil {
+		t.Fail("serve.tti20", "", err)
+	} else {
+		t.Set(bench.Row{ID: "serve.tti20", Cage: bench.Latency(s), Status: bench.Judge(s.P50 <= 100*time.Millisecond)})
+	}
+	s, err = bench.ProxyRoundTrip(ctx, c, max(runs, 200))
+	if err != nil {
+		t.Fail("serve.roundtrip", "", err)
+	} else {
+		t.Set(bench.Row{ID: "serve.roundtrip", Cage: bench.Latency(s), Status: bench.NoTarget})
+	}
+	r, err := bench.CreateRates(ctx, d, alive, serveWindow, serveConns)
+	if err != nil {
+		t.Fail("serve.rate", "", err)
+		return nil
+	}
+	t.Set(bench.Row{ID: "serve.rate", What: fmt.Sprintf("API creates/s (process wall), the first %d, %d in flight", r.Window, r.Conns),
+		Cage: bench.Quantity(r.Empty, "creates/s"), Status: bench.Judge(r.Empty >= 200)})
+	flat := r.Full / r.Empty
+	t.Set(bench.Row{ID: "serve.rate.alive", What: fmt.Sprintf("API creates/s, the last %d of %d alive", r.Window, r.Alive),
+		Cage: bench.Quantity(r.Full, "creates/s"), PeerName: "the first " + strconv.Itoa(r.Window), Peer: bench.Quantity(r.Empty, "creates/s"),
+		Ratio: flat, Status: bench.Judge(r.Full >= 200 && flat >= 0.9)})
+	t.Set(bench.Row{ID: "serve.rss", What: fmt.Sprintf("daemon resident memory with %d alive", r.Alive),
+		Cage: bench.Quantity(float64(r.RSSFull)/(1<<20), "MiB"), Status: bench.NoTarget,
+		Note: "idle before: " + units.FormatSize(roundKiB(r.RSSBefore))})
+	return nil
+}
