@@ -3,11 +3,14 @@ package sandbox
 import (
 	"context"
 	"errors"
+	"fmt"
+	"io"
 	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
 
+	"github.com/cagehq/cage/internal/agentclient"
 	"github.com/cagehq/cage/internal/ids"
 	"github.com/cagehq/cage/internal/inside"
 	"github.com/cagehq/cage/internal/network"
@@ -48,6 +51,7 @@ type pool struct {
 	wall     string
 	prep     wall.Preparer
 	fixesNet bool         // the wall gives members their network as it prepares them
+	warm     bool         // members are started and run a command first (wall.Warmer)
 	started  atomic.Bool  // its sandboxes are started (the template has a start command)
 	wantNet  atomic.Bool  // make members with a network interface (where the wall fixes it)
 	hits     atomic.Int64 // creates it served
@@ -120,6 +124,9 @@ func (h *Host) AddWallPool(wallName, name string, n int) error {
 		cancel: cancel, done: make(chan struct{})}
 	for range n {
 		p.room <- struct{}{}
+	}
+	if w, ok := d.(wall.Warmer); ok && w.WarmsUp() {
+		p.warm = true
 	}
 	if np, ok := d.(wall.NetPreparer); ok && np.PreparesNetwork() {
 		// Until creates say otherwise, members have a network interface
@@ -248,22 +255,43 @@ func (h *Host) prepare(ctx context.Context, p *pool) (wall.Prepared, error) {
 		}
 	}
 	sb, err := p.prep.Prepare(ctx, spec, true)
-	if err != nil || !started {
+	if err != nil || !(started || p.warm) {
 		return sb, err
 	}
-	p.started.Store(true)
+	if started {
+		p.started.Store(true)
+	}
 	spec.Token = ids.NewToken()
 	spec.Env = tmpl.EnvWith(nil)
 	if err := sb.Start(spec); err != nil {
 		_ = sb.Destroy()
 		return nil, err
 	}
-	if err := startCommand(sb, tmpl); err != nil {
+	if started {
+		err = startCommand(sb, tmpl)
+	} else {
+		err = warmUp(ctx, sb)
+	}
+	if err != nil {
 		_ = sb.Destroy()
 		return nil, err
 	}
 	_, fixed := sb.(wall.Fitter)
-	return &startedSandbox{Prepared: sb, spec: spec, fixedLimits: fixed}, nil
+	return &startedSandbox{Prepared: sb, spec: spec, fixedLimits: fixed, netKind: !started && p.fixesNet}, nil
+}
+
+// warmUp runs a command in a started sandbox (true, through the agent, as
+// a create's first command would), so that its first command for the
+// create that takes it finds its path warm (see wall.Warmer).
+func warmUp(ctx context.Context, sb wall.Sandbox) error {
+	c := agentclient.New(sb.Dial, sb.Token())
+	defer c.Close()
+	ctx, cancel := context.WithTimeout(ctx, time.Minute)
+	defer cancel()
+	if _, err := c.Run(ctx, agentclient.RunOptions{Cmd: "true", Stdout: io.Discard, Stderr: io.Discard}); err != nil {
+		return fmt.Errorf("warm up: %w", err)
+	}
+	return nil
 }
 
 func hasStartCommand(t *template.Template) bool {
@@ -276,6 +304,7 @@ type startedSandbox struct {
 	wall.Prepared
 	spec        wall.Spec // what it was started with
 	fixedLimits bool      // its wall fixed its limits at the start (a VM's)
+	netKind     bool      // it serves only creates with its network interface, or without
 }
 
 // Start applies spec's limits and network policy (fits checked the rest).
@@ -292,9 +321,11 @@ func (s *startedSandbox) Start(spec wall.Spec) error {
 }
 
 // Fits: a wall that fixed the sandbox's limits at its start serves only
-// creates with the same (fits checked the rest).
+// creates with the same, and one that fixed its network interface, or
+// none, creates of that kind (fits checked the rest).
 func (s *startedSandbox) Fits(spec wall.Spec) bool {
-	return !s.fixedLimits || spec.Limits == s.spec.Limits
+	networked := spec.Net != nil && spec.NetPolicy.Networked()
+	return (!s.fixedLimits || spec.Limits == s.spec.Limits) && (!s.netKind || networked == (s.Network() != nil))
 }
 
 // Stale is the started sandbox's own (see wall.Staler).
@@ -314,10 +345,11 @@ func (h *Host) poolTemplate() string {
 }
 
 // fits says whether a started sandbox can serve a create of o: what it was
-// started with and cannot change (disk and shm sizes, environment, whether
-// it has a network interface) is what o asks for.
-func fits(o *Options) bool {
-	return o.Disk == DefaultDisk && o.Shm == DefaultShm && len(o.Env) == 0 && o.MaxOutput == 0 && o.Net.Networked()
+// started with and cannot change (disk and shm sizes, environment, and
+// for one whose start command ran, a network interface) is what o asks
+// for.
+func fits(o *Options, needNet bool) bool {
+	return o.Disk == DefaultDisk && o.Shm == DefaultShm && len(o.Env) == 0 && o.MaxOutput == 0 && (!needNet || o.Net.Networked())
 }
 
 // take hands out a sandbox made ahead for a create of o on wall w (spec:
@@ -329,7 +361,7 @@ func (ps *pools) take(w string, o *Options, spec wall.Spec) wall.Prepared {
 	ps.mu.Lock()
 	p := ps.byName[poolKey(w, spec.Template.Name)]
 	ps.mu.Unlock()
-	if p == nil || (p.started.Load() && !fits(o)) {
+	if p == nil || ((p.started.Load() || p.warm) && !fits(o, p.started.Load())) {
 		return nil
 	}
 	networked := spec.Net != nil && spec.NetPolicy.Networked()

@@ -137,6 +137,17 @@ type NetPreparer interface {
 	PreparesNetwork() bool
 }
 
+// Warmer is a Preparer whose sandboxes serve their first command slowly
+// until one has run (a VM under TCG translates every guest instruction
+// anew in each QEMU): where WarmsUp, a pool starts its sandboxes with an
+// identity of its own (a fresh id, token and hostname, default sizes and
+// limits, no environment) and runs a command in each before handing it
+// out, and so serves only creates that ask for no more than that.
+type Warmer interface {
+	Preparer
+	WarmsUp() bool
+}
+
 // Fitter is a Prepared that fixed, as it was prepared, some of what a
 // create may ask for (a network interface or none, a VM's size, a disk's
 // or /dev/shm's size): it serves only creates whose spec Fits. A Prepared

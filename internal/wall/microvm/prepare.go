@@ -76,6 +76,13 @@ func (d *Driver) Prepare(ctx context.Context, spec wall.Spec, background bool) (
 // wall.NetPreparer).
 func (d *Driver) PreparesNetwork() bool { return true }
 
+// WarmsUp is true under TCG, where a restored VM's first command takes
+// the translation of every instruction on its path (see wall.Warmer).
+func (d *Driver) WarmsUp() bool {
+	accel, _ := d.Accel(context.Background())
+	return accel != "kvm"
+}
+
 // Stale says whether the VM was prepared from another image than t's, or
 // with another agent, kernel or QEMU than the host has now.
 func (sb *Sandbox) Stale(t *template.Template) bool {
