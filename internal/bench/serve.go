@@ -91,9 +91,23 @@ func (d *Daemon) Pid() int { return d.cmd.Process.Pid }
 func (d *Daemon) Stop() {
 	c := d.Client()
 	if list, err := c.List(context.Background(), nil); err == nil {
-		for _, s := range list {
-			_ = c.Kill(context.Background(), s.SandboxID)
+		// A thousand left alive by a rate measurement: 8 kills at a time.
+		ids := make(chan string)
+		var wg sync.WaitGroup
+		for w := 0; w < 8; w++ {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				for id := range ids {
+					_ = c.Kill(context.Background(), id)
+				}
+			}()
 		}
+		for _, s := range list {
+			ids <- s.SandboxID
+		}
+		close(ids)
+		wg.Wait()
 	}
 	if d.cmd != nil && d.cmd.Process != nil {
 		_ = d.cmd.Process.Signal(os.Interrupt)

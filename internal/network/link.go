@@ -7,6 +7,7 @@ import (
 	"net/netip"
 	"os"
 	"runtime"
+	"sync"
 
 	"github.com/vishvananda/netlink"
 	"github.com/vishvananda/netns"
@@ -24,8 +25,18 @@ import (
 // The host end has IPv6 disabled and nftables drops any IPv6 from a sandbox:
 // sandboxes are IPv4 only.
 
+// linkMu serialises this process's attachLinks. Each of their steps takes
+// the kernel's rtnl lock anyway, so running them one at a time loses
+// nothing; but the IPv6 sysctl write does not wait for that lock: it
+// tries it and restarts the write while another holds it, spinning on a
+// CPU. With creates at once (8 on a 2-core host) that spin took a fifth
+// of the daemon's CPU, starving the very holders it waited for.
+var linkMu sync.Mutex
+
 // attachLink makes the pair with its peer inside the namespace nsFD.
 func attachLink(slot, nsFD int, ip, gw netip.Addr) (err error) {
+	linkMu.Lock()
+	defer linkMu.Unlock()
 	name := ifName(slot)
 	if old, err := netlink.LinkByName(name); err == nil {
 		_ = netlink.LinkDel(old) // a leftover of a sandbox whose owner died
