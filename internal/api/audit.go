@@ -82,7 +82,7 @@ func (s *server) audited(mux http.Handler) http.Handler {
 			if s.cfg.Metrics != nil {
 				s.cfg.Metrics.APICall(metricRoute(r), status, time.Since(start))
 			}
-			if s.cfg.Audit != nil {
+			if s.cfg.Audit != nil && !(r.Context().Value(quietKey{}) != nil && r.Method == http.MethodGet) {
 				s.recordCall(r, info, status)
 			}
 		}()
@@ -90,6 +90,16 @@ func (s *server) audited(mux http.Handler) http.Handler {
 		finished = true
 	})
 }
+
+type quietKey struct{}
+
+// Quiet marks a request as the dashboard's own read (internal/ui, in this
+// process: its live pages' polls every few seconds, and the lookup of a
+// sandbox's token before it asks the agent, which the proxy records): a
+// GET so marked is answered, rate-limited and counted as any other but not
+// written to the audit trail, where the polls would crowd out what the key
+// did. Only this process can set it; no request from outside carries it.
+func Quiet(ctx context.Context) context.Context { return context.WithValue(ctx, quietKey{}, true) }
 
 // metricRoute is a call's route as a metric's label: the mux's pattern,
 // a bounded set ("" for none).

@@ -62,6 +62,7 @@ type Config struct {
 	Volumes   Volumes        `json:"volumes"`
 	Dify      Dify           `json:"dify"`
 	Metrics   Metrics        `json:"metrics"`
+	UI        UI             `json:"ui"` // the dashboard at /ui (ui.go)
 	// TLS makes the proxy's listener speak TLS (tls.go).
 	TLS TLS `json:"tls"`
 }
@@ -327,8 +328,16 @@ func Run(ctx context.Context, cfg Config, log *slog.Logger, ready func(apiAddr, 
 			}
 		}()
 	}
-	apiSrv := newServer(withMCP(api.Handler(api.Config{Manager: mgr, Store: st, Log: log, Domain: cfg.Domain,
-		DefaultWall: cfg.DefaultWall, Audit: trail, Metrics: mx, Rates: cfg.Limits.rates()}), st, trail, apiL.Addr(), proxyL.Addr(), log), true)
+	apiH := api.Handler(api.Config{Manager: mgr, Store: st, Log: log, Domain: cfg.Domain,
+		DefaultWall: cfg.DefaultWall, Audit: trail, Metrics: mx, Rates: cfg.Limits.rates()})
+	apiMux, err := withUI(cfg.UI, withMCP(apiH, st, trail, apiL.Addr(), proxyL.Addr(), log), apiH, st, mgr, host,
+		proxyL.Addr(), cfg.Data, cfg.RunDir, log)
+	if err != nil {
+		apiL.Close()
+		proxyL.Close()
+		return err
+	}
+	apiSrv := newServer(apiMux, true)
 	px := proxy.New(mgr, cfg.Domain, log)
 	if trail != nil {
 		px.Observe, px.Denied = trail.ObserveEnvd, trail.ProxyDenied

@@ -1,0 +1,72 @@
+package ui
+
+import (
+	"context"
+	"errors"
+	"net/http"
+	"time"
+)
+
+// current checks the session's key again (a key revoked since sign-in
+// signs the session out) and returns what it is now.
+func (s *Server) current(w http.ResponseWriter, r *http.Request) (Identity, bool) {
+	ss := sessionOf(r)
+	who, err := s.cfg.Verify(ss.key)
+	if err != nil {
+		if errors.Is(err, ErrBadKey) {
+			s.sessions.remove(ss.id)
+			writeError(w, http.StatusUnauthorized, "invalid API key")
+			return who, false
+		}
+		writeError(w, http.StatusInternalServerError, "cannot check the key now")
+		return who, false
+	}
+	return who, true
+}
+
+// templates lists the template store: every key may create from any of
+// them, so every key sees them. Builds run on the host (cage template
+// build); the API has no route for them.
+func (s *Server) templates(w http.ResponseWriter, r *http.Request) {
+	if _, ok := s.current(w, r); !ok {
+		return
+	}
+	if s.cfg.Templates == nil {
+		writeJSON(w, http.StatusOK, map[string]any{"templates": []Template{}})
+		return
+	}
+	ts, err := s.cfg.Templates()
+	if err != nil {
+		writeError(w, http.StatusInternalServerError, "template store: "+err.Error())
+		return
+	}
+	if ts == nil {
+		ts = []Template{}
+	}
+	writeJSON(w, http.StatusOK, map[string]any{"templates": ts})
+}
+
+// host is what the daemon says of its host (walls, pools, capacity): for
+// admin keys only, as the /admin routes are.
+func (s *Server) host(w http.ResponseWriter, r *http.Request) {
+	who, ok := s.current(w, r)
+	if !ok {
+		return
+	}
+	if !who.Admin {
+		writeError(w, http.StatusForbidden, "the host page is for admin keys")
+		return
+	}
+	if s.cfg.Host == nil {
+		writeError(w, http.StatusNotFound, "this daemon does not describe its host")
+		return
+	}
+	ctx, cancel := context.WithTimeout(r.Context(), 20*time.Second)
+	defer cancel()
+	v, err := s.cfg.Host(ctx)
+	if err != nil {
+		writeError(w, http.StatusInternalServerError, err.Error())
+		return
+	}
+	writeJSON(w, http.StatusOK, v)
+}

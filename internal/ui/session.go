@@ -1,0 +1,266 @@
+package ui
+
+import (
+	"context"
+	"crypto/rand"
+	"crypto/subtle"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"io"
+	"net/http"
+	"strings"
+	"sync"
+	"time"
+)
+
+// ErrBadKey is a key that does not sign in (unknown or revoked).
+var ErrBadKey = errors.New("invalid API key")
+
+const (
+	cookieName = "cage_ui"
+	csrfHeader = "X-CSRF-Token"
+	// maxSessions bounds the sessions kept: sign-ins past it end the
+	// oldest unused ones first.
+	maxSessions = 10000
+)
+
+type session struct {
+	id, csrf, key string
+	who           Identity
+	created, seen time.Time
+}
+
+type sessions struct {
+	mu        sync.Mutex
+	m         map[string]*session
+	idle, max time.Duration
+	now       func() time.Time
+}
+
+func newSessions(idle, max time.Duration, now func() time.Time) *sessions {
+	return &sessions{m: map[string]*session{}, idle: idle, max: max, now: now}
+}
+
+func randomID() string {
+	var b [32]byte
+	_, _ = rand.Read(b[:])
+	return hex.EncodeToString(b[:])
+}
+
+func (ss *sessions) create(key string, who Identity) *session {
+	now := ss.now()
+	s := &session{id: randomID(), csrf: randomID(), key: key, who: who, created: now, seen: now}
+	ss.mu.Lock()
+	defer ss.mu.Unlock()
+	if len(ss.m) >= maxSessions {
+		ss.sweepLocked(now)
+	}
+	for len(ss.m) >= maxSessions { // all live: the least recently used goes
+		var old *session
+		for _, x := range ss.m {
+			if old == nil || x.seen.Before(old.seen) {
+				old = x
+			}
+		}
+		delete(ss.m, old.id)
+	}
+	ss.m[s.id] = s
+	return s
+}
+
+func (ss *sessions) expired(s *session, now time.Time) bool {
+	return now.Sub(s.seen) > ss.idle || now.Sub(s.created) > ss.max
+}
+
+func (ss *sessions) sweepLocked(now time.Time) {
+	for id, s := range ss.m {
+		if ss.expired(s, now) {
+			delete(ss.m, id)
+		}
+	}
+}
+
+// get returns a live session and, if touch, marks it used now; an expired
+// one is removed.
+func (ss *sessions) get(id string, touch bool) (*session, bool) {
+	now := ss.now()
+	ss.mu.Lock()
+	defer ss.mu.Unlock()
+	s, ok := ss.m[id]
+	if !ok {
+		return nil, false
+	}
+	if ss.expired(s, now) {
+		delete(ss.m, id)
+		return nil, false
+	}
+	if touch {
+		s.seen = now
+	}
+	return s, true
+}
+
+func (ss *sessions) remove(id string) {
+	ss.mu.Lock()
+	defer ss.mu.Unlock()
+	delete(ss.m, id)
+}
+
+type sessionKey struct{}
+
+// sessionOf is the request's session (set by authed).
+func sessionOf(r *http.Request) *session {
+	s, _ := r.Context().Value(sessionKey{}).(*session)
+	return s
+}
+
+// alive says whether the request's session is still live (a stream's
+// check, which does not count as use).
+func (s *Server) alive(r *http.Request) bool {
+	_, ok := s.sessions.get(sessionOf(r).id, false)
+	return ok
+}
+
+// sameOrigin refuses a request a browser says came from another site: an
+// Origin that is not this host's, or Sec-Fetch-Site other than
+// same-origin (a browser's own navigation, "none", passes for GETs).
+func sameOrigin(r *http.Request) error {
+	scheme := "http"
+	if r.TLS != nil {
+		scheme = "https"
+	}
+	if o := r.Header.Get("Origin"); o != "" && o != scheme+"://"+r.Host {
+		return errors.New("cross-origin request refused")
+	}
+	switch site := r.Header.Get("Sec-Fetch-Site"); site {
+	case "", "same-origin":
+	case "none":
+		if r.Method != http.MethodGet && r.Method != http.MethodHead {
+			return errors.New("cross-origin request refused")
+		}
+	default:
+		return errors.New("cross-origin request refused (Sec-Fetch-Site: " + site + ")")
+	}
+	return nil
+}
+
+func safeMethod(m string) bool { return m == http.MethodGet || m == http.MethodHead }
+
+// authed requires a live session, and for a request that changes anything,
+// this origin and the session's CSRF token; then runs next with the
+// session in the context.
+func (s *Server) authed(next http.HandlerFunc) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		c, err := r.Cookie(cookieName)
+		if err != nil || c.Value == "" {
+			writeError(w, http.StatusUnauthorized, "not signed in")
+			return
+		}
+		ss, ok := s.sessions.get(c.Value, true)
+		if !ok {
+			clearCookie(w, r)
+			writeError(w, http.StatusUnauthorized, "session expired or signed out: sign in again")
+			return
+		}
+		if err := sameOrigin(r); err != nil {
+			writeError(w, http.StatusForbidden, err.Error())
+			return
+		}
+		if !safeMethod(r.Method) {
+			got := r.Header.Get(csrfHeader)
+			if got == "" || subtle.ConstantTimeCompare([]byte(got), []byte(ss.csrf)) != 1 {
+				writeError(w, http.StatusForbidden, "missing or wrong CSRF token (X-CSRF-Token)")
+				return
+			}
+		}
+		next(w, r.WithContext(context.WithValue(r.Context(), sessionKey{}, ss)))
+	})
+}
+
+type sessionJSON struct {
+	CSRF     string   `json:"csrf"`
+	Identity Identity `json:"identity"`
+}
+
+// signIn checks a key ({"key": "e2b_..."}) and starts a session.
+func (s *Server) signIn(w http.ResponseWriter, r *http.Request) {
+	if err := sameOrigin(r); err != nil {
+		writeError(w, http.StatusForbidden, err.Error())
+		return
+	}
+	if ct := r.Header.Get("Content-Type"); !strings.HasPrefix(ct, "application/json") {
+		writeError(w, http.StatusUnsupportedMediaType, "sign in with a JSON body {\"key\": ...}")
+		return
+	}
+	var body struct {
+		Key string `json:"key"`
+	}
+	if err := json.NewDecoder(io.LimitReader(r.Body, 4096)).Decode(&body); err != nil {
+		writeError(w, http.StatusBadRequest, "sign in with a JSON body {\"key\": ...}")
+		return
+	}
+	key := strings.TrimSpace(body.Key)
+	if key == "" {
+		writeError(w, http.StatusBadRequest, "an API key is required")
+		return
+	}
+	who, err := s.cfg.Verify(key)
+	if err != nil {
+		if errors.Is(err, ErrBadKey) {
+			writeError(w, http.StatusUnauthorized, "invalid API key")
+			return
+		}
+		s.log.Error("ui: sign-in", "err", err)
+		writeError(w, http.StatusInternalServerError, "cannot check the key now")
+		return
+	}
+	ss := s.sessions.create(key, who)
+	http.SetCookie(w, &http.Cookie{Name: cookieName, Value: ss.id, Path: "/ui", HttpOnly: true, Secure: r.TLS != nil,
+		SameSite: http.SameSiteStrictMode, MaxAge: int(s.cfg.SessionMax / time.Second)})
+	writeJSON(w, http.StatusOK, sessionJSON{CSRF: ss.csrf, Identity: who})
+}
+
+// whoami is the session's identity and CSRF token (401 when none).
+func (s *Server) whoami(w http.ResponseWriter, r *http.Request) {
+	c, err := r.Cookie(cookieName)
+	if err != nil {
+		writeError(w, http.StatusUnauthorized, "not signed in")
+		return
+	}
+	ss, ok := s.sessions.get(c.Value, true)
+	if !ok {
+		clearCookie(w, r)
+		writeError(w, http.StatusUnauthorized, "session expired or signed out: sign in again")
+		return
+	}
+	writeJSON(w, http.StatusOK, sessionJSON{CSRF: ss.csrf, Identity: ss.who})
+}
+
+func (s *Server) signOut(w http.ResponseWriter, r *http.Request) {
+	ss := sessionOf(r)
+	s.sessions.remove(ss.id)
+	s.terms.closeSession(ss.id)
+	clearCookie(w, r)
+	w.WriteHeader(http.StatusNoContent)
+}
+
+func clearCookie(w http.ResponseWriter, r *http.Request) {
+	http.SetCookie(w, &http.Cookie{Name: cookieName, Value: "", Path: "/ui", HttpOnly: true, Secure: r.TLS != nil,
+		SameSite: http.SameSiteStrictMode, MaxAge: -1})
+}
+
+type errorJSON struct {
+	Code    int    `json:"code"`
+	Message string `json:"message"`
+}
+
+func writeJSON(w http.ResponseWriter, status int, v any) {
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(status)
+	_ = json.NewEncoder(w).Encode(v)
+}
+
+func writeError(w http.ResponseWriter, status int, msg string) {
+	writeJSON(w, status, errorJSON{Code: status, Message: msg})
+}

@@ -1,0 +1,223 @@
+package ui
+
+import (
+	"encoding/json"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+)
+
+// These tests hold the session layer to its rules without a daemon (the
+// browser suite in test/ui runs a real one): the API behind it here is a
+// recorder of what the UI passes on.
+
+const goodKey = "e2b_" + "1234567890123456789012345678901234567890"
+
+type fakeAPI struct {
+	mu    sync.Mutex
+	calls []*http.Request
+}
+
+func (f *fakeAPI) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	f.mu.Lock()
+	f.calls = append(f.calls, r)
+	f.mu.Unlock()
+	w.Header().Set("Content-Type", "application/json")
+	_, _ = io.WriteString(w, `[]`)
+}
+
+func (f *fakeAPI) count() int {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return len(f.calls)
+}
+
+type clock struct {
+	mu sync.Mutex
+	t  time.Time
+}
+
+func (c *clock) now() time.Time { c.mu.Lock(); defer c.mu.Unlock(); return c.t }
+func (c *clock) add(d time.Duration) {
+	c.mu.Lock()
+	c.t = c.t.Add(d)
+	c.mu.Unlock()
+}
+
+func newTest(t *testing.T) (*Server, *fakeAPI, *clock) {
+	t.Helper()
+	api := &fakeAPI{}
+	s := New(Config{API: api, Proxy: "http://127.0.0.1:1", MaxUpload: 1000,
+		Verify: func(key string) (Identity, error) {
+			if key != goodKey {
+				return Identity{}, ErrBadKey
+			}
+			return Identity{KeyID: "key_1", Name: "k"}, nil
+		}})
+	c := &clock{t: time.Unix(1_700_000_000, 0)}
+	s.now = c.now
+	return s, api, c
+}
+
+func do(s *Server, method, path, body string, hdr map[string]string) *httptest.ResponseRecorder {
+	r := httptest.NewRequest(method, "http://cage.test"+path, strings.NewReader(body))
+	for k, v := range hdr {
+		r.Header.Set(k, v)
+	}
+	w := httptest.NewRecorder()
+	s.ServeHTTP(w, r)
+	return w
+}
+
+// signIn returns the session cookie and CSRF token.
+func signIn(t *testing.T, s *Server) (string, string) {
+	t.Helper()
+	w := do(s, "POST", "/ui/session", `{"key":"`+goodKey+`"}`, map[string]string{"Content-Type": "application/json", "Origin": "http://cage.test"})
+	if w.Code != 200 {
+		t.Fatalf("sign in: %d %s", w.Code, w.Body)
+	}
+	c := w.Result().Cookies()
+	if len(c) != 1 || !c[0].HttpOnly || c[0].SameSite != http.SameSiteStrictMode || c[0].Path != "/ui" || c[0].Secure {
+		t.Fatalf("session cookie %+v: want HttpOnly, SameSite=Strict, Path=/ui (not Secure over plain HTTP)", c)
+	}
+	var sj sessionJSON
+	if err := json.Unmarshal(w.Body.Bytes(), &sj); err != nil || len(sj.CSRF) != 64 {
+		t.Fatalf("sign-in answer %s", w.Body)
+	}
+	if strings.Contains(w.Body.String(), goodKey) {
+		t.Fatal("the sign-in answer holds the key")
+	}
+	return "cage_ui=" + c[0].Value, sj.CSRF
+}
+
+func TestSignInRefusals(t *testing.T) {
+	s, _, _ := newTest(t)
+	for _, c := range []struct {
+		name, body string
+		hdr        map[string]string
+		want       int
+	}{
+		{"wrong key", `{"key":"e2b_nope"}`, map[string]string{"Content-Type": "application/json"}, 401},
+		{"no key", `{}`, map[string]string{"Content-Type": "application/json"}, 400},
+		{"a form (cross-site forms cannot send JSON)", `key=` + goodKey, map[string]string{"Content-Type": "application/x-www-form-urlencoded"}, 415},
+		{"another origin", `{"key":"` + goodKey + `"}`, map[string]string{"Content-Type": "application/json", "Origin": "http://evil.test"}, 403},
+		{"malformed", `{"key":`, map[string]string{"Content-Type": "application/json"}, 400},
+	} {
+		w := do(s, "POST", "/ui/session", c.body, c.hdr)
+		if w.Code != c.want || len(w.Result().Cookies()) != 0 {
+			t.Errorf("%s: %d %s (cookies %v), want %d and no cookie", c.name, w.Code, w.Body, w.Result().Cookies(), c.want)
+		}
+	}
+}
+
+func TestCSRFAndPassThrough(t *testing.T) {
+	s, api, _ := newTest(t)
+	cookie, csrf := signIn(t, s)
+	for _, c := range []struct {
+		name string
+		hdr  map[string]string
+		want int
+	}{
+		{"no cookie", map[string]string{"X-CSRF-Token": csrf}, 401},
+		{"no token", map[string]string{"Cookie": cookie}, 403},
+		{"wrong token", map[string]string{"Cookie": cookie, "X-CSRF-Token": strings.Repeat("0", 64)}, 403},
+		{"another origin", map[string]string{"Cookie": cookie, "X-CSRF-Token": csrf, "Origin": "http://evil.test"}, 403},
+		{"cross-site", map[string]string{"Cookie": cookie, "X-CSRF-Token": csrf, "Sec-Fetch-Site": "cross-site"}, 403},
+		{"forged session id", map[string]string{"Cookie": "cage_ui=" + strings.Repeat("a", 64), "X-CSRF-Token": csrf}, 401},
+	} {
+		if w := do(s, "POST", "/ui/api/v2/sandboxes", `{}`, c.hdr); w.Code != c.want {
+			t.Errorf("%s: %d %s, want %d", c.name, w.Code, w.Body, c.want)
+		}
+	}
+	if api.count() != 0 {
+		t.Fatalf("refused requests reached the API (%d)", api.count())
+	}
+	w := do(s, "POST", "/ui/api/v2/sandboxes?x=1", `{}`, map[string]string{"Cookie": cookie, "X-CSRF-Token": csrf,
+		"Origin": "http://cage.test", "Content-Type": "application/json", "Authorization": "Bearer smuggled"})
+	if w.Code != 200 || api.count() != 1 {
+		t.Fatalf("a proper request: %d %s, API calls %d", w.Code, w.Body, api.count())
+	}
+	r := api.calls[0]
+	if r.URL.Path != "/v2/sandboxes" || r.URL.RawQuery != "x=1" || r.Header.Get("X-API-Key") != goodKey ||
+		r.Header.Get("Cookie") != "" || r.Header.Get("Authorization") != "" || r.Header.Get("X-CSRF-Token") != "" {
+		t.Errorf("the API got %s %s with headers %v: want the path, the session's key and nothing of the browser's", r.Method, r.URL, r.Header)
+	}
+	// A GET needs no token.
+	if w := do(s, "GET", "/ui/api/v2/sandboxes", "", map[string]string{"Cookie": cookie}); w.Code != 200 {
+		t.Errorf("GET with the cookie: %d", w.Code)
+	}
+}
+
+func TestSessionExpiryAndSignOut(t *testing.T) {
+	s, _, c := newTest(t)
+	cookie, csrf := signIn(t, s)
+	get := func() int { return do(s, "GET", "/ui/session", "", map[string]string{"Cookie": cookie}).Code }
+	for i := 0; i < 30; i++ { // used every 29 minutes: alive past 12 h? no: the absolute age ends it
+		c.add(29 * time.Minute)
+		if got := get(); got != 200 && i < 24 {
+			t.Fatalf("used every 29 minutes, %d: %d", i, got)
+		} else if got == 401 {
+			if age := time.Duration(i+1) * 29 * time.Minute; age < DefaultSessionMax {
+				t.Fatalf("ended after %v, before its absolute age", age)
+			}
+			break
+		}
+	}
+	if get() != 401 {
+		t.Fatal("a session past its absolute age still answers")
+	}
+	cookie, csrf = signIn(t, s)
+	c.add(DefaultSessionIdle + time.Second)
+	if got := get(); got != 401 {
+		t.Fatalf("idle past %v: %d, want 401", DefaultSessionIdle, got)
+	}
+	cookie, csrf = signIn(t, s)
+	if w := do(s, "DELETE", "/ui/session", "", map[string]string{"Cookie": cookie, "X-CSRF-Token": csrf}); w.Code != 204 {
+		t.Fatalf("sign out: %d", w.Code)
+	}
+	if got := get(); got != 401 {
+		t.Fatalf("after sign-out: %d, want 401", got)
+	}
+}
+
+func TestUploadBoundedBeforeRead(t *testing.T) {
+	s, api, _ := newTest(t)
+	cookie, csrf := signIn(t, s)
+	h := map[string]string{"Cookie": cookie, "X-CSRF-Token": csrf}
+	if w := do(s, "POST", "/ui/files/sb/upload?path=/tmp/x", strings.Repeat("x", 1001), h); w.Code != 413 {
+		t.Errorf("upload over MaxUpload: %d %s, want 413", w.Code, w.Body)
+	}
+	r := httptest.NewRequest("POST", "http://cage.test/ui/files/sb/upload?path=/tmp/x", io.NopCloser(strings.NewReader("x")))
+	r.ContentLength = -1
+	r.Header.Set("Cookie", cookie)
+	r.Header.Set("X-CSRF-Token", csrf)
+	w := httptest.NewRecorder()
+	s.ServeHTTP(w, r)
+	if w.Code != 411 {
+		t.Errorf("upload without a length: %d, want 411", w.Code)
+	}
+	if api.count() != 0 {
+		t.Errorf("refused uploads asked the API (%d)", api.count())
+	}
+}
+
+func TestHeaders(t *testing.T) {
+	s, _, _ := newTest(t)
+	w := do(s, "GET", "/ui/", "", nil)
+	if w.Code != 200 || !strings.Contains(w.Header().Get("Content-Security-Policy"), "script-src 'self'") ||
+		w.Header().Get("X-Frame-Options") != "DENY" || strings.Contains(w.Body.String(), "<script>") {
+		t.Fatalf("/ui/: %d %v", w.Code, w.Header())
+	}
+	for _, p := range []string{"/ui/static/js/main.js", "/ui/static/vendor/xterm.js", "/ui/static/app.css"} {
+		if w := do(s, "GET", p, "", nil); w.Code != 200 {
+			t.Errorf("%s: %d", p, w.Code)
+		}
+	}
+	if w := do(s, "GET", "/ui/static/", "", nil); w.Code != 404 {
+		t.Errorf("the assets' directory lists: %d", w.Code)
+	}
+}
