@@ -8,7 +8,7 @@ GOFLAGS_BUILD = -trimpath -ldflags '-s -w'
 RUNSC_VERSION ?= v0.0.0-20260905035102-160fafc42237
 RUNSC_DIR ?= $(CURDIR)/.tools/bin
 
-.PHONY: all build demo test test-unit proto api vet fmt bench clean runsc base code-interpreter
+.PHONY: all build demo test test-unit proto api vet fmt bench clean runsc base code-interpreter desktop
 
 all: build
 
@@ -32,6 +32,12 @@ code-interpreter: build
 	rm -rf .tools/code-interpreter && mkdir -p .tools
 	cp -r templates/code-interpreter .tools/code-interpreter && cp $(BIN)/cage-interp .tools/code-interpreter/
 	./bin/cage template build --net internet .tools/code-interpreter code-interpreter-v1
+
+# The template "desktop" (@e2b/desktop's default): base with Xvfb, XFCE,
+# xdotool, scrot, x11vnc, noVNC, Firefox ESR and Mousepad from Debian 12.
+# Its steps are cached like code-interpreter's.
+desktop: build
+	./bin/cage template build --net internet templates/desktop desktop
 
 demo: build
 	./scripts/demo.sh
@@ -58,14 +64,3 @@ fmt:
 
 clean:
 	rm -rf $(BIN)
-
-# The dashboard's xterm.js (internal/ui/static/vendor), refreshed from the
-# releases test/ui/package.json pins (npm ci there); test/ui's
-# TestVendoredXterm fails while the copy differs from them.
-.PHONY: ui
-ui:
-	cd test/ui && npm ci --no-audit --no-fund
-	cp test/ui/node_modules/@xterm/xterm/lib/xterm.js test/ui/node_modules/@xterm/xterm/css/xterm.css \
-	  test/ui/node_modules/@xterm/addon-fit/lib/addon-fit.js internal/ui/static/vendor/
-	cp test/ui/node_modules/@xterm/xterm/LICENSE internal/ui/static/vendor/xterm.LICENSE
-	cp test/ui/node_modules/@xterm/addon-fit/LICENSE internal/ui/static/vendor/addon-fit.LICENSE

@@ -14,7 +14,8 @@ command -v runc >/dev/null || need+=(runc)
 [ -x /bin/busybox ] || need+=(busybox-static) # the test images' one binary
 python3 -c 'import ipykernel' 2>/dev/null || need+=(python3-ipykernel) # internal/interp's tests talk to a real kernel
 command -v mmdebstrap >/dev/null || need+=(mmdebstrap) # FROM debian:bookworm (the base template)
-[ -x /usr/bin/chromium ] || need+=(chromium) # test/ui drives the dashboard in it
+command -v chromium >/dev/null || need+=(chromium)    # test/e2b's desktop test loads the VNC stream in it
+command -v certutil >/dev/null || need+=(libnss3-tools) # ... trusting cage's CA through an NSS db
 if [ ${#need[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ]; then
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
@@ -88,6 +89,12 @@ if [ "$(id -u)" = 0 ]; then
   make -s code-interpreter >.tools/code-interpreter-build.log 2>&1 ||
     { tail -30 .tools/code-interpreter-build.log >&2; exit 1; }
   export CAGE_REQUIRE_CODE_INTERPRETER=1
+  # desktop (@e2b/desktop's template): base with Xvfb, XFCE, x11vnc, noVNC,
+  # Firefox ESR (about two minutes the first time), cached the same way.
+  echo "== the desktop template (cached steps are not run again)"
+  make -s desktop >.tools/desktop-build.log 2>&1 ||
+    { tail -30 .tools/desktop-build.log >&2; exit 1; }
+  export CAGE_REQUIRE_DESKTOP=1
 
   # The E2B SDK from npm (test/e2b), installed here and not by the tests:
   # they run in network namespaces of their own, where the registry does
@@ -103,14 +110,6 @@ if [ "$(id -u)" = 0 ]; then
       sha256sum package.json package-lock.json >node_modules/.cage-lock-sha256)
   fi
   export CAGE_REQUIRE_E2B=1
-  # test/ui: playwright-core (drives chromium) and the xterm.js releases
-  # the dashboard vendors, pinned by its package-lock.json.
-  if ! (cd test/ui && sha256sum --status -c node_modules/.cage-lock-sha256 2>/dev/null); then
-    echo "== npm ci in test/ui (playwright-core, xterm.js)"
-    (cd test/ui && npm ci --no-audit --no-fund >/dev/null &&
-      sha256sum package.json package-lock.json >node_modules/.cage-lock-sha256)
-  fi
-  export CAGE_REQUIRE_UI=1
   # internal/interp's kernels: python3-ipykernel (above), node, and
   # TypeScript from test/e2b's packages.
   export CAGE_REQUIRE_KERNELS=1

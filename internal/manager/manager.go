@@ -222,6 +222,7 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (rec *store.San
 		Wall: req.Wall, Template: req.Template, Env: req.Env, CPUs: req.CPUs,
 		Memory: req.Memory, Disk: req.Disk, Pids: req.Pids, Net: req.Net, Max: m.cfg.Max,
 	}
+	m.cfg.Host.TemplateDefaults(&opts) // what the template asks for where the create names nothing (desktop: memory)
 	if req.quota, err = m.reserve(req.KeyID, createNeed(&opts)); err != nil {
 		return nil, err
 	}

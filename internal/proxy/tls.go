@@ -94,6 +94,9 @@ func NewTLS(o TLSOptions) (*TLS, error) {
 		if domain == "" {
 			return nil, errors.New("tls: a self-signed certificate needs the sandbox domain (--domain, e.g. cage.localhost:3001)")
 		}
+		if !dnsName(domain) || !strings.Contains(domain, ".") {
+			return nil, fmt.Errorf("tls: the sandbox domain %q is not a DNS name with a dot, optionally with a port (e.g. cage.localhost:3001)", o.Domain)
+		}
 		ca, caKey, err := loadOrMakeCA(o.Dir, domain)
 		if err != nil {
 			return nil, err
@@ -120,6 +123,25 @@ func DomainHost(domain string) string {
 		return h
 	}
 	return domain
+}
+
+// dnsName says whether s is a DNS name: labels of letters, digits and
+// hyphens, none empty.
+func dnsName(s string) bool {
+	if len(s) > 253 {
+		return false
+	}
+	for _, l := range strings.Split(s, ".") {
+		if l == "" || len(l) > 63 || l[0] == '-' || l[len(l)-1] == '-' {
+			return false
+		}
+		for _, c := range l {
+			if !(c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || c == '-') {
+				return false
+			}
+		}
+	}
+	return true
 }
 
 // nameServed says whether the proxy answers a handshake for SNI name.

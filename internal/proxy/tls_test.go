@@ -236,6 +236,8 @@ func TestTLSRefused(t *testing.T) {
 		{"both a file and self-signed", TLSOptions{CertFile: cert, KeyFile: key, SelfSigned: true}, "give one"},
 		{"self-signed without a domain", TLSOptions{SelfSigned: true, Dir: t.TempDir()}, "--domain"},
 		{"nothing", TLSOptions{}, "no certificate"},
+		{"a domain that is not a name", TLSOptions{SelfSigned: true, Dir: t.TempDir(), Domain: "cage.localhost:127.0.0.1:3001"}, "not a DNS name"},
+		{"a domain of one label", TLSOptions{SelfSigned: true, Dir: t.TempDir(), Domain: "localhost:3001"}, "not a DNS name"},
 	} {
 		_, err := NewTLS(c.o)
 		if err == nil || !strings.Contains(err.Error(), c.want) || strings.Contains(err.Error(), "\n") {

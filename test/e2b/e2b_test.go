@@ -224,9 +224,18 @@ func startDaemon(t *testing.T, extra ...string) *daemon {
 	}
 
 	api, proxy := freePort(t), freePort(t)
+	// "{proxy-port}" in a flag is the proxy's port (a domain with its port).
+	_, proxyPort, _ := net.SplitHostPort(proxy)
+	for i := range extra {
+		extra[i] = strings.ReplaceAll(extra[i], "{proxy-port}", proxyPort)
+	}
+	scheme := "http://"
+	if slices.Contains(extra, "--tls-self-signed") {
+		scheme = "https://" // the SDK trusts the daemon's CA (NODE_EXTRA_CA_CERTS)
+	}
 	d := &daemon{
 		apiURL:   "http://" + api,
-		proxyURL: "http://" + proxy,
+		proxyURL: scheme + proxy,
 		key:      key,
 		data:     data,
 		log:      &syncBuffer{},
