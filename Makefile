@@ -64,3 +64,14 @@ fmt:
 
 clean:
 	rm -rf $(BIN)
+
+# The dashboard's xterm.js (internal/ui/static/vendor), refreshed from the
+# releases test/ui/package.json pins (npm ci there); test/ui's
+# TestVendoredXterm fails while the copy differs from them.
+.PHONY: ui
+ui:
+	cd test/ui && npm ci --no-audit --no-fund
+	cp test/ui/node_modules/@xterm/xterm/lib/xterm.js test/ui/node_modules/@xterm/xterm/css/xterm.css \
+	  test/ui/node_modules/@xterm/addon-fit/lib/addon-fit.js internal/ui/static/vendor/
+	cp test/ui/node_modules/@xterm/xterm/LICENSE internal/ui/static/vendor/xterm.LICENSE
+	cp test/ui/node_modules/@xterm/addon-fit/LICENSE internal/ui/static/vendor/addon-fit.LICENSE

@@ -14,8 +14,8 @@ command -v runc >/dev/null || need+=(runc)
 [ -x /bin/busybox ] || need+=(busybox-static) # the test images' one binary
 python3 -c 'import ipykernel' 2>/dev/null || need+=(python3-ipykernel) # internal/interp's tests talk to a real kernel
 command -v mmdebstrap >/dev/null || need+=(mmdebstrap) # FROM debian:bookworm (the base template)
-command -v chromium >/dev/null || need+=(chromium)    # test/e2b's desktop test loads the VNC stream in it
-command -v certutil >/dev/null || need+=(libnss3-tools) # ... trusting cage's CA through an NSS db
+command -v certutil >/dev/null || need+=(libnss3-tools) # test/e2b's desktop test: chromium trusts cage's CA through an NSS db
+[ -x /usr/bin/chromium ] || need+=(chromium) # test/ui drives the dashboard in it
 if [ ${#need[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ]; then
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
@@ -110,6 +110,14 @@ if [ "$(id -u)" = 0 ]; then
       sha256sum package.json package-lock.json >node_modules/.cage-lock-sha256)
   fi
   export CAGE_REQUIRE_E2B=1
+  # test/ui: playwright-core (drives chromium) and the xterm.js releases
+  # the dashboard vendors, pinned by its package-lock.json.
+  if ! (cd test/ui && sha256sum --status -c node_modules/.cage-lock-sha256 2>/dev/null); then
+    echo "== npm ci in test/ui (playwright-core, xterm.js)"
+    (cd test/ui && npm ci --no-audit --no-fund >/dev/null &&
+      sha256sum package.json package-lock.json >node_modules/.cage-lock-sha256)
+  fi
+  export CAGE_REQUIRE_UI=1
   # internal/interp's kernels: python3-ipykernel (above), node, and
   # TypeScript from test/e2b's packages.
   export CAGE_REQUIRE_KERNELS=1
