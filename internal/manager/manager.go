@@ -48,7 +48,8 @@ type Config struct {
 	DefaultTemplate string
 	MaxSandboxes    int // alive at once; 0 = no limit
 	// MaxCreating bounds the creates in progress (0: 4 per CPU); up to
-	// as many again wait for a slot, and the rest get ErrLimit at once.
+	// waitFactor times as many wait for a slot, and the rest get ErrLimit
+	// at once.
 	MaxCreating int
 	// Max is the ceiling on one sandbox's limits (zero fields: the host's).
 	Max sandbox.Maxima
@@ -353,17 +354,24 @@ func (m *Manager) SetNetwork(keyID, id string, p network.Policy) (*store.Sandbox
 	return rec, nil
 }
 
+// waitFactor is how many creates may wait for a slot, per slot: a waiting
+// create costs a goroutine and its request, and a burst of a few dozen
+// (an SDK's users start 20 at once) must queue on a 2-core host rather
+// than fail.
+const waitFactor = 8
+
 // createSlot waits for one of the MaxCreating slots of creates in
-// progress; with as many already waiting, it refuses at once.
+// progress; with waitFactor times as many already waiting, it refuses at
+// once.
 func (m *Manager) createSlot(ctx context.Context) (release func(), err error) {
 	select {
 	case m.createSlots <- struct{}{}:
 		return func() { <-m.createSlots }, nil
 	default:
 	}
-	if m.waiting.Add(1) > int64(m.cfg.MaxCreating) {
+	if m.waiting.Add(1) > int64(waitFactor*m.cfg.MaxCreating) {
 		m.waiting.Add(-1)
-		return nil, fmt.Errorf("%w: %d creates are in progress and as many wait; try again", ErrLimit, m.cfg.MaxCreating)
+		return nil, fmt.Errorf("%w: %d creates are in progress and %d wait; try again", ErrLimit, m.cfg.MaxCreating, waitFactor*m.cfg.MaxCreating)
 	}
 	defer m.waiting.Add(-1)
 	select {

@@ -185,6 +185,12 @@ func (m *Manager) sampleOne(id string, sb wall.Sandbox, paused bool, now time.Ti
 		}
 		t.mu.Unlock()
 	}
+	t.mu.Lock()
+	due := !now.Before(s.due)
+	t.mu.Unlock()
+	if !due && !paused {
+		return // its cgroup is read only when a sample is due: every second for all of them grew with the live count
+	}
 	cg := sb.Cgroup()
 	if cg == nil {
 		return

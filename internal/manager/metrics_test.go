@@ -5,7 +5,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/cagehq/cage/internal/cgroups"
 	"github.com/cagehq/cage/internal/store"
+	"github.com/cagehq/cage/internal/wall"
 )
 
 func newMetricsManager(t *testing.T) (*Manager, *store.Sandbox) {
@@ -108,5 +110,37 @@ func TestMetricsRange(t *testing.T) {
 	m.metrics.forget(rec.ID)
 	if got, _ := m.Metrics("k", rec.ID, time.Time{}, time.Time{}); len(got) != 0 {
 		t.Errorf("after forget: %d samples", len(got))
+	}
+}
+
+// countingSandbox counts the reads of its cgroup.
+type countingSandbox struct {
+	wall.Sandbox
+	reads int
+}
+
+func (c *countingSandbox) Cgroup() *cgroups.Cgroup { c.reads++; return nil }
+
+// TestSampleOnlyWhenDue: the sampler ticks every second, but a running
+// sandbox's cgroup is read only when its sample is due (every sampleStep):
+// reading all of them every tick cost the daemon CPU in proportion to the
+// sandboxes alive. A paused one's CPU reading still moves on every tick.
+func TestSampleOnlyWhenDue(t *testing.T) {
+	m, rec := newMetricsManager(t)
+	sb := &countingSandbox{}
+	due := rec.StartedAt.Add(sampleStep)
+	for at := rec.StartedAt.Add(time.Second); at.Before(due); at = at.Add(time.Second) {
+		m.sampleOne(rec.ID, sb, false, at)
+	}
+	if sb.reads != 0 {
+		t.Errorf("the cgroup was read %d times before the first sample was due", sb.reads)
+	}
+	m.sampleOne(rec.ID, sb, true, due.Add(-time.Second))
+	if sb.reads != 1 {
+		t.Errorf("a paused sandbox's cgroup was read %d times on a tick, want 1 (its CPU reading moves on)", sb.reads)
+	}
+	m.sampleOne(rec.ID, sb, false, due)
+	if sb.reads != 2 {
+		t.Errorf("the cgroup was read %d times in all once the sample was due, want 2", sb.reads)
 	}
 }
