@@ -63,6 +63,9 @@ as JSON, for tracking.
   mcp        against a cage serve it starts: the exec tool's round trip (true)
              over MCP's stdio (cage mcp) and streamable HTTP (/mcp), interleaved
              with the same command through the E2B protocol (the peer)
+  desktop    the desktop template as @e2b/desktop uses it through cage serve:
+             create (Xvfb and XFCE up, polled as the SDK polls) -> first
+             screenshot, the screenshot round trip, an idle desktop's memory
   durable    pause, resume and fork on every wall (minutes)`,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			ctx := cmd.Context()
@@ -76,7 +79,7 @@ as JSON, for tracking.
 	cmd.Flags().IntVar(&o.runs, "runs", 30, "samples per measurement")
 	cmd.Flags().IntVar(&o.idle, "idle", 200, "sandboxes alive at once for the memory measurement")
 	cmd.Flags().IntVar(&o.alive, "alive", 1000, "sandboxes alive at the end of serve's create-rate measurement")
-	cmd.Flags().StringVar(&o.only, "only", "run,create,roundtrip,memory,serve,walls,microvm", "measurements to take (also audit, metrics, interp, dify, mcp, durable)")
+	cmd.Flags().StringVar(&o.only, "only", "run,create,roundtrip,memory,serve,walls,microvm", "measurements to take (also audit, metrics, interp, desktop, dify, mcp, durable)")
 	cmd.Flags().BoolVar(&o.json, "json", false, "write the table as JSON")
 	return cmd
 }
@@ -89,7 +92,7 @@ type benchOptions struct {
 
 // benchOrder is the order measurements run in (the memory one last: it
 // leaves the most behind for the kernel to reclaim).
-var benchOrder = []string{"run", "create", "roundtrip", "serve", "dify", "audit", "metrics", "interp", "mcp", "walls", "microvm", "durable", "memory"}
+var benchOrder = []string{"run", "create", "roundtrip", "serve", "dify", "audit", "metrics", "interp", "desktop", "mcp", "walls", "microvm", "durable", "memory"}
 
 func runBench(ctx context.Context, g *globals, w io.Writer, o benchOptions) error {
 	if o.runs < 1 || o.idle < 1 || o.alive < 2 {
@@ -177,6 +180,8 @@ func (b *benchRun) measure(ctx context.Context, name string) error {
 		return benchInterp(ctx, b.t, b.h, runs)
 	case "mcp":
 		return benchMCP(ctx, b.t, max(runs, 200))
+	case "desktop":
+		return benchDesktop(ctx, b.t, b.h, runs)
 	case "walls":
 		return benchWalls(ctx, b.t, b.g, b.h, runs)
 	case "microvm":
