@@ -330,7 +330,7 @@ func Run(ctx context.Context, cfg Config, log *slog.Logger, ready func(apiAddr, 
 	}
 	apiH := api.Handler(api.Config{Manager: mgr, Store: st, Log: log, Domain: cfg.Domain,
 		DefaultWall: cfg.DefaultWall, Audit: trail, Metrics: mx, Rates: cfg.Limits.rates()})
-	apiMux, err := withUI(cfg.UI, withMCP(apiH, st, trail, apiL.Addr(), proxyL.Addr(), log), apiH, st, mgr, host,
+	apiMux, stopUI, err := withUI(cfg.UI, withMCP(apiH, st, trail, apiL.Addr(), proxyL.Addr(), log), apiH, st, mgr, host,
 		proxyL.Addr(), cfg.Data, cfg.RunDir, log)
 	if err != nil {
 		apiL.Close()
@@ -338,6 +338,9 @@ func Run(ctx context.Context, cfg Config, log *slog.Logger, ready func(apiAddr, 
 		return err
 	}
 	apiSrv := newServer(apiMux, true)
+	if stopUI != nil {
+		apiSrv.RegisterOnShutdown(stopUI) // the dashboard's streams end, not waited on
+	}
 	px := proxy.New(mgr, cfg.Domain, log)
 	if trail != nil {
 		px.Observe, px.Denied = trail.ObserveEnvd, trail.ProxyDenied

@@ -33,21 +33,22 @@ type UI struct {
 	MaxUpload string `json:"max_upload"`
 }
 
-// withUI mounts the dashboard beside the API (apiHandler serves the rest;
-// api is the bare API handler the dashboard calls with a session's key).
+// withUI mounts the dashboard beside the API (next serves the rest; api is
+// the bare API handler the dashboard calls with a session's key), and
+// returns what ends its streams at shutdown (nil when disabled).
 func withUI(c UI, next, api http.Handler, st *store.Store, mgr *manager.Manager, host *sandbox.Host,
-	proxyAddr net.Addr, data, run string, log *slog.Logger) (http.Handler, error) {
+	proxyAddr net.Addr, data, run string, log *slog.Logger) (http.Handler, func(), error) {
 	if c.Disabled {
-		return next, nil
+		return next, nil, nil
 	}
 	if c.SessionIdle < 0 || c.SessionMax < 0 {
-		return nil, fmt.Errorf("ui: negative session times")
+		return nil, nil, fmt.Errorf("ui: negative session times")
 	}
 	var maxUpload int64
 	if c.MaxUpload != "" {
 		n, err := units.ParseSize(c.MaxUpload)
 		if err != nil || n < 1 {
-			return nil, fmt.Errorf("ui.max_upload %q: want a size such as 100M", c.MaxUpload)
+			return nil, nil, fmt.Errorf("ui.max_upload %q: want a size such as 100M", c.MaxUpload)
 		}
 		maxUpload = n
 	}
@@ -66,7 +67,7 @@ func withUI(c UI, next, api http.Handler, st *store.Store, mgr *manager.Manager,
 		Templates: func() ([]ui.Template, error) { return uiTemplates(host.Templates) },
 		Host:      func(ctx context.Context) (any, error) { return hostReport(ctx, st, mgr, host, data, run), nil },
 	})
-	return ui.Mount(next, s), nil
+	return ui.Mount(next, s), s.Shutdown, nil
 }
 
 func uiTemplates(ts *imgstore.Store) ([]ui.Template, error) {

@@ -122,7 +122,9 @@ func (s *Server) lastMetric(ctx context.Context, r *http.Request, id string) *ty
 // otherwise, so a dead client is found), until the client leaves, the
 // session ends ("expired") or the API refuses ("error").
 func (s *Server) stream(r *http.Request, ev *sse, tick time.Duration, next func(context.Context) (string, any, error)) {
-	ctx := api.Quiet(r.Context()) // polls are not the key's doing: not in the audit trail
+	ctx, cancel := s.streamContext(r)
+	defer cancel()
+	ctx = api.Quiet(ctx) // polls are not the key's doing: not in the audit trail
 	var last []byte
 	t := time.NewTicker(tick)
 	defer t.Stop()

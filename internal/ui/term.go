@@ -123,7 +123,7 @@ func (s *Server) termStream(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	defer ag.Close()
-	ctx, cancel := context.WithCancel(r.Context())
+	ctx, cancel := s.streamContext(r)
 	defer cancel()
 	t := &terminal{id: randomID()[:24], session: sessionOf(r).id, sandbox: id, ag: ag, cancel: cancel}
 	if !s.terms.add(t) {

@@ -25,6 +25,7 @@ import (
 	"log/slog"
 	"net/http"
 	"strings"
+	"sync"
 	"time"
 )
 
@@ -97,6 +98,26 @@ type Server struct {
 	mux      *http.ServeMux
 	static   http.Handler
 	now      func() time.Time
+	// done ends every stream when the daemon shuts down (Shutdown).
+	done     chan struct{}
+	stopOnce sync.Once
+}
+
+// Shutdown ends the event streams and terminals, so that the server's
+// own Shutdown does not wait on them (http.Server.RegisterOnShutdown).
+func (s *Server) Shutdown() { s.stopOnce.Do(func() { close(s.done) }) }
+
+// streamContext is r's context, also ended at Shutdown.
+func (s *Server) streamContext(r *http.Request) (context.Context, context.CancelFunc) {
+	ctx, cancel := context.WithCancel(r.Context())
+	go func() {
+		select {
+		case <-s.done:
+			cancel()
+		case <-ctx.Done():
+		}
+	}()
+	return ctx, cancel
 }
 
 // New returns the dashboard; mount it at /ui/ (Mount).
@@ -114,7 +135,7 @@ func New(cfg Config) *Server {
 		cfg.MaxUpload = DefaultMaxUpload
 	}
 	sub, _ := fs.Sub(staticFS, "static")
-	s := &Server{cfg: cfg, log: cfg.Log, now: time.Now, terms: newTerminals(),
+	s := &Server{cfg: cfg, log: cfg.Log, now: time.Now, terms: newTerminals(), done: make(chan struct{}),
 		static: http.StripPrefix("/ui/static/", http.FileServerFS(sub))}
 	s.sessions = newSessions(cfg.SessionIdle, cfg.SessionMax, func() time.Time { return s.now() })
 	s.routes()

@@ -214,6 +214,43 @@ test("the metrics chart draws points", async () => {
   results.passed.push("metrics chart");
 });
 
+test("the live list: CPU and memory, filters, extend, pause and resume", async () => {
+  await page.goto(URL0 + "/ui/#/sandboxes");
+  const row = page.locator(`#sandbox-list tr[data-sandbox="${sandbox}"]`);
+  await row.waitFor();
+  const cell = (i) => row.locator("td").nth(i);
+  await page.waitForFunction((id) => {
+    const tds = document.querySelectorAll(`#sandbox-list tr[data-sandbox="${id}"] td`);
+    return tds.length > 7 && /% of/.test(tds[6].textContent) && !tds[7].textContent.startsWith("–");
+  }, sandbox, { timeout: 15000 });
+  assert.match(await cell(7).textContent(), /^[\d.]+ (B|KiB|MiB) \/ 512 MiB$/);
+  const filter = async (md, state) => {
+    await page.locator("#filter-metadata").fill(md);
+    await page.locator("#filter-state").selectOption(state);
+    await page.locator("form.filters button[type=submit]").click();
+  };
+  await filter("owner=nobody", "");
+  await row.waitFor({ state: "detached" });
+  await page.locator("p.count", { hasText: "0 sandboxes" }).waitFor();
+  await filter("owner=ui-test", "");
+  await row.waitFor();
+  await filter("", "paused");
+  await row.waitFor({ state: "detached" });
+  await filter("owner=ui-test", "running");
+  await row.waitFor();
+  const endAt = () => page.evaluate((id) => fetch("/ui/api/sandboxes/" + id).then((r) => r.json()).then((d) => Date.parse(d.endAt)), sandbox);
+  const end0 = await endAt();
+  await row.locator("button", { hasText: "Extend 5m" }).click();
+  await page.locator("#flash p.ok", { hasText: "Extended" }).waitFor();
+  assert.ok((await endAt()) - end0 >= 250_000, "extend adds about five minutes");
+  await filter("", "");
+  await row.locator("button", { hasText: "Pause" }).click();
+  await row.locator("td .state.paused").waitFor({ timeout: 20000 });
+  await row.locator("button", { hasText: "Resume" }).click();
+  await row.locator("td .state.running").waitFor({ timeout: 20000 });
+  results.passed.push("list: usage, filters, extend, pause, resume");
+});
+
 test("forged requests: no CSRF token, a wrong one, another origin; no cookie", async () => {
   const cookie = (await ctx.cookies()).find((x) => x.name === "cage_ui");
   const csrf = await page.evaluate(() => fetch("/ui/session").then((r) => r.json()).then((s) => s.csrf));
