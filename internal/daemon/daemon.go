@@ -331,7 +331,7 @@ func Run(ctx context.Context, cfg Config, log *slog.Logger, ready func(apiAddr, 
 	apiH := api.Handler(api.Config{Manager: mgr, Store: st, Log: log, Domain: cfg.Domain,
 		DefaultWall: cfg.DefaultWall, Audit: trail, Metrics: mx, Rates: cfg.Limits.rates()})
 	apiMux, stopUI, err := withUI(cfg.UI, withMCP(apiH, st, trail, apiL.Addr(), proxyL.Addr(), log), apiH, st, mgr, host,
-		proxyL.Addr(), cfg.Data, cfg.RunDir, log)
+		trail, proxyL.Addr(), cfg.Data, cfg.RunDir, log)
 	if err != nil {
 		apiL.Close()
 		proxyL.Close()

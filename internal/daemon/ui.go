@@ -12,6 +12,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/cagehq/cage/internal/audit"
 	"github.com/cagehq/cage/internal/imgstore"
 	"github.com/cagehq/cage/internal/manager"
 	"github.com/cagehq/cage/internal/sandbox"
@@ -36,7 +37,7 @@ type UI struct {
 // withUI mounts the dashboard beside the API (next serves the rest; api is
 // the bare API handler the dashboard calls with a session's key), and
 // returns what ends its streams at shutdown (nil when disabled).
-func withUI(c UI, next, api http.Handler, st *store.Store, mgr *manager.Manager, host *sandbox.Host,
+func withUI(c UI, next, api http.Handler, st *store.Store, mgr *manager.Manager, host *sandbox.Host, trail *audit.Trail,
 	proxyAddr net.Addr, data, run string, log *slog.Logger) (http.Handler, func(), error) {
 	if c.Disabled {
 		return next, nil, nil
@@ -63,6 +64,14 @@ func withUI(c UI, next, api http.Handler, st *store.Store, mgr *manager.Manager,
 				return ui.Identity{}, err
 			}
 			return ui.Identity{KeyID: k.ID, Name: k.Name, TeamID: k.TeamID, Admin: k.Admin}, nil
+		},
+		Record: func(r *http.Request, who ui.Identity, status int) { // as /mcp's calls are
+			client := r.RemoteAddr
+			if h, _, err := net.SplitHostPort(client); err == nil {
+				client = h
+			}
+			trail.Record(audit.Event{Kind: audit.KindAPICall, KeyID: who.KeyID, TeamID: who.TeamID,
+				Route: r.Method + " /ui/session", Status: status, Client: client})
 		},
 		Templates: func() ([]ui.Template, error) { return uiTemplates(host.Templates) },
 		Host:      func(ctx context.Context) (any, error) { return hostReport(ctx, st, mgr, host, data, run), nil },

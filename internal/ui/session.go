@@ -208,6 +208,7 @@ func (s *Server) signIn(w http.ResponseWriter, r *http.Request) {
 	who, err := s.cfg.Verify(key)
 	if err != nil {
 		if errors.Is(err, ErrBadKey) {
+			s.record(r, Identity{}, http.StatusUnauthorized)
 			writeError(w, http.StatusUnauthorized, "invalid API key")
 			return
 		}
@@ -218,7 +219,14 @@ func (s *Server) signIn(w http.ResponseWriter, r *http.Request) {
 	ss := s.sessions.create(key, who)
 	http.SetCookie(w, &http.Cookie{Name: cookieName, Value: ss.id, Path: "/ui", HttpOnly: true, Secure: r.TLS != nil,
 		SameSite: http.SameSiteStrictMode, MaxAge: int(s.cfg.SessionMax / time.Second)})
+	s.record(r, who, http.StatusOK)
 	writeJSON(w, http.StatusOK, sessionJSON{CSRF: ss.csrf, Identity: who})
+}
+
+func (s *Server) record(r *http.Request, who Identity, status int) {
+	if s.cfg.Record != nil {
+		s.cfg.Record(r, who, status)
+	}
 }
 
 // whoami is the session's identity and CSRF token (401 when none).
@@ -241,6 +249,7 @@ func (s *Server) signOut(w http.ResponseWriter, r *http.Request) {
 	ss := sessionOf(r)
 	s.sessions.remove(ss.id)
 	s.terms.closeSession(ss.id)
+	s.record(r, ss.who, http.StatusNoContent)
 	clearCookie(w, r)
 	w.WriteHeader(http.StatusNoContent)
 }

@@ -61,7 +61,10 @@ type Config struct {
 	SessionIdle, SessionMax time.Duration
 	// MaxUpload bounds one uploaded file (default 100 MiB).
 	MaxUpload int64
-	Log       *slog.Logger
+	// Record, when set, is told of each sign-in (a wrong key's too, with
+	// no identity) and sign-out: the audit trail.
+	Record func(r *http.Request, who Identity, status int)
+	Log    *slog.Logger
 }
 
 // Template is one template of the store, as the templates page shows it.

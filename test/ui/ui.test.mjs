@@ -24,6 +24,7 @@ const MAX_UPLOAD = Number(env("CAGE_UI_MAX_UPLOAD"));
 
 const results = { created: "", loadMs: {}, passed: [], screenshots: {} };
 let browser, ctx, page, sandbox;
+const pageErrors = [], cspViolations = [];
 
 async function shot(p, name) {
   const file = join(ART, name + ".png");
@@ -61,7 +62,8 @@ before(async () => {
   browser = await chromium.launch({ executablePath: env("CAGE_UI_CHROMIUM"), args: ["--no-sandbox", "--disable-gpu"] });
   ctx = await browser.newContext({ viewport: { width: 1280, height: 800 }, acceptDownloads: true });
   page = await ctx.newPage();
-  page.on("pageerror", (e) => console.log("page error:", e.message));
+  page.on("pageerror", (e) => { pageErrors.push(e.message); console.log("page error:", e.message); });
+  page.on("console", (m) => { if (/Content.Security.Policy/i.test(m.text())) cspViolations.push(m.text()); });
 });
 
 after(async () => {
@@ -379,4 +381,10 @@ test("an expired session (ui.session_idle 2s) goes back to sign-in", async () =>
   await shot(p, "expired");
   await sctx.close();
   results.passed.push("expired session");
+});
+
+test("no script error and no Content-Security-Policy violation on any page", () => {
+  assert.deepEqual(cspViolations, [], "the CSP blocked something the dashboard needs");
+  assert.deepEqual(pageErrors, [], "uncaught errors in the page");
+  results.passed.push("no CSP violations, no page errors");
 });

@@ -95,8 +95,23 @@ func TestDashboard(t *testing.T) {
 		t.Errorf("the audit trail of the UI's sandbox (key A) lacks its kill: %d %s", st, body)
 	}
 	st, body, _ = d.Do(http.MethodGet, "/audit?kind=api&limit=1000", d.Key, nil)
-	if st != http.StatusOK || !bytes.Contains(body, []byte(`"POST /v2/sandboxes"`)) {
-		t.Errorf("the audit trail (key A) lacks the UI's create: %d %s", st, body)
+	var calls struct {
+		Entries []struct {
+			Route  string `json:"route"`
+			Status int    `json:"status"`
+		} `json:"entries"`
+	}
+	if st != http.StatusOK || json.Unmarshal(body, &calls) != nil {
+		t.Fatalf("GET /audit (key A): %d %s", st, body)
+	}
+	for _, want := range []string{"POST /v2/sandboxes 201", "POST /ui/session 200", "DELETE /ui/session 204"} {
+		found := false
+		for _, e := range calls.Entries {
+			found = found || fmt.Sprintf("%s %d", e.Route, e.Status) == want
+		}
+		if !found {
+			t.Errorf("the audit trail (key A) lacks %q (the UI's create, sign-in, sign-out): %s", want, body)
+		}
 	}
 	// Of the other key's sandbox, the first key's trail holds only its own
 	// refused attempts (the suite's 404s), nothing the other key did.

@@ -69,7 +69,8 @@ function parseMetadata(text) {
 }
 
 function createForm(templates) {
-  const tmpl = h("input", { name: "template", required: true, value: "base", list: "template-names", autocomplete: "off" });
+  const first = templates.some((t) => t.name === "base") ? "base" : (templates[0] || { name: "host" }).name;
+  const tmpl = h("input", { name: "template", required: true, value: first, list: "template-names", autocomplete: "off" });
   const names = h("datalist#template-names", templates.map((t) => h("option", { value: t.name })));
   const wall = h("select", { name: "wall" }, ["", "process", "runc", "gvisor", "microvm"].map((w) => h("option", { value: w }, w || "(the daemon's default)")));
   const timeout = h("input", { name: "timeout", type: "number", min: 1, value: 300 });
