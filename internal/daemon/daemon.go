@@ -284,6 +284,10 @@ func Run(ctx context.Context, cfg Config, log *slog.Logger, ready func(apiAddr, 
 	if host.PoolTemplate == "" {
 		host.PoolTemplate = cfg.DefaultTemplate
 	}
+	if host.PoolTemplate == "host" {
+		// A wall of its own default (microvm: base) pools that.
+		host.PoolTemplate = host.DefaultTemplate(cfg.DefaultWall)
+	}
 	if err := host.AddWallPool(cfg.DefaultWall, host.PoolTemplate, cfg.Pool); err != nil {
 		log.Warn("pool: not kept", "wall", cfg.DefaultWall, "template", host.PoolTemplate, "why", err)
 	}

@@ -8,6 +8,7 @@ import (
 	"os"
 	"syscall"
 
+	"github.com/cagehq/cage/internal/cgroups"
 	"github.com/cagehq/cage/internal/inside"
 	"github.com/cagehq/cage/internal/template"
 	"github.com/cagehq/cage/internal/wall"
@@ -36,12 +37,13 @@ type preparation struct {
 	agentPath, runtimePath string
 	networked              bool
 	disk, shm              int64
+	limits                 cgroups.Limits // written as it was made
 	started                bool
 }
 
 func newPreparation(cfg job, networked bool) (*preparation, error) {
 	p := &preparation{template: cfg.Template.Name, etc: cfg.Template.EtcCache, networked: networked,
-		disk: cfg.DiskBytes, shm: cfg.ShmBytes, agentPath: cfg.AgentPath, runtimePath: cfg.Runtime.Binary}
+		disk: cfg.DiskBytes, shm: cfg.ShmBytes, limits: cfg.Limits, agentPath: cfg.AgentPath, runtimePath: cfg.Runtime.Binary}
 	if cfg.Template.Image != nil {
 		p.imageID = cfg.Template.Image.Info.ID
 	}
@@ -131,8 +133,10 @@ func (sb *Sandbox) Start(spec wall.Spec) error {
 	}
 	p.started = true
 	sb.token = spec.Token
-	if err := sb.cg.Apply(spec.Limits); err != nil {
-		return err
+	if spec.Limits != p.limits {
+		if err := sb.cg.Apply(spec.Limits); err != nil {
+			return err
+		}
 	}
 	if spec.DiskBytes > 0 && spec.DiskBytes != p.disk && sb.diskMount != "" {
 		if err := template.ResizeImageDisk(sb.dir, spec.DiskBytes, inside.InodesFor(spec.DiskBytes)); err != nil {
