@@ -14,6 +14,7 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"net/http/httptest"
 	"os"
 	"path/filepath"
 	"strings"
@@ -249,4 +250,23 @@ func TestTLSRefused(t *testing.T) {
 func writeCertOnly(t *testing.T) string {
 	cert, _ := writeCert(t, 0o600)
 	return cert
+}
+
+// TestRouteDomainWithPort: a domain that carries the proxy's port (what
+// the SDKs put in their https URLs for a local daemon) routes by its name.
+func TestRouteDomainWithPort(t *testing.T) {
+	p := New(sandboxes{}, "cage.localhost:3001", nil)
+	for host, ok := range map[string]bool{
+		"6080-abc.cage.localhost:3001": true,
+		"6080-abc.cage.localhost":      true,
+		"6080-abc.localhost:3001":      false,
+		"6080-abc.cage.localhost.evil": false,
+	} {
+		r := httptest.NewRequest("GET", "/vnc.html", nil)
+		r.Host = host
+		id, port, got := p.route(r)
+		if got != ok || ok && (id != "abc" || port != 6080) {
+			t.Errorf("route(%q) = %q, %d, %v; want ok %v", host, id, port, got, ok)
+		}
+	}
 }
