@@ -88,8 +88,9 @@ func uiTemplates(ts *imgstore.Store) ([]ui.Template, error) {
 	for _, t := range list {
 		x := ui.Template{Name: t.Name, ID: t.ID, Created: t.Created, Source: t.Source, Size: t.Size,
 			Command: strings.Join(append(append([]string{}, t.Config.Entrypoint...), t.Config.Cmd...), " ")}
-		for _, l := range t.Layers {
-			x.Layers = append(x.Layers, ui.Layer{ID: l})
+		sizes := ts.LayerSizes(&t)
+		for i, l := range t.Layers {
+			x.Layers = append(x.Layers, ui.Layer{ID: l, Size: sizes[i]})
 		}
 		out = append(out, x)
 	}

@@ -21,6 +21,7 @@ const SHORT_URL = env("CAGE_UI_SHORT_URL");
 const SHORT_KEY = env("CAGE_UI_SHORT_KEY");
 const ART = env("CAGE_UI_ARTIFACTS");
 const MAX_UPLOAD = Number(env("CAGE_UI_MAX_UPLOAD"));
+const TEMPLATE = env("CAGE_UI_TEMPLATE"); // a template the templates page must list
 
 const results = { created: "", loadMs: {}, passed: [], screenshots: {} };
 let browser, ctx, page, sandbox;
@@ -300,6 +301,12 @@ test("keyboard: the skip link and the navigation work without a mouse", async ()
   await page.locator("h1", { hasText: "Templates" }).waitFor();
   assert.ok(page.url().endsWith("#/templates"));
   await page.locator("table[aria-label=Templates]").waitFor();
+  const tmpl = page.locator("table[aria-label=Templates] tr", { has: page.locator("strong", { hasText: new RegExp("^" + TEMPLATE + "$") }) });
+  await tmpl.waitFor();
+  if (TEMPLATE !== "host") { // a built template: its layers, each with its size
+    await tmpl.locator("details summary").click();
+    assert.match(await tmpl.locator("ol.layers li").first().textContent(), /^[0-9a-f]{12} [\d.]+ (B|KiB|MiB|GiB)$/);
+  }
   await shot(page, "templates");
   results.passed.push("keyboard");
 });

@@ -48,7 +48,12 @@ type results struct {
 func TestDashboard(t *testing.T) {
 	dir, chromium := requireBrowser(t)
 	cfg := filepath.Join(t.TempDir(), "cage.json")
-	writeJSON(t, cfg, map[string]any{"ui": map[string]any{"max_upload": fmt.Sprint(maxUpload)}})
+	conf := map[string]any{"ui": map[string]any{"max_upload": fmt.Sprint(maxUpload)}}
+	expectTemplate := "host"
+	if store := os.Getenv("CAGE_TEMPLATES"); store != "" && os.Getenv("CAGE_REQUIRE_BASE") != "" {
+		conf["templates"], expectTemplate = store, "base" // the templates page shows base's layers
+	}
+	writeJSON(t, cfg, conf)
 	d := cageserve.Start(t, "--config", cfg)
 	other := d.NewKey(t, "other-tenant")
 	admin := d.NewKeyIn(t, "ui-admin", "admin")
@@ -68,7 +73,7 @@ func TestDashboard(t *testing.T) {
 	_ = os.Remove(filepath.Join(artifacts, "results.json"))
 	env := append(os.Environ(), "CAGE_UI_URL=http://"+d.API, "CAGE_UI_KEY="+d.Key, "CAGE_UI_ADMIN_KEY="+admin,
 		"CAGE_UI_OTHER_SANDBOX="+theirs.SandboxID, "CAGE_UI_SHORT_URL=http://"+short.API, "CAGE_UI_SHORT_KEY="+short.Key,
-		"CAGE_UI_ARTIFACTS="+artifacts, "CAGE_UI_CHROMIUM="+chromium, fmt.Sprintf("CAGE_UI_MAX_UPLOAD=%d", maxUpload))
+		"CAGE_UI_ARTIFACTS="+artifacts, "CAGE_UI_TEMPLATE="+expectTemplate, "CAGE_UI_CHROMIUM="+chromium, fmt.Sprintf("CAGE_UI_MAX_UPLOAD=%d", maxUpload))
 	if err := runNode(t, dir, env, 4*time.Minute, "--test", "--test-reporter=spec", "--test-concurrency=1", "ui.test.mjs"); err != nil {
 		t.Errorf("the browser suite failed: %v (screenshots in %s; the daemon's log follows the test)", err, artifacts)
 	}

@@ -20,7 +20,7 @@ export async function templatesPage(main) {
       ["ID", (t) => (t.id ? t.id.replace(/^sha256:/, "").slice(0, 12) : "–")],
       ["Size", (t) => (t.size ? bytes(t.size) : "–")],
       ["Layers", (t) => (t.layers && t.layers.length
-        ? h("details", h("summary", String(t.layers.length)), h("ol.layers", t.layers.map((l) => h("li", h("code", l.id)))))
+        ? h("details", h("summary", String(t.layers.length)), h("ol.layers", t.layers.map((l) => h("li", h("code", l.id.replace(/^sha256:/, "").slice(0, 12)), " ", bytes(l.size)))))
         : "–")],
       ["Created", (t) => (t.created && !t.created.startsWith("0001") ? time(t.created) : "–")],
       ["Source", (t) => t.source || ""],

@@ -126,7 +126,8 @@ export async function sandboxesPage(main) {
   let es = null;
   let rows = [];
   const render = () => {
-    count.textContent = rows.length === 1 ? "1 sandbox" : rows.length + " sandboxes";
+    count.textContent = (rows.length === 1 ? "1 sandbox" : rows.length + " sandboxes") +
+      (rows.length >= 100 ? " (the first 100, newest first: filter to see others)" : "");
     const now = Date.now();
     clear(list, table("Sandboxes", [
       ["ID", (r) => h("a.sbid", { href: "#/sandboxes/" + encodeURIComponent(r.sandboxID) }, r.sandboxID)],

@@ -1,6 +1,6 @@
 // term.js: a terminal (xterm.js, vendored) attached to a shell in a PTY in
 // the sandbox: output by server-sent events, keys and sizes by POSTs.
-import { h, clear, state, onLeave } from "./core.js";
+import { h, clear, api, state, onLeave, sandboxPath } from "./core.js";
 
 function fromBase64(s) {
   const bin = atob(s);
@@ -15,8 +15,21 @@ export function terminalSection(box, id) {
   const host = h("div.term#terminal");
   clear(box, h("h2#t-h", "Terminal"), h("div.bar", open, status), host);
   let current = null;
-  open.addEventListener("click", () => {
+  open.addEventListener("click", async () => {
     if (current) current();
+    current = null;
+    // The stream cannot say why it was refused: ask first.
+    let sb;
+    try {
+      sb = await api(sandboxPath(id));
+    } catch (e) {
+      status.textContent = e.message;
+      return;
+    }
+    if (sb.state !== "running") {
+      status.textContent = `the sandbox is ${sb.state}: resume it first`;
+      return;
+    }
     current = attach(host, id, status);
   });
   onLeave(() => { if (current) current(); });
