@@ -101,6 +101,12 @@ test('@e2b/desktop drives a cage desktop sandbox', { timeout: 900_000 * SLOW }, 
       assert.match(lines[2] ?? '', /^\d+$/, 'Xvfb runs')
     })
 
+    await t.test('no key repeat (the template\'s XFCE settings), so typing on a slow sandbox repeats nothing', async () => {
+      let q = ''
+      await waitFor(async () => /auto repeat:\s+off/.test((q = (await sbx.commands.run('xset q')).stdout)), 30_000 * SLOW,
+        () => `xset q to say auto repeat: off (${q.match(/auto repeat:\s+\w+/)?.[0]})`)
+    })
+
     await t.test('screenshot() is a PNG of the requested resolution', async () => {
       const t0 = Date.now()
       let png = decodePNG(await sbx.screenshot())
