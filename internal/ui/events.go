@@ -76,6 +76,11 @@ type row struct {
 // listEvents streams the key's sandboxes ("list" events), filtered as
 // the API filters (state, metadata as k=v&k2=v2, template).
 func (s *Server) listEvents(w http.ResponseWriter, r *http.Request) {
+	release, ok := holdStream(w, r)
+	if !ok {
+		return
+	}
+	defer release()
 	q := url.Values{"limit": {strconv.Itoa(listLimit)}}
 	for _, k := range []string{"state", "metadata", "template"} {
 		if v := r.URL.Query().Get(k); v != "" {
@@ -183,6 +188,11 @@ type process struct {
 // last ten minutes of metrics, network records, audit entries and, while
 // it runs, its agent's processes.
 func (s *Server) sandboxEvents(w http.ResponseWriter, r *http.Request) {
+	release, ok := holdStream(w, r)
+	if !ok {
+		return
+	}
+	defer release()
 	id := r.PathValue("id")
 	base := "/sandboxes/" + url.PathEscape(id)
 	var first types.SandboxDetail

@@ -9,8 +9,10 @@ import (
 	"errors"
 	"io"
 	"net/http"
+	"net/url"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 )
 
@@ -29,6 +31,23 @@ type session struct {
 	id, csrf, key string
 	who           Identity
 	created, seen time.Time
+	streams       atomic.Int32 // event streams open (holdStream)
+}
+
+// maxStreams bounds a session's open event streams and terminals: each
+// asks the API every tick.
+const maxStreams = 16
+
+// holdStream counts a stream against its session's bound (429 beyond);
+// release it when the stream ends.
+func holdStream(w http.ResponseWriter, r *http.Request) (release func(), ok bool) {
+	ss := sessionOf(r)
+	if ss.streams.Add(1) > maxStreams {
+		ss.streams.Add(-1)
+		writeError(w, http.StatusTooManyRequests, "too many live pages and terminals open in this session")
+		return nil, false
+	}
+	return func() { ss.streams.Add(-1) }, true
 }
 
 type sessions struct {
@@ -123,15 +142,16 @@ func (s *Server) alive(r *http.Request) bool {
 }
 
 // sameOrigin refuses a request a browser says came from another site: an
-// Origin that is not this host's, or Sec-Fetch-Site other than
-// same-origin (a browser's own navigation, "none", passes for GETs).
+// Origin whose host is not the one the request was sent to (either
+// scheme: behind a TLS proxy the browser's is https, cage's listener's
+// http), or Sec-Fetch-Site other than same-origin (a browser's own
+// navigation, "none", passes for GETs).
 func sameOrigin(r *http.Request) error {
-	scheme := "http"
-	if r.TLS != nil {
-		scheme = "https"
-	}
-	if o := r.Header.Get("Origin"); o != "" && o != scheme+"://"+r.Host {
-		return errors.New("cross-origin request refused")
+	if o := r.Header.Get("Origin"); o != "" {
+		u, err := url.Parse(o)
+		if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host != r.Host || u.Path != "" {
+			return errors.New("cross-origin request refused")
+		}
 	}
 	switch site := r.Header.Get("Sec-Fetch-Site"); site {
 	case "", "same-origin":
@@ -217,7 +237,7 @@ func (s *Server) signIn(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	ss := s.sessions.create(key, who)
-	http.SetCookie(w, &http.Cookie{Name: cookieName, Value: ss.id, Path: "/ui", HttpOnly: true, Secure: r.TLS != nil,
+	http.SetCookie(w, &http.Cookie{Name: cookieName, Value: ss.id, Path: "/ui", HttpOnly: true, Secure: secure(r),
 		SameSite: http.SameSiteStrictMode, MaxAge: int(s.cfg.SessionMax / time.Second)})
 	s.record(r, who, http.StatusOK)
 	writeJSON(w, http.StatusOK, sessionJSON{CSRF: ss.csrf, Identity: who})
@@ -254,8 +274,15 @@ func (s *Server) signOut(w http.ResponseWriter, r *http.Request) {
 	w.WriteHeader(http.StatusNoContent)
 }
 
+// secure says whether the browser reached cage over TLS: its own, or a
+// reverse proxy's that says so (X-Forwarded-Proto: a client that lies
+// only makes its own cookie stricter).
+func secure(r *http.Request) bool {
+	return r.TLS != nil || strings.EqualFold(r.Header.Get("X-Forwarded-Proto"), "https")
+}
+
 func clearCookie(w http.ResponseWriter, r *http.Request) {
-	http.SetCookie(w, &http.Cookie{Name: cookieName, Value: "", Path: "/ui", HttpOnly: true, Secure: r.TLS != nil,
+	http.SetCookie(w, &http.Cookie{Name: cookieName, Value: "", Path: "/ui", HttpOnly: true, Secure: secure(r),
 		SameSite: http.SameSiteStrictMode, MaxAge: -1})
 }
 

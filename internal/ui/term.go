@@ -110,6 +110,11 @@ func termSize(q string, def uint32) (uint32, bool) {
 // "start" {term, pid}, "out" (base64 of the PTY's bytes, as JSON), "end"
 // {exitCode, status}.
 func (s *Server) termStream(w http.ResponseWriter, r *http.Request) {
+	release, ok := holdStream(w, r)
+	if !ok {
+		return
+	}
+	defer release()
 	id := r.PathValue("id")
 	cols, ok1 := termSize(r.URL.Query().Get("cols"), 80)
 	rows, ok2 := termSize(r.URL.Query().Get("rows"), 24)

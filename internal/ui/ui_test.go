@@ -1,6 +1,7 @@
 package ui
 
 import (
+	"context"
 	"encoding/json"
 	"io"
 	"net/http"
@@ -126,6 +127,9 @@ func TestCSRFAndPassThrough(t *testing.T) {
 		{"no token", map[string]string{"Cookie": cookie}, 403},
 		{"wrong token", map[string]string{"Cookie": cookie, "X-CSRF-Token": strings.Repeat("0", 64)}, 403},
 		{"another origin", map[string]string{"Cookie": cookie, "X-CSRF-Token": csrf, "Origin": "http://evil.test"}, 403},
+		{"this host as a suffix", map[string]string{"Cookie": cookie, "X-CSRF-Token": csrf, "Origin": "http://cage.test.evil.test"}, 403},
+		{"another port", map[string]string{"Cookie": cookie, "X-CSRF-Token": csrf, "Origin": "http://cage.test:8080"}, 403},
+		{"an opaque origin", map[string]string{"Cookie": cookie, "X-CSRF-Token": csrf, "Origin": "null"}, 403},
 		{"cross-site", map[string]string{"Cookie": cookie, "X-CSRF-Token": csrf, "Sec-Fetch-Site": "cross-site"}, 403},
 		{"forged session id", map[string]string{"Cookie": "cage_ui=" + strings.Repeat("a", 64), "X-CSRF-Token": csrf}, 401},
 	} {
@@ -137,9 +141,9 @@ func TestCSRFAndPassThrough(t *testing.T) {
 		t.Fatalf("refused requests reached the API (%d)", api.count())
 	}
 	w := do(s, "POST", "/ui/api/v2/sandboxes?x=1", `{}`, map[string]string{"Cookie": cookie, "X-CSRF-Token": csrf,
-		"Origin": "http://cage.test", "Content-Type": "application/json", "Authorization": "Bearer smuggled"})
+		"Origin": "https://cage.test", "Content-Type": "application/json", "Authorization": "Bearer smuggled"})
 	if w.Code != 200 || api.count() != 1 {
-		t.Fatalf("a proper request: %d %s, API calls %d", w.Code, w.Body, api.count())
+		t.Fatalf("a proper request (Origin https://: behind a TLS proxy): %d %s, API calls %d", w.Code, w.Body, api.count())
 	}
 	r := api.calls[0]
 	if r.URL.Path != "/v2/sandboxes" || r.URL.RawQuery != "x=1" || r.Header.Get("X-API-Key") != goodKey ||
@@ -219,5 +223,58 @@ func TestHeaders(t *testing.T) {
 	}
 	if w := do(s, "GET", "/ui/static/", "", nil); w.Code != 404 {
 		t.Errorf("the assets' directory lists: %d", w.Code)
+	}
+}
+
+// TestStreamsBounded: a session holds at most maxStreams live pages and
+// terminals; one more is 429 until one ends.
+func TestStreamsBounded(t *testing.T) {
+	s, _, _ := newTest(t)
+	srv := httptest.NewServer(s)
+	defer srv.Close()
+	cookie, _ := signIn(t, s)
+	open := func(ctx context.Context) (*http.Response, error) {
+		req, err := http.NewRequestWithContext(ctx, "GET", srv.URL+"/ui/events/sandboxes", nil)
+		if err != nil {
+			return nil, err
+		}
+		req.Header.Set("Cookie", cookie)
+		return http.DefaultClient.Do(req)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	var first context.CancelFunc
+	for i := 0; i < maxStreams; i++ {
+		c, cc := context.WithCancel(ctx)
+		defer cc()
+		if i == 0 {
+			first = cc
+		}
+		resp, err := open(c)
+		if err != nil || resp.StatusCode != http.StatusOK {
+			t.Fatalf("stream %d: %v %v", i, err, resp)
+		}
+		defer resp.Body.Close()
+	}
+	resp, err := open(ctx)
+	if err != nil || resp.StatusCode != http.StatusTooManyRequests {
+		t.Fatalf("stream %d: %v %v, want 429", maxStreams+1, err, resp)
+	}
+	resp.Body.Close()
+	first()
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		resp, err := open(ctx)
+		if err == nil && resp.StatusCode == http.StatusOK {
+			resp.Body.Close()
+			break
+		}
+		if resp != nil {
+			resp.Body.Close()
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("a stream that ended still counts")
+		}
+		time.Sleep(50 * time.Millisecond)
 	}
 }
