@@ -195,7 +195,7 @@ func (b *benchRun) measure(ctx context.Context, name string) error {
 			return nil
 		}
 		b.t.Set(bench.Row{ID: "memory", What: fmt.Sprintf("host memory per idle sandbox, %d alive (MemAvailable drop)", m.N),
-			Cage: bench.Quantity(float64(m.PerSandboxBytes)/(1<<20), "MiB"), Status: bench.NoTarget,
+			Cage: perSandbox(m), Status: memStatus(m),
 			Note: fmt.Sprintf("agent PSS %s, cgroup charge %s; created %.1f sandboxes/s in process, one at a time",
 				units.FormatSize(roundKiB(m.AgentPSSBytes)), units.FormatSize(roundKiB(m.CgroupBytes)), m.CreateRate)})
 	}

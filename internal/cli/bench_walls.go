@@ -42,7 +42,7 @@ func benchWalls(ctx context.Context, t *bench.Table, g *globals, h *sandbox.Host
 			continue
 		}
 		t.Set(bench.Row{ID: name + ".memory", What: name + ": host memory per idle sandbox, 50 alive (MemAvailable drop)",
-			Cage: bench.Quantity(float64(m.PerSandboxBytes)/(1<<20), "MiB"), Status: bench.NoTarget,
+			Cage: perSandbox(m), Status: memStatus(m),
 			Note: fmt.Sprintf("init PSS %s, cgroup charge %s", units.FormatSize(roundKiB(m.AgentPSSBytes)), units.FormatSize(roundKiB(m.CgroupBytes)))})
 	}
 	return nil
@@ -178,7 +178,21 @@ func benchMicroVM(ctx context.Context, t *bench.Table, g *globals, h *sandbox.Ho
 		return nil
 	}
 	t.Set(bench.Row{ID: "microvm.memory", What: "microvm: host memory per idle VM, 20 of one snapshot (MemAvailable drop)",
-		Cage: bench.Quantity(float64(m.PerSandboxBytes)/(1<<20), "MiB"), Status: bench.NoTarget,
+		Cage: perSandbox(m), Status: memStatus(m),
 		Note: fmt.Sprintf("QEMU PSS %s, host cgroup charge %s", units.FormatSize(roundKiB(m.AgentPSSBytes)), units.FormatSize(roundKiB(m.CgroupBytes)))})
 	return nil
+}
+
+// perSandbox is a memory measurement's MemAvailable drop per sandbox.
+func perSandbox(m bench.Memory) *bench.Figure {
+	return bench.Quantity(float64(m.PerSandboxBytes)/(1<<20), "MiB")
+}
+
+// memStatus marks a drop of MemAvailable that is no drop: memory freed
+// elsewhere on the host meanwhile outweighed the sandboxes'.
+func memStatus(m bench.Memory) bench.Status {
+	if m.PerSandboxBytes <= 0 {
+		return bench.NotMeasured
+	}
+	return bench.NoTarget
 }
