@@ -13,8 +13,10 @@ import (
 	"time"
 
 	"github.com/cagehq/cage/internal/audit"
+	"github.com/cagehq/cage/internal/cgroups"
 	"github.com/cagehq/cage/internal/imgstore"
 	"github.com/cagehq/cage/internal/manager"
+	"github.com/cagehq/cage/internal/network"
 	"github.com/cagehq/cage/internal/sandbox"
 	"github.com/cagehq/cage/internal/store"
 	"github.com/cagehq/cage/internal/ui"
@@ -97,6 +99,35 @@ func uiTemplates(ts *imgstore.Store) ([]ui.Template, error) {
 	return out, nil
 }
 
+// check is one fact of the host page's checks (cage doctor's, less the
+// sandboxes it starts).
+type check struct {
+	Name string `json:"name"`
+	OK   bool   `json:"ok"`
+	Info string `json:"info"`
+}
+
+// hostChecks are what `cage doctor` says of the host that the daemon can
+// tell without starting a sandbox: root, cgroups, user namespaces, and
+// the network's readiness with the daemon's own resolvers.
+func hostChecks(host *sandbox.Host) []check {
+	out := []check{{"root", os.Geteuid() == 0, fmt.Sprintf("euid %d", os.Geteuid())}}
+	if cg, err := cgroups.Detect("cage"); err != nil {
+		out = append(out, check{"cgroups", false, err.Error()})
+	} else {
+		out = append(out, check{"cgroups", true, cg.Mode.String()})
+	}
+	if b, err := os.ReadFile("/proc/sys/user/max_user_namespaces"); err != nil || strings.TrimSpace(string(b)) == "0" {
+		out = append(out, check{"user namespaces", false, "unavailable or disabled (user.max_user_namespaces)"})
+	} else {
+		out = append(out, check{"user namespaces", true, "available"})
+	}
+	for _, f := range network.Readiness(host.NetConfig.Upstreams) {
+		out = append(out, check{"network: " + f.Name, f.OK, f.Info})
+	}
+	return out
+}
+
 type wallReport struct {
 	Name      string `json:"name"`
 	Available bool   `json:"available"`
@@ -128,6 +159,6 @@ func hostReport(ctx context.Context, st *store.Store, mgr *manager.Manager, host
 	if u, err := st.TotalUsage(manager.PauseMemory); err == nil {
 		capacity["committedCPUs"], capacity["committedMemory"], capacity["committedDisk"] = u.CPUs, u.Memory, u.Disk
 	}
-	return map[string]any{"kernel": strings.TrimSpace(string(kernel)), "walls": walls, "pools": host.PoolStats(),
-		"capacity": capacity}
+	return map[string]any{"kernel": strings.TrimSpace(string(kernel)), "checks": hostChecks(host), "walls": walls,
+		"pools": host.PoolStats(), "capacity": capacity}
 }

@@ -359,6 +359,7 @@ test("an admin key sees keys, teams and the host", async () => {
   await shot(p, "keys");
   await p.goto(URL0 + "/ui/#/host");
   await p.locator("table[aria-label=Walls] td", { hasText: "process" }).first().waitFor({ timeout: 30000 });
+  await p.locator("table[aria-label=Checks] td", { hasText: "cgroups" }).first().waitFor();
   await shot(p, "host");
   await actx.close();
   results.passed.push("admin pages");

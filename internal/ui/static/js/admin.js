@@ -103,9 +103,12 @@ export async function hostPage(main) {
     return;
   }
   const c = r.capacity || {};
+  const yes = (ok, t) => h("span.state." + (ok ? "running" : "paused"), t || (ok ? "ok" : "FAIL"));
   clear(main, h("h1", "Host"),
-    h("section.card", h("h2", "Walls"), h("p", "Kernel ", h("code", r.kernel)),
-      table("Walls", [["Wall", (w) => w.name], ["Available", (w) => h("span.state." + (w.available ? "running" : "paused"), w.available ? "yes" : "no")],
+    h("section.card", h("h2", "Checks"), h("p", "Kernel ", h("code", r.kernel)),
+      table("Checks", [["Check", (c) => c.name], ["", (c) => yes(c.ok)], ["", (c) => c.info]], r.checks || [])),
+    h("section.card", h("h2", "Walls"),
+      table("Walls", [["Wall", (w) => w.name], ["Available", (w) => yes(w.available, w.available ? "yes" : "no")],
         ["What the daemon says", (w) => w.info]], r.walls || []),
       h("p.note", "cage doctor on the host also starts a sandbox on each wall.")),
     h("section.card", h("h2", "Pools"), (r.pools || []).length === 0 ? h("p", "No pools.") :

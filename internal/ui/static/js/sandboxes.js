@@ -109,7 +109,8 @@ function createForm(templates) {
       location.hash = "#/sandboxes/" + encodeURIComponent(sb.sandboxID);
     }
   });
-  return h("details.card", { open: true }, h("summary", "Create a sandbox"), form);
+  // Open on wide screens; on a phone the live list comes first.
+  return h("details.card", { open: window.matchMedia("(min-width: 800px)").matches }, h("summary", "Create a sandbox"), form);
 }
 
 export async function sandboxesPage(main) {
