@@ -152,9 +152,13 @@ func (s *Server) fileDownload(w http.ResponseWriter, r *http.Request) {
 		passAgentError(w, resp)
 		return
 	}
-	name := path.Base(p)
+	// Always an attachment: a name FormatMediaType cannot write is left out.
+	disposition := mime.FormatMediaType("attachment", map[string]string{"filename": path.Base(p)})
+	if disposition == "" {
+		disposition = "attachment"
+	}
 	w.Header().Set("Content-Type", "application/octet-stream")
-	w.Header().Set("Content-Disposition", mime.FormatMediaType("attachment", map[string]string{"filename": name}))
+	w.Header().Set("Content-Disposition", disposition)
 	if resp.ContentLength >= 0 {
 		w.Header().Set("Content-Length", strconv.FormatInt(resp.ContentLength, 10))
 	}

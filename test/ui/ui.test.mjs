@@ -191,6 +191,11 @@ test("a file name with HTML in it is shown as text", async () => {
   await row.waitFor();
   assert.equal(await page.locator("#files-list img").count(), 0, "no element made of the name");
   assert.equal(await page.evaluate(() => window.__pwned), undefined, "no script ran");
+  const [dl] = await Promise.all([page.waitForEvent("download"), row.locator("a.file").click()]);
+  const chunks = [];
+  for await (const c of await dl.createReadStream()) chunks.push(c);
+  assert.equal(Buffer.concat(chunks).toString(), "x", "the file downloads as an attachment, its odd name and all");
+  assert.equal(await page.evaluate(() => window.__pwned), undefined, "no script ran");
   await shot(page, "files");
   results.passed.push("HTML file name escaped");
 });
