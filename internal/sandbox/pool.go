@@ -168,6 +168,9 @@ func (p *pool) fill(ctx context.Context, h *Host) {
 		case <-ctx.Done():
 		}
 		sb, err := h.prepare(ctx, p)
+		if err != nil && ctx.Err() != nil {
+			return // stopped while preparing: nothing to say
+		}
 		if err != nil {
 			p.free()
 			// A missing template (not built yet) is retried seldom, a

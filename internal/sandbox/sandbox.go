@@ -2,7 +2,8 @@
 // them once, builds the one wall.Spec a driver makes a sandbox from, and
 // owns the host's services every wall shares: the registry of walls
 // (walls.go, the one table of drivers), templates (templates.go), the
-// sandbox network (network.go) and the pool of prepared sandboxes (pool.go).
+// sandbox network (network.go) and the pools of prepared sandboxes, one per
+// wall and template (pool.go).
 // The CLI's `cage run` uses it directly; the daemon puts its state machine
 // and store on top.
 package sandbox

@@ -20,5 +20,7 @@
 // (snapshot.go); every Create restores a VM from that snapshot, its RAM
 // the snapshot's file mapped copy-on-write, and sends the spec, which
 // gives the guest its own identity before the agent exists (see spec).
-// A VM boots cold only when no snapshot can be made.
+// A VM boots cold only when no snapshot can be made. A pool's VM
+// (prepare.go) is restored and greeted ahead of its create, which then
+// sends the spec; under TCG the pool starts it and runs a command first.
 package microvm
