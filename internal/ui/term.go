@@ -153,7 +153,12 @@ func (s *Server) termStream(w http.ResponseWriter, r *http.Request) {
 			_, _ = ag.Process.SendSignal(kctx, connect.NewRequest(&pb.SendSignalRequest{Process: sel, Signal: pb.Signal_SIGNAL_SIGKILL}))
 		}
 	}()
-	ev := startSSE(w)
+	relay(ctx, t, stream, startSSE(w))
+}
+
+// relay passes the shell's events to the browser until it ends or the
+// stream breaks.
+func relay(ctx context.Context, t *terminal, stream *connect.ServerStreamForClient[pb.StartResponse], ev *sse) {
 	for stream.Receive() {
 		switch e := stream.Msg().GetEvent().GetEvent().(type) {
 		case *pb.ProcessEvent_Start:
@@ -164,7 +169,7 @@ func (s *Server) termStream(w http.ResponseWriter, r *http.Request) {
 		case *pb.ProcessEvent_Data:
 			b := e.Data.GetPty()
 			if b == nil {
-				b = append(e.Data.GetStdout(), e.Data.GetStderr()...)
+				b = append(append([]byte(nil), e.Data.GetStdout()...), e.Data.GetStderr()...)
 			}
 			if len(b) > 0 && ev.send("out", b) != nil { // []byte: base64 in JSON
 				return

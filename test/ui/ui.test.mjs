@@ -100,9 +100,9 @@ test("sign in: the session cookie is HttpOnly, SameSite=Strict, Path=/ui; pages 
     const ready = performance.getEntriesByName("cage-page-ready")[0];
     return { load: n.loadEventEnd - n.startTime, dom: n.domContentLoadedEventEnd - n.startTime, ready: ready ? ready.startTime : -1 };
   });
-  results.loadMs["sandboxes: load event"] = nav.load;
-  results.loadMs["sandboxes: DOMContentLoaded"] = nav.dom;
-  results.loadMs["sandboxes: page ready"] = nav.ready;
+  results.loadMs["first reload after sign-in: load event"] = nav.load;
+  results.loadMs["first reload after sign-in: DOMContentLoaded"] = nav.dom;
+  results.loadMs["first reload after sign-in: page ready"] = nav.ready;
   results.passed.push("sign in");
 });
 
@@ -322,6 +322,14 @@ test("pages at 1280x800 and at phone width have no sideways scroll", async () =>
     for (const [hash, name, ready] of [["#/sandboxes", "sandboxes", "#sandbox-list table"], ["#/sandboxes/" + sandbox, "sandbox", "dl.info"],
       ["#/templates", "templates", "table[aria-label=Templates]"], ["#/keys", "keys", "h1"], ["#/host", "host", "h1"]]) {
       await page.goto(URL0 + "/ui/" + hash);
+      if (tag === "desktop") { // a fresh load of the page, timed by the browser
+        await page.reload();
+        await page.waitForFunction(() => performance.getEntriesByName("cage-page-ready").length > 0);
+        const t = await page.evaluate(() => ({ load: performance.getEntriesByType("navigation")[0].loadEventEnd,
+          ready: performance.getEntriesByName("cage-page-ready")[0].startTime }));
+        results.loadMs[name + ": load event"] = t.load;
+        results.loadMs[name + ": page ready"] = t.ready;
+      }
       await page.locator(ready).first().waitFor();
       const over = await page.evaluate(() => document.documentElement.scrollWidth - document.documentElement.clientWidth);
       assert.ok(over <= 1, `${name} at ${w}x${hgt} scrolls sideways by ${over} px`);

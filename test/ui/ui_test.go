@@ -16,10 +16,12 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"maps"
 	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -82,8 +84,9 @@ func TestDashboard(t *testing.T) {
 	if err != nil || json.Unmarshal(b, &res) != nil || res.Created == "" {
 		t.Fatalf("results.json missing or without the sandbox the UI created: %v %s", err, b)
 	}
-	for page, ms := range res.LoadMs {
-		t.Logf("page load in the browser: %s %.1f ms", page, ms)
+	pages := slices.Sorted(maps.Keys(res.LoadMs))
+	for _, page := range pages {
+		t.Logf("page load in the browser: %s %.1f ms", page, res.LoadMs[page])
 	}
 	t.Logf("screenshots: %s", artifacts)
 
