@@ -205,6 +205,7 @@ func (t *Table) Print(w io.Writer, m Machine) {
 func (t *Table) JSON(w io.Writer, m Machine) error {
 	enc := json.NewEncoder(w)
 	enc.SetIndent("", "  ")
+	enc.SetEscapeHTML(false) // "->" and "<=" as written
 	return enc.Encode(struct {
 		Machine Machine `json:"machine"`
 		Rows    []Row   `json:"rows"`
