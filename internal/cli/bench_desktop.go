@@ -15,7 +15,7 @@ func init() {
 		{ID: "desktop.create", What: "desktop: @e2b/desktop create (Xvfb, XFCE up) -> first screenshot, 1024x768",
 			PeerName: "E2B Desktop: no start time published (E2B: about 150 ms for a sandbox, before Xvfb and XFCE)"},
 		{ID: "desktop.screenshot", What: "desktop: screenshot() round trip (scrot, read, remove)"},
-		{ID: "desktop.memory", What: "desktop: host memory of an idle desktop sandbox (its cgroup, less page cache)"},
+		{ID: "desktop.memory", What: "desktop: host memory of an idle desktop sandbox (its cgroup's charge)"},
 	}
 }
 
@@ -57,6 +57,6 @@ func benchDesktop(ctx context.Context, t *bench.Table, h *sandbox.Host, runs int
 	}
 	t.Set(bench.Row{ID: "desktop.screenshot", Cage: bench.Latency(idle.Screenshot), Status: bench.NoTarget})
 	t.Set(bench.Row{ID: "desktop.memory", Cage: bench.Quantity(float64(idle.MemUsed)/(1<<20), "MiB"), Status: bench.NoTarget,
-		Note: fmt.Sprintf("page cache %s more; the template's default limit is 2 GiB", units.FormatSize(idle.MemCache))})
+		Note: fmt.Sprintf("of which page cache %s; the template's default limit is 2 GiB", units.FormatSize(idle.MemCache))})
 	return nil
 }
