@@ -9,6 +9,7 @@ import (
 	"path/filepath"
 	"regexp"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/cagehq/cage/internal/agentclient"
@@ -32,7 +33,9 @@ const snapshotNamespace = "cage"
 // snapshotTag ends every snapshot id, as E2B's default tag.
 const snapshotTag = ":default"
 
-var snapshotName = regexp.MustCompile(`^[a-zA-Z0-9][a-zA-Z0-9_-]{0,63}$`)
+// Compiled at first use: a counted repetition compiles into a program of
+// its size, work every cage process (cage run included) paid at its start.
+var snapshotName = sync.OnceValue(func() *regexp.Regexp { return regexp.MustCompile(`^[a-zA-Z0-9][a-zA-Z0-9_-]{0,63}$`) })
 
 // SnapshotRef is the id clients know a snapshot by (E2B's snapshotID):
 // "cage/NAME:default" when named, else "ID:default".
@@ -69,7 +72,7 @@ func (m *Manager) snapshotFile(id string) string {
 // Snapshot saves a running sandbox's files as a snapshot, named or not;
 // the sandbox runs on with the same id and end time.
 func (m *Manager) Snapshot(ctx context.Context, keyID, id, name string) (*store.Snapshot, error) {
-	if name != "" && !snapshotName.MatchString(name) {
+	if name != "" && !snapshotName().MatchString(name) {
 		return nil, fmt.Errorf("%w: snapshot name %q: want letters, digits, - and _ (at most 64)", ErrInvalid, name)
 	}
 	defer m.transition(id)()

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"regexp"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/cagehq/cage/internal/audit"
@@ -23,7 +24,9 @@ import (
 // deleted: its record names the volume, and a resume mounts it again.
 
 // volumeName is E2B's rule for a volume's name, with a length bound.
-var volumeName = regexp.MustCompile(`^[a-zA-Z0-9_-]{1,128}$`)
+// Compiled at first use: a counted repetition compiles into a program of
+// its size, work every cage process (cage run included) paid at its start.
+var volumeName = sync.OnceValue(func() *regexp.Regexp { return regexp.MustCompile(`^[a-zA-Z0-9_-]{1,128}$`) })
 
 // DefaultMaxVolumes is how many volumes a key may have unless configured.
 const DefaultMaxVolumes = 100
@@ -53,7 +56,7 @@ func (m *Manager) CreateVolume(keyID, name string) (*store.Volume, error) {
 	if err != nil {
 		return nil, err
 	}
-	if !volumeName.MatchString(name) {
+	if !volumeName().MatchString(name) {
 		return nil, fmt.Errorf("%w: volume name %.140q: want letters, digits, - and _ (1 to 128)", ErrInvalid, name)
 	}
 	m.volMu.Lock()

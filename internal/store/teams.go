@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"regexp"
 	"strings"
+	"sync"
 	"time"
 )
 
@@ -59,13 +60,15 @@ func (l TeamLimits) Valid() error {
 	return nil
 }
 
-var teamNameRE = regexp.MustCompile(`^[a-z0-9][a-z0-9_-]{0,62}$`)
+// Compiled at first use: a counted repetition compiles into a program of
+// its size, work every cage process (cage run included) paid at its start.
+var teamNameRE = sync.OnceValue(func() *regexp.Regexp { return regexp.MustCompile(`^[a-z0-9][a-z0-9_-]{0,62}$`) })
 
 // ValidTeamName says whether s may name a team: 1 to 63 lowercase
 // letters, digits, '-' and '_', starting with a letter or digit, and not
 // shaped like a team's id.
 func ValidTeamName(s string) bool {
-	return teamNameRE.MatchString(s) && !strings.HasPrefix(s, TeamPrefix)
+	return teamNameRE().MatchString(s) && !strings.HasPrefix(s, TeamPrefix)
 }
 
 const teamCols = "id, name, limits, created_at"
