@@ -15,8 +15,9 @@ import { waitFor, errText } from './helpers.mjs'
 
 const W = 1280
 const H = 800
-// Under TCG (microvm without KVM) everything takes many times longer.
-const SLOW = process.env.CAGE_TEST_WALL === 'microvm' ? 10 : 1
+// Under TCG (microvm without KVM) everything takes many times longer, and
+// under gVisor Firefox starts in seconds rather than one.
+const SLOW = { microvm: 10, gvisor: 2 }[process.env.CAGE_TEST_WALL] ?? 1
 
 /** Decodes an 8-bit RGB or RGBA PNG (not interlaced): {width, height, px(x, y)}. */
 export function decodePNG(buf) {
