@@ -10,6 +10,7 @@ import (
 	"sort"
 	"strconv"
 	"strings"
+	"sync"
 
 	"golang.org/x/sys/unix"
 )
@@ -120,7 +121,7 @@ func (s *Store) gcLocked(only map[string]bool) ([]string, error) {
 			if only == nil {
 				errs = append(errs, removeUnlocked(s.path(layersDir, n)))
 			}
-		case hexRE.MatchString(n) && e.IsDir():
+		case hexRE().MatchString(n) && e.IsDir():
 			if !consider(n) {
 				continue
 			}
@@ -129,7 +130,7 @@ func (s *Store) gcLocked(only map[string]bool) ([]string, error) {
 			if ok {
 				removed = append(removed, "sha256:"+n)
 			}
-		case hexRE.MatchString(h) && (ext == "json" || ext == "tarmeta") && consider(h):
+		case hexRE().MatchString(h) && (ext == "json" || ext == "tarmeta") && consider(h):
 			// The record of a layer whose directory is gone.
 			if _, err := os.Lstat(s.path(layersDir, h)); errors.Is(err, fs.ErrNotExist) {
 				errs = append(errs, removeFile(s.path(layersDir, n)))
@@ -204,7 +205,7 @@ func (s *Store) gcFiles(sub string, used map[string]bool) error {
 	for _, e := range entries {
 		n := e.Name()
 		h, isJSON := strings.CutSuffix(n, ".json")
-		if strings.HasPrefix(n, tmpPrefix) || (used != nil && isJSON && hexRE.MatchString(h) && !used[h]) {
+		if strings.HasPrefix(n, tmpPrefix) || (used != nil && isJSON && hexRE().MatchString(h) && !used[h]) {
 			errs = append(errs, removeFile(s.path(sub, n)))
 		}
 	}
@@ -258,7 +259,7 @@ func inUse(t *Template) ([]string, error) {
 // layerRefRE finds a layer directory in a line of mountinfo: an overlay's
 // lowerdir option, or the root of a bind mount of a layer (or of a path in
 // it).
-var layerRefRE = regexp.MustCompile(`layers/([0-9a-f]{64})(?:[/:, ]|$)`)
+var layerRefRE = sync.OnceValue(func() *regexp.Regexp { return regexp.MustCompile(`layers/([0-9a-f]{64})(?:[/:, ]|$)`) })
 
 // mountedLayers returns the layers (by hex) that some mount of this mount
 // namespace uses. It may name layers of another store: keeping those here
@@ -273,7 +274,7 @@ func mountedLayers() (map[string]bool, error) {
 	sc := bufio.NewScanner(f)
 	sc.Buffer(make([]byte, 64<<10), 1<<20)
 	for sc.Scan() {
-		for _, m := range layerRefRE.FindAllStringSubmatch(unescapeMountinfo(sc.Text()), -1) {
+		for _, m := range layerRefRE().FindAllStringSubmatch(unescapeMountinfo(sc.Text()), -1) {
 			mounted[m[1]] = true
 		}
 	}

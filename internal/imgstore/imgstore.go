@@ -38,6 +38,7 @@ import (
 	"slices"
 	"sort"
 	"strings"
+	"sync"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -194,12 +195,14 @@ func flock(fd, how int) error {
 	}
 }
 
-var nameRE = regexp.MustCompile(`^[a-z0-9][a-z0-9._-]{0,62}$`)
+// Compiled at first use: a counted repetition compiles into a program of
+// its size, work every cage process (cage run included) paid at its start.
+var nameRE = sync.OnceValue(func() *regexp.Regexp { return regexp.MustCompile(`^[a-z0-9][a-z0-9._-]{0,62}$`) })
 
 // checkName accepts the names a template may be stored under. "host" is the
 // built-in template and cannot be stored.
 func checkName(name string) error {
-	if !nameRE.MatchString(name) || strings.Contains(name, "..") {
+	if !nameRE().MatchString(name) || strings.Contains(name, "..") {
 		return invalidf("template name %q is not allowed (want [a-z0-9][a-z0-9._-]{0,62}, no \"..\")", name)
 	}
 	if name == "host" {
@@ -208,13 +211,15 @@ func checkName(name string) error {
 	return nil
 }
 
-var hexRE = regexp.MustCompile(`^[0-9a-f]{64}$`)
+// Compiled at first use: a counted repetition compiles into a program of
+// its size, work every cage process (cage run included) paid at its start.
+var hexRE = sync.OnceValue(func() *regexp.Regexp { return regexp.MustCompile(`^[0-9a-f]{64}$`) })
 
 // digestHex returns the hex of a "sha256:<hex>" digest, which names files in
 // the store, so nothing but exactly 64 lowercase hex digits is accepted.
 func digestHex(d string) (string, error) {
 	h, ok := strings.CutPrefix(d, "sha256:")
-	if !ok || !hexRE.MatchString(h) {
+	if !ok || !hexRE().MatchString(h) {
 		return "", invalidf("digest %q is not sha256:<64 hex digits>", d)
 	}
 	return h, nil

@@ -445,7 +445,7 @@ func countLayerDirs(t *testing.T, s *Store) int {
 	t.Helper()
 	n := 0
 	for _, e := range layerEntries(t, s) {
-		if hexRE.MatchString(e) {
+		if hexRE().MatchString(e) {
 			n++
 		}
 	}
