@@ -283,17 +283,20 @@ func (h *Host) prepare(ctx context.Context, p *pool) (wall.Prepared, error) {
 	return &startedSandbox{Prepared: sb, spec: spec, fixedLimits: fixed, netKind: !started && p.fixesNet}, nil
 }
 
-// warmUp runs a command in a started sandbox (true, through the agent, as
-// a create's first command would), so that its first command for the
-// create that takes it finds its path warm (see wall.Warmer).
+// warmUp runs commands in a started sandbox through the agent, as a
+// create's first commands would (a program found on the PATH, and E2B's
+// bash -l -c, where the template has bash), so that the first command of
+// the create that takes it finds its path warm (see wall.Warmer).
 func warmUp(ctx context.Context, sb wall.Sandbox) error {
 	c := agentclient.New(sb.Dial, sb.Token())
 	defer c.Close()
 	ctx, cancel := context.WithTimeout(ctx, time.Minute)
 	defer cancel()
-	if _, err := c.Run(ctx, agentclient.RunOptions{Cmd: "true", Stdout: io.Discard, Stderr: io.Discard}); err != nil {
+	if _, err := c.Run(ctx, agentclient.RunOptions{Cmd: "echo", Args: []string{"warm"}, Stdout: io.Discard, Stderr: io.Discard}); err != nil {
 		return fmt.Errorf("warm up: %w", err)
 	}
+	// (A template without bash fails this one: nothing to warm.)
+	_, _ = c.Run(ctx, agentclient.RunOptions{Cmd: "/bin/bash", Args: []string{"-l", "-c", "true"}, Stdout: io.Discard, Stderr: io.Discard})
 	return nil
 }
 

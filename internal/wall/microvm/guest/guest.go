@@ -96,16 +96,26 @@ func writeNames(hostname string) error {
 // holds nothing of its own, so that no restored guest pays for it (under
 // TCG a restored guest runs slowly what it runs for the first time, and
 // its reads from the image are the slowest of all): the loopback interface
-// and the image's shell in the page cache. Not the agent's threads: they
-// cost less to make after the restore than the sealing of each costs
-// (seal.Seal touches every thread).
+// and, in the page cache, the image's files that the agent and a first
+// command read (warmFiles). Not the agent's threads: they cost less to
+// make after the restore than the sealing of each costs (seal.Seal touches
+// every thread).
 func warmUp() error {
 	if err := inside.LoopbackUp(); err != nil {
 		return err
 	}
-	warmFile("/bin/sh")
+	for _, p := range warmFiles {
+		warmFile(p)
+	}
 	return nil
 }
+
+// warmFiles are what the agent reads as it starts (the accounts) and what
+// a first command runs (E2B's commands go through bash -l -c; a command
+// needs the dynamic loader and libc), where the image has them.
+var warmFiles = []string{"/bin/sh", "/bin/bash", "/etc/passwd", "/etc/group", "/etc/profile", "/etc/bash.bashrc",
+	"/lib64/ld-linux-x86-64.so.2", "/lib/x86_64-linux-gnu/libc.so.6", "/lib/x86_64-linux-gnu/libtinfo.so.6",
+	"/usr/bin/env", "/usr/bin/echo", "/usr/bin/true"}
 
 // warmFile reads a file of the image into the page cache, which the
 // snapshot keeps.
