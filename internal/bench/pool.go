@@ -51,7 +51,7 @@ const maxPoolMisses = 5
 func pooledSample(ctx context.Context, h *sandbox.Host, wallName string) (time.Duration, int64, error) {
 	var missed int64
 	for missed < maxPoolMisses {
-		before, err := waitPoolFull(ctx, h, wallName)
+		before, err := WaitPoolFull(ctx, h, wallName)
 		if err != nil {
 			return 0, missed, err
 		}
@@ -76,9 +76,9 @@ func poolOf(h *sandbox.Host, wallName string) sandbox.PoolStat {
 	return sandbox.PoolStat{}
 }
 
-// waitPoolFull waits until the wall's pool holds as many sandboxes as it
+// WaitPoolFull waits until the wall's pool holds as many sandboxes as it
 // keeps, and returns its counters then.
-func waitPoolFull(ctx context.Context, h *sandbox.Host, wallName string) (sandbox.PoolStat, error) {
+func WaitPoolFull(ctx context.Context, h *sandbox.Host, wallName string) (sandbox.PoolStat, error) {
 	deadline := time.Now().Add(poolFillWait)
 	for {
 		p := poolOf(h, wallName)

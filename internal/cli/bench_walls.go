@@ -26,14 +26,14 @@ func benchWalls(ctx context.Context, t *bench.Table, g *globals, h *sandbox.Host
 			t.Fail(name, "", fmt.Errorf("bare: %w", err))
 			continue
 		}
-		cold := func(int) (time.Duration, error) {
+		cold := func() (time.Duration, error) {
 			s, err := bench.WallToFirstOutput(ctx, h, name, 1, 0)
 			return s.P50, err
 		}
 		if _, err := bench.WallToFirstOutput(ctx, h, name, 0, 2); err != nil {
 			t.Fail(name, "", err)
 		} else {
-			wallRow(ctx, t, h, name, name, runs, cold, 0)
+			wallRow(ctx, t, h, name, name, runs, nil, cold, 0)
 		}
 		benchWallPool(ctx, t, g, h, name, runs)
 		m, err := bench.WallIdleMemory(ctx, h, name, 50)
@@ -48,20 +48,28 @@ func benchWalls(ctx context.Context, t *bench.Table, g *globals, h *sandbox.Host
 	return nil
 }
 
-// wallRow fills row id with sample(i) interleaved with the raw runtime's
-// create -> first output; target is the ratio of medians to meet (0:
-// none).
-func wallRow(ctx context.Context, t *bench.Table, h *sandbox.Host, id, name string, runs int, sample func(int) (time.Duration, error), target float64) {
+// wallRow fills row id with sample() interleaved with the raw runtime's
+// create -> first output, the raw one first, each pair after settle (when
+// not nil: a pool full again, so that its refill runs beside neither);
+// target is the ratio of medians to meet (0: none).
+func wallRow(ctx context.Context, t *bench.Table, h *sandbox.Host, id, name string, runs int, settle func() error,
+	sample func() (time.Duration, error), target float64) {
 	var cage, bare []time.Duration
 	for i := 0; i < runs; i++ { // interleaved: drift hits both alike
-		c, err := sample(i)
-		if err != nil {
-			t.Fail(id, "", err)
-			return
+		if settle != nil {
+			if err := settle(); err != nil {
+				t.Fail(id, "", err)
+				return
+			}
 		}
 		b, err := bench.BareToFirstOutput(ctx, h, name, 1, 0)
 		if err != nil {
 			t.Fail(id, "", fmt.Errorf("bare: %w", err))
+			return
+		}
+		c, err := sample()
+		if err != nil {
+			t.Fail(id, "", err)
 			return
 		}
 		cage, bare = append(cage, c), append(bare, b.P50)
@@ -87,11 +95,12 @@ func benchWallPool(ctx context.Context, t *bench.Table, g *globals, h *sandbox.H
 	}
 	defer pooled.Close()
 	var missed int64
-	sample := func(int) (time.Duration, error) {
+	sample := func() (time.Duration, error) {
 		s, m, err := bench.PooledToFirstOutput(ctx, pooled, name, 1, 0)
 		missed += m
 		return s.P50, err
 	}
+	full := func() error { _, err := bench.WaitPoolFull(ctx, pooled, name); return err }
 	if _, _, err := bench.PooledToFirstOutput(ctx, pooled, name, 0, 2); err != nil {
 		t.Fail(id, "", err)
 		return
@@ -105,7 +114,7 @@ func benchWallPool(ctx context.Context, t *bench.Table, g *globals, h *sandbox.H
 		t.Set(bench.Row{ID: id, Cage: bench.Latency(s), Status: bench.Judge(s.P50 <= 50*time.Millisecond), Note: poolNote(m)})
 		return
 	}
-	wallRow(ctx, t, h, id, name, runs, sample, 1.0)
+	wallRow(ctx, t, h, id, name, runs, full, sample, 1.0)
 	if r, ok := t.Get(id); ok && missed > 0 {
 		r.Note = poolNote(missed)
 		t.Set(r)
