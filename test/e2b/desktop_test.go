@@ -85,9 +85,10 @@ func checkProxyTLS(t *testing.T, addr, caFile string) {
 	if line, err := bufio.NewReader(c).ReadString('\n'); err != nil || !strings.Contains(line, " 400 ") {
 		t.Errorf("plain HTTP on the TLS port: %q, %v; want 400", line, err)
 	}
-	fi, err := os.Stat(filepath.Join(filepath.Dir(caFile), "ca-key.pem"))
-	if err != nil || fi.Mode().Perm() != 0o600 {
-		t.Errorf("the CA's key: %v, mode %v; want 0600", err, fi.Mode().Perm())
+	if fi, err := os.Stat(filepath.Join(filepath.Dir(caFile), "ca-key.pem")); err != nil {
+		t.Errorf("the CA's key: %v", err)
+	} else if fi.Mode().Perm() != 0o600 {
+		t.Errorf("the CA's key has mode %04o; want 0600", fi.Mode().Perm())
 	}
 }
 
