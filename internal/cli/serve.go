@@ -17,6 +17,7 @@ import (
 
 	"github.com/cagehq/cage/internal/audit"
 	"github.com/cagehq/cage/internal/daemon"
+	"github.com/cagehq/cage/internal/sandbox"
 	"github.com/cagehq/cage/internal/store"
 )
 
@@ -141,6 +142,9 @@ func templateCount(kv string) (string, int, error) {
 	n, err := strconv.Atoi(v)
 	if !ok || name == "" || err != nil || n < 0 || n > 1000 {
 		return "", 0, errors.New("want [WALL/]TEMPLATE=N with N from 0 to 1000")
+	}
+	if err := sandbox.CheckPool(name); err != nil {
+		return "", 0, err
 	}
 	return name, n, nil
 }

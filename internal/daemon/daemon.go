@@ -192,6 +192,11 @@ func LoadFile(path string, cfg *Config) error {
 	if err := dec.Decode(cfg); err != nil {
 		return fmt.Errorf("config %s: %v", path, err)
 	}
+	for key := range cfg.Pools {
+		if err := sandbox.CheckPool(key); err != nil {
+			return fmt.Errorf("config %s: pools: %v", path, err)
+		}
+	}
 	return nil
 }
 

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -80,6 +81,19 @@ func PoolOf(key string) (wallName, tmpl string) {
 		return w, t
 	}
 	return "", key
+}
+
+// CheckPool says what is wrong with a pool's name in configuration (see
+// PoolOf): an unknown wall, or no template.
+func CheckPool(key string) error {
+	w, t := PoolOf(key)
+	if t == "" || strings.Contains(t, "/") {
+		return fmt.Errorf("%w: pool %q: want TEMPLATE or WALL/TEMPLATE", ErrInvalid, key)
+	}
+	if w != "" && !slices.Contains(Walls, w) {
+		return fmt.Errorf("%w: pool %q: unknown wall %q (walls: %v)", ErrInvalid, key, w, Walls)
+	}
+	return nil
 }
 
 // StartPool keeps n sandboxes of PoolTemplate prepared on the default wall

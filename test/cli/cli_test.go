@@ -367,6 +367,7 @@ func TestBadInput(t *testing.T) {
 		{[]string{"run", "--net", "none", "--allow", "example.com", "--", "true"}, exitUsage, "none"},
 		{[]string{"run", "--net", "allowlist", "--deny", "1.2.3.4", "--", "true"}, exitUsage, "deny"},
 		{[]string{"run"}, exitUsage, ""},
+		{[]string{"serve", "--pool-of", "nowall/base=1"}, exitUsage, "nowall"},
 	} {
 		name := strings.Join(tc.args, " ")
 		r := e.cage(nil, tc.args...)
