@@ -199,6 +199,9 @@ func (p *Pending) Start(ctx context.Context) (wall.Sandbox, error) {
 		}
 		return nil, err
 	}
+	if s, ok := sb.(*startedSandbox); ok {
+		sb = s.Prepared // the wall's own, with its abilities (wall.Checkpointable...)
+	}
 	return sb, nil
 }
 

@@ -136,6 +136,12 @@ func testWallPool(t *testing.T, w wall) {
 	}
 	b := create(o, true)
 	id := b.sb.ID()
+	if c, ok := d.(cagewall.Checkpointer); ok && c.CheckpointsMissing() == nil {
+		// A pooled sandbox keeps its wall's abilities: pause with memory.
+		if _, ok := b.sb.(cagewall.Checkpointable); !ok {
+			t.Errorf("a pooled %s sandbox (%T) cannot be checkpointed", w.name, b.sb)
+		}
+	}
 	want := ids.Hostname(id) + "\nmine\nID=cage-test"
 	if warms {
 		want = ids.Hostname(id) + "\n\nID=cage-test"
