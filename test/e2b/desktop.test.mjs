@@ -210,8 +210,12 @@ test('@e2b/desktop drives a cage desktop sandbox', { timeout: 900_000 * SLOW }, 
       // getWindowTitle reads back.
       const page = `<!doctype html><html><head><title>cage page</title></head>
 <body style="margin:0;height:5000px;background:#fff"><script>
-let w = 0, c = 0, d = '-', k = '-', down = null
-const show = () => { document.title = 'cage w' + w + ' c' + c + ' d' + d + ' k' + k }
+let w = 0, c = 0, d = '-', k = '-', down = null, b = 0, r = 0, m = 0
+const show = () => { document.title = 'cage w' + w + ' c' + c + ' d' + d + ' k' + k + ' b' + b + ' r' + r + ' m' + m + ' y' + Math.round(scrollY) }
+addEventListener('scroll', show)
+addEventListener('dblclick', () => { b++; show() })
+addEventListener('contextmenu', (e) => { e.preventDefault(); r++; show() })
+addEventListener('auxclick', (e) => { if (e.button === 1) { m++; show() } })
 addEventListener('wheel', (e) => { w += Math.sign(e.deltaY); show() }, { passive: true })
 addEventListener('mousedown', (e) => { down = [e.screenX, e.screenY] })
 addEventListener('mouseup', (e) => { if (down) d = (e.screenX - down[0]) + ',' + (e.screenY - down[1]); show() })
@@ -225,16 +229,50 @@ addEventListener('keydown', (e) => { if (e.key === 'A' && e.shiftKey) k = 'shift
       await sleep(500 * SLOW)
       await sbx.leftClick(W / 2, H / 2)
       await titleWhere(sbx, win, (s) => /c[1-9]/.test(s), 'a click')
+      // Firefox may merge wheel events (and scrolls smoothly): what is
+      // checked is where the page ends up, once it stops moving.
+      const yOf = (s) => Number(/ y(\d+)/.exec(s)?.[1] ?? NaN)
+      const settled = async (what, pred) => {
+        let last = -1, y = NaN
+        await waitFor(async () => {
+          const prev = last
+          last = yOf(await titleWhere(sbx, win, (s) => pred(yOf(s)), what))
+          y = last
+          if (prev !== last) await sleep(300)
+          return prev === last
+        }, 30_000 * SLOW, () => `${what} to settle (y ${y})`)
+        return y
+      }
       await sbx.scroll('down', 3)
-      await titleWhere(sbx, win, (s) => / w3 /.test(s), 'three wheel steps down')
+      const down3 = await settled('three wheel steps down', (y) => y > 0)
       await sbx.scroll('up', 1)
-      await titleWhere(sbx, win, (s) => / w2 /.test(s), 'one wheel step up')
+      const up1 = await settled('one wheel step up', (y) => y < down3)
+      assert.ok(up1 > 0 && up1 < down3, `down 3 then up 1: the page at ${up1}, between the top and ${down3}`)
       await sbx.drag([W / 2 - 100, H / 2 - 50], [W / 2 + 100, H / 2 + 100])
       await titleWhere(sbx, win, (s) => / d200,150 /.test(s), 'a drag of (200, 150)')
       await sbx.press(['shift', 'a'])
-      const title = await titleWhere(sbx, win, (s) => / kshift\+A/.test(s), 'shift+a')
+      await titleWhere(sbx, win, (s) => / kshift\+A/.test(s), 'shift+a')
+      await sbx.doubleClick(W / 2, H / 2 + 50)
+      await titleWhere(sbx, win, (s) => / b1 /.test(s), 'a double click')
+      await sbx.rightClick(W / 2, H / 2 + 50)
+      await titleWhere(sbx, win, (s) => / r1 /.test(s), 'a right click')
+      await sbx.middleClick(W / 2, H / 2 + 50)
+      await titleWhere(sbx, win, (s) => / m1/.test(s), 'a middle click')
+      await sbx.moveMouse(500, 300)
+      await sbx.mousePress('left')
+      await sbx.moveMouse(550, 340)
+      await sbx.mouseRelease('left')
+      const title = await titleWhere(sbx, win, (s) => / d50,40 /.test(s), 'mousePress, a move and mouseRelease')
       assert.match(title, /Firefox/)
       assert.equal(await sbx.getCurrentWindowId(), win, 'the browser has the focus')
+    })
+
+    await t.test('launch() starts an application by its desktop entry', async () => {
+      const before = await sbx.getApplicationWindows('mousepad').catch(() => [])
+      await sbx.launch('org.xfce.mousepad')
+      await waitFor(async () => (await sbx.getApplicationWindows('mousepad').catch(() => [])).length > before.length,
+        60_000 * SLOW, () => 'a new Mousepad window')
+      await sbx.wait(100)
     })
 
     await t.test('the desktop still runs: Xvfb (no timeout) and XFCE', async () => {
