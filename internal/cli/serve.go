@@ -111,6 +111,9 @@ CODE_EXECUTION_ENDPOINT=http://ADDR and CODE_EXECUTION_API_KEY set to the config
 			if cmd.Root().PersistentFlags().Changed("run-dir") || os.Getenv("CAGE_RUN_DIR") != "" {
 				final.RunDir = g.runDir
 			}
+			if err := daemon.CheckTLS(final); err != nil {
+				return exitf(ExitUsage, "%v", err)
+			}
 			ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
 			defer stop()
 			return daemon.Run(ctx, final, g.log, nil)

@@ -24,13 +24,26 @@ type TLS struct {
 
 func (t TLS) on() bool { return t.Cert != "" || t.Key != "" || t.SelfSigned }
 
+func (t TLS) options(cfg Config) proxy.TLSOptions {
+	return proxy.TLSOptions{CertFile: t.Cert, KeyFile: t.Key, SelfSigned: t.SelfSigned,
+		Dir: filepath.Join(cfg.Data, "tls"), Domain: cfg.Domain}
+}
+
+// CheckTLS says what is wrong with cfg's TLS settings, writing nothing
+// (cage serve reports it as a usage error before it starts).
+func CheckTLS(cfg Config) error {
+	if !cfg.TLS.on() {
+		return nil
+	}
+	return proxy.CheckTLSOptions(cfg.TLS.options(cfg))
+}
+
 // serve sets up srv to serve TLS when configured, and says so.
 func (t TLS) serve(srv *http.Server, cfg Config, log *slog.Logger) error {
 	if !t.on() {
 		return nil
 	}
-	c, err := proxy.NewTLS(proxy.TLSOptions{CertFile: t.Cert, KeyFile: t.Key, SelfSigned: t.SelfSigned,
-		Dir: filepath.Join(cfg.Data, "tls"), Domain: cfg.Domain})
+	c, err := proxy.NewTLS(t.options(cfg))
 	if err != nil {
 		return err
 	}

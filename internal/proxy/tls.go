@@ -66,13 +66,10 @@ const (
 // not answer for names it was not given; a client that sends none (one
 // that dials an IP address) gets the certificate.
 func NewTLS(o TLSOptions) (*TLS, error) {
+	if err := CheckTLSOptions(o); err != nil {
+		return nil, err
+	}
 	domain := DomainHost(o.Domain)
-	if (o.CertFile != "") != (o.KeyFile != "") {
-		return nil, errors.New("tls: give both the certificate and the key (--tls-cert and --tls-key)")
-	}
-	if o.SelfSigned && o.CertFile != "" {
-		return nil, errors.New("tls: a certificate file and a self-signed certificate are two choices; give one")
-	}
 	t := &TLS{}
 	var get func() (*tls.Certificate, error)
 	switch {
@@ -91,12 +88,6 @@ func NewTLS(o TLSOptions) (*TLS, error) {
 		}
 		get = func() (*tls.Certificate, error) { return &cert, nil }
 	case o.SelfSigned:
-		if domain == "" {
-			return nil, errors.New("tls: a self-signed certificate needs the sandbox domain (--domain, e.g. cage.localhost:3001)")
-		}
-		if !dnsName(domain) || !strings.Contains(domain, ".") {
-			return nil, fmt.Errorf("tls: the sandbox domain %q is not a DNS name with a dot, optionally with a port (e.g. cage.localhost:3001)", o.Domain)
-		}
 		ca, caKey, err := loadOrMakeCA(o.Dir, domain)
 		if err != nil {
 			return nil, err
@@ -104,8 +95,6 @@ func NewTLS(o TLSOptions) (*TLS, error) {
 		sum := sha256.Sum256(ca.RawSubjectPublicKeyInfo)
 		t.CAFile, t.CASPKI = filepath.Join(o.Dir, CACertName), base64.StdEncoding.EncodeToString(sum[:])
 		get = leafMaker(ca, caKey, domain)
-	default:
-		return nil, errors.New("tls: no certificate (--tls-cert and --tls-key, or --tls-self-signed)")
 	}
 	t.Config = &tls.Config{MinVersion: tls.VersionTLS12,
 		GetCertificate: func(hello *tls.ClientHelloInfo) (*tls.Certificate, error) {
@@ -115,6 +104,37 @@ func NewTLS(o TLSOptions) (*TLS, error) {
 			return get()
 		}}
 	return t, nil
+}
+
+// CheckTLSOptions says what is wrong with o without writing anything (the
+// CLI's usage errors); NewTLS checks it too.
+func CheckTLSOptions(o TLSOptions) error {
+	domain := DomainHost(o.Domain)
+	switch {
+	case (o.CertFile != "") != (o.KeyFile != ""):
+		return errors.New("tls: give both the certificate and the key (--tls-cert and --tls-key)")
+	case o.SelfSigned && o.CertFile != "":
+		return errors.New("tls: a certificate file and a self-signed certificate are two choices; give one")
+	case !o.SelfSigned && o.CertFile == "":
+		return errors.New("tls: no certificate (--tls-cert and --tls-key, or --tls-self-signed)")
+	case o.SelfSigned && domain == "":
+		return errors.New("tls: a self-signed certificate needs the sandbox domain (--domain, e.g. cage.localhost:3001)")
+	case o.SelfSigned && (!dnsName(domain) || !strings.Contains(domain, ".")):
+		return fmt.Errorf("tls: the sandbox domain %q is not a DNS name with a dot, optionally with a port (e.g. cage.localhost:3001)", o.Domain)
+	case o.CertFile != "":
+		keyPEM, err := readPrivate(o.KeyFile)
+		if err != nil {
+			return err
+		}
+		certPEM, err := os.ReadFile(o.CertFile)
+		if err != nil {
+			return fmt.Errorf("tls: certificate: %w", err)
+		}
+		if _, err := tls.X509KeyPair(certPEM, keyPEM); err != nil {
+			return fmt.Errorf("tls: %s and %s: %w", o.CertFile, o.KeyFile, err)
+		}
+	}
+	return nil
 }
 
 // DomainHost is the sandbox domain without a port.
