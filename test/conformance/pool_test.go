@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -136,6 +137,25 @@ func testWallPool(t *testing.T, w wall) {
 	}
 	b := create(o, true)
 	id := b.sb.ID()
+	// Made at background priority, it runs the create's commands at the
+	// normal one (runsc puts some of its helpers one lower).
+	if cg := b.sb.Cgroup(); cg != nil && w.name != "microvm" {
+		pids := cg.Procs()
+		// And the runtime's helpers outside it (gVisor's gofer), which
+		// name the sandbox on their command line.
+		procs, _ := os.ReadDir("/proc")
+		for _, p := range procs {
+			pid, err := strconv.Atoi(p.Name())
+			if cmd, _ := os.ReadFile("/proc/" + p.Name() + "/cmdline"); err == nil && strings.Contains(string(cmd), id) {
+				pids = append(pids, pid)
+			}
+		}
+		for _, pid := range pids {
+			if n := niceOf(t, pid); n > 1 {
+				t.Errorf("pooled %s sandbox: process %d has nice %d threads", w.name, pid, n)
+			}
+		}
+	}
 	if c, ok := d.(cagewall.Checkpointer); ok && c.CheckpointsMissing() == nil {
 		// A pooled sandbox keeps its wall's abilities: pause with memory.
 		if _, ok := b.sb.(cagewall.Checkpointable); !ok {
@@ -219,6 +239,26 @@ func testWallPool(t *testing.T, w wall) {
 }
 
 func insideAgentThreads() int64 { return int64(inside.AgentThreads) }
+
+// niceOf is the nice value of a thread of process pid that is not 0 (0
+// when none).
+func niceOf(t *testing.T, pid int) int {
+	tasks, _ := os.ReadDir(fmt.Sprintf("/proc/%d/task", pid))
+	for _, task := range tasks {
+		data, err := os.ReadFile(fmt.Sprintf("/proc/%d/task/%s/stat", pid, task.Name()))
+		if err != nil {
+			continue // gone
+		}
+		// Fields after the command's closing parenthesis; nice is the 19th field.
+		f := strings.Fields(string(data[strings.LastIndexByte(string(data), ')')+1:]))
+		if len(f) > 16 && f[16] != "0" {
+			n := 0
+			fmt.Sscan(f[16], &n)
+			return n
+		}
+	}
+	return 0
+}
 
 func copyExec(src, dst string) error {
 	data, err := os.ReadFile(src)

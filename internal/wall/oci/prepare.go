@@ -1,12 +1,19 @@
 package oci
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"os"
+	"os/exec"
+	"runtime"
+	"strconv"
+	"strings"
 	"syscall"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/cagehq/cage/internal/cgroups"
 	"github.com/cagehq/cage/internal/inside"
@@ -37,12 +44,13 @@ type preparation struct {
 	agentPath, runtimePath string
 	networked              bool
 	disk, shm              int64
+	niced                  bool           // made at backgroundNice
 	limits                 cgroups.Limits // written as it was made
 	started                bool
 }
 
 func newPreparation(cfg job, networked bool) (*preparation, error) {
-	p := &preparation{template: cfg.Template.Name, etc: cfg.Template.EtcCache, networked: networked,
+	p := &preparation{template: cfg.Template.Name, etc: cfg.Template.EtcCache, networked: networked, niced: cfg.background,
 		disk: cfg.DiskBytes, shm: cfg.ShmBytes, limits: cfg.Limits, agentPath: cfg.AgentPath, runtimePath: cfg.Runtime.Binary}
 	if cfg.Template.Image != nil {
 		p.imageID = cfg.Template.Image.Info.ID
@@ -78,7 +86,73 @@ func (d *Driver) Prepare(ctx context.Context, spec wall.Spec, background bool) (
 	if spec.DieWithCaller || len(spec.Volumes) > 0 {
 		return nil, fmt.Errorf("%w: a prepared sandbox has no caller to die with and no volumes", wall.ErrInvalid)
 	}
-	return create(ctx, job{Config: d.cfg, Spec: spec, prepare: true})
+	return create(ctx, job{Config: d.cfg, Spec: spec, prepare: true, background: background})
+}
+
+// backgroundNice is the priority a pool's sandboxes are made at, runtime
+// and container alike (as the process wall's), until Start.
+const backgroundNice = 15
+
+// runAt runs cmd with it and its descendants at nice (0: as this
+// process): it is started from a thread of its own at that priority, which
+// it inherits, and which ends then (never used again).
+func runAt(cmd *exec.Cmd, nice int) error {
+	if nice == 0 {
+		return cmd.Run()
+	}
+	errc := make(chan error, 1)
+	go func() {
+		runtime.LockOSThread() // not unlocked: the thread ends with this goroutine
+		if err := unix.Setpriority(unix.PRIO_PROCESS, unix.Gettid(), nice); err != nil {
+			errc <- err
+			return
+		}
+		errc <- cmd.Start()
+	}()
+	if err := <-errc; err != nil {
+		return err
+	}
+	return cmd.Wait()
+}
+
+// renice takes backgroundNice off every thread of every process in the
+// sandbox's cgroup (the agent under runc; gVisor's sentry and its helpers,
+// some of which runsc puts one lower): nice is per thread in Linux, and
+// each inherited the background value.
+func (sb *Sandbox) renice() {
+	for _, pid := range sb.cg.Procs() {
+		tasks, _ := os.ReadDir(fmt.Sprintf("/proc/%d/task", pid))
+		for _, t := range tasks {
+			tid, err := strconv.Atoi(t.Name())
+			if err != nil {
+				continue
+			}
+			if n, ok := threadNice(pid, tid); ok {
+				_ = unix.Setpriority(unix.PRIO_PROCESS, tid, max(0, n-backgroundNice))
+			}
+		}
+	}
+}
+
+// threadNice is a thread's nice value, from /proc (ok false when it is
+// gone).
+func threadNice(pid, tid int) (int, bool) {
+	data, err := os.ReadFile(fmt.Sprintf("/proc/%d/task/%d/stat", pid, tid))
+	if err != nil {
+		return 0, false
+	}
+	// The fields after the command's closing parenthesis; nice is the
+	// 19th field of the line.
+	i := bytes.LastIndexByte(data, ')')
+	if i < 0 {
+		return 0, false
+	}
+	f := strings.Fields(string(data[i+1:]))
+	if len(f) <= 16 {
+		return 0, false
+	}
+	n, err := strconv.Atoi(f[16])
+	return n, err == nil
 }
 
 // PreparesNetwork is true: the network interface is made as the runtime
@@ -133,6 +207,9 @@ func (sb *Sandbox) Start(spec wall.Spec) error {
 	}
 	p.started = true
 	sb.token = spec.Token
+	if p.niced {
+		sb.renice()
+	}
 	if spec.Limits != p.limits {
 		if err := sb.cg.Apply(spec.Limits); err != nil {
 			return err

@@ -110,8 +110,9 @@ type job struct {
 	bare    []string
 	bareOut io.Writer
 	// prepare: the agent is started but waits for the request's part of
-	// its spec, which Start sends (see prepare.go).
-	prepare bool
+	// its spec, which Start sends (see prepare.go); background: at low CPU
+	// priority until then.
+	prepare, background bool
 }
 
 // Sandbox is a running sandbox of an OCI wall.
@@ -467,7 +468,11 @@ func (sb *Sandbox) run(ctx context.Context, cfg job, key []byte) error {
 		cmd.Stdin, cmd.Stdout = stdin, stdout
 	}
 	go sb.drain(errR)
-	err = cmd.Run()
+	nice := 0
+	if cfg.prepare && cfg.background {
+		nice = backgroundNice
+	}
+	err = runAt(cmd, nice)
 	errW.Close()
 	if err != nil {
 		time.Sleep(50 * time.Millisecond) // let the drain catch the runtime's last words
