@@ -2,9 +2,9 @@ package bench
 
 import (
 	"bufio"
+	"bytes"
 	"context"
 	"fmt"
-	"github.com/cagehq/cage/internal/bench/stats"
 	"io"
 	"net"
 	"net/http"
@@ -16,6 +16,8 @@ import (
 	"sync"
 	"time"
 
+	"github.com/cagehq/cage/internal/bench/stats"
+
 	"github.com/cagehq/cage/api/types"
 	"github.com/cagehq/cage/internal/agentclient"
 	"github.com/cagehq/cage/internal/client"
@@ -26,6 +28,7 @@ type Daemon struct {
 	API, Proxy, Key string
 	cmd             *exec.Cmd
 	data, run       string
+	log             *os.File // its standard error
 }
 
 func freeAddr() (string, error) {
@@ -66,7 +69,12 @@ func StartDaemon(exe string, pool int, extra ...string) (*Daemon, error) {
 	d.API, d.Proxy = "http://"+api, "http://"+px
 	d.cmd = exec.Command(exe, append([]string{"--run-dir", d.run, "serve", "--data", d.data, "--api", api, "--proxy", px,
 		"--pool", strconv.Itoa(pool)}, extra...)...)
-	d.cmd.Stderr = io.Discard
+	// Its log is kept where a failed request's detail can be read: the
+	// file stays after Stop when the daemon logged an error.
+	if d.log, err = os.CreateTemp("", "cage-bench-daemon-*.log"); err != nil {
+		return nil, err
+	}
+	d.cmd.Stderr = d.log
 	if err := d.cmd.Start(); err != nil {
 		return nil, err
 	}
@@ -116,6 +124,14 @@ func (d *Daemon) Stop() {
 	os.RemoveAll(d.data)
 	unmountUnder(d.run)
 	os.RemoveAll(d.run)
+	if d.log != nil {
+		d.log.Close()
+		if b, err := os.ReadFile(d.log.Name()); err == nil && bytes.Contains(b, []byte("level=ERROR")) {
+			fmt.Fprintf(os.Stderr, "cage bench: the daemon logged errors; its log is kept in %s\n", d.log.Name())
+		} else {
+			os.Remove(d.log.Name())
+		}
+	}
 }
 
 func unmountUnder(dir string) {
