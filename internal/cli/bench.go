@@ -110,6 +110,7 @@ func runBench(ctx context.Context, g *globals, w io.Writer, o benchOptions) erro
 	if err != nil {
 		return err
 	}
+	defer h.Close() // the network's resolver, where a measurement started it
 	machine := bench.DescribeMachine(h.Cgroups.Mode.String())
 	t := &bench.Table{}
 	for _, name := range benchOrder {
