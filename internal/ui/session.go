@@ -25,6 +25,9 @@ const (
 	// maxSessions bounds the sessions kept: sign-ins past it end the
 	// oldest unused ones first.
 	maxSessions = 10000
+	// maxKeySessions bounds one key's sessions, so that a key holder who
+	// signs in in a loop ends its own oldest sessions, not other teams'.
+	maxKeySessions = 64
 )
 
 type session struct {
@@ -72,6 +75,22 @@ func (ss *sessions) create(key string, who Identity) *session {
 	s := &session{id: randomID(), csrf: randomID(), key: key, who: who, created: now, seen: now}
 	ss.mu.Lock()
 	defer ss.mu.Unlock()
+	var mine []*session
+	for _, x := range ss.m {
+		if x.key == key {
+			mine = append(mine, x)
+		}
+	}
+	for len(mine) >= maxKeySessions { // this key's least recently used goes
+		oldest := 0
+		for i, x := range mine {
+			if x.seen.Before(mine[oldest].seen) {
+				oldest = i
+			}
+		}
+		delete(ss.m, mine[oldest].id)
+		mine = append(mine[:oldest], mine[oldest+1:]...)
+	}
 	if len(ss.m) >= maxSessions {
 		ss.sweepLocked(now)
 	}

@@ -278,3 +278,35 @@ func TestStreamsBounded(t *testing.T) {
 		time.Sleep(50 * time.Millisecond)
 	}
 }
+
+// A key holder who signs in in a loop ends its own oldest sessions, never
+// another key's: one key keeps at most maxKeySessions.
+func TestSessionsPerKeyBounded(t *testing.T) {
+	c := &clock{t: time.Unix(1_700_000_000, 0)}
+	ss := newSessions(DefaultSessionIdle, DefaultSessionMax, c.now)
+	other := ss.create("e2b_other", Identity{KeyID: "key_2"})
+	first := ss.create(goodKey, Identity{KeyID: "key_1"})
+	var last *session
+	for i := 0; i < 3*maxKeySessions; i++ {
+		c.add(time.Second)
+		last = ss.create(goodKey, Identity{KeyID: "key_1"})
+	}
+	if _, ok := ss.get(other.id, false); !ok {
+		t.Fatal("another key's session was ended by a key signing in in a loop")
+	}
+	if _, ok := ss.get(first.id, false); ok {
+		t.Fatal("the looping key's oldest session outlived its bound")
+	}
+	if _, ok := ss.get(last.id, false); !ok {
+		t.Fatal("the newest session is gone")
+	}
+	n := 0
+	for _, x := range ss.m {
+		if x.key == goodKey {
+			n++
+		}
+	}
+	if n != maxKeySessions {
+		t.Fatalf("the key holds %d sessions, want %d", n, maxKeySessions)
+	}
+}
