@@ -11,10 +11,9 @@ import (
 	"time"
 
 	"github.com/spf13/cobra"
-	"golang.org/x/sys/unix"
 
 	"github.com/cagehq/cage/internal/agentclient"
-	"github.com/cagehq/cage/internal/cgroups"
+	"github.com/cagehq/cage/internal/hostcheck"
 	"github.com/cagehq/cage/internal/network"
 	"github.com/cagehq/cage/internal/sandbox"
 )
@@ -52,23 +51,10 @@ func printChecks(w io.Writer, title string, cs []check) {
 // doctor prints the host's facts and each wall's state; it reports whether
 // the default wall works.
 func doctor(ctx context.Context, g *globals, w io.Writer) bool {
-	var uts unix.Utsname
-	_ = unix.Uname(&uts)
-	host := []check{
-		{"kernel", true, unix.ByteSliceToString(uts.Release[:])},
-		{"root", os.Geteuid() == 0, ifElse(os.Geteuid() == 0, "yes", "no: cage needs root (run with sudo)")},
+	var host []check
+	for _, c := range hostcheck.Host() {
+		host = append(host, check{c.Name, c.OK, c.Info})
 	}
-	userns, usernsInfo := probeUserns()
-	host = append(host, check{"user namespaces", userns, usernsInfo})
-	if cg, err := cgroups.Detect("cage"); err != nil {
-		host = append(host, check{"cgroups", false, err.Error()})
-	} else {
-		host = append(host, check{"cgroups", true, cg.Mode.String()})
-		host = append(host, probeFavorDynmods())
-	}
-	host = append(host, probeLandlock(), probeMountAPI())
-	agentPath, err := sandbox.FindAgent()
-	host = append(host, check{"cage-agent", err == nil, ifElse(err == nil, agentPath, fmt.Sprint(err))})
 	printChecks(w, "host:", host)
 
 	var netChecks []check
@@ -102,34 +88,6 @@ func ifElse(c bool, a, b string) string {
 		return a
 	}
 	return b
-}
-
-func probeUserns() (bool, string) {
-	if _, err := os.Stat("/proc/self/ns/user"); err != nil {
-		return false, "the kernel has no user namespaces (CONFIG_USER_NS)"
-	}
-	b, err := os.ReadFile("/proc/sys/user/max_user_namespaces")
-	if err == nil && strings.TrimSpace(string(b)) == "0" {
-		return false, "disabled: sysctl user.max_user_namespaces=0 (set it above 0)"
-	}
-	return true, "available"
-}
-
-func probeLandlock() check {
-	v, _, errno := unix.Syscall(unix.SYS_LANDLOCK_CREATE_RULESET, 0, 0, unix.LANDLOCK_CREATE_RULESET_VERSION)
-	if errno != 0 {
-		return check{"landlock", true, "absent (optional: the read-only mounts still hold; boot with lsm=...,landlock for a second lock)"}
-	}
-	return check{"landlock", true, fmt.Sprintf("ABI %d", v)}
-}
-
-func probeMountAPI() check {
-	fd, err := unix.OpenTree(unix.AT_FDCWD, "/", unix.OPEN_TREE_CLOEXEC)
-	if err != nil {
-		return check{"mount API", false, "open_tree/mount_setattr missing: the process wall needs Linux 5.12 or newer"}
-	}
-	unix.Close(fd)
-	return check{"mount API", true, "open_tree, mount_setattr"}
 }
 
 // probeWall creates a real sandbox on a wall and runs `true` in it.
@@ -180,23 +138,4 @@ func probeWall(ctx context.Context, g *globals, wallName string) (bool, string) 
 		note = " (" + d + ")"
 	}
 	return true, fmt.Sprintf("works: create → `true` ended in %v%s", time.Since(start).Round(100*time.Microsecond), note)
-}
-
-// probeFavorDynmods reports whether cgroup migrations are cheap. Moving a
-// process between cgroups takes a global lock whose first writer in a while
-// waits for an RCU grace period (≈10 ms); with favordynmods it does not. cage
-// moves each new sandbox's agent once (CLONE_INTO_CGROUP only helps on pure
-// v2), so this is visible in start latency. Informational: cage changes no
-// host setting.
-func probeFavorDynmods() check {
-	b, err := os.ReadFile("/proc/self/mountinfo")
-	if err != nil {
-		return check{"cgroup migration", true, "unknown"}
-	}
-	for _, line := range strings.Split(string(b), "\n") {
-		if strings.Contains(line, " - cgroup2 ") && strings.Contains(line, "favordynmods") {
-			return check{"cgroup migration", true, "fast (favordynmods)"}
-		}
-	}
-	return check{"cgroup migration", true, "the first sandbox after a pause waits ~10 ms for an RCU grace period; mount cgroup2 with -o favordynmods to avoid it"}
 }

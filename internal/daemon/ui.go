@@ -13,7 +13,7 @@ import (
 	"time"
 
 	"github.com/cagehq/cage/internal/audit"
-	"github.com/cagehq/cage/internal/cgroups"
+	"github.com/cagehq/cage/internal/hostcheck"
 	"github.com/cagehq/cage/internal/imgstore"
 	"github.com/cagehq/cage/internal/manager"
 	"github.com/cagehq/cage/internal/network"
@@ -99,31 +99,15 @@ func uiTemplates(ts *imgstore.Store) ([]ui.Template, error) {
 	return out, nil
 }
 
-// check is one fact of the host page's checks (cage doctor's, less the
-// sandboxes it starts).
-type check struct {
-	Name string `json:"name"`
-	OK   bool   `json:"ok"`
-	Info string `json:"info"`
-}
-
-// hostChecks are what `cage doctor` says of the host that the daemon can
-// tell without starting a sandbox: root, cgroups, user namespaces, and
-// the network's readiness with the daemon's own resolvers.
-func hostChecks(host *sandbox.Host) []check {
-	out := []check{{"root", os.Geteuid() == 0, fmt.Sprintf("euid %d", os.Geteuid())}}
-	if cg, err := cgroups.Detect("cage"); err != nil {
-		out = append(out, check{"cgroups", false, err.Error()})
-	} else {
-		out = append(out, check{"cgroups", true, cg.Mode.String()})
-	}
-	if b, err := os.ReadFile("/proc/sys/user/max_user_namespaces"); err != nil || strings.TrimSpace(string(b)) == "0" {
-		out = append(out, check{"user namespaces", false, "unavailable or disabled (user.max_user_namespaces)"})
-	} else {
-		out = append(out, check{"user namespaces", true, "available"})
-	}
+// hostChecks are what `cage doctor` says of the host without starting a
+// sandbox (hostcheck: kernel, root, user namespaces, cgroups, landlock,
+// the mount API, the agent), and the network's readiness with the
+// daemon's own resolvers. Doctor's test sandbox on each wall is not run
+// from a page: the walls' list says which are available and why not.
+func hostChecks(host *sandbox.Host) []hostcheck.Check {
+	out := hostcheck.Host()
 	for _, f := range network.Readiness(host.NetConfig.Upstreams) {
-		out = append(out, check{"network: " + f.Name, f.OK, f.Info})
+		out = append(out, hostcheck.Check{Name: "network: " + f.Name, OK: f.OK, Info: f.Info})
 	}
 	return out
 }
