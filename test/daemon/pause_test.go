@@ -138,7 +138,9 @@ func TestPauseFilesOnly(t *testing.T) {
 	defer ac2.Close()
 	out := mustRun(t, ac2, "cat /home/user/proj/main.py; stat -c '%a %U' /home/user/proj; sha256sum -c /home/user/sum >/dev/null && echo same; pgrep -f '[c]ount.new' || echo no-counter")
 	if out != "print(42)\n750 user\nsame\nno-counter\n" {
-		t.Errorf("after resume from files: %q", out)
+		// What was there, to tell a lost file from a changed one.
+		diag := run(ac2, "ls -l /tmp /home/user; cat /home/user/sum; sha256sum /tmp/blob 2>&1")
+		t.Errorf("after resume from files: %q\n%s%s", out, diag.stdout, diag.stderr)
 	}
 	if got := d.get(t, d.key, id); got.State != "running" || got.EnvdAccessToken != sb.EnvdAccessToken {
 		t.Errorf("after resume: %+v", got)
