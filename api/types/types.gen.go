@@ -172,6 +172,84 @@ func (e SnapshotInfoKind) Valid() bool {
 	}
 }
 
+// Defines values for TemplateBuildNetwork.
+const (
+	TemplateBuildNetworkInternet TemplateBuildNetwork = "internet"
+	TemplateBuildNetworkNone     TemplateBuildNetwork = "none"
+)
+
+// Valid indicates whether the value is a known member of the TemplateBuildNetwork enum.
+func (e TemplateBuildNetwork) Valid() bool {
+	switch e {
+	case TemplateBuildNetworkInternet:
+		return true
+	case TemplateBuildNetworkNone:
+		return true
+	default:
+		return false
+	}
+}
+
+// Defines values for TemplateBuildState.
+const (
+	TemplateBuildStateBuilding  TemplateBuildState = "building"
+	TemplateBuildStateFailed    TemplateBuildState = "failed"
+	TemplateBuildStateSucceeded TemplateBuildState = "succeeded"
+)
+
+// Valid indicates whether the value is a known member of the TemplateBuildState enum.
+func (e TemplateBuildState) Valid() bool {
+	switch e {
+	case TemplateBuildStateBuilding:
+		return true
+	case TemplateBuildStateFailed:
+		return true
+	case TemplateBuildStateSucceeded:
+		return true
+	default:
+		return false
+	}
+}
+
+// Defines values for TemplateBuildLogState.
+const (
+	TemplateBuildLogStateBuilding  TemplateBuildLogState = "building"
+	TemplateBuildLogStateFailed    TemplateBuildLogState = "failed"
+	TemplateBuildLogStateSucceeded TemplateBuildLogState = "succeeded"
+)
+
+// Valid indicates whether the value is a known member of the TemplateBuildLogState enum.
+func (e TemplateBuildLogState) Valid() bool {
+	switch e {
+	case TemplateBuildLogStateBuilding:
+		return true
+	case TemplateBuildLogStateFailed:
+		return true
+	case TemplateBuildLogStateSucceeded:
+		return true
+	default:
+		return false
+	}
+}
+
+// Defines values for TemplateBuildRequestNetwork.
+const (
+	TemplateBuildRequestNetworkInternet TemplateBuildRequestNetwork = "internet"
+	TemplateBuildRequestNetworkNone     TemplateBuildRequestNetwork = "none"
+)
+
+// Valid indicates whether the value is a known member of the TemplateBuildRequestNetwork enum.
+func (e TemplateBuildRequestNetwork) Valid() bool {
+	switch e {
+	case TemplateBuildRequestNetworkInternet:
+		return true
+	case TemplateBuildRequestNetworkNone:
+		return true
+	default:
+		return false
+	}
+}
+
 // Defines values for VolumeEntryStatType.
 const (
 	VolumeEntryStatTypeDirectory VolumeEntryStatType = "directory"
@@ -286,7 +364,7 @@ type AuditEntry struct {
 	// KeyID The key that made the call; on what happened in and to a team's sandboxes, empty (the team's); the key's own for a key without a team.
 	KeyID string `json:"keyID,omitempty,omitzero"`
 
-	// Kind What happened: api.call, sandbox.create, sandbox.pause, sandbox.resume, sandbox.snapshot, sandbox.fork, sandbox.kill, sandbox.timeout, sandbox.died, sandbox.oom, sandbox.pids_limit, sandbox.adopt, sandbox.removed, sandbox.network, sandbox.checkpoint, process.start, process.end, process.signal, process.code, file.write, file.read, file.move, file.mkdir, file.remove, envd.call, net.connect, net.dns, volume.create, volume.delete, key.create, key.revoke, team.create, team.update, team.delete, proxy.denied, audit.start, audit.anchor, audit.capped, audit.dropped.
+	// Kind What happened: api.call, sandbox.create, sandbox.pause, sandbox.resume, sandbox.snapshot, sandbox.fork, sandbox.kill, sandbox.timeout, sandbox.died, sandbox.oom, sandbox.pids_limit, sandbox.adopt, sandbox.removed, sandbox.network, sandbox.checkpoint, process.start, process.end, process.signal, process.code, file.write, file.read, file.move, file.mkdir, file.remove, envd.call, net.connect, net.dns, volume.create, volume.delete, key.create, key.revoke, team.create, team.update, team.delete, template.build (a build started), template.built (it ended), proxy.denied, audit.start, audit.anchor, audit.capped, audit.dropped.
 	Kind string `json:"kind"`
 
 	// Prev The hash of entry seq-1 (64 zeros for entry 1).
@@ -989,6 +1067,68 @@ type TeamUsage struct {
 // TemplateAlias Alias (name) of the template, when it has one.
 type TemplateAlias = string
 
+// TemplateBuild cage: a template build.
+type TemplateBuild struct {
+	BuildID string `json:"buildID"`
+
+	// Error Why it failed (the step and its error).
+	Error      string    `json:"error,omitempty,omitzero"`
+	FinishedAt time.Time `json:"finishedAt,omitempty,omitzero"`
+
+	// Log The log kept (its last 1 MiB), in GET of one build only.
+	Log string `json:"log,omitempty,omitzero"`
+
+	// LogOffset The byte offset in the whole log where `log` begins.
+	LogOffset int64                `json:"logOffset,omitempty,omitzero"`
+	Network   TemplateBuildNetwork `json:"network"`
+	StartedAt time.Time            `json:"startedAt"`
+	State     TemplateBuildState   `json:"state"`
+	Template  string               `json:"template"`
+
+	// TemplateID The template made, once it succeeded.
+	TemplateID string `json:"templateID,omitempty,omitzero"`
+}
+
+// TemplateBuildNetwork defines model for TemplateBuild.Network.
+type TemplateBuildNetwork string
+
+// TemplateBuildState defines model for TemplateBuild.State.
+type TemplateBuildState string
+
+// TemplateBuildLog cage: a piece of a build's log.
+type TemplateBuildLog struct {
+	Error string `json:"error,omitempty,omitzero"`
+
+	// Next The offset to ask for next.
+	Next int64 `json:"next"`
+
+	// Offset Where `text` begins in the whole log (past the asked offset when that was no longer kept).
+	Offset int64                 `json:"offset"`
+	State  TemplateBuildLogState `json:"state"`
+	Text   string                `json:"text"`
+
+	// Truncated Output between the asked offset and `offset` is no longer kept.
+	Truncated bool `json:"truncated"`
+}
+
+// TemplateBuildLogState defines model for TemplateBuildLog.State.
+type TemplateBuildLogState string
+
+// TemplateBuildRequest cage: a template build: a Dockerfile and how to run it.
+type TemplateBuildRequest struct {
+	// BuildArgs Values of its ARGs (at most 64).
+	BuildArgs map[string]string `json:"buildArgs,omitempty,omitzero"`
+
+	// Dockerfile The Dockerfile's text (at most 65536 bytes; no COPY or ADD).
+	Dockerfile string `json:"dockerfile"`
+
+	// Network The RUN steps' network (default none).
+	Network TemplateBuildRequestNetwork `json:"network,omitempty,omitzero"`
+}
+
+// TemplateBuildRequestNetwork The RUN steps' network (default none).
+type TemplateBuildRequestNetwork string
+
 // TemplateID Identifier of the template the sandbox was created from.
 type TemplateID = string
 
@@ -1049,6 +1189,9 @@ type VolumeMetadata struct {
 
 // Wall cage: the isolation boundary the sandbox runs behind. `process`: Linux namespaces, cgroups, seccomp and Landlock around an unprivileged process tree; `runc`: an OCI container run by runc; `gvisor`: gVisor's runsc, a kernel of its own in user space; `microvm`: a QEMU microvm guest with a kernel of its own.
 type Wall string
+
+// BuildID defines model for buildID.
+type BuildID = string
 
 // KeyID defines model for keyID.
 type KeyID = string
@@ -1148,6 +1291,15 @@ type VolumeContent500 = VolumeContentError
 
 // VolumeContent507 An error of the volume content API, in E2B's shape for it: a code word (bad_request, unauthorized, not_found, conflict, request_too_large, insufficient_storage, internal) rather than the status.
 type VolumeContent507 = VolumeContentError
+
+// FollowTemplateBuildLogParams defines parameters for FollowTemplateBuildLog.
+type FollowTemplateBuildLogParams struct {
+	// Offset The log's byte offset to read from (0, then the previous answer's `next`).
+	Offset int64 `form:"offset,omitempty" json:"offset,omitempty,omitzero"`
+
+	// Wait Seconds to wait for new output (0 to 60; default 20).
+	Wait int `form:"wait,omitempty" json:"wait,omitempty,omitzero"`
+}
 
 // ListAuditParams defines parameters for ListAudit.
 type ListAuditParams struct {
@@ -1308,6 +1460,9 @@ type CreateTeamJSONRequestBody = NewTeam
 
 // UpdateTeamJSONRequestBody defines body for UpdateTeam for application/json ContentType.
 type UpdateTeamJSONRequestBody = TeamUpdate
+
+// StartTemplateBuildJSONRequestBody defines body for StartTemplateBuild for application/json ContentType.
+type StartTemplateBuildJSONRequestBody = TemplateBuildRequest
 
 // CreateSandboxJSONRequestBody defines body for CreateSandbox for application/json ContentType.
 //

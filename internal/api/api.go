@@ -52,12 +52,15 @@ type Config struct {
 	// Rates are each key's rate limits unless its team sets its own
 	// (zero fields: none).
 	Rates Rates
+	// Build builds templates for admin keys (builds.go; nil: 503).
+	Build BuildFunc
 }
 
 type server struct {
 	cfg    Config
 	log    *slog.Logger
 	limits limiter
+	builds builds
 }
 
 // Handler returns the API's HTTP handler.
@@ -99,6 +102,7 @@ func Handler(cfg Config) http.Handler {
 	mux.Handle("GET /audit", auth(http.HandlerFunc(s.auditEntries)))
 	s.volumeRoutes(mux)
 	s.adminRoutes(mux)
+	s.buildRoutes(mux)
 	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
 		writeError(w, http.StatusNotFound, "no such route: "+r.Method+" "+r.URL.Path)
 	})

@@ -46,6 +46,10 @@ type Builder struct {
 	Disk    int64
 	// Mirror is the Debian mirror mmdebstrap uses for FROM debian:...
 	Mirror string
+	// NoDebootstrap makes FROM debian:... use the template only when it
+	// has been made already: nothing is downloaded on the host (the
+	// control API's builds).
+	NoDebootstrap bool
 }
 
 // ErrFailed wraps a step that failed (a RUN that exited non-zero, a COPY of

@@ -20,6 +20,9 @@ import (
 // Sources are resolved inside the context (os.Root: no "..", no symlink
 // out of it). ADD takes local files only and does not unpack archives.
 func (b *Builder) copy(ctx context.Context, held *imgstore.Held, st *state, in Instruction, args string) (string, error) {
+	if b.Context == "" { // never the daemon's working directory
+		return "", failf("%s needs a build context, and this build has none", in.Cmd)
+	}
 	for k := range in.Flags {
 		if k != "chown" {
 			return "", failf("%s --%s is not supported", in.Cmd, k)

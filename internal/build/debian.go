@@ -30,6 +30,9 @@ func (b *Builder) debian(ctx context.Context, slim bool) (*imgstore.Template, er
 	if t, err := store.Get(name); err == nil {
 		return t, nil
 	}
+	if b.NoDebootstrap {
+		return nil, failf("template %s is not in the store, and this build may not make it (it downloads Debian on the host): run cage template build on the host once with FROM debian:bookworm", name)
+	}
 	bin, err := exec.LookPath("mmdebstrap")
 	if err != nil {
 		return nil, ErrNoMmdebstrap

@@ -337,8 +337,10 @@ func Run(ctx context.Context, cfg Config, log *slog.Logger, ready func(apiAddr, 
 			}
 		}()
 	}
+	tb := newBuilds(ctx, host)
+	defer tb.stop() // before the host closes
 	apiH := api.Handler(api.Config{Manager: mgr, Store: st, Log: log, Domain: cfg.Domain,
-		DefaultWall: cfg.DefaultWall, Audit: trail, Metrics: mx, Rates: cfg.Limits.rates()})
+		DefaultWall: cfg.DefaultWall, Audit: trail, Metrics: mx, Rates: cfg.Limits.rates(), Build: tb.build})
 	apiMux, stopUI, err := withUI(cfg.UI, withMCP(apiH, st, trail, apiL.Addr(), proxyL.Addr(), log), apiH, st, mgr, host,
 		trail, proxyL.Addr(), cfg.Data, cfg.RunDir, log)
 	if err != nil {

@@ -199,6 +199,11 @@ func flock(fd, how int) error {
 // its size, work every cage process (cage run included) paid at its start.
 var nameRE = sync.OnceValue(func() *regexp.Regexp { return regexp.MustCompile(`^[a-z0-9][a-z0-9._-]{0,62}$`) })
 
+// CheckName reports whether name may be a stored template's name (an
+// error wrapping ErrInvalid says why): for callers that refuse a bad name
+// before any work.
+func CheckName(name string) error { return checkName(name) }
+
 // checkName accepts the names a template may be stored under. "host" is the
 // built-in template and cannot be stored.
 func checkName(name string) error {

@@ -25,8 +25,8 @@ func (s *Server) current(w http.ResponseWriter, r *http.Request) (Identity, bool
 }
 
 // templates lists the template store: every key may create from any of
-// them, so every key sees them. Builds run on the host (cage template
-// build); the API has no route for them.
+// them, so every key sees them. Admin keys build them through the API's
+// /admin/templates routes (builds.go streams a build's log).
 func (s *Server) templates(w http.ResponseWriter, r *http.Request) {
 	if _, ok := s.current(w, r); !ok {
 		return

@@ -168,6 +168,7 @@ func (s *Server) routes() {
 	m.Handle("GET /ui/events/sandboxes", s.authed(s.listEvents))
 	m.Handle("GET /ui/events/sandboxes/{id}", s.authed(s.sandboxEvents))
 	m.Handle("GET /ui/templates", s.authed(s.templates))
+	m.Handle("GET /ui/events/builds/{id}", s.authed(s.buildEvents))
 	m.Handle("GET /ui/host", s.authed(s.host))
 	m.Handle("GET /ui/term/{id}", s.authed(s.termStream))
 	m.Handle("POST /ui/term/{id}/{term}/input", s.authed(s.termInput))

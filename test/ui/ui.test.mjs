@@ -22,6 +22,7 @@ const SHORT_KEY = env("CAGE_UI_SHORT_KEY");
 const ART = env("CAGE_UI_ARTIFACTS");
 const MAX_UPLOAD = Number(env("CAGE_UI_MAX_UPLOAD"));
 const TEMPLATE = env("CAGE_UI_TEMPLATE"); // a template the templates page must list
+const BUILD = env("CAGE_UI_BUILD"); // the template an admin builds from the page
 
 const results = { created: "", loadMs: {}, passed: [], screenshots: {} };
 let browser, ctx, page, sandbox;
@@ -378,6 +379,41 @@ test("an admin key sees keys, teams and the host", async () => {
   results.passed.push("admin pages");
 });
 
+test("an admin builds a template from the page and follows its log", async () => {
+  const actx = await browser.newContext({ viewport: { width: 1280, height: 800 } });
+  const p = await actx.newPage();
+  p.on("pageerror", (e) => { pageErrors.push(e.message); console.log("page error:", e.message); });
+  p.on("console", (m) => { if (/Content.Security.Policy/i.test(m.text())) cspViolations.push(m.text()); });
+  await signIn(p, URL0, ADMIN);
+  await p.goto(URL0 + "/ui/#/templates");
+  await p.locator("form.build").waitFor();
+  await p.locator("#build-name").fill(BUILD);
+  // A COPY is refused before anything runs: the API's 400, flashed.
+  await p.locator("#build-dockerfile").fill("FROM base\nCOPY secrets /x\n");
+  await p.locator("form.build button[type=submit]").click();
+  await p.locator("#flash", { hasText: "COPY on line 2" }).waitFor();
+  const build = TEMPLATE === "base";
+  // Without base in the store, a build FROM a template the store lacks
+  // fails and says why.
+  await p.locator("#build-dockerfile").fill(build ? `FROM base\nRUN echo made-by-${BUILD} && echo hi > /hello\n` : `FROM nosuch-${BUILD}\nRUN true\n`);
+  await p.locator("form.build button[type=submit]").click();
+  await p.locator("#build-log", { hasText: "step 1/2: FROM " }).waitFor({ timeout: 30000 });
+  if (build) {
+    await p.locator("#build-log", { hasText: new RegExp("^made-by-" + BUILD + "$", "m") }).waitFor({ timeout: 60000 });
+    await p.locator("#build-state", { hasText: "Built template " + BUILD }).waitFor({ timeout: 60000 });
+    assert.match(await p.locator("#build-log").textContent(), new RegExp("built template " + BUILD));
+    await p.locator("table[aria-label=Templates] strong", { hasText: new RegExp("^" + BUILD + "$") }).waitFor();
+  } else {
+    await p.locator("#build-state", { hasText: "Failed: " }).waitFor({ timeout: 30000 });
+    assert.match(await p.locator("#build-state").textContent(), new RegExp("FROM nosuch-" + BUILD));
+    assert.equal(await p.locator("table[aria-label=Templates] strong", { hasText: BUILD }).count(), 0);
+  }
+  assert.ok(await p.locator("form.build button[type=submit]").isEnabled(), "the form takes another build once this one ended");
+  await shot(p, "template-build");
+  await actx.close();
+  results.passed.push("template build");
+});
+
 test("a tenant key gets 403 for the host page", async () => {
   const tctx = await browser.newContext();
   const p = await tctx.newPage();
@@ -386,6 +422,11 @@ test("a tenant key gets 403 for the host page", async () => {
   assert.equal(st, 403);
   const adm = await p.evaluate(() => fetch("/ui/api/admin/teams").then((r) => r.status));
   assert.equal(adm, 403, "the API's own admin check answers");
+  const ev = await p.evaluate(() => fetch("/ui/events/builds/build_x").then((r) => r.status));
+  assert.equal(ev, 403, "a build's log stream is an admin key's");
+  await p.goto(URL0 + "/ui/#/templates");
+  await p.locator("table[aria-label=Templates]").waitFor();
+  assert.equal(await p.locator("form.build").count(), 0, "no build form for a tenant key");
   await tctx.close();
   results.passed.push("host page for admins only");
 });

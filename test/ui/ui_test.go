@@ -26,6 +26,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/cagehq/cage/internal/imgstore"
 	"github.com/cagehq/cage/internal/testutil"
 	"github.com/cagehq/cage/internal/testutil/cageserve"
 )
@@ -52,8 +53,16 @@ func TestDashboard(t *testing.T) {
 	cfg := filepath.Join(t.TempDir(), "cage.json")
 	conf := map[string]any{"ui": map[string]any{"max_upload": fmt.Sprint(maxUpload)}}
 	expectTemplate := "host"
+	// The template the suite builds from the page (FROM base where the
+	// store has it), removed from the shared store afterwards.
+	buildName := fmt.Sprintf("ui-build-%d", time.Now().UnixNano()%1_000_000_000)
 	if store := os.Getenv("CAGE_TEMPLATES"); store != "" && os.Getenv("CAGE_REQUIRE_BASE") != "" {
 		conf["templates"], expectTemplate = store, "base" // the templates page shows base's layers
+		t.Cleanup(func() {
+			if s, err := imgstore.Open(store); err == nil {
+				_ = s.Remove(buildName)
+			}
+		})
 	}
 	writeJSON(t, cfg, conf)
 	d := cageserve.Start(t, "--config", cfg)
@@ -75,7 +84,7 @@ func TestDashboard(t *testing.T) {
 	_ = os.Remove(filepath.Join(artifacts, "results.json"))
 	env := append(os.Environ(), "CAGE_UI_URL=http://"+d.API, "CAGE_UI_KEY="+d.Key, "CAGE_UI_ADMIN_KEY="+admin,
 		"CAGE_UI_OTHER_SANDBOX="+theirs.SandboxID, "CAGE_UI_SHORT_URL=http://"+short.API, "CAGE_UI_SHORT_KEY="+short.Key,
-		"CAGE_UI_ARTIFACTS="+artifacts, "CAGE_UI_TEMPLATE="+expectTemplate, "CAGE_UI_CHROMIUM="+chromium, fmt.Sprintf("CAGE_UI_MAX_UPLOAD=%d", maxUpload))
+		"CAGE_UI_ARTIFACTS="+artifacts, "CAGE_UI_TEMPLATE="+expectTemplate, "CAGE_UI_BUILD="+buildName, "CAGE_UI_CHROMIUM="+chromium, fmt.Sprintf("CAGE_UI_MAX_UPLOAD=%d", maxUpload))
 	if err := runNode(t, dir, env, 4*time.Minute, "--test", "--test-reporter=spec", "--test-concurrency=1", "ui.test.mjs"); err != nil {
 		t.Errorf("the browser suite failed: %v (screenshots in %s; the daemon's log follows the test)", err, artifacts)
 	}

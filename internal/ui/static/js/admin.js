@@ -1,31 +1,99 @@
 // admin.js: templates (every key), keys and teams (admin keys, through the
 // API's /admin routes), the host (admin keys).
-import { h, clear, api, act, bytes, time, table, field, state } from "./core.js";
+import { h, clear, api, act, bytes, time, table, field, state, stream } from "./core.js";
 import { confirmButton } from "./sandboxes.js";
 
 export async function templatesPage(main) {
   clear(main, h("h1", "Templates"), h("p", "Loading…"));
-  let ts;
-  try {
-    ts = (await api("/ui/templates")).templates;
-  } catch (e) {
-    clear(main, h("h1", "Templates"), h("p.error", { role: "alert" }, e.message));
+  const list = h("section.card", { "aria-labelledby": "templates-h" });
+  const reload = async () => {
+    let ts;
+    try {
+      ts = (await api("/ui/templates")).templates;
+    } catch (e) {
+      clear(list, h("h2#templates-h", "Templates"), h("p.error", { role: "alert" }, e.message));
+      return false;
+    }
+    clear(list, h("h2#templates-h", "Templates"), templateTable(ts));
+    return true;
+  };
+  if (!(await reload())) {
+    clear(main, h("h1", "Templates"), list);
     return;
   }
-  clear(main, h("h1", "Templates"),
-    h("p.note", "Templates are built on the host with ", h("code", "cage template build DIR NAME"),
-      " (or imported with cage template import/pull): the control API has no build route, so the dashboard lists templates but cannot build one or stream a build's log."),
-    h("section.card", table("Templates", [
-      ["Name", (t) => h("strong", t.name)],
-      ["ID", (t) => (t.id ? t.id.replace(/^sha256:/, "").slice(0, 12) : "–")],
-      ["Size", (t) => (t.size ? bytes(t.size) : "–")],
-      ["Layers", (t) => (t.layers && t.layers.length
-        ? h("details", h("summary", String(t.layers.length)), h("ol.layers", t.layers.map((l) => h("li", h("code", l.id.replace(/^sha256:/, "").slice(0, 12)), " ", bytes(l.size)))))
-        : "–")],
-      ["Created", (t) => (t.created && !t.created.startsWith("0001") ? time(t.created) : "–")],
-      ["Source", (t) => t.source || ""],
-      ["Command", (t) => t.startCommand || ""],
-    ], ts)));
+  if (!state.identity.admin) {
+    clear(main, h("h1", "Templates"), h("p.note", "Admin keys build templates here; on the host, ", h("code", "cage template build DIR NAME"),
+      " (or cage template import/pull)."), list);
+    return;
+  }
+  const builder = buildForm(reload);
+  clear(main, h("h1", "Templates"), builder.form, list);
+  // A build still running (started before this page) is followed.
+  const running = await api("/ui/api/admin/templates/builds").then((bs) => bs.find((b) => b.state === "building")).catch(() => null);
+  if (running) builder.follow(running);
+}
+
+function templateTable(ts) {
+  return table("Templates", [
+    ["Name", (t) => h("strong", t.name)],
+    ["ID", (t) => (t.id ? t.id.replace(/^sha256:/, "").slice(0, 12) : "–")],
+    ["Size", (t) => (t.size ? bytes(t.size) : "–")],
+    ["Layers", (t) => (t.layers && t.layers.length
+      ? h("details", h("summary", String(t.layers.length)), h("ol.layers", t.layers.map((l) => h("li", h("code", l.id.replace(/^sha256:/, "").slice(0, 12)), " ", bytes(l.size)))))
+      : "–")],
+    ["Created", (t) => (t.created && !t.created.startsWith("0001") ? time(t.created) : "–")],
+    ["Source", (t) => t.source || ""],
+    ["Command", (t) => t.startCommand || ""],
+  ], ts);
+}
+
+// buildForm: an admin key's build of a template (the API's
+// /admin/templates routes), its log followed live.
+function buildForm(reload) {
+  const name = h("input#build-name", { name: "name", required: true, pattern: "[a-z0-9][a-z0-9._\\-]{0,62}", placeholder: "my-template", autocomplete: "off" });
+  const dockerfile = h("textarea#build-dockerfile", { name: "dockerfile", required: true, rows: 6, spellcheck: "false", maxlength: 65536 });
+  dockerfile.value = "FROM base\nRUN echo hello > /hello\n";
+  const net = h("select#build-network", { name: "network" }, h("option", { value: "none" }, "none"), h("option", { value: "internet" }, "internet"));
+  const go = h("button.primary", { type: "submit" }, "Build");
+  const status = h("p#build-state", { "aria-live": "polite" });
+  const log = h("pre#build-log.log", { tabindex: 0, "aria-label": "Build log", hidden: true });
+  const form = h("form.card.build", { "aria-labelledby": "build-h" }, h("h2#build-h", "Build a template"),
+    h("div.grid", field("Name", name), field("Network of the RUN steps", net)),
+    field("Dockerfile", dockerfile, "RUN steps run in sandboxes. No COPY or ADD: a build here has no build context (for those, cage template build on the host)."),
+    h("div.bar", go), status, log);
+  const follow = (b) => {
+    go.disabled = true;
+    log.hidden = false;
+    clear(log);
+    clear(status, "Building template ", h("code", b.template), " (", b.buildID, ")…");
+    stream("/ui/events/builds/" + encodeURIComponent(b.buildID), {
+      log: (d) => {
+        if (d.truncated) log.append("… (earlier output is no longer kept)\n");
+        log.append(d.text);
+        log.scrollTop = log.scrollHeight;
+      },
+      done: (d) => {
+        go.disabled = false;
+        if (d.state === "succeeded") {
+          clear(status, h("span.state.running", "Built"), " template ", h("code", d.template), ".");
+          reload();
+        } else {
+          clear(status, h("span.error", "Failed: " + (d.error || d.state)));
+        }
+      },
+      failed: (e) => {
+        go.disabled = false;
+        clear(status, h("span.error", e.message));
+      },
+    }, form).addEventListener("done", (ev) => ev.target.close());
+  };
+  form.addEventListener("submit", async (ev) => {
+    ev.preventDefault();
+    const b = await act(() => api("/ui/api/admin/templates/" + encodeURIComponent(name.value.trim()) + "/builds",
+      { method: "POST", json: { dockerfile: dockerfile.value, network: net.value } }));
+    if (b) follow(b);
+  });
+  return { form, follow };
 }
 
 function notAdmin(main, what) {
