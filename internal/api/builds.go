@@ -328,6 +328,10 @@ func (s *server) buildLog(w http.ResponseWriter, r *http.Request) {
 		s.fail(w, r, fmt.Errorf("%w: wait %q: want 0 to %d seconds", errBadRequest, q.Get("wait"), int(maxLogWait/time.Second)))
 		return
 	}
+	// The request is read: the listener's bound on reading one (a minute)
+	// must not end a wait (a background read's timeout cancels r's
+	// context).
+	_ = http.NewResponseController(w).SetReadDeadline(time.Time{})
 	timer := time.NewTimer(time.Duration(wait) * time.Second)
 	defer timer.Stop()
 	for {

@@ -138,7 +138,8 @@ func TestTemplateBuildRefusals(t *testing.T) {
 // build while it runs is 409, the template is in the store and a sandbox
 // made from it reads /hello; a RUN that fails makes a failed build that
 // says which step and why; the audit trail has the admin key's
-// template.build and template.built.
+// template.build and template.built; a daemon stopped during a build ends
+// it and leaves no sandbox.
 func TestTemplateBuild(t *testing.T) {
 	t.Parallel()
 	store := os.Getenv("CAGE_TEMPLATES")
@@ -204,5 +205,33 @@ func TestTemplateBuild(t *testing.T) {
 	}
 	if kinds["template.build"] != 1 || kinds["template.built"] != 1 {
 		t.Errorf("the admin key's trail for build %s: %v, want one template.build and one template.built (%+v)", b.BuildID, kinds, page.Entries)
+	}
+
+	// A daemon stopped during a build ends it: a clean exit within the
+	// harness's 10 s, the RUN step's sandbox gone, no template made.
+	slow := startBuild(t, d, admin, name+"-slow", map[string]any{"dockerfile": "FROM base\nRUN echo sleeping && sleep 300\n"})
+	var off int64
+	for deadline := time.Now().Add(time.Minute); ; {
+		var l types.TemplateBuildLog
+		d.expect(t, http.StatusOK, call{method: "GET", path: fmt.Sprintf("/admin/templates/builds/%s/log?offset=%d&wait=5", slow.BuildID, off), key: admin}).decode(t, &l)
+		off = l.Next
+		if strings.Contains(l.Text, "sleeping\n") {
+			break
+		}
+		if l.State != types.TemplateBuildLogStateBuilding || time.Now().After(deadline) {
+			t.Fatalf("the slow build's RUN did not start: %+v", l)
+		}
+	}
+	if len(d.sandboxDirs()) == 0 {
+		t.Error("no sandbox on the host while a RUN step runs")
+	}
+	d.stop(t)
+	if left := d.sandboxDirs(); len(left) != 0 {
+		t.Errorf("sandboxes left on the host by a build the daemon's stop ended: %v", left)
+	}
+	if s, err := imgstore.Open(store); err != nil {
+		t.Fatal(err)
+	} else if _, err := s.Get(name + "-slow"); err == nil {
+		t.Errorf("a build ended by the daemon's stop made template %s-slow", name)
 	}
 }
