@@ -133,11 +133,13 @@ func TestTemplateBuildRefusals(t *testing.T) {
 }
 
 // TestTemplateBuild: an admin key builds a template through the API from
-// the shared store's base (`RUN echo hi > /hello`), follows its log by
+// the shared store's base (`RUN echo $GREETING > /hello`, the ARG given as
+// a build argument), follows its log by
 // long poll (the step lines and the RUN's own output appear), a second
 // build while it runs is 409, the template is in the store and a sandbox
-// made from it reads /hello; a RUN that fails makes a failed build that
-// says which step and why; the audit trail has the admin key's
+// made from it reads /hello; a RUN that fails (in a build with the
+// internet, which its log says) makes a failed build that says which step
+// and why; the audit trail has the admin key's
 // template.build and template.built; a daemon stopped during a build ends
 // it and leaves no sandbox.
 func TestTemplateBuild(t *testing.T) {
@@ -160,8 +162,11 @@ func TestTemplateBuild(t *testing.T) {
 		}
 	})
 	// The nonce makes the step new to the shared store's build cache.
-	df := fmt.Sprintf("FROM base\nRUN echo hi > /hello && echo out-%s && echo err-%s >&2\n", name, name)
-	b := startBuild(t, d, admin, name, map[string]any{"dockerfile": df})
+	df := fmt.Sprintf("FROM base\nARG GREETING\nRUN echo $GREETING > /hello && echo out-%s && echo err-%s >&2\n", name, name)
+	b := startBuild(t, d, admin, name, map[string]any{"dockerfile": df, "buildArgs": map[string]string{"GREETING": "hi"}})
+	if b.Network != types.TemplateBuildNetworkNone {
+		t.Errorf("a build that names no network: %q, want none", b.Network)
+	}
 	r := d.expect(t, http.StatusConflict, call{method: "POST", path: "/admin/templates/other/builds", key: admin,
 		body: map[string]any{"dockerfile": "FROM base\n"}})
 	if !strings.Contains(string(r.body), b.BuildID) {
@@ -171,7 +176,7 @@ func TestTemplateBuild(t *testing.T) {
 	if got.State != types.TemplateBuildStateSucceeded || got.Error != "" || !strings.HasPrefix(got.TemplateID, "sha256:") || got.FinishedAt.IsZero() {
 		t.Fatalf("the build: %+v; log:\n%s", got, log)
 	}
-	for _, want := range []string{"step 1/2: FROM base", "step 2/2: RUN echo hi", "out-" + name + "\n", "err-" + name + "\n", "built template " + name} {
+	for _, want := range []string{"step 1/3: FROM base", "step 3/3: RUN echo $GREETING", "out-" + name + "\n", "err-" + name + "\n", "built template " + name} {
 		if !strings.Contains(log, want) {
 			t.Errorf("the log lacks %q:\n%s", want, log)
 		}
@@ -182,10 +187,10 @@ func TestTemplateBuild(t *testing.T) {
 	}
 	d.kill(t, d.key, sb.SandboxID)
 
-	fail := startBuild(t, d, admin, name+"-x", map[string]any{"dockerfile": "FROM base\nRUN echo before-fail && exit 3\n"})
+	fail := startBuild(t, d, admin, name+"-x", map[string]any{"dockerfile": "FROM base\nRUN echo before-fail && exit 3\n", "network": "internet"})
 	got, log = d.followBuild(t, admin, fail.BuildID)
 	if got.State != types.TemplateBuildStateFailed || !strings.Contains(got.Error, "step 2/2") || !strings.Contains(got.Error, "exit code 3") ||
-		!strings.Contains(log, "before-fail") {
+		!strings.Contains(log, "before-fail") || got.Network != types.TemplateBuildNetworkInternet || !strings.Contains(log, "with network: internet") {
 		t.Errorf("a failing RUN: %+v; log:\n%s", got, log)
 	}
 	if s, err := imgstore.Open(store); err != nil {
