@@ -212,7 +212,7 @@ func (m *Manager) sampleOne(id string, sb wall.Sandbox, paused bool, now time.Ti
 	if wall := now.Sub(s.cpuAt); wall > 0 && s.cpus > 0 && u.CPUNanos >= s.cpuNanos {
 		pct = float64(u.CPUNanos-s.cpuNanos) / float64(wall.Nanoseconds()) / s.cpus * 100
 	}
-	s.cpuAt, s.cpuNanos, s.due = now, u.CPUNanos, now.Add(sampleStep)
+	s.cpuAt, s.cpuNanos, s.due = now, u.CPUNanos, nextDue(s.due, now)
 	m.checkLimitHits(id, &s.hits, cg, now)
 	if u.MemoryLimit > 0 {
 		s.memTotal = u.MemoryLimit
@@ -228,6 +228,18 @@ func (m *Manager) sampleOne(id string, sb wall.Sandbox, paused bool, now time.Ti
 		s.coarse.add(smp, coarseSamples)
 	}
 	s.count++
+}
+
+// nextDue is when the sample after one due at due and taken at now is
+// due: one step after this one was due, not after the tick that took it
+// (late by up to a tick, more under load), so that samples stay sampleStep
+// apart instead of drifting later each time; one step from now when the
+// sampler fell a whole step behind.
+func nextDue(due, now time.Time) time.Time {
+	if next := due.Add(sampleStep); next.After(now) {
+		return next
+	}
+	return now.Add(sampleStep)
 }
 
 // newSeries starts a sandbox's series: its first sample comes sampleStep

@@ -144,3 +144,21 @@ func TestSampleOnlyWhenDue(t *testing.T) {
 		t.Errorf("the cgroup was read %d times in all once the sample was due, want 2", sb.reads)
 	}
 }
+
+// TestSamplesDoNotDrift: with every tick late by most of a second, samples
+// stay sampleStep apart (getMetrics over 12 s held one sample where two
+// were due, on a loaded host); a sampler a whole step behind starts over.
+func TestSamplesDoNotDrift(t *testing.T) {
+	start := time.Unix(1_700_000_000, 0)
+	due := start.Add(sampleStep)
+	for i := 1; i <= 100; i++ {
+		due = nextDue(due, due.Add(900*time.Millisecond))
+		if want := start.Add(time.Duration(i+1) * sampleStep); !due.Equal(want) {
+			t.Fatalf("sample %d due at +%v, want +%v", i+1, due.Sub(start), want.Sub(start))
+		}
+	}
+	late := due.Add(3 * sampleStep)
+	if got := nextDue(due, late); !got.Equal(late.Add(sampleStep)) {
+		t.Errorf("a sampler 3 steps behind: next due +%v after the tick, want +%v", got.Sub(late), sampleStep)
+	}
+}
