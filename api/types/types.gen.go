@@ -910,8 +910,8 @@ type SandboxNetworkConfig struct {
 	// EgressProxy E2B: a proxy for the sandbox's egress. cage: not supported; a request that sets it to anything but null is refused with 400, never sent.
 	EgressProxy interface{} `json:"egressProxy,omitempty,omitzero"`
 
-	// HTTPSPorts E2B: ports whose traffic is treated as HTTPS. cage: not supported; a request that sets it to anything but null is refused with 400, never sent.
-	HTTPSPorts interface{} `json:"httpsPorts,omitempty,omitzero"`
+	// HTTPSPorts E2B: ports whose servers inside the sandbox speak TLS: the proxy reaches them over TLS (the sandbox's certificate is not verified; the server name sent is the request's host), while clients reach them as any other port. Each 1-65535, unique, at most 64; 49983 (the agent) is refused with 400. Set at create; kept across pause and resume, by snapshots and forks.
+	HTTPSPorts []int `json:"httpsPorts,omitempty,omitzero"`
 
 	// MaskRequestHost E2B: the Host header requests to the sandbox's ports arrive with. cage: not supported; a request that sets it (even to "") is refused with 400, never sent.
 	MaskRequestHost *string `json:"maskRequestHost,omitempty"`
@@ -923,7 +923,7 @@ type SandboxNetworkConfig struct {
 	Rules interface{} `json:"rules,omitempty,omitzero"`
 }
 
-// SandboxNetworkUpdate A running sandbox's new egress rules. cage: the E2B fields cage does not support (maskRequestHost, rules, egressProxy, httpsPorts) are refused with 400 as on create, and so is `allowPublicTraffic` (it is set at create).
+// SandboxNetworkUpdate A running sandbox's new egress rules. cage: the E2B fields cage does not support (maskRequestHost, rules, egressProxy) are refused with 400 as on create, and so are `allowPublicTraffic` and `httpsPorts` (they are set at create).
 type SandboxNetworkUpdate struct {
 	AllowOut []string `json:"allowOut,omitempty,omitzero"`
 
@@ -935,7 +935,7 @@ type SandboxNetworkUpdate struct {
 	// EgressProxy cage: not supported; refused with 400 unless null.
 	EgressProxy interface{} `json:"egressProxy,omitempty,omitzero"`
 
-	// HTTPSPorts cage: not supported; refused with 400 unless null.
+	// HTTPSPorts cage: set at create; refused with 400 unless null.
 	HTTPSPorts interface{} `json:"httpsPorts,omitempty,omitzero"`
 
 	// MaskRequestHost cage: not supported; refused with 400 when set.

@@ -7,6 +7,7 @@ import (
 	"github.com/cagehq/cage/api/types"
 	"github.com/cagehq/cage/internal/manager"
 	"github.com/cagehq/cage/internal/network"
+	"github.com/cagehq/cage/internal/proxy"
 	"github.com/cagehq/cage/internal/store"
 )
 
@@ -23,7 +24,7 @@ const allTraffic = "0.0.0.0/0"
 func policyOf(internet *bool, n types.SandboxNetworkConfig) (network.Policy, error) {
 	var p network.Policy
 	for name, set := range map[string]bool{"maskRequestHost": n.MaskRequestHost != nil, "rules": n.Rules != nil,
-		"egressProxy": n.EgressProxy != nil, "httpsPorts": n.HTTPSPorts != nil} {
+		"egressProxy": n.EgressProxy != nil} {
 		if set {
 			return p, fmt.Errorf("%w: network.%s is not supported by cage", errBadRequest, name)
 		}
@@ -71,12 +72,39 @@ func policyOf(internet *bool, n types.SandboxNetworkConfig) (network.Policy, err
 	return p, nil
 }
 
+// maxHTTPSPorts bounds a sandbox's network.httpsPorts.
+const maxHTTPSPorts = 64
+
+// httpsPortsOf checks E2B's network.httpsPorts: ports 1-65535, unique, at
+// most maxHTTPSPorts, never the agent's (it is cage's own plain HTTP).
+func httpsPortsOf(ports []int) ([]int, error) {
+	if len(ports) > maxHTTPSPorts {
+		return nil, fmt.Errorf("%w: network.httpsPorts: at most %d ports", errBadRequest, maxHTTPSPorts)
+	}
+	seen := map[int]bool{}
+	for _, p := range ports {
+		switch {
+		case p < 1 || p > 65535:
+			return nil, fmt.Errorf("%w: network.httpsPorts: port %d is not 1-65535", errBadRequest, p)
+		case p == proxy.EnvdPort:
+			return nil, fmt.Errorf("%w: network.httpsPorts: port %d is the sandbox agent's, never TLS", errBadRequest, p)
+		case seen[p]:
+			return nil, fmt.Errorf("%w: network.httpsPorts: port %d is listed twice", errBadRequest, p)
+		}
+		seen[p] = true
+	}
+	if len(ports) == 0 {
+		return nil, nil
+	}
+	return ports, nil
+}
+
 // networkOf is a record's network as E2B's detail shows it, and whether
 // the sandbox has the whole internet.
 func networkOf(rec *store.Sandbox) (types.SandboxNetworkConfig, bool) {
 	p, err := manager.DecodePolicy(rec.Network)
 	public := rec.PublicTraffic
-	n := types.SandboxNetworkConfig{AllowPublicTraffic: &public, Mode: types.NetworkMode(p.Mode)}
+	n := types.SandboxNetworkConfig{AllowPublicTraffic: &public, Mode: types.NetworkMode(p.Mode), HTTPSPorts: rec.HTTPSPorts}
 	if err != nil {
 		return n, false
 	}
@@ -102,13 +130,13 @@ func (s *server) updateNetwork(w http.ResponseWriter, r *http.Request) {
 		s.fail(w, r, err)
 		return
 	}
-	if body.AllowPublicTraffic != nil {
-		s.fail(w, r, fmt.Errorf("%w: allowPublicTraffic is set at create; it cannot change", errBadRequest))
+	if body.AllowPublicTraffic != nil || body.HTTPSPorts != nil {
+		s.fail(w, r, fmt.Errorf("%w: allowPublicTraffic and httpsPorts are set at create; they cannot change", errBadRequest))
 		return
 	}
 	p, err := policyOf(body.AllowInternetAccess, types.SandboxNetworkConfig{
 		AllowOut: body.AllowOut, DenyOut: body.DenyOut, Mode: body.Mode, MaskRequestHost: body.MaskRequestHost,
-		Rules: body.Rules, EgressProxy: body.EgressProxy, HTTPSPorts: body.HTTPSPorts,
+		Rules: body.Rules, EgressProxy: body.EgressProxy,
 	})
 	if err == nil {
 		_, err = s.cfg.Manager.SetNetwork(keyID(r), r.PathValue("sandboxID"), p)

@@ -135,6 +135,10 @@ func (s *server) createRequest(body types.NewSandbox, v2 bool) (manager.CreateRe
 		return manager.CreateRequest{}, err
 	}
 	public := body.Network.AllowPublicTraffic == nil || *body.Network.AllowPublicTraffic
+	https, err := httpsPortsOf(body.Network.HTTPSPorts)
+	if err != nil {
+		return manager.CreateRequest{}, err
+	}
 	keepMemory := body.AutoPauseMemory == nil || *body.AutoPauseMemory
 	autoResume := body.AutoResume != nil && body.AutoResume.Enabled
 	switch {
@@ -146,7 +150,7 @@ func (s *server) createRequest(body types.NewSandbox, v2 bool) (manager.CreateRe
 	return manager.CreateRequest{
 		Template: body.TemplateID, Timeout: timeout, Metadata: body.Metadata,
 		Env: body.EnvVars, CPUs: body.CPUCount, Memory: memory, Disk: disk,
-		Pids: body.Pids, Net: policy, PublicTraffic: public, Wall: wall,
+		Pids: body.Pids, Net: policy, PublicTraffic: public, HTTPSPorts: https, Wall: wall,
 		AutoPause: body.AutoPause, AutoPauseMemory: keepMemory, AutoResume: autoResume,
 		Volumes: volumeMountsOf(body.VolumeMounts),
 	}, nil

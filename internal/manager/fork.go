@@ -59,7 +59,7 @@ func (m *Manager) Fork(ctx context.Context, keyID, id string, count int, d time.
 	}()
 	req := CreateRequest{
 		Wall: rec.Wall, KeyID: rec.KeyID, Template: SnapshotRef(sn), Timeout: d,
-		Metadata: rec.Metadata, Net: policy, PublicTraffic: rec.PublicTraffic,
+		Metadata: rec.Metadata, Net: policy, PublicTraffic: rec.PublicTraffic, HTTPSPorts: rec.HTTPSPorts,
 		AutoPause: rec.AutoPause, AutoPauseMemory: rec.AutoPauseMemory, AutoResume: rec.AutoResume,
 	}
 	out := make([]Forked, count)

@@ -153,6 +153,7 @@ type CreateRequest struct {
 	Pids          int64
 	Net           network.Policy // what the sandbox may reach
 	PublicTraffic bool           // exposed ports answer without the traffic token
+	HTTPSPorts    []int          // ports the proxy reaches over TLS (E2B's network.httpsPorts)
 	// Lifecycle: pause at the timeout instead of ending (keeping memory or
 	// only files), and resume on traffic through the proxy.
 	AutoPause, AutoPauseMemory, AutoResume bool
@@ -271,7 +272,7 @@ func (m *Manager) start(ctx context.Context, req CreateRequest, opts *sandbox.Op
 		AccessToken: p.Spec().Token, TrafficToken: ids.NewToken(),
 		StartedAt: now, EndAt: now.Add(req.Timeout), AllowInternet: req.Net.Mode == network.Internet, AutoPause: req.AutoPause,
 		NetSlot: -1, PublicTraffic: req.PublicTraffic, AutoPauseMemory: req.AutoPauseMemory, AutoResume: req.AutoResume,
-		TimeoutSeconds: int64(req.Timeout / time.Second), VolumeMounts: req.mounts,
+		TimeoutSeconds: int64(req.Timeout / time.Second), VolumeMounts: req.mounts, HTTPSPorts: req.HTTPSPorts,
 	}
 	if err := req.quota.record(func() error { return m.cfg.Store.InsertSandbox(rec) }); err != nil {
 		p.Abort()
@@ -550,7 +551,8 @@ func (m *Manager) Lookup(id string) (proxy.Access, bool) {
 	if rec.State == store.StatePaused && !rec.AutoResume {
 		return proxy.Access{}, false
 	}
-	return proxy.Access{Token: rec.AccessToken, Traffic: rec.TrafficToken, Public: rec.PublicTraffic, Owner: rec.KeyID}, true
+	return proxy.Access{Token: rec.AccessToken, Traffic: rec.TrafficToken, Public: rec.PublicTraffic, Owner: rec.KeyID,
+		HTTPSPorts: rec.HTTPSPorts}, true
 }
 
 // Ready returns the running sandbox for the traffic proxy, which has

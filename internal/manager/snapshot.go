@@ -94,7 +94,8 @@ func (m *Manager) Snapshot(ctx context.Context, keyID, id, name string) (*store.
 	}
 	sn := &store.Snapshot{ID: "snap" + ids.NewID(), KeyID: rec.KeyID, SandboxID: id, Name: name, TemplateID: rec.TemplateID,
 		Wall: rec.Wall, Kind: PauseFiles, CreatedAt: time.Now(),
-		Spec: store.SnapshotSpec{CPUs: rec.CPUs, Memory: rec.Memory, Disk: rec.Disk, Pids: rec.Pids, EnvVars: rec.EnvVars, Network: rec.Network}}
+		Spec: store.SnapshotSpec{CPUs: rec.CPUs, Memory: rec.Memory, Disk: rec.Disk, Pids: rec.Pids, EnvVars: rec.EnvVars, Network: rec.Network,
+			HTTPSPorts: rec.HTTPSPorts}}
 	path := m.snapshotFile(sn.ID)
 	if err := m.saveFiles(ctx, sb, rec.Disk, path); err != nil {
 		return nil, fmt.Errorf("snapshot sandbox %s: %w", id, err)
@@ -174,6 +175,9 @@ func (m *Manager) fromSnapshot(req *CreateRequest) (*store.Snapshot, error) {
 	}
 	if req.Pids == 0 {
 		req.Pids = sn.Spec.Pids
+	}
+	if req.HTTPSPorts == nil {
+		req.HTTPSPorts = sn.Spec.HTTPSPorts
 	}
 	env := map[string]string{}
 	for k, v := range sn.Spec.EnvVars {

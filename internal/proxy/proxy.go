@@ -13,6 +13,8 @@
 // traffic token in E2b-Traffic-Access-Token. Port 49999, the code
 // interpreter, also takes the access token to run code (see
 // interpUnauthorized), and never passes it on.
+// A port the sandbox lists in its httpsPorts is reached over TLS
+// (tlsport.go); the client side is unchanged.
 //
 // Each sandbox has one connection pool, whatever the number of its ports a
 // client sweeps: ports are pool keys, not pools.
@@ -59,6 +61,9 @@ type Access struct {
 	Traffic string // the exposed ports' traffic token
 	Public  bool   // exposed ports answer without the traffic token
 	Owner   string // the API key the sandbox belongs to (for the audit trail)
+	// HTTPSPorts are the ports whose servers speak TLS: the proxy reaches
+	// them over TLS (tlsport.go).
+	HTTPSPorts []int
 }
 
 // TrafficHeader carries the traffic token of a sandbox whose ports are not public.
@@ -200,8 +205,7 @@ func (p *Proxy) serve(w http.ResponseWriter, r *http.Request) {
 	}
 	rp := &httputil.ReverseProxy{
 		Rewrite: func(pr *httputil.ProxyRequest) {
-			pr.Out.URL.Scheme = "http"
-			pr.Out.URL.Host = poolKey(port)
+			pr.Out.URL.Scheme, pr.Out.URL.Host = upstream(access, port, r.Host)
 			if port == EnvdPort {
 				pr.Out.Host = "agent"
 			} else {
@@ -229,6 +233,10 @@ func (p *Proxy) serve(w http.ResponseWriter, r *http.Request) {
 			default:
 				if errors.Is(err, agentclient.ErrPortClosed) {
 					writeJSON(w, http.StatusBadGateway, sandboxError{id, "The sandbox is running but port is not open", http.StatusBadGateway})
+					return
+				}
+				if msg := tlsMismatch(err); msg != "" {
+					writeJSON(w, http.StatusBadGateway, sandboxError{id, msg, http.StatusBadGateway})
 					return
 				}
 				if r.Context().Err() == nil {
@@ -369,8 +377,8 @@ func (p *Proxy) transport(sb wall.Sandbox) *http.Transport {
 		}
 		return agentclient.DialPort(ctx, sb.Dial, sb.Token(), port)
 	}
-	t := &http.Transport{DialContext: dial, MaxIdleConns: maxIdlePerSandbox, MaxIdleConnsPerHost: 16,
-		IdleConnTimeout: 90 * time.Second}
+	t := &http.Transport{DialContext: dial, DialTLSContext: dialTLS(sb), MaxIdleConns: maxIdlePerSandbox,
+		MaxIdleConnsPerHost: 16, IdleConnTimeout: 90 * time.Second}
 	p.transports[sb] = t
 	go func() {
 		<-sb.Exited()

@@ -54,12 +54,13 @@ type Sandbox struct {
 	AutoResume      bool          // traffic through the proxy resumes it when paused
 	TimeoutSeconds  int64         // the timeout it was created with
 	VolumeMounts    []VolumeMount // volumes mounted at create
+	HTTPSPorts      []int         // ports the proxy reaches over TLS (E2B's network.httpsPorts)
 }
 
 const sandboxCols = `id, key_id, template_id, wall, state, metadata, env_vars,
 	cpus, memory_mb, disk_mb, pids, access_token, traffic_token,
 	agent_pid, agent_start, started_at, end_at, allow_internet, auto_pause, network, net_slot, public_traffic,
-	paused_at, pause_kind, auto_pause_memory, auto_resume, timeout_s, volume_mounts`
+	paused_at, pause_kind, auto_pause_memory, auto_resume, timeout_s, volume_mounts, https_ports`
 
 // validID reports whether id is a non-empty string of [a-z0-9].
 func validID(id string) bool {
@@ -108,6 +109,10 @@ func sandboxArgs(sb *Sandbox) ([]any, error) {
 	if err != nil {
 		return nil, fmt.Errorf("volume mounts: %w", err)
 	}
+	https, err := encodePorts(sb.HTTPSPorts)
+	if err != nil {
+		return nil, fmt.Errorf("https ports: %w", err)
+	}
 	return []any{
 		sb.ID, sb.KeyID, sb.TemplateID, sb.Wall, sb.State, md, env,
 		sb.CPUs, sb.Memory >> 20, sb.Disk >> 20, sb.Pids, sb.AccessToken, sb.TrafficToken,
@@ -115,7 +120,7 @@ func sandboxArgs(sb *Sandbox) ([]any, error) {
 		int64(sb.AgentStart), // same bits; SQLite integers are signed
 		nanos(sb.StartedAt), nanos(sb.EndAt),
 		boolInt(sb.AllowInternet), boolInt(sb.AutoPause), sb.Network, int64(sb.NetSlot), boolInt(sb.PublicTraffic),
-		nanos(sb.PausedAt), sb.PauseKind, boolInt(sb.AutoPauseMemory), boolInt(sb.AutoResume), sb.TimeoutSeconds, mounts,
+		nanos(sb.PausedAt), sb.PauseKind, boolInt(sb.AutoPauseMemory), boolInt(sb.AutoResume), sb.TimeoutSeconds, mounts, https,
 	}, nil
 }
 
@@ -132,12 +137,12 @@ func scanSandbox(r scanner) (*Sandbox, error) {
 		memMiB, diskMiB int64
 		pausedAt        int64
 		apMem, aRes     int64
-		mounts          string
+		mounts, https   string
 	)
 	err := r.Scan(&sb.ID, &sb.KeyID, &sb.TemplateID, &sb.Wall, &sb.State, &md, &env,
 		&sb.CPUs, &memMiB, &diskMiB, &sb.Pids, &sb.AccessToken, &sb.TrafficToken,
 		&pid, &start, &started, &end, &internet, &pause, &sb.Network, &slot, &public,
-		&pausedAt, &sb.PauseKind, &apMem, &aRes, &sb.TimeoutSeconds, &mounts)
+		&pausedAt, &sb.PauseKind, &apMem, &aRes, &sb.TimeoutSeconds, &mounts, &https)
 	if err != nil {
 		return nil, err
 	}
@@ -160,6 +165,9 @@ func scanSandbox(r scanner) (*Sandbox, error) {
 	sb.AutoPauseMemory, sb.AutoResume = apMem != 0, aRes != 0
 	if sb.VolumeMounts, err = decodeMounts(mounts); err != nil {
 		return nil, fmt.Errorf("sandbox %s: volume mounts: %w", sb.ID, err)
+	}
+	if sb.HTTPSPorts, err = decodePorts(https); err != nil {
+		return nil, fmt.Errorf("sandbox %s: https ports: %w", sb.ID, err)
 	}
 	return &sb, nil
 }
@@ -412,4 +420,25 @@ func decodeCursor(c string) (int64, string, error) {
 		return 0, "", fmt.Errorf("%w: %q", ErrInvalidCursor, c)
 	}
 	return at, parts[2], nil
+}
+
+// encodePorts is a list of ports as its column keeps it (JSON; "[]" for none).
+func encodePorts(ports []int) (string, error) {
+	if len(ports) == 0 {
+		return "[]", nil
+	}
+	b, err := json.Marshal(ports)
+	return string(b), err
+}
+
+// decodePorts reads a list of ports back (nil for none).
+func decodePorts(s string) ([]int, error) {
+	var ports []int
+	if s == "" || s == "[]" {
+		return nil, nil
+	}
+	if err := json.Unmarshal([]byte(s), &ports); err != nil {
+		return nil, err
+	}
+	return ports, nil
 }

@@ -34,6 +34,8 @@ type SnapshotSpec struct {
 	Pids    int64             `json:"pids"`
 	EnvVars map[string]string `json:"env_vars,omitempty"`
 	Network string            `json:"network,omitempty"` // the policy as the sandbox record keeps it
+	// HTTPSPorts are the ports the proxy reached over TLS (E2B's network.httpsPorts).
+	HTTPSPorts []int `json:"https_ports,omitempty"`
 }
 
 const snapshotCols = `id, key_id, sandbox_id, name, template_id, wall, kind, size, created_at, spec`

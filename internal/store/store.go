@@ -153,6 +153,9 @@ var migrations = []string{
 	ALTER TABLE api_keys ADD COLUMN team_id TEXT NOT NULL DEFAULT '';
 	ALTER TABLE api_keys ADD COLUMN admin INTEGER NOT NULL DEFAULT 0;
 	CREATE INDEX api_keys_team ON api_keys (team_id);`,
+	// 6: the ports the proxy reaches over TLS (E2B's network.httpsPorts;
+	// JSON: [8443]).
+	`ALTER TABLE sandboxes ADD COLUMN https_ports TEXT NOT NULL DEFAULT '[]';`,
 }
 
 // SchemaVersion is the schema version this binary writes.
