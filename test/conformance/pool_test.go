@@ -1,6 +1,7 @@
 package conformance
 
 import (
+	"bytes"
 	"context"
 	"fmt"
 	"os"
@@ -152,7 +153,8 @@ func testWallPool(t *testing.T, w wall) {
 		}
 		for _, pid := range pids {
 			if n := niceOf(t, pid); n > 1 {
-				t.Errorf("pooled %s sandbox: process %d has nice %d threads", w.name, pid, n)
+				cmd, _ := os.ReadFile(fmt.Sprintf("/proc/%d/cmdline", pid))
+				t.Errorf("pooled %s sandbox: process %d (%s) has nice %d threads", w.name, pid, bytes.ReplaceAll(cmd, []byte{0}, []byte{' '}), n)
 			}
 		}
 	}

@@ -118,8 +118,18 @@ func runAt(cmd *exec.Cmd, nice int) error {
 // renice takes backgroundNice off every thread of every process in the
 // sandbox's cgroup (the agent under runc; gVisor's sentry and its helpers,
 // some of which runsc puts one lower): nice is per thread in Linux, and
-// each inherited the background value.
+// each inherited the background value. A thread a niced one makes while
+// the list is walked inherits the background value too, so the walk is
+// repeated until it finds none left (a few times at most).
 func (sb *Sandbox) renice() {
+	for pass := 0; pass < 8 && sb.reniceOnce() > 0; pass++ {
+	}
+}
+
+// reniceOnce renices the threads still at the background priority and
+// says how many it found.
+func (sb *Sandbox) reniceOnce() int {
+	found := 0
 	for _, pid := range sb.cg.Procs() {
 		tasks, _ := os.ReadDir(fmt.Sprintf("/proc/%d/task", pid))
 		for _, t := range tasks {
@@ -127,11 +137,13 @@ func (sb *Sandbox) renice() {
 			if err != nil {
 				continue
 			}
-			if n, ok := threadNice(pid, tid); ok {
+			if n, ok := threadNice(pid, tid); ok && n >= backgroundNice {
+				found++
 				_ = unix.Setpriority(unix.PRIO_PROCESS, tid, max(0, n-backgroundNice))
 			}
 		}
 	}
+	return found
 }
 
 // threadNice is a thread's nice value, from /proc (ok false when it is
