@@ -26,6 +26,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
 	"net"
 	"net/http"
@@ -203,6 +204,7 @@ func (p *Proxy) serve(w http.ResponseWriter, r *http.Request) {
 	if p.Observe != nil {
 		observed, done = p.Observe(r, id, access.Owner, port)
 	}
+	status := 0 // the sandbox's answer's (0: none came)
 	rp := &httputil.ReverseProxy{
 		Rewrite: func(pr *httputil.ProxyRequest) {
 			pr.Out.URL.Scheme, pr.Out.URL.Host = upstream(access, port, r.Host)
@@ -221,6 +223,7 @@ func (p *Proxy) serve(w http.ResponseWriter, r *http.Request) {
 		Transport:     p.transport(sb),
 		FlushInterval: -1,
 		ModifyResponse: func(resp *http.Response) error {
+			status = resp.StatusCode
 			if observed != nil {
 				observed(resp)
 			}
@@ -253,7 +256,43 @@ func (p *Proxy) serve(w http.ResponseWriter, r *http.Request) {
 	if done != nil {
 		defer done() // also when the copy aborts the handler (a client gone mid-stream)
 	}
+	// A sandbox's server may refuse a request before it has read the body
+	// (413 to 10 MB of code). The transport then closes the body, and Go's
+	// server closes a connection with more than 256 KiB unread: the
+	// client, still sending, meets a reset instead of the answer. So the
+	// transport gets a body it cannot close, and after an error answer what
+	// the client still sends is read and dropped (bounded) before the
+	// connection is let go; after any other, it is closed as before.
+	body := r.Body
+	if body != nil && body != http.NoBody {
+		r.Body = keepOpen{body}
+		defer func() {
+			if status == 0 || status >= 400 {
+				drain(w, body)
+			}
+			_ = body.Close()
+		}()
+	}
 	rp.ServeHTTP(w, r)
+}
+
+// keepOpen is a request body whose Close leaves it open (see drain).
+type keepOpen struct{ io.ReadCloser }
+
+func (keepOpen) Close() error { return nil }
+
+// drainLimit and drainTime bound what drain reads of a body a sandbox did
+// not read.
+const (
+	drainLimit = 32 << 20
+	drainTime  = 10 * time.Second
+)
+
+// drain reads what is left of a request body: at most drainLimit bytes,
+// for at most drainTime.
+func drain(w http.ResponseWriter, body io.Reader) {
+	_ = http.NewResponseController(w).SetReadDeadline(time.Now().Add(drainTime))
+	_, _ = io.CopyN(io.Discard, body, drainLimit)
 }
 
 func (p *Proxy) denied(r *http.Request, id string, port, status int, why string) {

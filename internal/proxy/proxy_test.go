@@ -1,6 +1,7 @@
 package proxy
 
 import (
+	"bufio"
 	"bytes"
 	"compress/gzip"
 	"context"
@@ -42,6 +43,10 @@ func newFakeAgent(t *testing.T) *fakeAgent {
 	a.l = l
 	a.srv = &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		a.requests.Add(1)
+		if r.URL.Path == "/refuse" { // answers before reading the body, as a size limit does
+			w.WriteHeader(http.StatusRequestEntityTooLarge)
+			return
+		}
 		n, _ := io.Copy(io.Discard, r.Body)
 		a.bodyBytes.Add(n)
 		if r.URL.Path == "/health" {
@@ -270,4 +275,40 @@ func FuzzRoute(f *testing.F) {
 			t.Fatalf("host %q routed to sandbox %q port %d (that host would be %q)", host, gotID, gotPort, want)
 		}
 	})
+}
+
+// TestEarlyAnswerReachesClient: a sandbox's server that refuses a large
+// body before reading it (413) — a client that sends its 10 MB whole
+// before it reads, as Node's does, reads the 413 through the proxy rather
+// than a connection reset (the code interpreter's 413 to 10 MB of code
+// reached the E2B SDK as ECONNRESET: Go's server closed the connection
+// with the body unread, and the kernel reset it under the client's feet).
+func TestEarlyAnswerReachesClient(t *testing.T) {
+	a := newFakeAgent(t)
+	srv := httptest.NewServer(New(sandboxes{sb{a}}, "", nil))
+	defer srv.Close()
+	big := bytes.Repeat([]byte("#"), 10<<20)
+	for i := 0; i < 3; i++ {
+		c, err := net.Dial("tcp", srv.Listener.Addr().String())
+		if err != nil {
+			t.Fatal(err)
+		}
+		head := "POST /refuse HTTP/1.1\r\nHost: x\r\nE2b-Sandbox-Id: sandbox1\r\nX-Access-Token: the-token\r\n" +
+			"Content-Length: " + strconv.Itoa(len(big)) + "\r\n\r\n"
+		_ = c.SetDeadline(time.Now().Add(30 * time.Second))
+		if _, err := c.Write(append([]byte(head), big...)); err != nil {
+			c.Close()
+			t.Fatalf("try %d: sending the body: %v (the proxy let the connection go before the client was done)", i, err)
+		}
+		resp, err := http.ReadResponse(bufio.NewReader(c), nil)
+		if err != nil {
+			c.Close()
+			t.Fatalf("try %d: reading the answer: %v", i, err)
+		}
+		resp.Body.Close()
+		c.Close()
+		if resp.StatusCode != http.StatusRequestEntityTooLarge {
+			t.Fatalf("try %d: %d, want 413", i, resp.StatusCode)
+		}
+	}
 }
