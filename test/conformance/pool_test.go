@@ -52,7 +52,9 @@ func testWallPool(t *testing.T, w wall) {
 		t.Fatal(err)
 	}
 	_ = os.Chmod(dir, 0o711)
-	defer testutil.RemoveRunDir(dir)
+	// Last of all: the sandboxes, destroyed at the test's cleanup, make
+	// the runtime's state directory again as they go.
+	t.Cleanup(func() { testutil.RemoveRunDir(dir) })
 	// An agent of its own, changed below.
 	agent := filepath.Join(dir, "cage-agent")
 	if err := copyExec(shared.AgentPath, agent); err != nil {
