@@ -23,15 +23,8 @@ func init() {
 // through a cage serve it starts (process wall): create -> first
 // screenshot, the screenshot round trip, and an idle desktop's memory.
 func benchDesktop(ctx context.Context, t *bench.Table, h *sandbox.Host, runs int) error {
-	if h.Templates == nil {
-		var err error
-		if h.Templates, err = openTemplates(""); err != nil {
-			return err
-		}
-	}
-	if _, err := h.Template(bench.DesktopTemplate); err != nil {
-		t.Skip("desktop", "desktop: @e2b/desktop's template", fmt.Sprintf("%v (make desktop builds it)", err))
-		return nil
+	if ok, err := haveTemplate(t, h, bench.DesktopTemplate, "desktop", "desktop: @e2b/desktop's template", "make desktop builds it"); !ok {
+		return err
 	}
 	exe, err := os.Executable()
 	if err != nil {

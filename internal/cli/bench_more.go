@@ -39,15 +39,8 @@ func benchMCP(ctx context.Context, t *bench.Table, runs int) error {
 // one keeping a pool of started code-interpreter-v1 sandboxes, one
 // without (every create starts its kernel).
 func benchInterp(ctx context.Context, t *bench.Table, h *sandbox.Host, runs int) error {
-	if h.Templates == nil {
-		var err error
-		if h.Templates, err = openTemplates(""); err != nil {
-			return err
-		}
-	}
-	if _, err := h.Template(bench.InterpTemplate); err != nil {
-		t.Skip("interp", "interp: the code interpreter", fmt.Sprintf("%v (make code-interpreter builds it)", err))
-		return nil
+	if ok, err := haveTemplate(t, h, bench.InterpTemplate, "interp", "interp: the code interpreter", "make code-interpreter builds it"); !ok {
+		return err
 	}
 	exe, err := os.Executable()
 	if err != nil {
@@ -140,4 +133,21 @@ func benchDurable(ctx context.Context, t *bench.Table, h *sandbox.Host, runs int
 		t.Set(bench.Row{ID: id + ".fork", What: "durable " + wall + ": fork of 10 from one snapshot, to the first output of all", Cage: bench.Latency(s), Status: bench.NoTarget})
 	}
 	return nil
+}
+
+// haveTemplate opens the host's template store if it has none and says
+// whether template name is in it; when it is not, the table's row id is
+// skipped saying so, with how to build it.
+func haveTemplate(t *bench.Table, h *sandbox.Host, name, id, what, build string) (bool, error) {
+	if h.Templates == nil {
+		var err error
+		if h.Templates, err = openTemplates(""); err != nil {
+			return false, err
+		}
+	}
+	if _, err := h.Template(name); err != nil {
+		t.Skip(id, what, fmt.Sprintf("%v (%s)", err, build))
+		return false, nil
+	}
+	return true, nil
 }

@@ -152,19 +152,23 @@ func templateCount(kv string) (string, int, error) {
 	return name, n, nil
 }
 
+// openStore opens the store in *data (CAGE_DATA or /var/lib/cage when
+// empty, which it sets), for the commands that manage keys and teams.
+func openStore(data *string) (*store.Store, error) {
+	if *data == "" {
+		*data = envOr("CAGE_DATA", "/var/lib/cage")
+	}
+	st, err := store.Open(*data)
+	if err != nil {
+		return nil, exitf(ExitInternal, "open the store in %s: %v", *data, err)
+	}
+	return st, nil
+}
+
 func newKeysCmd(g *globals) *cobra.Command {
 	var data string
 	var asJSON bool
-	open := func() (*store.Store, error) {
-		if data == "" {
-			data = envOr("CAGE_DATA", "/var/lib/cage")
-		}
-		st, err := store.Open(data)
-		if err != nil {
-			return nil, exitf(ExitInternal, "open the store in %s: %v", data, err)
-		}
-		return st, nil
-	}
+	open := func() (*store.Store, error) { return openStore(&data) }
 	cmd := &cobra.Command{Use: "keys", Short: "Manage API keys (create | ls | revoke)"}
 	cmd.PersistentFlags().StringVar(&data, "data", "", "the daemon's state directory (default $CAGE_DATA or /var/lib/cage)")
 	var name, team string

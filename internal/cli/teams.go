@@ -84,16 +84,7 @@ func (f *teamFlags) limits(cur store.TeamLimits) (store.TeamLimits, error) {
 func newTeamsCmd() *cobra.Command {
 	var data string
 	var asJSON bool
-	open := func() (*store.Store, error) {
-		if data == "" {
-			data = envOr("CAGE_DATA", "/var/lib/cage")
-		}
-		st, err := store.Open(data)
-		if err != nil {
-			return nil, exitf(ExitInternal, "open the store in %s: %v", data, err)
-		}
-		return st, nil
-	}
+	open := func() (*store.Store, error) { return openStore(&data) }
 	cmd := &cobra.Command{Use: "teams", Short: "Manage teams: who owns what, with quotas and rates (create | ls | set | rm)",
 		Long: `Teams are the tenancy boundary: a team's keys (cage keys create --team NAME) share its
 sandboxes, snapshots, volumes and audit entries, and see nothing of another team's. A key
