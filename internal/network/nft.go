@@ -11,6 +11,7 @@ import (
 	"github.com/google/nftables"
 	"github.com/google/nftables/binaryutil"
 	"github.com/google/nftables/expr"
+	"github.com/mdlayher/netlink"
 	"golang.org/x/sys/unix"
 )
 
@@ -45,27 +46,43 @@ const (
 )
 
 type nft struct {
-	mu    sync.Mutex
+	mu    sync.Mutex // the connection and its queued messages
 	conn  *nftables.Conn
-	table *nftables.Table
-	fwd   *nftables.Set
-	inp   *nftables.Set
-	dns   *nftables.Set
+	netns int        // the namespace's file descriptor
+	qmu   sync.Mutex // the queue
+	queue []*nftJob  // applies waiting for a group commit
+	// noGroup commits each apply alone (the benchmark's peer).
+	noGroup bool
+	groups  int // group commits of more than one apply (for tests)
+	table   *nftables.Table
+	fwd     *nftables.Set
+	inp     *nftables.Set
+	dns     *nftables.Set
 }
 
 func newNFT() (*nft, error) {
-	conn, err := nftables.New(nftables.AsLasting())
+	// The network namespace of the caller, where every batch goes (a group
+	// commit opens a connection of its own each time).
+	netns, err := unix.Open("/proc/thread-self/ns/net", unix.O_RDONLY|unix.O_CLOEXEC, 0)
 	if err != nil {
+		return nil, fmt.Errorf("nftables: the network namespace: %w", err)
+	}
+	conn, err := nftables.New(nftables.AsLasting(), nftables.WithNetNSFd(netns))
+	if err != nil {
+		unix.Close(netns)
 		return nil, fmt.Errorf("nftables: %w", err)
 	}
-	n := &nft{conn: conn, table: &nftables.Table{Name: tableName, Family: nftables.TableFamilyINet}}
+	n := &nft{conn: conn, netns: netns, table: &nftables.Table{Name: tableName, Family: nftables.TableFamilyINet}}
 	n.fwd = &nftables.Set{Table: n.table, Name: "fwd", IsMap: true, KeyType: nftables.TypeIFName, DataType: nftables.TypeVerdict}
 	n.inp = &nftables.Set{Table: n.table, Name: "inp", IsMap: true, KeyType: nftables.TypeIFName, DataType: nftables.TypeVerdict}
 	n.dns = &nftables.Set{Table: n.table, Name: "dns", IsMap: true, KeyType: nftables.TypeIFName, DataType: nftables.TypeVerdict}
 	return n, nil
 }
 
-func (n *nft) close() { _ = n.conn.CloseLasting() }
+func (n *nft) close() {
+	_ = n.conn.CloseLasting()
+	unix.Close(n.netns)
+}
 
 // sandboxRules is what the per-sandbox objects are made from.
 type sandboxRules struct {
@@ -123,10 +140,104 @@ type learnedAddr struct {
 // created if missing (a new sandbox, or one a process of an older cage
 // made) and emptied if present (a policy change, an adopting process with
 // its own resolver and log group, the leftovers of a dead owner).
+//
+// Applies that arrive while another commit is in progress are committed
+// together (group commit): the kernel validates the whole table on every
+// commit that adds jumps, so with many sandboxes alive a commit costs in
+// proportion to their number, and a burst of creates pays it once instead
+// of once each. Each apply's objects stay whole in the one batch; if the
+// batch fails, each apply is committed again alone, so one sandbox's
+// failure is its own.
 func (n *nft) apply(s *sandboxRules, st setState) error {
+	j := &nftJob{slot: s.slot, build: func(c *nftables.Conn) error { return n.build(c, s, st) }, done: make(chan error, 1)}
+	n.enqueue(j)
+	return <-j.done
+}
+
+// nftJob is one sandbox's batch, waiting for a group commit.
+type nftJob struct {
+	slot  int
+	build func(c *nftables.Conn) error // queues the job's messages
+	done  chan error                   // its result (buffered)
+}
+
+// enqueue queues a job and commits what is queued. Whoever holds mu next
+// commits every job queued by then (at most one per slot, in order), so a
+// job is committed at the latest by its own caller.
+func (n *nft) enqueue(j *nftJob) {
+	n.qmu.Lock()
+	n.queue = append(n.queue, j)
+	n.qmu.Unlock()
 	n.mu.Lock()
 	defer n.mu.Unlock()
-	c := n.conn
+	n.qmu.Lock()
+	var batch []*nftJob
+	seen := map[int]bool{}
+	for len(n.queue) > 0 && !seen[n.queue[0].slot] && len(batch) < maxGroup {
+		seen[n.queue[0].slot] = true
+		batch = append(batch, n.queue[0])
+		n.queue = n.queue[1:]
+	}
+	n.qmu.Unlock()
+	if len(batch) > 0 {
+		n.commit(batch)
+	}
+}
+
+// maxGroup bounds the jobs of one group commit (a netlink batch of a few
+// hundred KiB at most).
+const maxGroup = 32
+
+// commit commits jobs in one batch, or each alone where the batch fails
+// (the kernel applied none of it). Each batch is built on a connection of
+// its own, so that what a failed build left queued never reaches the
+// kernel. The caller holds mu.
+func (n *nft) commit(batch []*nftJob) {
+	if len(batch) > 1 && !n.noGroup {
+		if n.flush(batch...) == nil {
+			n.groups++
+			for _, j := range batch {
+				j.done <- nil
+			}
+			return
+		}
+	}
+	for _, j := range batch {
+		if err := n.flush(j); err != nil {
+			j.done <- fmt.Errorf("nftables: rules of sandbox slot %d: %w", j.slot, err)
+			continue
+		}
+		j.done <- nil
+	}
+}
+
+// flush builds jobs on a fresh connection and commits them in one batch.
+func (n *nft) flush(jobs ...*nftJob) error {
+	c, err := nftables.New(nftables.WithNetNSFd(n.netns), nftables.WithSockOptions(groupSocket))
+	if err != nil {
+		return err
+	}
+	for _, j := range jobs {
+		if err := j.build(c); err != nil {
+			return err
+		}
+	}
+	return c.Flush()
+}
+
+// groupSocket makes a batch's socket able to take the acknowledgements of
+// a group's hundreds of messages: acknowledgements without the request in
+// them (NETLINK_CAP_ACK), and room for them (else ENOBUFS, and the batch
+// is committed again alone).
+func groupSocket(c *netlink.Conn) error {
+	if err := c.SetOption(netlink.CapAcknowledge, true); err != nil {
+		return err
+	}
+	return c.SetReadBuffer(4 << 20)
+}
+
+// build queues a sandbox's objects and rules on c (the caller holds mu).
+func (n *nft) build(c *nftables.Conn, s *sandboxRules, st setState) error {
 	fname, iname, nname := n.names(s.slot)
 	filter := &nftables.Chain{Name: fname, Table: n.table}
 	input := &nftables.Chain{Name: iname, Table: n.table}
@@ -145,7 +256,7 @@ func (n *nft) apply(s *sandboxRules, st setState) error {
 	if err := c.SetAddElements(sets.deny, intervalElements(s.denied)); err != nil {
 		return err
 	}
-	if err := n.addLearned(sets, st.learned); err != nil {
+	if err := addLearned(c, sets, st.learned); err != nil {
 		return err
 	}
 	if len(st.denied) > 0 {
@@ -178,9 +289,6 @@ func (n *nft) apply(s *sandboxRules, st setState) error {
 			return err
 		}
 	}
-	if err := c.Flush(); err != nil {
-		return fmt.Errorf("nftables: rules of sandbox slot %d: %w", s.slot, err)
-	}
 	return nil
 }
 
@@ -211,9 +319,9 @@ const (
 	dnsBurst   = 2 * queryBurst
 )
 
-// addLearned queues the addition of learned addresses (the caller holds mu
-// and flushes).
-func (n *nft) addLearned(sets slotSets, learned []learnedAddr) error {
+// addLearned queues the addition of learned addresses on c (the caller holds
+// mu and flushes).
+func addLearned(c *nftables.Conn, sets slotSets, learned []learnedAddr) error {
 	var any, withPort []nftables.SetElement
 	for _, l := range learned {
 		b := l.addr.As4()
@@ -226,12 +334,12 @@ func (n *nft) addLearned(sets slotSets, learned []learnedAddr) error {
 		}
 	}
 	if len(any) > 0 {
-		if err := n.conn.SetAddElements(sets.names, any); err != nil {
+		if err := c.SetAddElements(sets.names, any); err != nil {
 			return err
 		}
 	}
 	if len(withPort) > 0 {
-		if err := n.conn.SetAddElements(sets.ports, withPort); err != nil {
+		if err := c.SetAddElements(sets.ports, withPort); err != nil {
 			return err
 		}
 	}
@@ -248,14 +356,15 @@ func addrElements(addrs []netip.Addr) []nftables.SetElement {
 }
 
 // remove deletes a sandbox's objects. Missing ones are not an error (a
-// half-made sandbox, or GC after its owner removed some).
+// half-made sandbox, or GC after its owner removed some): the usual case,
+// every object there, is one batch; where that fails (a batch fails whole
+// on the first missing object) each step is a batch of its own.
 func (n *nft) remove(slot int) error {
 	n.mu.Lock()
 	defer n.mu.Unlock()
 	c := n.conn
 	key := ifKey(ifName(slot))
 	fname, iname, nname := n.names(slot)
-	// Each step is its own batch: a batch fails whole on the first missing object.
 	var steps []func()
 	for _, m := range []*nftables.Set{n.fwd, n.inp, n.dns} {
 		steps = append(steps, func() { _ = c.SetDeleteElements(m, []nftables.SetElement{{Key: key}}) })
@@ -266,6 +375,12 @@ func (n *nft) remove(slot int) error {
 	}
 	for _, set := range n.sets(slot).all() {
 		steps = append(steps, func() { c.DelSet(set) })
+	}
+	for _, step := range steps {
+		step()
+	}
+	if c.Flush() == nil {
+		return nil
 	}
 	var first error
 	for _, step := range steps {
@@ -285,7 +400,7 @@ func isNotFound(err error) bool {
 func (n *nft) learn(slot int, learned []learnedAddr) error {
 	n.mu.Lock()
 	defer n.mu.Unlock()
-	if err := n.addLearned(n.sets(slot), learned); err != nil {
+	if err := addLearned(n.conn, n.sets(slot), learned); err != nil {
 		return err
 	}
 	return n.conn.Flush()

@@ -1,0 +1,267 @@
+package network
+
+import (
+	"errors"
+	"fmt"
+	"net/netip"
+	"path/filepath"
+	"strconv"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/google/nftables"
+	"github.com/google/nftables/expr"
+	"github.com/vishvananda/netns"
+
+	"github.com/cagehq/cage/internal/testutil"
+)
+
+// holdQueue holds the table's lock until want jobs are queued, so that they
+// are committed in one group; it fails the test if they never are.
+func holdQueue(t testing.TB, n *nft, want int) (release func()) {
+	t.Helper()
+	n.mu.Lock()
+	return func() {
+		defer n.mu.Unlock()
+		deadline := time.Now().Add(20 * time.Second)
+		for {
+			n.qmu.Lock()
+			got := len(n.queue)
+			n.qmu.Unlock()
+			if got >= want {
+				return
+			}
+			if time.Now().After(deadline) {
+				t.Errorf("%d jobs queued, want %d", got, want)
+				return
+			}
+			time.Sleep(time.Millisecond)
+		}
+	}
+}
+
+// TestGroupCommitKeepsEachPolicy: sandboxes attached at once, their rules
+// committed in one group, each keep their own policy: the internet ones
+// reach the outside, the ones with an empty allowlist do not, and after a group
+// of policy changes (each the other way round) the opposite holds.
+func TestGroupCommitKeepsEachPolicy(t *testing.T) {
+	w := testutil.NewWorld(t)
+	h := newHost(t, w, nil)
+	const n = 8
+	nss := make([]netns.NsHandle, n)
+	for i := range nss {
+		path := filepath.Join(t.TempDir(), "netns")
+		if err := NewNamespace(path); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { RemoveNamespace(path) })
+		ns, err := netns.GetFromPath(path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { ns.Close() })
+		nss[i] = ns
+	}
+	policy := func(i int, flip bool) Policy {
+		if (i%2 == 0) != flip {
+			return Policy{Mode: Internet}
+		}
+		return Policy{Mode: Allowlist} // nothing allowed
+	}
+	base := nextSlot + 1
+	nextSlot += n
+	sbs := make([]*fakeSandbox, n)
+	errs := make([]error, n)
+	var wg sync.WaitGroup
+	release := holdQueue(t, h.nft, n)
+	for i := range nss {
+		wg.Go(func() {
+			sb, err := h.Attach(fmt.Sprintf("sb%d", base+i), base+i, int(nss[i]), policy(i, false))
+			sbs[i], errs[i] = &fakeSandbox{ns: nss[i], net: sb}, err
+		})
+	}
+	release()
+	wg.Wait()
+	for i, sb := range sbs {
+		if errs[i] != nil {
+			t.Fatalf("attach %d: %v", i, errs[i])
+		}
+		t.Cleanup(func() { _ = sb.net.Close() })
+	}
+	check := func(flip bool) {
+		t.Helper()
+		for i, sb := range sbs {
+			_, err := sb.get(testutil.PublicHost.String() + ":80")
+			if open := policy(i, flip).Mode == Internet; open != (err == nil) {
+				t.Errorf("sandbox %d (%v): reached the outside: %v (%v)", i, policy(i, flip).Mode, err == nil, err)
+			}
+		}
+	}
+	check(false)
+	h.nft.mu.Lock()
+	groups := h.nft.groups
+	h.nft.mu.Unlock()
+	if groups == 0 {
+		t.Fatal("the attaches were not committed in a group")
+	}
+	release = holdQueue(t, h.nft, n)
+	for i, sb := range sbs {
+		wg.Go(func() { errs[i] = sb.net.SetPolicy(policy(i, true)) })
+	}
+	release()
+	wg.Wait()
+	if err := errors.Join(errs...); err != nil {
+		t.Fatal(err)
+	}
+	h.nft.mu.Lock()
+	if h.nft.groups == groups {
+		t.Error("the policy changes were not committed in a group")
+	}
+	h.nft.mu.Unlock()
+	check(true)
+}
+
+// TestGroupCommitFailureIsItsOwn: in a group where one job's batch is
+// refused by the kernel (a rule in a chain that does not exist), that job
+// fails and the others are committed all the same.
+func TestGroupCommitFailureIsItsOwn(t *testing.T) {
+	w := testutil.NewWorld(t)
+	h := newHost(t, w, nil)
+	n := h.nft
+	const jobs = 5
+	name := func(i int) string { return "gtest" + strconv.Itoa(i) }
+	var wg sync.WaitGroup
+	errs := make([]error, jobs)
+	release := holdQueue(t, n, jobs)
+	for i := range jobs {
+		j := &nftJob{slot: 900000 + i, done: make(chan error, 1), build: func(c *nftables.Conn) error {
+			ch := &nftables.Chain{Name: name(i), Table: n.table}
+			if i == 2 {
+				ch = &nftables.Chain{Name: "gtest-missing", Table: n.table}
+			} else {
+				c.AddChain(ch)
+			}
+			c.AddRule(&nftables.Rule{Table: n.table, Chain: ch, Exprs: []expr.Any{&expr.Counter{}}})
+			return nil
+		}}
+		wg.Go(func() {
+			n.enqueue(j)
+			errs[i] = <-j.done
+		})
+	}
+	release()
+	wg.Wait()
+	t.Cleanup(func() {
+		for i := range jobs {
+			n.conn.DelChain(&nftables.Chain{Name: name(i), Table: n.table})
+			_ = n.conn.Flush()
+		}
+	})
+	chains, err := n.conn.ListChainsOfTableFamily(nftables.TableFamilyINet)
+	if err != nil {
+		t.Fatal(err)
+	}
+	have := map[string]bool{}
+	for _, ch := range chains {
+		if ch.Table.Name == tableName {
+			have[ch.Name] = true
+		}
+	}
+	for i := range jobs {
+		if i == 2 {
+			if errs[i] == nil || have[name(i)] {
+				t.Errorf("the refused job: error %v, chain made %v; want an error and no chain", errs[i], have[name(i)])
+			}
+			continue
+		}
+		if errs[i] != nil || !have[name(i)] {
+			t.Errorf("job %d: error %v, chain made %v; want its chain", i, errs[i], have[name(i)])
+		}
+	}
+}
+
+// TestRemoveHalfMade: removing a slot of which only some objects exist
+// (a half-made sandbox) removes those and is no error.
+func TestRemoveHalfMade(t *testing.T) {
+	w := testutil.NewWorld(t)
+	h := newHost(t, w, nil)
+	n := h.nft
+	nextSlot++
+	slot := nextSlot
+	fname, _, _ := n.names(slot)
+	n.mu.Lock()
+	n.conn.AddChain(&nftables.Chain{Name: fname, Table: n.table})
+	err := n.conn.Flush()
+	n.mu.Unlock()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := n.remove(slot); err != nil {
+		t.Fatalf("remove: %v", err)
+	}
+	slots, err := n.slots()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, s := range slots {
+		if s == slot {
+			t.Fatalf("slot %d's chain is still there", slot)
+		}
+	}
+}
+
+// BenchmarkApplyManyAlive: a sandbox's rules made and removed (as a create
+// and a destroy do), eight at once, with 300 sandboxes' rules in the table;
+// the applies committed in groups and (the peer, as before) each alone. Run as root: go test -run ^$ -bench ApplyManyAlive ./internal/network
+func BenchmarkApplyManyAlive(b *testing.B) {
+	w := testutil.NewWorld(b)
+	h, err := NewHost(Config{Upstreams: w.Upstreams(), LockDir: b.TempDir()})
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(h.Close)
+	rules := func(slot int) *sandboxRules {
+		ip := netip.AddrFrom4([4]byte{10, 250, byte(slot >> 8), byte(slot)})
+		return &sandboxRules{slot: slot, ip: ip, gateway: h.gateway, policy: Policy{Mode: Internet},
+			denied: h.denied, resolver: h.res.port, group: h.flog.group}
+	}
+	const alive, first = 300, 700000
+	for s := first; s < first+alive; s++ {
+		if err := h.nft.apply(rules(s), setState{}); err != nil {
+			b.Fatal(err)
+		}
+	}
+	next := first + alive
+	b.Cleanup(func() {
+		for s := first; s < first+alive; s++ {
+			_ = h.nft.remove(s)
+		}
+	})
+	for _, mode := range []struct {
+		name    string
+		noGroup bool
+	}{{"group", false}, {"alone", true}} {
+		b.Run(mode.name, func(b *testing.B) {
+			h.nft.noGroup = mode.noGroup
+			var mu sync.Mutex
+			b.SetParallelism(8)
+			b.RunParallel(func(pb *testing.PB) {
+				for pb.Next() {
+					mu.Lock()
+					s := next
+					next++
+					mu.Unlock()
+					if err := h.nft.apply(rules(s), setState{}); err != nil {
+						b.Error(err)
+						return
+					}
+					if err := h.nft.remove(s); err != nil {
+						b.Error(err)
+						return
+					}
+				}
+			})
+		})
+	}
+}
