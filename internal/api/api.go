@@ -54,6 +54,9 @@ type Config struct {
 	Rates Rates
 	// Build builds templates for admin keys (builds.go; nil: 503).
 	Build BuildFunc
+	// Cluster is the cluster front in cluster mode (cluster.go; nil: one
+	// host).
+	Cluster Cluster
 }
 
 type server struct {
@@ -84,21 +87,21 @@ func Handler(cfg Config) http.Handler {
 	mux.Handle("POST /v2/sandboxes", auth(s.create(true)))
 	mux.Handle("GET /sandboxes", auth(http.HandlerFunc(s.listV1)))
 	mux.Handle("GET /v2/sandboxes", auth(http.HandlerFunc(s.listV2)))
-	mux.Handle("GET /sandboxes/{sandboxID}", auth(http.HandlerFunc(s.get)))
-	mux.Handle("DELETE /sandboxes/{sandboxID}", auth(http.HandlerFunc(s.kill)))
-	mux.Handle("POST /sandboxes/{sandboxID}/timeout", auth(http.HandlerFunc(s.timeout)))
-	mux.Handle("POST /sandboxes/{sandboxID}/refreshes", auth(http.HandlerFunc(s.refresh)))
-	mux.Handle("POST /sandboxes/{sandboxID}/pause", auth(http.HandlerFunc(s.pause)))
-	mux.Handle("POST /sandboxes/{sandboxID}/resume", auth(http.HandlerFunc(s.resume)))
-	mux.Handle("POST /sandboxes/{sandboxID}/snapshots", auth(http.HandlerFunc(s.createSnapshot)))
-	mux.Handle("POST /sandboxes/{sandboxID}/fork", auth(http.HandlerFunc(s.fork)))
+	mux.Handle("GET /sandboxes/{sandboxID}", auth(s.routed(http.HandlerFunc(s.get))))
+	mux.Handle("DELETE /sandboxes/{sandboxID}", auth(s.routed(http.HandlerFunc(s.kill))))
+	mux.Handle("POST /sandboxes/{sandboxID}/timeout", auth(s.routed(http.HandlerFunc(s.timeout))))
+	mux.Handle("POST /sandboxes/{sandboxID}/refreshes", auth(s.routed(http.HandlerFunc(s.refresh))))
+	mux.Handle("POST /sandboxes/{sandboxID}/pause", auth(s.routed(http.HandlerFunc(s.pause))))
+	mux.Handle("POST /sandboxes/{sandboxID}/resume", auth(s.routed(http.HandlerFunc(s.resume))))
+	mux.Handle("POST /sandboxes/{sandboxID}/snapshots", auth(s.routed(http.HandlerFunc(s.createSnapshot))))
+	mux.Handle("POST /sandboxes/{sandboxID}/fork", auth(s.routed(http.HandlerFunc(s.fork))))
 	mux.Handle("GET /snapshots", auth(http.HandlerFunc(s.listSnapshots)))
 	mux.Handle("DELETE /templates/{templateID}", auth(http.HandlerFunc(s.deleteTemplate)))
-	mux.Handle("POST /sandboxes/{sandboxID}/connect", auth(s.connect(false)))
-	mux.Handle("POST /v2/sandboxes/{sandboxID}/connect", auth(s.connect(true)))
-	mux.Handle("GET /sandboxes/{sandboxID}/metrics", auth(http.HandlerFunc(s.metrics)))
-	mux.Handle("PUT /sandboxes/{sandboxID}/network", auth(http.HandlerFunc(s.updateNetwork)))
-	mux.Handle("GET /sandboxes/{sandboxID}/network/records", auth(http.HandlerFunc(s.networkRecords)))
+	mux.Handle("POST /sandboxes/{sandboxID}/connect", auth(s.routed(s.connect(false))))
+	mux.Handle("POST /v2/sandboxes/{sandboxID}/connect", auth(s.routed(s.connect(true))))
+	mux.Handle("GET /sandboxes/{sandboxID}/metrics", auth(s.routed(http.HandlerFunc(s.metrics))))
+	mux.Handle("PUT /sandboxes/{sandboxID}/network", auth(s.routed(http.HandlerFunc(s.updateNetwork))))
+	mux.Handle("GET /sandboxes/{sandboxID}/network/records", auth(s.routed(http.HandlerFunc(s.networkRecords))))
 	mux.Handle("GET /audit", auth(http.HandlerFunc(s.auditEntries)))
 	s.volumeRoutes(mux)
 	s.adminRoutes(mux)

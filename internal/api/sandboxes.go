@@ -88,7 +88,7 @@ func (s *server) create(v2 bool) http.Handler {
 			return
 		}
 		req.KeyID = keyID(r)
-		rec, err := s.cfg.Manager.Create(r.Context(), req)
+		rec, err := s.createSandbox(r.Context(), req)
 		if err != nil {
 			s.fail(w, r, err)
 			return
@@ -230,7 +230,7 @@ func (s *server) listV2(w http.ResponseWriter, r *http.Request) {
 		s.fail(w, r, err)
 		return
 	}
-	items, next, err := s.cfg.Manager.List(f)
+	items, next, err := s.listSandboxes(f)
 	if err != nil {
 		s.fail(w, r, err)
 		return
@@ -253,7 +253,7 @@ func (s *server) listV1(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	f.Limit, f.States = 0, []string{store.StateRunning}
-	items, _, err := s.cfg.Manager.List(f)
+	items, _, err := s.listSandboxes(f)
 	if err != nil {
 		s.fail(w, r, err)
 		return

@@ -91,6 +91,11 @@ type Proxy struct {
 	// (0: none routed), path, status and the bytes of its body and of the
 	// answer (count.go; the daemon's metrics).
 	Count func(port int, path string, status int, in, out int64)
+	// Forward, when set (cluster mode), is given a request for a sandbox
+	// this host does not have: it forwards it to the node that holds the
+	// sandbox and reports whether it did (false: 502, as for any sandbox
+	// that does not exist).
+	Forward func(w http.ResponseWriter, r *http.Request, id string) bool
 }
 
 // New returns a proxy; domain is the suffix of host-routed requests ("" to
@@ -166,6 +171,9 @@ func (p *Proxy) serve(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	access, ok := p.sandboxes.Lookup(id)
+	if !ok && p.Forward != nil && p.Forward(w, r, id) {
+		return
+	}
 	if !ok {
 		writeJSON(w, http.StatusBadGateway, sandboxError{id, "The sandbox was not found", http.StatusBadGateway})
 		return

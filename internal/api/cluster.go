@@ -1,0 +1,54 @@
+package api
+
+import (
+	"context"
+	"net/http"
+
+	"github.com/cagehq/cage/internal/manager"
+	"github.com/cagehq/cage/internal/store"
+)
+
+// Cluster is the cluster front (internal/cluster.Front) in cluster mode:
+// creates and lists go through it instead of this host's manager, and a
+// request for a sandbox on another node is forwarded there. The API's
+// checks (key, rates, validation, the team's quotas) come first, as on
+// one host.
+type Cluster interface {
+	Create(ctx context.Context, req manager.CreateRequest) (*store.Sandbox, error)
+	List(f store.ListFilter) ([]*store.Sandbox, string, error)
+	// Forward serves a request for sandbox id when it is on another node
+	// (owner: the calling key's owner) and reports whether it did.
+	Forward(w http.ResponseWriter, r *http.Request, id, owner string) bool
+}
+
+// routed answers a request for a sandbox on another node through the
+// cluster front; others go to next.
+func (s *server) routed(next http.Handler) http.Handler {
+	if s.cfg.Cluster == nil {
+		return next
+	}
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if s.cfg.Cluster.Forward(w, r, r.PathValue("sandboxID"), keyID(r)) {
+			return
+		}
+		next.ServeHTTP(w, r)
+	})
+}
+
+// createSandbox makes a sandbox: in the cluster when there is one, else
+// on this host.
+func (s *server) createSandbox(ctx context.Context, req manager.CreateRequest) (*store.Sandbox, error) {
+	if s.cfg.Cluster != nil {
+		return s.cfg.Cluster.Create(ctx, req)
+	}
+	return s.cfg.Manager.Create(ctx, req)
+}
+
+// listSandboxes lists the cluster's sandboxes when there is a cluster,
+// else this host's.
+func (s *server) listSandboxes(f store.ListFilter) ([]*store.Sandbox, string, error) {
+	if s.cfg.Cluster != nil {
+		return s.cfg.Cluster.List(f)
+	}
+	return s.cfg.Manager.List(f)
+}
