@@ -24,3 +24,16 @@ func random(n int) string {
 	_, _ = rand.Read(b) // never fails (crypto/rand panics rather)
 	return hex.EncodeToString(b)
 }
+
+// Valid reports whether id has NewID's format: 20 lowercase hex characters.
+func Valid(id string) bool {
+	if len(id) != 20 {
+		return false
+	}
+	for i := 0; i < len(id); i++ {
+		if c := id[i]; (c < '0' || c > '9') && (c < 'a' || c > 'f') {
+			return false
+		}
+	}
+	return true
+}

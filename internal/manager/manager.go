@@ -142,6 +142,11 @@ func New(cfg Config) *Manager {
 
 // CreateRequest is what a client asks for.
 type CreateRequest struct {
+	// ID is the sandbox's id when the caller chose it (cluster mode: the
+	// pod's name); "" mints one. It must have ids.NewID's format and name
+	// no sandbox this host has. A given id takes no prepared sandbox from
+	// the pool (a prepared one has its own id).
+	ID            string
 	Wall          string // a wall of the registry (sandbox.Walls); "" is the default
 	KeyID         string
 	Template      string
@@ -177,6 +182,22 @@ func (m *Manager) wallLabel(name string) string {
 	return d.Name()
 }
 
+// checkID refuses a given sandbox id that is malformed or taken.
+func (m *Manager) checkID(id string) error {
+	if id == "" {
+		return nil
+	}
+	if !ids.Valid(id) {
+		return fmt.Errorf("%w: sandbox id %q is not 20 lowercase hex characters", ErrInvalid, id)
+	}
+	if _, err := m.cfg.Store.GetSandbox(id); err == nil {
+		return fmt.Errorf("%w: sandbox %s exists", ErrConflict, id)
+	} else if !errors.Is(err, store.ErrNotFound) {
+		return err
+	}
+	return nil
+}
+
 func (m *Manager) checkTimeout(d time.Duration) error {
 	if d <= 0 {
 		return fmt.Errorf("%w: timeout must be at least 1 second", ErrInvalid)
@@ -206,6 +227,9 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (rec *store.San
 	if req.Template == "" {
 		req.Template = m.cfg.DefaultTemplate
 	}
+	if err := m.checkID(req.ID); err != nil {
+		return nil, err
+	}
 	snap, err := m.fromSnapshot(&req)
 	if err != nil {
 		return nil, err
@@ -220,7 +244,7 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (rec *store.San
 	}
 	defer release()
 
-	opts := sandbox.Options{
+	opts := sandbox.Options{ID: req.ID,
 		Wall: req.Wall, Template: req.Template, Env: req.Env, CPUs: req.CPUs,
 		Memory: req.Memory, Disk: req.Disk, Pids: req.Pids, Net: req.Net, Max: m.cfg.Max,
 	}

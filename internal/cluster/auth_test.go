@@ -1,0 +1,126 @@
+package cluster
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes/fake"
+)
+
+var key = bytes.Repeat([]byte{7}, KeyLen)
+
+func signed(method, target, node string) *http.Request {
+	r := httptest.NewRequest(method, target, nil)
+	Sign(r, key, node)
+	return r
+}
+
+func at(t *testing.T, when time.Time) {
+	old := now
+	now = func() time.Time { return when }
+	t.Cleanup(func() { now = old })
+}
+
+func TestSignVerify(t *testing.T) {
+	r := signed("POST", "/cluster/pods/"+testID+"/start?x=1", "node-a")
+	node, err := Verify(r, key)
+	if err != nil || node != "node-a" {
+		t.Fatalf("Verify = %q, %v", node, err)
+	}
+}
+
+func TestVerifyRefuses(t *testing.T) {
+	t0 := time.Unix(1_800_000_000, 0)
+	at(t, t0)
+	good := signed("POST", "/cluster/pods/"+testID+"/start?x=1", "node-a")
+	cases := map[string]func() *http.Request{
+		"no header": func() *http.Request { return httptest.NewRequest("POST", "/cluster/pods/x/start", nil) },
+		"tampered path": func() *http.Request {
+			r := good.Clone(context.Background())
+			r.URL.Path = "/cluster/pods/ffffffffffffffffffff/start"
+			return r
+		},
+		"tampered query": func() *http.Request {
+			r := good.Clone(context.Background())
+			r.URL.RawQuery = "x=2"
+			return r
+		},
+		"other method": func() *http.Request {
+			r := good.Clone(context.Background())
+			r.Method = "DELETE"
+			return r
+		},
+		"wrong node name": func() *http.Request {
+			r := good.Clone(context.Background())
+			r.Header.Set(AuthHeader, strings.Replace(r.Header.Get(AuthHeader), "node=node-a", "node=node-b", 1))
+			return r
+		},
+		"malformed node name": func() *http.Request {
+			r := signed("POST", "/cluster/pods/x/start", "Node_A")
+			return r
+		},
+		"other key": func() *http.Request {
+			r := httptest.NewRequest("POST", "/cluster/pods/x/start", nil)
+			Sign(r, bytes.Repeat([]byte{8}, KeyLen), "node-a")
+			return r
+		},
+		"garbage": func() *http.Request {
+			r := httptest.NewRequest("POST", "/cluster/pods/x/start", nil)
+			r.Header.Set(AuthHeader, "node=a,t=1,sig=zz,extra=1")
+			return r
+		},
+		"no sig": func() *http.Request {
+			r := httptest.NewRequest("POST", "/cluster/pods/x/start", nil)
+			r.Header.Set(AuthHeader, "node=a,t=1800000000")
+			return r
+		},
+	}
+	for name, mk := range cases {
+		r := mk()
+		if node, err := Verify(r, key); !errors.Is(err, ErrAuth) {
+			t.Errorf("%s: Verify = %q, %v; want ErrAuth", name, node, err)
+		}
+	}
+	if _, err := Verify(good, nil); !errors.Is(err, ErrAuth) {
+		t.Errorf("no key: err = %v", err)
+	}
+	// Replay: good within ±60 s, refused outside.
+	for d, ok := range map[time.Duration]bool{59 * time.Second: true, -59 * time.Second: true,
+		61 * time.Second: false, -61 * time.Second: false, time.Hour: false} {
+		at(t, t0.Add(d))
+		_, err := Verify(good, key)
+		if (err == nil) != ok {
+			t.Errorf("replayed %v later: err = %v, want ok=%v", d, err, ok)
+		}
+	}
+}
+
+func TestNodeKey(t *testing.T) {
+	ctx := context.Background()
+	c := fake.NewClientset()
+	k1, err := NodeKey(ctx, c, "cage")
+	if err != nil || len(k1) != KeyLen {
+		t.Fatalf("first NodeKey = %x, %v", k1, err)
+	}
+	k2, err := NodeKey(ctx, c, "cage")
+	if err != nil || !bytes.Equal(k1, k2) {
+		t.Fatalf("second NodeKey = %x, %v; want the first's", k2, err)
+	}
+	if bytes.Equal(k1, make([]byte, KeyLen)) {
+		t.Fatal("a key of zeros")
+	}
+	// A short key in the Secret is refused, not used.
+	c2 := fake.NewClientset(&corev1.Secret{ObjectMeta: metav1.ObjectMeta{Name: KeySecret, Namespace: "cage"},
+		Data: map[string][]byte{KeySecretData: []byte("short")}})
+	if k, err := NodeKey(ctx, c2, "cage"); err == nil {
+		t.Fatalf("short key accepted: %x", k)
+	}
+}

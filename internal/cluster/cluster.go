@@ -1,0 +1,107 @@
+// Package cluster makes cage hosts the nodes of a Kubernetes cluster
+// (issue 21; docs/ARCHITECTURE.md, "Cluster mode"): a sandbox is a Pod in
+// the cluster's namespace, placed by kube-scheduler, run by the node it is
+// bound to through that host's walls, and its status reported back. This
+// file holds the configuration and the client; schema.go the pod's shape;
+// auth.go node-to-node authentication; node.go and pods.go the node side;
+// rbac.go the role the nodes need. The front (every node answering the
+// whole E2B API for the cluster) builds on these.
+package cluster
+
+import (
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"time"
+
+	"k8s.io/apimachinery/pkg/util/validation"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/tools/clientcmd"
+)
+
+// Defaults of Config.
+const (
+	DefaultNamespace     = "cage"
+	DefaultLeaseDuration = 40 * time.Second
+	NodeLeaseNamespace   = "kube-node-lease"
+)
+
+// Config is a node's cluster configuration (cage serve --kubeconfig and
+// the cluster.* keys of the config file).
+type Config struct {
+	Kubeconfig, Namespace, NodeName, Advertise string
+	LeaseDuration                              time.Duration
+	APIPort, ProxyPort                         int // where this node's API and proxy listen (for the Node's annotations)
+}
+
+// Enabled reports whether c turns cluster mode on (a kubeconfig is named).
+func (c *Config) Enabled() bool { return c != nil && c.Kubeconfig != "" }
+
+// Defaults fills what c leaves out: the namespace, the node name (the
+// host name), the advertised address (the first non-loopback IPv4
+// address) and the lease duration.
+func (c *Config) Defaults() error {
+	if c.Namespace == "" {
+		c.Namespace = DefaultNamespace
+	}
+	if c.NodeName == "" {
+		h, err := os.Hostname()
+		if err != nil {
+			return fmt.Errorf("cluster: node name: %w", err)
+		}
+		c.NodeName = h
+	}
+	if c.Advertise == "" {
+		ip, err := firstIPv4()
+		if err != nil {
+			return err
+		}
+		c.Advertise = ip
+	}
+	if c.LeaseDuration == 0 {
+		c.LeaseDuration = DefaultLeaseDuration
+	}
+	return c.Validate()
+}
+
+// Validate refuses what cannot work, with a one-line error.
+func (c *Config) Validate() error {
+	if c.LeaseDuration < 2*time.Second {
+		return fmt.Errorf("cluster: lease duration %v is under 2s", c.LeaseDuration)
+	}
+	if ip := net.ParseIP(c.Advertise); ip == nil || ip.IsUnspecified() {
+		return fmt.Errorf("cluster: advertise %q is not an IP address other nodes can reach", c.Advertise)
+	}
+	if errs := validation.IsDNS1123Subdomain(c.NodeName); len(errs) > 0 {
+		return fmt.Errorf("cluster: node name %q: %s", c.NodeName, errs[0])
+	}
+	if errs := validation.IsDNS1123Label(c.Namespace); len(errs) > 0 {
+		return fmt.Errorf("cluster: namespace %q: %s", c.Namespace, errs[0])
+	}
+	return nil
+}
+
+// Client makes a client of the cluster's API server from c's kubeconfig.
+func (c *Config) Client() (kubernetes.Interface, error) {
+	rc, err := clientcmd.BuildConfigFromFlags("", c.Kubeconfig)
+	if err != nil {
+		return nil, fmt.Errorf("cluster: kubeconfig %s: %w", c.Kubeconfig, err)
+	}
+	rc.UserAgent = "cage/" + c.NodeName
+	rc.QPS, rc.Burst = 200, 400 // a node's own traffic: its pods' status, its lease
+	return kubernetes.NewForConfig(rc)
+}
+
+func firstIPv4() (string, error) {
+	addrs, err := net.InterfaceAddrs()
+	if err != nil {
+		return "", fmt.Errorf("cluster: advertise: %w", err)
+	}
+	for _, a := range addrs {
+		if n, ok := a.(*net.IPNet); ok && !n.IP.IsLoopback() && n.IP.To4() != nil {
+			return n.IP.String(), nil
+		}
+	}
+	return "", errors.New("cluster: advertise: this host has no non-loopback IPv4 address; set cluster.advertise")
+}
