@@ -61,13 +61,13 @@ type nft struct {
 }
 
 func newNFT() (*nft, error) {
-	// The network namespace of the caller, where every batch goes (a group
-	// commit opens a connection of its own each time).
+	// The network namespace of the caller, where every batch goes (should
+	// the connection be replaced).
 	netns, err := unix.Open("/proc/thread-self/ns/net", unix.O_RDONLY|unix.O_CLOEXEC, 0)
 	if err != nil {
 		return nil, fmt.Errorf("nftables: the network namespace: %w", err)
 	}
-	conn, err := nftables.New(nftables.AsLasting(), nftables.WithNetNSFd(netns))
+	conn, err := nftables.New(nftables.AsLasting(), nftables.WithNetNSFd(netns), nftables.WithSockOptions(groupSocket))
 	if err != nil {
 		unix.Close(netns)
 		return nil, fmt.Errorf("nftables: %w", err)
@@ -189,20 +189,32 @@ func (n *nft) enqueue(j *nftJob) {
 const maxGroup = 32
 
 // commit commits jobs in one batch, or each alone where the batch fails
-// (the kernel applied none of it). Each batch is built on a connection of
-// its own, so that what a failed build left queued never reaches the
-// kernel. The caller holds mu.
+// (the kernel applied none of it). A job whose build fails (a malformed
+// object) is found on a dry connection first, which never reaches the
+// kernel, so that no half-built job is ever queued. The caller holds mu.
 func (n *nft) commit(batch []*nftJob) {
-	if len(batch) > 1 && !n.noGroup {
-		if n.flush(batch...) == nil {
+	var ok []*nftJob
+	for _, j := range batch {
+		dry, err := nftables.New() // no socket: only for building
+		if err == nil {
+			err = j.build(dry)
+		}
+		if err != nil {
+			j.done <- fmt.Errorf("nftables: rules of sandbox slot %d: %w", j.slot, err)
+			continue
+		}
+		ok = append(ok, j)
+	}
+	if len(ok) > 1 && !n.noGroup {
+		if n.flush(ok...) == nil {
 			n.groups++
-			for _, j := range batch {
+			for _, j := range ok {
 				j.done <- nil
 			}
 			return
 		}
 	}
-	for _, j := range batch {
+	for _, j := range ok {
 		if err := n.flush(j); err != nil {
 			j.done <- fmt.Errorf("nftables: rules of sandbox slot %d: %w", j.slot, err)
 			continue
@@ -211,18 +223,27 @@ func (n *nft) commit(batch []*nftJob) {
 	}
 }
 
-// flush builds jobs on a fresh connection and commits them in one batch.
+// flush queues jobs on the connection and commits them in one batch.
 func (n *nft) flush(jobs ...*nftJob) error {
-	c, err := nftables.New(nftables.WithNetNSFd(n.netns), nftables.WithSockOptions(groupSocket))
-	if err != nil {
-		return err
-	}
 	for _, j := range jobs {
-		if err := j.build(c); err != nil {
+		if err := j.build(n.conn); err != nil {
+			// It built on the dry connection: this does not happen. Should
+			// it, what it queued must not reach the kernel.
+			n.reset()
 			return err
 		}
 	}
-	return c.Flush()
+	return n.conn.Flush()
+}
+
+// reset replaces the connection, dropping what is queued on it.
+func (n *nft) reset() {
+	c, err := nftables.New(nftables.AsLasting(), nftables.WithNetNSFd(n.netns), nftables.WithSockOptions(groupSocket))
+	if err != nil {
+		return
+	}
+	_ = n.conn.CloseLasting()
+	n.conn = c
 }
 
 // groupSocket makes a batch's socket able to take the acknowledgements of
