@@ -171,6 +171,8 @@ func newKeysCmd(g *globals) *cobra.Command {
 	open := func() (*store.Store, error) { return openStore(&data) }
 	cmd := &cobra.Command{Use: "keys", Short: "Manage API keys (create | ls | revoke)"}
 	cmd.PersistentFlags().StringVar(&data, "data", "", "the daemon's state directory (default $CAGE_DATA or /var/lib/cage)")
+	var ck clusterKeys
+	ck.flags(cmd)
 	var name, team string
 	var admin bool
 	create := &cobra.Command{
@@ -178,6 +180,9 @@ func newKeysCmd(g *globals) *cobra.Command {
 		Short: "Create an API key (in a team, or an admin key); the key alone is printed on the last line",
 		Args:  cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
+			if ck.on() {
+				return ck.create(cmd, name, team, admin, asJSON)
+			}
 			st, err := open()
 			if err != nil {
 				return err
@@ -220,10 +225,14 @@ func newKeysCmd(g *globals) *cobra.Command {
 	create.Flags().StringVar(&team, "team", "", "the team (name or id) the key belongs to: it shares the team's sandboxes, snapshots, volumes, audit entries and quotas (fixed; default none: the key is a team of its own)")
 	create.Flags().BoolVar(&admin, "admin", false, "an admin key: it also manages teams and keys through the API (/admin/...)")
 	ls := &cobra.Command{
-		Use:   "ls",
-		Short: "List API keys",
-		Args:  cobra.NoArgs,
+		Use:     "ls",
+		Aliases: []string{"list"},
+		Short:   "List API keys",
+		Args:    cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
+			if ck.on() {
+				return ck.list(cmd, asJSON)
+			}
 			st, err := open()
 			if err != nil {
 				return err
@@ -270,10 +279,14 @@ func newKeysCmd(g *globals) *cobra.Command {
 		},
 	}
 	revoke := &cobra.Command{
-		Use:   "revoke ID",
-		Short: "Revoke an API key (by id or prefix)",
-		Args:  cobra.ExactArgs(1),
+		Use:     "revoke ID",
+		Aliases: []string{"delete"},
+		Short:   "Revoke an API key (by id or prefix)",
+		Args:    cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
+			if ck.on() {
+				return ck.revoke(cmd, args[0])
+			}
 			st, err := open()
 			if err != nil {
 				return err

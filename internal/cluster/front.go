@@ -1,0 +1,344 @@
+package cluster
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/http"
+	"net/url"
+	"strings"
+	"sync"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/labels"
+	"k8s.io/client-go/informers"
+	"k8s.io/client-go/kubernetes"
+	coordlisters "k8s.io/client-go/listers/coordination/v1"
+	corelisters "k8s.io/client-go/listers/core/v1"
+	"k8s.io/client-go/tools/cache"
+
+	"github.com/cagehq/cage/internal/ids"
+	"github.com/cagehq/cage/internal/manager"
+	"github.com/cagehq/cage/internal/sandbox"
+	"github.com/cagehq/cage/internal/store"
+)
+
+// FrontConfig is what the front needs of the node it runs on.
+type FrontConfig struct {
+	Client        kubernetes.Interface
+	Namespace     string
+	NodeName      string // this node (its sandboxes are served locally)
+	NodeKey       []byte // the cluster's node key (Sign)
+	LeaseDuration time.Duration
+	Log           *slog.Logger
+	// BindTimeout bounds the wait for kube-scheduler to bind a new
+	// sandbox's pod (default 30 s).
+	BindTimeout time.Duration
+	// HTTP reaches other nodes (default: a client with no overall timeout,
+	// since forwarded streams last as long as they last).
+	HTTP *http.Client
+}
+
+// Front answers the E2B API for every sandbox of the cluster: creates
+// become pods that kube-scheduler places and the owner node starts,
+// lists come from the pod informer, and requests for a sandbox on another
+// node are forwarded to it (route.go).
+type Front struct {
+	cfg     FrontConfig
+	log     *slog.Logger
+	factory informers.SharedInformerFactory
+	leases  informers.SharedInformerFactory
+	nodesF  informers.SharedInformerFactory
+	pods    corelisters.PodLister
+	nodes   corelisters.NodeLister
+	leaseL  coordlisters.LeaseLister
+	synced  []cache.InformerSynced
+
+	mu      sync.Mutex
+	waiters map[string]chan struct{} // pod name -> closed on its next change
+}
+
+// NewFront returns a front; Start runs it.
+func NewFront(cfg FrontConfig) *Front {
+	if cfg.Log == nil {
+		cfg.Log = slog.New(slog.DiscardHandler)
+	}
+	if cfg.BindTimeout == 0 {
+		cfg.BindTimeout = 30 * time.Second
+	}
+	if cfg.LeaseDuration == 0 {
+		cfg.LeaseDuration = 40 * time.Second
+	}
+	if cfg.HTTP == nil {
+		cfg.HTTP = &http.Client{Transport: &http.Transport{Proxy: nil, MaxIdleConnsPerHost: 64,
+			IdleConnTimeout: 90 * time.Second, ResponseHeaderTimeout: 0}}
+	}
+	f := &Front{cfg: cfg, log: cfg.Log, waiters: map[string]chan struct{}{}}
+	f.factory = informers.NewSharedInformerFactoryWithOptions(cfg.Client, 0,
+		informers.WithNamespace(cfg.Namespace),
+		informers.WithTweakListOptions(func(o *metav1.ListOptions) { o.LabelSelector = LabelSandbox + "=true" }))
+	f.leases = informers.NewSharedInformerFactoryWithOptions(cfg.Client, 0, informers.WithNamespace(NodeLeaseNamespace))
+	pi := f.factory.Core().V1().Pods()
+	f.pods = pi.Lister()
+	_, _ = pi.Informer().AddEventHandler(cache.ResourceEventHandlerFuncs{
+		AddFunc:    func(o any) { f.changed(o) },
+		UpdateFunc: func(_, o any) { f.changed(o) },
+		DeleteFunc: func(o any) { f.changed(o) },
+	})
+	nodes := informers.NewSharedInformerFactoryWithOptions(cfg.Client, 0,
+		informers.WithTweakListOptions(func(o *metav1.ListOptions) { o.LabelSelector = NodeLabel + "=true" }))
+	ni := nodes.Core().V1().Nodes()
+	f.nodes = ni.Lister()
+	li := f.leases.Coordination().V1().Leases()
+	f.leaseL = li.Lister()
+	f.synced = []cache.InformerSynced{pi.Informer().HasSynced, ni.Informer().HasSynced, li.Informer().HasSynced}
+	f.nodesF = nodes
+	return f
+}
+
+// Start runs the informers until ctx ends and returns once they have
+// synced.
+func (f *Front) Start(ctx context.Context) error {
+	f.factory.Start(ctx.Done())
+	f.leases.Start(ctx.Done())
+	f.nodesF.Start(ctx.Done())
+	if !cache.WaitForCacheSync(ctx.Done(), f.synced...) {
+		return fmt.Errorf("cluster front: informers did not sync: %w", ctx.Err())
+	}
+	return nil
+}
+
+// changed wakes whoever waits on a pod.
+func (f *Front) changed(o any) {
+	if d, ok := o.(cache.DeletedFinalStateUnknown); ok {
+		o = d.Obj
+	}
+	p, ok := o.(*corev1.Pod)
+	if !ok {
+		return
+	}
+	f.mu.Lock()
+	if ch, ok := f.waiters[p.Name]; ok {
+		close(ch)
+		delete(f.waiters, p.Name)
+	}
+	f.mu.Unlock()
+}
+
+// next returns a channel closed at the pod's next change.
+func (f *Front) next(name string) <-chan struct{} {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	ch, ok := f.waiters[name]
+	if !ok {
+		ch = make(chan struct{})
+		f.waiters[name] = ch
+	}
+	return ch
+}
+
+// Create makes a sandbox somewhere in the cluster: its pod is created,
+// kube-scheduler binds it to a node that has the wall and the room, and
+// that node starts it now. A failed start deletes the pod.
+func (f *Front) Create(ctx context.Context, req manager.CreateRequest) (*store.Sandbox, error) {
+	id := ids.NewID()
+	pod, err := PodFor(id, req, f.cfg.Namespace)
+	if err != nil {
+		return nil, fmt.Errorf("%w: %v", sandbox.ErrInvalid, err)
+	}
+	pods := f.cfg.Client.CoreV1().Pods(f.cfg.Namespace)
+	wake := f.next(id) // before the create, so no change is missed
+	if _, err := pods.Create(ctx, pod, metav1.CreateOptions{}); err != nil {
+		f.forget(id)
+		return nil, fmt.Errorf("%w: cluster: create pod: %v", sandbox.ErrUnavailable, err)
+	}
+	node, err := f.bound(ctx, id, req.Wall, wake)
+	if err == nil {
+		var rec *store.Sandbox
+		if rec, err = f.start(ctx, node, id); err == nil {
+			return rec, nil
+		}
+	}
+	f.forget(id)
+	if derr := f.deletePod(context.WithoutCancel(ctx), id); derr != nil {
+		f.log.Warn("cluster: delete the pod of a failed create", "sandbox", id, "err", derr)
+	}
+	return nil, err
+}
+
+func (f *Front) forget(name string) {
+	f.mu.Lock()
+	delete(f.waiters, name)
+	f.mu.Unlock()
+}
+
+// deletePod deletes a sandbox's pod now (grace 0); gone already is fine.
+func (f *Front) deletePod(ctx context.Context, name string) error {
+	zero := int64(0)
+	err := f.cfg.Client.CoreV1().Pods(f.cfg.Namespace).Delete(ctx, name, metav1.DeleteOptions{GracePeriodSeconds: &zero})
+	if apierrors.IsNotFound(err) {
+		return nil
+	}
+	return err
+}
+
+// bound waits until the pod is bound to a node and returns the node;
+// a pod the scheduler finds no node for is an error that says why.
+func (f *Front) bound(ctx context.Context, id, wall string, wake <-chan struct{}) (string, error) {
+	timer := time.NewTimer(f.cfg.BindTimeout)
+	defer timer.Stop()
+	for {
+		if p, err := f.pods.Pods(f.cfg.Namespace).Get(id); err == nil {
+			if p.Spec.NodeName != "" {
+				return p.Spec.NodeName, nil
+			}
+			if c := condition(p, corev1.PodScheduled); c != nil && c.Status == corev1.ConditionFalse &&
+				c.Reason == corev1.PodReasonUnschedulable {
+				return "", f.unschedulable(wall, c.Message)
+			}
+		}
+		select {
+		case <-wake:
+			wake = f.next(id)
+		case <-ctx.Done():
+			return "", ctx.Err()
+		case <-timer.C:
+			return "", fmt.Errorf("%w: no node took sandbox %s within %s (is kube-scheduler running?)",
+				sandbox.ErrUnavailable, id, f.cfg.BindTimeout)
+		}
+	}
+}
+
+// unschedulable says why no node can take a sandbox of wall.
+func (f *Front) unschedulable(wall, why string) error {
+	nodes, _ := f.nodes.List(labels.Everything())
+	can := 0
+	for _, n := range nodes {
+		if n.Labels[WallLabelPrefix+wall] == "true" {
+			can++
+		}
+	}
+	if can == 0 {
+		return fmt.Errorf("%w: no node of the cluster can run wall %s", sandbox.ErrUnavailable, wall)
+	}
+	if why == "" {
+		why = "no reason given"
+	}
+	return fmt.Errorf("%w: no node has room for the sandbox (kube-scheduler: %s)", sandbox.ErrUnavailable, oneLine(why))
+}
+
+// condition returns the pod's condition of type t (nil: none).
+func condition(p *corev1.Pod, t corev1.PodConditionType) *corev1.PodCondition {
+	for i := range p.Status.Conditions {
+		if p.Status.Conditions[i].Type == t {
+			return &p.Status.Conditions[i]
+		}
+	}
+	return nil
+}
+
+// start asks the owner node to start the sandbox of pod id now and
+// returns its record.
+func (f *Front) start(ctx context.Context, node, id string) (*store.Sandbox, error) {
+	base, err := f.nodeURL(node, AnnoAPI)
+	if err != nil {
+		return nil, err
+	}
+	u := base.JoinPath("/cluster/pods", id, "start")
+	r, err := http.NewRequestWithContext(ctx, http.MethodPost, u.String(), http.NoBody)
+	if err != nil {
+		return nil, err
+	}
+	Sign(r, f.cfg.NodeKey, f.cfg.NodeName)
+	resp, err := f.cfg.HTTP.Do(r)
+	if err != nil {
+		return nil, fmt.Errorf("%w: node %s did not answer the start of sandbox %s: %v", sandbox.ErrUnavailable, node, id, err)
+	}
+	defer resp.Body.Close()
+	body, err := io.ReadAll(io.LimitReader(resp.Body, 1<<20))
+	if err != nil {
+		return nil, fmt.Errorf("%w: node %s: reading the start of sandbox %s: %v", sandbox.ErrUnavailable, node, id, err)
+	}
+	if resp.StatusCode/100 != 2 {
+		return nil, remoteError(node, resp.StatusCode, body)
+	}
+	var rec store.Sandbox
+	if err := json.Unmarshal(body, &rec); err != nil || rec.ID != id {
+		return nil, fmt.Errorf("node %s answered the start of sandbox %s with no record of it", node, id)
+	}
+	return &rec, nil
+}
+
+// remoteError is another node's error answer as an error of the kind
+// whose status the API gives.
+func remoteError(node string, status int, body []byte) error {
+	var e struct {
+		Message string `json:"message"`
+	}
+	msg := strings.TrimSpace(string(body))
+	if json.Unmarshal(body, &e) == nil && e.Message != "" {
+		msg = e.Message
+	}
+	msg = oneLine(msg)
+	var kind error
+	switch status {
+	case http.StatusBadRequest:
+		kind = sandbox.ErrInvalid
+	case http.StatusNotFound:
+		kind = manager.ErrNotFound
+	case http.StatusConflict:
+		kind = manager.ErrConflict
+	case http.StatusTooManyRequests:
+		kind = manager.ErrLimit
+	case http.StatusServiceUnavailable:
+		kind = sandbox.ErrUnavailable
+	default:
+		return fmt.Errorf("node %s answered %d: %s", node, status, msg)
+	}
+	return fmt.Errorf("%w: %s", kind, strings.TrimPrefix(msg, kind.Error()+": "))
+}
+
+// nodeURL is the base URL in a node's annotation (AnnoAPI or AnnoProxy).
+func (f *Front) nodeURL(node, anno string) (*url.URL, error) {
+	n, err := f.nodes.Get(node)
+	if err != nil {
+		return nil, fmt.Errorf("%w: node %s is not a cage node of the cluster", sandbox.ErrUnavailable, node)
+	}
+	u, err := url.Parse(n.Annotations[anno])
+	if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
+		return nil, fmt.Errorf("%w: node %s has no usable %s annotation (%q)", sandbox.ErrUnavailable, node, anno, n.Annotations[anno])
+	}
+	return u, nil
+}
+
+// errLost is a sandbox on a node whose lease has expired.
+var errLost = errors.New("lost")
+
+// lost says whether node's lease has expired, and when.
+func (f *Front) lost(node string) (bool, time.Time) {
+	l, err := f.leaseL.Leases(NodeLeaseNamespace).Get(node)
+	if err != nil || l.Spec.RenewTime == nil {
+		return true, time.Time{}
+	}
+	d := f.cfg.LeaseDuration
+	if l.Spec.LeaseDurationSeconds != nil {
+		d = time.Duration(*l.Spec.LeaseDurationSeconds) * time.Second
+	}
+	end := l.Spec.RenewTime.Add(d)
+	return time.Now().After(end), end
+}
+
+// lostError is the one line a client gets for a sandbox on a lost node.
+func lostError(id, node string, expired time.Time) error {
+	when := "never renewed"
+	if !expired.IsZero() {
+		when = "lease expired at " + expired.UTC().Format(time.RFC3339)
+	}
+	return fmt.Errorf("%w: sandbox %s is on node %s, which is lost (%s)", errLost, id, node, when)
+}

@@ -1,0 +1,174 @@
+package cluster
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"time"
+
+	coordinationv1 "k8s.io/api/coordination/v1"
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/tools/leaderelection"
+	"k8s.io/client-go/tools/leaderelection/resourcelock"
+	"k8s.io/client-go/util/retry"
+)
+
+// LifecycleLease is the Lease (in the cage namespace) that elects the one
+// cage serve that taints lost nodes.
+const LifecycleLease = "cage-lifecycle"
+
+// TaintUnreachable is the taint a lost node gets, as
+// kube-controller-manager's node lifecycle would give it: kube-scheduler
+// then sends creates to the other nodes.
+const TaintUnreachable = "node.kubernetes.io/unreachable"
+
+// RunLifecycle takes part in the election of LifecycleLease until ctx
+// ends; while this node (identity) leads, every leaseDuration/4 it taints
+// each cage Node whose Lease is stale (TaintUnreachable:NoSchedule, and
+// condition Ready Unknown) and untaints it once its lease is renewed.
+// Without kube-controller-manager, nothing else does.
+func RunLifecycle(ctx context.Context, c kubernetes.Interface, ns, identity string, leaseDuration time.Duration, log *slog.Logger) {
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	lock := &resourcelock.LeaseLock{
+		LeaseMeta:  metav1.ObjectMeta{Name: LifecycleLease, Namespace: ns},
+		Client:     c.CoordinationV1(),
+		LockConfig: resourcelock.ResourceLockConfig{Identity: identity},
+	}
+	renew := leaseDuration * 2 / 3
+	for ctx.Err() == nil {
+		le, err := leaderelection.NewLeaderElector(leaderelection.LeaderElectionConfig{
+			Lock: lock, LeaseDuration: leaseDuration, RenewDeadline: renew, RetryPeriod: leaseDuration / 4,
+			ReleaseOnCancel: true, Name: LifecycleLease,
+			Callbacks: leaderelection.LeaderCallbacks{
+				OnStartedLeading: func(ctx context.Context) {
+					log.Info("cluster: leading node lifecycle", "node", identity)
+					watchLeases(ctx, c, leaseDuration, log)
+				},
+				OnStoppedLeading: func() {},
+			},
+		})
+		if err != nil {
+			log.Error("cluster: node lifecycle election", "err", err)
+			return
+		}
+		le.Run(ctx) // returns when leadership is lost; stand again
+	}
+}
+
+// watchLeases checks the nodes' leases every leaseDuration/4 until ctx ends.
+func watchLeases(ctx context.Context, c kubernetes.Interface, leaseDuration time.Duration, log *slog.Logger) {
+	t := time.NewTicker(leaseDuration / 4)
+	defer t.Stop()
+	for {
+		if err := CheckNodes(ctx, c, leaseDuration, time.Now()); err != nil && ctx.Err() == nil {
+			log.Warn("cluster: node lifecycle", "err", err)
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+	}
+}
+
+// CheckNodes taints the cage Nodes whose lease has expired at now and
+// untaints those whose lease is live again (one pass).
+func CheckNodes(ctx context.Context, c kubernetes.Interface, leaseDuration time.Duration, now time.Time) error {
+	nodes, err := c.CoreV1().Nodes().List(ctx, metav1.ListOptions{LabelSelector: NodeLabel + "=true"})
+	if err != nil {
+		return fmt.Errorf("list nodes: %w", err)
+	}
+	leases, err := c.CoordinationV1().Leases(NodeLeaseNamespace).List(ctx, metav1.ListOptions{})
+	if err != nil {
+		return fmt.Errorf("list leases: %w", err)
+	}
+	byName := map[string]*coordinationv1.Lease{}
+	for i := range leases.Items {
+		byName[leases.Items[i].Name] = &leases.Items[i]
+	}
+	var first error
+	for i := range nodes.Items {
+		n := &nodes.Items[i]
+		stale := leaseExpired(byName[n.Name], leaseDuration, now)
+		if stale == hasTaint(n, TaintUnreachable) {
+			continue
+		}
+		if err := setUnreachable(ctx, c, n.Name, stale, now); err != nil && first == nil {
+			first = fmt.Errorf("node %s: %w", n.Name, err)
+		}
+	}
+	return first
+}
+
+// leaseExpired says whether a node's lease (nil: none) has run out at now.
+func leaseExpired(l *coordinationv1.Lease, def time.Duration, now time.Time) bool {
+	if l == nil || l.Spec.RenewTime == nil {
+		return true
+	}
+	d := def
+	if l.Spec.LeaseDurationSeconds != nil {
+		d = time.Duration(*l.Spec.LeaseDurationSeconds) * time.Second
+	}
+	return now.After(l.Spec.RenewTime.Add(d))
+}
+
+func hasTaint(n *corev1.Node, key string) bool {
+	for _, t := range n.Spec.Taints {
+		if t.Key == key {
+			return true
+		}
+	}
+	return false
+}
+
+// setUnreachable adds (on) or removes the unreachable taint of a node and,
+// when adding it, marks its Ready condition Unknown.
+func setUnreachable(ctx context.Context, c kubernetes.Interface, name string, on bool, now time.Time) error {
+	nodes := c.CoreV1().Nodes()
+	err := retry.RetryOnConflict(retry.DefaultBackoff, func() error {
+		n, err := nodes.Get(ctx, name, metav1.GetOptions{})
+		if err != nil {
+			return err
+		}
+		var taints []corev1.Taint
+		for _, t := range n.Spec.Taints {
+			if t.Key != TaintUnreachable {
+				taints = append(taints, t)
+			}
+		}
+		if on {
+			at := metav1.NewTime(now)
+			taints = append(taints, corev1.Taint{Key: TaintUnreachable, Effect: corev1.TaintEffectNoSchedule, TimeAdded: &at})
+		}
+		n.Spec.Taints = taints
+		_, err = nodes.Update(ctx, n, metav1.UpdateOptions{})
+		return err
+	})
+	if err != nil || !on {
+		return err
+	}
+	return retry.RetryOnConflict(retry.DefaultBackoff, func() error {
+		n, err := nodes.Get(ctx, name, metav1.GetOptions{})
+		if err != nil {
+			return err
+		}
+		for i := range n.Status.Conditions {
+			cond := &n.Status.Conditions[i]
+			if cond.Type == corev1.NodeReady && cond.Status != corev1.ConditionUnknown {
+				cond.Status, cond.Reason = corev1.ConditionUnknown, "NodeStatusUnknown"
+				cond.Message = "cage stopped renewing the node's lease"
+				cond.LastTransitionTime = metav1.NewTime(now)
+			}
+		}
+		_, err = nodes.UpdateStatus(ctx, n, metav1.UpdateOptions{})
+		if apierrors.IsNotFound(err) {
+			return nil
+		}
+		return err
+	})
+}

@@ -1,0 +1,59 @@
+package cluster
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+)
+
+// TestLifecycle: the elected cage serve taints a node whose lease has
+// expired (so kube-scheduler sends creates elsewhere) and marks it not
+// Ready, and untaints it once its lease is renewed; a live node is left
+// alone.
+func TestLifecycle(t *testing.T) {
+	c := newPlane(t)
+	key := nodeKey(t)
+	addStandIn(t, c, key, "live", "process")
+	addStandIn(t, c, key, "dying", "process")
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	go RunLifecycle(ctx, c, testNS, "live", 2*time.Second, nil)
+	renewLease(t, c, "dying", time.Now().Add(-time.Minute))
+	stop := make(chan struct{})
+	defer close(stop)
+	go func() { // live keeps its lease
+		for {
+			select {
+			case <-stop:
+				return
+			case <-time.After(500 * time.Millisecond):
+				_ = setLease(c, "live", time.Now())
+			}
+		}
+	}()
+	node := func(name string) *corev1.Node {
+		n, err := c.CoreV1().Nodes().Get(ctx, name, metav1.GetOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return n
+	}
+	wait(t, func() bool { return hasTaint(node("dying"), TaintUnreachable) })
+	for _, cond := range node("dying").Status.Conditions {
+		if cond.Type == corev1.NodeReady && cond.Status != corev1.ConditionUnknown {
+			t.Errorf("lost node's Ready: %s", cond.Status)
+		}
+	}
+	if hasTaint(node("live"), TaintUnreachable) {
+		t.Fatal("a live node was tainted")
+	}
+	l, err := c.CoordinationV1().Leases(testNS).Get(ctx, LifecycleLease, metav1.GetOptions{})
+	if err != nil || l.Spec.HolderIdentity == nil || *l.Spec.HolderIdentity != "live" {
+		t.Fatalf("lifecycle lease: %+v %v", l, err)
+	}
+	renewLease(t, c, "dying", time.Now().Add(time.Minute)) // back (renewed "in the future": live for a while)
+	wait(t, func() bool { return !hasTaint(node("dying"), TaintUnreachable) })
+}

@@ -1,0 +1,169 @@
+package cluster
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"net/http"
+	"net/http/httputil"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+)
+
+// podOf returns sandbox id's pod: from the informer, else, when ask (a
+// pod another front made a moment ago may not have reached it), from the
+// API server. Only authenticated callers ask: anyone can send the proxy
+// made-up ids, which must cost the API server nothing.
+func (f *Front) podOf(ctx context.Context, id string, ask bool) *corev1.Pod {
+	if p, err := f.pods.Pods(f.cfg.Namespace).Get(id); err == nil {
+		return p
+	}
+	if !ask {
+		return nil
+	}
+	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	p, err := f.cfg.Client.CoreV1().Pods(f.cfg.Namespace).Get(ctx, id, metav1.GetOptions{})
+	if err != nil || p.Labels[LabelSandbox] != "true" {
+		return nil
+	}
+	return p
+}
+
+// elsewhere returns the node that holds sandbox id when it is another
+// node ("" when the request is this node's to answer: the sandbox is
+// here, is no sandbox of the cluster, is not owner's, or the request came
+// from another node: such a request, which carries AuthHeader, is
+// answered where it arrives, never forwarded again, so two nodes that
+// disagree on a pod's place cannot loop). checkOwner is for API requests: their caller is
+// authenticated, and a pod not yet in the informer is asked for.
+func (f *Front) elsewhere(r *http.Request, id, owner string, checkOwner bool) (string, *corev1.Pod) {
+	if r.Header.Get(AuthHeader) != "" || id == "" {
+		return "", nil
+	}
+	p := f.podOf(r.Context(), id, checkOwner)
+	if p == nil || p.Spec.NodeName == "" || p.Spec.NodeName == f.cfg.NodeName {
+		return "", nil
+	}
+	if checkOwner && p.Labels[LabelKey] != owner {
+		return "", nil // another tenant's: the local answer is "not found"
+	}
+	return p.Spec.NodeName, p
+}
+
+// Forward serves an API request for sandbox id when the sandbox is on
+// another node, and reports whether it did (false: the caller answers it
+// locally). owner is the calling key's owner (store.APIKey.Owner): a
+// sandbox of another owner is answered locally, which says it does not
+// exist. The request goes to the owner node's API as it came (the
+// client's own API key: keys are cluster-wide), signed as from this
+// node. A sandbox on a lost node is a 503 that names the node and when
+// its lease expired, except a kill, which deletes its pod (204): the node
+// destroys the sandbox when it returns.
+func (f *Front) Forward(w http.ResponseWriter, r *http.Request, id, owner string) bool {
+	node, pod := f.elsewhere(r, id, owner, true)
+	if node == "" {
+		return false
+	}
+	if lost, expired := f.lost(node); lost {
+		if r.Method == http.MethodDelete && r.URL.Path == "/sandboxes/"+id {
+			if err := f.deletePod(r.Context(), pod.Name); err != nil {
+				f.log.Warn("cluster: delete the pod of a sandbox on a lost node", "sandbox", id, "node", node, "err", err)
+				apiError(w, http.StatusServiceUnavailable, "sandbox "+id+" is on lost node "+node+" and its pod could not be deleted: "+oneLine(err.Error()))
+				return true
+			}
+			w.WriteHeader(http.StatusNoContent)
+			return true
+		}
+		apiError(w, http.StatusServiceUnavailable, trimKind(lostError(id, node, expired)))
+		return true
+	}
+	base, err := f.nodeURL(node, AnnoAPI)
+	if err != nil {
+		apiError(w, http.StatusServiceUnavailable, err.Error())
+		return true
+	}
+	rp := &httputil.ReverseProxy{
+		Rewrite: func(pr *httputil.ProxyRequest) {
+			pr.SetURL(base)
+			pr.Out.Host = base.Host
+			Sign(pr.Out, f.cfg.NodeKey, f.cfg.NodeName)
+		},
+		Transport:     f.cfg.HTTP.Transport,
+		FlushInterval: -1,
+		ErrorHandler: func(w http.ResponseWriter, r *http.Request, err error) {
+			if r.Context().Err() == nil {
+				f.log.Warn("cluster: forward to node", "sandbox", id, "node", node, "err", err)
+			}
+			apiError(w, http.StatusBadGateway, "sandbox "+id+" is on node "+node+", which did not answer")
+		},
+	}
+	rp.ServeHTTP(w, r)
+	return true
+}
+
+// ForwardTraffic forwards sandbox traffic (the proxy's) for sandbox id
+// to the proxy of the node that holds it, and reports whether it did
+// (false: the sandbox is not on another node; the proxy answers as for
+// any unknown sandbox). Headers go as they came: the owner's proxy checks
+// the access and traffic tokens, as for a request made to it. Streams
+// (Connect's server streams) and WebSocket upgrades pass through.
+func (f *Front) ForwardTraffic(w http.ResponseWriter, r *http.Request, id string) bool {
+	node, _ := f.elsewhere(r, id, "", false)
+	if node == "" {
+		return false
+	}
+	if lost, expired := f.lost(node); lost {
+		proxyError(w, id, http.StatusServiceUnavailable, trimKind(lostError(id, node, expired)))
+		return true
+	}
+	base, err := f.nodeURL(node, AnnoProxy)
+	if err != nil {
+		proxyError(w, id, http.StatusServiceUnavailable, err.Error())
+		return true
+	}
+	rp := &httputil.ReverseProxy{
+		Rewrite: func(pr *httputil.ProxyRequest) {
+			pr.Out.URL.Scheme, pr.Out.URL.Host = base.Scheme, base.Host
+			pr.Out.Host = r.Host // the owner routes by Host as this proxy did
+			Sign(pr.Out, f.cfg.NodeKey, f.cfg.NodeName)
+		},
+		Transport:     f.cfg.HTTP.Transport,
+		FlushInterval: -1,
+		ErrorHandler: func(w http.ResponseWriter, r *http.Request, err error) {
+			if r.Context().Err() == nil {
+				f.log.Warn("cluster: forward traffic to node", "sandbox", id, "node", node, "err", err)
+			}
+			proxyError(w, id, http.StatusBadGateway, "sandbox "+id+" is on node "+node+", which did not answer")
+		},
+	}
+	// A stream answers before the request body is read (see proxy.serve).
+	_ = http.NewResponseController(w).EnableFullDuplex()
+	rp.ServeHTTP(w, r)
+	return true
+}
+
+// trimKind is err's message without errLost's prefix.
+func trimKind(err error) string {
+	msg := err.Error()
+	if errors.Is(err, errLost) {
+		msg = msg[len(errLost.Error())+2:]
+	}
+	return msg
+}
+
+// apiError writes an E2B API error.
+func apiError(w http.ResponseWriter, status int, msg string) {
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(status)
+	_ = json.NewEncoder(w).Encode(map[string]any{"code": status, "message": msg})
+}
+
+// proxyError writes an error in the shape of the proxy's.
+func proxyError(w http.ResponseWriter, id string, status int, msg string) {
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(status)
+	_ = json.NewEncoder(w).Encode(map[string]any{"sandboxId": id, "message": msg, "code": status})
+}
