@@ -30,7 +30,7 @@ func newServeCmd(g *globals) *cobra.Command {
 		Short: "Run the daemon: E2B-compatible API and sandbox proxy",
 		Long: `Run the daemon in the foreground. Settings come from flags, then the
 environment (CAGE_API, CAGE_PROXY, CAGE_DATA, CAGE_TEMPLATES, CAGE_DOMAIN, CAGE_CONFIG,
-CAGE_DIFY, CAGE_DIFY_KEY, CAGE_METRICS), then the JSON config file, then defaults. Sandboxes
+CAGE_DIFY, CAGE_DIFY_KEY, CAGE_METRICS, CAGE_KUBECONFIG, CAGE_NODE_NAME), then the JSON config file, then defaults. Sandboxes
 outlive the daemon: the next start adopts those still running and removes what
 a crash left behind.
 
@@ -52,7 +52,8 @@ CODE_EXECUTION_ENDPOINT=http://ADDR and CODE_EXECUTION_API_KEY set to the config
 			}
 			for env, dst := range map[string]*string{"CAGE_API": &final.API, "CAGE_PROXY": &final.Proxy,
 				"CAGE_DATA": &final.Data, "CAGE_DOMAIN": &final.Domain, "CAGE_TEMPLATES": &final.Templates,
-				"CAGE_DIFY": &final.Dify.Addr, "CAGE_DIFY_KEY": &final.Dify.Key, "CAGE_METRICS": &final.Metrics.Addr} {
+				"CAGE_DIFY": &final.Dify.Addr, "CAGE_DIFY_KEY": &final.Dify.Key, "CAGE_METRICS": &final.Metrics.Addr,
+				"CAGE_KUBECONFIG": &final.Cluster.Kubeconfig, "CAGE_NODE_NAME": &final.Cluster.NodeName} {
 				if v := os.Getenv(env); v != "" {
 					*dst = v
 				}
@@ -87,6 +88,15 @@ CODE_EXECUTION_ENDPOINT=http://ADDR and CODE_EXECUTION_API_KEY set to the config
 			}
 			if fl.Changed("pool") {
 				final.Pool = cfg.Pool
+			}
+			if fl.Changed("kubeconfig") {
+				final.Cluster.Kubeconfig = cfg.Cluster.Kubeconfig
+			}
+			if fl.Changed("node-name") {
+				final.Cluster.NodeName = cfg.Cluster.NodeName
+			}
+			if fl.Changed("advertise") {
+				final.Cluster.Advertise = cfg.Cluster.Advertise
 			}
 			for _, kv := range poolsOf {
 				name, n, err := templateCount(kv)
@@ -136,6 +146,9 @@ CODE_EXECUTION_ENDPOINT=http://ADDR and CODE_EXECUTION_API_KEY set to the config
 	fl.StringVar(&cfg.DefaultWall, "wall", cfg.DefaultWall, "wall of a create that names none: process, runc, gvisor")
 	fl.IntVar(&cfg.MaxSandboxes, "max-sandboxes", 0, "sandboxes alive at once (0: one per 8 MiB of the host's RAM, at least 16); beyond it creates get 429")
 	fl.StringVar(&maxTimeout, "max-timeout", "24h", "longest timeout a sandbox may ask for")
+	fl.StringVar(&cfg.Cluster.Kubeconfig, "kubeconfig", "", "join the Kubernetes cluster of this kubeconfig as a node (cluster mode; also CAGE_KUBECONFIG, config cluster.kubeconfig)")
+	fl.StringVar(&cfg.Cluster.NodeName, "node-name", "", "this node's name in the cluster (default: the host name; also CAGE_NODE_NAME)")
+	fl.StringVar(&cfg.Cluster.Advertise, "advertise", "", "the IP address other nodes reach this node's --api and --proxy at (default: the API's address, else the first non-loopback IPv4)")
 	return cmd
 }
 

@@ -65,6 +65,8 @@ type Config struct {
 	UI        UI             `json:"ui"` // the dashboard at /ui (ui.go)
 	// TLS makes the proxy's listener speak TLS (tls.go).
 	TLS TLS `json:"tls"`
+	// Cluster makes this host a node of a Kubernetes cluster (cluster.go).
+	Cluster Cluster `json:"cluster"`
 }
 
 // Limits bound what one tenant can take: one sandbox's limits, creates in
@@ -260,7 +262,12 @@ func Run(ctx context.Context, cfg Config, log *slog.Logger, ready func(apiAddr, 
 		defer metricsL.Close()
 		mx = metrics.New()
 	}
-	mgr := manager.New(manager.Config{Store: st, Host: host, Log: log, MaxTimeout: time.Duration(cfg.MaxTimeout),
+	hook := &changeHook{}
+	var changed func(id, kind string)
+	if cfg.Cluster.Kubeconfig != "" {
+		changed = hook.changed
+	}
+	mgr := manager.New(manager.Config{Changed: changed, Store: st, Host: host, Log: log, MaxTimeout: time.Duration(cfg.MaxTimeout),
 		DefaultTemplate: cfg.DefaultTemplate, MaxSandboxes: cfg.MaxSandboxes, MaxCreating: cfg.Limits.Creating, Max: maxima,
 		Data: cfg.Data, PausedRetention: time.Duration(cfg.PausedRetention), Volumes: vols, MaxVolumes: cfg.Volumes.MaxPerKey,
 		Audit: trail, Metrics: mx})
@@ -337,9 +344,15 @@ func Run(ctx context.Context, cfg Config, log *slog.Logger, ready func(apiAddr, 
 			}
 		}()
 	}
+	cl, err := startCluster(ctx, cfg, hook, mgr, host, st, apiL.Addr(), proxyL.Addr(), log)
+	if err != nil {
+		apiL.Close()
+		proxyL.Close()
+		return err
+	}
 	tb := newBuilds(ctx, host)
 	defer tb.stop() // before the host closes
-	apiH := api.Handler(api.Config{Manager: mgr, Store: st, Log: log, Domain: cfg.Domain,
+	apiH := api.Handler(api.Config{Cluster: cl.api(), Manager: mgr, Store: st, Log: log, Domain: cfg.Domain,
 		DefaultWall: cfg.DefaultWall, Audit: trail, Metrics: mx, Rates: cfg.Limits.rates(), Build: tb.build})
 	apiMux, stopUI, err := withUI(cfg.UI, withMCP(apiH, st, trail, apiL.Addr(), proxyL.Addr(), log), apiH, st, mgr, host,
 		trail, proxyL.Addr(), cfg.Data, cfg.RunDir, log)
@@ -348,11 +361,12 @@ func Run(ctx context.Context, cfg Config, log *slog.Logger, ready func(apiAddr, 
 		proxyL.Close()
 		return err
 	}
-	apiSrv := newServer(apiMux, true)
+	apiSrv := newServer(cl.routes(apiMux), true)
 	if stopUI != nil {
 		apiSrv.RegisterOnShutdown(stopUI) // the dashboard's streams end, not waited on
 	}
 	px := proxy.New(mgr, cfg.Domain, log)
+	px.Forward = cl.forward()
 	if trail != nil {
 		px.Observe, px.Denied = trail.ObserveEnvd, trail.ProxyDenied
 	}

@@ -19,6 +19,7 @@ import (
 // the sandbox's owner.
 func (m *Manager) event(id, key, kind string, detail map[string]any) {
 	m.cfg.Audit.Record(audit.Event{Kind: kind, KeyID: key, SandboxID: id, Detail: detail})
+	m.changed(id, kind)
 	switch kind {
 	case audit.KindKill, audit.KindDied, audit.KindRemoved:
 		m.cfg.Metrics.Ended(strings.TrimPrefix(kind, "sandbox."))
@@ -26,6 +27,13 @@ func (m *Manager) event(id, key, kind string, detail map[string]any) {
 		if detail["action"] != "paused" {
 			m.cfg.Metrics.Ended("timeout")
 		}
+	}
+}
+
+// changed tells Config.Changed of a change to sandbox id.
+func (m *Manager) changed(id, kind string) {
+	if m.cfg.Changed != nil && strings.HasPrefix(kind, "sandbox.") {
+		m.cfg.Changed(id, kind)
 	}
 }
 

@@ -67,7 +67,15 @@ type Config struct {
 	// Metrics counts creates, resumes, ends, limit hits and network
 	// decisions (nil: none).
 	Metrics *metrics.Metrics
+	// Changed, when set, is told of every change to a sandbox that others
+	// may see, with its audit kind: created, ended (kill, timeout, died,
+	// removed), paused, resumed, adopted, and ChangeEnd when its end moved.
+	// It must not block (cluster mode queues the id and reads the record).
+	Changed func(id, kind string)
 }
+
+// ChangeEnd is Config.Changed's kind for a sandbox whose end moved.
+const ChangeEnd = "sandbox.end"
 
 // Manager owns the daemon's sandboxes.
 type Manager struct {
@@ -549,6 +557,7 @@ func (m *Manager) SetTimeout(keyID, id string, d time.Duration) (*store.Sandbox,
 	if err := m.cfg.Store.SetEndAt(id, rec.EndAt); err != nil {
 		return nil, err
 	}
+	m.changed(id, ChangeEnd)
 	return rec, nil
 }
 

@@ -1,0 +1,318 @@
+package cluster
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"runtime"
+	"sync"
+	"time"
+
+	coordinationv1 "k8s.io/api/coordination/v1"
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/fields"
+	"k8s.io/client-go/informers"
+	"k8s.io/client-go/kubernetes"
+	corelisters "k8s.io/client-go/listers/core/v1"
+	"k8s.io/client-go/tools/cache"
+	"k8s.io/client-go/util/workqueue"
+
+	"github.com/cagehq/cage/internal/manager"
+	"github.com/cagehq/cage/internal/sandbox"
+)
+
+// NodeConfig is what a Node needs besides Config.
+type NodeConfig struct {
+	Config
+	Manager *manager.Manager
+	Host    *sandbox.Host
+	Log     *slog.Logger
+	Version string // cage's, for the Node's nodeInfo
+	// MaxSandboxes is the Node's pod capacity (the daemon's max_sandboxes).
+	MaxSandboxes int
+	// Walls are the walls this host runs (labels WallLabelPrefix+wall).
+	Walls []string
+	// Retention is how long a Failed pod (CreateFailed, Lost) is kept for
+	// the front to show before the node deletes it (0: 10 minutes).
+	Retention time.Duration
+}
+
+// Node is a cage host as a node of the cluster: it registers a Node,
+// keeps its Lease, runs the sandbox pods bound to it (pods.go) and serves
+// the internal routes (Routes). The front uses Client, Key and Name.
+type Node struct {
+	cfg    NodeConfig
+	client kubernetes.Interface
+	key    []byte
+	log    *slog.Logger
+	mgr    *manager.Manager
+
+	factory informers.SharedInformerFactory
+	pods    corelisters.PodLister
+	synced  cache.InformerSynced
+	queue   workqueue.TypedRateLimitingInterface[string]
+
+	mu        sync.Mutex
+	starts    map[string]*startCall // pod name -> the create in progress (singleflight)
+	ended     map[string]string     // sandbox id -> why it ended, until its pod is gone
+	renewedOK bool                  // the last lease renewal succeeded (a failure, then a success: reconcile)
+}
+
+// NewNode connects to the cluster of cfg (no request is made yet).
+func NewNode(cfg NodeConfig) (*Node, error) {
+	if err := cfg.Defaults(); err != nil {
+		return nil, err
+	}
+	if cfg.Log == nil {
+		cfg.Log = slog.New(slog.DiscardHandler)
+	}
+	if cfg.Retention == 0 {
+		cfg.Retention = 10 * time.Minute
+	}
+	c, err := cfg.Client()
+	if err != nil {
+		return nil, err
+	}
+	return newNode(cfg, c), nil
+}
+
+func newNode(cfg NodeConfig, c kubernetes.Interface) *Node {
+	n := &Node{cfg: cfg, client: c, log: cfg.Log.With("node", cfg.NodeName), mgr: cfg.Manager,
+		starts: map[string]*startCall{}, ended: map[string]string{}, renewedOK: true,
+		queue: workqueue.NewTypedRateLimitingQueueWithConfig(workqueue.DefaultTypedControllerRateLimiter[string](),
+			workqueue.TypedRateLimitingQueueConfig[string]{Name: "cage-pods"})}
+	n.factory = informers.NewSharedInformerFactoryWithOptions(c, 0, informers.WithNamespace(cfg.Namespace),
+		informers.WithTweakListOptions(func(o *metav1.ListOptions) {
+			o.LabelSelector = LabelSandbox + "=true"
+			o.FieldSelector = fields.OneTermEqualSelector("spec.nodeName", cfg.NodeName).String()
+		}))
+	pi := n.factory.Core().V1().Pods()
+	n.pods, n.synced = pi.Lister(), pi.Informer().HasSynced
+	_, _ = pi.Informer().AddEventHandler(cache.ResourceEventHandlerFuncs{
+		AddFunc:    n.enqueueObj,
+		UpdateFunc: func(_, o any) { n.enqueueObj(o) },
+		DeleteFunc: n.enqueueObj,
+	})
+	return n
+}
+
+// Client is the node's client of the API server.
+func (n *Node) Client() kubernetes.Interface { return n.client }
+
+// Key is the cluster's node key (after Start).
+func (n *Node) Key() []byte { return n.key }
+
+// Name is the node's name.
+func (n *Node) Name() string { return n.cfg.NodeName }
+
+// Config is the node's configuration, defaults filled.
+func (n *Node) Config() Config { return n.cfg.Config }
+
+// Start registers the Node, reads (or makes) the node key, syncs the pod
+// informer, reconciles this host's sandboxes with the pods bound to it,
+// and then keeps the Lease and runs the pods until ctx ends.
+func (n *Node) Start(ctx context.Context) error {
+	key, err := NodeKey(ctx, n.client, n.cfg.Namespace)
+	if err != nil {
+		return err
+	}
+	n.key = key
+	if err := n.register(ctx); err != nil {
+		return err
+	}
+	if err := n.renew(ctx); err != nil {
+		return fmt.Errorf("cluster: lease: %w", err)
+	}
+	n.factory.Start(ctx.Done())
+	if !cache.WaitForCacheSync(ctx.Done(), n.synced) {
+		return fmt.Errorf("cluster: the pod watch did not sync: %w", ctx.Err())
+	}
+	n.reconcile()
+	for range 4 {
+		go n.work()
+	}
+	go func() { <-ctx.Done(); n.queue.ShutDown() }()
+	go n.keepLease(ctx)
+	go n.heartbeat(ctx)
+	n.log.Info("cluster: node joined", "namespace", n.cfg.Namespace, "advertise", n.cfg.Advertise, "walls", n.cfg.Walls)
+	return nil
+}
+
+// register creates or updates the Node object and its status.
+func (n *Node) register(ctx context.Context) error {
+	nodes := n.client.CoreV1().Nodes()
+	want := n.nodeObject()
+	cur, err := nodes.Get(ctx, n.cfg.NodeName, metav1.GetOptions{})
+	switch {
+	case apierrors.IsNotFound(err):
+		cur, err = nodes.Create(ctx, want, metav1.CreateOptions{})
+		if err != nil {
+			return fmt.Errorf("cluster: register node %s: %w", n.cfg.NodeName, err)
+		}
+	case err != nil:
+		return fmt.Errorf("cluster: node %s: %w", n.cfg.NodeName, err)
+	default:
+		// Ours to set: our labels (walls come and go), taint, annotations.
+		for k := range cur.Labels {
+			if len(k) > len(WallLabelPrefix) && k[:len(WallLabelPrefix)] == WallLabelPrefix {
+				delete(cur.Labels, k)
+			}
+		}
+		if cur.Labels == nil {
+			cur.Labels = map[string]string{}
+		}
+		for k, v := range want.Labels {
+			cur.Labels[k] = v
+		}
+		if cur.Annotations == nil {
+			cur.Annotations = map[string]string{}
+		}
+		for k, v := range want.Annotations {
+			cur.Annotations[k] = v
+		}
+		if !hasTaint(cur, Taint) {
+			cur.Spec.Taints = append(cur.Spec.Taints, want.Spec.Taints...)
+		}
+		if cur, err = nodes.Update(ctx, cur, metav1.UpdateOptions{}); err != nil {
+			return fmt.Errorf("cluster: update node %s: %w", n.cfg.NodeName, err)
+		}
+	}
+	cur.Status = n.nodeStatus(cur.Status)
+	if _, err := nodes.UpdateStatus(ctx, cur, metav1.UpdateOptions{}); err != nil {
+		return fmt.Errorf("cluster: node %s status: %w", n.cfg.NodeName, err)
+	}
+	return nil
+}
+
+func (n *Node) nodeObject() *corev1.Node {
+	labels := map[string]string{NodeLabel: "true", "kubernetes.io/hostname": n.cfg.NodeName,
+		"kubernetes.io/os": "linux", "kubernetes.io/arch": runtime.GOARCH, "type": "virtual-kubelet"}
+	for _, w := range n.cfg.Walls {
+		labels[WallLabelPrefix+w] = "true"
+	}
+	return &corev1.Node{
+		ObjectMeta: metav1.ObjectMeta{Name: n.cfg.NodeName, Labels: labels, Annotations: map[string]string{
+			AnnoAPI:   fmt.Sprintf("http://%s:%d", hostPort(n.cfg.Advertise), n.cfg.APIPort),
+			AnnoProxy: fmt.Sprintf("http://%s:%d", hostPort(n.cfg.Advertise), n.cfg.ProxyPort)}},
+		Spec: corev1.NodeSpec{Taints: []corev1.Taint{{Key: Taint, Value: "true", Effect: corev1.TaintEffectNoSchedule}}},
+	}
+}
+
+// hostPort brackets an IPv6 address for a URL.
+func hostPort(ip string) string {
+	for i := 0; i < len(ip); i++ {
+		if ip[i] == ':' {
+			return "[" + ip + "]"
+		}
+	}
+	return ip
+}
+
+// nodeStatus is the Node's status now: capacity, addresses, Ready.
+func (n *Node) nodeStatus(old corev1.NodeStatus) corev1.NodeStatus {
+	now := metav1.Now()
+	cap := corev1.ResourceList{
+		corev1.ResourceCPU:    *resource.NewQuantity(int64(runtime.NumCPU()), resource.DecimalSI),
+		corev1.ResourceMemory: *resource.NewQuantity(sandbox.HostMemory(), resource.BinarySI),
+		corev1.ResourcePods:   *resource.NewQuantity(int64(max(n.cfg.MaxSandboxes, 1)), resource.DecimalSI),
+	}
+	ready := corev1.NodeCondition{Type: corev1.NodeReady, Status: corev1.ConditionTrue, Reason: "CageReady",
+		Message: "cage serve is running", LastHeartbeatTime: now, LastTransitionTime: now}
+	for _, c := range old.Conditions {
+		if c.Type == corev1.NodeReady && c.Status == corev1.ConditionTrue {
+			ready.LastTransitionTime = c.LastTransitionTime
+		}
+	}
+	conds := []corev1.NodeCondition{ready}
+	for _, c := range old.Conditions {
+		if c.Type != corev1.NodeReady {
+			conds = append(conds, c)
+		}
+	}
+	return corev1.NodeStatus{
+		Capacity: cap, Allocatable: cap.DeepCopy(), Phase: corev1.NodeRunning, Conditions: conds,
+		Addresses: []corev1.NodeAddress{{Type: corev1.NodeInternalIP, Address: n.cfg.Advertise},
+			{Type: corev1.NodeHostName, Address: n.cfg.NodeName}},
+		DaemonEndpoints: corev1.NodeDaemonEndpoints{KubeletEndpoint: corev1.DaemonEndpoint{Port: int32(n.cfg.APIPort)}},
+		NodeInfo: corev1.NodeSystemInfo{KubeletVersion: "cage/" + n.cfg.Version, KubeProxyVersion: "",
+			OperatingSystem: "linux", Architecture: runtime.GOARCH, ContainerRuntimeVersion: "cage://" + n.cfg.Version},
+	}
+}
+
+// heartbeat refreshes the Node's status (Ready, capacity) every minute,
+// as a kubelet does between its lease renewals.
+func (n *Node) heartbeat(ctx context.Context) {
+	t := time.NewTicker(time.Minute)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+		cur, err := n.client.CoreV1().Nodes().Get(ctx, n.cfg.NodeName, metav1.GetOptions{})
+		if apierrors.IsNotFound(err) {
+			err = n.register(ctx) // deleted by an operator: join again
+		} else if err == nil {
+			cur.Status = n.nodeStatus(cur.Status)
+			_, err = n.client.CoreV1().Nodes().UpdateStatus(ctx, cur, metav1.UpdateOptions{})
+		}
+		if err != nil && ctx.Err() == nil {
+			n.log.Warn("cluster: node status", "err", err)
+		}
+	}
+}
+
+// keepLease renews the Lease every LeaseDuration/4; after renewals that
+// failed (a partition from the API server), the first that succeeds
+// reconciles this host with the pods again.
+func (n *Node) keepLease(ctx context.Context) {
+	t := time.NewTicker(n.cfg.LeaseDuration / 4)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+		rctx, cancel := context.WithTimeout(ctx, n.cfg.LeaseDuration/4)
+		err := n.renew(rctx)
+		cancel()
+		n.mu.Lock()
+		healed := err == nil && !n.renewedOK
+		n.renewedOK = err == nil
+		n.mu.Unlock()
+		if err != nil && ctx.Err() == nil {
+			n.log.Warn("cluster: lease not renewed", "err", err)
+		}
+		if healed {
+			n.log.Info("cluster: lease renewed again; reconciling")
+			n.reconcile()
+		}
+	}
+}
+
+// renew creates or renews the node's Lease.
+func (n *Node) renew(ctx context.Context) error {
+	leases := n.client.CoordinationV1().Leases(NodeLeaseNamespace)
+	now := metav1.NewMicroTime(time.Now())
+	secs := int32(n.cfg.LeaseDuration / time.Second)
+	l, err := leases.Get(ctx, n.cfg.NodeName, metav1.GetOptions{})
+	if apierrors.IsNotFound(err) {
+		_, err = leases.Create(ctx, &coordinationv1.Lease{
+			ObjectMeta: metav1.ObjectMeta{Name: n.cfg.NodeName, Namespace: NodeLeaseNamespace},
+			Spec: coordinationv1.LeaseSpec{HolderIdentity: &n.cfg.NodeName, LeaseDurationSeconds: &secs,
+				AcquireTime: &now, RenewTime: &now},
+		}, metav1.CreateOptions{})
+		return err
+	}
+	if err != nil {
+		return err
+	}
+	l.Spec.HolderIdentity, l.Spec.LeaseDurationSeconds, l.Spec.RenewTime = &n.cfg.NodeName, &secs, &now
+	_, err = leases.Update(ctx, l, metav1.UpdateOptions{})
+	return err
+}

@@ -1,0 +1,385 @@
+package cluster
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net/http"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/labels"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/tools/cache"
+
+	"github.com/cagehq/cage/internal/audit"
+	"github.com/cagehq/cage/internal/manager"
+	"github.com/cagehq/cage/internal/sandbox"
+	"github.com/cagehq/cage/internal/store"
+)
+
+// The pods bound to this node, and this host's sandboxes: every change to
+// either (the pod watch, the manager's Changed hook, a start call) queues
+// the pod's name, and sync brings the two together: a pending pod gets its
+// sandbox (one create per pod, whoever asks first), a running sandbox's
+// pod its status and annotations, a deleted pod's sandbox is destroyed, an
+// ended sandbox's pod deleted.
+
+// startCall is a create in progress (singleflight by pod name).
+type startCall struct {
+	done chan struct{}
+	rec  *store.Sandbox
+	err  error
+}
+
+// createTimeout bounds one create from a pod.
+const createTimeout = 5 * time.Minute
+
+// Changed is the manager's hook (manager.Config.Changed): the sandbox's
+// pod is synced with its record.
+func (n *Node) Changed(id, kind string) {
+	switch kind {
+	case audit.KindKill, audit.KindDied, audit.KindRemoved, audit.KindTimeout:
+		n.mu.Lock()
+		n.ended[id] = kind
+		n.mu.Unlock()
+	}
+	n.queue.Add(id)
+}
+
+func (n *Node) enqueueObj(o any) {
+	if k, err := cache.DeletionHandlingMetaNamespaceKeyFunc(o); err == nil {
+		if _, name, err := cache.SplitMetaNamespaceKey(k); err == nil {
+			n.queue.Add(name)
+		}
+	}
+}
+
+func (n *Node) work() {
+	for {
+		id, quit := n.queue.Get()
+		if quit {
+			return
+		}
+		if err := n.sync(id); err != nil {
+			n.log.Warn("cluster: pod sync", "pod", id, "err", err)
+			n.queue.AddRateLimited(id)
+		} else {
+			n.queue.Forget(id)
+		}
+		n.queue.Done(id)
+	}
+}
+
+// sync brings pod id and sandbox id together.
+func (n *Node) sync(id string) error {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	pod, err := n.pods.Pods(n.cfg.Namespace).Get(id)
+	if apierrors.IsNotFound(err) {
+		pod = nil
+	} else if err != nil {
+		return err
+	}
+	n.mu.Lock()
+	_, creating := n.starts[id]
+	why, ended := n.ended[id]
+	n.mu.Unlock()
+	rec, recErr := n.mgr.Record(id)
+	local := recErr == nil
+	if recErr != nil && !errors.Is(recErr, manager.ErrNotFound) {
+		return recErr
+	}
+	switch {
+	case creating:
+		return nil // the create syncs again when it is done
+	case pod == nil || pod.DeletionTimestamp != nil:
+		if local {
+			n.log.Info("cluster: pod deleted; destroying its sandbox", "sandbox", id)
+			if err := n.mgr.Kill("", id); err != nil && !errors.Is(err, manager.ErrNotFound) {
+				return err
+			}
+		}
+		if pod != nil {
+			return n.deletePod(ctx, pod)
+		}
+		n.mu.Lock()
+		delete(n.ended, id)
+		n.mu.Unlock()
+		return nil
+	case local:
+		if pod.Status.Phase == corev1.PodFailed {
+			// A pod reported lost whose sandbox is here after all (it was
+			// not: Lost is written only when the record is gone): its
+			// record is the truth, the pod is gone for the front.
+			return n.mgr.Kill("", id)
+		}
+		return n.report(ctx, pod, rec)
+	case ended:
+		n.log.Info("cluster: sandbox ended; deleting its pod", "sandbox", id, "why", why)
+		return n.deletePod(ctx, pod)
+	case pod.Status.Phase == corev1.PodPending:
+		go func() { _, _ = n.start(context.Background(), id) }()
+		return nil
+	case pod.Status.Phase == corev1.PodRunning:
+		// Running, but this host has no such sandbox and no word of its
+		// end: it was lost (the host restarted and the sandbox was gone).
+		return n.fail(ctx, pod, ReasonLost, fmt.Sprintf("sandbox %s is not on node %s any more", id, n.cfg.NodeName))
+	default: // Failed or Succeeded: kept for the front, then deleted
+		if since := failedAt(pod); !since.IsZero() && time.Since(since) > n.cfg.Retention {
+			return n.deletePod(ctx, pod)
+		} else if !since.IsZero() {
+			n.queue.AddAfter(id, n.cfg.Retention-time.Since(since)+time.Second)
+		}
+		return nil
+	}
+}
+
+// start creates the sandbox of pod id now, or waits for the create in
+// progress, and returns its record.
+func (n *Node) start(ctx context.Context, id string) (*store.Sandbox, error) {
+	n.mu.Lock()
+	if c := n.starts[id]; c != nil {
+		n.mu.Unlock()
+		select {
+		case <-c.done:
+			return c.rec, c.err
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		}
+	}
+	if rec, err := n.mgr.Record(id); err == nil {
+		n.mu.Unlock()
+		return rec, nil
+	}
+	c := &startCall{done: make(chan struct{})}
+	n.starts[id] = c
+	n.mu.Unlock()
+	c.rec, c.err = n.create(id)
+	n.mu.Lock()
+	delete(n.starts, id)
+	n.mu.Unlock()
+	close(c.done)
+	n.queue.Add(id) // report it, or destroy it if its pod went meanwhile
+	return c.rec, c.err
+}
+
+// create makes the sandbox of pod id (read from the API server: the
+// front calls start as soon as the pod is bound, before the watch may
+// have it).
+func (n *Node) create(id string) (*store.Sandbox, error) {
+	ctx, cancel := context.WithTimeout(context.Background(), createTimeout)
+	defer cancel()
+	pod, err := n.pods.Pods(n.cfg.Namespace).Get(id)
+	if err != nil || pod.Spec.NodeName != n.cfg.NodeName {
+		pod, err = n.client.CoreV1().Pods(n.cfg.Namespace).Get(ctx, id, metav1.GetOptions{})
+	}
+	if apierrors.IsNotFound(err) {
+		return nil, fmt.Errorf("%w: no sandbox pod %q", manager.ErrNotFound, id)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("%w: reading pod %s: %v", sandbox.ErrUnavailable, id, err)
+	}
+	switch {
+	case pod.Spec.NodeName != n.cfg.NodeName:
+		return nil, fmt.Errorf("%w: pod %s is bound to %q, not to node %s", manager.ErrConflict, id, pod.Spec.NodeName, n.cfg.NodeName)
+	case pod.DeletionTimestamp != nil:
+		return nil, fmt.Errorf("%w: pod %s is being deleted", manager.ErrNotFound, id)
+	case pod.Status.Phase != corev1.PodPending && pod.Status.Phase != "":
+		return nil, fmt.Errorf("%w: pod %s is %s", manager.ErrConflict, id, pod.Status.Phase)
+	}
+	req, err := RequestFrom(pod)
+	if err != nil {
+		n.failQuiet(ctx, pod, ReasonCreateFailed, err.Error())
+		return nil, fmt.Errorf("%w: %v", sandbox.ErrInvalid, err)
+	}
+	rec, err := n.mgr.Create(ctx, req)
+	if err != nil {
+		n.failQuiet(ctx, pod, ReasonCreateFailed, err.Error())
+		return nil, err
+	}
+	if err := n.report(ctx, pod, rec); err != nil {
+		n.log.Warn("cluster: pod status", "pod", id, "err", err)
+	}
+	return rec, nil
+}
+
+// report writes a live sandbox's state into its pod: the annotations
+// (end, state) and the status (Running), each only when it differs.
+func (n *Node) report(ctx context.Context, pod *corev1.Pod, rec *store.Sandbox) error {
+	pods := n.client.CoreV1().Pods(n.cfg.Namespace)
+	end, state := FormatEnd(rec.EndAt), rec.State
+	if pod.Annotations[AnnoEnd] != end || pod.Annotations[AnnoState] != state {
+		patch, _ := json.Marshal(map[string]any{"metadata": map[string]any{
+			"annotations": map[string]string{AnnoEnd: end, AnnoState: state}}})
+		p, err := pods.Patch(ctx, pod.Name, types.MergePatchType, patch, metav1.PatchOptions{})
+		if err != nil {
+			return err
+		}
+		pod = p
+	}
+	if pod.Status.Phase == corev1.PodRunning {
+		return nil
+	}
+	p := pod.DeepCopy()
+	started := metav1.NewTime(rec.StartedAt)
+	now := metav1.Now()
+	p.Status = corev1.PodStatus{Phase: corev1.PodRunning, HostIP: n.cfg.Advertise, PodIP: n.cfg.Advertise,
+		HostIPs: []corev1.HostIP{{IP: n.cfg.Advertise}}, PodIPs: []corev1.PodIP{{IP: n.cfg.Advertise}},
+		StartTime: &started, QOSClass: corev1.PodQOSGuaranteed}
+	for _, t := range []corev1.PodConditionType{corev1.PodScheduled, corev1.PodInitialized, corev1.ContainersReady, corev1.PodReady} {
+		p.Status.Conditions = append(p.Status.Conditions, corev1.PodCondition{Type: t, Status: corev1.ConditionTrue, LastTransitionTime: now})
+	}
+	p.Status.ContainerStatuses = []corev1.ContainerStatus{{Name: ContainerName, Ready: true, Started: ptrTrue(),
+		Image: "cage.dev/template/" + rec.TemplateID, ImageID: "cage.dev/template/" + rec.TemplateID,
+		ContainerID: "cage://" + rec.ID, State: corev1.ContainerState{Running: &corev1.ContainerStateRunning{StartedAt: started}}}}
+	_, err := pods.UpdateStatus(ctx, p, metav1.UpdateOptions{})
+	return err
+}
+
+func ptrTrue() *bool { t := true; return &t }
+
+// fail reports pod Failed with reason and a one-line message.
+func (n *Node) fail(ctx context.Context, pod *corev1.Pod, reason, msg string) error {
+	if pod.Status.Phase == corev1.PodFailed {
+		return nil
+	}
+	p := pod.DeepCopy()
+	now := metav1.Now()
+	p.Status.Phase, p.Status.Reason, p.Status.Message = corev1.PodFailed, reason, oneLine(msg)
+	p.Status.Conditions = []corev1.PodCondition{{Type: corev1.PodReady, Status: corev1.ConditionFalse, Reason: reason,
+		LastTransitionTime: now}}
+	p.Status.ContainerStatuses = []corev1.ContainerStatus{{Name: ContainerName, State: corev1.ContainerState{
+		Terminated: &corev1.ContainerStateTerminated{ExitCode: 1, Reason: reason, Message: oneLine(msg), FinishedAt: now}}}}
+	_, err := n.client.CoreV1().Pods(n.cfg.Namespace).UpdateStatus(ctx, p, metav1.UpdateOptions{})
+	if err == nil {
+		n.queue.AddAfter(pod.Name, n.cfg.Retention+time.Second)
+	}
+	return err
+}
+
+func (n *Node) failQuiet(ctx context.Context, pod *corev1.Pod, reason, msg string) {
+	if err := n.fail(ctx, pod, reason, msg); err != nil && !apierrors.IsNotFound(err) {
+		n.log.Warn("cluster: pod status", "pod", pod.Name, "err", err)
+	}
+}
+
+// failedAt is when a Failed pod failed (its Ready condition's change).
+func failedAt(pod *corev1.Pod) time.Time {
+	for _, c := range pod.Status.Conditions {
+		if c.Type == corev1.PodReady {
+			return c.LastTransitionTime.Time
+		}
+	}
+	return time.Time{}
+}
+
+// deletePod deletes a pod now (grace 0), as a kubelet confirms a deletion.
+func (n *Node) deletePod(ctx context.Context, pod *corev1.Pod) error {
+	zero := int64(0)
+	uid := pod.UID
+	err := n.client.CoreV1().Pods(n.cfg.Namespace).Delete(ctx, pod.Name, metav1.DeleteOptions{
+		GracePeriodSeconds: &zero, Preconditions: &metav1.Preconditions{UID: &uid}})
+	if apierrors.IsNotFound(err) || apierrors.IsConflict(err) {
+		err = nil
+	}
+	return err
+}
+
+// reconcile compares this host's sandboxes with the pods bound to it (at
+// start, and after a partition from the API server heals): a sandbox with
+// no pod is destroyed; every pod is synced (a running pod whose sandbox is
+// gone is reported Lost).
+func (n *Node) reconcile() {
+	var cursor string
+	for {
+		recs, next, err := n.mgr.List(store.ListFilter{Limit: 500, Cursor: cursor})
+		if err != nil {
+			n.log.Warn("cluster: reconcile: list sandboxes", "err", err)
+			break
+		}
+		for _, rec := range recs {
+			n.mu.Lock()
+			_, creating := n.starts[rec.ID]
+			n.mu.Unlock()
+			if creating {
+				continue
+			}
+			if _, err := n.pods.Pods(n.cfg.Namespace).Get(rec.ID); apierrors.IsNotFound(err) {
+				n.log.Info("cluster: reconcile: sandbox has no pod; destroying it", "sandbox", rec.ID)
+				if err := n.mgr.Kill("", rec.ID); err != nil && !errors.Is(err, manager.ErrNotFound) {
+					n.log.Warn("cluster: reconcile: kill", "sandbox", rec.ID, "err", err)
+				}
+			}
+		}
+		if next == "" {
+			break
+		}
+		cursor = next
+	}
+	pods, _ := n.pods.Pods(n.cfg.Namespace).List(everything)
+	for _, p := range pods {
+		n.queue.Add(p.Name)
+	}
+}
+
+// Routes serves the internal routes (/cluster/...) on the node's API
+// listener, node-authenticated before anything is read; other requests go
+// to next.
+func (n *Node) Routes(next http.Handler) http.Handler {
+	mux := http.NewServeMux()
+	mux.HandleFunc("POST /cluster/pods/{name}/start", n.serveStart)
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if len(r.URL.Path) < len("/cluster/") || r.URL.Path[:len("/cluster/")] != "/cluster/" {
+			next.ServeHTTP(w, r)
+			return
+		}
+		if _, err := Verify(r, n.key); err != nil {
+			w.Header().Set("Connection", "close") // the body is never read
+			writeErr(w, http.StatusUnauthorized, err.Error())
+			return
+		}
+		mux.ServeHTTP(w, r)
+	})
+}
+
+// serveStart is POST /cluster/pods/{name}/start: the sandbox of that pod,
+// made now (or by the create in progress); the answer is its record,
+// secrets included, for the front to answer the create with.
+func (n *Node) serveStart(w http.ResponseWriter, r *http.Request) {
+	rec, err := n.start(r.Context(), r.PathValue("name"))
+	if err != nil {
+		writeErr(w, statusOf(err), oneLine(err.Error()))
+		return
+	}
+	w.Header().Set("Content-Type", "application/json")
+	w.Header().Set("Cache-Control", "no-store")
+	_ = json.NewEncoder(w).Encode(rec)
+}
+
+func statusOf(err error) int {
+	switch {
+	case errors.Is(err, manager.ErrNotFound), errors.Is(err, sandbox.ErrNotFound):
+		return http.StatusNotFound
+	case errors.Is(err, sandbox.ErrInvalid):
+		return http.StatusBadRequest
+	case errors.Is(err, manager.ErrConflict):
+		return http.StatusConflict
+	case errors.Is(err, manager.ErrLimit), errors.Is(err, manager.ErrQuota):
+		return http.StatusTooManyRequests
+	case errors.Is(err, sandbox.ErrUnavailable), errors.Is(err, context.DeadlineExceeded):
+		return http.StatusServiceUnavailable
+	}
+	return http.StatusInternalServerError
+}
+
+func writeErr(w http.ResponseWriter, status int, msg string) {
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(status)
+	_ = json.NewEncoder(w).Encode(map[string]any{"code": status, "message": msg})
+}
+
+var everything = labels.Everything()
