@@ -96,7 +96,7 @@ func Main(args []string, stdout, stderr io.Writer) (code int) {
 	root.PersistentFlags().StringVar(&g.runDir, "run-dir", envOr("CAGE_RUN_DIR", "/run/cage"), "runtime state directory")
 	root.AddCommand(newRunCmd(g), newDoctorCmd(g), newBenchCmd(g), newServeCmd(g), newKeysCmd(g), newTeamsCmd(), newTemplateCmd(g), newAuditCmd())
 	root.AddCommand(newClientCmds(g)...)
-	root.AddCommand(newMCPCmd())
+	root.AddCommand(newMCPCmd(), newClusterCmd())
 	usageErrors(root)
 	root.SetArgs(args)
 	root.SetOut(stdout)
