@@ -159,13 +159,13 @@ func (f *Front) Create(ctx context.Context, req manager.CreateRequest) (*store.S
 		return nil, fmt.Errorf("%w: cluster: create pod: %v", sandbox.ErrUnavailable, err)
 	}
 	node, err := f.bound(ctx, id, req.Wall, wake)
+	f.forget(id)
 	if err == nil {
 		var rec *store.Sandbox
 		if rec, err = f.start(ctx, node, id); err == nil {
 			return rec, nil
 		}
 	}
-	f.forget(id)
 	if derr := f.deletePod(context.WithoutCancel(ctx), id); derr != nil {
 		f.log.Warn("cluster: delete the pod of a failed create", "sandbox", id, "err", derr)
 	}
@@ -243,13 +243,24 @@ func condition(p *corev1.Pod, t corev1.PodConditionType) *corev1.PodCondition {
 	return nil
 }
 
+// startTimeout bounds a node's start of a sandbox (a node cut off from
+// this one may not answer at all).
+const startTimeout = 2 * time.Minute
+
 // start asks the owner node to start the sandbox of pod id now and
 // returns its record.
 func (f *Front) start(ctx context.Context, node, id string) (*store.Sandbox, error) {
+	if lost, expired := f.lost(node); lost {
+		// Bound before the lifecycle tainted it: fail now, not at a
+		// timeout (the client may retry: the taint sends it elsewhere).
+		return nil, fmt.Errorf("%w: %s", sandbox.ErrUnavailable, trimKind(lostError(id, node, expired)))
+	}
 	base, err := f.nodeURL(node, AnnoAPI)
 	if err != nil {
 		return nil, err
 	}
+	ctx, cancel := context.WithTimeout(ctx, startTimeout)
+	defer cancel()
 	u := base.JoinPath("/cluster/pods", id, "start")
 	r, err := http.NewRequestWithContext(ctx, http.MethodPost, u.String(), http.NoBody)
 	if err != nil {
