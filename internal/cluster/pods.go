@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
+	"strings"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
@@ -99,6 +100,9 @@ func (n *Node) sync(id string) error {
 	case pod == nil || pod.DeletionTimestamp != nil:
 		if local {
 			n.log.Info("cluster: pod deleted; destroying its sandbox", "sandbox", id)
+			if pod != nil {
+				n.event(pod, corev1.EventTypeNormal, "Killing", "pod deleted: destroying sandbox "+id)
+			}
 			if err := n.mgr.Kill("", id); err != nil && !errors.Is(err, manager.ErrNotFound) {
 				return err
 			}
@@ -120,6 +124,7 @@ func (n *Node) sync(id string) error {
 		return n.report(ctx, pod, rec)
 	case ended:
 		n.log.Info("cluster: sandbox ended; deleting its pod", "sandbox", id, "why", why)
+		n.event(pod, corev1.EventTypeNormal, "Ended", "sandbox ended ("+strings.TrimPrefix(why, "sandbox.")+")")
 		return n.deletePod(ctx, pod)
 	case pod.Status.Phase == corev1.PodPending:
 		go func() { _, _ = n.start(context.Background(), id) }()
@@ -257,8 +262,30 @@ func (n *Node) fail(ctx context.Context, pod *corev1.Pod, reason, msg string) er
 	_, err := n.client.CoreV1().Pods(n.cfg.Namespace).UpdateStatus(ctx, p, metav1.UpdateOptions{})
 	if err == nil {
 		n.queue.AddAfter(pod.Name, n.cfg.Retention+time.Second)
+		n.event(pod, corev1.EventTypeWarning, reason, msg)
 	}
 	return err
+}
+
+// event records a Kubernetes Event about pod, in the background (a
+// failure to record it is logged, never the pod's failure).
+func (n *Node) event(pod *corev1.Pod, typ, reason, msg string) {
+	now := metav1.Now()
+	ev := &corev1.Event{
+		ObjectMeta: metav1.ObjectMeta{GenerateName: pod.Name + ".", Namespace: n.cfg.Namespace},
+		InvolvedObject: corev1.ObjectReference{Kind: "Pod", APIVersion: "v1", Namespace: n.cfg.Namespace, Name: pod.Name,
+			UID: pod.UID, FieldPath: "spec.containers{" + ContainerName + "}"},
+		Reason: reason, Message: oneLine(msg), Type: typ, Count: 1, FirstTimestamp: now, LastTimestamp: now,
+		Source: corev1.EventSource{Component: "cage", Host: n.cfg.NodeName}, ReportingController: "cage.dev/node",
+		ReportingInstance: n.cfg.NodeName,
+	}
+	go func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		if _, err := n.client.CoreV1().Events(n.cfg.Namespace).Create(ctx, ev, metav1.CreateOptions{}); err != nil {
+			n.log.Debug("cluster: event", "pod", pod.Name, "err", err)
+		}
+	}()
 }
 
 func (n *Node) failQuiet(ctx context.Context, pod *corev1.Pod, reason, msg string) {

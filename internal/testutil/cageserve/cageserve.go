@@ -44,6 +44,7 @@ type Daemon struct {
 	HTTP   *http.Client
 
 	log     *logBuffer
+	args    []string
 	cmd     *exec.Cmd
 	done    chan struct{}
 	mu      sync.Mutex
@@ -72,21 +73,42 @@ func Start(t testing.TB, flags ...string) *Daemon {
 	t.Cleanup(func() { testutil.RemoveRunDir(runDir) })
 	d.Key = d.NewKey(t, "first")
 	t.Cleanup(d.cleanup)
-	args := append([]string{"--debug", "--run-dir", runDir, "serve", "--data", d.Data, "--api", d.API,
+	d.args = append([]string{"--debug", "--run-dir", runDir, "serve", "--data", d.Data, "--api", d.API,
 		"--proxy", d.Proxy, "--pool", "0"}, flags...)
-	d.cmd = d.cage(args...)
+	d.run(t)
+	return d
+}
+
+// Stop ends the daemon with sig (SIGTERM; SIGKILL as a crash) and waits
+// for it; its sandboxes keep running, for Restart to adopt.
+func (d *Daemon) Stop(sig syscall.Signal) {
+	_ = d.cmd.Process.Signal(sig)
+	<-d.done
+}
+
+// Restart starts the daemon again, stopped by Stop, on the same
+// directories, ports and flags, and waits for /health.
+func (d *Daemon) Restart(t testing.TB) {
+	t.Helper()
+	d.run(t)
+}
+
+func (d *Daemon) run(t testing.TB) {
+	t.Helper()
+	d.cmd = d.cage(d.args...)
 	d.cmd.Stdout, d.cmd.Stderr = d.log, d.log
 	d.cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGTERM}
 	if err := d.cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
-	d.done = make(chan struct{})
-	go func() { _ = d.cmd.Wait(); close(d.done) }()
+	cmd, done := d.cmd, make(chan struct{})
+	d.done = done
+	go func() { _ = cmd.Wait(); close(done) }()
 	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(20 * time.Millisecond) {
 		if resp, err := http.Get("http://" + d.API + "/health"); err == nil {
 			resp.Body.Close()
 			if resp.StatusCode == http.StatusOK {
-				return d
+				return
 			}
 		}
 		select {

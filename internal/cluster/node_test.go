@@ -1,0 +1,413 @@
+package cluster_test
+
+import (
+	"context"
+	"encoding/json"
+	"io"
+	"net/http"
+	"os"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/tools/clientcmd"
+
+	"github.com/cagehq/cage/api/types"
+	"github.com/cagehq/cage/internal/agentclient"
+	"github.com/cagehq/cage/internal/cluster"
+	"github.com/cagehq/cage/internal/ids"
+	"github.com/cagehq/cage/internal/manager"
+	"github.com/cagehq/cage/internal/testutil/cageserve"
+	"github.com/cagehq/cage/internal/testutil/kubeplane"
+)
+
+const nodeName = "node-w"
+
+// nodeEnv is one cage serve joined, as node nodeName, to a real control
+// plane on loopback, and the plane's administrator.
+type nodeEnv struct {
+	d     *cageserve.Daemon
+	admin kubernetes.Interface
+	owner string // the owner (key id) of d.Key's sandboxes
+}
+
+func startNode(t *testing.T) *nodeEnv {
+	t.Helper()
+	p := kubeplane.Start(t, kubeplane.Options{Nodes: []string{nodeName}})
+	rc, err := clientcmd.BuildConfigFromFlags("", p.MustKubeconfig(t, kubeplane.Admin))
+	if err != nil {
+		t.Fatal(err)
+	}
+	admin := kubernetes.NewForConfigOrDie(rc)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	if err := cluster.ApplyRBAC(ctx, admin); err != nil {
+		t.Fatalf("ApplyRBAC: %v", err)
+	}
+	conf := filepath.Join(t.TempDir(), "cage.json")
+	b, _ := json.Marshal(map[string]any{"cluster": map[string]any{"lease_seconds": 6}})
+	if err := os.WriteFile(conf, b, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	d := cageserve.Start(t, "--kubeconfig", p.MustKubeconfig(t, kubeplane.NodeUser(nodeName)),
+		"--node-name", nodeName, "--advertise", "127.0.0.1", "--config", conf)
+	out, _, err := d.Cage("keys", "ls", "--data", d.Data, "--json")
+	var keys []struct {
+		ID string `json:"id"`
+	}
+	if err != nil || json.Unmarshal(out, &keys) != nil || len(keys) == 0 {
+		t.Fatalf("cage keys ls: %v: %s", err, out)
+	}
+	return &nodeEnv{d: d, admin: admin, owner: keys[0].ID}
+}
+
+// TestNode runs one node against a real control plane: registration, the
+// lease, pods become sandboxes and back, the internal route's
+// authentication, and a restart with pods deleted while the node was down.
+func TestNode(t *testing.T) {
+	e := startNode(t)
+	t.Run("Registered", e.testRegistered)
+	t.Run("PodBecomesSandbox", e.testPodBecomesSandbox)
+	t.Run("KillDeletesPod", e.testKillDeletesPod)
+	t.Run("MalformedSpec", e.testMalformed)
+	t.Run("StartNeedsNodeAuth", e.testStartAuth)
+	t.Run("Restart", e.testRestart)
+}
+
+func (e *nodeEnv) testRegistered(t *testing.T) {
+	ctx := context.Background()
+	n, err := e.admin.CoreV1().Nodes().Get(ctx, nodeName, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for k, v := range map[string]string{cluster.NodeLabel: "true", cluster.WallLabelPrefix + "process": "true",
+		"kubernetes.io/hostname": nodeName} {
+		if n.Labels[k] != v {
+			t.Errorf("label %s = %q, want %q", k, n.Labels[k], v)
+		}
+	}
+	if n.Annotations[cluster.AnnoAPI] != "http://"+e.d.API || n.Annotations[cluster.AnnoProxy] != "http://"+e.d.Proxy {
+		t.Errorf("annotations %v; API %s proxy %s", n.Annotations, e.d.API, e.d.Proxy)
+	}
+	tainted := false
+	for _, tn := range n.Spec.Taints {
+		tainted = tainted || tn.Key == cluster.Taint && tn.Value == "true" && tn.Effect == corev1.TaintEffectNoSchedule
+	}
+	if !tainted {
+		t.Errorf("taints %v", n.Spec.Taints)
+	}
+	c := n.Status.Capacity
+	if c.Cpu().Value() < 1 || c.Memory().Value() < 64<<20 || c.Pods().Value() < 1 {
+		t.Errorf("capacity %v", c)
+	}
+	ready := false
+	for _, cd := range n.Status.Conditions {
+		ready = ready || cd.Type == corev1.NodeReady && cd.Status == corev1.ConditionTrue
+	}
+	if !ready || len(n.Status.Addresses) == 0 || n.Status.Addresses[0].Address != "127.0.0.1" {
+		t.Errorf("status %+v", n.Status)
+	}
+	// The lease is renewed every 1.5 s (6 s / 4).
+	l1, err := e.admin.CoordinationV1().Leases(cluster.NodeLeaseNamespace).Get(ctx, nodeName, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if *l1.Spec.HolderIdentity != nodeName || *l1.Spec.LeaseDurationSeconds != 6 {
+		t.Errorf("lease %+v", l1.Spec)
+	}
+	waitFor(t, 10*time.Second, "the lease renewed", func() bool {
+		l2, err := e.admin.CoordinationV1().Leases(cluster.NodeLeaseNamespace).Get(ctx, nodeName, metav1.GetOptions{})
+		return err == nil && l2.Spec.RenewTime.After(l1.Spec.RenewTime.Time)
+	})
+}
+
+// newPod creates a sandbox pod bound to the node, as the scheduler would.
+func (e *nodeEnv) newPod(t *testing.T, mutate func(*corev1.Pod)) string {
+	t.Helper()
+	id := ids.NewID()
+	pod, err := cluster.PodFor(id, manager.CreateRequest{Wall: "process", Template: "host", KeyID: e.owner,
+		Timeout: 10 * time.Minute}, cluster.DefaultNamespace)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pod.Spec.NodeName = nodeName
+	if mutate != nil {
+		mutate(pod)
+	}
+	if _, err := e.admin.CoreV1().Pods(cluster.DefaultNamespace).Create(context.Background(), pod, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		zero := int64(0)
+		_ = e.admin.CoreV1().Pods(cluster.DefaultNamespace).Delete(context.Background(), id, metav1.DeleteOptions{GracePeriodSeconds: &zero})
+		e.d.Kill(e.d.Key, id)
+	})
+	return id
+}
+
+func (e *nodeEnv) pod(id string) (*corev1.Pod, error) {
+	return e.admin.CoreV1().Pods(cluster.DefaultNamespace).Get(context.Background(), id, metav1.GetOptions{})
+}
+
+// running waits for pod id to be Running and returns it.
+func (e *nodeEnv) running(t *testing.T, id string) *corev1.Pod {
+	t.Helper()
+	var p *corev1.Pod
+	waitFor(t, 30*time.Second, "pod "+id+" Running", func() bool {
+		var err error
+		p, err = e.pod(id)
+		return err == nil && p.Status.Phase == corev1.PodRunning
+	})
+	return p
+}
+
+func (e *nodeEnv) gone(t *testing.T, id string) {
+	t.Helper()
+	waitFor(t, 30*time.Second, "pod "+id+" deleted", func() bool {
+		_, err := e.pod(id)
+		return apierrors.IsNotFound(err)
+	})
+}
+
+func (e *nodeEnv) noAgent(t *testing.T, id string) {
+	t.Helper()
+	waitFor(t, 10*time.Second, "no process of sandbox "+id, func() bool {
+		_, err := cageserve.AgentPID(id)
+		return err != nil
+	})
+}
+
+// detail is GET /sandboxes/{id} on the node's API.
+func (e *nodeEnv) detail(t *testing.T, id string) (types.SandboxDetail, int) {
+	t.Helper()
+	status, body, err := e.d.Do(http.MethodGet, "/sandboxes/"+id, e.d.Key, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var sd types.SandboxDetail
+	if status == http.StatusOK {
+		if err := json.Unmarshal(body, &sd); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return sd, status
+}
+
+func (e *nodeEnv) testPodBecomesSandbox(t *testing.T) {
+	id := e.newPod(t, nil)
+	p := e.running(t, id)
+	if p.Status.PodIP == "" || p.Status.HostIP != "127.0.0.1" || p.Annotations[cluster.AnnoState] != "running" {
+		t.Errorf("status %+v annotations %v", p.Status, p.Annotations)
+	}
+	if end := cluster.EndOf(p); time.Until(end) < 9*time.Minute || time.Until(end) > 11*time.Minute {
+		t.Errorf("end annotation %q", p.Annotations[cluster.AnnoEnd])
+	}
+	ready := 0
+	for _, c := range p.Status.Conditions {
+		if c.Status == corev1.ConditionTrue {
+			ready++
+		}
+	}
+	if ready != 4 || len(p.Status.ContainerStatuses) != 1 || p.Status.ContainerStatuses[0].State.Running == nil {
+		t.Errorf("conditions %+v containers %+v", p.Status.Conditions, p.Status.ContainerStatuses)
+	}
+	sd, status := e.detail(t, id)
+	if status != http.StatusOK {
+		t.Fatalf("GET /sandboxes/%s: %d", id, status)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	c := e.d.Agent(id, sd.EnvdAccessToken)
+	defer c.Close()
+	var out strings.Builder
+	end, err := c.Run(ctx, agentclient.RunOptions{Cmd: "/bin/sh", Args: []string{"-c", "echo from-$((6*7))"}, Stdout: &out})
+	if err != nil || end.ExitCode != 0 || strings.TrimSpace(out.String()) != "from-42" {
+		t.Fatalf("run in the sandbox: %v %+v %q", err, end, out.String())
+	}
+	// A timeout change moves the end annotation.
+	if status, body, err := e.d.Do(http.MethodPost, "/sandboxes/"+id+"/timeout", e.d.Key, map[string]any{"timeout": 3600}); err != nil || status != http.StatusNoContent {
+		t.Fatalf("set timeout: %d %s %v", status, body, err)
+	}
+	waitFor(t, 10*time.Second, "the end annotation moved", func() bool {
+		p, err := e.pod(id)
+		return err == nil && time.Until(cluster.EndOf(p)) > 50*time.Minute
+	})
+	// Deleting the pod (gracefully, as kubectl does) destroys the sandbox,
+	// and the node confirms the deletion.
+	if err := e.admin.CoreV1().Pods(cluster.DefaultNamespace).Delete(ctx, id, metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	e.gone(t, id)
+	e.noAgent(t, id)
+	if _, status := e.detail(t, id); status != http.StatusNotFound {
+		t.Errorf("GET after the pod's deletion: %d", status)
+	}
+}
+
+func (e *nodeEnv) testKillDeletesPod(t *testing.T) {
+	id := e.newPod(t, nil)
+	e.running(t, id)
+	if status, body, err := e.d.Do(http.MethodDelete, "/sandboxes/"+id, e.d.Key, nil); err != nil || status != http.StatusNoContent {
+		t.Fatalf("kill: %d %s %v", status, body, err)
+	}
+	e.gone(t, id)
+	e.noAgent(t, id)
+}
+
+func (e *nodeEnv) testMalformed(t *testing.T) {
+	id := e.newPod(t, func(p *corev1.Pod) { p.Annotations[cluster.AnnoSpec] = `{"v":1,"wall":"process","cpus":"many"}` })
+	var p *corev1.Pod
+	waitFor(t, 30*time.Second, "pod "+id+" Failed", func() bool {
+		var err error
+		p, err = e.pod(id)
+		return err == nil && p.Status.Phase == corev1.PodFailed
+	})
+	if p.Status.Reason != cluster.ReasonCreateFailed || p.Status.Message == "" || strings.Contains(p.Status.Message, "\n") ||
+		!strings.Contains(p.Status.Message, cluster.AnnoSpec) {
+		t.Errorf("reason %q message %q", p.Status.Reason, p.Status.Message)
+	}
+	if _, err := cageserve.AgentPID(id); err == nil {
+		t.Error("a sandbox runs for a malformed pod")
+	}
+	// A wall the node does not run fails the same way.
+	id2 := e.newPod(t, func(p *corev1.Pod) {
+		p.Annotations[cluster.AnnoSpec] = strings.Replace(p.Annotations[cluster.AnnoSpec], `"wall":"process"`, `"wall":"nosuchwall"`, 1)
+	})
+	waitFor(t, 30*time.Second, "pod "+id2+" Failed", func() bool {
+		p, err := e.pod(id2)
+		return err == nil && p.Status.Phase == corev1.PodFailed && p.Status.Reason == cluster.ReasonCreateFailed
+	})
+}
+
+// blockingBody is a request body that is never sent: a server that read
+// it would wait until the client gives up.
+type blockingBody struct{ read chan struct{} }
+
+func (b *blockingBody) Read([]byte) (int, error) {
+	close(b.read)
+	select {}
+}
+
+func (e *nodeEnv) testStartAuth(t *testing.T) {
+	id := e.newPod(t, nil)
+	target := "http://" + e.d.API + "/cluster/pods/" + id + "/start"
+	otherKey := make([]byte, cluster.KeyLen)
+	for name, sign := range map[string]func(r *http.Request){
+		"no signature": func(r *http.Request) {},
+		"other key":    func(r *http.Request) { cluster.Sign(r, otherKey, nodeName) },
+		"garbage":      func(r *http.Request) { r.Header.Set(cluster.AuthHeader, "node=x,t=1,sig=00") },
+		"other path": func(r *http.Request) {
+			r.Header.Set(cluster.AuthHeader, signedFor(t, e, "/cluster/pods/"+ids.NewID()+"/start"))
+		},
+		"replayed late": func(r *http.Request) { r.Header.Set(cluster.AuthHeader, "node="+nodeName+",t=1000,sig=00") },
+	} {
+		pr, pw := io.Pipe()
+		defer pw.Close()
+		req, _ := http.NewRequest(http.MethodPost, target, pr)
+		req.ContentLength = 1 << 20
+		sign(req)
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		resp, err := http.DefaultClient.Do(req.WithContext(ctx))
+		cancel()
+		if err != nil {
+			t.Errorf("%s: %v (the server waited for the body?)", name, err)
+			continue
+		}
+		b, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusUnauthorized {
+			t.Errorf("%s: %d %s, want 401", name, resp.StatusCode, b)
+		}
+	}
+	// Nothing was started by them: the pod is still as the watch leaves
+	// it (the watch starts it, which is fine), and a good signature gets
+	// the record, secrets included.
+	req, _ := http.NewRequest(http.MethodPost, target, nil)
+	req.Header.Set(cluster.AuthHeader, signedFor(t, e, "/cluster/pods/"+id+"/start"))
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	var rec struct{ ID, AccessToken string }
+	if err := json.NewDecoder(resp.Body).Decode(&rec); err != nil || resp.StatusCode != http.StatusOK || rec.ID != id || rec.AccessToken == "" {
+		t.Fatalf("signed start: %d %+v %v", resp.StatusCode, rec, err)
+	}
+}
+
+// signedFor is the AuthHeader another node would send for POST path, made
+// with the cluster's node key read from its Secret.
+func signedFor(t *testing.T, e *nodeEnv, path string) string {
+	t.Helper()
+	s, err := e.admin.CoreV1().Secrets(cluster.DefaultNamespace).Get(context.Background(), cluster.KeySecret, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	r, _ := http.NewRequest(http.MethodPost, "http://x"+path, nil)
+	cluster.Sign(r, s.Data[cluster.KeySecretData], "node-other")
+	return r.Header.Get(cluster.AuthHeader)
+}
+
+// testRestart stops the node, and while it is down deletes one pod
+// gracefully (it stays, marked for deletion: no kubelet confirms it),
+// removes another at once, and kills the third sandbox's processes. At
+// the next start the first two sandboxes are destroyed and their pods
+// gone; the third pod is reported Lost.
+func (e *nodeEnv) testRestart(t *testing.T) {
+	graceful, forced, lost := e.newPod(t, nil), e.newPod(t, nil), e.newPod(t, nil)
+	for _, id := range []string{graceful, forced, lost} {
+		e.running(t, id)
+	}
+	agent, err := cageserve.AgentPID(lost)
+	if err != nil {
+		t.Fatal(err)
+	}
+	e.d.Stop(syscall.SIGKILL)
+	ctx := context.Background()
+	pods := e.admin.CoreV1().Pods(cluster.DefaultNamespace)
+	if err := pods.Delete(ctx, graceful, metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	zero := int64(0)
+	if err := pods.Delete(ctx, forced, metav1.DeleteOptions{GracePeriodSeconds: &zero}); err != nil {
+		t.Fatal(err)
+	}
+	if p, err := e.pod(graceful); err != nil || p.DeletionTimestamp == nil {
+		t.Fatalf("the gracefully deleted pod: %v %v", err, p)
+	}
+	if err := syscall.Kill(agent, syscall.SIGKILL); err != nil {
+		t.Fatal(err)
+	}
+	for _, id := range []string{graceful, forced} {
+		if _, err := cageserve.AgentPID(id); err != nil {
+			t.Fatalf("sandbox %s did not outlive the daemon: %v", id, err)
+		}
+	}
+	e.d.Restart(t)
+	e.gone(t, graceful)
+	for _, id := range []string{graceful, forced} {
+		e.noAgent(t, id)
+		if _, status := e.detail(t, id); status != http.StatusNotFound {
+			t.Errorf("sandbox %s after the restart: %d", id, status)
+		}
+	}
+	waitFor(t, 30*time.Second, "pod "+lost+" Lost", func() bool {
+		p, err := e.pod(lost)
+		return err == nil && p.Status.Phase == corev1.PodFailed && p.Status.Reason == cluster.ReasonLost
+	})
+}
+
+func waitFor(t *testing.T, limit time.Duration, what string, ok func() bool) {
+	t.Helper()
+	for deadline := time.Now().Add(limit); !ok(); time.Sleep(100 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("%s: not within %v", what, limit)
+		}
+	}
+}
