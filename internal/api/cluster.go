@@ -19,6 +19,16 @@ type Cluster interface {
 	// Forward serves a request for sandbox id when it is on another node
 	// (owner: the calling key's owner) and reports whether it did.
 	Forward(w http.ResponseWriter, r *http.Request, id, owner string) bool
+	// Forwarded says whether r was forwarded by another node (its node
+	// signature verifies): that node took the key's rates already.
+	Forwarded(r *http.Request) bool
+}
+
+// forwarded says whether r comes from another node of the cluster, whose
+// front took the calling key's request and create rates: they are not
+// taken twice.
+func (s *server) forwarded(r *http.Request) bool {
+	return s.cfg.Cluster != nil && r.Header.Get("X-Cage-Node-Auth") != "" && s.cfg.Cluster.Forwarded(r)
 }
 
 // routed answers a request for a sandbox on another node through the

@@ -145,6 +145,13 @@ func (f *Front) ForwardTraffic(w http.ResponseWriter, r *http.Request, id string
 	return true
 }
 
+// Forwarded says whether r was forwarded by another node of the cluster
+// (its node signature verifies under the cluster's key).
+func (f *Front) Forwarded(r *http.Request) bool {
+	_, err := Verify(r, f.cfg.NodeKey)
+	return err == nil
+}
+
 // trimKind is err's message without errLost's prefix.
 func trimKind(err error) string {
 	msg := err.Error()
