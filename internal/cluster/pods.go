@@ -88,6 +88,7 @@ func (n *Node) sync(id string) error {
 	n.mu.Lock()
 	_, creating := n.starts[id]
 	why, ended := n.ended[id]
+	failed := n.failed[id] != nil
 	n.mu.Unlock()
 	rec, recErr := n.mgr.Record(id)
 	local := recErr == nil
@@ -112,6 +113,8 @@ func (n *Node) sync(id string) error {
 		}
 		n.mu.Lock()
 		delete(n.ended, id)
+		delete(n.reported, id)
+		delete(n.failed, id)
 		n.mu.Unlock()
 		return nil
 	case local:
@@ -126,7 +129,7 @@ func (n *Node) sync(id string) error {
 		n.log.Info("cluster: sandbox ended; deleting its pod", "sandbox", id, "why", why)
 		n.event(pod, corev1.EventTypeNormal, "Ended", "sandbox ended ("+strings.TrimPrefix(why, "sandbox.")+")")
 		return n.deletePod(ctx, pod)
-	case pod.Status.Phase == corev1.PodPending:
+	case pod.Status.Phase == corev1.PodPending && !failed:
 		go func() { _, _ = n.start(context.Background(), id) }()
 		return nil
 	case pod.Status.Phase == corev1.PodRunning:
@@ -159,6 +162,10 @@ func (n *Node) start(ctx context.Context, id string) (*store.Sandbox, error) {
 	if rec, err := n.mgr.Record(id); err == nil {
 		n.mu.Unlock()
 		return rec, nil
+	}
+	if err := n.failed[id]; err != nil {
+		n.mu.Unlock()
+		return nil, err
 	}
 	c := &startCall{done: make(chan struct{})}
 	n.starts[id] = c
@@ -198,13 +205,11 @@ func (n *Node) create(id string) (*store.Sandbox, error) {
 	}
 	req, err := RequestFrom(pod)
 	if err != nil {
-		n.failQuiet(ctx, pod, ReasonCreateFailed, err.Error())
-		return nil, fmt.Errorf("%w: %v", sandbox.ErrInvalid, err)
+		return nil, n.createFailed(ctx, pod, fmt.Errorf("%w: %v", sandbox.ErrInvalid, err))
 	}
 	rec, err := n.mgr.Create(ctx, req)
 	if err != nil {
-		n.failQuiet(ctx, pod, ReasonCreateFailed, err.Error())
-		return nil, err
+		return nil, n.createFailed(ctx, pod, err)
 	}
 	if err := n.report(ctx, pod, rec); err != nil {
 		n.log.Warn("cluster: pod status", "pod", id, "err", err)
@@ -217,6 +222,16 @@ func (n *Node) create(id string) (*store.Sandbox, error) {
 func (n *Node) report(ctx context.Context, pod *corev1.Pod, rec *store.Sandbox) error {
 	pods := n.client.CoreV1().Pods(n.cfg.Namespace)
 	end, state := FormatEnd(rec.EndAt), rec.State
+	// What this node last wrote into this pod (its UID: a pod of the same
+	// name made again is another) makes a stale copy from the watch cost
+	// no request.
+	written := string(pod.UID) + "|" + end + "|" + state
+	n.mu.Lock()
+	same := n.reported[pod.Name] == written
+	n.mu.Unlock()
+	if same {
+		return nil
+	}
 	if pod.Annotations[AnnoEnd] != end || pod.Annotations[AnnoState] != state {
 		patch, _ := json.Marshal(map[string]any{"metadata": map[string]any{
 			"annotations": map[string]string{AnnoEnd: end, AnnoState: state}}})
@@ -227,6 +242,9 @@ func (n *Node) report(ctx context.Context, pod *corev1.Pod, rec *store.Sandbox) 
 		pod = p
 	}
 	if pod.Status.Phase == corev1.PodRunning {
+		n.mu.Lock()
+		n.reported[pod.Name] = written
+		n.mu.Unlock()
 		return nil
 	}
 	p := pod.DeepCopy()
@@ -241,8 +259,13 @@ func (n *Node) report(ctx context.Context, pod *corev1.Pod, rec *store.Sandbox) 
 	p.Status.ContainerStatuses = []corev1.ContainerStatus{{Name: ContainerName, Ready: true, Started: ptrTrue(),
 		Image: "cage.dev/template/" + rec.TemplateID, ImageID: "cage.dev/template/" + rec.TemplateID,
 		ContainerID: "cage://" + rec.ID, State: corev1.ContainerState{Running: &corev1.ContainerStateRunning{StartedAt: started}}}}
-	_, err := pods.UpdateStatus(ctx, p, metav1.UpdateOptions{})
-	return err
+	if _, err := pods.UpdateStatus(ctx, p, metav1.UpdateOptions{}); err != nil {
+		return err
+	}
+	n.mu.Lock()
+	n.reported[pod.Name] = written
+	n.mu.Unlock()
+	return nil
 }
 
 func ptrTrue() *bool { t := true; return &t }
@@ -288,10 +311,18 @@ func (n *Node) event(pod *corev1.Pod, typ, reason, msg string) {
 	}()
 }
 
-func (n *Node) failQuiet(ctx context.Context, pod *corev1.Pod, reason, msg string) {
-	if err := n.fail(ctx, pod, reason, msg); err != nil && !apierrors.IsNotFound(err) {
-		n.log.Warn("cluster: pod status", "pod", pod.Name, "err", err)
+// createFailed reports pod Failed (CreateFailed) for err, which every
+// later start of it answers: a pod's create is tried once.
+func (n *Node) createFailed(_ context.Context, pod *corev1.Pod, err error) error {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second) // the create's may be spent
+	defer cancel()
+	n.mu.Lock()
+	n.failed[pod.Name] = err
+	n.mu.Unlock()
+	if ferr := n.fail(ctx, pod, ReasonCreateFailed, err.Error()); ferr != nil && !apierrors.IsNotFound(ferr) {
+		n.log.Warn("cluster: pod status", "pod", pod.Name, "err", ferr)
 	}
+	return err
 }
 
 // failedAt is when a Failed pod failed (its Ready condition's change).
