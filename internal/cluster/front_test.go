@@ -249,8 +249,13 @@ func TestFront(t *testing.T) {
 	a := addStandIn(t, c, key, "a", "process")
 	b := addStandIn(t, c, key, "b", "process")
 	cn := addStandIn(t, c, key, "c", "process", "microvm")
-	f := startFront(t, c, key, "a")
 	ctx := context.Background()
+	// The lifecycle removes the not-ready taint new Nodes get (no
+	// kube-controller-manager here).
+	if err := CheckNodes(ctx, c, 6*time.Second, time.Now()); err != nil {
+		t.Fatal(err)
+	}
+	f := startFront(t, c, key, "a")
 	req := manager.CreateRequest{Wall: "microvm", Template: "base", KeyID: "key_000000000001", Timeout: time.Minute,
 		CPUs: 1, Memory: 256 << 20, Metadata: map[string]string{"user": "x"}}
 

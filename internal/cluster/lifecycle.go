@@ -25,11 +25,18 @@ const LifecycleLease = "cage-lifecycle"
 // then sends creates to the other nodes.
 const TaintUnreachable = "node.kubernetes.io/unreachable"
 
+// TaintNotReady is the taint the API server's TaintNodesByCondition
+// admission gives every new Node; kube-controller-manager would remove it
+// once the node is Ready, and without one the lifecycle does, once the
+// node's lease is live.
+const TaintNotReady = "node.kubernetes.io/not-ready"
+
 // RunLifecycle takes part in the election of LifecycleLease until ctx
 // ends; while this node (identity) leads, every leaseDuration/4 it taints
 // each cage Node whose Lease is stale (TaintUnreachable:NoSchedule, and
-// condition Ready Unknown) and untaints it once its lease is renewed.
-// Without kube-controller-manager, nothing else does.
+// condition Ready Unknown) and untaints it once its lease is renewed (and
+// removes TaintNotReady from a new node with a live lease). Without
+// kube-controller-manager, nothing else does.
 func RunLifecycle(ctx context.Context, c kubernetes.Interface, ns, identity string, leaseDuration time.Duration, log *slog.Logger) {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
@@ -77,7 +84,7 @@ func watchLeases(ctx context.Context, c kubernetes.Interface, leaseDuration time
 }
 
 // CheckNodes taints the cage Nodes whose lease has expired at now and
-// untaints those whose lease is live again (one pass).
+// untaints those whose lease is live (one pass).
 func CheckNodes(ctx context.Context, c kubernetes.Interface, leaseDuration time.Duration, now time.Time) error {
 	nodes, err := c.CoreV1().Nodes().List(ctx, metav1.ListOptions{LabelSelector: NodeLabel + "=true"})
 	if err != nil {
@@ -95,7 +102,7 @@ func CheckNodes(ctx context.Context, c kubernetes.Interface, leaseDuration time.
 	for i := range nodes.Items {
 		n := &nodes.Items[i]
 		stale := leaseExpired(byName[n.Name], leaseDuration, now)
-		if stale == hasTaint(n, TaintUnreachable) {
+		if stale == hasTaint(n, TaintUnreachable) && (stale || !hasTaint(n, TaintNotReady)) {
 			continue
 		}
 		if err := setUnreachable(ctx, c, n.Name, stale, now); err != nil && first == nil {
@@ -126,8 +133,9 @@ func hasTaint(n *corev1.Node, key string) bool {
 	return false
 }
 
-// setUnreachable adds (on) or removes the unreachable taint of a node and,
-// when adding it, marks its Ready condition Unknown.
+// setUnreachable adds (on) or removes the unreachable taint of a node
+// (removing the not-ready one too) and, when adding it, marks its Ready
+// condition Unknown.
 func setUnreachable(ctx context.Context, c kubernetes.Interface, name string, on bool, now time.Time) error {
 	nodes := c.CoreV1().Nodes()
 	err := retry.RetryOnConflict(retry.DefaultBackoff, func() error {
@@ -137,7 +145,7 @@ func setUnreachable(ctx context.Context, c kubernetes.Interface, name string, on
 		}
 		var taints []corev1.Taint
 		for _, t := range n.Spec.Taints {
-			if t.Key != TaintUnreachable {
+			if t.Key != TaintUnreachable && (on || t.Key != TaintNotReady) {
 				taints = append(taints, t)
 			}
 		}

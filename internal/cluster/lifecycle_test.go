@@ -20,7 +20,9 @@ func TestLifecycle(t *testing.T) {
 	addStandIn(t, c, key, "dying", "process")
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	go RunLifecycle(ctx, c, testNS, "live", 2*time.Second, nil)
+	done := make(chan struct{})
+	go func() { RunLifecycle(ctx, c, testNS, "live", 2*time.Second, nil); close(done) }()
+	defer func() { cancel(); <-done }()
 	renewLease(t, c, "dying", time.Now().Add(-time.Minute))
 	stop := make(chan struct{})
 	defer close(stop)
@@ -42,11 +44,14 @@ func TestLifecycle(t *testing.T) {
 		return n
 	}
 	wait(t, func() bool { return hasTaint(node("dying"), TaintUnreachable) })
-	for _, cond := range node("dying").Status.Conditions {
-		if cond.Type == corev1.NodeReady && cond.Status != corev1.ConditionUnknown {
-			t.Errorf("lost node's Ready: %s", cond.Status)
+	wait(t, func() bool {
+		for _, cond := range node("dying").Status.Conditions {
+			if cond.Type == corev1.NodeReady {
+				return cond.Status == corev1.ConditionUnknown
+			}
 		}
-	}
+		return false
+	})
 	if hasTaint(node("live"), TaintUnreachable) {
 		t.Fatal("a live node was tainted")
 	}
@@ -56,4 +61,9 @@ func TestLifecycle(t *testing.T) {
 	}
 	renewLease(t, c, "dying", time.Now().Add(time.Minute)) // back (renewed "in the future": live for a while)
 	wait(t, func() bool { return !hasTaint(node("dying"), TaintUnreachable) })
+	// New nodes' not-ready taint (TaintNodesByCondition) is gone from
+	// nodes with a live lease: the scheduler may use them.
+	if hasTaint(node("live"), TaintNotReady) {
+		t.Fatal("a live node keeps the not-ready taint")
+	}
 }
