@@ -232,40 +232,50 @@ func (n *Node) report(ctx context.Context, pod *corev1.Pod, rec *store.Sandbox) 
 	if same {
 		return nil
 	}
-	if pod.Annotations[AnnoEnd] != end || pod.Annotations[AnnoState] != state {
-		patch, _ := json.Marshal(map[string]any{"metadata": map[string]any{
-			"annotations": map[string]string{AnnoEnd: end, AnnoState: state}}})
-		p, err := pods.Patch(ctx, pod.Name, types.MergePatchType, patch, metav1.PatchOptions{})
+	if pod.Status.Phase != corev1.PodRunning {
+		// One request: the status, and the annotations with it (a pod's
+		// status update keeps metadata changes; the patch below covers
+		// an API server that would not).
+		p := pod.DeepCopy()
+		if p.Annotations == nil {
+			p.Annotations = map[string]string{}
+		}
+		p.Annotations[AnnoEnd], p.Annotations[AnnoState] = end, state
+		p.Status = runningStatus(rec, n.cfg.Advertise)
+		up, err := pods.UpdateStatus(ctx, p, metav1.UpdateOptions{})
 		if err != nil {
 			return err
 		}
-		pod = p
+		pod = up
 	}
-	if pod.Status.Phase == corev1.PodRunning {
-		n.mu.Lock()
-		n.reported[pod.Name] = written
-		n.mu.Unlock()
-		return nil
-	}
-	p := pod.DeepCopy()
-	started := metav1.NewTime(rec.StartedAt)
-	now := metav1.Now()
-	p.Status = corev1.PodStatus{Phase: corev1.PodRunning, HostIP: n.cfg.Advertise, PodIP: n.cfg.Advertise,
-		HostIPs: []corev1.HostIP{{IP: n.cfg.Advertise}}, PodIPs: []corev1.PodIP{{IP: n.cfg.Advertise}},
-		StartTime: &started, QOSClass: corev1.PodQOSGuaranteed}
-	for _, t := range []corev1.PodConditionType{corev1.PodScheduled, corev1.PodInitialized, corev1.ContainersReady, corev1.PodReady} {
-		p.Status.Conditions = append(p.Status.Conditions, corev1.PodCondition{Type: t, Status: corev1.ConditionTrue, LastTransitionTime: now})
-	}
-	p.Status.ContainerStatuses = []corev1.ContainerStatus{{Name: ContainerName, Ready: true, Started: ptrTrue(),
-		Image: "cage.dev/template/" + rec.TemplateID, ImageID: "cage.dev/template/" + rec.TemplateID,
-		ContainerID: "cage://" + rec.ID, State: corev1.ContainerState{Running: &corev1.ContainerStateRunning{StartedAt: started}}}}
-	if _, err := pods.UpdateStatus(ctx, p, metav1.UpdateOptions{}); err != nil {
-		return err
+	if pod.Annotations[AnnoEnd] != end || pod.Annotations[AnnoState] != state {
+		patch, _ := json.Marshal(map[string]any{"metadata": map[string]any{
+			"annotations": map[string]string{AnnoEnd: end, AnnoState: state}}})
+		if _, err := pods.Patch(ctx, pod.Name, types.MergePatchType, patch, metav1.PatchOptions{}); err != nil {
+			return err
+		}
 	}
 	n.mu.Lock()
 	n.reported[pod.Name] = written
 	n.mu.Unlock()
 	return nil
+}
+
+// runningStatus is the status of a pod whose sandbox rec runs on the node
+// at ip.
+func runningStatus(rec *store.Sandbox, ip string) corev1.PodStatus {
+	started := metav1.NewTime(rec.StartedAt)
+	now := metav1.Now()
+	st := corev1.PodStatus{Phase: corev1.PodRunning, HostIP: ip, PodIP: ip,
+		HostIPs: []corev1.HostIP{{IP: ip}}, PodIPs: []corev1.PodIP{{IP: ip}},
+		StartTime: &started, QOSClass: corev1.PodQOSGuaranteed}
+	for _, t := range []corev1.PodConditionType{corev1.PodScheduled, corev1.PodInitialized, corev1.ContainersReady, corev1.PodReady} {
+		st.Conditions = append(st.Conditions, corev1.PodCondition{Type: t, Status: corev1.ConditionTrue, LastTransitionTime: now})
+	}
+	st.ContainerStatuses = []corev1.ContainerStatus{{Name: ContainerName, Ready: true, Started: ptrTrue(),
+		Image: "cage.dev/template/" + rec.TemplateID, ImageID: "cage.dev/template/" + rec.TemplateID,
+		ContainerID: "cage://" + rec.ID, State: corev1.ContainerState{Running: &corev1.ContainerStateRunning{StartedAt: started}}}}
+	return st
 }
 
 func ptrTrue() *bool { t := true; return &t }
