@@ -60,6 +60,7 @@ type Node struct {
 	ended     map[string]string     // sandbox id -> why it ended, until its pod is gone
 	reported  map[string]string     // pod name -> "uid|end|state" last written (report)
 	failed    map[string]error      // pod name -> why its create failed (never tried again)
+	adopting  map[string]bool       // sandboxes made here without a pod, until the watch has theirs
 	renewedOK bool                  // the last lease renewal succeeded (a failure, then a success: reconcile)
 }
 
@@ -83,7 +84,7 @@ func NewNode(cfg NodeConfig) (*Node, error) {
 
 func newNode(cfg NodeConfig, c kubernetes.Interface) *Node {
 	n := &Node{cfg: cfg, client: c, log: cfg.Log.With("node", cfg.NodeName), mgr: cfg.Manager,
-		starts: map[string]*startCall{}, ended: map[string]string{}, reported: map[string]string{}, failed: map[string]error{}, renewedOK: true,
+		starts: map[string]*startCall{}, ended: map[string]string{}, reported: map[string]string{}, failed: map[string]error{}, adopting: map[string]bool{}, renewedOK: true,
 		queue: workqueue.NewTypedRateLimitingQueueWithConfig(workqueue.DefaultTypedControllerRateLimiter[string](),
 			workqueue.TypedRateLimitingQueueConfig[string]{Name: "cage-pods"})}
 	n.factory = informers.NewSharedInformerFactoryWithOptions(c, 0, informers.WithNamespace(cfg.Namespace),

@@ -75,6 +75,7 @@ func TestNode(t *testing.T) {
 	t.Run("Registered", e.testRegistered)
 	t.Run("PodBecomesSandbox", e.testPodBecomesSandbox)
 	t.Run("KillDeletesPod", e.testKillDeletesPod)
+	t.Run("ForkGetsPods", e.testFork)
 	t.Run("MalformedSpec", e.testMalformed)
 	t.Run("StartNeedsNodeAuth", e.testStartAuth)
 	t.Run("Restart", e.testRestart)
@@ -258,6 +259,40 @@ func (e *nodeEnv) testKillDeletesPod(t *testing.T) {
 	}
 	e.gone(t, id)
 	e.noAgent(t, id)
+}
+
+// testFork: sandboxes made on the node without a pod (a fork's children)
+// get pods bound to it, and live on.
+func (e *nodeEnv) testFork(t *testing.T) {
+	id := e.newPod(t, nil)
+	e.running(t, id)
+	status, body, err := e.d.Do(http.MethodPost, "/sandboxes/"+id+"/fork", e.d.Key, map[string]any{"count": 2, "timeout": 120})
+	var forks []types.SandboxForkResult
+	if err != nil || status != http.StatusCreated || json.Unmarshal(body, &forks) != nil || len(forks) != 2 {
+		t.Fatalf("fork: %d %s %v", status, body, err)
+	}
+	for _, f := range forks {
+		child := f.Sandbox.SandboxID
+		if child == "" {
+			t.Fatalf("fork: %+v", f)
+		}
+		t.Cleanup(func() { e.d.Kill(e.d.Key, child) })
+		p := e.running(t, child)
+		if p.Spec.NodeName != nodeName || p.Labels[cluster.LabelKey] != e.owner {
+			t.Errorf("child %s: node %q labels %v", child, p.Spec.NodeName, p.Labels)
+		}
+	}
+	time.Sleep(2 * time.Second) // the work queue has seen the children and their pods
+	for _, f := range forks {
+		if _, status := e.detail(t, f.Sandbox.SandboxID); status != http.StatusOK {
+			t.Errorf("child %s after its pod came: %d", f.Sandbox.SandboxID, status)
+		}
+	}
+	child := forks[0].Sandbox.SandboxID
+	if status, _, _ := e.d.Do(http.MethodDelete, "/sandboxes/"+child, e.d.Key, nil); status != http.StatusNoContent {
+		t.Fatalf("kill a child: %d", status)
+	}
+	e.gone(t, child)
 }
 
 func (e *nodeEnv) testMalformed(t *testing.T) {

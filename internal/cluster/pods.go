@@ -18,6 +18,7 @@ import (
 
 	"github.com/cagehq/cage/internal/audit"
 	"github.com/cagehq/cage/internal/manager"
+	"github.com/cagehq/cage/internal/network"
 	"github.com/cagehq/cage/internal/sandbox"
 	"github.com/cagehq/cage/internal/store"
 )
@@ -42,12 +43,18 @@ const createTimeout = 5 * time.Minute
 // Changed is the manager's hook (manager.Config.Changed): the sandbox's
 // pod is synced with its record.
 func (n *Node) Changed(id, kind string) {
+	n.mu.Lock()
 	switch kind {
 	case audit.KindKill, audit.KindDied, audit.KindRemoved, audit.KindTimeout:
-		n.mu.Lock()
 		n.ended[id] = kind
-		n.mu.Unlock()
+	case audit.KindCreate:
+		if _, fromPod := n.starts[id]; !fromPod {
+			// Made here, not for a pod (a fork's child, Dify's
+			// sandboxes): it gets a pod bound to this node.
+			n.adopting[id] = true
+		}
 	}
+	n.mu.Unlock()
 	n.queue.Add(id)
 }
 
@@ -89,6 +96,10 @@ func (n *Node) sync(id string) error {
 	_, creating := n.starts[id]
 	why, ended := n.ended[id]
 	failed := n.failed[id] != nil
+	adopting := n.adopting[id]
+	if pod != nil {
+		delete(n.adopting, id) // the watch has its pod
+	}
 	n.mu.Unlock()
 	rec, recErr := n.mgr.Record(id)
 	local := recErr == nil
@@ -98,6 +109,8 @@ func (n *Node) sync(id string) error {
 	switch {
 	case creating:
 		return nil // the create syncs again when it is done
+	case pod == nil && local && adopting:
+		return n.adopt(ctx, rec)
 	case pod == nil || pod.DeletionTimestamp != nil:
 		if local {
 			n.log.Info("cluster: pod deleted; destroying its sandbox", "sandbox", id)
@@ -115,6 +128,7 @@ func (n *Node) sync(id string) error {
 		delete(n.ended, id)
 		delete(n.reported, id)
 		delete(n.failed, id)
+		delete(n.adopting, id)
 		n.mu.Unlock()
 		return nil
 	case local:
@@ -144,6 +158,40 @@ func (n *Node) sync(id string) error {
 		}
 		return nil
 	}
+}
+
+// adopt makes the pod of a sandbox made on this host without one, bound
+// here and Running, so that the cluster sees it as any other.
+func (n *Node) adopt(ctx context.Context, rec *store.Sandbox) error {
+	pol, err := manager.DecodePolicy(rec.Network)
+	if err != nil {
+		pol = network.Policy{}
+	}
+	req := manager.CreateRequest{Wall: rec.Wall, KeyID: rec.KeyID, Template: rec.TemplateID,
+		Timeout: time.Duration(rec.TimeoutSeconds) * time.Second, Metadata: rec.Metadata, Env: rec.EnvVars,
+		CPUs: rec.CPUs, Memory: rec.Memory, Disk: rec.Disk, Pids: rec.Pids, Net: pol,
+		PublicTraffic: rec.PublicTraffic, HTTPSPorts: rec.HTTPSPorts,
+		AutoPause: rec.AutoPause, AutoPauseMemory: rec.AutoPauseMemory, AutoResume: rec.AutoResume}
+	for _, v := range rec.VolumeMounts {
+		req.Volumes = append(req.Volumes, manager.VolumeMount{Name: v.Name, Path: v.Path})
+	}
+	pod, err := PodFor(rec.ID, req, n.cfg.Namespace)
+	if err != nil {
+		n.mu.Lock()
+		delete(n.adopting, rec.ID)
+		n.mu.Unlock()
+		n.log.Warn("cluster: a sandbox of this host gets no pod; it is destroyed", "sandbox", rec.ID, "err", err)
+		return n.mgr.Kill("", rec.ID)
+	}
+	pod.Spec.NodeName = n.cfg.NodeName
+	made, err := n.client.CoreV1().Pods(n.cfg.Namespace).Create(ctx, pod, metav1.CreateOptions{})
+	if apierrors.IsAlreadyExists(err) {
+		return nil // the watch brings it
+	}
+	if err != nil {
+		return err
+	}
+	return n.report(ctx, made, rec)
 }
 
 // start creates the sandbox of pod id now, or waits for the create in

@@ -104,9 +104,14 @@ func PodFor(id string, req manager.CreateRequest, ns string) (*corev1.Pod, error
 		return nil, err
 	}
 	labels := map[string]string{LabelManagedBy: "cage", LabelSandbox: "true",
-		LabelWall: req.Wall, LabelTemplate: req.Template, LabelKey: req.KeyID}
+		LabelWall: req.Wall, LabelKey: req.KeyID}
 	if strings.HasPrefix(req.KeyID, store.TeamPrefix) {
 		labels[LabelTeam] = req.KeyID
+	}
+	// A template's name may be no label value (a snapshot's ref has a / and
+	// a tag): the label is then left out; the spec has the name.
+	if len(validation.IsValidLabelValue(req.Template)) == 0 {
+		labels[LabelTemplate] = req.Template
 	}
 	for k, v := range labels {
 		if errs := validation.IsValidLabelValue(v); len(errs) > 0 {

@@ -108,7 +108,7 @@ func TestPodForRefuses(t *testing.T) {
 		"short id":         {id: "abc"},
 		"uppercase id":     {id: "0123456789ABCDEF0123"},
 		"no wall":          {req: func(r *manager.CreateRequest) { r.Wall = "" }},
-		"template label":   {req: func(r *manager.CreateRequest) { r.Template = "a/b" }},
+		"key label":        {req: func(r *manager.CreateRequest) { r.KeyID = "key with spaces" }},
 		"negative memory":  {req: func(r *manager.CreateRequest) { r.Memory = -1 }},
 		"negative timeout": {req: func(r *manager.CreateRequest) { r.Timeout = -time.Second }},
 	} {
@@ -122,6 +122,22 @@ func TestPodForRefuses(t *testing.T) {
 		if _, err := PodFor(id, r, "cage"); !errors.Is(err, ErrSpec) {
 			t.Errorf("%s: err = %v, want ErrSpec", name, err)
 		}
+	}
+}
+
+// TestPodForSnapshotTemplate: a template name that is no label value (a
+// snapshot's ref) is kept in the spec and left out of the labels.
+func TestPodForSnapshotTemplate(t *testing.T) {
+	pod, err := PodFor(testID, manager.CreateRequest{Wall: "runc", Template: "snapshots/my-snap:latest"}, "cage")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, ok := pod.Labels[LabelTemplate]; ok {
+		t.Errorf("template label %q", pod.Labels[LabelTemplate])
+	}
+	req, err := RequestFrom(pod)
+	if err != nil || req.Template != "snapshots/my-snap:latest" {
+		t.Fatalf("RequestFrom = %q, %v", req.Template, err)
 	}
 }
 
