@@ -102,8 +102,9 @@ func NewFront(cfg FrontConfig) *Front {
 	return f
 }
 
-// Start runs the informers until ctx ends and returns once they have
-// synced.
+// Start runs the informers until ctx ends (so ctx must live as long as
+// the front: a request-scoped or timed context stops its view of the
+// cluster) and returns once they have synced.
 func (f *Front) Start(ctx context.Context) error {
 	f.factory.Start(ctx.Done())
 	f.leases.Start(ctx.Done())

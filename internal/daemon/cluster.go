@@ -83,8 +83,6 @@ func startCluster(ctx context.Context, cfg Config, hook *changeHook, mgr *manage
 		return nil, err
 	}
 	hook.n.Store(node)
-	sctx, cancel := context.WithTimeout(ctx, 60*time.Second)
-	defer cancel()
 	if err := cluster.SyncKeys(ctx, node.Client(), cc.Namespace, st, log); err != nil {
 		return nil, err
 	}
@@ -93,7 +91,7 @@ func startCluster(ctx context.Context, cfg Config, hook *changeHook, mgr *manage
 	}
 	front := cluster.NewFront(cluster.FrontConfig{Client: node.Client(), Namespace: cc.Namespace, NodeName: cc.NodeName,
 		NodeKey: node.Key(), LeaseDuration: cc.LeaseDuration, Log: log})
-	if err := front.Start(sctx); err != nil {
+	if err := front.Start(ctx); err != nil { // ctx: the informers run as long as it does
 		return nil, err
 	}
 	go cluster.RunLifecycle(ctx, node.Client(), cc.Namespace, cc.NodeName, cc.LeaseDuration, log)
