@@ -4,10 +4,12 @@ import (
 	"context"
 	"encoding/json"
 	"io"
+	"net"
 	"net/http"
 	"os"
 	"path/filepath"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -35,6 +37,7 @@ type nodeEnv struct {
 	d     *cageserve.Daemon
 	admin kubernetes.Interface
 	owner string // the owner (key id) of d.Key's sandboxes
+	link  *link  // the node's way to the API server
 }
 
 func startNode(t *testing.T) *nodeEnv {
@@ -55,7 +58,18 @@ func startNode(t *testing.T) *nodeEnv {
 	if err := os.WriteFile(conf, b, 0o600); err != nil {
 		t.Fatal(err)
 	}
-	d := cageserve.Start(t, "--kubeconfig", p.MustKubeconfig(t, kubeplane.NodeUser(nodeName)),
+	// The node reaches the API server through a link the test can cut.
+	l := newLink(t, strings.TrimPrefix(p.URL, "https://"))
+	kc := p.MustKubeconfig(t, kubeplane.NodeUser(nodeName))
+	kb, err := os.ReadFile(kc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	kc = filepath.Join(t.TempDir(), "kubeconfig")
+	if err := os.WriteFile(kc, []byte(strings.Replace(string(kb), p.URL, "https://"+l.addr, 1)), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	d := cageserve.Start(t, "--kubeconfig", kc,
 		"--node-name", nodeName, "--advertise", "127.0.0.1", "--config", conf)
 	out, _, err := d.Cage("keys", "ls", "--data", d.Data, "--json")
 	var keys []struct {
@@ -64,7 +78,7 @@ func startNode(t *testing.T) *nodeEnv {
 	if err != nil || json.Unmarshal(out, &keys) != nil || len(keys) == 0 {
 		t.Fatalf("cage keys ls: %v: %s", err, out)
 	}
-	return &nodeEnv{d: d, admin: admin, owner: keys[0].ID}
+	return &nodeEnv{d: d, admin: admin, owner: keys[0].ID, link: l}
 }
 
 // TestNode runs one node against a real control plane: registration, the
@@ -78,6 +92,7 @@ func TestNode(t *testing.T) {
 	t.Run("ForkGetsPods", e.testFork)
 	t.Run("MalformedSpec", e.testMalformed)
 	t.Run("StartNeedsNodeAuth", e.testStartAuth)
+	t.Run("Partition", e.testPartition)
 	t.Run("Restart", e.testRestart)
 }
 
@@ -445,4 +460,115 @@ func waitFor(t *testing.T, limit time.Duration, what string, ok func() bool) {
 			t.Fatalf("%s: not within %v", what, limit)
 		}
 	}
+}
+
+// testPartition cuts the node off the API server: its sandbox runs on
+// meanwhile; a pod deleted during the cut has its sandbox destroyed once
+// the node is back, and the lease is renewed again.
+func (e *nodeEnv) testPartition(t *testing.T) {
+	kept, deleted := e.newPod(t, nil), e.newPod(t, nil)
+	e.running(t, kept)
+	e.running(t, deleted)
+	ctx := context.Background()
+	leases := e.admin.CoordinationV1().Leases(cluster.NodeLeaseNamespace)
+	e.link.cut()
+	cutAt := time.Now()
+	zero := int64(0)
+	if err := e.admin.CoreV1().Pods(cluster.DefaultNamespace).Delete(ctx, deleted, metav1.DeleteOptions{GracePeriodSeconds: &zero}); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(4 * time.Second) // more than two renewals missed
+	l, err := leases.Get(ctx, nodeName, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if l.Spec.RenewTime.After(cutAt.Add(500 * time.Millisecond)) {
+		t.Fatalf("the lease was renewed during the cut (%v, cut at %v)", l.Spec.RenewTime, cutAt)
+	}
+	for _, id := range []string{kept, deleted} {
+		if _, err := cageserve.AgentPID(id); err != nil {
+			t.Fatalf("sandbox %s stopped during the cut: %v", id, err)
+		}
+	}
+	e.link.heal()
+	e.noAgent(t, deleted)
+	waitFor(t, 15*time.Second, "the lease renewed after the cut", func() bool {
+		l2, err := leases.Get(ctx, nodeName, metav1.GetOptions{})
+		return err == nil && l2.Spec.RenewTime.After(l.Spec.RenewTime.Time)
+	})
+	if _, status := e.detail(t, kept); status != http.StatusOK {
+		t.Errorf("the kept sandbox after the cut: %d", status)
+	}
+	if p := e.running(t, kept); p.DeletionTimestamp != nil {
+		t.Errorf("the kept pod is being deleted")
+	}
+}
+
+// link is a TCP relay to addr that the test can cut (every connection
+// closed, new ones refused) and heal (on the same address).
+type link struct {
+	t      *testing.T
+	addr   string // where it listens
+	target string
+
+	mu    sync.Mutex
+	ln    net.Listener
+	conns map[net.Conn]bool
+}
+
+func newLink(t *testing.T, target string) *link {
+	l := &link{t: t, target: target, conns: map[net.Conn]bool{}}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	l.addr = ln.Addr().String()
+	l.serve(ln)
+	t.Cleanup(l.cut)
+	return l
+}
+
+func (l *link) serve(ln net.Listener) {
+	l.mu.Lock()
+	l.ln = ln
+	l.mu.Unlock()
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			up, err := net.Dial("tcp", l.target)
+			if err != nil {
+				c.Close()
+				continue
+			}
+			l.mu.Lock()
+			l.conns[c], l.conns[up] = true, true
+			l.mu.Unlock()
+			go func() { _, _ = io.Copy(up, c); up.Close() }()
+			go func() { _, _ = io.Copy(c, up); c.Close() }()
+		}
+	}()
+}
+
+func (l *link) cut() {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.ln != nil {
+		l.ln.Close()
+		l.ln = nil
+	}
+	for c := range l.conns {
+		c.Close()
+	}
+	l.conns = map[net.Conn]bool{}
+}
+
+func (l *link) heal() {
+	ln, err := net.Listen("tcp", l.addr)
+	if err != nil {
+		l.t.Fatal(err)
+	}
+	l.serve(ln)
 }
