@@ -89,6 +89,7 @@ func TestNode(t *testing.T) {
 	t.Run("Registered", e.testRegistered)
 	t.Run("PodBecomesSandbox", e.testPodBecomesSandbox)
 	t.Run("KillDeletesPod", e.testKillDeletesPod)
+	t.Run("CreateThroughAPI", e.testCreateThroughAPI)
 	t.Run("ForkGetsPods", e.testFork)
 	t.Run("MalformedSpec", e.testMalformed)
 	t.Run("StartNeedsNodeAuth", e.testStartAuth)
@@ -264,6 +265,25 @@ func (e *nodeEnv) testPodBecomesSandbox(t *testing.T) {
 	if _, status := e.detail(t, id); status != http.StatusNotFound {
 		t.Errorf("GET after the pod's deletion: %d", status)
 	}
+}
+
+// testCreateThroughAPI: an E2B create on the node's API becomes a pod that
+// kube-scheduler binds to the node, which starts it for the front.
+func (e *nodeEnv) testCreateThroughAPI(t *testing.T) {
+	sb := e.d.Create(t, e.d.Key, map[string]any{"templateID": "host", "timeout": 120})
+	p := e.running(t, sb.SandboxID)
+	if p.Spec.NodeName != nodeName || p.Labels[cluster.LabelKey] != e.owner {
+		t.Errorf("pod: node %q labels %v", p.Spec.NodeName, p.Labels)
+	}
+	c := e.d.Agent(sb.SandboxID, sb.EnvdAccessToken)
+	defer c.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	if end, err := c.Run(ctx, agentclient.RunOptions{Cmd: "/bin/true"}); err != nil || end.ExitCode != 0 {
+		t.Fatalf("run: %v %+v", err, end)
+	}
+	e.d.Kill(e.d.Key, sb.SandboxID)
+	e.gone(t, sb.SandboxID)
 }
 
 func (e *nodeEnv) testKillDeletesPod(t *testing.T) {
