@@ -8,6 +8,11 @@ GOFLAGS_BUILD = -trimpath -ldflags '-s -w'
 RUNSC_VERSION ?= v0.0.0-20260905035102-160fafc42237
 RUNSC_DIR ?= $(CURDIR)/.tools/bin
 
+# The Kubernetes control plane of the cluster tests (scripts/kube.sh builds
+# etcd, kube-apiserver and kube-scheduler from the module proxy).
+KUBE_VERSION ?= v1.37.2
+ETCD_VERSION ?= v3.7.3
+
 .PHONY: all build demo test test-unit proto api vet fmt bench clean runsc base code-interpreter desktop
 
 all: build

@@ -53,6 +53,17 @@ if [ "$(id -u)" = 0 ]; then
   export CAGE_KERNEL_DIR="${CAGE_KERNEL_DIR:-$cache/kernel}"
   echo "== guest kernel $(bash scripts/kernel.sh "$CAGE_KERNEL_DIR") and QEMU"
 fi
+# The Kubernetes control plane of the cluster tests (etcd, kube-apiserver,
+# kube-scheduler from the module proxy; about 10 minutes on 2 cores, once
+# per version pair). Not root: the cluster tests skip.
+if [ "$(id -u)" = 0 ] && [ -z "${CAGE_KUBE_DIR:-}" ]; then
+  kube_dir="$cache/kube-$(sed -n 's/^KUBE_VERSION ?= //p' Makefile)-etcd-$(sed -n 's/^ETCD_VERSION ?= //p' Makefile)"
+  if [ ! -x "$kube_dir/kube-apiserver" ]; then
+    echo "== building etcd, kube-apiserver and kube-scheduler from the module proxy (once per version)"
+    bash scripts/kube.sh "$kube_dir" >/dev/null
+  fi
+  export CAGE_KUBE_DIR="$kube_dir"
+fi
 # As root (CI) every wall must run: a missing one fails the suite instead of
 # being skipped.
 if [ "$(id -u)" = 0 ]; then
