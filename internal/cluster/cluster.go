@@ -24,7 +24,14 @@ import (
 const (
 	DefaultNamespace     = "cage"
 	DefaultLeaseDuration = 40 * time.Second
-	NodeLeaseNamespace   = "kube-node-lease"
+	// A sandbox's cpus and memory are ceilings (cgroup limits), not
+	// reservations, and most sandboxes idle: the Node offers its CPUs and
+	// memory times these, so that kube-scheduler places about as many
+	// sandboxes as one host takes (its pods capacity, max_sandboxes, is
+	// the other bound).
+	DefaultCPUOvercommit    = 32
+	DefaultMemoryOvercommit = 16
+	NodeLeaseNamespace      = "kube-node-lease"
 )
 
 // Config is a node's cluster configuration (cage serve --kubeconfig and
@@ -33,6 +40,9 @@ type Config struct {
 	Kubeconfig, Namespace, NodeName, Advertise string
 	LeaseDuration                              time.Duration
 	APIPort, ProxyPort                         int // where this node's API and proxy listen (for the Node's annotations)
+	// CPUOvercommit and MemoryOvercommit multiply the host's CPUs and
+	// memory into the Node's capacity (0: the defaults).
+	CPUOvercommit, MemoryOvercommit float64
 }
 
 // Enabled reports whether c turns cluster mode on (a kubeconfig is named).
@@ -62,6 +72,12 @@ func (c *Config) Defaults() error {
 	if c.LeaseDuration == 0 {
 		c.LeaseDuration = DefaultLeaseDuration
 	}
+	if c.CPUOvercommit == 0 {
+		c.CPUOvercommit = DefaultCPUOvercommit
+	}
+	if c.MemoryOvercommit == 0 {
+		c.MemoryOvercommit = DefaultMemoryOvercommit
+	}
 	return c.Validate()
 }
 
@@ -69,6 +85,9 @@ func (c *Config) Defaults() error {
 func (c *Config) Validate() error {
 	if c.LeaseDuration < 2*time.Second {
 		return fmt.Errorf("cluster: lease duration %v is under 2s", c.LeaseDuration)
+	}
+	if c.CPUOvercommit < 1 || c.CPUOvercommit > 1000 || c.MemoryOvercommit < 1 || c.MemoryOvercommit > 1000 {
+		return fmt.Errorf("cluster: overcommit %v (cpu), %v (memory): each from 1 to 1000", c.CPUOvercommit, c.MemoryOvercommit)
 	}
 	if ip := net.ParseIP(c.Advertise); ip == nil || ip.IsUnspecified() {
 		return fmt.Errorf("cluster: advertise %q is not an IP address other nodes can reach", c.Advertise)

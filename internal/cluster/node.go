@@ -14,6 +14,7 @@ import (
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/fields"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes"
 	corelisters "k8s.io/client-go/listers/core/v1"
@@ -61,6 +62,7 @@ type Node struct {
 	reported  map[string]string     // pod name -> "uid|end|state" last written (report)
 	failed    map[string]error      // pod name -> why its create failed (never tried again)
 	adopting  map[string]bool       // sandboxes made here without a pod, until the watch has theirs
+	deleted   map[string]types.UID  // pods this node deleted, until the watch has them gone
 	renewedOK bool                  // the last lease renewal succeeded (a failure, then a success: reconcile)
 }
 
@@ -84,7 +86,7 @@ func NewNode(cfg NodeConfig) (*Node, error) {
 
 func newNode(cfg NodeConfig, c kubernetes.Interface) *Node {
 	n := &Node{cfg: cfg, client: c, log: cfg.Log.With("node", cfg.NodeName), mgr: cfg.Manager,
-		starts: map[string]*startCall{}, ended: map[string]string{}, reported: map[string]string{}, failed: map[string]error{}, adopting: map[string]bool{}, renewedOK: true,
+		starts: map[string]*startCall{}, ended: map[string]string{}, reported: map[string]string{}, failed: map[string]error{}, adopting: map[string]bool{}, deleted: map[string]types.UID{}, renewedOK: true,
 		queue: workqueue.NewTypedRateLimitingQueueWithConfig(workqueue.DefaultTypedControllerRateLimiter[string](),
 			workqueue.TypedRateLimitingQueueConfig[string]{Name: "cage-pods"})}
 	n.factory = informers.NewSharedInformerFactoryWithOptions(c, 0, informers.WithNamespace(cfg.Namespace),
@@ -218,9 +220,11 @@ func hostPort(ip string) string {
 func (n *Node) nodeStatus(old corev1.NodeStatus) corev1.NodeStatus {
 	now := metav1.Now()
 	cap := corev1.ResourceList{
-		corev1.ResourceCPU:    *resource.NewQuantity(int64(runtime.NumCPU()), resource.DecimalSI),
-		corev1.ResourceMemory: *resource.NewQuantity(sandbox.HostMemory(), resource.BinarySI),
-		corev1.ResourcePods:   *resource.NewQuantity(int64(max(n.cfg.MaxSandboxes, 1)), resource.DecimalSI),
+		corev1.ResourceCPU: *resource.NewMilliQuantity(int64(float64(runtime.NumCPU())*n.cfg.CPUOvercommit*1000),
+			resource.DecimalSI),
+		corev1.ResourceMemory: *resource.NewQuantity(int64(float64(sandbox.HostMemory())*n.cfg.MemoryOvercommit),
+			resource.BinarySI),
+		corev1.ResourcePods: *resource.NewQuantity(int64(max(n.cfg.MaxSandboxes, 1)), resource.DecimalSI),
 	}
 	ready := corev1.NodeCondition{Type: corev1.NodeReady, Status: corev1.ConditionTrue, Reason: "CageReady",
 		Message: "cage serve is running", LastHeartbeatTime: now, LastTransitionTime: now}

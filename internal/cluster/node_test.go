@@ -8,6 +8,7 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
+	"runtime"
 	"strings"
 	"sync"
 	"syscall"
@@ -38,6 +39,7 @@ type nodeEnv struct {
 	admin kubernetes.Interface
 	owner string // the owner (key id) of d.Key's sandboxes
 	link  *link  // the node's way to the API server
+	plane *kubeplane.Plane
 }
 
 func startNode(t *testing.T) *nodeEnv {
@@ -78,7 +80,7 @@ func startNode(t *testing.T) *nodeEnv {
 	if err != nil || json.Unmarshal(out, &keys) != nil || len(keys) == 0 {
 		t.Fatalf("cage keys ls: %v: %s", err, out)
 	}
-	return &nodeEnv{d: d, admin: admin, owner: keys[0].ID, link: l}
+	return &nodeEnv{d: d, admin: admin, owner: keys[0].ID, link: l, plane: p}
 }
 
 // TestNode runs one node against a real control plane: registration, the
@@ -120,7 +122,8 @@ func (e *nodeEnv) testRegistered(t *testing.T) {
 		t.Errorf("taints %v", n.Spec.Taints)
 	}
 	c := n.Status.Capacity
-	if c.Cpu().Value() < 1 || c.Memory().Value() < 64<<20 || c.Pods().Value() < 1 {
+	if c.Cpu().MilliValue() != int64(runtime.NumCPU())*cluster.DefaultCPUOvercommit*1000 ||
+		c.Memory().Value() < 64<<20*cluster.DefaultMemoryOvercommit || c.Pods().Value() < 16 {
 		t.Errorf("capacity %v", c)
 	}
 	ready := false

@@ -129,6 +129,7 @@ func (n *Node) sync(id string) error {
 		delete(n.reported, id)
 		delete(n.failed, id)
 		delete(n.adopting, id)
+		delete(n.deleted, id)
 		n.mu.Unlock()
 		return nil
 	case local:
@@ -141,7 +142,9 @@ func (n *Node) sync(id string) error {
 		return n.report(ctx, pod, rec)
 	case ended:
 		n.log.Info("cluster: sandbox ended; deleting its pod", "sandbox", id, "why", why)
-		n.event(pod, corev1.EventTypeNormal, "Ended", "sandbox ended ("+strings.TrimPrefix(why, "sandbox.")+")")
+		if why == audit.KindDied || why == audit.KindRemoved { // a kill or a timeout is the caller's own doing
+			n.event(pod, corev1.EventTypeWarning, "Ended", "sandbox ended ("+strings.TrimPrefix(why, "sandbox.")+")")
+		}
 		return n.deletePod(ctx, pod)
 	case pod.Status.Phase == corev1.PodPending && !failed:
 		go func() { _, _ = n.start(context.Background(), id) }()
@@ -394,13 +397,26 @@ func failedAt(pod *corev1.Pod) time.Time {
 }
 
 // deletePod deletes a pod now (grace 0), as a kubelet confirms a deletion.
+// Once deleted, the pod's later syncs (until the watch sees it gone) cost
+// no request.
 func (n *Node) deletePod(ctx context.Context, pod *corev1.Pod) error {
+	n.mu.Lock()
+	done := n.deleted[pod.Name] == pod.UID
+	n.mu.Unlock()
+	if done {
+		return nil
+	}
 	zero := int64(0)
 	uid := pod.UID
 	err := n.client.CoreV1().Pods(n.cfg.Namespace).Delete(ctx, pod.Name, metav1.DeleteOptions{
 		GracePeriodSeconds: &zero, Preconditions: &metav1.Preconditions{UID: &uid}})
 	if apierrors.IsNotFound(err) || apierrors.IsConflict(err) {
 		err = nil
+	}
+	if err == nil {
+		n.mu.Lock()
+		n.deleted[pod.Name] = uid
+		n.mu.Unlock()
 	}
 	return err
 }

@@ -25,6 +25,11 @@ type Cluster struct {
 	NodeName     string `json:"node_name"`     // default the host name
 	Advertise    string `json:"advertise"`     // the address others reach this node at (default: the first non-loopback IPv4)
 	LeaseSeconds int    `json:"lease_seconds"` // default 40
+	// CPUOvercommit and MemoryOvercommit multiply the host's CPUs and
+	// memory into what the Node offers (defaults 32 and 16: a sandbox's
+	// limits are ceilings, not reservations).
+	CPUOvercommit    float64 `json:"cpu_overcommit"`
+	MemoryOvercommit float64 `json:"memory_overcommit"`
 	// Walls this node offers the cluster (labels cage.dev/wall-W); default:
 	// every wall the host can run.
 	Walls []string `json:"walls"`
@@ -37,6 +42,7 @@ func (c Cluster) config(api, proxy net.Addr) (cluster.Config, error) {
 	}
 	cc := cluster.Config{Kubeconfig: c.Kubeconfig, Namespace: c.Namespace, NodeName: c.NodeName,
 		Advertise: c.Advertise, LeaseDuration: time.Duration(c.LeaseSeconds) * time.Second,
+		CPUOvercommit: c.CPUOvercommit, MemoryOvercommit: c.MemoryOvercommit,
 		APIPort: api.(*net.TCPAddr).Port, ProxyPort: proxy.(*net.TCPAddr).Port}
 	if cc.Advertise == "" {
 		// A listener on one address is reached there.
