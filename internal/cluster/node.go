@@ -63,6 +63,7 @@ type Node struct {
 	failed    map[string]error      // pod name -> why its create failed (never tried again)
 	adopting  map[string]bool       // sandboxes made here without a pod, until the watch has theirs
 	deleted   map[string]types.UID  // pods this node deleted, until the watch has them gone
+	claimed   map[string]string     // claim pod -> the pooled sandbox it got (start?pool=1), until the claim is gone
 	renewedOK bool                  // the last lease renewal succeeded (a failure, then a success: reconcile)
 }
 
@@ -86,7 +87,7 @@ func NewNode(cfg NodeConfig) (*Node, error) {
 
 func newNode(cfg NodeConfig, c kubernetes.Interface) *Node {
 	n := &Node{cfg: cfg, client: c, log: cfg.Log.With("node", cfg.NodeName), mgr: cfg.Manager,
-		starts: map[string]*startCall{}, ended: map[string]string{}, reported: map[string]string{}, failed: map[string]error{}, adopting: map[string]bool{}, deleted: map[string]types.UID{}, renewedOK: true,
+		starts: map[string]*startCall{}, ended: map[string]string{}, reported: map[string]string{}, failed: map[string]error{}, adopting: map[string]bool{}, deleted: map[string]types.UID{}, claimed: map[string]string{}, renewedOK: true,
 		queue: workqueue.NewTypedRateLimitingQueueWithConfig(workqueue.DefaultTypedControllerRateLimiter[string](),
 			workqueue.TypedRateLimitingQueueConfig[string]{Name: "cage-pods"})}
 	n.factory = informers.NewSharedInformerFactoryWithOptions(c, 0, informers.WithNamespace(cfg.Namespace),

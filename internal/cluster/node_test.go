@@ -72,7 +72,7 @@ func startNode(t *testing.T) *nodeEnv {
 		t.Fatal(err)
 	}
 	d := cageserve.Start(t, "--kubeconfig", kc,
-		"--node-name", nodeName, "--advertise", "127.0.0.1", "--config", conf)
+		"--node-name", nodeName, "--advertise", "127.0.0.1", "--config", conf, "--pool", "1")
 	out, _, err := d.Cage("keys", "ls", "--data", d.Data, "--json")
 	var keys []struct {
 		ID string `json:"id"`
@@ -93,6 +93,7 @@ func TestNode(t *testing.T) {
 	t.Run("KillDeletesPod", e.testKillDeletesPod)
 	t.Run("CreateThroughAPI", e.testCreateThroughAPI)
 	t.Run("ForkGetsPods", e.testFork)
+	t.Run("PooledClaim", e.testPooledClaim)
 	t.Run("MalformedSpec", e.testMalformed)
 	t.Run("StartNeedsNodeAuth", e.testStartAuth)
 	t.Run("Partition", e.testPartition)
@@ -331,6 +332,53 @@ func (e *nodeEnv) testFork(t *testing.T) {
 		t.Fatalf("kill a child: %d", status)
 	}
 	e.gone(t, child)
+}
+
+// testPooledClaim: a start with pool=1 may give the claim pod a pooled
+// sandbox of another id: that sandbox gets its own pod, Running on the
+// node, the claim is deleted, and a second start of the claim answers
+// the same sandbox.
+func (e *nodeEnv) testPooledClaim(t *testing.T) {
+	start := func(id string) (int, map[string]any) {
+		path := "/cluster/pods/" + id + "/start?pool=1"
+		req, _ := http.NewRequest(http.MethodPost, "http://"+e.d.API+path, nil)
+		req.Header.Set(cluster.AuthHeader, signedFor(t, e, path))
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		var rec map[string]any
+		_ = json.NewDecoder(resp.Body).Decode(&rec)
+		return resp.StatusCode, rec
+	}
+	var claim, got string
+	for try := 0; try < 10 && (got == "" || got == claim); try++ {
+		if try > 0 {
+			time.Sleep(time.Second) // the pool refills
+		}
+		claim = e.newPod(t, nil)
+		status, rec := start(claim)
+		if status != http.StatusOK {
+			t.Fatalf("start %s: %d %v", claim, status, rec)
+		}
+		got, _ = rec["ID"].(string)
+		t.Cleanup(func() { e.d.Kill(e.d.Key, got) })
+	}
+	if got == claim {
+		t.Fatal("no start took a pooled sandbox in 10 tries")
+	}
+	p := e.running(t, got)
+	if p.Spec.NodeName != nodeName || p.Labels[cluster.LabelKey] != e.owner {
+		t.Errorf("the pooled sandbox's pod: node %q labels %v", p.Spec.NodeName, p.Labels)
+	}
+	e.gone(t, claim)
+	if _, status := e.detail(t, got); status != http.StatusOK {
+		t.Errorf("GET the pooled sandbox: %d", status)
+	}
+	if _, status := e.detail(t, claim); status != http.StatusNotFound {
+		t.Errorf("GET the claim's id: %d", status)
+	}
 }
 
 func (e *nodeEnv) testMalformed(t *testing.T) {

@@ -37,8 +37,12 @@ type startCall struct {
 	err  error
 }
 
-// createTimeout bounds one create from a pod.
-const createTimeout = 5 * time.Minute
+// createTimeout bounds one create from a pod; startGrace is how long the
+// watch leaves a new pod to the front's start call.
+const (
+	createTimeout = 5 * time.Minute
+	startGrace    = 2 * time.Second // from creationTimestamp, whole seconds: 1 to 2 s
+)
 
 // Changed is the manager's hook (manager.Config.Changed): the sandbox's
 // pod is synced with its record.
@@ -97,6 +101,10 @@ func (n *Node) sync(id string) error {
 	why, ended := n.ended[id]
 	failed := n.failed[id] != nil
 	adopting := n.adopting[id]
+	claimed := n.claimed[id] != ""
+	if pod == nil {
+		delete(n.claimed, id)
+	}
 	if pod != nil {
 		delete(n.adopting, id) // the watch has its pod
 	}
@@ -109,6 +117,8 @@ func (n *Node) sync(id string) error {
 	switch {
 	case creating:
 		return nil // the create syncs again when it is done
+	case claimed && pod != nil:
+		return n.deletePod(ctx, pod)
 	case pod == nil && local && adopting:
 		return n.adopt(ctx, rec)
 	case pod == nil || pod.DeletionTimestamp != nil:
@@ -147,7 +157,15 @@ func (n *Node) sync(id string) error {
 		}
 		return n.deletePod(ctx, pod)
 	case pod.Status.Phase == corev1.PodPending && !failed:
-		go func() { _, _ = n.start(context.Background(), id) }()
+		// The front that made the pod starts it at once (and may have
+		// it take a pooled sandbox); the watch starts a pod nobody
+		// started within startGrace of its making (kubectl's, or a
+		// front's that died).
+		if wait := startGrace - time.Since(pod.CreationTimestamp.Time); wait > 0 {
+			n.queue.AddAfter(id, wait)
+			return nil
+		}
+		go func() { _, _ = n.start(context.Background(), id, false) }()
 		return nil
 	case pod.Status.Phase == corev1.PodRunning:
 		// Running, but this host has no such sandbox and no word of its
@@ -198,9 +216,15 @@ func (n *Node) adopt(ctx context.Context, rec *store.Sandbox) error {
 }
 
 // start creates the sandbox of pod id now, or waits for the create in
-// progress, and returns its record.
-func (n *Node) start(ctx context.Context, id string) (*store.Sandbox, error) {
+// progress, and returns its record. With pooled, the sandbox may be a
+// prepared one of this node's pool, whose id is its own: pod id was then
+// a claim, which is deleted, and the sandbox gets a pod of its own name.
+func (n *Node) start(ctx context.Context, id string, pooled bool) (*store.Sandbox, error) {
 	n.mu.Lock()
+	if got := n.claimed[id]; got != "" {
+		n.mu.Unlock()
+		return n.mgr.Record(got)
+	}
 	if c := n.starts[id]; c != nil {
 		n.mu.Unlock()
 		select {
@@ -221,7 +245,7 @@ func (n *Node) start(ctx context.Context, id string) (*store.Sandbox, error) {
 	c := &startCall{done: make(chan struct{})}
 	n.starts[id] = c
 	n.mu.Unlock()
-	c.rec, c.err = n.create(id)
+	c.rec, c.err = n.create(id, pooled)
 	n.mu.Lock()
 	delete(n.starts, id)
 	n.mu.Unlock()
@@ -233,7 +257,7 @@ func (n *Node) start(ctx context.Context, id string) (*store.Sandbox, error) {
 // create makes the sandbox of pod id (read from the API server: the
 // front calls start as soon as the pod is bound, before the watch may
 // have it).
-func (n *Node) create(id string) (*store.Sandbox, error) {
+func (n *Node) create(id string, pooled bool) (*store.Sandbox, error) {
 	ctx, cancel := context.WithTimeout(context.Background(), createTimeout)
 	defer cancel()
 	pod, err := n.pods.Pods(n.cfg.Namespace).Get(id)
@@ -258,12 +282,55 @@ func (n *Node) create(id string) (*store.Sandbox, error) {
 	if err != nil {
 		return nil, n.createFailed(ctx, pod, fmt.Errorf("%w: %v", sandbox.ErrInvalid, err))
 	}
+	if pooled && n.poolReady(req) {
+		req.ID = "" // the prepared sandbox's own
+	}
 	rec, err := n.mgr.Create(ctx, req)
 	if err != nil {
 		return nil, n.createFailed(ctx, pod, err)
 	}
+	if rec.ID != id {
+		return n.claim(ctx, pod, rec)
+	}
 	if err := n.report(ctx, pod, rec); err != nil {
 		n.log.Warn("cluster: pod status", "pod", id, "err", err)
+	}
+	return rec, nil
+}
+
+// poolReady says whether a pool of this node has a sandbox ready for req
+// (its wall and template; whether it fits is the pool's to say).
+func (n *Node) poolReady(req manager.CreateRequest) bool {
+	if n.cfg.Host == nil {
+		return false
+	}
+	tmpl := req.Template
+	if tmpl == "" {
+		tmpl = n.cfg.Host.DefaultTemplate(req.Wall)
+	}
+	for _, s := range n.cfg.Host.PoolStats() {
+		if s.Wall == req.Wall && s.Template == tmpl && s.Ready > 0 {
+			return true
+		}
+	}
+	return false
+}
+
+// claim turns the pod that asked for a sandbox (a claim) into the pod of
+// rec, a sandbox of another id (the pool's): rec's pod is made, bound
+// here, before the claim is deleted; without its pod the sandbox is
+// destroyed and the create fails.
+func (n *Node) claim(ctx context.Context, claim *corev1.Pod, rec *store.Sandbox) (*store.Sandbox, error) {
+	n.mu.Lock()
+	n.claimed[claim.Name] = rec.ID
+	n.adopting[rec.ID] = true
+	n.mu.Unlock()
+	if err := n.adopt(ctx, rec); err != nil {
+		_ = n.mgr.Kill("", rec.ID)
+		return nil, n.createFailed(ctx, claim, fmt.Errorf("%w: the pod of sandbox %s: %v", sandbox.ErrUnavailable, rec.ID, err))
+	}
+	if err := n.deletePod(ctx, claim); err != nil {
+		n.log.Warn("cluster: delete a claim", "pod", claim.Name, "err", err)
 	}
 	return rec, nil
 }
@@ -482,7 +549,7 @@ func (n *Node) Routes(next http.Handler) http.Handler {
 // made now (or by the create in progress); the answer is its record,
 // secrets included, for the front to answer the create with.
 func (n *Node) serveStart(w http.ResponseWriter, r *http.Request) {
-	rec, err := n.start(r.Context(), r.PathValue("name"))
+	rec, err := n.start(r.Context(), r.PathValue("name"), r.URL.Query().Get("pool") == "1")
 	if err != nil {
 		writeErr(w, statusOf(err), oneLine(err.Error()))
 		return
