@@ -50,7 +50,23 @@ func (c Cluster) config(api, proxy net.Addr) (cluster.Config, error) {
 			cc.Advertise = ip.String()
 		}
 	}
-	return cc, cc.Defaults()
+	if err := cc.Defaults(); err != nil {
+		return cc, err
+	}
+	// Other nodes and the API server's users reach both listeners at the
+	// advertised address: one bound elsewhere would make a node nobody
+	// can reach.
+	adv := net.ParseIP(cc.Advertise)
+	for _, l := range []struct {
+		name string
+		addr net.Addr
+	}{{"--api", api}, {"--proxy", proxy}} {
+		if ip := l.addr.(*net.TCPAddr).IP; !ip.IsUnspecified() && !ip.Equal(adv) {
+			return cc, fmt.Errorf("cluster: %s listens on %s, but other nodes reach this node at %s (cluster.advertise): listen there or on 0.0.0.0",
+				l.name, l.addr, cc.Advertise)
+		}
+	}
+	return cc, nil
 }
 
 // changeHook passes the manager's changes to the node once there is one.
