@@ -91,6 +91,7 @@ func TestNode(t *testing.T) {
 	t.Run("Registered", e.testRegistered)
 	t.Run("PodBecomesSandbox", e.testPodBecomesSandbox)
 	t.Run("KillDeletesPod", e.testKillDeletesPod)
+	t.Run("PauseState", e.testPauseState)
 	t.Run("CreateThroughAPI", e.testCreateThroughAPI)
 	t.Run("ForkGetsPods", e.testFork)
 	t.Run("PooledClaim", e.testPooledClaim)
@@ -288,6 +289,32 @@ func (e *nodeEnv) testCreateThroughAPI(t *testing.T) {
 	}
 	e.d.Kill(e.d.Key, sb.SandboxID)
 	e.gone(t, sb.SandboxID)
+}
+
+// testPauseState: pause and resume show in the pod's state annotation,
+// and the pod stays (a paused sandbox is a sandbox).
+func (e *nodeEnv) testPauseState(t *testing.T) {
+	id := e.newPod(t, nil)
+	e.running(t, id)
+	state := func(want string) {
+		t.Helper()
+		waitFor(t, 10*time.Second, "state "+want, func() bool {
+			p, err := e.pod(id)
+			return err == nil && p.Annotations[cluster.AnnoState] == want && p.Status.Phase == corev1.PodRunning
+		})
+	}
+	if status, body, err := e.d.Do(http.MethodPost, "/sandboxes/"+id+"/pause", e.d.Key, map[string]any{}); err != nil || status != http.StatusNoContent {
+		t.Fatalf("pause: %d %s %v", status, body, err)
+	}
+	state("paused")
+	if status, body, err := e.d.Do(http.MethodPost, "/sandboxes/"+id+"/resume", e.d.Key, map[string]any{"timeout": 300}); err != nil || status != http.StatusCreated {
+		t.Fatalf("resume: %d %s %v", status, body, err)
+	}
+	state("running")
+	p, _ := e.pod(id)
+	if end := cluster.EndOf(p); time.Until(end) > 6*time.Minute || time.Until(end) < 4*time.Minute {
+		t.Errorf("end after a resume for 300 s: %v", end)
+	}
 }
 
 func (e *nodeEnv) testKillDeletesPod(t *testing.T) {
