@@ -2,9 +2,11 @@ package cluster
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"log/slog"
 	"runtime"
+	"slices"
 	"sync"
 	"time"
 
@@ -143,6 +145,7 @@ func (n *Node) Start(ctx context.Context) error {
 	go func() { <-ctx.Done(); n.queue.ShutDown() }()
 	go n.keepLease(ctx)
 	go n.heartbeat(ctx)
+	go n.labelAccel(ctx)
 	n.log.Info("cluster: node joined", "namespace", n.cfg.Namespace, "advertise", n.cfg.Advertise, "walls", n.cfg.Walls)
 	return nil
 }
@@ -247,6 +250,23 @@ func (n *Node) nodeStatus(old corev1.NodeStatus) corev1.NodeStatus {
 		DaemonEndpoints: corev1.NodeDaemonEndpoints{KubeletEndpoint: corev1.DaemonEndpoint{Port: int32(n.cfg.APIPort)}},
 		NodeInfo: corev1.NodeSystemInfo{KubeletVersion: "cage/" + n.cfg.Version, KubeProxyVersion: "",
 			OperatingSystem: "linux", Architecture: runtime.GOARCH, ContainerRuntimeVersion: "cage://" + n.cfg.Version},
+	}
+}
+
+// labelAccel labels the Node with how its microvm wall runs guests
+// (LabelMicrovmAccel: kvm, or tcg, which is for development only), once
+// the wall's probe (up to 10 s, once per boot) has said.
+func (n *Node) labelAccel(ctx context.Context) {
+	if n.cfg.Host == nil || !slices.Contains(n.cfg.Walls, "microvm") {
+		return
+	}
+	accel := "kvm"
+	if n.cfg.Host.Warning(ctx, "microvm") != "" {
+		accel = "tcg"
+	}
+	patch, _ := json.Marshal(map[string]any{"metadata": map[string]any{"labels": map[string]string{LabelMicrovmAccel: accel}}})
+	if _, err := n.client.CoreV1().Nodes().Patch(ctx, n.cfg.NodeName, types.MergePatchType, patch, metav1.PatchOptions{}); err != nil && ctx.Err() == nil {
+		n.log.Warn("cluster: node label", "label", LabelMicrovmAccel, "err", err)
 	}
 }
 

@@ -135,6 +135,17 @@ func (e *nodeEnv) testRegistered(t *testing.T) {
 	if !ready || len(n.Status.Addresses) == 0 || n.Status.Addresses[0].Address != "127.0.0.1" {
 		t.Errorf("status %+v", n.Status)
 	}
+	t.Logf("node labels: %v", n.Labels)
+	// A node that runs microvm says how (kvm or tcg) once its probe has.
+	if n.Labels[cluster.WallLabelPrefix+"microvm"] == "true" {
+		waitFor(t, 20*time.Second, "the microvm-accel label", func() bool {
+			n, err := e.admin.CoreV1().Nodes().Get(ctx, nodeName, metav1.GetOptions{})
+			v := n.Labels[cluster.LabelMicrovmAccel]
+			return err == nil && (v == "kvm" || v == "tcg")
+		})
+	} else if _, ok := n.Labels[cluster.LabelMicrovmAccel]; ok {
+		t.Errorf("a microvm-accel label without the microvm wall")
+	}
 	// The lease is renewed every 1.5 s (6 s / 4).
 	l1, err := e.admin.CoordinationV1().Leases(cluster.NodeLeaseNamespace).Get(ctx, nodeName, metav1.GetOptions{})
 	if err != nil {

@@ -36,6 +36,9 @@ const (
 	Taint           = "cage.dev/sandbox"
 	AnnoAPI         = "cage.dev/api"   // on a Node: http://ADVERTISE:APIPORT
 	AnnoProxy       = "cage.dev/proxy" // on a Node: http://ADVERTISE:PROXYPORT
+	// LabelMicrovmAccel is on a Node that runs microvm: kvm, or tcg
+	// (emulation: development and CI only). A pod may select kvm.
+	LabelMicrovmAccel = "cage.dev/microvm-accel"
 
 	ContainerName = "sandbox"
 	SpecVersion   = 1
