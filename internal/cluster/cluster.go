@@ -3,9 +3,10 @@
 // the cluster's namespace, placed by kube-scheduler, run by the node it is
 // bound to through that host's walls, and its status reported back. This
 // file holds the configuration and the client; schema.go the pod's shape;
-// auth.go node-to-node authentication; node.go and pods.go the node side;
-// rbac.go the role the nodes need. The front (every node answering the
-// whole E2B API for the cluster) builds on these.
+// auth.go node-to-node authentication; node.go, pods.go and podstatus.go
+// the node side; rbac.go the roles the nodes need. The front (front.go,
+// route.go, keys.go, lifecycle.go: every node answering the whole E2B API
+// for the cluster) builds on these.
 package cluster
 
 import (

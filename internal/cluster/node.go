@@ -3,8 +3,10 @@ package cluster
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"log/slog"
+	"net/http"
 	"runtime"
 	"slices"
 	"sync"
@@ -16,6 +18,7 @@ import (
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/fields"
+	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes"
@@ -25,6 +28,7 @@ import (
 
 	"github.com/cagehq/cage/internal/manager"
 	"github.com/cagehq/cage/internal/sandbox"
+	"github.com/cagehq/cage/internal/store"
 )
 
 // NodeConfig is what a Node needs besides Config.
@@ -344,3 +348,98 @@ func (n *Node) renew(ctx context.Context) error {
 	_, err = leases.Update(ctx, l, metav1.UpdateOptions{})
 	return err
 }
+
+// reconcile compares this host's sandboxes with the pods bound to it (at
+// start, and after a partition from the API server heals): a sandbox with
+// no pod is destroyed; every pod is synced (a running pod whose sandbox is
+// gone is reported Lost).
+func (n *Node) reconcile() {
+	var cursor string
+	for {
+		recs, next, err := n.mgr.List(store.ListFilter{Limit: 500, Cursor: cursor})
+		if err != nil {
+			n.log.Warn("cluster: reconcile: list sandboxes", "err", err)
+			break
+		}
+		for _, rec := range recs {
+			n.mu.Lock()
+			_, creating := n.starts[rec.ID]
+			n.mu.Unlock()
+			if creating {
+				continue
+			}
+			if _, err := n.pods.Pods(n.cfg.Namespace).Get(rec.ID); apierrors.IsNotFound(err) {
+				n.log.Info("cluster: reconcile: sandbox has no pod; destroying it", "sandbox", rec.ID)
+				if err := n.mgr.Kill("", rec.ID); err != nil && !errors.Is(err, manager.ErrNotFound) {
+					n.log.Warn("cluster: reconcile: kill", "sandbox", rec.ID, "err", err)
+				}
+			}
+		}
+		if next == "" {
+			break
+		}
+		cursor = next
+	}
+	pods, _ := n.pods.Pods(n.cfg.Namespace).List(everything)
+	for _, p := range pods {
+		n.queue.Add(p.Name)
+	}
+}
+
+// Routes serves the internal routes (/cluster/...) on the node's API
+// listener, node-authenticated before anything is read; other requests go
+// to next.
+func (n *Node) Routes(next http.Handler) http.Handler {
+	mux := http.NewServeMux()
+	mux.HandleFunc("POST /cluster/pods/{name}/start", n.serveStart)
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if len(r.URL.Path) < len("/cluster/") || r.URL.Path[:len("/cluster/")] != "/cluster/" {
+			next.ServeHTTP(w, r)
+			return
+		}
+		if _, err := Verify(r, n.key); err != nil {
+			w.Header().Set("Connection", "close") // the body is never read
+			writeErr(w, http.StatusUnauthorized, err.Error())
+			return
+		}
+		mux.ServeHTTP(w, r)
+	})
+}
+
+// serveStart is POST /cluster/pods/{name}/start: the sandbox of that pod,
+// made now (or by the create in progress); the answer is its record,
+// secrets included, for the front to answer the create with.
+func (n *Node) serveStart(w http.ResponseWriter, r *http.Request) {
+	rec, err := n.start(r.Context(), r.PathValue("name"), r.URL.Query().Get("pool") == "1")
+	if err != nil {
+		writeErr(w, statusOf(err), oneLine(err.Error()))
+		return
+	}
+	w.Header().Set("Content-Type", "application/json")
+	w.Header().Set("Cache-Control", "no-store")
+	_ = json.NewEncoder(w).Encode(rec)
+}
+
+func statusOf(err error) int {
+	switch {
+	case errors.Is(err, manager.ErrNotFound), errors.Is(err, sandbox.ErrNotFound):
+		return http.StatusNotFound
+	case errors.Is(err, sandbox.ErrInvalid):
+		return http.StatusBadRequest
+	case errors.Is(err, manager.ErrConflict):
+		return http.StatusConflict
+	case errors.Is(err, manager.ErrLimit), errors.Is(err, manager.ErrQuota):
+		return http.StatusTooManyRequests
+	case errors.Is(err, sandbox.ErrUnavailable), errors.Is(err, context.DeadlineExceeded):
+		return http.StatusServiceUnavailable
+	}
+	return http.StatusInternalServerError
+}
+
+func writeErr(w http.ResponseWriter, status int, msg string) {
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(status)
+	_ = json.NewEncoder(w).Encode(map[string]any{"code": status, "message": msg})
+}
+
+var everything = labels.Everything()

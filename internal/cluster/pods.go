@@ -2,18 +2,14 @@ package cluster
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
-	"net/http"
 	"strings"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/apimachinery/pkg/labels"
-	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/tools/cache"
 
 	"github.com/cagehq/cage/internal/audit"
@@ -122,26 +118,7 @@ func (n *Node) sync(id string) error {
 	case pod == nil && local && adopting:
 		return n.adopt(ctx, rec)
 	case pod == nil || pod.DeletionTimestamp != nil:
-		if local {
-			n.log.Info("cluster: pod deleted; destroying its sandbox", "sandbox", id)
-			if pod != nil {
-				n.event(pod, corev1.EventTypeNormal, "Killing", "pod deleted: destroying sandbox "+id)
-			}
-			if err := n.mgr.Kill("", id); err != nil && !errors.Is(err, manager.ErrNotFound) {
-				return err
-			}
-		}
-		if pod != nil {
-			return n.deletePod(ctx, pod)
-		}
-		n.mu.Lock()
-		delete(n.ended, id)
-		delete(n.reported, id)
-		delete(n.failed, id)
-		delete(n.adopting, id)
-		delete(n.deleted, id)
-		n.mu.Unlock()
-		return nil
+		return n.syncGone(ctx, id, pod, local)
 	case local:
 		if pod.Status.Phase == corev1.PodFailed {
 			// A pod reported lost whose sandbox is here after all (it was
@@ -156,6 +133,42 @@ func (n *Node) sync(id string) error {
 			n.event(pod, corev1.EventTypeWarning, "Ended", "sandbox ended ("+strings.TrimPrefix(why, "sandbox.")+")")
 		}
 		return n.deletePod(ctx, pod)
+	default:
+		return n.syncOrphan(ctx, pod, failed)
+	}
+}
+
+// syncGone: pod id is gone or marked for deletion; its sandbox is
+// destroyed, then the pod deleted (as a kubelet confirms a deletion), and
+// once it is gone what the node kept about it is forgotten.
+func (n *Node) syncGone(ctx context.Context, id string, pod *corev1.Pod, local bool) error {
+	if local {
+		n.log.Info("cluster: pod deleted; destroying its sandbox", "sandbox", id)
+		if pod != nil {
+			n.event(pod, corev1.EventTypeNormal, "Killing", "pod deleted: destroying sandbox "+id)
+		}
+		if err := n.mgr.Kill("", id); err != nil && !errors.Is(err, manager.ErrNotFound) {
+			return err
+		}
+	}
+	if pod != nil {
+		return n.deletePod(ctx, pod)
+	}
+	n.mu.Lock()
+	delete(n.ended, id)
+	delete(n.reported, id)
+	delete(n.failed, id)
+	delete(n.adopting, id)
+	delete(n.deleted, id)
+	n.mu.Unlock()
+	return nil
+}
+
+// syncOrphan: a pod bound here whose sandbox this host does not have and
+// whose end it has not seen.
+func (n *Node) syncOrphan(ctx context.Context, pod *corev1.Pod, failed bool) error {
+	id := pod.Name
+	switch {
 	case pod.Status.Phase == corev1.PodPending && !failed:
 		// The front that made the pod starts it at once (and may have
 		// it take a pooled sandbox); the watch starts a pod nobody
@@ -334,251 +347,3 @@ func (n *Node) claim(ctx context.Context, claim *corev1.Pod, rec *store.Sandbox)
 	}
 	return rec, nil
 }
-
-// report writes a live sandbox's state into its pod: the annotations
-// (end, state) and the status (Running), each only when it differs.
-func (n *Node) report(ctx context.Context, pod *corev1.Pod, rec *store.Sandbox) error {
-	pods := n.client.CoreV1().Pods(n.cfg.Namespace)
-	end, state := FormatEnd(rec.EndAt), rec.State
-	// What this node last wrote into this pod (its UID: a pod of the same
-	// name made again is another) makes a stale copy from the watch cost
-	// no request.
-	written := string(pod.UID) + "|" + end + "|" + state
-	n.mu.Lock()
-	same := n.reported[pod.Name] == written
-	n.mu.Unlock()
-	if same {
-		return nil
-	}
-	if pod.Status.Phase != corev1.PodRunning {
-		// One request: the status, and the annotations with it (a pod's
-		// status update keeps metadata changes; the patch below covers
-		// an API server that would not).
-		p := pod.DeepCopy()
-		if p.Annotations == nil {
-			p.Annotations = map[string]string{}
-		}
-		p.Annotations[AnnoEnd], p.Annotations[AnnoState] = end, state
-		p.Status = runningStatus(rec, n.cfg.Advertise)
-		up, err := pods.UpdateStatus(ctx, p, metav1.UpdateOptions{})
-		if err != nil {
-			return err
-		}
-		pod = up
-	}
-	if pod.Annotations[AnnoEnd] != end || pod.Annotations[AnnoState] != state {
-		patch, _ := json.Marshal(map[string]any{"metadata": map[string]any{
-			"annotations": map[string]string{AnnoEnd: end, AnnoState: state}}})
-		if _, err := pods.Patch(ctx, pod.Name, types.MergePatchType, patch, metav1.PatchOptions{}); err != nil {
-			return err
-		}
-	}
-	n.mu.Lock()
-	n.reported[pod.Name] = written
-	n.mu.Unlock()
-	return nil
-}
-
-// runningStatus is the status of a pod whose sandbox rec runs on the node
-// at ip.
-func runningStatus(rec *store.Sandbox, ip string) corev1.PodStatus {
-	started := metav1.NewTime(rec.StartedAt)
-	now := metav1.Now()
-	st := corev1.PodStatus{Phase: corev1.PodRunning, HostIP: ip, PodIP: ip,
-		HostIPs: []corev1.HostIP{{IP: ip}}, PodIPs: []corev1.PodIP{{IP: ip}},
-		StartTime: &started, QOSClass: corev1.PodQOSGuaranteed}
-	for _, t := range []corev1.PodConditionType{corev1.PodScheduled, corev1.PodInitialized, corev1.ContainersReady, corev1.PodReady} {
-		st.Conditions = append(st.Conditions, corev1.PodCondition{Type: t, Status: corev1.ConditionTrue, LastTransitionTime: now})
-	}
-	st.ContainerStatuses = []corev1.ContainerStatus{{Name: ContainerName, Ready: true, Started: ptrTrue(),
-		Image: "cage.dev/template/" + rec.TemplateID, ImageID: "cage.dev/template/" + rec.TemplateID,
-		ContainerID: "cage://" + rec.ID, State: corev1.ContainerState{Running: &corev1.ContainerStateRunning{StartedAt: started}}}}
-	return st
-}
-
-func ptrTrue() *bool { t := true; return &t }
-
-// fail reports pod Failed with reason and a one-line message.
-func (n *Node) fail(ctx context.Context, pod *corev1.Pod, reason, msg string) error {
-	if pod.Status.Phase == corev1.PodFailed {
-		return nil
-	}
-	p := pod.DeepCopy()
-	now := metav1.Now()
-	p.Status.Phase, p.Status.Reason, p.Status.Message = corev1.PodFailed, reason, oneLine(msg)
-	p.Status.Conditions = []corev1.PodCondition{{Type: corev1.PodReady, Status: corev1.ConditionFalse, Reason: reason,
-		LastTransitionTime: now}}
-	p.Status.ContainerStatuses = []corev1.ContainerStatus{{Name: ContainerName, State: corev1.ContainerState{
-		Terminated: &corev1.ContainerStateTerminated{ExitCode: 1, Reason: reason, Message: oneLine(msg), FinishedAt: now}}}}
-	_, err := n.client.CoreV1().Pods(n.cfg.Namespace).UpdateStatus(ctx, p, metav1.UpdateOptions{})
-	if err == nil {
-		n.queue.AddAfter(pod.Name, n.cfg.Retention+time.Second)
-		n.event(pod, corev1.EventTypeWarning, reason, msg)
-	}
-	return err
-}
-
-// event records a Kubernetes Event about pod, in the background (a
-// failure to record it is logged, never the pod's failure).
-func (n *Node) event(pod *corev1.Pod, typ, reason, msg string) {
-	now := metav1.Now()
-	ev := &corev1.Event{
-		ObjectMeta: metav1.ObjectMeta{GenerateName: pod.Name + ".", Namespace: n.cfg.Namespace},
-		InvolvedObject: corev1.ObjectReference{Kind: "Pod", APIVersion: "v1", Namespace: n.cfg.Namespace, Name: pod.Name,
-			UID: pod.UID, FieldPath: "spec.containers{" + ContainerName + "}"},
-		Reason: reason, Message: oneLine(msg), Type: typ, Count: 1, FirstTimestamp: now, LastTimestamp: now,
-		Source: corev1.EventSource{Component: "cage", Host: n.cfg.NodeName}, ReportingController: "cage.dev/node",
-		ReportingInstance: n.cfg.NodeName,
-	}
-	go func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-		defer cancel()
-		if _, err := n.client.CoreV1().Events(n.cfg.Namespace).Create(ctx, ev, metav1.CreateOptions{}); err != nil {
-			n.log.Debug("cluster: event", "pod", pod.Name, "err", err)
-		}
-	}()
-}
-
-// createFailed reports pod Failed (CreateFailed) for err, which every
-// later start of it answers: a pod's create is tried once.
-func (n *Node) createFailed(_ context.Context, pod *corev1.Pod, err error) error {
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second) // the create's may be spent
-	defer cancel()
-	n.mu.Lock()
-	n.failed[pod.Name] = err
-	n.mu.Unlock()
-	if ferr := n.fail(ctx, pod, ReasonCreateFailed, err.Error()); ferr != nil && !apierrors.IsNotFound(ferr) {
-		n.log.Warn("cluster: pod status", "pod", pod.Name, "err", ferr)
-	}
-	return err
-}
-
-// failedAt is when a Failed pod failed (its Ready condition's change).
-func failedAt(pod *corev1.Pod) time.Time {
-	for _, c := range pod.Status.Conditions {
-		if c.Type == corev1.PodReady {
-			return c.LastTransitionTime.Time
-		}
-	}
-	return time.Time{}
-}
-
-// deletePod deletes a pod now (grace 0), as a kubelet confirms a deletion.
-// Once deleted, the pod's later syncs (until the watch sees it gone) cost
-// no request.
-func (n *Node) deletePod(ctx context.Context, pod *corev1.Pod) error {
-	n.mu.Lock()
-	done := n.deleted[pod.Name] == pod.UID
-	n.mu.Unlock()
-	if done {
-		return nil
-	}
-	zero := int64(0)
-	uid := pod.UID
-	err := n.client.CoreV1().Pods(n.cfg.Namespace).Delete(ctx, pod.Name, metav1.DeleteOptions{
-		GracePeriodSeconds: &zero, Preconditions: &metav1.Preconditions{UID: &uid}})
-	if apierrors.IsNotFound(err) || apierrors.IsConflict(err) {
-		err = nil
-	}
-	if err == nil {
-		n.mu.Lock()
-		n.deleted[pod.Name] = uid
-		n.mu.Unlock()
-	}
-	return err
-}
-
-// reconcile compares this host's sandboxes with the pods bound to it (at
-// start, and after a partition from the API server heals): a sandbox with
-// no pod is destroyed; every pod is synced (a running pod whose sandbox is
-// gone is reported Lost).
-func (n *Node) reconcile() {
-	var cursor string
-	for {
-		recs, next, err := n.mgr.List(store.ListFilter{Limit: 500, Cursor: cursor})
-		if err != nil {
-			n.log.Warn("cluster: reconcile: list sandboxes", "err", err)
-			break
-		}
-		for _, rec := range recs {
-			n.mu.Lock()
-			_, creating := n.starts[rec.ID]
-			n.mu.Unlock()
-			if creating {
-				continue
-			}
-			if _, err := n.pods.Pods(n.cfg.Namespace).Get(rec.ID); apierrors.IsNotFound(err) {
-				n.log.Info("cluster: reconcile: sandbox has no pod; destroying it", "sandbox", rec.ID)
-				if err := n.mgr.Kill("", rec.ID); err != nil && !errors.Is(err, manager.ErrNotFound) {
-					n.log.Warn("cluster: reconcile: kill", "sandbox", rec.ID, "err", err)
-				}
-			}
-		}
-		if next == "" {
-			break
-		}
-		cursor = next
-	}
-	pods, _ := n.pods.Pods(n.cfg.Namespace).List(everything)
-	for _, p := range pods {
-		n.queue.Add(p.Name)
-	}
-}
-
-// Routes serves the internal routes (/cluster/...) on the node's API
-// listener, node-authenticated before anything is read; other requests go
-// to next.
-func (n *Node) Routes(next http.Handler) http.Handler {
-	mux := http.NewServeMux()
-	mux.HandleFunc("POST /cluster/pods/{name}/start", n.serveStart)
-	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		if len(r.URL.Path) < len("/cluster/") || r.URL.Path[:len("/cluster/")] != "/cluster/" {
-			next.ServeHTTP(w, r)
-			return
-		}
-		if _, err := Verify(r, n.key); err != nil {
-			w.Header().Set("Connection", "close") // the body is never read
-			writeErr(w, http.StatusUnauthorized, err.Error())
-			return
-		}
-		mux.ServeHTTP(w, r)
-	})
-}
-
-// serveStart is POST /cluster/pods/{name}/start: the sandbox of that pod,
-// made now (or by the create in progress); the answer is its record,
-// secrets included, for the front to answer the create with.
-func (n *Node) serveStart(w http.ResponseWriter, r *http.Request) {
-	rec, err := n.start(r.Context(), r.PathValue("name"), r.URL.Query().Get("pool") == "1")
-	if err != nil {
-		writeErr(w, statusOf(err), oneLine(err.Error()))
-		return
-	}
-	w.Header().Set("Content-Type", "application/json")
-	w.Header().Set("Cache-Control", "no-store")
-	_ = json.NewEncoder(w).Encode(rec)
-}
-
-func statusOf(err error) int {
-	switch {
-	case errors.Is(err, manager.ErrNotFound), errors.Is(err, sandbox.ErrNotFound):
-		return http.StatusNotFound
-	case errors.Is(err, sandbox.ErrInvalid):
-		return http.StatusBadRequest
-	case errors.Is(err, manager.ErrConflict):
-		return http.StatusConflict
-	case errors.Is(err, manager.ErrLimit), errors.Is(err, manager.ErrQuota):
-		return http.StatusTooManyRequests
-	case errors.Is(err, sandbox.ErrUnavailable), errors.Is(err, context.DeadlineExceeded):
-		return http.StatusServiceUnavailable
-	}
-	return http.StatusInternalServerError
-}
-
-func writeErr(w http.ResponseWriter, status int, msg string) {
-	w.Header().Set("Content-Type", "application/json")
-	w.WriteHeader(status)
-	_ = json.NewEncoder(w).Encode(map[string]any{"code": status, "message": msg})
-}
-
-var everything = labels.Everything()
