@@ -40,6 +40,8 @@ type nodeEnv struct {
 	owner string // the owner (key id) of d.Key's sandboxes
 	link  *link  // the node's way to the API server
 	plane *kubeplane.Plane
+	// runcPool: the node keeps a runc pool of base (CAGE_TEMPLATES is set)
+	runcPool bool
 }
 
 func startNode(t *testing.T) *nodeEnv {
@@ -56,7 +58,15 @@ func startNode(t *testing.T) *nodeEnv {
 		t.Fatalf("ApplyRBAC: %v", err)
 	}
 	conf := filepath.Join(t.TempDir(), "cage.json")
-	b, _ := json.Marshal(map[string]any{"cluster": map[string]any{"lease_seconds": 6}})
+	cfg := map[string]any{"cluster": map[string]any{"lease_seconds": 6}}
+	// With the template store (base), a runc pool: a claim takes pooled
+	// sandboxes on the walls whose pools pay (not process).
+	templates := os.Getenv("CAGE_TEMPLATES")
+	pools := "0"
+	if templates != "" {
+		cfg["templates"], cfg["pools"], pools = templates, map[string]int{"runc/base": 1}, "1"
+	}
+	b, _ := json.Marshal(cfg)
 	if err := os.WriteFile(conf, b, 0o600); err != nil {
 		t.Fatal(err)
 	}
@@ -72,7 +82,7 @@ func startNode(t *testing.T) *nodeEnv {
 		t.Fatal(err)
 	}
 	d := cageserve.Start(t, "--kubeconfig", kc,
-		"--node-name", nodeName, "--advertise", "127.0.0.1", "--config", conf, "--pool", "1")
+		"--node-name", nodeName, "--advertise", "127.0.0.1", "--config", conf)
 	out, _, err := d.Cage("keys", "ls", "--data", d.Data, "--json")
 	var keys []struct {
 		ID string `json:"id"`
@@ -80,7 +90,7 @@ func startNode(t *testing.T) *nodeEnv {
 	if err != nil || json.Unmarshal(out, &keys) != nil || len(keys) == 0 {
 		t.Fatalf("cage keys ls: %v: %s", err, out)
 	}
-	return &nodeEnv{d: d, admin: admin, owner: keys[0].ID, link: l, plane: p}
+	return &nodeEnv{d: d, admin: admin, owner: keys[0].ID, link: l, plane: p, runcPool: pools == "1"}
 }
 
 // TestNode runs one node against a real control plane: registration, the
@@ -163,8 +173,13 @@ func (e *nodeEnv) testRegistered(t *testing.T) {
 // newPod creates a sandbox pod bound to the node, as the scheduler would.
 func (e *nodeEnv) newPod(t *testing.T, mutate func(*corev1.Pod)) string {
 	t.Helper()
+	return e.newPodOn(t, "process", "host", mutate)
+}
+
+func (e *nodeEnv) newPodOn(t *testing.T, wall, template string, mutate func(*corev1.Pod)) string {
+	t.Helper()
 	id := ids.NewID()
-	pod, err := cluster.PodFor(id, manager.CreateRequest{Wall: "process", Template: "host", KeyID: e.owner,
+	pod, err := cluster.PodFor(id, manager.CreateRequest{Wall: wall, Template: template, KeyID: e.owner,
 		Timeout: 10 * time.Minute}, cluster.DefaultNamespace)
 	if err != nil {
 		t.Fatal(err)
@@ -377,6 +392,9 @@ func (e *nodeEnv) testFork(t *testing.T) {
 // node, the claim is deleted, and a second start of the claim answers
 // the same sandbox.
 func (e *nodeEnv) testPooledClaim(t *testing.T) {
+	if !e.runcPool {
+		t.Skip("SKIP: no template store with base (CAGE_TEMPLATES) for a runc pool")
+	}
 	start := func(id string) (int, map[string]any) {
 		path := "/cluster/pods/" + id + "/start?pool=1"
 		req, _ := http.NewRequest(http.MethodPost, "http://"+e.d.API+path, nil)
@@ -395,7 +413,7 @@ func (e *nodeEnv) testPooledClaim(t *testing.T) {
 		if try > 0 {
 			time.Sleep(time.Second) // the pool refills
 		}
-		claim = e.newPod(t, nil)
+		claim = e.newPodOn(t, "runc", "base", nil)
 		status, rec := start(claim)
 		if status != http.StatusOK {
 			t.Fatalf("start %s: %d %v", claim, status, rec)
@@ -405,6 +423,11 @@ func (e *nodeEnv) testPooledClaim(t *testing.T) {
 	}
 	if got == claim {
 		t.Fatal("no start took a pooled sandbox in 10 tries")
+	}
+	// On the process wall a claim is never pooled (a create is faster).
+	proc := e.newPod(t, nil)
+	if status, rec := start(proc); status != http.StatusOK || rec["ID"] != proc {
+		t.Fatalf("process start: %d %v, want the claim's own id %s", status, rec, proc)
 	}
 	p := e.running(t, got)
 	if p.Spec.NodeName != nodeName || p.Labels[cluster.LabelKey] != e.owner {
