@@ -26,6 +26,7 @@ import (
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/client-go/util/workqueue"
 
+	"github.com/cagehq/cage/internal/ids"
 	"github.com/cagehq/cage/internal/manager"
 	"github.com/cagehq/cage/internal/sandbox"
 	"github.com/cagehq/cage/internal/store"
@@ -410,7 +411,12 @@ func (n *Node) Routes(next http.Handler) http.Handler {
 // made now (or by the create in progress); the answer is its record,
 // secrets included, for the front to answer the create with.
 func (n *Node) serveStart(w http.ResponseWriter, r *http.Request) {
-	rec, err := n.start(r.Context(), r.PathValue("name"), r.URL.Query().Get("pool") == "1")
+	name := r.PathValue("name")
+	if !ids.Valid(name) {
+		writeErr(w, http.StatusNotFound, fmt.Sprintf("no sandbox pod %q", name))
+		return
+	}
+	rec, err := n.start(r.Context(), name, r.URL.Query().Get("pool") == "1")
 	if err != nil {
 		writeErr(w, statusOf(err), oneLine(err.Error()))
 		return

@@ -517,6 +517,16 @@ func (e *nodeEnv) testStartAuth(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer resp.Body.Close()
+	// A signed start of a name that is no sandbox id: 404, nothing asked of
+	// the API server.
+	bad := "/cluster/pods/..%2f..%2fx/start"
+	breq, _ := http.NewRequest(http.MethodPost, "http://"+e.d.API+bad, nil)
+	breq.Header.Set(cluster.AuthHeader, signedFor(t, e, bad))
+	if bresp, err := http.DefaultClient.Do(breq); err != nil || bresp.StatusCode != http.StatusNotFound {
+		t.Errorf("signed start of a malformed name: %v %v", err, bresp)
+	} else {
+		bresp.Body.Close()
+	}
 	var rec struct{ ID, AccessToken string }
 	if err := json.NewDecoder(resp.Body).Decode(&rec); err != nil || resp.StatusCode != http.StatusOK || rec.ID != id || rec.AccessToken == "" {
 		t.Fatalf("signed start: %d %+v %v", resp.StatusCode, rec, err)
