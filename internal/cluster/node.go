@@ -365,6 +365,7 @@ func (n *Node) reconcile() {
 		for _, rec := range recs {
 			n.mu.Lock()
 			_, creating := n.starts[rec.ID]
+			creating = creating || n.adopting[rec.ID] // its pod is on its way
 			n.mu.Unlock()
 			if creating {
 				continue
