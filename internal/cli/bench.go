@@ -66,7 +66,12 @@ as JSON, for tracking.
   desktop    the desktop template as @e2b/desktop uses it through cage serve:
              create (Xvfb and XFCE up, polled as the SDK polls) -> first
              screenshot, the screenshot round trip, an idle desktop's memory
-  durable    pause, resume and fork on every wall (minutes)`,
+  durable    pause, resume and fork on every wall (minutes)
+  cluster    three cage serve nodes in network namespaces of a real control
+             plane ($CAGE_KUBE_DIR, scripts/kube.sh; root): claim -> first
+             output through node a's front (pools of 4), claims/s with 24
+             clients over the three fronts for 10 s, API server requests per
+             claim, a sandbox pod's size; then one cage serve the same way`,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			ctx := cmd.Context()
 			if ctx == nil {
@@ -79,7 +84,7 @@ as JSON, for tracking.
 	cmd.Flags().IntVar(&o.runs, "runs", 30, "samples per measurement")
 	cmd.Flags().IntVar(&o.idle, "idle", 200, "sandboxes alive at once for the memory measurement")
 	cmd.Flags().IntVar(&o.alive, "alive", 1000, "sandboxes alive at the end of serve's create-rate measurement")
-	cmd.Flags().StringVar(&o.only, "only", "run,create,roundtrip,memory,serve,walls,microvm", "measurements to take (also audit, metrics, interp, desktop, dify, mcp, durable)")
+	cmd.Flags().StringVar(&o.only, "only", "run,create,roundtrip,memory,serve,walls,microvm", "measurements to take (also audit, metrics, interp, desktop, dify, mcp, durable, cluster)")
 	cmd.Flags().BoolVar(&o.json, "json", false, "write the table as JSON")
 	return cmd
 }
@@ -92,7 +97,7 @@ type benchOptions struct {
 
 // benchOrder is the order measurements run in (the memory one last: it
 // leaves the most behind for the kernel to reclaim).
-var benchOrder = []string{"run", "create", "roundtrip", "serve", "dify", "audit", "metrics", "interp", "desktop", "mcp", "walls", "microvm", "durable", "memory"}
+var benchOrder = []string{"run", "create", "roundtrip", "serve", "dify", "audit", "metrics", "interp", "desktop", "mcp", "walls", "microvm", "durable", "cluster", "memory"}
 
 func runBench(ctx context.Context, g *globals, w io.Writer, o benchOptions) error {
 	if o.runs < 1 || o.idle < 1 || o.alive < 2 {
@@ -189,6 +194,8 @@ func (b *benchRun) measure(ctx context.Context, name string) error {
 		return benchMicroVM(ctx, b.t, b.g, b.h, runs)
 	case "durable":
 		return benchDurable(ctx, b.t, b.h, runs)
+	case "cluster":
+		return benchCluster(ctx, b.t, b.g, runs)
 	case "memory":
 		m, err := bench.IdleMemory(ctx, b.h, b.o.idle)
 		if err != nil {

@@ -136,12 +136,16 @@ func Launch(o Options) (p *Plane, err error) {
 	if o.BindIP == nil {
 		o.BindIP = net.IPv4(127, 0, 0, 1)
 	}
-	p = &Plane{Dir: o.Dir, CAFile: filepath.Join(o.Dir, "ca.crt"), tokens: map[string]string{}}
+	if err := os.MkdirAll(o.Dir, 0o700); err != nil {
+		return nil, err
+	}
+	plane := &Plane{Dir: o.Dir, CAFile: filepath.Join(o.Dir, "ca.crt"), tokens: map[string]string{}}
 	defer func() {
 		if err != nil {
-			p.Stop()
+			plane.Stop()
 		}
 	}()
+	p = plane
 	ips := []net.IP{o.BindIP, net.IPv4(127, 0, 0, 1)}
 	pk, err := makePKI(o.Dir, ips)
 	if err != nil {
@@ -302,27 +306,32 @@ func (p *Plane) ensureNamespaces(names ...string) error {
 	return nil
 }
 
-// do sends one request to the apiserver as the admin.
-func (p *Plane) do(method, path string, body []byte) (int, []byte, error) {
+// do sends one request to the apiserver as the admin; accept, when
+// given, is its Accept header.
+func (p *Plane) do(method, path string, body []byte, accept ...string) (int, []byte, error) {
 	req, err := http.NewRequestWithContext(context.Background(), method, p.URL+path, bytes.NewReader(body))
 	if err != nil {
 		return 0, nil, err
 	}
 	req.Header.Set("Authorization", "Bearer "+p.tokens[Admin])
 	req.Header.Set("Content-Type", "application/json")
+	if len(accept) > 0 {
+		req.Header.Set("Accept", accept[0])
+	}
 	resp, err := p.http.Do(req)
 	if err != nil {
 		return 0, nil, err
 	}
 	defer resp.Body.Close()
-	out, err := io.ReadAll(io.LimitReader(resp.Body, 1<<20))
+	out, err := io.ReadAll(io.LimitReader(resp.Body, 64<<20))
 	return resp.StatusCode, out, err
 }
 
 // Get reads path from the apiserver as the admin (for /metrics, say) and
-// fails unless it answers 200.
-func (p *Plane) Get(path string) ([]byte, error) {
-	code, body, err := p.do(http.MethodGet, path, nil)
+// fails unless it answers 200; accept, when given, is the Accept header
+// ("application/vnd.kubernetes.protobuf" for an object as etcd keeps it).
+func (p *Plane) Get(path string, accept ...string) ([]byte, error) {
+	code, body, err := p.do(http.MethodGet, path, nil, accept...)
 	if err == nil && code != http.StatusOK {
 		err = fmt.Errorf("GET %s: %d %s", path, code, firstLine(body))
 	}
