@@ -23,7 +23,7 @@ import (
 const (
 	clusterConns  = 24               // clients at once in the claim-rate window
 	clusterWindow = 10 * time.Second // the claim-rate window
-	clusterIdle   = 5 * time.Second  // the API server's idle traffic is measured this long
+	clusterIdle   = 20 * time.Second // the API server's idle traffic is measured this long
 )
 
 var clusterRows = []bench.Row{
