@@ -19,6 +19,9 @@ type Cluster interface {
 	// Forward serves a request for sandbox id when it is on another node
 	// (owner: the calling key's owner) and reports whether it did.
 	Forward(w http.ResponseWriter, r *http.Request, id, owner string) bool
+	// Killed is told of a sandbox killed on this node, before the kill
+	// is answered (the front deletes its pod).
+	Killed(ctx context.Context, id string)
 	// Forwarded says whether r was forwarded by another node (its node
 	// signature verifies): that node took the key's rates already.
 	Forwarded(r *http.Request) bool

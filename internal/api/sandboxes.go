@@ -279,6 +279,9 @@ func (s *server) kill(w http.ResponseWriter, r *http.Request) {
 		s.fail(w, r, err)
 		return
 	}
+	if s.cfg.Cluster != nil {
+		s.cfg.Cluster.Killed(r.Context(), r.PathValue("sandboxID"))
+	}
 	w.WriteHeader(http.StatusNoContent)
 }
 

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"net"
 	"net/http"
 	"net/url"
 	"strings"
@@ -62,6 +63,7 @@ type Front struct {
 
 	mu      sync.Mutex
 	waiters map[string]chan struct{} // pod name -> closed on its next change
+	gone    map[string]time.Time     // sandboxes killed through this front -> when (Killed)
 }
 
 // NewFront returns a front; Start runs it.
@@ -76,10 +78,14 @@ func NewFront(cfg FrontConfig) *Front {
 		cfg.LeaseDuration = 40 * time.Second
 	}
 	if cfg.HTTP == nil {
-		cfg.HTTP = &http.Client{Transport: &http.Transport{Proxy: nil, MaxIdleConnsPerHost: 64,
-			IdleConnTimeout: 90 * time.Second, ResponseHeaderTimeout: 0}}
+		// No overall timeout (streams last as long as they last); a node
+		// cut off fails a dial in 5 s, and a request in flight to a node
+		// that turns lost is ended then (route.go, whileLive).
+		d := &net.Dialer{Timeout: 5 * time.Second, KeepAlive: 15 * time.Second}
+		cfg.HTTP = &http.Client{Transport: &http.Transport{Proxy: nil, DialContext: d.DialContext,
+			MaxIdleConnsPerHost: 64, IdleConnTimeout: 90 * time.Second}}
 	}
-	f := &Front{cfg: cfg, log: cfg.Log, waiters: map[string]chan struct{}{}}
+	f := &Front{cfg: cfg, log: cfg.Log, waiters: map[string]chan struct{}{}, gone: map[string]time.Time{}}
 	f.factory = informers.NewSharedInformerFactoryWithOptions(cfg.Client, 0,
 		informers.WithNamespace(cfg.Namespace),
 		informers.WithTweakListOptions(func(o *metav1.ListOptions) { o.LabelSelector = LabelSandbox + "=true" }))
@@ -177,6 +183,39 @@ func (f *Front) forget(name string) {
 	f.mu.Lock()
 	delete(f.waiters, name)
 	f.mu.Unlock()
+}
+
+// goneFor is how long a sandbox killed through this front is left out of
+// its lists whatever its informer still holds.
+const goneFor = time.Minute
+
+// Killed is told of a sandbox killed through this front (here or on its
+// node): its pod is deleted now, before the kill is answered, rather than
+// a moment later by the owner node, so that a list right after the kill,
+// here or on another front, no longer shows it (this front's informer may
+// lag the deletion by a few milliseconds: the sandbox is left out of its
+// lists for goneFor).
+func (f *Front) Killed(ctx context.Context, id string) {
+	now := time.Now()
+	f.mu.Lock()
+	for k, at := range f.gone {
+		if now.Sub(at) > goneFor {
+			delete(f.gone, k)
+		}
+	}
+	f.gone[id] = now
+	f.mu.Unlock()
+	if err := f.deletePod(ctx, id); err != nil {
+		f.log.Warn("cluster: delete the pod of a killed sandbox", "sandbox", id, "err", err)
+	}
+}
+
+// killed says whether sandbox id was killed through this front lately.
+func (f *Front) killed(id string) bool {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	at, ok := f.gone[id]
+	return ok && time.Since(at) <= goneFor
 }
 
 // deletePod deletes a sandbox's pod now (grace 0); gone already is fine.

@@ -48,7 +48,7 @@ func (f *Front) List(flt store.ListFilter) ([]*store.Sandbox, string, error) {
 	lost := map[string]bool{}
 	var out []*store.Sandbox
 	for _, p := range pods {
-		if p.Spec.NodeName == "" || p.Status.Phase != corev1.PodRunning || p.DeletionTimestamp != nil {
+		if p.Spec.NodeName == "" || p.Status.Phase != corev1.PodRunning || p.DeletionTimestamp != nil || f.killed(p.Name) {
 			continue
 		}
 		l, seen := lost[p.Spec.NodeName]

@@ -121,6 +121,10 @@ func addStandIn(t *testing.T, c kubernetes.Interface, key []byte, name string, w
 			apiError(w, http.StatusUnauthorized, err.Error())
 			return
 		}
+		if r.URL.Query().Get("hang") != "" { // a node that never answers
+			<-r.Context().Done()
+			return
+		}
 		if r.Header.Get("Upgrade") == "websocket" {
 			echoUpgrade(w, r)
 			return
@@ -417,13 +421,41 @@ func TestFront(t *testing.T) {
 	})
 
 	t.Run("lost node", func(t *testing.T) {
+		// A request in flight to b when b is lost is answered then.
+		type answer struct {
+			code int
+			body string
+		}
+		hung := make(chan answer, 1)
+		go func() {
+			rq, _ := http.NewRequest("GET", apiSrv.URL+"/sandboxes/"+id+"?hang=1", nil)
+			rq.Header.Set("X-Test-Owner", r.KeyID)
+			resp, err := (&http.Client{Timeout: 15 * time.Second}).Do(rq)
+			if err != nil {
+				hung <- answer{0, err.Error()}
+				return
+			}
+			b, _ := io.ReadAll(resp.Body)
+			resp.Body.Close()
+			hung <- answer{resp.StatusCode, string(b)}
+		}()
+		time.Sleep(300 * time.Millisecond)
 		expired := time.Now().Add(-time.Minute)
 		renewLease(t, c, "b", expired)
 		wait(t, func() bool { l, _ := f.lost("b"); return l })
 		code, body := call("GET", "/sandboxes/"+id, r.KeyID)
 		at := expired.Add(6 * time.Second).UTC().Format(time.RFC3339)
-		if code != 503 || !strings.Contains(body, "sandbox "+id+" is on node b, which is lost (lease expired at "+at+")") {
+		want := "sandbox " + id + " is on node b, which is lost (lease expired at " + at + ")"
+		if code != 503 || !strings.Contains(body, want) {
 			t.Fatalf("sandbox on a lost node: %d %q", code, body)
+		}
+		select {
+		case a := <-hung:
+			if a.code != 503 || !strings.Contains(a.body, want) {
+				t.Fatalf("request in flight when the node was lost: %d %q", a.code, a.body)
+			}
+		case <-time.After(10 * time.Second):
+			t.Fatal("a request in flight to a lost node still waits")
 		}
 		if code, _ := call("DELETE", "/sandboxes/"+id, r.KeyID); code != 204 {
 			t.Fatalf("kill on a lost node: %d", code)

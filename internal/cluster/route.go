@@ -67,8 +67,9 @@ func (f *Front) Forward(w http.ResponseWriter, r *http.Request, id, owner string
 	if node == "" {
 		return false
 	}
+	kill := r.Method == http.MethodDelete && r.URL.Path == "/sandboxes/"+id
 	if lost, expired := f.lost(node); lost {
-		if r.Method == http.MethodDelete && r.URL.Path == "/sandboxes/"+id {
+		if kill {
 			if err := f.deletePod(r.Context(), pod.Name); err != nil {
 				f.log.Warn("cluster: delete the pod of a sandbox on a lost node", "sandbox", id, "node", node, "err", err)
 				apiError(w, http.StatusServiceUnavailable, "sandbox "+id+" is on lost node "+node+" and its pod could not be deleted: "+oneLine(err.Error()))
@@ -85,6 +86,8 @@ func (f *Front) Forward(w http.ResponseWriter, r *http.Request, id, owner string
 		apiError(w, http.StatusServiceUnavailable, err.Error())
 		return true
 	}
+	r, done := f.whileLive(r, id, node)
+	defer done()
 	rp := &httputil.ReverseProxy{
 		Rewrite: func(pr *httputil.ProxyRequest) {
 			pr.SetURL(base)
@@ -93,7 +96,17 @@ func (f *Front) Forward(w http.ResponseWriter, r *http.Request, id, owner string
 		},
 		Transport:     f.cfg.HTTP.Transport,
 		FlushInterval: -1,
+		ModifyResponse: func(resp *http.Response) error {
+			if kill && resp.StatusCode == http.StatusNoContent {
+				f.Killed(r.Context(), id)
+			}
+			return nil
+		},
 		ErrorHandler: func(w http.ResponseWriter, r *http.Request, err error) {
+			if cause := context.Cause(r.Context()); errors.Is(cause, errLost) {
+				apiError(w, http.StatusServiceUnavailable, trimKind(cause))
+				return
+			}
 			if r.Context().Err() == nil {
 				f.log.Warn("cluster: forward to node", "sandbox", id, "node", node, "err", err)
 			}
@@ -124,6 +137,8 @@ func (f *Front) ForwardTraffic(w http.ResponseWriter, r *http.Request, id string
 		proxyError(w, id, http.StatusServiceUnavailable, err.Error())
 		return true
 	}
+	r, done := f.whileLive(r, id, node)
+	defer done()
 	rp := &httputil.ReverseProxy{
 		Rewrite: func(pr *httputil.ProxyRequest) {
 			pr.Out.URL.Scheme, pr.Out.URL.Host = base.Scheme, base.Host
@@ -133,6 +148,10 @@ func (f *Front) ForwardTraffic(w http.ResponseWriter, r *http.Request, id string
 		Transport:     f.cfg.HTTP.Transport,
 		FlushInterval: -1,
 		ErrorHandler: func(w http.ResponseWriter, r *http.Request, err error) {
+			if cause := context.Cause(r.Context()); errors.Is(cause, errLost) {
+				proxyError(w, id, http.StatusServiceUnavailable, trimKind(cause))
+				return
+			}
 			if r.Context().Err() == nil {
 				f.log.Warn("cluster: forward traffic to node", "sandbox", id, "node", node, "err", err)
 			}
@@ -150,6 +169,30 @@ func (f *Front) ForwardTraffic(w http.ResponseWriter, r *http.Request, id string
 func (f *Front) Forwarded(r *http.Request) bool {
 	_, err := Verify(r, f.cfg.NodeKey)
 	return err == nil
+}
+
+// whileLive returns r with a context that ends, with the lost error as
+// its cause, as soon as node is lost: a request in flight to a node that
+// dies or is cut off (whose connection may hang, not break) is answered
+// then. done releases the watch.
+func (f *Front) whileLive(r *http.Request, id, node string) (*http.Request, func()) {
+	ctx, cancel := context.WithCancelCause(r.Context())
+	go func() {
+		t := time.NewTicker(time.Second)
+		defer t.Stop()
+		for {
+			select {
+			case <-ctx.Done():
+				return
+			case <-t.C:
+				if lost, expired := f.lost(node); lost {
+					cancel(lostError(id, node, expired))
+					return
+				}
+			}
+		}
+	}()
+	return r.WithContext(ctx), func() { cancel(nil) }
 }
 
 // trimKind is err's message without errLost's prefix.
