@@ -7,6 +7,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"net/http"
+	"os"
 	"sort"
 	"strconv"
 	"strings"
@@ -286,4 +287,47 @@ func KillAll(c *client.Client) { killAll(c) }
 func podOf(o any) (*corev1.Pod, bool) {
 	p, ok := o.(*corev1.Pod)
 	return p, ok
+}
+
+// CPUTime is a process's user and system CPU time so far (from
+// /proc/PID/stat; clock ticks of 100 Hz, as Linux reports them).
+func CPUTime(pid int) (time.Duration, error) {
+	data, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return 0, err
+	}
+	i := bytes.LastIndexByte(data, ')')
+	f := strings.Fields(string(data[i+1:]))
+	if len(f) < 13 {
+		return 0, fmt.Errorf("/proc/%d/stat: short", pid)
+	}
+	u, err1 := strconv.ParseInt(f[11], 10, 64)
+	s, err2 := strconv.ParseInt(f[12], 10, 64)
+	if err1 != nil || err2 != nil {
+		return 0, fmt.Errorf("/proc/%d/stat: %v %v", pid, err1, err2)
+	}
+	return time.Duration(u+s) * 10 * time.Millisecond, nil
+}
+
+// Watchers opens n watches of the namespace's sandbox pods, as n more
+// fronts' informers would, and drains them until the returned stop.
+func (c *Cluster) Watchers(ctx context.Context, n int) (stop func(), err error) {
+	ctx, cancel := context.WithCancel(ctx)
+	var wg sync.WaitGroup
+	stop = func() { cancel(); wg.Wait() }
+	for i := 0; i < n; i++ {
+		w, err := c.Admin.CoreV1().Pods(ClusterNamespace).Watch(ctx, metav1.ListOptions{LabelSelector: cluster.LabelSandbox + "=true"})
+		if err != nil {
+			stop()
+			return nil, fmt.Errorf("watch %d of %d: %w", i+1, n, err)
+		}
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for range w.ResultChan() {
+			}
+		}()
+		go func() { <-ctx.Done(); w.Stop() }()
+	}
+	return stop, nil
 }

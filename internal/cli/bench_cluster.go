@@ -24,6 +24,8 @@ const (
 	clusterConns  = 24               // clients at once in the claim-rate window
 	clusterWindow = 10 * time.Second // the claim-rate window
 	clusterIdle   = 20 * time.Second // the API server's idle traffic is measured this long
+	// clusterWatchers stand for more fronts in the fan-out measurement.
+	clusterWatchers = 200
 )
 
 var clusterRows = []bench.Row{
@@ -32,6 +34,8 @@ var clusterRows = []bench.Row{
 	{ID: "cluster.rate", What: fmt.Sprintf("claims/s, %d clients over the 3 fronts for %s (sandboxes kept)", clusterConns, clusterWindow),
 		PeerName: "one cage serve, same clients (same run)", Target: ">= 300/s (agent-sandbox burst)"},
 	{ID: "cluster.apireq", What: "API server requests per claim (create, connect, echo, kill; idle traffic taken out)"},
+	{ID: "cluster.fanout", What: fmt.Sprintf("API server CPU per claim with %d more pod watchers (a front's informer each)", clusterWatchers),
+		PeerName: "the three nodes' watchers only"},
 	{ID: "cluster.pod", What: "a sandbox pod's size in etcd (protobuf)"},
 }
 
@@ -176,6 +180,7 @@ func measureCluster(ctx context.Context, t *bench.Table, c *bench.Cluster, runs 
 			Note: fmt.Sprintf("%s; pod watch events sent %.1f, etcd revisions %.1f per claim; idle: %.2f requests/s",
 				d.Top(6, claims), d.PodEvents/claims, d.Revisions/claims, idle.Total/idle1.At.Sub(idle0.At).Seconds())})
 	}
+	fanout(ctx, t, c, runs)
 	clients := []*client.Client{c.Client(0), c.Client(1), c.Client(2)}
 	burst = bench.Sustained(ctx, clients, clusterConns, clusterWindow)
 	note := fmt.Sprintf("%d claims, %d errors; overcommit 1000 so that capacity does not stop them", burst.Creates, burst.Errors)
@@ -200,13 +205,23 @@ func podSize(t *bench.Table, c *bench.Cluster, before bench.APICounts) {
 		t.Skip("cluster.pod", "", fmt.Sprintf("no sandbox pod to read (%v)", err))
 		return
 	}
-	path := "/api/v1/namespaces/" + bench.ClusterNamespace + "/pods/" + pods.Items[len(pods.Items)/2].Name
-	pb, err := c.Plane.Get(path, "application/vnd.kubernetes.protobuf")
-	if err != nil {
-		t.Fail("cluster.pod", "", err)
+	// A running sandbox's pod (one being deleted may be gone by the read).
+	var pb, js []byte
+	for _, pod := range pods.Items {
+		if pod.DeletionTimestamp != nil || pod.Status.Phase != "Running" {
+			continue
+		}
+		path := "/api/v1/namespaces/" + bench.ClusterNamespace + "/pods/" + pod.Name
+		if pb, err = c.Plane.Get(path, "application/vnd.kubernetes.protobuf"); err == nil {
+			if js, err = c.Plane.Get(path); err == nil {
+				break
+			}
+		}
+	}
+	if err != nil || len(pb) == 0 {
+		t.Fail("cluster.pod", "", fmt.Errorf("no running sandbox pod could be read (%v)", err))
 		return
 	}
-	js, _ := c.Plane.Get(path)
 	now, _ := c.Counts()
 	growth := "n/a"
 	if before.EtcdDBInUse > 0 && now.EtcdDBInUse > before.EtcdDBInUse {
@@ -223,4 +238,65 @@ func firstLineOf(s string) string {
 		}
 	}
 	return s
+}
+
+// fanout measures what pod watchers cost the API server: its CPU time and
+// the pod events it sends per claim (one at a time through node a), with
+// the cluster's own watchers and with clusterWatchers more, as that many
+// more fronts would add. The difference per event sent is what a front's
+// pod informer costs per pod change.
+func fanout(ctx context.Context, t *bench.Table, c *bench.Cluster, runs int) {
+	pid := c.Plane.PID("kube-apiserver")
+	claims := float64(runs + 3)
+	phase := func(extra int) (cpu time.Duration, events float64, err error) {
+		if extra > 0 {
+			stop, err := c.Watchers(ctx, extra)
+			if err != nil {
+				return 0, 0, err
+			}
+			defer stop()
+			time.Sleep(time.Second)
+		}
+		before, err := c.Counts()
+		if err != nil {
+			return 0, 0, err
+		}
+		cpu0, err := bench.CPUTime(pid)
+		if err != nil {
+			return 0, 0, err
+		}
+		if _, err := bench.TimeToInteractive(ctx, c.Client(0), runs, 1); err != nil {
+			return 0, 0, err
+		}
+		cpu1, err := bench.CPUTime(pid)
+		if err != nil {
+			return 0, 0, err
+		}
+		after, err := c.Counts()
+		return (cpu1 - cpu0) / time.Duration(claims), (after.PodEvents - before.PodEvents) / claims, err
+	}
+	cpu0, ev0, err := phase(0)
+	if err != nil {
+		t.Fail("cluster.fanout", "", err)
+		return
+	}
+	cpu1, ev1, err := phase(clusterWatchers)
+	if err != nil {
+		t.Fail("cluster.fanout", "", err)
+		return
+	}
+	ms := func(d time.Duration) float64 { return float64(d.Microseconds()) / 1000 }
+	note := fmt.Sprintf("pod events sent per claim %.0f -> %.0f", ev0, ev1)
+	if ev1 > ev0 && cpu1 > cpu0 {
+		per := (cpu1 - cpu0) / time.Duration(ev1-ev0)
+		// 1,000 fronts at 300 claims/s: (ev1-ev0)/clusterWatchers events per claim per watcher.
+		cores := 300 * 1000 * (ev1 - ev0) / clusterWatchers * per.Seconds()
+		note += fmt.Sprintf("; %.1f us of API server CPU per event sent; 1,000 fronts at 300 claims/s: about %.0f cores", float64(per.Nanoseconds())/1000, cores)
+	}
+	ratio := 0.0
+	if cpu0 > 0 {
+		ratio = float64(cpu1) / float64(cpu0)
+	}
+	t.Set(bench.Row{ID: "cluster.fanout", Cage: bench.Quantity(ms(cpu1), "ms CPU"), Peer: bench.Quantity(ms(cpu0), "ms CPU"),
+		Ratio: ratio, Status: bench.NoTarget, Note: note + " (CPU ticks of 10 ms, the idle share included)"})
 }

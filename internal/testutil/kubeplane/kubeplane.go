@@ -397,6 +397,17 @@ func (p *Plane) PIDs() []int {
 	return pids
 }
 
+// PID returns the process id of "etcd", "kube-apiserver" or
+// "kube-scheduler" (0 when it is not running).
+func (p *Plane) PID(name string) int {
+	for _, pr := range p.procs {
+		if pr.name == name && !pr.exited() {
+			return pr.cmd.Process.Pid
+		}
+	}
+	return 0
+}
+
 // Stop ends the processes, the scheduler first, and waits for them. It can
 // be called more than once.
 func (p *Plane) Stop() {
