@@ -132,8 +132,55 @@ func TestCluster(t *testing.T) {
 		}
 	})
 
+	t.Run("tenants and keys", func(t *testing.T) { tenants(t, c, where) })
 	t.Run("lost node, then back", func(t *testing.T) { lostAndBack(t, c, where) })
 	t.Run("partition", func(t *testing.T) { partition(t, c, where) })
+}
+
+// tenants: another key of the cluster sees nothing of a sandbox on
+// another node through any front (the same 404 as for no sandbox, and
+// nothing is forwarded); traffic forwarded to the owner still needs the
+// sandbox's token; a key revoked in the cluster stops working on every
+// node.
+func tenants(t *testing.T, c *clusterutil.Cluster, where *placements) {
+	other := c.NewKey(t, "other-tenant")
+	id := onNode(t, c, where, "b", 1)[0]
+	defer kill(t, c, "a", id)
+	for _, front := range []string{"a", "c"} {
+		for _, m := range []string{"GET", "DELETE"} {
+			if code, body := call(t, c, front, m, "/sandboxes/"+id, other, ""); code != 404 {
+				t.Errorf("another tenant's %s of a sandbox on b through %s: %d %s, want 404", m, front, code, body)
+			}
+		}
+		if code, body := call(t, c, front, "POST", "/sandboxes/"+id+"/timeout", other, `{"timeout":5}`); code != 404 {
+			t.Errorf("another tenant's timeout through %s: %d %s, want 404", front, code, body)
+		}
+	}
+	if code, _ := call(t, c, "a", "GET", "/sandboxes/"+id, c.Key, ""); code != 200 {
+		t.Fatalf("the owner's get after the other's attempts: %d", code)
+	}
+	// Through A's proxy to b's sandbox, without its access token: b's
+	// proxy refuses it (401), as it would a request made to it.
+	req, _ := http.NewRequest("POST", c.Nodes["a"].Proxy+"/process.Process/List", strings.NewReader("{}"))
+	req.Header.Set("E2b-Sandbox-Id", id)
+	req.Header.Set("Content-Type", "application/json")
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusUnauthorized {
+		t.Errorf("traffic without the access token, forwarded to b: %d, want 401", resp.StatusCode)
+	}
+	if out, err := c.Cage("keys", "revoke", other[:12]); err != nil {
+		t.Fatalf("cage keys revoke --kubeconfig: %v %s", err, out)
+	}
+	for _, n := range []string{"a", "b", "c"} {
+		waitFor(t, 20*time.Second, "the revoked key refused on "+n, func() bool {
+			code, _ := call(t, c, n, "GET", "/v2/sandboxes", other, "")
+			return code == 401
+		})
+	}
 }
 
 // lostAndBack: B's cage serve is killed with SIGKILL. Its sandboxes are

@@ -61,6 +61,8 @@ type Cluster struct {
 	Key   string // a cluster-wide API key (cage keys create --kubeconfig)
 	Nodes map[string]*Node
 	Lease time.Duration
+
+	bin, admin string
 }
 
 // Node is one cage serve of the cluster.
@@ -116,12 +118,8 @@ func Start(t testing.TB, o Options) *Cluster {
 		t.Fatalf("cluster RBAC: %v", err)
 	}
 	bin := filepath.Join(testutil.Binaries(t), "cage")
-	out, err := cageCmd(bin, "keys", "create", "--kubeconfig", admin, "--namespace", Namespace, "--name", "cluster-test").Output()
-	lines := strings.Split(strings.TrimSpace(string(out)), "\n")
-	if err != nil || !strings.HasPrefix(lines[len(lines)-1], "e2b_") {
-		t.Fatalf("cage keys create --kubeconfig: %v: %s", err, out)
-	}
-	c.Key = lines[len(lines)-1]
+	c.bin, c.admin = bin, admin
+	c.Key = c.NewKey(t, "cluster-test")
 	for _, no := range o.Nodes {
 		n, err := c.newNode(t, bin, no, o.LeaseSeconds)
 		if err != nil {
@@ -137,6 +135,24 @@ func Start(t testing.TB, o Options) *Cluster {
 		}
 	}
 	return c
+}
+
+// NewKey makes a cluster-wide API key (`cage keys create --kubeconfig`).
+func (c *Cluster) NewKey(t testing.TB, name string) string {
+	t.Helper()
+	out, err := c.Cage("keys", "create", "--name", name)
+	lines := strings.Split(strings.TrimSpace(string(out)), "\n")
+	if err != nil || !strings.HasPrefix(lines[len(lines)-1], "e2b_") {
+		t.Fatalf("cage keys create --kubeconfig: %v: %s", err, out)
+	}
+	return lines[len(lines)-1]
+}
+
+// Cage runs `cage ARGS --kubeconfig ADMIN --namespace cage` (a keys or
+// cluster command) and returns its standard output.
+func (c *Cluster) Cage(args ...string) ([]byte, error) {
+	args = append(args, "--kubeconfig", c.admin, "--namespace", Namespace)
+	return cageCmd(c.bin, args...).Output()
 }
 
 func (c *Cluster) newNode(t testing.TB, bin string, o NodeOptions, lease int) (*Node, error) {
