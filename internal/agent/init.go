@@ -40,21 +40,31 @@ func absorbSignals() {
 // could not start a thread and would abort, so the agent takes what it needs
 // before serving. The host adds total to the pids limit, so the workload's
 // budget is what was asked. Each held goroutine pins a thread; a new one
-// takes an idle thread or makes the runtime start another.
+// takes an idle thread or makes the runtime start another. The count is
+// read once per batch (as many pins as threads are missing), not once per
+// pin: reading /proc/self/status was most of the time this took, and it
+// is on the way to a sandbox's first command.
 func reserveThreads(total int) {
 	release := make(chan struct{})
 	var done sync.WaitGroup
-	for i := 0; i < 4*total && threadCount() < total; i++ {
-		started := make(chan struct{})
-		done.Add(1)
-		go func() {
-			defer done.Done()
-			runtime.LockOSThread()
-			close(started)
-			<-release
-			runtime.UnlockOSThread()
-		}()
-		<-started
+	for pinned := 0; pinned < 4*total; {
+		missing := min(total-threadCount(), 4*total-pinned)
+		if missing <= 0 {
+			break
+		}
+		for range missing {
+			started := make(chan struct{})
+			done.Add(1)
+			go func() {
+				defer done.Done()
+				runtime.LockOSThread()
+				close(started)
+				<-release
+				runtime.UnlockOSThread()
+			}()
+			<-started
+		}
+		pinned += missing
 	}
 	close(release)
 	done.Wait()
