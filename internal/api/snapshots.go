@@ -70,6 +70,12 @@ func (s *server) deleteTemplate(w http.ResponseWriter, r *http.Request) {
 // fork makes count sandboxes from a running sandbox's snapshot: 201 with
 // one entry a fork, its sandbox or its error (E2B's SandboxForkResult).
 func (s *server) fork(w http.ResponseWriter, r *http.Request) {
+	if s.cfg.Cluster != nil {
+		// A fork would be a sandbox without a pod: no other node would
+		// see it, and the node's reconciliation would destroy it.
+		s.fail(w, r, fmt.Errorf("%w: fork is not available in cluster mode yet", manager.ErrConflict))
+		return
+	}
 	if !s.allowCreate(w, r) {
 		return
 	}

@@ -159,6 +159,11 @@ func tenants(t *testing.T, c *clusterutil.Cluster, where *placements) {
 	if code, _ := call(t, c, "a", "GET", "/sandboxes/"+id, c.Key, ""); code != 200 {
 		t.Fatalf("the owner's get after the other's attempts: %d", code)
 	}
+	// A fork would have no pod: refused, and nothing is made.
+	if code, body := call(t, c, "a", "POST", "/sandboxes/"+id+"/fork", c.Key, `{}`); code != 409 ||
+		!strings.Contains(body, "not available in cluster mode") {
+		t.Errorf("fork in cluster mode: %d %s, want 409", code, body)
+	}
 	// Through A's proxy to b's sandbox, without its access token: b's
 	// proxy refuses it (401), as it would a request made to it.
 	req, _ := http.NewRequest("POST", c.Nodes["a"].Proxy+"/process.Process/List", strings.NewReader("{}"))
