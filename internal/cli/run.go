@@ -7,6 +7,7 @@ import (
 	"io"
 	"os"
 	"os/signal"
+	"path/filepath"
 	"strings"
 	"sync/atomic"
 	"syscall"
@@ -21,6 +22,7 @@ import (
 	"github.com/cagehq/cage/internal/agentclient"
 	"github.com/cagehq/cage/internal/network"
 	"github.com/cagehq/cage/internal/sandbox"
+	"github.com/cagehq/cage/internal/template"
 	"github.com/cagehq/cage/internal/trace"
 	"github.com/cagehq/cage/internal/units"
 	"github.com/cagehq/cage/internal/wall"
@@ -212,7 +214,14 @@ func runCommand(ctx context.Context, g *globals, f *runFlags, args []string, std
 	if w := host.Warning(ctx, sb.Wall()); w != "" {
 		fmt.Fprintf(stderr, "cage: warning: %s\n", w)
 	}
-	defer func() { trace.Mark("gc"); host.GC(); trace.Mark("gc done") }() // after the command: leftovers of runs that were killed
+	// The leftovers of runs that were killed are collected while the command
+	// runs: GC leaves alone a state directory younger than its grace period
+	// or whose owner lock is held, so this sandbox is not touched. The caches
+	// GC prunes only when no sandbox is left are pruned after this one's
+	// destruction, before cage exits.
+	gcDone := make(chan struct{})
+	go func() { defer close(gcDone); trace.Mark("gc"); host.GC(); trace.Mark("gc done") }()
+	defer func() { <-gcDone; pruneIfIdle(host.RunDir) }()
 	defer sb.Destroy()
 
 	// A closed stdout must not kill cage before it has destroyed the sandbox:
@@ -268,6 +277,15 @@ func runCommand(ctx context.Context, g *globals, f *runFlags, args []string, std
 		return sandboxFailure(sb, &timedOut, p.timeout, err)
 	}
 	return exitFromEnd(end, args[0], p.opts.Memory, p.opts.Pids, stderr)
+}
+
+// pruneIfIdle prunes the template caches when no sandbox is left under
+// runDir: what sandbox.Host.GC does last, repeated once this run's own
+// sandbox is gone.
+func pruneIfIdle(runDir string) {
+	if ents, err := os.ReadDir(filepath.Join(runDir, "sandboxes")); err == nil && len(ents) == 0 {
+		template.PruneCaches(filepath.Join(runDir, "templates"))
+	}
 }
 
 // sandboxFailure explains a failed run: the timeout, a sandbox that died, or
