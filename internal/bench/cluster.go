@@ -153,7 +153,7 @@ func (c *Cluster) startNode(exe, name string, extra map[string]any) (*ClusterNod
 	n.cmd = nodeCmd("nsenter", "--net="+c.Net.NS(name), exe, "--run-dir", run, "serve", "--config", path)
 	n.cmd.Stdout, n.cmd.Stderr = n.log, n.log
 	n.cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGTERM}
-	if err := n.cmd.Start(); err != nil {
+	if err := kubeplane.StartProcess(n.cmd); err != nil { // Pdeathsig: from a thread that stays
 		return nil, err
 	}
 	go func() { _ = n.cmd.Wait(); close(n.done) }()

@@ -8,6 +8,7 @@ import (
 	"net"
 	"net/http"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"runtime"
 	"strconv"
@@ -252,5 +253,27 @@ func TestBinDir(t *testing.T) {
 	t.Setenv(EnvDir, dir)
 	if _, err := BinDir(); err == nil || !strings.Contains(err.Error(), "kube-scheduler") {
 		t.Errorf("no kube-scheduler: %v", err)
+	}
+}
+
+// TestStartWithoutBinaries: without the binaries Start skips the test, and
+// fails it where CAGE_REQUIRE_WALLS says every part of the suite must run
+// (CI as root). Each case runs in a child test process.
+func TestStartWithoutBinaries(t *testing.T) {
+	if os.Getenv("KUBEPLANE_CHILD") == "1" {
+		Start(t, Options{})
+		t.Log("KUBEPLANE-STARTED")
+		return
+	}
+	for _, c := range []struct {
+		require, want string
+		fails         bool
+	}{{"", "--- SKIP", false}, {"process", "are required here (CAGE_REQUIRE_WALLS)", true}} {
+		cmd := exec.Command(os.Args[0], "-test.run=^TestStartWithoutBinaries$", "-test.v")
+		cmd.Env = append(os.Environ(), "KUBEPLANE_CHILD=1", EnvDir+"=", "CAGE_REQUIRE_WALLS="+c.require)
+		out, err := cmd.CombinedOutput()
+		if (err != nil) != c.fails || !strings.Contains(string(out), c.want) || strings.Contains(string(out), "KUBEPLANE-STARTED") {
+			t.Errorf("CAGE_REQUIRE_WALLS=%q: err %v, want failure %v and %q:\n%s", c.require, err, c.fails, c.want, out)
+		}
 	}
 }

@@ -6,9 +6,38 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"runtime"
+	"sync"
 	"syscall"
 	"time"
 )
+
+// The parent-death signal (Pdeathsig) is sent when the thread that forked
+// the child exits, not the process: a goroutine that locks its thread and
+// ends locked (as a test that enters a network namespace does) takes the
+// thread with it, and would kill the plane. Processes are therefore forked
+// from one thread kept for the process's life.
+var (
+	forkOnce sync.Once
+	forks    chan func()
+)
+
+// StartProcess starts cmd from the kept thread, so that a Pdeathsig in
+// cmd.SysProcAttr fires only when this process ends.
+func StartProcess(cmd *exec.Cmd) error {
+	forkOnce.Do(func() {
+		forks = make(chan func())
+		go func() {
+			runtime.LockOSThread() // never unlocked: this thread stays
+			for f := range forks {
+				f()
+			}
+		}()
+	})
+	done := make(chan error, 1)
+	forks <- func() { done <- cmd.Start() }
+	return <-done
+}
 
 // proc is one process of the plane; its output goes to DIR/NAME.log.
 type proc struct {
@@ -33,7 +62,7 @@ func (p *Plane) run(path, name string, extra io.Writer, args ...string) error {
 	}
 	cmd.Stdout, cmd.Stderr = out, out
 	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL, Setpgid: true}
-	if err := cmd.Start(); err != nil {
+	if err := StartProcess(cmd); err != nil {
 		f.Close()
 		return fmt.Errorf("start %s: %w", name, err)
 	}
