@@ -19,6 +19,7 @@ import (
 	"golang.org/x/term"
 
 	pb "github.com/cagehq/cage/api/gen/process"
+	"github.com/cagehq/cage/internal/agent"
 	"github.com/cagehq/cage/internal/agentclient"
 	"github.com/cagehq/cage/internal/network"
 	"github.com/cagehq/cage/internal/sandbox"
@@ -192,6 +193,7 @@ func runCommand(ctx context.Context, g *globals, f *runFlags, args []string, std
 		return err
 	}
 	trace.Mark("cage main")
+	go agent.WarmProtocol() // while the sandbox is made
 	host, err := sandbox.NewHost(g.runDir, "", g.log)
 	if err != nil {
 		return err
