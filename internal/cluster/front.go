@@ -319,8 +319,11 @@ func (f *Front) start(ctx context.Context, node, id string) (*store.Sandbox, err
 	if resp.StatusCode/100 != 2 {
 		return nil, remoteError(node, resp.StatusCode, body)
 	}
+	// The record's id may differ from the pod's: a node that claims a
+	// prepared sandbox of its pool answers with it (its own id, with a pod
+	// of that name) and deletes the claim's pod.
 	var rec store.Sandbox
-	if err := json.Unmarshal(body, &rec); err != nil || rec.ID != id {
+	if err := json.Unmarshal(body, &rec); err != nil || !ids.Valid(rec.ID) {
 		return nil, fmt.Errorf("node %s answered the start of sandbox %s with no record of it", node, id)
 	}
 	return &rec, nil

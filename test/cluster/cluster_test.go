@@ -85,9 +85,18 @@ func TestCluster(t *testing.T) {
 		cWalls = append([]string{"microvm"}, walls...)
 	}
 	pool := map[string]any{"pool": 1, "pool_template": "host"}
+	cPool := pool
+	runc := runcHere()
+	if runc {
+		// C also keeps a prepared runc sandbox of base: a runc create
+		// lands there and claims it (the answer's id is the prepared
+		// sandbox's, not the claim pod's).
+		cWalls = append(cWalls, "runc")
+		cPool = map[string]any{"pool": 1, "pool_template": "host", "pools": map[string]int{"runc/base": 1}}
+	}
 	c := clusterutil.Start(t, clusterutil.Options{Nodes: []clusterutil.NodeOptions{
 		{Name: "a", Walls: walls, Config: pool}, {Name: "b", Walls: walls, Config: pool},
-		{Name: "c", Walls: cWalls, Config: pool}}})
+		{Name: "c", Walls: cWalls, Config: cPool}}})
 	defer func() {
 		if t.Failed() {
 			for _, n := range c.Nodes {
@@ -114,6 +123,16 @@ func TestCluster(t *testing.T) {
 	}
 
 	t.Run("walls", func(t *testing.T) {
+		if runc {
+			id := create(t, c, "a", `{"templateID":"base","wall":"runc","timeout":120}`)
+			if n := where.node(id); n != "c" {
+				t.Errorf("runc sandbox %s on node %q, want c (the only runc node)", id, n)
+			}
+			if code, body := call(t, c, "b", "GET", "/sandboxes/"+id, c.Key, ""); code != 200 {
+				t.Errorf("the pooled runc sandbox through b: %d %s", code, body)
+			}
+			kill(t, c, "b", id)
+		}
 		if !microvm {
 			// No node offers it: a clear 503 from any front.
 			code, body := call(t, c, "a", "POST", "/sandboxes", c.Key, `{"templateID":"base","wall":"microvm"}`)
@@ -466,6 +485,13 @@ func sdkDir(t *testing.T) string {
 		t.Fatalf("test/e2b/node_modules is missing or older than package-lock.json: run scripts/test.sh (it runs npm ci there)")
 	}
 	return dir
+}
+
+// runcHere says whether this machine runs the runc wall with base.
+func runcHere() bool {
+	_, err := exec.LookPath("runc")
+	_, berr := os.Stat(filepath.Join(os.Getenv("CAGE_TEMPLATES"), "templates", "base.json"))
+	return err == nil && os.Getenv("CAGE_TEMPLATES") != "" && berr == nil
 }
 
 // microvmHere says whether this machine runs the microvm wall (QEMU, the
