@@ -1,6 +1,7 @@
 package cluster_test
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"io"
@@ -18,6 +19,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/watch"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/clientcmd"
 
@@ -42,7 +44,10 @@ type nodeEnv struct {
 	plane *kubeplane.Plane
 	// runcPool: the node keeps a runc pool of base (CAGE_TEMPLATES is set)
 	runcPool bool
+	dify     string // the Dify listener's address (with the template store)
 }
+
+const difyKey = "dify-node-test-key-1"
 
 func startNode(t *testing.T) *nodeEnv {
 	t.Helper()
@@ -65,6 +70,7 @@ func startNode(t *testing.T) *nodeEnv {
 	pools := "0"
 	if templates != "" {
 		cfg["templates"], cfg["pools"], pools = templates, map[string]int{"runc/base": 1}, "1"
+		cfg["dify"] = map[string]any{"key": difyKey}
 	}
 	b, _ := json.Marshal(cfg)
 	if err := os.WriteFile(conf, b, 0o600); err != nil {
@@ -81,8 +87,14 @@ func startNode(t *testing.T) *nodeEnv {
 	if err := os.WriteFile(kc, []byte(strings.Replace(string(kb), p.URL, "https://"+l.addr, 1)), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	d := cageserve.Start(t, "--kubeconfig", kc,
-		"--node-name", nodeName, "--advertise", "127.0.0.1", "--config", conf)
+	flags := []string{}
+	difyAddr := ""
+	if templates != "" {
+		difyAddr = cageserve.FreePort(t)
+		flags = append(flags, "--dify", difyAddr)
+	}
+	d := cageserve.Start(t, append(flags, "--kubeconfig", kc,
+		"--node-name", nodeName, "--advertise", "127.0.0.1", "--config", conf)...)
 	out, _, err := d.Cage("keys", "ls", "--data", d.Data, "--json")
 	var keys []struct {
 		ID string `json:"id"`
@@ -90,7 +102,7 @@ func startNode(t *testing.T) *nodeEnv {
 	if err != nil || json.Unmarshal(out, &keys) != nil || len(keys) == 0 {
 		t.Fatalf("cage keys ls: %v: %s", err, out)
 	}
-	return &nodeEnv{d: d, admin: admin, owner: keys[0].ID, link: l, plane: p, runcPool: pools == "1"}
+	return &nodeEnv{d: d, admin: admin, owner: keys[0].ID, link: l, plane: p, runcPool: pools == "1", dify: difyAddr}
 }
 
 // TestNode runs one node against a real control plane: registration, the
@@ -103,7 +115,7 @@ func TestNode(t *testing.T) {
 	t.Run("KillDeletesPod", e.testKillDeletesPod)
 	t.Run("PauseState", e.testPauseState)
 	t.Run("CreateThroughAPI", e.testCreateThroughAPI)
-	t.Run("ForkGetsPods", e.testFork)
+	t.Run("DifyGetsPods", e.testDifyGetsPods)
 	t.Run("PooledClaim", e.testPooledClaim)
 	t.Run("MalformedSpec", e.testMalformed)
 	t.Run("StartNeedsNodeAuth", e.testStartAuth)
@@ -353,38 +365,56 @@ func (e *nodeEnv) testKillDeletesPod(t *testing.T) {
 	e.noAgent(t, id)
 }
 
-// testFork: sandboxes made on the node without a pod (a fork's children)
-// get pods bound to it, and live on.
-func (e *nodeEnv) testFork(t *testing.T) {
-	id := e.newPod(t, nil)
-	e.running(t, id)
-	status, body, err := e.d.Do(http.MethodPost, "/sandboxes/"+id+"/fork", e.d.Key, map[string]any{"count": 2, "timeout": 120})
-	var forks []types.SandboxForkResult
-	if err != nil || status != http.StatusCreated || json.Unmarshal(body, &forks) != nil || len(forks) != 2 {
-		t.Fatalf("fork: %d %s %v", status, body, err)
+// testDifyGetsPods: a sandbox the manager makes on the node without a pod
+// (Dify's sandbox API: one per run) gets a pod bound to the node, and is
+// not destroyed as a sandbox whose pod went: the run answers, and the pod
+// goes with the sandbox.
+func (e *nodeEnv) testDifyGetsPods(t *testing.T) {
+	if e.dify == "" {
+		t.Skip("SKIP: no template store with base (CAGE_TEMPLATES) for Dify's sandboxes")
 	}
-	for _, f := range forks {
-		child := f.Sandbox.SandboxID
-		if child == "" {
-			t.Fatalf("fork: %+v", f)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	w, err := e.admin.CoreV1().Pods(cluster.DefaultNamespace).Watch(ctx, metav1.ListOptions{LabelSelector: cluster.LabelKey + "=dify"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer w.Stop()
+	body, _ := json.Marshal(map[string]any{"language": "python3", "code": "print(6*7)"})
+	req, _ := http.NewRequest(http.MethodPost, "http://"+e.dify+"/v1/sandbox/run", bytes.NewReader(body))
+	req.Header.Set("X-Api-Key", difyKey)
+	req.Header.Set("Content-Type", "application/json")
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	out, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusOK || !strings.Contains(string(out), `"stdout":"42\n"`) {
+		t.Fatalf("dify run: %d %s", resp.StatusCode, out)
+	}
+	added, deleted := "", false
+	for ev := range w.ResultChan() {
+		p, ok := ev.Object.(*corev1.Pod)
+		if !ok {
+			continue
 		}
-		t.Cleanup(func() { e.d.Kill(e.d.Key, child) })
-		p := e.running(t, child)
-		if p.Spec.NodeName != nodeName || p.Labels[cluster.LabelKey] != e.owner {
-			t.Errorf("child %s: node %q labels %v", child, p.Spec.NodeName, p.Labels)
+		switch ev.Type {
+		case watch.Added:
+			if p.Spec.NodeName != nodeName {
+				t.Errorf("dify's pod %s bound to %q", p.Name, p.Spec.NodeName)
+			}
+			added = p.Name
+		case watch.Deleted:
+			deleted = p.Name == added
+		}
+		if deleted {
+			break
 		}
 	}
-	time.Sleep(2 * time.Second) // the work queue has seen the children and their pods
-	for _, f := range forks {
-		if _, status := e.detail(t, f.Sandbox.SandboxID); status != http.StatusOK {
-			t.Errorf("child %s after its pod came: %d", f.Sandbox.SandboxID, status)
-		}
+	if added == "" || !deleted {
+		t.Fatalf("dify's sandbox: pod added %q, deleted %v", added, deleted)
 	}
-	child := forks[0].Sandbox.SandboxID
-	if status, _, _ := e.d.Do(http.MethodDelete, "/sandboxes/"+child, e.d.Key, nil); status != http.StatusNoContent {
-		t.Fatalf("kill a child: %d", status)
-	}
-	e.gone(t, child)
 }
 
 // testPooledClaim: a start with pool=1 may give the claim pod a pooled
