@@ -302,6 +302,7 @@ func (f *Front) start(ctx context.Context, node, id string) (*store.Sandbox, err
 	ctx, cancel := context.WithTimeout(ctx, startTimeout)
 	defer cancel()
 	u := base.JoinPath("/cluster/pods", id, "start")
+	u.RawQuery = "pool=1" // the node may answer with a prepared sandbox of its pool
 	r, err := http.NewRequestWithContext(ctx, http.MethodPost, u.String(), http.NoBody)
 	if err != nil {
 		return nil, err

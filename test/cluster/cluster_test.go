@@ -42,6 +42,13 @@ type placements struct {
 	at map[string]string // sandbox id -> node
 }
 
+// count is how many sandbox pods have been bound so far.
+func (p *placements) count() int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return len(p.at)
+}
+
 // node is where sandbox id was placed, waiting a little for the watch to
 // tell ("" when it never does).
 func (p *placements) node(id string) string {
@@ -124,10 +131,14 @@ func TestCluster(t *testing.T) {
 
 	t.Run("walls", func(t *testing.T) {
 		if runc {
+			before := where.count()
 			id := create(t, c, "a", `{"templateID":"base","wall":"runc","timeout":120}`)
 			if n := where.node(id); n != "c" {
 				t.Errorf("runc sandbox %s on node %q, want c (the only runc node)", id, n)
 			}
+			// Two new pods (the claim, deleted, and the prepared
+			// sandbox's) when C's pool had one ready; one otherwise.
+			t.Logf("runc create: %d new pods (2: a prepared sandbox was claimed)", where.count()-before)
 			if code, body := call(t, c, "b", "GET", "/sandboxes/"+id, c.Key, ""); code != 200 {
 				t.Errorf("the pooled runc sandbox through b: %d %s", code, body)
 			}
