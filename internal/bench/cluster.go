@@ -76,7 +76,7 @@ func StartCluster(exe string, names []string, config map[string]any) (c *Cluster
 		return nil, err
 	}
 	c.Plane, err = kubeplane.Launch(kubeplane.Options{BindIP: c.Net.HostIP, Nodes: names,
-		Dir: filepath.Join(c.dir, "plane"), Fsync: true})
+		Dir: filepath.Join(c.dir, "plane"), Fsync: true, Audit: true})
 	if err != nil {
 		return nil, err
 	}

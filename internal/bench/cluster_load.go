@@ -331,3 +331,56 @@ func (c *Cluster) Watchers(ctx context.Context, n int) (stop func(), err error) 
 	}
 	return stop, nil
 }
+
+// ByClient tallies the audit log's requests received in [from, to) by
+// client, verb and resource ("node a DELETE pods"), leaving out the
+// admin's (the bench's own) and those for no resource (/metrics).
+func (c *Cluster) ByClient(from, to time.Time) (map[string]float64, error) {
+	if c.Plane.AuditLog == "" {
+		return nil, fmt.Errorf("the plane keeps no audit log")
+	}
+	f, err := os.Open(c.Plane.AuditLog)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	tally := map[string]float64{}
+	sc := bufio.NewScanner(f)
+	sc.Buffer(make([]byte, 1<<20), 1<<20)
+	for sc.Scan() {
+		var ev struct {
+			Stage string
+			User  struct{ Username string }
+			Verb  string
+			Ref   *struct{ Resource, Subresource string } `json:"objectRef"`
+			At    time.Time                               `json:"requestReceivedTimestamp"`
+		}
+		if json.Unmarshal(sc.Bytes(), &ev) != nil || ev.Ref == nil || ev.At.Before(from) || !ev.At.Before(to) {
+			continue
+		}
+		// A watch's record is its start; any other request's, its end.
+		if (ev.Verb == "watch") != (ev.Stage == "ResponseStarted") || (ev.Stage != "ResponseStarted" && ev.Stage != "ResponseComplete") {
+			continue
+		}
+		who := ev.User.Username
+		switch {
+		case who == "admin":
+			continue
+		case strings.HasPrefix(who, "cage:node:"):
+			who = "node " + strings.TrimPrefix(who, "cage:node:")
+		case who == "system:kube-scheduler":
+			who = "scheduler"
+		}
+		res := ev.Ref.Resource
+		if ev.Ref.Subresource != "" {
+			res += "/" + ev.Ref.Subresource
+		}
+		tally[who+" "+strings.ToUpper(ev.Verb)+" "+res]++
+	}
+	return tally, sc.Err()
+}
+
+// TopOf is the n largest entries of m divided by per, "key 1.00, ...".
+func TopOf(m map[string]float64, n int, per float64) string {
+	return APIDelta{Requests: m}.Top(n, per)
+}

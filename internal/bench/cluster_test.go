@@ -1,9 +1,14 @@
 package bench
 
 import (
+	"fmt"
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/cagehq/cage/internal/testutil/kubeplane"
 )
 
 // TestMetricLine: the API server's counters are read by label, and a line
@@ -36,5 +41,39 @@ func TestDelta(t *testing.T) {
 	}
 	if top := d.Top(3, 10); !strings.HasPrefix(top, "POST pods 2.00") {
 		t.Errorf("top %q", top)
+	}
+}
+
+// TestByClient tallies an audit log's requests in the window by client,
+// verb and resource: a watch by its start, others by their end, the
+// admin's and non-resource requests left out.
+func TestByClient(t *testing.T) {
+	dir := t.TempDir()
+	log := filepath.Join(dir, "audit.log")
+	at := func(s string) string { return `"requestReceivedTimestamp":"2026-12-01T10:00:` + s + `Z"` }
+	lines := []string{
+		`{"stage":"ResponseComplete","user":{"username":"cage:node:a"},"verb":"create","objectRef":{"resource":"pods"},` + at("01") + `}`,
+		`{"stage":"ResponseComplete","user":{"username":"cage:node:b"},"verb":"delete","objectRef":{"resource":"pods"},` + at("02") + `}`,
+		`{"stage":"ResponseComplete","user":{"username":"cage:node:b"},"verb":"delete","objectRef":{"resource":"pods"},` + at("03") + `}`,
+		`{"stage":"ResponseComplete","user":{"username":"system:kube-scheduler"},"verb":"create","objectRef":{"resource":"pods","subresource":"binding"},` + at("04") + `}`,
+		`{"stage":"ResponseStarted","user":{"username":"cage:node:a"},"verb":"watch","objectRef":{"resource":"pods"},` + at("05") + `}`,
+		`{"stage":"ResponseComplete","user":{"username":"cage:node:a"},"verb":"watch","objectRef":{"resource":"pods"},` + at("05") + `}`,
+		`{"stage":"ResponseComplete","user":{"username":"admin"},"verb":"list","objectRef":{"resource":"pods"},` + at("06") + `}`,
+		`{"stage":"ResponseComplete","user":{"username":"cage:node:a"},"verb":"get"` + `,` + at("07") + `}`,
+		`{"stage":"ResponseComplete","user":{"username":"cage:node:a"},"verb":"create","objectRef":{"resource":"pods"},` + at("30") + `}`,
+		`not json`,
+	}
+	if err := os.WriteFile(log, []byte(strings.Join(lines, "\n")), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	c := &Cluster{Plane: &kubeplane.Plane{AuditLog: log}}
+	from, _ := time.Parse(time.RFC3339, "2026-12-01T10:00:00Z")
+	got, err := c.ByClient(from, from.Add(20*time.Second))
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := map[string]float64{"node a CREATE pods": 1, "node b DELETE pods": 2, "scheduler CREATE pods/binding": 1, "node a WATCH pods": 1}
+	if fmt.Sprint(got) != fmt.Sprint(want) {
+		t.Errorf("tally %v, want %v", got, want)
 	}
 }

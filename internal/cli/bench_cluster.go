@@ -163,7 +163,9 @@ func measureCluster(ctx context.Context, t *bench.Table, c *bench.Cluster, runs 
 	if err != nil {
 		return tti, burst, err
 	}
+	from := time.Now()
 	tti, err = bench.TimeToInteractive(ctx, c.Client(0), runs, 1)
+	to := time.Now()
 	after, cerr := c.Counts()
 	where, mine := place.Stop()
 	if err != nil {
@@ -176,9 +178,12 @@ func measureCluster(ctx context.Context, t *bench.Table, c *bench.Cluster, runs 
 		claims := float64(runs + 3) // TimeToInteractive's three warm-up claims count too
 		d := bench.Delta(before, after, &idle, idle1.At.Sub(idle0.At))
 		d.PodEvents -= float64(mine) // the bench's own watch
-		t.Set(bench.Row{ID: "cluster.apireq", Cage: bench.Quantity(d.Total/claims, "requests"), Status: bench.NoTarget,
-			Note: fmt.Sprintf("%s; pod watch events sent %.1f, etcd revisions %.1f per claim; idle: %.2f requests/s",
-				d.Top(6, claims), d.PodEvents/claims, d.Revisions/claims, idle.Total/idle1.At.Sub(idle0.At).Seconds())})
+		note := fmt.Sprintf("%s; pod watch events sent %.1f, etcd revisions %.1f per claim; idle: %.2f requests/s",
+			d.Top(6, claims), d.PodEvents/claims, d.Revisions/claims, idle.Total/idle1.At.Sub(idle0.At).Seconds())
+		if who, err := c.ByClient(from, to); err == nil {
+			note += "; by client (audit log, idle not taken out): " + bench.TopOf(who, 10, claims)
+		}
+		t.Set(bench.Row{ID: "cluster.apireq", Cage: bench.Quantity(d.Total/claims, "requests"), Status: bench.NoTarget, Note: note})
 	}
 	fanout(ctx, t, c, runs)
 	clients := []*client.Client{c.Client(0), c.Client(1), c.Client(2)}

@@ -67,6 +67,9 @@ type Options struct {
 	Fsync bool
 	// Log, when set, receives every process's output too.
 	Log io.Writer
+	// Audit makes the apiserver log every request's metadata (who, verb,
+	// object; no bodies) to Plane.AuditLog, as JSON lines.
+	Audit bool
 }
 
 // Plane is a running control plane.
@@ -75,6 +78,8 @@ type Plane struct {
 	CAFile  string // the CA that signed the apiserver's certificate
 	Dir     string
 	EtcdURL string // http://127.0.0.1:port
+	// AuditLog is the apiserver's audit log (Options.Audit), else "".
+	AuditLog string
 
 	tokens map[string]string // user -> bearer token
 	caPEM  []byte
@@ -249,6 +254,15 @@ func (p *Plane) startAPIServer(bin string, o Options, pk *pki, tokenFile string)
 		"--profiling=false",
 		"--cert-dir", filepath.Join(p.Dir, "certs"),
 		"--v", "1",
+	}
+	if o.Audit {
+		policy := filepath.Join(p.Dir, "audit-policy.yaml")
+		rules := "apiVersion: audit.k8s.io/v1\nkind: Policy\nomitStages: [RequestReceived]\nrules:\n- level: Metadata\n"
+		if err := os.WriteFile(policy, []byte(rules), 0o600); err != nil {
+			return err
+		}
+		p.AuditLog = filepath.Join(p.Dir, "audit.log")
+		args = append(args, "--audit-policy-file", policy, "--audit-log-path", p.AuditLog, "--audit-log-format", "json")
 	}
 	return p.run(filepath.Join(bin, "kube-apiserver"), "kube-apiserver", o.Log, args...)
 }
