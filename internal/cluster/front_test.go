@@ -368,9 +368,14 @@ func TestFront(t *testing.T) {
 		if code, _ := call("GET", "/sandboxes/"+id, r.KeyID, AuthHeader, "node=c,t=1,sig=00"); code != 404 {
 			t.Fatalf("a forwarded request was forwarded again: %d", code)
 		}
-		// A pod the informer has not seen yet is asked for.
+		// A pod the informer has not seen yet is asked for (the caller
+		// holds a key): one GET at the API server.
+		before := podGets(t)
 		if code, _ := call("GET", "/sandboxes/ffffffffffffffffffff", r.KeyID); code != 404 {
 			t.Fatalf("unknown sandbox: %d", code)
+		}
+		if after := podGets(t); after != before+1 {
+			t.Fatalf("an API request for an unknown sandbox made %v GETs of pods, want 1", after-before)
 		}
 	})
 
@@ -413,11 +418,20 @@ func TestFront(t *testing.T) {
 		if echo, err := br.ReadString('\n'); echo != "ping\n" {
 			t.Fatalf("through the upgraded connection: %q %v", echo, err)
 		}
-		// An id no node holds is this proxy's to answer.
-		rq, _ = http.NewRequest("GET", px.URL+"/", nil)
-		rq.Header.Set("E2b-Sandbox-Id", "eeeeeeeeeeeeeeeeeeee")
-		if resp, err := http.DefaultClient.Do(rq); err != nil || resp.StatusCode != 502 {
-			t.Fatalf("unknown id: %v %v", resp, err)
+		// Ids no node holds are this proxy's to answer, and anyone may
+		// send them: they cost the API server no request.
+		before := podGets(t)
+		for i := 0; i < 50; i++ {
+			rq, _ = http.NewRequest("GET", px.URL+"/", nil)
+			rq.Header.Set("E2b-Sandbox-Id", fmt.Sprintf("dead%016x", i))
+			resp, err := http.DefaultClient.Do(rq)
+			if err != nil || resp.StatusCode != 502 {
+				t.Fatalf("unknown id: %v %v", resp, err)
+			}
+			resp.Body.Close()
+		}
+		if after := podGets(t); after != before {
+			t.Fatalf("50 proxy requests for unknown ids made %v GETs of pods at the API server", after-before)
 		}
 	})
 
@@ -463,6 +477,26 @@ func TestFront(t *testing.T) {
 		}
 		podGone(t, c, id)
 	})
+}
+
+// podGets is the API server's count of GETs of single pods
+// (apiserver_request_total).
+func podGets(t *testing.T) float64 {
+	b, err := shared.plane.Get("/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var n float64
+	for _, line := range strings.Split(string(b), "\n") {
+		if strings.HasPrefix(line, "apiserver_request_total{") && strings.Contains(line, `resource="pods"`) &&
+			strings.Contains(line, `verb="GET"`) && strings.Contains(line, `scope="resource"`) {
+			var v float64
+			if _, err := fmt.Sscan(line[strings.LastIndex(line, " ")+1:], &v); err == nil {
+				n += v
+			}
+		}
+	}
+	return n
 }
 
 // podNames lists the live sandbox pods.
