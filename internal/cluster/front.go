@@ -10,6 +10,7 @@ import (
 	"net"
 	"net/http"
 	"net/url"
+	"slices"
 	"strings"
 	"sync"
 	"time"
@@ -154,6 +155,13 @@ func (f *Front) next(name string) <-chan struct{} {
 // kube-scheduler binds it to a node that has the wall and the room, and
 // that node starts it now. A failed start deletes the pod.
 func (f *Front) Create(ctx context.Context, req manager.CreateRequest) (*store.Sandbox, error) {
+	if !slices.Contains(sandbox.Walls, req.Wall) {
+		return nil, fmt.Errorf("%w: unknown wall %q (walls: %v)", sandbox.ErrInvalid, req.Wall, sandbox.Walls)
+	}
+	if f.nodesWith(req.Wall) == 0 {
+		// Known without asking the API server (nor making a pod).
+		return nil, fmt.Errorf("%w: no node of the cluster can run wall %s", sandbox.ErrUnavailable, req.Wall)
+	}
 	id := ids.NewID()
 	pod, err := PodFor(id, req, f.cfg.Namespace)
 	if err != nil {
@@ -257,6 +265,17 @@ func (f *Front) bound(ctx context.Context, id, wall string, wake <-chan struct{}
 
 // unschedulable says why no node can take a sandbox of wall.
 func (f *Front) unschedulable(wall, why string) error {
+	if f.nodesWith(wall) == 0 {
+		return fmt.Errorf("%w: no node of the cluster can run wall %s", sandbox.ErrUnavailable, wall)
+	}
+	if why == "" {
+		why = "no reason given"
+	}
+	return fmt.Errorf("%w: no node has room for the sandbox (kube-scheduler: %s)", sandbox.ErrUnavailable, oneLine(why))
+}
+
+// nodesWith counts the cage Nodes labelled for wall.
+func (f *Front) nodesWith(wall string) int {
 	nodes, _ := f.nodes.List(labels.Everything())
 	can := 0
 	for _, n := range nodes {
@@ -264,13 +283,7 @@ func (f *Front) unschedulable(wall, why string) error {
 			can++
 		}
 	}
-	if can == 0 {
-		return fmt.Errorf("%w: no node of the cluster can run wall %s", sandbox.ErrUnavailable, wall)
-	}
-	if why == "" {
-		why = "no reason given"
-	}
-	return fmt.Errorf("%w: no node has room for the sandbox (kube-scheduler: %s)", sandbox.ErrUnavailable, oneLine(why))
+	return can
 }
 
 // condition returns the pod's condition of type t (nil: none).

@@ -296,6 +296,14 @@ func TestFront(t *testing.T) {
 		}
 	})
 
+	t.Run("unknown wall", func(t *testing.T) {
+		r := req
+		r.Wall = "../x"
+		if _, err := f.Create(ctx, r); !errors.Is(err, sandbox.ErrInvalid) || !strings.Contains(err.Error(), `unknown wall "../x"`) {
+			t.Fatalf("create on an unknown wall: %v", err)
+		}
+	})
+
 	t.Run("no room", func(t *testing.T) {
 		r := req
 		r.CPUs = 64
