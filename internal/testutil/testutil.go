@@ -9,9 +9,11 @@ import (
 	"os/exec"
 	"path/filepath"
 	"runtime"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"golang.org/x/sys/unix"
 )
@@ -74,11 +76,15 @@ var (
 )
 
 // Binaries builds bin/cage and bin/cage-agent (static, as `make` does) once
-// per test process and returns the directory holding them.
+// per test process and returns the directory holding them. The directory
+// is named after the process (a test binary has no hook at its exit to
+// remove it): each build first removes those of processes that are gone,
+// so that runs of the suite do not fill the disk (78 MB each).
 func Binaries(t testing.TB) string {
 	t.Helper()
 	buildOnce.Do(func() {
-		buildDir, buildErr = os.MkdirTemp("", "cage-bin-")
+		sweepBinaries()
+		buildDir, buildErr = os.MkdirTemp("", fmt.Sprintf("cage-bin-%d-", os.Getpid()))
 		if buildErr != nil {
 			return
 		}
@@ -99,6 +105,25 @@ func Binaries(t testing.TB) string {
 		t.Fatal(buildErr)
 	}
 	return buildDir
+}
+
+// sweepBinaries removes the binaries' directories of test processes that
+// have exited (and unnamed ones, of older test code, a day old).
+func sweepBinaries() {
+	dirs, _ := filepath.Glob(filepath.Join(os.TempDir(), "cage-bin-*"))
+	for _, dir := range dirs {
+		pidStr, _, named := strings.Cut(strings.TrimPrefix(filepath.Base(dir), "cage-bin-"), "-")
+		pid, err := strconv.Atoi(pidStr)
+		if !named || err != nil || pid <= 0 {
+			if fi, err := os.Stat(dir); err == nil && time.Since(fi.ModTime()) > 24*time.Hour {
+				_ = os.RemoveAll(dir)
+			}
+			continue
+		}
+		if unix.Kill(pid, 0) == unix.ESRCH {
+			_ = os.RemoveAll(dir)
+		}
+	}
 }
 
 // RepoRoot is the repository's top directory.
