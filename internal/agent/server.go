@@ -142,7 +142,6 @@ func New(cfg Config) (*Server, error) {
 		// than let the heap double first.
 		debug.SetMemoryLimit(heapTarget)
 	}
-	go WarmProtocol() // off the first request's path
 	s := &Server{cfg: cfg, log: cfg.Log, fileWork: make(chan struct{}, fileWorkers), configured: time.Now()}
 	var err error
 	trace("agent: new")
