@@ -19,7 +19,6 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -399,23 +398,8 @@ func contains(list []string, s string) bool {
 	return false
 }
 
-// sandboxProcs are the processes in a control group named after the
-// sandbox (every wall puts its processes in one).
-func sandboxProcs(id string) []int {
-	var pids []int
-	dirs, _ := os.ReadDir("/proc")
-	for _, d := range dirs {
-		pid, err := strconv.Atoi(d.Name())
-		if err != nil {
-			continue
-		}
-		b, err := os.ReadFile(filepath.Join("/proc", d.Name(), "cgroup"))
-		if err == nil && bytes.Contains(b, []byte("/"+id)) {
-			pids = append(pids, pid)
-		}
-	}
-	return pids
-}
+// sandboxProcs are the processes of sandbox id.
+func sandboxProcs(id string) []int { return clusterutil.SandboxProcs(id) }
 
 func waitFor(t *testing.T, limit time.Duration, what string, ok func() bool) {
 	t.Helper()

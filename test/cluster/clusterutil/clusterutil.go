@@ -134,7 +134,77 @@ func Start(t testing.TB, o Options) *Cluster {
 			t.Fatal(err)
 		}
 	}
+	t.Cleanup(func() { c.endSandboxes(t) }) // first of the cleanups: the nodes still run
 	return c
+}
+
+// endSandboxes ends every sandbox of the cluster, whatever state a failed
+// test left it in (sandboxes outlive a cage serve, by design): every node
+// runs, every sandbox pod is deleted, and the nodes destroy their
+// sandboxes; what is still running 30 s later is killed here.
+func (c *Cluster) endSandboxes(t testing.TB) {
+	for _, n := range c.Nodes {
+		n.mu.Lock()
+		done := n.done
+		n.mu.Unlock()
+		down := done == nil
+		if !down {
+			select {
+			case <-done:
+				down = true
+			default:
+			}
+		}
+		if down {
+			if err := n.Start(); err != nil {
+				t.Logf("restart node %s to end its sandboxes: %v", n.Name, err)
+			}
+		}
+		_ = c.Partition(n.Name, false)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	pods := c.Admin.CoreV1().Pods(Namespace)
+	list, err := pods.List(ctx, metav1.ListOptions{LabelSelector: cluster.LabelSandbox + "=true"})
+	if err != nil {
+		t.Logf("list sandbox pods: %v", err)
+		return
+	}
+	zero := int64(0)
+	var ids []string
+	for _, p := range list.Items {
+		ids = append(ids, p.Name)
+		_ = pods.Delete(ctx, p.Name, metav1.DeleteOptions{GracePeriodSeconds: &zero})
+	}
+	for _, id := range ids {
+		for len(SandboxProcs(id)) > 0 && ctx.Err() == nil {
+			time.Sleep(100 * time.Millisecond)
+		}
+		if left := SandboxProcs(id); len(left) > 0 {
+			t.Errorf("sandbox %s still runs 30 s after its pod was deleted (pids %v): killed", id, left)
+			for _, pid := range left {
+				_ = syscall.Kill(pid, syscall.SIGKILL)
+			}
+		}
+	}
+}
+
+// SandboxProcs are the processes in a control group named after sandbox
+// id (every wall puts its processes in one).
+func SandboxProcs(id string) []int {
+	var pids []int
+	dirs, _ := os.ReadDir("/proc")
+	for _, d := range dirs {
+		pid, err := strconv.Atoi(d.Name())
+		if err != nil {
+			continue
+		}
+		b, err := os.ReadFile(filepath.Join("/proc", d.Name(), "cgroup"))
+		if err == nil && bytes.Contains(b, []byte("/"+id)) {
+			pids = append(pids, pid)
+		}
+	}
+	return pids
 }
 
 // NewKey makes a cluster-wide API key (`cage keys create --kubeconfig`).
