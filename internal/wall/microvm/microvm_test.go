@@ -412,3 +412,41 @@ func TestRemoveSuperseded(t *testing.T) {
 		t.Errorf("left %v, want %v", left, want)
 	}
 }
+
+// TestShapeKnowsTheDiskFile: a disk image made again at the same path (as
+// TemplateImage does after its cache was removed) makes another shape, so
+// that no snapshot or checkpoint of a VM that knew the old image is
+// restored over the new one (the guest read "Bad message" from ext4).
+func TestShapeKnowsTheDiskFile(t *testing.T) {
+	img := filepath.Join(t.TempDir(), "t.ext4")
+	if err := os.WriteFile(img, []byte("one"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	before, err := diskFiles([]string{img})
+	if err != nil {
+		t.Fatal(err)
+	}
+	again, _ := diskFiles([]string{img})
+	if !slices.Equal(before, again) {
+		t.Fatalf("the same file: %v then %v", before, again)
+	}
+	tmp := img + ".tmp"
+	if err := os.WriteFile(tmp, []byte("two"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Rename(tmp, img); err != nil {
+		t.Fatal(err)
+	}
+	after, err := diskFiles([]string{img})
+	if err != nil {
+		t.Fatal(err)
+	}
+	s1 := shape{Disks: []string{img}, DiskFiles: before}
+	s2 := shape{Disks: []string{img}, DiskFiles: after}
+	if s1.key() == s2.key() {
+		t.Errorf("the image made again has the old shape's key (%v, %v)", before, after)
+	}
+	if _, err := diskFiles([]string{filepath.Join(t.TempDir(), "gone.ext4")}); err == nil {
+		t.Error("a missing disk has an identity")
+	}
+}

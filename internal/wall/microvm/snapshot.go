@@ -56,6 +56,11 @@ type shape struct {
 	Version   string   `json:"version"`
 	Initramfs string   `json:"initramfs"`
 	Disks     []string `json:"disks"`
+	// DiskFiles are the disks' identities (size, time, inode): an image
+	// made again at the same path (its cache removed, say) is another
+	// disk, and a VM restored from memory that knew the old one reads
+	// garbage from the new one (ext4: "Bad message").
+	DiskFiles []string `json:"disk_files"`
 	MemoryMB  int      `json:"memory_mb"`
 	CPUs      int      `json:"cpus"`
 	Accel     string   `json:"accel"`
@@ -82,11 +87,27 @@ func shapeOf(c vm.Config) (shape, error) {
 	if s.Accel == "" {
 		s.Accel = "tcg"
 	}
+	if s.DiskFiles, err = diskFiles(c.Disks); err != nil {
+		return shape{}, err
+	}
 	// The kernel may be unpacked again in place.
 	if st, err := os.Stat(s.Kernel); err == nil {
 		s.Version += " " + strconv.FormatInt(st.Size(), 10) + " " + strconv.FormatInt(st.ModTime().UnixNano(), 10)
 	}
 	return s, nil
+}
+
+// diskFiles returns each disk's identity: size, modification time, inode.
+func diskFiles(disks []string) ([]string, error) {
+	var ids []string
+	for _, d := range disks {
+		var st unix.Stat_t
+		if err := unix.Stat(d, &st); err != nil {
+			return nil, fmt.Errorf("the VM's disk: %w", err)
+		}
+		ids = append(ids, fmt.Sprintf("%d %d %d", st.Size, st.Mtim.Nano(), st.Ino))
+	}
+	return ids, nil
 }
 
 func (s shape) key() string {
