@@ -22,20 +22,7 @@ func TestConcurrentAttach(t *testing.T) {
 	w := testutil.NewWorld(t)
 	h := newHost(t, w, nil)
 	const n = 8
-	nss := make([]netns.NsHandle, n)
-	for i := range nss {
-		path := filepath.Join(t.TempDir(), "netns")
-		if err := NewNamespace(path); err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { RemoveNamespace(path) })
-		ns, err := netns.GetFromPath(path)
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { ns.Close() })
-		nss[i] = ns
-	}
+	nss := namespaces(t, n)
 	base := nextSlot + 1
 	nextSlot += n
 	sbs := make([]*Sandbox, n)
@@ -91,4 +78,24 @@ func TestConcurrentAttach(t *testing.T) {
 			t.Errorf("sandbox %d cannot reach the outside: %q %v", i, body, err)
 		}
 	}
+}
+
+// namespaces makes n bare network namespaces for a test's "sandboxes".
+func namespaces(t *testing.T, n int) []netns.NsHandle {
+	t.Helper()
+	nss := make([]netns.NsHandle, n)
+	for i := range nss {
+		path := filepath.Join(t.TempDir(), "netns")
+		if err := NewNamespace(path); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { RemoveNamespace(path) })
+		ns, err := netns.GetFromPath(path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { ns.Close() })
+		nss[i] = ns
+	}
+	return nss
 }

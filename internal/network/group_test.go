@@ -4,7 +4,6 @@ import (
 	"errors"
 	"fmt"
 	"net/netip"
-	"path/filepath"
 	"strconv"
 	"sync"
 	"testing"
@@ -12,7 +11,6 @@ import (
 
 	"github.com/google/nftables"
 	"github.com/google/nftables/expr"
-	"github.com/vishvananda/netns"
 
 	"github.com/cagehq/cage/internal/testutil"
 )
@@ -49,20 +47,7 @@ func TestGroupCommitKeepsEachPolicy(t *testing.T) {
 	w := testutil.NewWorld(t)
 	h := newHost(t, w, nil)
 	const n = 8
-	nss := make([]netns.NsHandle, n)
-	for i := range nss {
-		path := filepath.Join(t.TempDir(), "netns")
-		if err := NewNamespace(path); err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { RemoveNamespace(path) })
-		ns, err := netns.GetFromPath(path)
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { ns.Close() })
-		nss[i] = ns
-	}
+	nss := namespaces(t, n)
 	policy := func(i int, flip bool) Policy {
 		if (i%2 == 0) != flip {
 			return Policy{Mode: Internet}
