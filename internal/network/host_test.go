@@ -6,7 +6,6 @@ import (
 	"net"
 	"net/netip"
 	"os"
-	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -103,16 +102,7 @@ func TestInputAcceptsOnlyCageDNAT(t *testing.T) {
 // to it from the world: the host can route between the LAN and the world.
 func lanHost(t *testing.T, w *testutil.World) netns.NsHandle {
 	t.Helper()
-	path := filepath.Join(t.TempDir(), "lan")
-	if err := NewNamespace(path); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { RemoveNamespace(path) })
-	ns, err := netns.GetFromPath(path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { ns.Close() })
+	ns := namespaces(t, 1)[0]
 	veth := &netlink.Veth{LinkAttrs: netlink.LinkAttrs{Name: "lan0"}, PeerName: "eth0", PeerNamespace: netlink.NsFd(int(ns))}
 	if err := netlink.LinkAdd(veth); err != nil {
 		t.Fatal(err)

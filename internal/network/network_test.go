@@ -9,7 +9,6 @@ import (
 	"net"
 	"net/netip"
 	"os"
-	"path/filepath"
 	"slices"
 	"strings"
 	"sync"
@@ -75,16 +74,7 @@ var nextSlot = 100
 
 func attach(t *testing.T, h *Host, p Policy) *fakeSandbox {
 	t.Helper()
-	path := filepath.Join(t.TempDir(), "netns")
-	if err := NewNamespace(path); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { RemoveNamespace(path) })
-	ns, err := netns.GetFromPath(path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { ns.Close() })
+	ns := namespaces(t, 1)[0]
 	nextSlot++
 	sb, err := h.Attach(fmt.Sprintf("sb%d", nextSlot), nextSlot, int(ns), p)
 	if err != nil {
