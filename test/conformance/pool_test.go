@@ -253,8 +253,13 @@ func niceOf(t *testing.T, pid int) int {
 		if err != nil {
 			continue // gone
 		}
-		// Fields after the command's closing parenthesis; nice is the 19th field.
+		// Fields after the command's closing parenthesis: the state is the
+		// 3rd field, nice the 19th. A thread that has exited (a zombie,
+		// whose command line reads empty) runs nothing: its nice is moot.
 		f := strings.Fields(string(data[strings.LastIndexByte(string(data), ')')+1:]))
+		if len(f) > 0 && (f[0] == "Z" || f[0] == "X") {
+			continue
+		}
 		if len(f) > 16 && f[16] != "0" {
 			n := 0
 			fmt.Sscan(f[16], &n)
