@@ -70,6 +70,10 @@ type Options struct {
 	// Audit makes the apiserver log every request's metadata (who, verb,
 	// object; no bodies) to Plane.AuditLog, as JSON lines.
 	Audit bool
+	// APIServerArgs are more flags of kube-apiserver (internal/kube's
+	// test turns the watch cache of secrets off, so that a watch from a
+	// compacted resourceVersion reaches etcd and is answered 410).
+	APIServerArgs []string
 }
 
 // Plane is a running control plane.
@@ -264,6 +268,7 @@ func (p *Plane) startAPIServer(bin string, o Options, pk *pki, tokenFile string)
 		p.AuditLog = filepath.Join(p.Dir, "audit.log")
 		args = append(args, "--audit-policy-file", policy, "--audit-log-path", p.AuditLog, "--audit-log-format", "json")
 	}
+	args = append(args, o.APIServerArgs...)
 	return p.run(filepath.Join(bin, "kube-apiserver"), "kube-apiserver", o.Log, args...)
 }
 
