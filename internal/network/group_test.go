@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"net/netip"
+	"slices"
 	"strconv"
 	"sync"
 	"testing"
@@ -166,18 +167,27 @@ func TestGroupCommitFailureIsItsOwn(t *testing.T) {
 	}
 }
 
-// TestRemoveHalfMade: removing a slot of which only some objects exist
-// (a half-made sandbox) removes those and is no error.
+// TestRemoveHalfMade: removing a slot of which only some elements exist (a
+// half-made sandbox, or one whose owner died: this process knows nothing
+// of it) removes its entry and is no error; what its id still had in the
+// shared sets is swept.
 func TestRemoveHalfMade(t *testing.T) {
 	w := testutil.NewWorld(t)
 	h := newHost(t, w, nil)
 	n := h.nft
 	nextSlot++
 	slot := nextSlot
-	fname, _, _ := n.names(slot)
+	id, err := newID(1, 1)
+	if err != nil {
+		t.Fatal(err)
+	}
 	n.mu.Lock()
-	n.conn.AddChain(&nftables.Chain{Name: fname, Table: n.table})
-	err := n.conn.Flush()
+	err = errors.Join(
+		n.conn.SetAddElements(n.sets[setSbx], []nftables.SetElement{{Key: sbxKey(ifName(slot), h.IP(slot)), Val: id[:]}}),
+		n.conn.SetAddElements(n.sets[setNames], []nftables.SetElement{{Key: idAddr(id, testutil.PublicHost)}}))
+	if err == nil {
+		err = n.conn.Flush()
+	}
 	n.mu.Unlock()
 	if err != nil {
 		t.Fatal(err)
@@ -189,9 +199,21 @@ func TestRemoveHalfMade(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, s := range slots {
-		if s == slot {
-			t.Fatalf("slot %d's chain is still there", slot)
+	if slices.Contains(slots, slot) {
+		t.Fatalf("slot %d's entry is still there", slot)
+	}
+	if swept := n.sweep(); swept < 1 {
+		t.Errorf("swept %d elements, want the dead id's", swept)
+	}
+	n.mu.Lock()
+	els, err := n.conn.GetSetElements(n.sets[setNames])
+	n.mu.Unlock()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, e := range els {
+		if sbxID(e.Key[:16]) == id {
+			t.Fatal("the dead id's element is still there after the sweep")
 		}
 	}
 }

@@ -108,21 +108,25 @@ func NewHost(cfg Config) (*Host, error) {
 		h.nft.close()
 		return nil, err
 	}
+	// The log group first: the table has a log chain for it.
+	if h.flog, err = openLog(h.logged); err != nil {
+		unlock()
+		h.nft.close()
+		return nil, err
+	}
 	turnedOn, err := enableForwarding()
 	if err == nil {
-		err = h.nft.ensureBase(turnedOn)
+		err = h.nft.ensureBase(turnedOn, h.flog.group, h.denied)
 	}
 	unlock()
 	if err != nil {
+		h.flog.close()
 		h.nft.close()
 		return nil, err
 	}
 	if h.res, err = startResolver(h, cfg.Upstreams); err != nil {
-		h.nft.close()
-		return nil, err
-	}
-	if h.flog, err = openLog(h.logged); err != nil {
-		h.res.close()
+		h.nft.closeOwner()
+		h.flog.close()
 		h.nft.close()
 		return nil, err
 	}
@@ -167,6 +171,7 @@ func lockHost(dir string) (func(), error) {
 func (h *Host) Close() {
 	h.closeOnce.Do(func() {
 		close(h.stop)
+		h.nft.closeOwner()
 		h.flog.close()
 		h.res.close()
 		h.nft.close()
@@ -266,6 +271,9 @@ func (h *Host) GC(held func(slot int) bool) []int {
 		_ = h.nft.remove(s)
 		removed = append(removed, s)
 	}
+	if n := h.nft.sweep(); n > 0 {
+		h.log.Info("network: swept elements no sandbox holds", "elements", n)
+	}
 	return removed
 }
 
@@ -286,16 +294,15 @@ func TableSlots() ([]int, error) {
 	return n.slots()
 }
 
-// logged turns a kernel log record into a Record.
-func (h *Host) logged(slot int, decision string, pkt []byte) {
-	h.mu.Lock()
-	sb := h.bySlot[slot]
-	h.mu.Unlock()
-	if sb == nil {
-		return
-	}
+// logged turns a kernel log record into a Record: the sandbox is the
+// packet's source (the rules logged it only from its own interface).
+func (h *Host) logged(decision string, pkt []byte) {
 	proto, dst, ok := packetDest(pkt)
 	if !ok {
+		return
+	}
+	sb := h.bySource(netip.AddrFrom4([4]byte(pkt[12:16])))
+	if sb == nil {
 		return
 	}
 	d := "allow"

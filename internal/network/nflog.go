@@ -14,26 +14,29 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// The records of connections come from the kernel: each sandbox chain logs
-// a new connection it accepts or drops (at most 20 a second per rule) to
-// this process's NFLOG group, with the prefix "cage <slot> <a|d>" and the
-// packet's first bytes. A group has one listener, so each cage process
+// The records of connections come from the kernel: the shared chains log a
+// new connection they accept or refuse, through the owner's log chain (at
+// most 20 a second per sandbox and decision), to this process's NFLOG
+// group, with the prefix "cage <a|d>" and the packet's first bytes; the
+// sandbox is the packet's source address (the rules have tied it to the
+// sandbox's interface). A group has one listener, so each cage process
 // takes a free one.
 
 // nfnetlink_log constants (linux/netfilter/nfnetlink_log.h).
 const (
-	nfnlSubsysULOG   = 4
-	nfulnlMsgPacket  = 0
-	nfulnlMsgConfig  = 1
-	nfulaPayload     = 9
-	nfulaPrefix      = 10
-	nfulaCfgCmd      = 1
-	nfulaCfgMode     = 2
-	nfulaCfgTimeout  = 4
-	nfulaCfgQThresh  = 5
-	nfulnlCfgCmdBind = 1
-	nfulnlCopyPacket = 2
-	logCopyRange     = 64 // IPv4 header and the ports
+	nfnlSubsysULOG     = 4
+	nfulnlMsgPacket    = 0
+	nfulnlMsgConfig    = 1
+	nfulaPayload       = 9
+	nfulaPrefix        = 10
+	nfulaCfgCmd        = 1
+	nfulaCfgMode       = 2
+	nfulaCfgTimeout    = 4
+	nfulaCfgQThresh    = 5
+	nfulnlCfgCmdBind   = 1
+	nfulnlCfgCmdUnbind = 2
+	nfulnlCopyPacket   = 2
+	logCopyRange       = 64 // IPv4 header and the ports
 )
 
 type nflog struct {
@@ -43,7 +46,7 @@ type nflog struct {
 }
 
 // openLog binds a free NFLOG group and delivers what it logs to out.
-func openLog(out func(slot int, decision string, pkt []byte)) (*nflog, error) {
+func openLog(out func(decision string, pkt []byte)) (*nflog, error) {
 	conn, err := netlink.Dial(unix.NETLINK_NETFILTER, nil)
 	if err != nil {
 		return nil, fmt.Errorf("nflog: %w", err)
@@ -76,6 +79,21 @@ func openLog(out func(slot int, decision string, pkt []byte)) (*nflog, error) {
 	return nil, errors.New("nflog: no free log group")
 }
 
+// groupFree reports whether no one has bound log group g (then this
+// process could: it binds it and lets it go at once).
+func groupFree(g uint16) bool {
+	conn, err := netlink.Dial(unix.NETLINK_NETFILTER, nil)
+	if err != nil {
+		return false
+	}
+	defer conn.Close()
+	if logConfig(conn, g, netlink.Attribute{Type: nfulaCfgCmd, Data: []byte{nfulnlCfgCmdBind}}) != nil {
+		return false
+	}
+	_ = logConfig(conn, g, netlink.Attribute{Type: nfulaCfgCmd, Data: []byte{nfulnlCfgCmdUnbind}})
+	return true
+}
+
 func logConfig(conn *netlink.Conn, group uint16, attrs ...netlink.Attribute) error {
 	body, err := netlink.MarshalAttributes(attrs)
 	if err != nil {
@@ -90,7 +108,7 @@ func logConfig(conn *netlink.Conn, group uint16, attrs ...netlink.Attribute) err
 	return err
 }
 
-func (l *nflog) read(out func(slot int, decision string, pkt []byte)) {
+func (l *nflog) read(out func(decision string, pkt []byte)) {
 	defer close(l.done)
 	for {
 		msgs, err := l.conn.Receive()
@@ -120,14 +138,10 @@ func (l *nflog) read(out func(slot int, decision string, pkt []byte)) {
 				}
 			}
 			f := strings.Fields(prefix)
-			if len(f) != 3 || f[0] != "cage" {
+			if len(f) != 2 || f[0] != "cage" {
 				continue
 			}
-			slot, err := strconv.Atoi(f[1])
-			if err != nil {
-				continue
-			}
-			out(slot, f[2], payload)
+			out(f[1], payload)
 		}
 	}
 }

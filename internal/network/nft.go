@@ -2,38 +2,57 @@ package network
 
 import (
 	"fmt"
+	"maps"
 	"net/netip"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
 	"time"
 
 	"github.com/google/nftables"
-	"github.com/google/nftables/binaryutil"
-	"github.com/google/nftables/expr"
 	"github.com/mdlayher/netlink"
 	"golang.org/x/sys/unix"
 )
 
 // cage's rules live in one nftables table of its own, "inet cage", shared by
-// every cage process on the host (a daemon and any number of `cage run`);
-// each process adds and removes only its own sandboxes' objects and never
-// flushes the table. Base chains dispatch on the input interface through
-// verdict maps to per-sandbox chains (see nftbase.go for the base):
+// every cage process on the host (a daemon and any number of `cage run`).
+// Its chains and sets are fixed: a sandbox is a handful of elements in
+// shared sets and maps, so that adding, changing or removing one costs the
+// same with none or thousands alive (no chain, jump or named set per
+// sandbox, and no verdict element either: the kernel validates the whole
+// table on a commit that adds jumps). Each process adds and removes only
+// its own sandboxes' elements and never flushes the table.
 //
-//	forward (filter):   iifname vmap @fwd  -> chain s<slot>: the policy
-//	                    other cage* input  -> drop; to cage*: only replies
-//	                    [guard: the rest is dropped where cage turned forwarding on]
-//	input (filter):     from cage*: replies; else iifname vmap @inp -> chain
-//	                    i<slot>: DNS this process redirected to its resolver,
-//	                    else a logged refusal
-//	dstnat (nat):       iifname vmap @dns  -> chain d<slot>: DNS to the gateway -> resolver
-//	srcnat (nat):       from cage* out elsewhere -> masquerade
+// A sandbox's elements are keyed by an id (sbxID: its denied-ranges
+// profile, its owner's log group, 8 random bytes) that the sbx map gives
+// for the sandbox's interface and address; a new id is drawn for every
+// attach, policy change and adoption, and the sbx entry is switched to it in
+// the batch that adds the new elements. So a policy change is one atomic
+// commit, and nothing of an earlier generation (this sandbox's, or a dead
+// one's on the same slot) matches again; what a dead owner left is swept.
 //
-// Per sandbox: chains s<slot>, i<slot> and d<slot>, set x<slot> (its denied
-// ranges), set n<slot> (addresses its allowed names resolved to, until
-// their TTL), set p<slot> (the same with a port) and set y<slot> (addresses
-// the names it is denied resolve to, in internet mode).
+//	forward (filter):  iifname cage* -> goto fromsbx; to cage*: only replies
+//	                   [guard: the rest is dropped where cage turned forwarding on]
+//	fromsbx:           not IPv4, or iifname . ip saddr not in @sbx -> drop;
+//	                   replies -> accept; DNS/DoT elsewhere -> refuse;
+//	                   profile . daddr in @xdeny -> refuse;
+//	                   id . daddr [. dport] in @allow/@allowp/@names/@namesp -> accept;
+//	                   id . daddr [. dport] in @deny/@denyp/@dnames -> refuse;
+//	                   id in @internet -> accept; else refuse
+//	input (filter):    iifname cage* -> goto tohost: DNS this process redirected
+//	                   (id . daddr . dport in @dnsin) at most dnsPackets a second
+//	                   per source and protocol (@dnslim); replies; else refused
+//	dstnat (nat):      DNS to the gateway -> redirect to (id . daddr map @dnat)
+//	srcnat (nat):      from cage* out elsewhere -> masquerade
+//	la<g>, ld<g>:      per owning process (log group g, reached through the
+//	                   loga/logd maps keyed by the id's group): log an
+//	                   allowed / refused new connection, at most 20 a second
+//	                   per sandbox (@lima, @limd), prefix "cage a" / "cage d"
+//
+// The log records name the sandbox by the packet's source address (the sbx
+// check has tied it to the interface). See nftbase.go for the base and the
+// upgrade from the older layout, nftrules.go for the rules.
 const (
 	tableName = "cage"
 	ifPrefix  = "cage" // host-side interface names: cage<slot>
@@ -46,7 +65,7 @@ const (
 )
 
 type nft struct {
-	mu    sync.Mutex // the connection and its queued messages
+	mu    sync.Mutex // the connection, its queued messages and state
 	conn  *nftables.Conn
 	netns int        // the namespace's file descriptor
 	qmu   sync.Mutex // the queue
@@ -55,9 +74,18 @@ type nft struct {
 	noGroup bool
 	groups  int // group commits of more than one apply (for tests)
 	table   *nftables.Table
-	fwd     *nftables.Set
-	inp     *nftables.Set
-	dns     *nftables.Set
+	sets    map[string]*nftables.Set
+	// state is what this process's sandboxes have in the table, by slot.
+	state map[int]*applied
+	group uint16 // this process's log group (ensureBase)
+}
+
+// applied is one sandbox's generation of elements in the table.
+type applied struct {
+	id     sbxID
+	key    []byte // its entry in sbx: iifname . address
+	static []elem // its policy's elements
+	dnames map[netip.Addr]bool
 }
 
 func newNFT() (*nft, error) {
@@ -72,10 +100,8 @@ func newNFT() (*nft, error) {
 		unix.Close(netns)
 		return nil, fmt.Errorf("nftables: %w", err)
 	}
-	n := &nft{conn: conn, netns: netns, table: &nftables.Table{Name: tableName, Family: nftables.TableFamilyINet}}
-	n.fwd = &nftables.Set{Table: n.table, Name: "fwd", IsMap: true, KeyType: nftables.TypeIFName, DataType: nftables.TypeVerdict}
-	n.inp = &nftables.Set{Table: n.table, Name: "inp", IsMap: true, KeyType: nftables.TypeIFName, DataType: nftables.TypeVerdict}
-	n.dns = &nftables.Set{Table: n.table, Name: "dns", IsMap: true, KeyType: nftables.TypeIFName, DataType: nftables.TypeVerdict}
+	n := &nft{conn: conn, netns: netns, table: &nftables.Table{Name: tableName, Family: nftables.TableFamilyINet}, state: map[int]*applied{}}
+	n.makeSets()
 	return n, nil
 }
 
@@ -84,7 +110,7 @@ func (n *nft) close() {
 	unix.Close(n.netns)
 }
 
-// sandboxRules is what the per-sandbox objects are made from.
+// sandboxRules is what a sandbox's elements are made from.
 type sandboxRules struct {
 	slot     int
 	ip       netip.Addr // the sandbox's address
@@ -99,28 +125,7 @@ func (s *sandboxRules) ifname() string { return ifName(s.slot) }
 
 func ifName(slot int) string { return ifPrefix + strconv.Itoa(slot) }
 
-func (n *nft) names(slot int) (filter, input, nat string) {
-	v := strconv.Itoa(slot)
-	return "s" + v, "i" + v, "d" + v
-}
-
-// slotSets are a sandbox's sets.
-type slotSets struct{ deny, names, ports, dnames *nftables.Set }
-
-func (n *nft) sets(slot int) slotSets {
-	v := strconv.Itoa(slot)
-	return slotSets{
-		deny:  &nftables.Set{Table: n.table, Name: "x" + v, KeyType: nftables.TypeIPAddr, Interval: true},
-		names: &nftables.Set{Table: n.table, Name: "n" + v, KeyType: nftables.TypeIPAddr, HasTimeout: true},
-		ports: &nftables.Set{Table: n.table, Name: "p" + v, KeyType: nftables.MustConcatSetType(nftables.TypeIPAddr, nftables.TypeInetService),
-			HasTimeout: true, Concatenation: true},
-		dnames: &nftables.Set{Table: n.table, Name: "y" + v, KeyType: nftables.TypeIPAddr},
-	}
-}
-
-func (s slotSets) all() []*nftables.Set { return []*nftables.Set{s.deny, s.names, s.ports, s.dnames} }
-
-// setState is what a sandbox's sets hold besides its denied ranges.
+// setState is what a sandbox's sets hold besides its policy's elements.
 type setState struct {
 	learned []learnedAddr // addresses its allowed names resolved to
 	denied  []netip.Addr  // addresses its denied names resolved to
@@ -134,31 +139,78 @@ type learnedAddr struct {
 	ttl   time.Duration
 }
 
-// apply creates a sandbox's objects or replaces what they hold, in one
-// batch the kernel applies atomically: there is no moment when the old
-// policy's learned addresses meet the new policy's rules. Objects are
-// created if missing (a new sandbox, or one a process of an older cage
-// made) and emptied if present (a policy change, an adopting process with
-// its own resolver and log group, the leftovers of a dead owner).
+// apply writes a sandbox's elements under a new id and points its sbx entry
+// at them, in one batch the kernel applies atomically: there is no moment
+// when the old policy's learned addresses meet the new policy's elements.
+// The elements of the generation it replaces (this process's) go in the
+// same batch; where the entry is someone else's (an older process's, a dead
+// owner's leftover, an adopted sandbox), it is replaced and what it pointed
+// at is swept later (it matches nothing any more).
 //
 // Applies that arrive while another commit is in progress are committed
-// together (group commit): the kernel validates the whole table on every
-// commit that adds jumps, so with many sandboxes alive a commit costs in
-// proportion to their number, and a burst of creates pays it once instead
-// of once each. Each apply's objects stay whole in the one batch; if the
-// batch fails, each apply is committed again alone, so one sandbox's
-// failure is its own.
+// together (group commit): each commit costs a fixed part (a netlink round
+// trip, the kernel's transaction), which a burst of creates pays once. Each
+// apply stays whole in the one batch; if the batch fails, each apply is
+// committed again alone, so one sandbox's failure is its own.
 func (n *nft) apply(s *sandboxRules, st setState) error {
-	j := &nftJob{slot: s.slot, build: func(c *nftables.Conn) error { return n.build(c, s, st) }, done: make(chan error, 1)}
+	id, err := newID(profileOf(s.denied), s.group)
+	if err != nil {
+		return err
+	}
+	next := &applied{id: id, key: sbxKey(s.ifname(), s.ip), static: staticElements(s, id), dnames: map[netip.Addr]bool{}}
+	for _, a := range st.denied {
+		next.dnames[a] = true
+	}
+	fresh := slices.Concat(next.static, learnedElems(id, st.learned), dnameElems(id, st.denied))
+	j := &nftJob{slot: s.slot, done: make(chan error, 1)}
+	j.build = func(c *nftables.Conn) error { return n.buildApply(c, next, fresh, n.state[s.slot], false) }
+	j.retry = func(c *nftables.Conn) error { return n.buildApply(c, next, fresh, nil, true) }
+	j.committed = func() { n.state[s.slot] = next }
 	n.enqueue(j)
 	return <-j.done
 }
 
+// buildApply queues a generation's elements and its sbx entry: added (a
+// new sandbox), in place of prev's (this process's), or in place of
+// whatever is there (replace). The caller holds mu.
+func (n *nft) buildApply(c *nftables.Conn, next *applied, fresh []elem, prev *applied, replace bool) error {
+	if err := n.addElems(c, fresh); err != nil {
+		return err
+	}
+	sbx := n.sets[setSbx]
+	if prev != nil || replace {
+		if err := c.SetDeleteElements(sbx, []nftables.SetElement{{Key: next.key}}); err != nil {
+			return err
+		}
+	}
+	if err := c.SetAddElements(sbx, []nftables.SetElement{{Key: next.key, Val: next.id[:]}}); err != nil {
+		return err
+	}
+	if prev != nil {
+		return n.delElems(c, prev.all())
+	}
+	return nil
+}
+
+// all is a generation's elements that do not expire.
+func (a *applied) all() []elem {
+	return slices.Concat(a.static, dnameElems(a.id, slices.Collect(maps.Keys(a.dnames))))
+}
+
 // nftJob is one sandbox's batch, waiting for a group commit.
 type nftJob struct {
-	slot  int
-	build func(c *nftables.Conn) error // queues the job's messages
-	done  chan error                   // its result (buffered)
+	slot      int
+	build     func(c *nftables.Conn) error // queues the job's messages
+	retry     func(c *nftables.Conn) error // tried alone where build is refused (may be nil)
+	committed func()                       // after its commit, under mu (may be nil)
+	done      chan error                   // its result (buffered)
+}
+
+func (j *nftJob) finish() {
+	if j.committed != nil {
+		j.committed()
+	}
+	j.done <- nil
 }
 
 // enqueue queues a job and commits what is queued. Whoever holds mu next
@@ -190,7 +242,7 @@ const maxGroup = 32
 
 // commit commits jobs in one batch, or each alone where the batch fails
 // (the kernel applied none of it). A job whose build fails (a malformed
-// object) is found on a dry connection first, which never reaches the
+// element) is found on a dry connection first, which never reaches the
 // kernel, so that no half-built job is ever queued. The caller holds mu.
 func (n *nft) commit(batch []*nftJob) {
 	var ok []*nftJob
@@ -206,27 +258,35 @@ func (n *nft) commit(batch []*nftJob) {
 		ok = append(ok, j)
 	}
 	if len(ok) > 1 && !n.noGroup {
-		if n.flush(ok...) == nil {
+		builds := make([]func(*nftables.Conn) error, len(ok))
+		for i, j := range ok {
+			builds[i] = j.build
+		}
+		if n.flush(builds...) == nil {
 			n.groups++
 			for _, j := range ok {
-				j.done <- nil
+				j.finish()
 			}
 			return
 		}
 	}
 	for _, j := range ok {
-		if err := n.flush(j); err != nil {
+		err := n.flush(j.build)
+		if err != nil && j.retry != nil && n.flush(j.retry) == nil {
+			err = nil
+		}
+		if err != nil {
 			j.done <- fmt.Errorf("nftables: rules of sandbox slot %d: %w", j.slot, err)
 			continue
 		}
-		j.done <- nil
+		j.finish()
 	}
 }
 
-// flush queues jobs on the connection and commits them in one batch.
-func (n *nft) flush(jobs ...*nftJob) error {
-	for _, j := range jobs {
-		if err := j.build(n.conn); err != nil {
+// flush queues builds on the connection and commits them in one batch.
+func (n *nft) flush(builds ...func(*nftables.Conn) error) error {
+	for _, b := range builds {
+		if err := b(n.conn); err != nil {
 			// It built on the dry connection: this does not happen. Should
 			// it, what it queued must not reach the kernel.
 			n.reset()
@@ -257,81 +317,6 @@ func groupSocket(c *netlink.Conn) error {
 	return c.SetReadBuffer(4 << 20)
 }
 
-// build queues a sandbox's objects and rules on c (the caller holds mu).
-func (n *nft) build(c *nftables.Conn, s *sandboxRules, st setState) error {
-	fname, iname, nname := n.names(s.slot)
-	filter := &nftables.Chain{Name: fname, Table: n.table}
-	input := &nftables.Chain{Name: iname, Table: n.table}
-	nat := &nftables.Chain{Name: nname, Table: n.table}
-	sets := n.sets(s.slot)
-	for _, ch := range []*nftables.Chain{filter, input, nat} {
-		c.AddChain(ch)
-		c.FlushChain(ch)
-	}
-	for _, set := range sets.all() {
-		if err := c.AddSet(set, nil); err != nil {
-			return err
-		}
-		c.FlushSet(set)
-	}
-	if err := c.SetAddElements(sets.deny, intervalElements(s.denied)); err != nil {
-		return err
-	}
-	if err := addLearned(c, sets, st.learned); err != nil {
-		return err
-	}
-	if len(st.denied) > 0 {
-		if err := c.SetAddElements(sets.dnames, addrElements(st.denied)); err != nil {
-			return err
-		}
-	}
-	for _, r := range policyRules(s, sets) {
-		c.AddRule(&nftables.Rule{Table: n.table, Chain: filter, Exprs: r})
-	}
-	for _, r := range inputRules(s) {
-		c.AddRule(&nftables.Rule{Table: n.table, Chain: input, Exprs: r})
-	}
-	// DNS to the gateway, from the sandbox's own address, goes to this
-	// process's resolver.
-	for _, proto := range []byte{unix.IPPROTO_UDP, unix.IPPROTO_TCP} {
-		c.AddRule(&nftables.Rule{Table: n.table, Chain: nat, Exprs: cat(
-			nfproto(unix.NFPROTO_IPV4, true), ipField(12, s.ip), ipField(16, s.gateway), l4proto(proto), dport(53),
-			[]expr.Any{
-				&expr.Immediate{Register: 1, Data: binaryutil.BigEndian.PutUint16(s.resolver)},
-				&expr.Redir{RegisterProtoMin: 1, Flags: unix.NF_NAT_RANGE_PROTO_SPECIFIED},
-			})})
-	}
-	key := ifKey(s.ifname())
-	for _, m := range []struct {
-		set   *nftables.Set
-		chain string
-	}{{n.fwd, fname}, {n.inp, iname}, {n.dns, nname}} {
-		if err := c.SetAddElements(m.set, []nftables.SetElement{{Key: key, VerdictData: &expr.Verdict{Kind: expr.VerdictJump, Chain: m.chain}}}); err != nil {
-			return err
-		}
-	}
-	return nil
-}
-
-// inputRules is a sandbox's input chain: to the host itself, only DNS that
-// this process's own redirect sent to its resolver (the gateway's port 53
-// rewritten to the resolver's port), at most dnsPackets a second (the rest
-// is dropped here, so that a flood costs the resolver nothing), and
-// replies; then a logged refusal. A connection some other table redirected
-// to the host is refused like any other.
-func inputRules(s *sandboxRules) [][]expr.Any {
-	var rs [][]expr.Any
-	for _, proto := range []byte{unix.IPPROTO_UDP, unix.IPPROTO_TCP} {
-		ours := cat(ipField(16, s.gateway), l4proto(proto), dport(s.resolver), ctStatus(ipsDstNAT), ctOrigDport(53))
-		rs = append(rs,
-			cat(ours, []expr.Any{&expr.Limit{Type: expr.LimitTypePkts, Rate: dnsPackets, Unit: expr.LimitTimeSecond, Burst: dnsBurst, Over: true}},
-				verdict(expr.VerdictDrop)),
-			cat(ours, verdict(expr.VerdictAccept)))
-	}
-	rs = append(rs, cat(ctState(expr.CtStateBitESTABLISHED|expr.CtStateBitRELATED), verdict(expr.VerdictAccept)))
-	return append(rs, cat(s.log(logDeny), reject()), reject())
-}
-
 // A sandbox's DNS packets to the resolver, a second and at once, per
 // protocol; above the resolver's own rate of questions (queryRate), so
 // that this only stops floods.
@@ -340,74 +325,60 @@ const (
 	dnsBurst   = 2 * queryBurst
 )
 
-// addLearned queues the addition of learned addresses on c (the caller holds
-// mu and flushes).
-func addLearned(c *nftables.Conn, sets slotSets, learned []learnedAddr) error {
-	var any, withPort []nftables.SetElement
-	for _, l := range learned {
-		b := l.addr.As4()
-		for _, p := range l.ports {
-			if p == 0 {
-				any = append(any, nftables.SetElement{Key: b[:], Timeout: l.ttl})
-			} else {
-				withPort = append(withPort, nftables.SetElement{Key: append(b[:], byte(p>>8), byte(p), 0, 0), Timeout: l.ttl})
-			}
-		}
-	}
-	if len(any) > 0 {
-		if err := c.SetAddElements(sets.names, any); err != nil {
-			return err
-		}
-	}
-	if len(withPort) > 0 {
-		if err := c.SetAddElements(sets.ports, withPort); err != nil {
-			return err
-		}
-	}
-	return nil
-}
-
-func addrElements(addrs []netip.Addr) []nftables.SetElement {
-	els := make([]nftables.SetElement, 0, len(addrs))
-	for _, a := range addrs {
-		b := a.As4()
-		els = append(els, nftables.SetElement{Key: b[:]})
-	}
-	return els
-}
-
-// remove deletes a sandbox's objects. Missing ones are not an error (a
-// half-made sandbox, or GC after its owner removed some): the usual case,
-// every object there, is one batch; where that fails (a batch fails whole
-// on the first missing object) each step is a batch of its own.
+// remove deletes a sandbox's elements: its sbx entry first (once it is
+// gone, nothing of the sandbox matches), with the elements this process
+// knows it has, in one batch. Missing ones are not an error (a half-made
+// sandbox, GC after its owner removed some, a dead owner's sandbox whose
+// elements this process does not know): then the entry goes alone, and
+// what is left is swept.
 func (n *nft) remove(slot int) error {
 	n.mu.Lock()
 	defer n.mu.Unlock()
-	c := n.conn
-	key := ifKey(ifName(slot))
-	fname, iname, nname := n.names(slot)
-	var steps []func()
-	for _, m := range []*nftables.Set{n.fwd, n.inp, n.dns} {
-		steps = append(steps, func() { _ = c.SetDeleteElements(m, []nftables.SetElement{{Key: key}}) })
+	st := n.state[slot]
+	delete(n.state, slot)
+	var keys []nftables.SetElement
+	if st != nil {
+		keys = []nftables.SetElement{{Key: st.key}}
+	} else {
+		entries, err := n.entries()
+		if err != nil {
+			return err
+		}
+		for _, e := range entries {
+			if e.slot == slot {
+				keys = append(keys, nftables.SetElement{Key: e.key})
+			}
+		}
 	}
-	for _, name := range []string{fname, iname, nname} {
-		ch := &nftables.Chain{Name: name, Table: n.table}
-		steps = append(steps, func() { c.FlushChain(ch) }, func() { c.DelChain(ch) })
+	if len(keys) == 0 {
+		return nil
 	}
-	for _, set := range n.sets(slot).all() {
-		steps = append(steps, func() { c.DelSet(set) })
+	c, sbx := n.conn, n.sets[setSbx]
+	if err := c.SetDeleteElements(sbx, keys); err != nil {
+		return err
 	}
-	for _, step := range steps {
-		step()
+	if st != nil {
+		if err := n.delElems(c, st.all()); err != nil {
+			n.reset()
+			return err
+		}
 	}
 	if c.Flush() == nil {
 		return nil
 	}
 	var first error
-	for _, step := range steps {
-		step()
+	for _, k := range keys {
+		_ = c.SetDeleteElements(sbx, []nftables.SetElement{k})
 		if err := c.Flush(); err != nil && !isNotFound(err) && first == nil {
 			first = err
+		}
+	}
+	if st != nil {
+		for _, g := range groupBySet(st.all()) {
+			for _, e := range g.els {
+				_ = n.delElems(c, []elem{{g.set, e}})
+				_ = c.Flush() // what is missing was swept already
+			}
 		}
 	}
 	return first
@@ -421,174 +392,169 @@ func isNotFound(err error) bool {
 func (n *nft) learn(slot int, learned []learnedAddr) error {
 	n.mu.Lock()
 	defer n.mu.Unlock()
-	if err := addLearned(n.conn, n.sets(slot), learned); err != nil {
+	st := n.state[slot]
+	if st == nil {
+		return fmt.Errorf("nftables: sandbox slot %d has no elements", slot)
+	}
+	if err := n.addElems(n.conn, learnedElems(st.id, learned)); err != nil {
 		return err
 	}
 	return n.conn.Flush()
 }
 
-// deny adds addresses to and removes addresses from a sandbox's set of
-// denied names' addresses. The caller knows that those it removes are in
-// the set.
+// deny adds addresses to and removes addresses from a sandbox's denied
+// names' addresses. The caller knows that those it removes are there.
 func (n *nft) deny(slot int, add, del []netip.Addr) error {
 	if len(add) == 0 && len(del) == 0 {
 		return nil
 	}
 	n.mu.Lock()
 	defer n.mu.Unlock()
-	set := n.sets(slot).dnames
-	if len(del) > 0 {
-		if err := n.conn.SetDeleteElements(set, addrElements(del)); err != nil {
-			return err
-		}
+	st := n.state[slot]
+	if st == nil {
+		return fmt.Errorf("nftables: sandbox slot %d has no elements", slot)
 	}
-	if len(add) > 0 {
-		if err := n.conn.SetAddElements(set, addrElements(add)); err != nil {
-			return err
-		}
+	if err := n.delElems(n.conn, dnameElems(st.id, del)); err != nil {
+		return err
 	}
-	return n.conn.Flush()
+	if err := n.addElems(n.conn, dnameElems(st.id, add)); err != nil {
+		return err
+	}
+	if err := n.conn.Flush(); err != nil {
+		return err
+	}
+	for _, a := range del {
+		delete(st.dnames, a)
+	}
+	for _, a := range add {
+		st.dnames[a] = true
+	}
+	return nil
 }
 
-// elements lists the addresses in one of a sandbox's sets ("n", "p" or
-// "y"), for tests and checks.
+// sbxEntry is one entry of the sbx map.
+type sbxEntry struct {
+	slot int // -1 for an interface not named cage<slot>
+	key  []byte
+	id   sbxID
+}
+
+// entries lists the sbx map (the caller holds mu).
+func (n *nft) entries() ([]sbxEntry, error) {
+	els, err := n.conn.GetSetElements(n.sets[setSbx])
+	if err != nil {
+		return nil, err
+	}
+	out := make([]sbxEntry, 0, len(els))
+	for _, e := range els {
+		if len(e.Key) < 20 || len(e.Val) < len(sbxID{}) {
+			continue
+		}
+		slot := -1
+		name := strings.TrimRight(string(e.Key[:16]), "\x00")
+		if v, err := strconv.Atoi(strings.TrimPrefix(name, ifPrefix)); err == nil && ifName(v) == name {
+			slot = v
+		}
+		out = append(out, sbxEntry{slot: slot, key: e.Key, id: sbxID(e.Val[:16])})
+	}
+	return out, nil
+}
+
+// elements lists the addresses of a sandbox's current generation in one of
+// the sets ("n": learned, "p": learned with a port, "y": denied names'),
+// for tests and checks.
 func (n *nft) elements(slot int, which string) ([]netip.Addr, error) {
-	n.mu.Lock()
-	defer n.mu.Unlock()
-	sets := n.sets(slot)
-	set := map[string]*nftables.Set{"n": sets.names, "p": sets.ports, "y": sets.dnames}[which]
-	if set == nil {
+	name := map[string]string{"n": setNames, "p": setNamesP, "y": setDNames}[which]
+	if name == "" {
 		return nil, fmt.Errorf("no set %q", which)
 	}
-	els, err := n.conn.GetSetElements(set)
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	entries, err := n.entries()
+	if err != nil {
+		return nil, err
+	}
+	var ids []sbxID
+	for _, e := range entries {
+		if e.slot == slot {
+			ids = append(ids, e.id)
+		}
+	}
+	els, err := n.conn.GetSetElements(n.sets[name])
 	if err != nil {
 		return nil, err
 	}
 	var out []netip.Addr
 	for _, e := range els {
-		if len(e.Key) >= 4 {
-			out = append(out, netip.AddrFrom4([4]byte(e.Key[:4])))
+		if len(e.Key) >= 20 && slices.Contains(ids, sbxID(e.Key[:16])) {
+			out = append(out, netip.AddrFrom4([4]byte(e.Key[16:20])))
 		}
 	}
 	return out, nil
 }
 
-// slots lists the sandbox slots that have objects in the table.
+// slots lists the sandbox slots that have an entry in the table.
 func (n *nft) slots() ([]int, error) {
 	n.mu.Lock()
 	defer n.mu.Unlock()
-	chains, err := n.conn.ListChainsOfTableFamily(nftables.TableFamilyINet)
+	entries, err := n.entries()
 	if err != nil {
+		if isNotFound(err) {
+			return nil, nil // no table
+		}
 		return nil, err
 	}
 	var out []int
-	for _, ch := range chains {
-		if ch.Table.Name != tableName || !strings.HasPrefix(ch.Name, "s") {
-			continue
-		}
-		if v, err := strconv.Atoi(ch.Name[1:]); err == nil {
-			out = append(out, v)
+	for _, e := range entries {
+		if e.slot >= 0 {
+			out = append(out, e.slot)
 		}
 	}
 	return out, nil
 }
 
-// policyRules is a sandbox's filter chain.
-func policyRules(s *sandboxRules, sets slotSets) [][]expr.Any {
-	var rs [][]expr.Any
-	add := func(e ...[]expr.Any) { rs = append(rs, cat(e...)) }
-	accept, drop, refused := verdict(expr.VerdictAccept), verdict(expr.VerdictDrop), refuse()
-	allowLogged := func(match ...[]expr.Any) {
-		add(append(match, s.log(logAllow), accept)...)
-		add(append(match, accept)...)
-	}
-	// Denied connections are refused at once (ICMP "administratively
-	// prohibited"; a TCP reset for a connection a policy change cut): a
-	// program inside fails fast instead of timing out.
-	denyLogged := func(match ...[]expr.Any) {
-		add(append(match, s.log(logDeny), refused)...)
-		add(append(match, refused)...)
-	}
-	// IPv4 only, from the sandbox's own address only.
-	add(nfproto(unix.NFPROTO_IPV4, false), drop)
-	add(ipFieldNeq(12, s.ip), drop)
-	add(ctState(expr.CtStateBitESTABLISHED|expr.CtStateBitRELATED), accept)
-	// DNS and DNS over TLS/QUIC to anyone but the gateway (which the nat
-	// chain has redirected to the resolver before this): denied.
-	for _, proto := range []byte{unix.IPPROTO_UDP, unix.IPPROTO_TCP} {
-		for _, port := range []uint16{53, 853} {
-			denyLogged(l4proto(proto), dport(port))
+// sweep removes the elements of ids no sbx entry holds (a dead owner's, a
+// generation replaced by another process) and says how many. The elements
+// are listed before the entries: an id no entry holds then never will again.
+func (n *nft) sweep() int {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	lists := map[string][]nftables.SetElement{}
+	for _, name := range idSets {
+		els, err := n.conn.GetSetElements(n.sets[name])
+		if err != nil {
+			return 0
 		}
+		lists[name] = els
 	}
-	denyLogged(lookup(16, sets.deny.Name, false))
-	for _, r := range s.policy.Allow {
-		if r.Name == "" {
-			for _, m := range prefixMatch(r) {
-				allowLogged(m...)
+	entries, err := n.entries()
+	if err != nil {
+		return 0
+	}
+	live := map[sbxID]bool{}
+	for _, e := range entries {
+		live[e.id] = true
+	}
+	swept := 0
+	for _, name := range idSets {
+		var dead []elem
+		for _, e := range lists[name] {
+			if len(e.Key) >= 16 && !e.IntervalEnd && !live[sbxID(e.Key[:16])] {
+				dead = append(dead, elem{name, e})
+			}
+		}
+		if len(dead) == 0 {
+			continue
+		}
+		if n.delElems(n.conn, dead) == nil && n.conn.Flush() == nil {
+			swept += len(dead)
+			continue
+		}
+		for _, d := range dead { // some expired meanwhile
+			if n.delElems(n.conn, []elem{d}) == nil && n.conn.Flush() == nil {
+				swept++
 			}
 		}
 	}
-	allowLogged(lookup(16, sets.names.Name, false))
-	allowLogged(portLookup(unix.IPPROTO_TCP, sets.ports.Name))
-	allowLogged(portLookup(unix.IPPROTO_UDP, sets.ports.Name))
-	if s.policy.Mode == Internet {
-		for _, r := range s.policy.Deny {
-			if r.Name == "" {
-				for _, m := range prefixMatch(r) {
-					denyLogged(m...)
-				}
-			}
-		}
-		// The addresses denied names resolve to (an allow entry, above,
-		// still wins: in internet mode allow overrides deny).
-		denyLogged(lookup(16, sets.dnames.Name, false))
-		add(s.log(logAllow), accept)
-		add(accept)
-		return rs
-	}
-	add(s.log(logDeny), refused)
-	add(refused)
-	return rs
+	return swept
 }
-
-// prefixMatch matches a range rule's destination (and port, for TCP and UDP).
-func prefixMatch(r Rule) [][][]expr.Any {
-	m := daddrIn(r.Prefix)
-	if r.Port == 0 {
-		return [][][]expr.Any{{m}}
-	}
-	return [][][]expr.Any{
-		{m, l4proto(unix.IPPROTO_TCP), dport(r.Port)},
-		{m, l4proto(unix.IPPROTO_UDP), dport(r.Port)},
-	}
-}
-
-// log records the packet (a new connection: established ones were accepted
-// before) to the owner's log group, at most 20 a second per rule.
-func (s *sandboxRules) log(decision string) []expr.Any {
-	return []expr.Any{
-		&expr.Limit{Type: expr.LimitTypePkts, Rate: 20, Unit: expr.LimitTimeSecond, Burst: 40},
-		&expr.Log{Key: 1<<unix.NFTA_LOG_GROUP | 1<<unix.NFTA_LOG_PREFIX, Group: s.group,
-			Data: []byte(fmt.Sprintf("cage %d %s", s.slot, decision))},
-	}
-}
-
-// intervalElements are an interval set's elements for spans.
-func intervalElements(spans []span) []nftables.SetElement {
-	var els []nftables.SetElement
-	if len(spans) > 0 && spans[0].lo != 0 {
-		els = append(els, nftables.SetElement{Key: []byte{0, 0, 0, 0}, IntervalEnd: true})
-	}
-	for _, s := range spans {
-		lo := addr(s.lo).As4()
-		els = append(els, nftables.SetElement{Key: lo[:]})
-		if s.hi != ^uint32(0) {
-			hi := addr(s.hi + 1).As4()
-			els = append(els, nftables.SetElement{Key: hi[:], IntervalEnd: true})
-		}
-	}
-	return els
-}
-
-// ipsDstNAT is IPS_DST_NAT of a conntrack entry's status (linux/netfilter/nf_conntrack_common.h).
-const ipsDstNAT = 1 << 5

@@ -1,16 +1,20 @@
 package network
 
 import (
+	"encoding/binary"
 	"fmt"
+	"maps"
+	"slices"
+	"strconv"
+	"strings"
 
 	"github.com/google/nftables"
 	"github.com/google/nftables/expr"
 	"golang.org/x/sys/unix"
 )
 
-// The base of the shared table: chains hooked into the kernel, the verdict
-// maps that send each sandbox's packets to its own chains, and two regular
-// chains every sandbox shares:
+// The base of the shared table: chains hooked into the kernel, the shared
+// sets and chains (see nft.go), and two regular chains besides:
 //
 //	refuse: how a denied packet is refused. A connection attempt (a TCP SYN,
 //	        any other protocol) gets ICMP "administratively prohibited", so a
@@ -26,31 +30,40 @@ import (
 //	        something else lifts it with `nft flush chain inet cage guard`;
 //	        cage never writes into an existing guard chain.
 
-// ensureBase creates the table and its base chains, or rewrites the rules
-// of existing ones (every cage process writes the same base rules, in one
-// batch the kernel applies atomically, so an older process's table is
-// brought up to date). turnedOn says this process has just turned IPv4
-// forwarding on. The caller holds the host-wide network lock.
-func (n *nft) ensureBase(turnedOn bool) error {
+// ensureBase creates the table, its sets and chains, or rewrites the rules
+// of existing chains (every cage process writes the same base rules, in
+// one batch the kernel applies atomically, so an older process's table is
+// brought up to date), and this process's log chains for its log group.
+// A table of the older layout (per-sandbox chains and sets, reached
+// through the verdict maps fwd, inp and dns) is converted in the same
+// batch: its objects are deleted, so that its base rules, which dropped
+// every cage* interface they had no chain for, cannot drop the new
+// sandboxes' traffic; the sandboxes of the older process that made them
+// lose their network until a process adopts them (see docs/SECURITY.md).
+// turnedOn says this process has just turned IPv4 forwarding on. The
+// caller holds the host-wide network lock.
+func (n *nft) ensureBase(turnedOn bool, group uint16, denied []span) error {
 	n.mu.Lock()
 	defer n.mu.Unlock()
+	n.group = group
 	c := n.conn
 	exists := false
 	if t, err := c.ListTableOfFamily(tableName, nftables.TableFamilyINet); err == nil && t != nil {
 		exists = true
 	}
 	guardExists := false
+	var old []func()
 	if exists {
 		if _, err := c.ListChain(n.table, guardChain); err == nil {
 			guardExists = true
 		}
-	}
-	c.AddTable(n.table)
-	for _, m := range []*nftables.Set{n.fwd, n.inp, n.dns} {
-		if err := c.AddSet(m, nil); err != nil {
-			return err
+		n.gcOwners(group)
+		var err error
+		if old, err = n.oldLayout(); err != nil {
+			return fmt.Errorf("nftables: table %s: %w", tableName, err)
 		}
 	}
+	c.AddTable(n.table)
 	accept := nftables.ChainPolicyAccept
 	fwd := c.AddChain(&nftables.Chain{Name: "forward", Table: n.table, Type: nftables.ChainTypeFilter,
 		Hooknum: nftables.ChainHookForward, Priority: nftables.ChainPriorityFilter, Policy: &accept})
@@ -60,10 +73,28 @@ func (n *nft) ensureBase(turnedOn bool) error {
 		Hooknum: nftables.ChainHookPrerouting, Priority: nftables.ChainPriorityNATDest, Policy: &accept})
 	snat := c.AddChain(&nftables.Chain{Name: "srcnat", Table: n.table, Type: nftables.ChainTypeNAT,
 		Hooknum: nftables.ChainHookPostrouting, Priority: nftables.ChainPriorityNATSource, Policy: &accept})
-	refuseCh := c.AddChain(&nftables.Chain{Name: refuseChain, Table: n.table})
+	regular := map[string]*nftables.Chain{}
+	for _, name := range []string{refuseChain, fromChain, toHostChain} {
+		regular[name] = c.AddChain(&nftables.Chain{Name: name, Table: n.table})
+	}
+	la, ld := logChains(group)
+	for _, name := range []string{la, ld} {
+		regular[name] = c.AddChain(&nftables.Chain{Name: name, Table: n.table})
+	}
 	if exists {
-		for _, ch := range []*nftables.Chain{fwd, in, dnat, snat, refuseCh} {
+		for _, ch := range []*nftables.Chain{fwd, in, dnat, snat} {
 			c.FlushChain(ch)
+		}
+		for _, del := range old {
+			del()
+		}
+		for _, ch := range regular {
+			c.FlushChain(ch)
+		}
+	}
+	for _, name := range slices.Sorted(maps.Keys(n.sets)) {
+		if err := c.AddSet(n.sets[name], nil); err != nil {
+			return err
 		}
 	}
 	guard := guardExists
@@ -72,48 +103,161 @@ func (n *nft) ensureBase(turnedOn bool) error {
 		c.AddRule(&nftables.Rule{Table: n.table, Chain: g, Exprs: verdict(expr.VerdictDrop)})
 		guard = true
 	}
-	n.baseRules(fwd, in, dnat, snat, refuseCh, guard)
+	n.baseRules(fwd, in, dnat, snat, regular, guard)
+	key := binary.BigEndian.AppendUint32(nil, uint32(group))
+	for m, chain := range map[string]string{setLogA: la, setLogD: ld} {
+		if err := c.SetAddElements(n.sets[m], []nftables.SetElement{{Key: key, VerdictData: &expr.Verdict{Kind: expr.VerdictJump, Chain: chain}}}); err != nil {
+			return err
+		}
+	}
+	if err := c.SetAddElements(n.sets[setXDeny], profileElements(profileOf(denied), denied)); err != nil {
+		return err
+	}
 	if err := c.Flush(); err != nil {
 		return fmt.Errorf("nftables: create table %s: %w", tableName, err)
 	}
 	return nil
 }
 
-// baseRules queues the rules of the base chains and the refuse chain (the
-// caller holds mu and flushes).
-func (n *nft) baseRules(fwd, in, dnat, snat, refuseCh *nftables.Chain, guard bool) {
+// oldLayout lists the deletions that convert a table of the older layout
+// (nil when it has none of it): the verdict maps, the per-sandbox chains
+// s<slot>, i<slot>, d<slot> and sets x, n, p, y<slot>. They are queued
+// after the base chains are flushed (which drops the maps' last users).
+func (n *nft) oldLayout() ([]func(), error) {
+	c := n.conn
+	sets, err := c.GetSets(n.table)
+	if err != nil {
+		return nil, err
+	}
+	var out []func()
+	for _, s := range sets {
+		if s.Name == "fwd" || s.Name == "inp" || s.Name == "dns" {
+			out = append(out, func() { c.DelSet(s) })
+		}
+	}
+	if len(out) == 0 {
+		return nil, nil // the current layout
+	}
+	for _, s := range sets {
+		if perSlot(s.Name, "xnpy") {
+			out = append(out, func() { c.DelSet(s) })
+		}
+	}
+	chains, err := c.ListChainsOfTableFamily(nftables.TableFamilyINet)
+	if err != nil {
+		return nil, err
+	}
+	for _, ch := range chains {
+		if ch.Table.Name == tableName && perSlot(ch.Name, "sid") {
+			out = append(out, func() { c.FlushChain(ch); c.DelChain(ch) })
+		}
+	}
+	return out, nil
+}
+
+// perSlot reports whether name is one of the letters followed by a number.
+func perSlot(name, letters string) bool {
+	if len(name) < 2 || !strings.ContainsRune(letters, rune(name[0])) {
+		return false
+	}
+	_, err := strconv.Atoi(name[1:])
+	return err == nil
+}
+
+// gcOwners removes the log chains of processes that are gone: a log
+// group nobody has bound (this process can bind it) has no owner. Its
+// sandboxes, if any are left, are then not logged until adopted (their
+// decisions do not depend on it). The caller holds mu.
+func (n *nft) gcOwners(own uint16) {
+	c := n.conn
+	chains, err := c.ListChainsOfTableFamily(nftables.TableFamilyINet)
+	if err != nil {
+		return
+	}
+	for _, ch := range chains {
+		if ch.Table.Name != tableName || !strings.HasPrefix(ch.Name, "la") {
+			continue
+		}
+		g, err := strconv.ParseUint(ch.Name[2:], 10, 16)
+		if err != nil || uint16(g) == own || !groupFree(uint16(g)) {
+			continue
+		}
+		n.dropOwner(uint16(g))
+	}
+}
+
+// dropOwner removes a log group's chains and its elements of the log maps
+// (the caller holds mu).
+func (n *nft) dropOwner(group uint16) {
+	c := n.conn
+	key := []nftables.SetElement{{Key: binary.BigEndian.AppendUint32(nil, uint32(group))}}
+	la, ld := logChains(group)
+	_ = c.SetDeleteElements(n.sets[setLogA], key)
+	_ = c.SetDeleteElements(n.sets[setLogD], key)
+	for _, name := range []string{la, ld} {
+		ch := &nftables.Chain{Name: name, Table: n.table}
+		c.FlushChain(ch)
+		c.DelChain(ch)
+	}
+	_ = c.Flush()
+}
+
+// closeOwner removes this process's log chains (its sandboxes keep their
+// elements and rules: a process that adopts them logs them).
+func (n *nft) closeOwner() {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	if n.group != 0 {
+		n.dropOwner(n.group)
+	}
+}
+
+// baseRules queues the rules of the base chains and the shared regular
+// chains (the caller holds mu and flushes).
+func (n *nft) baseRules(fwd, in, dnat, snat *nftables.Chain, regular map[string]*nftables.Chain, guard bool) {
 	c := n.conn
 	rule := func(ch *nftables.Chain, e ...expr.Any) {
 		c.AddRule(&nftables.Rule{Table: n.table, Chain: ch, Exprs: e})
 	}
-	// forward: each sandbox's own chain decides what leaves it.
-	rule(fwd, cat(ifname(expr.MetaKeyIIFNAME), vmap("fwd"))...)
-	rule(fwd, cat(ifnamePrefix(expr.MetaKeyIIFNAME, true), verdict(expr.VerdictDrop))...)
+	goTo := func(chain string) []expr.Any { return []expr.Any{&expr.Verdict{Kind: expr.VerdictGoto, Chain: chain}} }
+	// forward: the fromsbx chain decides what leaves a sandbox.
+	rule(fwd, cat(ifnamePrefix(expr.MetaKeyIIFNAME, true), goTo(fromChain))...)
 	rule(fwd, cat(ifnamePrefix(expr.MetaKeyOIFNAME, true), ctState(expr.CtStateBitESTABLISHED|expr.CtStateBitRELATED), verdict(expr.VerdictAccept))...)
 	rule(fwd, cat(ifnamePrefix(expr.MetaKeyOIFNAME, true), verdict(expr.VerdictDrop))...)
 	if guard {
 		rule(fwd, &expr.Verdict{Kind: expr.VerdictJump, Chain: guardChain})
 	}
-	// input: the host itself answers a sandbox only through its resolver,
-	// which the sandbox's own chain i<slot> accepts (every packet goes
-	// there, replies included: it bounds the sandbox's DNS packets).
-	rule(in, cat(ifname(expr.MetaKeyIIFNAME), vmap("inp"))...)
-	rule(in, cat(ifnamePrefix(expr.MetaKeyIIFNAME, true), ctState(expr.CtStateBitESTABLISHED|expr.CtStateBitRELATED), verdict(expr.VerdictAccept))...)
-	rule(in, cat(ifnamePrefix(expr.MetaKeyIIFNAME, true), reject())...)
+	for _, r := range fromSandboxRules() {
+		rule(regular[fromChain], r...)
+	}
+	// input: the host itself answers a sandbox only through its resolver
+	// (every packet goes to tohost, replies included: it bounds the
+	// sandbox's DNS packets).
+	rule(in, cat(ifnamePrefix(expr.MetaKeyIIFNAME, true), goTo(toHostChain))...)
+	for _, r := range toHostRules() {
+		rule(regular[toHostChain], r...)
+	}
 	// dstnat: DNS to the gateway goes to the owner's resolver.
-	rule(dnat, cat(ifname(expr.MetaKeyIIFNAME), vmap("dns"))...)
+	for _, r := range dnatRules() {
+		rule(dnat, r...)
+	}
 	// srcnat: what leaves for elsewhere takes the host's address.
 	rule(snat, cat(ifnamePrefix(expr.MetaKeyIIFNAME, true), ifnamePrefix(expr.MetaKeyOIFNAME, false), []expr.Any{&expr.Masq{}})...)
 	// refuse: a reset for a TCP segment that is not a connection attempt,
 	// ICMP for everything else.
-	rule(refuseCh, cat(l4proto(unix.IPPROTO_TCP), tcpFlagsNot(tcpSYN), []expr.Any{&expr.Reject{Type: unix.NFT_REJECT_TCP_RST}})...)
-	rule(refuseCh, reject()...)
+	rule(regular[refuseChain], cat(l4proto(unix.IPPROTO_TCP), tcpFlagsNot(tcpSYN), []expr.Any{&expr.Reject{Type: unix.NFT_REJECT_TCP_RST}})...)
+	rule(regular[refuseChain], reject()...)
+	la, ld := logChains(n.group)
+	rule(regular[la], logRules(setLimA, n.group, logAllow)...)
+	rule(regular[ld], logRules(setLimD, n.group, logDeny)...)
 }
 
 // Names of the shared regular chains.
 const (
 	refuseChain = "refuse"
 	guardChain  = "guard"
+	fromChain   = "fromsbx"
+	toHostChain = "tohost"
 )
 
 // forwardGuarded reports whether the table drops forwarding that is not a

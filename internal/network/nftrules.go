@@ -1,0 +1,179 @@
+package network
+
+import (
+	"fmt"
+
+	"github.com/google/nftables/expr"
+	"golang.org/x/sys/unix"
+)
+
+// The shared chains' rules. A rule that needs a sandbox's elements looks
+// its id up itself (registers do not outlive a rule): the interface's name
+// and the source address are the key of the sbx map, whose value, the id,
+// replaces them in the registers, followed by what the rule matches:
+//
+//	r0..r3: id (r0: its profile, r1: its log group)   r4: address   r5: port
+
+// Registers (32-bit).
+const (
+	r0 = unix.NFT_REG32_00
+	r1 = unix.NFT_REG32_01
+	r4 = unix.NFT_REG32_04
+	r5 = unix.NFT_REG32_05
+	r6 = unix.NFT_REG32_06
+	r7 = unix.NFT_REG32_07
+)
+
+// loadID puts the sandbox's id in r0..r3 (no match where the interface and
+// the source address are no sandbox's).
+func loadID() []expr.Any {
+	return []expr.Any{
+		&expr.Meta{Key: expr.MetaKeyIIFNAME, Register: r0},
+		&expr.Payload{DestRegister: r4, Base: expr.PayloadBaseNetworkHeader, Offset: 12, Len: 4},
+		&expr.Lookup{SourceRegister: r0, SetName: setSbx, DestRegister: r0, IsDestRegSet: true},
+	}
+}
+
+// notSandbox matches a packet whose interface and source address are no
+// sandbox's entry in sbx.
+func notSandbox() []expr.Any {
+	return []expr.Any{
+		&expr.Meta{Key: expr.MetaKeyIIFNAME, Register: r0},
+		&expr.Payload{DestRegister: r4, Base: expr.PayloadBaseNetworkHeader, Offset: 12, Len: 4},
+		&expr.Lookup{SourceRegister: r0, SetName: setSbx, Invert: true},
+	}
+}
+
+func load(reg uint32, base expr.PayloadBase, offset, n uint32) *expr.Payload {
+	return &expr.Payload{DestRegister: reg, Base: base, Offset: offset, Len: n}
+}
+
+// idLookup matches "id . ip daddr [. th dport]" in set.
+func idLookup(set string, port bool) []expr.Any {
+	e := cat(loadID(), []expr.Any{load(r4, expr.PayloadBaseNetworkHeader, 16, 4)})
+	if port {
+		e = append(e, load(r5, expr.PayloadBaseTransportHeader, 2, 2))
+	}
+	return append(e, &expr.Lookup{SourceRegister: r0, SetName: set})
+}
+
+// profileLookup matches "profile . ip daddr" in xdeny (the id's first word
+// is its profile).
+func profileLookup() []expr.Any {
+	return cat(loadID(), []expr.Any{load(r1, expr.PayloadBaseNetworkHeader, 16, 4), &expr.Lookup{SourceRegister: r0, SetName: setXDeny}})
+}
+
+// logTo jumps to the owner's log chain through the map (loga or logd)
+// keyed by the id's log group; no match where the owner has none.
+func logTo(m string) []expr.Any {
+	return cat(loadID(), []expr.Any{&expr.Lookup{SourceRegister: r1, SetName: m, DestRegister: 0, IsDestRegSet: true}})
+}
+
+// fromSandboxRules is the fromsbx chain: what a sandbox may send elsewhere.
+func fromSandboxRules() [][]expr.Any {
+	var rs [][]expr.Any
+	add := func(e ...[]expr.Any) { rs = append(rs, cat(e...)) }
+	accept, drop, refused := verdict(expr.VerdictAccept), verdict(expr.VerdictDrop), refuse()
+	allowLogged := func(match ...[]expr.Any) {
+		add(append(match, logTo(setLogA))...)
+		add(append(match, accept)...)
+	}
+	// Denied connections are refused at once (ICMP "administratively
+	// prohibited"; a TCP reset for a connection a policy change cut): a
+	// program inside fails fast instead of timing out.
+	denyLogged := func(match ...[]expr.Any) {
+		add(append(match, logTo(setLogD))...)
+		add(append(match, refused)...)
+	}
+	// IPv4 only, from a sandbox's own interface and address only.
+	add(nfproto(unix.NFPROTO_IPV4, false), drop)
+	add(notSandbox(), drop)
+	add(ctState(expr.CtStateBitESTABLISHED|expr.CtStateBitRELATED), accept)
+	// DNS and DNS over TLS/QUIC to anyone but the gateway (which dstnat
+	// has redirected to the resolver before this): denied.
+	for _, proto := range []byte{unix.IPPROTO_UDP, unix.IPPROTO_TCP} {
+		for _, port := range []uint16{53, 853} {
+			denyLogged(l4proto(proto), dport(port))
+		}
+	}
+	denyLogged(profileLookup())
+	allowLogged(idLookup(setAllow, false))
+	for _, proto := range []byte{unix.IPPROTO_TCP, unix.IPPROTO_UDP} {
+		allowLogged(l4proto(proto), idLookup(setAllowP, true))
+	}
+	allowLogged(idLookup(setNames, false))
+	for _, proto := range []byte{unix.IPPROTO_TCP, unix.IPPROTO_UDP} {
+		allowLogged(l4proto(proto), idLookup(setNamesP, true))
+	}
+	// Internet mode's deny list (only internet sandboxes have elements
+	// there): an allow entry, above, still wins.
+	denyLogged(idLookup(setDeny, false))
+	for _, proto := range []byte{unix.IPPROTO_TCP, unix.IPPROTO_UDP} {
+		denyLogged(l4proto(proto), idLookup(setDenyP, true))
+	}
+	denyLogged(idLookup(setDNames, false))
+	allowLogged(loadID(), []expr.Any{&expr.Lookup{SourceRegister: r0, SetName: setInternet}})
+	denyLogged()
+	return rs
+}
+
+// toHostRules is the tohost chain: to the host itself, only DNS that the
+// owner's redirect sent to its resolver (the gateway's port 53 rewritten
+// to the resolver's port, as dnsin has it for the sandbox), at most
+// dnsPackets a second per sandbox and protocol (the rest is dropped here,
+// so that a flood costs the resolver nothing), and replies; then a logged
+// refusal. A connection some other table redirected to the host is refused
+// like any other.
+func toHostRules() [][]expr.Any {
+	var rs [][]expr.Any
+	for _, proto := range []byte{unix.IPPROTO_UDP, unix.IPPROTO_TCP} {
+		ours := cat(l4proto(proto), ctStatus(ipsDstNAT), ctOrigDport(53), idLookup(setDNSIn, true))
+		flood := []expr.Any{
+			load(r6, expr.PayloadBaseNetworkHeader, 12, 4),
+			&expr.Meta{Key: expr.MetaKeyL4PROTO, Register: r7},
+			&expr.Dynset{SrcRegKey: r6, SetName: setDNSLim, Operation: unix.NFT_DYNSET_OP_ADD, Timeout: meterTimeout,
+				Exprs: []expr.Any{&expr.Limit{Type: expr.LimitTypePkts, Rate: dnsPackets, Unit: expr.LimitTimeSecond, Burst: dnsBurst, Over: true}}},
+		}
+		rs = append(rs, cat(ours, flood, verdict(expr.VerdictDrop)), cat(ours, verdict(expr.VerdictAccept)))
+	}
+	rs = append(rs, cat(ctState(expr.CtStateBitESTABLISHED|expr.CtStateBitRELATED), verdict(expr.VerdictAccept)))
+	return append(rs, logTo(setLogD), reject())
+}
+
+// dnatRules are dstnat's: DNS to the gateway, from a sandbox, goes to its
+// owner's resolver.
+func dnatRules() [][]expr.Any {
+	var rs [][]expr.Any
+	for _, proto := range []byte{unix.IPPROTO_UDP, unix.IPPROTO_TCP} {
+		rs = append(rs, cat(ifnamePrefix(expr.MetaKeyIIFNAME, true), nfproto(unix.NFPROTO_IPV4, true), l4proto(proto), dport(53),
+			loadID(), []expr.Any{
+				load(r4, expr.PayloadBaseNetworkHeader, 16, 4),
+				&expr.Lookup{SourceRegister: r0, SetName: setDNAT, DestRegister: r6, IsDestRegSet: true},
+				&expr.Redir{RegisterProtoMin: r6, Flags: unix.NF_NAT_RANGE_PROTO_SPECIFIED},
+			}))
+	}
+	return rs
+}
+
+// logRules is an owner's log chain for a decision: the packet (a new
+// connection: established ones were accepted before) to the owner's log
+// group, at most 20 a second per sandbox (the meter, by source address).
+func logRules(meter string, group uint16, decision string) []expr.Any {
+	return []expr.Any{
+		load(r0, expr.PayloadBaseNetworkHeader, 12, 4),
+		&expr.Dynset{SrcRegKey: r0, SetName: meter, Operation: unix.NFT_DYNSET_OP_ADD, Timeout: meterTimeout,
+			Exprs: []expr.Any{&expr.Limit{Type: expr.LimitTypePkts, Rate: 20, Unit: expr.LimitTimeSecond, Burst: 40}}},
+		&expr.Log{Key: 1<<unix.NFTA_LOG_GROUP | 1<<unix.NFTA_LOG_PREFIX, Group: group, Data: []byte(logPrefix + decision)},
+	}
+}
+
+// logPrefix begins every log record's prefix ("cage a", "cage d").
+const logPrefix = "cage "
+
+// Names of an owner's log chains.
+func logChains(group uint16) (allow, deny string) {
+	return fmt.Sprintf("la%d", group), fmt.Sprintf("ld%d", group)
+}
+
+// ipsDstNAT is IPS_DST_NAT of a conntrack entry's status (linux/netfilter/nf_conntrack_common.h).
+const ipsDstNAT = 1 << 5
