@@ -219,8 +219,10 @@ func TestRemoveHalfMade(t *testing.T) {
 }
 
 // BenchmarkApplyManyAlive: a sandbox's rules made and removed (as a create
-// and a destroy do), eight at once, with 300 sandboxes' rules in the table;
-// the applies committed in groups and (the peer, as before) each alone. Run as root: go test -run ^$ -bench ApplyManyAlive ./internal/network
+// and a destroy do), eight at once, with 0, 300 and 1,000 sandboxes' rules
+// in the table; the applies committed in groups and (the peer, as before)
+// each alone. The cost per create should not grow with the sandboxes
+// alive. Run as root: go test -run ^$ -bench ApplyManyAlive ./internal/network
 func BenchmarkApplyManyAlive(b *testing.B) {
 	w := testutil.NewWorld(b)
 	h, err := NewHost(Config{Upstreams: w.Upstreams(), LockDir: b.TempDir()})
@@ -233,42 +235,45 @@ func BenchmarkApplyManyAlive(b *testing.B) {
 		return &sandboxRules{slot: slot, ip: ip, gateway: h.gateway, policy: Policy{Mode: Internet},
 			denied: h.denied, resolver: h.res.port, group: h.flog.group}
 	}
-	const alive, first = 300, 700000
-	for s := first; s < first+alive; s++ {
-		if err := h.nft.apply(rules(s), setState{}); err != nil {
-			b.Fatal(err)
-		}
-	}
-	next := first + alive
+	const first = 700000
+	alive := 0
+	next := first + 100000
 	b.Cleanup(func() {
 		for s := first; s < first+alive; s++ {
 			_ = h.nft.remove(s)
 		}
 	})
-	for _, mode := range []struct {
-		name    string
-		noGroup bool
-	}{{"group", false}, {"alone", true}} {
-		b.Run(mode.name, func(b *testing.B) {
-			h.nft.noGroup = mode.noGroup
-			var mu sync.Mutex
-			b.SetParallelism(8)
-			b.RunParallel(func(pb *testing.PB) {
-				for pb.Next() {
-					mu.Lock()
-					s := next
-					next++
-					mu.Unlock()
-					if err := h.nft.apply(rules(s), setState{}); err != nil {
-						b.Error(err)
-						return
+	for _, want := range []int{0, 300, 1000} {
+		for ; alive < want; alive++ {
+			if err := h.nft.apply(rules(first+alive), setState{}); err != nil {
+				b.Fatal(err)
+			}
+		}
+		for _, mode := range []struct {
+			name    string
+			noGroup bool
+		}{{"group", false}, {"alone", true}} {
+			b.Run(fmt.Sprintf("alive=%d/%s", want, mode.name), func(b *testing.B) {
+				h.nft.noGroup = mode.noGroup
+				var mu sync.Mutex
+				b.SetParallelism(8)
+				b.RunParallel(func(pb *testing.PB) {
+					for pb.Next() {
+						mu.Lock()
+						s := next
+						next++
+						mu.Unlock()
+						if err := h.nft.apply(rules(s), setState{}); err != nil {
+							b.Error(err)
+							return
+						}
+						if err := h.nft.remove(s); err != nil {
+							b.Error(err)
+							return
+						}
 					}
-					if err := h.nft.remove(s); err != nil {
-						b.Error(err)
-						return
-					}
-				}
+				})
 			})
-		})
+		}
 	}
 }

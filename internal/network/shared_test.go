@@ -329,3 +329,50 @@ func TestDeadOwnersLogChainsCollected(t *testing.T) {
 		t.Errorf("the live process's log chain %s was removed", la)
 	}
 }
+
+// A daemon that died leaves a sandbox with internet; the next one adopts
+// it. Expected: the sandbox's DNS goes to the new process's resolver (the
+// dead one's is gone), its connections are allowed and recorded by the new
+// process, and the dead generation's elements are swept.
+func TestAdoptTakesOver(t *testing.T) {
+	w := testutil.NewWorld(t)
+	h1, err := NewHost(Config{Upstreams: w.Upstreams(), LockDir: t.TempDir()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	nextSlot++
+	slot := nextSlot
+	ns := namespaces(t, 1)[0]
+	if _, err := h1.Attach("adopted", slot, int(ns), Policy{Mode: Internet}); err != nil {
+		t.Fatal(err)
+	}
+	h1.Close() // the daemon dies; the sandbox runs on
+	rec := &recorder{}
+	h2 := newHost(t, w, rec)
+	sb2, err := h2.Adopt("adopted", slot, Policy{Mode: Internet})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = sb2.Close() })
+	s := &fakeSandbox{ns: ns, net: sb2}
+	ans, err := s.lookup(h2.Gateway().String()+":53", "other.example.org", false)
+	if err != nil || !slices.Equal(addrsOf(ans), []string{testutil.OtherHost.String()}) {
+		t.Fatalf("DNS after the adoption: %v %v", ans, err)
+	}
+	if _, err := s.get(testutil.PublicHost.String() + ":80"); err != nil {
+		t.Fatalf("the adopted sandbox: %v", err)
+	}
+	deadline := time.Now().Add(2 * time.Second)
+	for !rec.find(func(r Record) bool { return r.Kind == "connect" && r.Sandbox == "adopted" && r.Decision == "allow" }) {
+		if time.Now().After(deadline) {
+			t.Fatal("the adopting process has no record of the adopted sandbox's connection")
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	if h2.nft.sweep() == 0 {
+		t.Error("the dead generation's elements were not swept")
+	}
+	if _, err := s.get(testutil.PublicHost.String() + ":80"); err != nil {
+		t.Fatalf("the adopted sandbox after the sweep: %v", err)
+	}
+}
