@@ -15,11 +15,9 @@ import (
 	"syscall"
 	"time"
 
-	"k8s.io/client-go/kubernetes"
-	"k8s.io/client-go/tools/clientcmd"
-
 	"github.com/cagehq/cage/internal/client"
 	"github.com/cagehq/cage/internal/cluster"
+	"github.com/cagehq/cage/internal/kube"
 	"github.com/cagehq/cage/internal/testutil/kubeplane"
 )
 
@@ -38,7 +36,7 @@ const ClusterNamespace = "cage"
 type Cluster struct {
 	Plane *kubeplane.Plane
 	Net   *kubeplane.Net
-	Admin kubernetes.Interface
+	Admin *kube.Client
 	Key   string
 	Nodes []*ClusterNode
 	dir   string
@@ -84,12 +82,11 @@ func StartCluster(exe string, names []string, config map[string]any) (c *Cluster
 	if err != nil {
 		return nil, err
 	}
-	rc, err := clientcmd.BuildConfigFromFlags("", admin)
+	kc, err := kube.LoadKubeconfig(admin)
 	if err != nil {
 		return nil, err
 	}
-	rc.QPS, rc.Burst = 500, 1000
-	if c.Admin, err = kubernetes.NewForConfig(rc); err != nil {
+	if c.Admin, err = kube.New(kc, kube.Options{QPS: 500, Burst: 1000}); err != nil {
 		return nil, err
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)

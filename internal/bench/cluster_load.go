@@ -17,10 +17,10 @@ import (
 
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/apimachinery/pkg/watch"
 
 	"github.com/cagehq/cage/internal/client"
 	"github.com/cagehq/cage/internal/cluster"
+	"github.com/cagehq/cage/internal/kube"
 )
 
 // APICounts are the API server's counters at one moment: requests by
@@ -195,7 +195,7 @@ func (c *Cluster) WatchPlacement(ctx context.Context) (*Placement, error) {
 	go func() {
 		defer close(p.done)
 		for ev := range w.ResultChan() {
-			if ev.Type != watch.Added && ev.Type != watch.Modified {
+			if ev.Type != kube.Added && ev.Type != kube.Modified {
 				p.mu.Lock()
 				p.events++
 				p.mu.Unlock()

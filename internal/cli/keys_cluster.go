@@ -8,9 +8,9 @@ import (
 	"time"
 
 	"github.com/spf13/cobra"
-	"k8s.io/client-go/kubernetes"
 
 	"github.com/cagehq/cage/internal/cluster"
+	"github.com/cagehq/cage/internal/kube"
 )
 
 // clusterKeys are cage keys' flags for a cluster's keys: with a
@@ -33,7 +33,7 @@ func (ck *clusterKeys) on() bool {
 	return ck.kubeconfig != ""
 }
 
-func (ck *clusterKeys) client() (kubernetes.Interface, error) {
+func (ck *clusterKeys) client() (*kube.Client, error) {
 	c, err := (&cluster.Config{Kubeconfig: ck.kubeconfig, NodeName: "cli"}).Client()
 	if err != nil {
 		return nil, exitf(ExitUsage, "%v", err)

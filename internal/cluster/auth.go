@@ -14,10 +14,10 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
-	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/validation"
-	"k8s.io/client-go/kubernetes"
+
+	"github.com/cagehq/cage/internal/kube"
 )
 
 // Node-to-node authentication: a request one node makes of another (the
@@ -98,7 +98,7 @@ func mac(key []byte, node, t string, r *http.Request) []byte {
 // NodeKey returns the cluster's node key from the Secret KeySecret in ns,
 // creating it (KeyLen random bytes) when there is none: the first node to
 // start makes it, the others read it.
-func NodeKey(ctx context.Context, c kubernetes.Interface, ns string) ([]byte, error) {
+func NodeKey(ctx context.Context, c *kube.Client, ns string) ([]byte, error) {
 	secrets := c.CoreV1().Secrets(ns)
 	for attempt := 0; attempt < 3; attempt++ {
 		s, err := secrets.Get(ctx, KeySecret, metav1.GetOptions{})
@@ -109,7 +109,7 @@ func NodeKey(ctx context.Context, c kubernetes.Interface, ns string) ([]byte, er
 			}
 			return k, nil
 		}
-		if !apierrors.IsNotFound(err) {
+		if !kube.IsNotFound(err) {
 			return nil, fmt.Errorf("cluster: secret %s/%s: %w", ns, KeySecret, err)
 		}
 		k := make([]byte, KeyLen)
@@ -122,7 +122,7 @@ func NodeKey(ctx context.Context, c kubernetes.Interface, ns string) ([]byte, er
 		if err == nil {
 			return k, nil
 		}
-		if !apierrors.IsAlreadyExists(err) {
+		if !kube.IsAlreadyExists(err) {
 			return nil, fmt.Errorf("cluster: create secret %s/%s: %w", ns, KeySecret, err)
 		}
 		// another node made it first: read theirs

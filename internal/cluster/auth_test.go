@@ -12,7 +12,8 @@ import (
 
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/client-go/kubernetes/fake"
+
+	"github.com/cagehq/cage/internal/ids"
 )
 
 var key = bytes.Repeat([]byte{7}, KeyLen)
@@ -103,14 +104,25 @@ func TestVerifyRefuses(t *testing.T) {
 	}
 }
 
+// TestNodeKey runs against the package's control plane, each case in a
+// namespace of its own.
 func TestNodeKey(t *testing.T) {
+	c := newPlane(t)
 	ctx := context.Background()
-	c := fake.NewClientset()
-	k1, err := NodeKey(ctx, c, "cage")
+	ns := func() string {
+		name := "nodekey-" + strings.ToLower(ids.NewID())
+		if _, err := c.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: name}},
+			metav1.CreateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		return name
+	}
+	ns1 := ns()
+	k1, err := NodeKey(ctx, c, ns1)
 	if err != nil || len(k1) != KeyLen {
 		t.Fatalf("first NodeKey = %x, %v", k1, err)
 	}
-	k2, err := NodeKey(ctx, c, "cage")
+	k2, err := NodeKey(ctx, c, ns1)
 	if err != nil || !bytes.Equal(k1, k2) {
 		t.Fatalf("second NodeKey = %x, %v; want the first's", k2, err)
 	}
@@ -118,9 +130,12 @@ func TestNodeKey(t *testing.T) {
 		t.Fatal("a key of zeros")
 	}
 	// A short key in the Secret is refused, not used.
-	c2 := fake.NewClientset(&corev1.Secret{ObjectMeta: metav1.ObjectMeta{Name: KeySecret, Namespace: "cage"},
-		Data: map[string][]byte{KeySecretData: []byte("short")}})
-	if k, err := NodeKey(ctx, c2, "cage"); err == nil {
+	ns2 := ns()
+	if _, err := c.CoreV1().Secrets(ns2).Create(ctx, &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Name: KeySecret, Namespace: ns2},
+		Data: map[string][]byte{KeySecretData: []byte("short")}}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if k, err := NodeKey(ctx, c, ns2); err == nil {
 		t.Fatalf("short key accepted: %x", k)
 	}
 }

@@ -17,8 +17,8 @@ import (
 	"time"
 
 	"k8s.io/apimachinery/pkg/util/validation"
-	"k8s.io/client-go/kubernetes"
-	"k8s.io/client-go/tools/clientcmd"
+
+	"github.com/cagehq/cage/internal/kube"
 )
 
 // Defaults of Config.
@@ -103,14 +103,17 @@ func (c *Config) Validate() error {
 }
 
 // Client makes a client of the cluster's API server from c's kubeconfig.
-func (c *Config) Client() (kubernetes.Interface, error) {
-	rc, err := clientcmd.BuildConfigFromFlags("", c.Kubeconfig)
+func (c *Config) Client() (*kube.Client, error) {
+	kc, err := kube.LoadKubeconfig(c.Kubeconfig)
 	if err != nil {
 		return nil, fmt.Errorf("cluster: kubeconfig %s: %w", c.Kubeconfig, err)
 	}
-	rc.UserAgent = "cage/" + c.NodeName
-	rc.QPS, rc.Burst = 200, 400 // a node's own traffic: its pods' status, its lease
-	return kubernetes.NewForConfig(rc)
+	// QPS and burst: a node's own traffic (its pods' status, its lease).
+	cl, err := kube.New(kc, kube.Options{UserAgent: "cage/" + c.NodeName, QPS: 200, Burst: 400})
+	if err != nil {
+		return nil, fmt.Errorf("cluster: kubeconfig %s: %w", c.Kubeconfig, err)
+	}
+	return cl, nil
 }
 
 func firstIPv4() (string, error) {

@@ -15,17 +15,12 @@ import (
 	"sync"
 	"time"
 
+	coordinationv1 "k8s.io/api/coordination/v1"
 	corev1 "k8s.io/api/core/v1"
-	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/apimachinery/pkg/labels"
-	"k8s.io/client-go/informers"
-	"k8s.io/client-go/kubernetes"
-	coordlisters "k8s.io/client-go/listers/coordination/v1"
-	corelisters "k8s.io/client-go/listers/core/v1"
-	"k8s.io/client-go/tools/cache"
 
 	"github.com/cagehq/cage/internal/ids"
+	"github.com/cagehq/cage/internal/kube"
 	"github.com/cagehq/cage/internal/manager"
 	"github.com/cagehq/cage/internal/sandbox"
 	"github.com/cagehq/cage/internal/store"
@@ -33,7 +28,7 @@ import (
 
 // FrontConfig is what the front needs of the node it runs on.
 type FrontConfig struct {
-	Client        kubernetes.Interface
+	Client        *kube.Client
 	Namespace     string
 	NodeName      string // this node (its sandboxes are served locally)
 	NodeKey       []byte // the cluster's node key (Sign)
@@ -52,15 +47,11 @@ type FrontConfig struct {
 // lists come from the pod informer, and requests for a sandbox on another
 // node are forwarded to it (route.go).
 type Front struct {
-	cfg     FrontConfig
-	log     *slog.Logger
-	factory informers.SharedInformerFactory
-	leases  informers.SharedInformerFactory
-	nodesF  informers.SharedInformerFactory
-	pods    corelisters.PodLister
-	nodes   corelisters.NodeLister
-	leaseL  coordlisters.LeaseLister
-	synced  []cache.InformerSynced
+	cfg    FrontConfig
+	log    *slog.Logger
+	pods   *kube.Informer[corev1.Pod, corev1.PodList]                     // the sandbox pods
+	nodes  *kube.Informer[corev1.Node, corev1.NodeList]                   // the cage Nodes
+	leases *kube.Informer[coordinationv1.Lease, coordinationv1.LeaseList] // the nodes' Leases
 
 	mu      sync.Mutex
 	waiters map[string]chan struct{} // pod name -> closed on its next change
@@ -87,25 +78,11 @@ func NewFront(cfg FrontConfig) *Front {
 			MaxIdleConnsPerHost: 64, IdleConnTimeout: 90 * time.Second}}
 	}
 	f := &Front{cfg: cfg, log: cfg.Log, waiters: map[string]chan struct{}{}, gone: map[string]time.Time{}}
-	f.factory = informers.NewSharedInformerFactoryWithOptions(cfg.Client, 0,
-		informers.WithNamespace(cfg.Namespace),
-		informers.WithTweakListOptions(func(o *metav1.ListOptions) { o.LabelSelector = LabelSandbox + "=true" }))
-	f.leases = informers.NewSharedInformerFactoryWithOptions(cfg.Client, 0, informers.WithNamespace(NodeLeaseNamespace))
-	pi := f.factory.Core().V1().Pods()
-	f.pods = pi.Lister()
-	_, _ = pi.Informer().AddEventHandler(cache.ResourceEventHandlerFuncs{
-		AddFunc:    func(o any) { f.changed(o) },
-		UpdateFunc: func(_, o any) { f.changed(o) },
-		DeleteFunc: func(o any) { f.changed(o) },
-	})
-	nodes := informers.NewSharedInformerFactoryWithOptions(cfg.Client, 0,
-		informers.WithTweakListOptions(func(o *metav1.ListOptions) { o.LabelSelector = NodeLabel + "=true" }))
-	ni := nodes.Core().V1().Nodes()
-	f.nodes = ni.Lister()
-	li := f.leases.Coordination().V1().Leases()
-	f.leaseL = li.Lister()
-	f.synced = []cache.InformerSynced{pi.Informer().HasSynced, ni.Informer().HasSynced, li.Informer().HasSynced}
-	f.nodesF = nodes
+	f.pods = kube.NewInformer(cfg.Client.CoreV1().Pods(cfg.Namespace), metav1.ListOptions{LabelSelector: LabelSandbox + "=true"})
+	f.pods.AddHandlers(kube.Handlers[corev1.Pod]{Add: f.changed,
+		Update: func(_, p *corev1.Pod) { f.changed(p) }, Delete: f.changed})
+	f.nodes = kube.NewInformer(cfg.Client.CoreV1().Nodes(), metav1.ListOptions{LabelSelector: NodeLabel + "=true"})
+	f.leases = kube.NewInformer(cfg.Client.CoordinationV1().Leases(NodeLeaseNamespace), metav1.ListOptions{})
 	return f
 }
 
@@ -113,24 +90,17 @@ func NewFront(cfg FrontConfig) *Front {
 // the front: a request-scoped or timed context stops its view of the
 // cluster) and returns once they have synced.
 func (f *Front) Start(ctx context.Context) error {
-	f.factory.Start(ctx.Done())
-	f.leases.Start(ctx.Done())
-	f.nodesF.Start(ctx.Done())
-	if !cache.WaitForCacheSync(ctx.Done(), f.synced...) {
+	f.pods.Start(ctx)
+	f.leases.Start(ctx)
+	f.nodes.Start(ctx)
+	if !kube.WaitForSync(ctx, f.pods.HasSynced, f.nodes.HasSynced, f.leases.HasSynced) {
 		return fmt.Errorf("cluster front: informers did not sync: %w", ctx.Err())
 	}
 	return nil
 }
 
 // changed wakes whoever waits on a pod.
-func (f *Front) changed(o any) {
-	if d, ok := o.(cache.DeletedFinalStateUnknown); ok {
-		o = d.Obj
-	}
-	p, ok := o.(*corev1.Pod)
-	if !ok {
-		return
-	}
+func (f *Front) changed(p *corev1.Pod) {
 	f.mu.Lock()
 	if ch, ok := f.waiters[p.Name]; ok {
 		close(ch)
@@ -230,7 +200,7 @@ func (f *Front) killed(id string) bool {
 func (f *Front) deletePod(ctx context.Context, name string) error {
 	zero := int64(0)
 	err := f.cfg.Client.CoreV1().Pods(f.cfg.Namespace).Delete(ctx, name, metav1.DeleteOptions{GracePeriodSeconds: &zero})
-	if apierrors.IsNotFound(err) {
+	if kube.IsNotFound(err) {
 		return nil
 	}
 	return err
@@ -242,7 +212,7 @@ func (f *Front) bound(ctx context.Context, id, wall string, wake <-chan struct{}
 	timer := time.NewTimer(f.cfg.BindTimeout)
 	defer timer.Stop()
 	for {
-		if p, err := f.pods.Pods(f.cfg.Namespace).Get(id); err == nil {
+		if p, err := f.pods.Get(id); err == nil {
 			if p.Spec.NodeName != "" {
 				return p.Spec.NodeName, nil
 			}
@@ -276,7 +246,7 @@ func (f *Front) unschedulable(wall, why string) error {
 
 // nodesWith counts the cage Nodes labelled for wall.
 func (f *Front) nodesWith(wall string) int {
-	nodes, _ := f.nodes.List(labels.Everything())
+	nodes := f.nodes.List()
 	can := 0
 	for _, n := range nodes {
 		if n.Labels[WallLabelPrefix+wall] == "true" {
@@ -390,7 +360,7 @@ var errLost = errors.New("lost")
 
 // lost says whether node's lease has expired, and when.
 func (f *Front) lost(node string) (bool, time.Time) {
-	l, err := f.leaseL.Leases(NodeLeaseNamespace).Get(node)
+	l, err := f.leases.Get(node)
 	if err != nil || l.Spec.RenewTime == nil {
 		return true, time.Time{}
 	}

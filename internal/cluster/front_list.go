@@ -41,9 +41,11 @@ func (f *Front) List(flt store.ListFilter) ([]*store.Sandbox, string, error) {
 		}
 		after.at, after.id = at, id
 	}
-	pods, err := f.pods.Pods(f.cfg.Namespace).List(sel)
-	if err != nil {
-		return nil, "", err
+	var pods []*corev1.Pod
+	for _, p := range f.pods.List() {
+		if sel.Matches(labels.Set(p.Labels)) {
+			pods = append(pods, p)
+		}
 	}
 	lost := map[string]bool{}
 	var out []*store.Sandbox

@@ -21,12 +21,10 @@ import (
 
 	coordinationv1 "k8s.io/api/coordination/v1"
 	corev1 "k8s.io/api/core/v1"
-	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/client-go/kubernetes"
-	"k8s.io/client-go/tools/clientcmd"
 
+	"github.com/cagehq/cage/internal/kube"
 	"github.com/cagehq/cage/internal/manager"
 	"github.com/cagehq/cage/internal/sandbox"
 	"github.com/cagehq/cage/internal/store"
@@ -48,7 +46,7 @@ func TestMain(m *testing.M) {
 var shared struct {
 	once   sync.Once
 	plane  *kubeplane.Plane
-	client kubernetes.Interface
+	client *kube.Client
 	err    error
 }
 
@@ -69,7 +67,7 @@ type standIn struct {
 // newPlane returns the client (admin) of the package's control plane,
 // with the namespace testNS; it skips the test where there is no plane
 // (or fails it where CAGE_REQUIRE_WALLS is set).
-func newPlane(t *testing.T) kubernetes.Interface {
+func newPlane(t *testing.T) *kube.Client {
 	if _, err := kubeplane.BinDir(); err != nil {
 		kubeplane.Start(t, kubeplane.Options{}) // skips or fails, as it says
 	}
@@ -85,12 +83,15 @@ func newPlane(t *testing.T) kubernetes.Interface {
 			return
 		}
 		shared.plane = p
-		cfg, err := clientcmd.BuildConfigFromFlags("", p.MustKubeconfig(t, kubeplane.Admin))
+		cfg, err := kube.LoadKubeconfig(p.MustKubeconfig(t, kubeplane.Admin))
 		if err != nil {
 			shared.err = err
 			return
 		}
-		shared.client = kubernetes.NewForConfigOrDie(cfg)
+		if shared.client, err = kube.New(cfg, kube.Options{QPS: 500, Burst: 1000}); err != nil {
+			shared.err = err
+			return
+		}
 		_, shared.err = shared.client.CoreV1().Namespaces().Create(context.Background(),
 			&corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: testNS}}, metav1.CreateOptions{})
 	})
@@ -100,7 +101,7 @@ func newPlane(t *testing.T) kubernetes.Interface {
 	return shared.client
 }
 
-func addStandIn(t *testing.T, c kubernetes.Interface, key []byte, name string, walls ...string) *standIn {
+func addStandIn(t *testing.T, c *kube.Client, key []byte, name string, walls ...string) *standIn {
 	s := &standIn{name: name}
 	mux := http.NewServeMux()
 	mux.HandleFunc("POST /cluster/pods/{id}/start", func(w http.ResponseWriter, r *http.Request) {
@@ -169,18 +170,18 @@ func addStandIn(t *testing.T, c kubernetes.Interface, key []byte, name string, w
 }
 
 // renewLease sets node's lease (6 s) as renewed at at.
-func renewLease(t *testing.T, c kubernetes.Interface, node string, at time.Time) {
+func renewLease(t *testing.T, c *kube.Client, node string, at time.Time) {
 	if err := setLease(c, node, at); err != nil {
 		t.Fatal(err)
 	}
 }
 
-func setLease(c kubernetes.Interface, node string, at time.Time) error {
+func setLease(c *kube.Client, node string, at time.Time) error {
 	leases := c.CoordinationV1().Leases(NodeLeaseNamespace)
 	d := int32(6)
 	when := metav1.NewMicroTime(at)
 	l, err := leases.Get(context.Background(), node, metav1.GetOptions{})
-	if apierrors.IsNotFound(err) {
+	if kube.IsNotFound(err) {
 		_, err = leases.Create(context.Background(), &coordinationv1.Lease{ObjectMeta: metav1.ObjectMeta{Name: node},
 			Spec: coordinationv1.LeaseSpec{HolderIdentity: &node, LeaseDurationSeconds: &d, RenewTime: &when}}, metav1.CreateOptions{})
 	} else if err == nil {
@@ -208,7 +209,7 @@ func echoUpgrade(w http.ResponseWriter, r *http.Request) {
 	_, _ = io.Copy(conn, rw)
 }
 
-func startFront(t *testing.T, c kubernetes.Interface, key []byte, node string) *Front {
+func startFront(t *testing.T, c *kube.Client, key []byte, node string) *Front {
 	f := NewFront(FrontConfig{Client: c, Namespace: testNS, NodeName: node, NodeKey: key,
 		LeaseDuration: 6 * time.Second, BindTimeout: 20 * time.Second})
 	ctx, cancel := context.WithCancel(context.Background())
@@ -228,11 +229,11 @@ func nodeKey(t *testing.T) []byte {
 }
 
 // podGone waits until sandbox id's pod is deleted.
-func podGone(t *testing.T, c kubernetes.Interface, id string) {
+func podGone(t *testing.T, c *kube.Client, id string) {
 	t.Helper()
 	for end := time.Now().Add(10 * time.Second); ; time.Sleep(50 * time.Millisecond) {
 		_, err := c.CoreV1().Pods(testNS).Get(context.Background(), id, metav1.GetOptions{})
-		if apierrors.IsNotFound(err) {
+		if kube.IsNotFound(err) {
 			return
 		}
 		if time.Now().After(end) {
@@ -508,7 +509,7 @@ func podGets(t *testing.T) float64 {
 }
 
 // podNames lists the live sandbox pods.
-func podNames(t *testing.T, c kubernetes.Interface) string {
+func podNames(t *testing.T, c *kube.Client) string {
 	pods, err := c.CoreV1().Pods(testNS).List(context.Background(), metav1.ListOptions{})
 	if err != nil {
 		t.Fatal(err)

@@ -11,14 +11,10 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
-	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/fields"
-	"k8s.io/client-go/informers"
-	"k8s.io/client-go/kubernetes"
-	"k8s.io/client-go/tools/cache"
-	"k8s.io/client-go/util/retry"
 
+	"github.com/cagehq/cage/internal/kube"
 	"github.com/cagehq/cage/internal/store"
 )
 
@@ -35,23 +31,20 @@ var ErrNoKey = errors.New("no such API key in the cluster")
 // SyncKeys keeps st's keys in step with the cluster's Secret until ctx
 // ends: every key in it is imported (store.ImportKey), each revocation
 // applied. It returns once the first sync is done (or ctx ends).
-func SyncKeys(ctx context.Context, c kubernetes.Interface, ns string, st *store.Store, log *slog.Logger) error {
+func SyncKeys(ctx context.Context, c *kube.Client, ns string, st *store.Store, log *slog.Logger) error {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	f := informers.NewSharedInformerFactoryWithOptions(c, 0, informers.WithNamespace(ns),
-		informers.WithTweakListOptions(func(o *metav1.ListOptions) {
-			o.FieldSelector = fields.OneTermEqualSelector("metadata.name", KeysSecret).String()
-		}))
-	inf := f.Core().V1().Secrets().Informer()
-	apply := func(o any) {
-		if s, ok := o.(*corev1.Secret); ok && s.Name == KeysSecret {
+	inf := kube.NewInformer(c.CoreV1().Secrets(ns), metav1.ListOptions{
+		FieldSelector: fields.OneTermEqualSelector("metadata.name", KeysSecret).String()})
+	apply := func(s *corev1.Secret) {
+		if s.Name == KeysSecret {
 			importKeys(s, st, log)
 		}
 	}
-	_, _ = inf.AddEventHandler(cache.ResourceEventHandlerFuncs{AddFunc: apply, UpdateFunc: func(_, o any) { apply(o) }})
-	f.Start(ctx.Done())
-	if !cache.WaitForCacheSync(ctx.Done(), inf.HasSynced) {
+	inf.AddHandlers(kube.Handlers[corev1.Secret]{Add: apply, Update: func(_, s *corev1.Secret) { apply(s) }})
+	inf.Start(ctx)
+	if !kube.WaitForSync(ctx, inf.HasSynced) {
 		return fmt.Errorf("cluster: keys: informer did not sync: %w", ctx.Err())
 	}
 	return nil
@@ -87,9 +80,9 @@ func sharedKeys(s *corev1.Secret) ([]store.SharedKey, error) {
 }
 
 // ListKeys returns the cluster's keys, revoked ones included, oldest first.
-func ListKeys(ctx context.Context, c kubernetes.Interface, ns string) ([]store.SharedKey, error) {
+func ListKeys(ctx context.Context, c *kube.Client, ns string) ([]store.SharedKey, error) {
 	s, err := c.CoreV1().Secrets(ns).Get(ctx, KeysSecret, metav1.GetOptions{})
-	if apierrors.IsNotFound(err) {
+	if kube.IsNotFound(err) {
 		return nil, nil
 	}
 	if err != nil {
@@ -101,7 +94,7 @@ func ListKeys(ctx context.Context, c kubernetes.Interface, ns string) ([]store.S
 // CreateKey makes a key for the whole cluster: it is added to the
 // Secret (made when absent) and every node imports it. The plaintext is
 // returned once and kept nowhere.
-func CreateKey(ctx context.Context, c kubernetes.Interface, ns, name string, admin bool) (string, store.SharedKey, error) {
+func CreateKey(ctx context.Context, c *kube.Client, ns, name string, admin bool) (string, store.SharedKey, error) {
 	plain, k, err := store.NewSharedKey(name, admin, time.Now())
 	if err != nil {
 		return "", k, err
@@ -117,7 +110,7 @@ func CreateKey(ctx context.Context, c kubernetes.Interface, ns, name string, adm
 // RevokeKey revokes a cluster key, by id or display prefix (with or
 // without "e2b_"), keeping its entry as a tombstone. Revoking a revoked
 // key keeps the first time. ErrNoKey when none matches.
-func RevokeKey(ctx context.Context, c kubernetes.Interface, ns, idOrPrefix string) (store.SharedKey, error) {
+func RevokeKey(ctx context.Context, c *kube.Client, ns, idOrPrefix string) (store.SharedKey, error) {
 	var out store.SharedKey
 	prefix := strings.TrimPrefix(idOrPrefix, store.KeyPrefix)
 	err := updateKeys(ctx, c, ns, func(s *corev1.Secret) error {
@@ -154,11 +147,11 @@ func RevokeKey(ctx context.Context, c kubernetes.Interface, ns, idOrPrefix strin
 
 // updateKeys changes the Secret with change, creating it when absent and
 // retrying on a conflicting write.
-func updateKeys(ctx context.Context, c kubernetes.Interface, ns string, change func(*corev1.Secret) error) error {
+func updateKeys(ctx context.Context, c *kube.Client, ns string, change func(*corev1.Secret) error) error {
 	secrets := c.CoreV1().Secrets(ns)
-	err := retry.RetryOnConflict(retry.DefaultBackoff, func() error {
+	err := kube.RetryOnConflict(func() error {
 		s, err := secrets.Get(ctx, KeysSecret, metav1.GetOptions{})
-		if apierrors.IsNotFound(err) {
+		if kube.IsNotFound(err) {
 			s = &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Name: KeysSecret, Namespace: ns,
 				Labels: map[string]string{LabelManagedBy: "cage"}}, Type: corev1.SecretTypeOpaque,
 				Data: map[string][]byte{}}
@@ -166,8 +159,8 @@ func updateKeys(ctx context.Context, c kubernetes.Interface, ns string, change f
 				return err
 			}
 			_, err = secrets.Create(ctx, s, metav1.CreateOptions{})
-			if apierrors.IsAlreadyExists(err) {
-				return apierrors.NewConflict(corev1.Resource("secrets"), KeysSecret, err)
+			if kube.IsAlreadyExists(err) {
+				return kube.NewConflict("secrets", KeysSecret, err)
 			}
 			return err
 		}

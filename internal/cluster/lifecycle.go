@@ -8,12 +8,9 @@ import (
 
 	coordinationv1 "k8s.io/api/coordination/v1"
 	corev1 "k8s.io/api/core/v1"
-	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/client-go/kubernetes"
-	"k8s.io/client-go/tools/leaderelection"
-	"k8s.io/client-go/tools/leaderelection/resourcelock"
-	"k8s.io/client-go/util/retry"
+
+	"github.com/cagehq/cage/internal/kube"
 )
 
 // LifecycleLease is the Lease (in the cage namespace) that elects the one
@@ -37,38 +34,27 @@ const TaintNotReady = "node.kubernetes.io/not-ready"
 // condition Ready Unknown) and untaints it once its lease is renewed (and
 // removes TaintNotReady from a new node with a live lease). Without
 // kube-controller-manager, nothing else does.
-func RunLifecycle(ctx context.Context, c kubernetes.Interface, ns, identity string, leaseDuration time.Duration, log *slog.Logger) {
+func RunLifecycle(ctx context.Context, c *kube.Client, ns, identity string, leaseDuration time.Duration, log *slog.Logger) {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	lock := &resourcelock.LeaseLock{
-		LeaseMeta:  metav1.ObjectMeta{Name: LifecycleLease, Namespace: ns},
-		Client:     c.CoordinationV1(),
-		LockConfig: resourcelock.ResourceLockConfig{Identity: identity},
-	}
-	renew := leaseDuration * 2 / 3
+	e := &kube.Elector{Leases: c.CoordinationV1().Leases(ns), Name: LifecycleLease, Identity: identity,
+		LeaseDuration: leaseDuration, RenewDeadline: leaseDuration * 2 / 3, RetryPeriod: leaseDuration / 4,
+		ReleaseOnCancel: true}
 	for ctx.Err() == nil {
-		le, err := leaderelection.NewLeaderElector(leaderelection.LeaderElectionConfig{
-			Lock: lock, LeaseDuration: leaseDuration, RenewDeadline: renew, RetryPeriod: leaseDuration / 4,
-			ReleaseOnCancel: true, Name: LifecycleLease,
-			Callbacks: leaderelection.LeaderCallbacks{
-				OnStartedLeading: func(ctx context.Context) {
-					log.Info("cluster: leading node lifecycle", "node", identity)
-					watchLeases(ctx, c, leaseDuration, log)
-				},
-				OnStoppedLeading: func() {},
-			},
-		})
+		err := e.Run(ctx, func(ctx context.Context) {
+			log.Info("cluster: leading node lifecycle", "node", identity)
+			watchLeases(ctx, c, leaseDuration, log)
+		}) // returns when leadership is lost; stand again
 		if err != nil {
 			log.Error("cluster: node lifecycle election", "err", err)
 			return
 		}
-		le.Run(ctx) // returns when leadership is lost; stand again
 	}
 }
 
 // watchLeases checks the nodes' leases every leaseDuration/4 until ctx ends.
-func watchLeases(ctx context.Context, c kubernetes.Interface, leaseDuration time.Duration, log *slog.Logger) {
+func watchLeases(ctx context.Context, c *kube.Client, leaseDuration time.Duration, log *slog.Logger) {
 	t := time.NewTicker(leaseDuration / 4)
 	defer t.Stop()
 	for {
@@ -85,7 +71,7 @@ func watchLeases(ctx context.Context, c kubernetes.Interface, leaseDuration time
 
 // CheckNodes taints the cage Nodes whose lease has expired at now and
 // untaints those whose lease is live (one pass).
-func CheckNodes(ctx context.Context, c kubernetes.Interface, leaseDuration time.Duration, now time.Time) error {
+func CheckNodes(ctx context.Context, c *kube.Client, leaseDuration time.Duration, now time.Time) error {
 	nodes, err := c.CoreV1().Nodes().List(ctx, metav1.ListOptions{LabelSelector: NodeLabel + "=true"})
 	if err != nil {
 		return fmt.Errorf("list nodes: %w", err)
@@ -101,7 +87,10 @@ func CheckNodes(ctx context.Context, c kubernetes.Interface, leaseDuration time.
 	var first error
 	for i := range nodes.Items {
 		n := &nodes.Items[i]
-		stale := leaseExpired(byName[n.Name], leaseDuration, now)
+		// A node registers its Node a moment before it makes its Lease:
+		// one younger than a lease duration is not lost for having none.
+		l := byName[n.Name]
+		stale := leaseExpired(l, leaseDuration, now) && (l != nil || now.Sub(n.CreationTimestamp.Time) > leaseDuration)
 		if stale == hasTaint(n, TaintUnreachable) && (stale || !hasTaint(n, TaintNotReady)) {
 			continue
 		}
@@ -136,9 +125,9 @@ func hasTaint(n *corev1.Node, key string) bool {
 // setUnreachable adds (on) or removes the unreachable taint of a node
 // (removing the not-ready one too) and, when adding it, marks its Ready
 // condition Unknown.
-func setUnreachable(ctx context.Context, c kubernetes.Interface, name string, on bool, now time.Time) error {
+func setUnreachable(ctx context.Context, c *kube.Client, name string, on bool, now time.Time) error {
 	nodes := c.CoreV1().Nodes()
-	err := retry.RetryOnConflict(retry.DefaultBackoff, func() error {
+	err := kube.RetryOnConflict(func() error {
 		n, err := nodes.Get(ctx, name, metav1.GetOptions{})
 		if err != nil {
 			return err
@@ -160,7 +149,7 @@ func setUnreachable(ctx context.Context, c kubernetes.Interface, name string, on
 	if err != nil || !on {
 		return err
 	}
-	return retry.RetryOnConflict(retry.DefaultBackoff, func() error {
+	return kube.RetryOnConflict(func() error {
 		n, err := nodes.Get(ctx, name, metav1.GetOptions{})
 		if err != nil {
 			return err
@@ -174,7 +163,7 @@ func setUnreachable(ctx context.Context, c kubernetes.Interface, name string, on
 			}
 		}
 		_, err = nodes.UpdateStatus(ctx, n, metav1.UpdateOptions{})
-		if apierrors.IsNotFound(err) {
+		if kube.IsNotFound(err) {
 			return nil
 		}
 		return err

@@ -14,19 +14,13 @@ import (
 
 	coordinationv1 "k8s.io/api/coordination/v1"
 	corev1 "k8s.io/api/core/v1"
-	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/fields"
-	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/types"
-	"k8s.io/client-go/informers"
-	"k8s.io/client-go/kubernetes"
-	corelisters "k8s.io/client-go/listers/core/v1"
-	"k8s.io/client-go/tools/cache"
-	"k8s.io/client-go/util/workqueue"
 
 	"github.com/cagehq/cage/internal/ids"
+	"github.com/cagehq/cage/internal/kube"
 	"github.com/cagehq/cage/internal/manager"
 	"github.com/cagehq/cage/internal/sandbox"
 	"github.com/cagehq/cage/internal/store"
@@ -53,15 +47,13 @@ type NodeConfig struct {
 // the internal routes (Routes). The front uses Client, Key and Name.
 type Node struct {
 	cfg    NodeConfig
-	client kubernetes.Interface
+	client *kube.Client
 	key    []byte
 	log    *slog.Logger
 	mgr    *manager.Manager
 
-	factory informers.SharedInformerFactory
-	pods    corelisters.PodLister
-	synced  cache.InformerSynced
-	queue   workqueue.TypedRateLimitingInterface[string]
+	pods  *kube.Informer[corev1.Pod, corev1.PodList] // the sandbox pods bound to this node
+	queue *kube.Queue                                // pod names to sync
 
 	mu        sync.Mutex
 	starts    map[string]*startCall // pod name -> the create in progress (singleflight)
@@ -92,28 +84,19 @@ func NewNode(cfg NodeConfig) (*Node, error) {
 	return newNode(cfg, c), nil
 }
 
-func newNode(cfg NodeConfig, c kubernetes.Interface) *Node {
+func newNode(cfg NodeConfig, c *kube.Client) *Node {
 	n := &Node{cfg: cfg, client: c, log: cfg.Log.With("node", cfg.NodeName), mgr: cfg.Manager,
 		starts: map[string]*startCall{}, ended: map[string]string{}, reported: map[string]string{}, failed: map[string]error{}, adopting: map[string]bool{}, deleted: map[string]types.UID{}, claimed: map[string]string{}, renewedOK: true,
-		queue: workqueue.NewTypedRateLimitingQueueWithConfig(workqueue.DefaultTypedControllerRateLimiter[string](),
-			workqueue.TypedRateLimitingQueueConfig[string]{Name: "cage-pods"})}
-	n.factory = informers.NewSharedInformerFactoryWithOptions(c, 0, informers.WithNamespace(cfg.Namespace),
-		informers.WithTweakListOptions(func(o *metav1.ListOptions) {
-			o.LabelSelector = LabelSandbox + "=true"
-			o.FieldSelector = fields.OneTermEqualSelector("spec.nodeName", cfg.NodeName).String()
-		}))
-	pi := n.factory.Core().V1().Pods()
-	n.pods, n.synced = pi.Lister(), pi.Informer().HasSynced
-	_, _ = pi.Informer().AddEventHandler(cache.ResourceEventHandlerFuncs{
-		AddFunc:    n.enqueueObj,
-		UpdateFunc: func(_, o any) { n.enqueueObj(o) },
-		DeleteFunc: n.enqueueObj,
-	})
+		queue: kube.NewQueue()}
+	n.pods = kube.NewInformer(c.CoreV1().Pods(cfg.Namespace), metav1.ListOptions{LabelSelector: LabelSandbox + "=true",
+		FieldSelector: fields.OneTermEqualSelector("spec.nodeName", cfg.NodeName).String()})
+	n.pods.AddHandlers(kube.Handlers[corev1.Pod]{Add: n.enqueuePod,
+		Update: func(_, p *corev1.Pod) { n.enqueuePod(p) }, Delete: n.enqueuePod})
 	return n
 }
 
 // Client is the node's client of the API server.
-func (n *Node) Client() kubernetes.Interface { return n.client }
+func (n *Node) Client() *kube.Client { return n.client }
 
 // Key is the cluster's node key (after Start).
 func (n *Node) Key() []byte { return n.key }
@@ -139,8 +122,8 @@ func (n *Node) Start(ctx context.Context) error {
 	if err := n.renew(ctx); err != nil {
 		return fmt.Errorf("cluster: lease: %w", err)
 	}
-	n.factory.Start(ctx.Done())
-	if !cache.WaitForCacheSync(ctx.Done(), n.synced) {
+	n.pods.Start(ctx)
+	if !kube.WaitForSync(ctx, n.pods.HasSynced) {
 		return fmt.Errorf("cluster: the pod watch did not sync: %w", ctx.Err())
 	}
 	n.reconcile()
@@ -161,7 +144,7 @@ func (n *Node) register(ctx context.Context) error {
 	want := n.nodeObject()
 	cur, err := nodes.Get(ctx, n.cfg.NodeName, metav1.GetOptions{})
 	switch {
-	case apierrors.IsNotFound(err):
+	case kube.IsNotFound(err):
 		cur, err = nodes.Create(ctx, want, metav1.CreateOptions{})
 		if err != nil {
 			return fmt.Errorf("cluster: register node %s: %w", n.cfg.NodeName, err)
@@ -287,7 +270,7 @@ func (n *Node) heartbeat(ctx context.Context) {
 		case <-t.C:
 		}
 		cur, err := n.client.CoreV1().Nodes().Get(ctx, n.cfg.NodeName, metav1.GetOptions{})
-		if apierrors.IsNotFound(err) {
+		if kube.IsNotFound(err) {
 			err = n.register(ctx) // deleted by an operator: join again
 		} else if err == nil {
 			cur.Status = n.nodeStatus(cur.Status)
@@ -334,7 +317,7 @@ func (n *Node) renew(ctx context.Context) error {
 	now := metav1.NewMicroTime(time.Now())
 	secs := int32(n.cfg.LeaseDuration / time.Second)
 	l, err := leases.Get(ctx, n.cfg.NodeName, metav1.GetOptions{})
-	if apierrors.IsNotFound(err) {
+	if kube.IsNotFound(err) {
 		_, err = leases.Create(ctx, &coordinationv1.Lease{
 			ObjectMeta: metav1.ObjectMeta{Name: n.cfg.NodeName, Namespace: NodeLeaseNamespace},
 			Spec: coordinationv1.LeaseSpec{HolderIdentity: &n.cfg.NodeName, LeaseDurationSeconds: &secs,
@@ -370,7 +353,7 @@ func (n *Node) reconcile() {
 			if creating {
 				continue
 			}
-			if _, err := n.pods.Pods(n.cfg.Namespace).Get(rec.ID); apierrors.IsNotFound(err) {
+			if _, err := n.pods.Get(rec.ID); kube.IsNotFound(err) {
 				n.log.Info("cluster: reconcile: sandbox has no pod; destroying it", "sandbox", rec.ID)
 				if err := n.mgr.Kill("", rec.ID); err != nil && !errors.Is(err, manager.ErrNotFound) {
 					n.log.Warn("cluster: reconcile: kill", "sandbox", rec.ID, "err", err)
@@ -382,8 +365,7 @@ func (n *Node) reconcile() {
 		}
 		cursor = next
 	}
-	pods, _ := n.pods.Pods(n.cfg.Namespace).List(everything)
-	for _, p := range pods {
+	for _, p := range n.pods.List() {
 		n.queue.Add(p.Name)
 	}
 }
@@ -448,5 +430,3 @@ func writeErr(w http.ResponseWriter, status int, msg string) {
 	w.WriteHeader(status)
 	_ = json.NewEncoder(w).Encode(map[string]any{"code": status, "message": msg})
 }
-
-var everything = labels.Everything()

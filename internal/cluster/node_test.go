@@ -17,16 +17,13 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
-	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/apimachinery/pkg/watch"
-	"k8s.io/client-go/kubernetes"
-	"k8s.io/client-go/tools/clientcmd"
 
 	"github.com/cagehq/cage/api/types"
 	"github.com/cagehq/cage/internal/agentclient"
 	"github.com/cagehq/cage/internal/cluster"
 	"github.com/cagehq/cage/internal/ids"
+	"github.com/cagehq/cage/internal/kube"
 	"github.com/cagehq/cage/internal/manager"
 	"github.com/cagehq/cage/internal/testutil/cageserve"
 	"github.com/cagehq/cage/internal/testutil/kubeplane"
@@ -38,7 +35,7 @@ const nodeName = "node-w"
 // plane on loopback, and the plane's administrator.
 type nodeEnv struct {
 	d     *cageserve.Daemon
-	admin kubernetes.Interface
+	admin *kube.Client
 	owner string // the owner (key id) of d.Key's sandboxes
 	link  *link  // the node's way to the API server
 	plane *kubeplane.Plane
@@ -52,11 +49,14 @@ const difyKey = "dify-node-test-key-1"
 func startNode(t *testing.T) *nodeEnv {
 	t.Helper()
 	p := kubeplane.Start(t, kubeplane.Options{Nodes: []string{nodeName}})
-	rc, err := clientcmd.BuildConfigFromFlags("", p.MustKubeconfig(t, kubeplane.Admin))
+	akc, err := kube.LoadKubeconfig(p.MustKubeconfig(t, kubeplane.Admin))
 	if err != nil {
 		t.Fatal(err)
 	}
-	admin := kubernetes.NewForConfigOrDie(rc)
+	admin, err := kube.New(akc, kube.Options{QPS: 500, Burst: 1000})
+	if err != nil {
+		t.Fatal(err)
+	}
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	if err := cluster.ApplyRBAC(ctx, admin); err != nil {
@@ -231,7 +231,7 @@ func (e *nodeEnv) gone(t *testing.T, id string) {
 	t.Helper()
 	waitFor(t, 30*time.Second, "pod "+id+" deleted", func() bool {
 		_, err := e.pod(id)
-		return apierrors.IsNotFound(err)
+		return kube.IsNotFound(err)
 	})
 }
 
@@ -400,12 +400,12 @@ func (e *nodeEnv) testDifyGetsPods(t *testing.T) {
 			continue
 		}
 		switch ev.Type {
-		case watch.Added:
+		case kube.Added:
 			if p.Spec.NodeName != nodeName {
 				t.Errorf("dify's pod %s bound to %q", p.Name, p.Spec.NodeName)
 			}
 			added = p.Name
-		case watch.Deleted:
+		case kube.Deleted:
 			deleted = p.Name == added
 		}
 		if deleted {

@@ -8,11 +8,10 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
-	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/client-go/tools/cache"
 
 	"github.com/cagehq/cage/internal/audit"
+	"github.com/cagehq/cage/internal/kube"
 	"github.com/cagehq/cage/internal/manager"
 	"github.com/cagehq/cage/internal/network"
 	"github.com/cagehq/cage/internal/sandbox"
@@ -58,13 +57,7 @@ func (n *Node) Changed(id, kind string) {
 	n.queue.Add(id)
 }
 
-func (n *Node) enqueueObj(o any) {
-	if k, err := cache.DeletionHandlingMetaNamespaceKeyFunc(o); err == nil {
-		if _, name, err := cache.SplitMetaNamespaceKey(k); err == nil {
-			n.queue.Add(name)
-		}
-	}
-}
+func (n *Node) enqueuePod(p *corev1.Pod) { n.queue.Add(p.Name) }
 
 func (n *Node) work() {
 	for {
@@ -86,8 +79,8 @@ func (n *Node) work() {
 func (n *Node) sync(id string) error {
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	pod, err := n.pods.Pods(n.cfg.Namespace).Get(id)
-	if apierrors.IsNotFound(err) {
+	pod, err := n.pods.Get(id)
+	if kube.IsNotFound(err) {
 		pod = nil
 	} else if err != nil {
 		return err
@@ -219,13 +212,22 @@ func (n *Node) adopt(ctx context.Context, rec *store.Sandbox) error {
 	}
 	pod.Spec.NodeName = n.cfg.NodeName
 	made, err := n.client.CoreV1().Pods(n.cfg.Namespace).Create(ctx, pod, metav1.CreateOptions{})
-	if apierrors.IsAlreadyExists(err) {
+	if kube.IsAlreadyExists(err) {
 		return nil // the watch brings it
 	}
 	if err != nil {
 		return err
 	}
-	return n.report(ctx, made, rec)
+	if err := n.report(ctx, made, rec); kube.IsConflict(err) {
+		// The pod's watch event came first and its sync has written
+		// the status since: the sync (queued again here) has the
+		// latest copy.
+		n.queue.Add(made.Name)
+		return nil
+	} else if err != nil {
+		return err
+	}
+	return nil
 }
 
 // start creates the sandbox of pod id now, or waits for the create in
@@ -273,11 +275,11 @@ func (n *Node) start(ctx context.Context, id string, pooled bool) (*store.Sandbo
 func (n *Node) create(id string, pooled bool) (*store.Sandbox, error) {
 	ctx, cancel := context.WithTimeout(context.Background(), createTimeout)
 	defer cancel()
-	pod, err := n.pods.Pods(n.cfg.Namespace).Get(id)
+	pod, err := n.pods.Get(id)
 	if err != nil || pod.Spec.NodeName != n.cfg.NodeName {
 		pod, err = n.client.CoreV1().Pods(n.cfg.Namespace).Get(ctx, id, metav1.GetOptions{})
 	}
-	if apierrors.IsNotFound(err) {
+	if kube.IsNotFound(err) {
 		return nil, fmt.Errorf("%w: no sandbox pod %q", manager.ErrNotFound, id)
 	}
 	if err != nil {

@@ -8,10 +8,10 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
-	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 
+	"github.com/cagehq/cage/internal/kube"
 	"github.com/cagehq/cage/internal/store"
 )
 
@@ -127,7 +127,7 @@ func (n *Node) createFailed(_ context.Context, pod *corev1.Pod, err error) error
 	n.mu.Lock()
 	n.failed[pod.Name] = err
 	n.mu.Unlock()
-	if ferr := n.fail(ctx, pod, ReasonCreateFailed, err.Error()); ferr != nil && !apierrors.IsNotFound(ferr) {
+	if ferr := n.fail(ctx, pod, ReasonCreateFailed, err.Error()); ferr != nil && !kube.IsNotFound(ferr) {
 		n.log.Warn("cluster: pod status", "pod", pod.Name, "err", ferr)
 	}
 	return err
@@ -157,7 +157,7 @@ func (n *Node) deletePod(ctx context.Context, pod *corev1.Pod) error {
 	uid := pod.UID
 	err := n.client.CoreV1().Pods(n.cfg.Namespace).Delete(ctx, pod.Name, metav1.DeleteOptions{
 		GracePeriodSeconds: &zero, Preconditions: &metav1.Preconditions{UID: &uid}})
-	if apierrors.IsNotFound(err) || apierrors.IsConflict(err) {
+	if kube.IsNotFound(err) || kube.IsConflict(err) {
 		err = nil
 	}
 	if err == nil {

@@ -6,10 +6,10 @@ import (
 
 	corev1 "k8s.io/api/core/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
-	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/client-go/kubernetes"
 	"sigs.k8s.io/yaml"
+
+	"github.com/cagehq/cage/internal/kube"
 )
 
 // RoleName names the roles and bindings ApplyRBAC makes; NodesGroup is the
@@ -57,14 +57,14 @@ func subjects() []rbacv1.Subject {
 // ApplyRBAC creates or updates the namespace ns (DefaultNamespace when
 // none is given), Roles' roles and their bindings to NodesGroup (an
 // administrator's client: it grants rights).
-func ApplyRBAC(ctx context.Context, c kubernetes.Interface, namespace ...string) error {
+func ApplyRBAC(ctx context.Context, c *kube.Client, namespace ...string) error {
 	ns := DefaultNamespace
 	if len(namespace) > 0 {
 		ns = namespace[0]
 	}
 	for _, name := range []string{ns, NodeLeaseNamespace} {
 		_, err := c.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: name}}, metav1.CreateOptions{})
-		if err != nil && !apierrors.IsAlreadyExists(err) {
+		if err != nil && !kube.IsAlreadyExists(err) {
 			return fmt.Errorf("rbac: namespace %s: %w", name, err)
 		}
 	}
@@ -105,7 +105,7 @@ func ApplyRBAC(ctx context.Context, c kubernetes.Interface, namespace ...string)
 // upsert creates, or updates what exists.
 func upsert(ctx context.Context, create, update func() error) error {
 	err := create()
-	if apierrors.IsAlreadyExists(err) {
+	if kube.IsAlreadyExists(err) {
 		err = update()
 	}
 	return err

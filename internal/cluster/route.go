@@ -17,7 +17,7 @@ import (
 // API server. Only authenticated callers ask: anyone can send the proxy
 // made-up ids, which must cost the API server nothing.
 func (f *Front) podOf(ctx context.Context, id string, ask bool) *corev1.Pod {
-	if p, err := f.pods.Pods(f.cfg.Namespace).Get(id); err == nil {
+	if p, err := f.pods.Get(id); err == nil {
 		return p
 	}
 	if !ask {

@@ -29,6 +29,7 @@ import (
 	"k8s.io/client-go/tools/clientcmd"
 
 	"github.com/cagehq/cage/internal/cluster"
+	"github.com/cagehq/cage/internal/kube"
 	"github.com/cagehq/cage/internal/testutil"
 	"github.com/cagehq/cage/internal/testutil/kubeplane"
 )
@@ -114,7 +115,15 @@ func Start(t testing.TB, o Options) *Cluster {
 		metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	if err := cluster.ApplyRBAC(ctx, c.Admin); err != nil {
+	kc, err := kube.LoadKubeconfig(admin)
+	if err != nil {
+		t.Fatal(err)
+	}
+	kadmin, err := kube.New(kc, kube.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cluster.ApplyRBAC(ctx, kadmin); err != nil {
 		t.Fatalf("cluster RBAC: %v", err)
 	}
 	bin := filepath.Join(testutil.Binaries(t), "cage")
