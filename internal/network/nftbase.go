@@ -64,25 +64,9 @@ func (n *nft) ensureBase(turnedOn bool, group uint16, denied []span) error {
 		}
 	}
 	c.AddTable(n.table)
-	accept := nftables.ChainPolicyAccept
-	fwd := c.AddChain(&nftables.Chain{Name: "forward", Table: n.table, Type: nftables.ChainTypeFilter,
-		Hooknum: nftables.ChainHookForward, Priority: nftables.ChainPriorityFilter, Policy: &accept})
-	in := c.AddChain(&nftables.Chain{Name: "input", Table: n.table, Type: nftables.ChainTypeFilter,
-		Hooknum: nftables.ChainHookInput, Priority: nftables.ChainPriorityFilter, Policy: &accept})
-	dnat := c.AddChain(&nftables.Chain{Name: "dstnat", Table: n.table, Type: nftables.ChainTypeNAT,
-		Hooknum: nftables.ChainHookPrerouting, Priority: nftables.ChainPriorityNATDest, Policy: &accept})
-	snat := c.AddChain(&nftables.Chain{Name: "srcnat", Table: n.table, Type: nftables.ChainTypeNAT,
-		Hooknum: nftables.ChainHookPostrouting, Priority: nftables.ChainPriorityNATSource, Policy: &accept})
-	regular := map[string]*nftables.Chain{}
-	for _, name := range []string{refuseChain, fromChain, toHostChain} {
-		regular[name] = c.AddChain(&nftables.Chain{Name: name, Table: n.table})
-	}
-	la, ld := logChains(group)
-	for _, name := range []string{la, ld} {
-		regular[name] = c.AddChain(&nftables.Chain{Name: name, Table: n.table})
-	}
+	base, regular := n.addChains(group)
 	if exists {
-		for _, ch := range []*nftables.Chain{fwd, in, dnat, snat} {
+		for _, ch := range base {
 			c.FlushChain(ch)
 		}
 		for _, del := range old {
@@ -103,20 +87,55 @@ func (n *nft) ensureBase(turnedOn bool, group uint16, denied []span) error {
 		c.AddRule(&nftables.Rule{Table: n.table, Chain: g, Exprs: verdict(expr.VerdictDrop)})
 		guard = true
 	}
-	n.baseRules(fwd, in, dnat, snat, regular, guard)
-	key := binary.BigEndian.AppendUint32(nil, uint32(group))
-	for m, chain := range map[string]string{setLogA: la, setLogD: ld} {
-		if err := c.SetAddElements(n.sets[m], []nftables.SetElement{{Key: key, VerdictData: &expr.Verdict{Kind: expr.VerdictJump, Chain: chain}}}); err != nil {
-			return err
-		}
-	}
-	if err := c.SetAddElements(n.sets[setXDeny], profileElements(profileOf(denied), denied)); err != nil {
+	n.baseRules(base, regular, guard)
+	if err := n.ownerElements(group, denied); err != nil {
 		return err
 	}
 	if err := c.Flush(); err != nil {
 		return fmt.Errorf("nftables: create table %s: %w", tableName, err)
 	}
 	return nil
+}
+
+// addChains queues the base chains (forward, input, dstnat, srcnat) and
+// the regular ones, the owner's log chains included (the caller holds mu).
+func (n *nft) addChains(group uint16) (base, regular map[string]*nftables.Chain) {
+	c := n.conn
+	accept := nftables.ChainPolicyAccept
+	base = map[string]*nftables.Chain{}
+	for _, b := range []struct {
+		name string
+		typ  nftables.ChainType
+		hook *nftables.ChainHook
+		prio *nftables.ChainPriority
+	}{
+		{"forward", nftables.ChainTypeFilter, nftables.ChainHookForward, nftables.ChainPriorityFilter},
+		{"input", nftables.ChainTypeFilter, nftables.ChainHookInput, nftables.ChainPriorityFilter},
+		{"dstnat", nftables.ChainTypeNAT, nftables.ChainHookPrerouting, nftables.ChainPriorityNATDest},
+		{"srcnat", nftables.ChainTypeNAT, nftables.ChainHookPostrouting, nftables.ChainPriorityNATSource},
+	} {
+		base[b.name] = c.AddChain(&nftables.Chain{Name: b.name, Table: n.table, Type: b.typ, Hooknum: b.hook, Priority: b.prio, Policy: &accept})
+	}
+	la, ld := logChains(group)
+	regular = map[string]*nftables.Chain{}
+	for _, name := range []string{refuseChain, fromChain, toHostChain, la, ld} {
+		regular[name] = c.AddChain(&nftables.Chain{Name: name, Table: n.table})
+	}
+	return base, regular
+}
+
+// ownerElements queues the owner's entries in the log maps and its
+// profile's denied ranges (the caller holds mu).
+func (n *nft) ownerElements(group uint16, denied []span) error {
+	c := n.conn
+	la, ld := logChains(group)
+	key := binary.BigEndian.AppendUint32(nil, uint32(group))
+	for m, chain := range map[string]string{setLogA: la, setLogD: ld} {
+		if err := c.SetAddElements(n.sets[m], []nftables.SetElement{{Key: key, VerdictData: &expr.Verdict{Kind: expr.VerdictJump, Chain: chain}}}); err != nil {
+			return err
+		}
+	}
+	return c.SetAddElements(n.sets[setXDeny], profileElements(profileOf(denied), denied))
 }
 
 // oldLayout lists the deletions that convert a table of the older layout
@@ -214,11 +233,12 @@ func (n *nft) closeOwner() {
 
 // baseRules queues the rules of the base chains and the shared regular
 // chains (the caller holds mu and flushes).
-func (n *nft) baseRules(fwd, in, dnat, snat *nftables.Chain, regular map[string]*nftables.Chain, guard bool) {
+func (n *nft) baseRules(base, regular map[string]*nftables.Chain, guard bool) {
 	c := n.conn
 	rule := func(ch *nftables.Chain, e ...expr.Any) {
 		c.AddRule(&nftables.Rule{Table: n.table, Chain: ch, Exprs: e})
 	}
+	fwd, in, dnat, snat := base["forward"], base["input"], base["dstnat"], base["srcnat"]
 	goTo := func(chain string) []expr.Any { return []expr.Any{&expr.Verdict{Kind: expr.VerdictGoto, Chain: chain}} }
 	// forward: the fromsbx chain decides what leaves a sandbox.
 	rule(fwd, cat(ifnamePrefix(expr.MetaKeyIIFNAME, true), goTo(fromChain))...)

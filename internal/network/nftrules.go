@@ -131,7 +131,7 @@ func toHostRules() [][]expr.Any {
 		flood := []expr.Any{
 			load(r6, expr.PayloadBaseNetworkHeader, 12, 4),
 			&expr.Meta{Key: expr.MetaKeyL4PROTO, Register: r7},
-			&expr.Dynset{SrcRegKey: r6, SetName: setDNSLim, Operation: unix.NFT_DYNSET_OP_ADD, Timeout: meterTimeout,
+			&expr.Dynset{SrcRegKey: r6, SetName: setDNSLim, Operation: unix.NFT_DYNSET_OP_UPDATE, Timeout: meterTimeout,
 				Exprs: []expr.Any{&expr.Limit{Type: expr.LimitTypePkts, Rate: dnsPackets, Unit: expr.LimitTimeSecond, Burst: dnsBurst, Over: true}}},
 		}
 		rs = append(rs, cat(ours, flood, verdict(expr.VerdictDrop)), cat(ours, verdict(expr.VerdictAccept)))
@@ -161,7 +161,7 @@ func dnatRules() [][]expr.Any {
 func logRules(meter string, group uint16, decision string) []expr.Any {
 	return []expr.Any{
 		load(r0, expr.PayloadBaseNetworkHeader, 12, 4),
-		&expr.Dynset{SrcRegKey: r0, SetName: meter, Operation: unix.NFT_DYNSET_OP_ADD, Timeout: meterTimeout,
+		&expr.Dynset{SrcRegKey: r0, SetName: meter, Operation: unix.NFT_DYNSET_OP_UPDATE, Timeout: meterTimeout,
 			Exprs: []expr.Any{&expr.Limit{Type: expr.LimitTypePkts, Rate: 20, Unit: expr.LimitTimeSecond, Burst: 40}}},
 		&expr.Log{Key: 1<<unix.NFTA_LOG_GROUP | 1<<unix.NFTA_LOG_PREFIX, Group: group, Data: []byte(logPrefix + decision)},
 	}

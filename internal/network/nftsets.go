@@ -72,7 +72,8 @@ const (
 	setDNSLim   = "dnslim"   // meter: DNS packets per source and protocol
 )
 
-// meterTimeout is how long a meter remembers a source it has not seen.
+// meterTimeout is how long a meter remembers a source it has not seen
+// (each packet renews it: a flood never finds its bucket full again).
 const meterTimeout = time.Minute
 
 // meterSize bounds a meter (4,096 slots, two protocols each).
