@@ -8,6 +8,7 @@ import (
 	"strings"
 	"testing"
 
+	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 )
 
@@ -80,5 +81,49 @@ func TestErrors(t *testing.T) {
 	}
 	if err := NewNotFound("pods", "p"); !IsNotFound(err) {
 		t.Errorf("NewNotFound: %v", err)
+	}
+}
+
+// TestRetryAfter: an answer that asks for the request again (429 with
+// Retry-After, as priority and fairness sends) is retried after the wait,
+// a write included; a 5xx with Retry-After is retried for a GET only; a
+// name is escaped in the path.
+func TestRetryAfter(t *testing.T) {
+	var gets, posts int
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		switch r.Method {
+		case "GET":
+			gets++
+			if r.URL.EscapedPath() != "/api/v1/namespaces/n/secrets/a%2Fb" {
+				t.Errorf("path %q", r.URL.EscapedPath())
+			}
+			if gets == 1 {
+				w.Header().Set("Retry-After", "1")
+				w.WriteHeader(http.StatusTooManyRequests)
+				return
+			}
+			fmt.Fprint(w, `{"metadata":{"name":"a/b"}}`)
+		case "POST":
+			posts++
+			w.Header().Set("Retry-After", "1")
+			if posts == 1 {
+				w.WriteHeader(http.StatusTooManyRequests)
+				return
+			}
+			w.WriteHeader(http.StatusServiceUnavailable)
+		}
+	}))
+	defer srv.Close()
+	c, err := New(&Config{Server: srv.URL}, Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	s, err := c.CoreV1().Secrets("n").Get(context.Background(), "a/b", metav1.GetOptions{})
+	if err != nil || s.Name != "a/b" || gets != 2 {
+		t.Fatalf("get: %v, %v after %d tries; want the second try's answer", s, err, gets)
+	}
+	_, err = c.CoreV1().Secrets("n").Create(context.Background(), &corev1.Secret{}, metav1.CreateOptions{})
+	if err == nil || posts != 2 || !strings.Contains(err.Error(), "503") {
+		t.Fatalf("create: %v after %d tries; want the 429 retried and the 503 not", err, posts)
 	}
 }

@@ -19,6 +19,7 @@ import (
 	"net/http"
 	"net/url"
 	"os"
+	"strconv"
 	"strings"
 	"sync"
 	"time"
@@ -109,14 +110,41 @@ type request struct {
 	body         []byte
 }
 
+// maxRetries is how many times a request the API server asks to be sent
+// again (Retry-After: priority and fairness' 429, a 5xx to a GET) is
+// sent again, after the seconds it says (at most 10 each), as client-go
+// does.
+const maxRetries = 10
+
 // send makes the request and returns the response of a 2xx status; any
 // other status is the API server's error (errors.go).
 func (c *Client) send(ctx context.Context, r request) (*http.Response, error) {
-	if err := c.limit.wait(ctx); err != nil {
-		return nil, err
+	for try := 0; ; try++ {
+		resp, wait, err := c.sendOnce(ctx, r)
+		if wait == 0 || try == maxRetries {
+			return resp, err
+		}
+		t := time.NewTimer(wait)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return nil, err
+		case <-t.C:
+		}
 	}
-	u := *c.base
-	u.Path = strings.TrimSuffix(u.Path, "/") + r.path
+}
+
+// sendOnce makes the request once; a wait > 0 says to send it again then.
+func (c *Client) sendOnce(ctx context.Context, r request) (*http.Response, time.Duration, error) {
+	err := c.limit.wait(ctx)
+	if err != nil {
+		return nil, 0, err
+	}
+	u := *c.base // r.path is escaped (a name's characters are its own)
+	u.RawPath = strings.TrimSuffix(c.base.EscapedPath(), "/") + r.path
+	if u.Path, err = url.PathUnescape(u.RawPath); err != nil {
+		return nil, 0, err
+	}
 	u.RawQuery = r.query.Encode()
 	var body io.Reader = http.NoBody
 	if r.body != nil {
@@ -124,7 +152,7 @@ func (c *Client) send(ctx context.Context, r request) (*http.Response, error) {
 	}
 	req, err := http.NewRequestWithContext(ctx, r.method, u.String(), body)
 	if err != nil {
-		return nil, err
+		return nil, 0, err
 	}
 	req.Header.Set("Accept", "application/json")
 	if r.body != nil {
@@ -135,21 +163,35 @@ func (c *Client) send(ctx context.Context, r request) (*http.Response, error) {
 	}
 	tok, err := c.creds.bearer()
 	if err != nil {
-		return nil, err
+		return nil, 0, err
 	}
 	if tok != "" {
 		req.Header.Set("Authorization", "Bearer "+tok)
 	}
 	resp, err := c.hc.Do(req)
 	if err != nil {
-		return nil, err
+		return nil, 0, err
 	}
 	if resp.StatusCode/100 == 2 {
-		return resp, nil
+		return resp, 0, nil
 	}
 	defer resp.Body.Close()
 	b, _ := io.ReadAll(io.LimitReader(resp.Body, 1<<20))
-	return nil, statusError(resp.StatusCode, r.method, b)
+	return nil, retryAfter(resp, r.method), statusError(resp.StatusCode, r.method, b)
+}
+
+// retryAfter is the wait an answer asks for before the request is sent
+// again (0: not again).
+func retryAfter(resp *http.Response, method string) time.Duration {
+	code := resp.StatusCode
+	if code != http.StatusTooManyRequests && (code < 500 || method != "GET") {
+		return 0
+	}
+	secs, err := strconv.Atoi(resp.Header.Get("Retry-After"))
+	if err != nil || secs < 0 {
+		return 0
+	}
+	return time.Duration(min(max(secs, 1), 10)) * time.Second
 }
 
 // call makes the request and decodes its answer into out (nil: dropped).
