@@ -21,6 +21,7 @@ var insideOK = []string{
 	"github.com/cagehq/cage/internal/inside",
 	"github.com/cagehq/cage/internal/seal",
 	"github.com/cagehq/cage/internal/seccomp",
+	"github.com/cagehq/cage/internal/spawner", // on the host: forks agents (cgroups and x/sys only)
 	"github.com/cagehq/cage/internal/trace",
 	"github.com/cagehq/cage/internal/vm/boot",
 	"github.com/cagehq/cage/internal/vm/jail",

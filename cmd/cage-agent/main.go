@@ -12,6 +12,7 @@ import (
 	"os"
 
 	"github.com/cagehq/cage/internal/agent"
+	"github.com/cagehq/cage/internal/spawner"
 	"github.com/cagehq/cage/internal/trace"
 	"github.com/cagehq/cage/internal/vm/jail"
 	"github.com/cagehq/cage/internal/wall/microvm/guest"
@@ -37,6 +38,14 @@ func main() {
 		// namespace (the map of an idmapped mount); it exits when its
 		// standard input closes.
 		_, _ = io.Copy(io.Discard, os.Stdin)
+		return
+	}
+	if len(os.Args) == 2 && os.Args[1] == spawner.Arg {
+		// On the host, beside the daemon: it starts the process wall's
+		// agents (see package spawner).
+		if err := spawner.Serve(spawner.FD); err != nil {
+			fail("spawner", err)
+		}
 		return
 	}
 	if len(os.Args) == 2 && os.Args[1] == "serve" {

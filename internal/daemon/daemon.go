@@ -226,6 +226,9 @@ func Run(ctx context.Context, cfg Config, log *slog.Logger, ready func(apiAddr, 
 	if err != nil {
 		return err
 	}
+	// The daemon grows with its sandboxes: their agents are forked from a
+	// small helper, never from the daemon's memory (package spawner).
+	host.SpawnAgents = true
 	templates := cfg.Templates
 	if templates == "" {
 		templates = filepath.Join(cfg.Data, "templates")

@@ -44,6 +44,10 @@ type Host struct {
 	NetConfig network.Config
 	// KernelDir is where the microvm wall's guest kernel is ("": KernelDir()).
 	KernelDir string
+	// SpawnAgents starts the process wall's agents from a helper process
+	// (package spawner) rather than by forking this one: for a long-lived
+	// process whose memory grows with its sandboxes (the daemon).
+	SpawnAgents bool
 
 	wallsOnce sync.Once
 	walls     map[string]wall.Driver

@@ -7,6 +7,7 @@ import (
 	"os"
 	"path/filepath"
 
+	"github.com/cagehq/cage/internal/spawner"
 	"github.com/cagehq/cage/internal/wall"
 	"github.com/cagehq/cage/internal/wall/microvm"
 	"github.com/cagehq/cage/internal/wall/oci"
@@ -26,8 +27,12 @@ func (h *Host) drivers() map[string]wall.Driver {
 			kernels = KernelDir()
 		}
 		ociCfg := oci.Config{AgentPath: h.AgentPath, RunDir: h.RunDir, Cgroups: h.Cgroups, Log: h.Log}
+		procCfg := process.Config{AgentPath: h.AgentPath, RunDir: h.RunDir, Cgroups: h.Cgroups, Log: h.Log}
+		if h.SpawnAgents {
+			procCfg.Spawner = spawner.New(h.AgentPath, h.Log)
+		}
 		all := []wall.Driver{
-			process.NewDriver(process.Config{AgentPath: h.AgentPath, RunDir: h.RunDir, Cgroups: h.Cgroups, Log: h.Log}),
+			process.NewDriver(procCfg),
 			oci.NewRunc(ociCfg),
 			oci.NewGVisor(ociCfg),
 			microvm.NewDriver(microvm.DriverConfig{RunDir: h.RunDir, Cache: h.microvmCache(), AgentPath: h.AgentPath,

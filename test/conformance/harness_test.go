@@ -73,6 +73,9 @@ func processHost(t testing.TB) *sandbox.Host {
 		host, hostErr = sandbox.NewHost(dir, filepath.Join(bin, "cage-agent"), slog.New(slog.DiscardHandler))
 		if hostErr == nil {
 			host.KernelDir = testutil.KernelDir()
+			// As the daemon runs it: the process wall's agents come from
+			// the spawner (cage run's direct fork is the CLI tests').
+			host.SpawnAgents = true
 		}
 		if hostErr == nil {
 			// The shared store where scripts/test.sh built "base", else

@@ -19,8 +19,10 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/cagehq/cage/internal/cgroups"
+	"github.com/cagehq/cage/internal/hostproc"
 	"github.com/cagehq/cage/internal/inside"
 	"github.com/cagehq/cage/internal/network"
+	"github.com/cagehq/cage/internal/spawner"
 	"github.com/cagehq/cage/internal/template"
 	"github.com/cagehq/cage/internal/trace"
 	"github.com/cagehq/cage/internal/wall"
@@ -34,6 +36,10 @@ type Config struct {
 	RunDir    string // runtime state directory (e.g. /run/cage)
 	Cgroups   *cgroups.Manager
 	Log       *slog.Logger
+	// Spawner, when set, starts the agents of sandboxes that outlive their
+	// caller (a daemon's), so that a fork never copies the daemon's memory
+	// (package spawner); nil forks from this process.
+	Spawner *spawner.Client
 }
 
 // job is one sandbox to prepare.
@@ -67,7 +73,7 @@ type Sandbox struct {
 	niced         bool   // prepared at background priority
 	disk, shm     int64  // the sizes it was built with
 	dieWithParent bool
-	pidfd         int // set for an adopted sandbox (not this process's child)
+	pidfd         int // set for an agent that is not this process's child (adopted, or the spawner's)
 	net           *network.Sandbox
 
 	exited  chan struct{} // closed when the agent has been reaped
@@ -376,21 +382,27 @@ func (sb *Sandbox) fork(cfg job, listener *os.File) (rootSock *os.File, err erro
 		attr.Sys.Pdeathsig = syscall.SIGKILL
 	}
 	trace.Mark("fork")
-	pid, err := sb.cg.Spawn(func(cgroupFD int) (int, error) {
-		attr.Sys.UseCgroupFD, attr.Sys.CgroupFD = cgroupFD >= 0, cgroupFD
-		return syscall.ForkExec(cfg.AgentPath, []string{"cage-agent", "init"}, attr)
-	})
-	if pid > 0 {
-		sb.pid = pid
-		go sb.reap()
+	argv := []string{"cage-agent", "init"}
+	if cfg.Spawner != nil && !cfg.DieWithCaller {
+		err = sb.spawn(cfg, argv, attr)
+	} else {
+		var pid int
+		pid, err = sb.cg.Spawn(func(cgroupFD int) (int, error) {
+			attr.Sys.UseCgroupFD, attr.Sys.CgroupFD = cgroupFD >= 0, cgroupFD
+			return syscall.ForkExec(cfg.AgentPath, argv, attr)
+		})
+		if pid > 0 {
+			sb.pid = pid
+			go sb.reap()
+		}
+		if err == nil && cfg.Background {
+			_ = unix.Setpriority(unix.PRIO_PROCESS, pid, backgroundNice)
+		}
 	}
 	if err != nil {
 		return nil, fmt.Errorf("start the sandbox's agent %s: %w", cfg.AgentPath, err)
 	}
-	if cfg.Background {
-		_ = unix.Setpriority(unix.PRIO_PROCESS, pid, backgroundNice)
-		sb.niced = true
-	}
+	sb.niced = cfg.Background
 	trace.Mark("in cgroups")
 	return rootSock, nil
 }
@@ -445,6 +457,32 @@ func (sb *Sandbox) reap() {
 		sb.waitErr = fmt.Errorf("agent exited (%v)", describe(ws))
 	}
 	close(sb.exited)
+}
+
+// spawn starts the agent through the spawner, which forks it from its own
+// small address space and answers with a pidfd: the agent is then watched
+// and killed as an adopted one is.
+func (sb *Sandbox) spawn(cfg job, argv []string, attr *syscall.ProcAttr) error {
+	req := spawner.Request{Path: cfg.AgentPath, Argv: argv, Env: attr.Env, Dir: attr.Dir,
+		Cloneflags: attr.Sys.Cloneflags, UIDMaps: attr.Sys.UidMappings, GIDMaps: attr.Sys.GidMappings,
+		Setgroups: attr.Sys.GidMappingsEnableSetgroups, Setsid: attr.Sys.Setsid,
+		CgroupParent: cfg.Cgroups.Parent, Cgroup: sb.cg.Name}
+	if cfg.Background {
+		req.Nice = backgroundNice
+	}
+	child, err := cfg.Spawner.Spawn(req, attr.Files)
+	if err != nil {
+		return err
+	}
+	sb.pid, sb.pidfd = child.PID, child.Pidfd
+	go func() {
+		hostproc.WaitPidfd(sb.pidfd)
+		if ws, ok := <-child.Status; ok && !(ws.Signaled() && ws.Signal() == syscall.SIGKILL) {
+			sb.waitErr = fmt.Errorf("agent exited (%v)", describe(ws))
+		}
+		close(sb.exited)
+	}()
+	return nil
 }
 
 func describe(ws syscall.WaitStatus) string {

@@ -1,0 +1,165 @@
+package spawner
+
+import (
+	"errors"
+	"fmt"
+	"math"
+	"strings"
+	"sync"
+	"syscall"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/cagehq/cage/internal/cgroups"
+)
+
+// FD is the descriptor the spawner is given its socket on.
+const FD = 3
+
+// Arg is cage-agent's argument for the spawner.
+const Arg = "spawner"
+
+// Serve is the spawner: it starts what the daemon at the other end of fd
+// asks for until that end closes. It returns nil when the daemon hung up.
+func Serve(fd int) error {
+	// It ends with the daemon: when the daemon's end of the socket closes
+	// (nothing else can ask it anything), recv reads the end of it. The
+	// socket never reaches a child, nor does anything the spawner inherited.
+	unix.CloseOnExec(fd)
+	if err := unix.CloseRange(uint(fd+1), math.MaxUint32, unix.CLOSE_RANGE_CLOEXEC); err != nil {
+		return fmt.Errorf("inherited descriptors: %w", err)
+	}
+	s := &server{fd: fd, managers: map[string]*cgroups.Manager{}}
+	for {
+		var req Request
+		files, err := recv(fd, &req)
+		if errors.Is(err, errClosed) {
+			return nil
+		}
+		if err != nil {
+			return err
+		}
+		go s.start(&req, files)
+	}
+}
+
+type server struct {
+	fd int
+	// out serialises replies on the socket (requests are served at once).
+	out      sync.Mutex
+	mu       sync.Mutex
+	managers map[string]*cgroups.Manager // by cgroup parent
+}
+
+func (s *server) reply(r reply) {
+	s.out.Lock()
+	defer s.out.Unlock()
+	_ = send(s.fd, r, nil)
+}
+
+// start forks the request's process, answers, and reports its end.
+func (s *server) start(req *Request, files []int) {
+	defer closeAll(files)
+	pid, err := s.fork(req, files)
+	if err != nil {
+		r := reply{ID: req.ID, Err: err.Error()}
+		var errno syscall.Errno
+		if errors.As(err, &errno) {
+			r.Errno = int(errno)
+		}
+		s.reply(r)
+		return
+	}
+	// The child is not reaped before its pidfd exists: the daemon's pidfd
+	// (made from the pid in the reply) names this child, never a reuse.
+	pidfd, err := unix.PidfdOpen(pid, 0)
+	if err != nil {
+		_ = unix.Kill(pid, unix.SIGKILL)
+		wait(pid)
+		s.reply(reply{ID: req.ID, Err: fmt.Sprintf("pidfd: %v", err)})
+		return
+	}
+	s.out.Lock()
+	err = send(s.fd, reply{ID: req.ID, PID: pid}, []int{pidfd})
+	s.out.Unlock()
+	unix.Close(pidfd)
+	if err != nil {
+		// The daemon is gone; the child is init's soon (it dies with us
+		// only if it asked to).
+		return
+	}
+	ws := wait(pid)
+	s.reply(reply{Exit: pid, Status: uint32(ws)})
+}
+
+func wait(pid int) syscall.WaitStatus {
+	var ws syscall.WaitStatus
+	for {
+		_, err := syscall.Wait4(pid, &ws, 0, nil)
+		if err != syscall.EINTR {
+			return ws
+		}
+	}
+}
+
+// fork starts the process in its cgroups.
+func (s *server) fork(req *Request, files []int) (int, error) {
+	if len(files) != req.Files || req.Files < 3 {
+		return 0, fmt.Errorf("spawner: %d descriptors for a request of %d", len(files), req.Files)
+	}
+	if req.Path == "" || len(req.Argv) == 0 {
+		return 0, errors.New("spawner: no program")
+	}
+	attr := &syscall.ProcAttr{
+		Dir:   req.Dir,
+		Env:   req.Env,
+		Files: make([]uintptr, len(files)),
+		Sys: &syscall.SysProcAttr{
+			Cloneflags:                 req.Cloneflags,
+			UidMappings:                req.UIDMaps,
+			GidMappings:                req.GIDMaps,
+			GidMappingsEnableSetgroups: req.Setgroups,
+			Setsid:                     req.Setsid,
+		},
+	}
+	if len(req.UIDMaps) > 0 {
+		attr.Sys.Credential = &syscall.Credential{Uid: 0, Gid: 0}
+	}
+	for i, fd := range files {
+		attr.Files[i] = uintptr(fd)
+	}
+	start := func(cgroupFD int) (int, error) {
+		attr.Sys.UseCgroupFD, attr.Sys.CgroupFD = cgroupFD >= 0, cgroupFD
+		pid, err := syscall.ForkExec(req.Path, req.Argv, attr)
+		if err == nil && req.Nice != 0 {
+			_ = unix.Setpriority(unix.PRIO_PROCESS, pid, req.Nice)
+		}
+		return pid, err
+	}
+	if req.Cgroup == "" {
+		return start(-1)
+	}
+	if strings.ContainsAny(req.Cgroup, "/\x00") || req.Cgroup == "." || req.Cgroup == ".." {
+		return 0, fmt.Errorf("spawner: bad cgroup name %q", req.Cgroup)
+	}
+	m, err := s.manager(req.CgroupParent)
+	if err != nil {
+		return 0, err
+	}
+	return m.Open(req.Cgroup).Spawn(start)
+}
+
+// manager is the cgroup layout under parent, read once.
+func (s *server) manager(parent string) (*cgroups.Manager, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if m := s.managers[parent]; m != nil {
+		return m, nil
+	}
+	m, err := cgroups.Detect(parent)
+	if err != nil {
+		return nil, err
+	}
+	s.managers[parent] = m
+	return m, nil
+}
