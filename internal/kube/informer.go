@@ -2,6 +2,7 @@ package kube
 
 import (
 	"context"
+	"errors"
 	"math/rand/v2"
 	"sync"
 	"sync/atomic"
@@ -104,6 +105,8 @@ func WaitForSync(ctx context.Context, synced ...func() bool) bool {
 	}
 }
 
+var errShortWatch = errors.New("kube: the watch ended at once with no event")
+
 // backoff is the wait before listing again after a failure: 0.8 s
 // doubling to 30 s, with jitter (client-go's reflector's).
 type backoff struct{ d time.Duration }
@@ -174,7 +177,7 @@ func (i *Informer[T, L]) list(ctx context.Context) (string, error) {
 
 // watch applies a watch from rv to the cache until it ends, and returns
 // the last resourceVersion seen; nil error: the server ended it.
-func (i *Informer[T, L]) watch(ctx context.Context, rv string) (string, error) {
+func (i *Informer[T, L]) watch(ctx context.Context, rv string) (_ string, err error) {
 	o := i.opts
 	o.ResourceVersion, o.AllowWatchBookmarks = rv, true
 	secs := int64(300 + rand.N(300)) // 5 to 10 minutes, as client-go's
@@ -184,7 +187,18 @@ func (i *Informer[T, L]) watch(ctx context.Context, rv string) (string, error) {
 		return rv, err
 	}
 	defer w.Stop()
+	start, events := time.Now(), 0
+	defer func() {
+		// A watch the server ends at once with nothing in it (a proxy
+		// that cuts streams) is a failure: list again after the backoff
+		// rather than watch again at once, forever (client-go's "very
+		// short watch").
+		if err == nil && events == 0 && time.Since(start) < time.Second && ctx.Err() == nil {
+			err = errShortWatch
+		}
+	}()
 	for ev := range w.ResultChan() {
+		events++
 		if ev.Type == Error {
 			return rv, &StatusError{Status: *ev.Object.(*metav1.Status)}
 		}
