@@ -7,6 +7,7 @@ import (
 	"strings"
 	"sync"
 	"syscall"
+	"unsafe"
 
 	"golang.org/x/sys/unix"
 
@@ -29,7 +30,8 @@ func Serve(fd int) error {
 	if err := unix.CloseRange(uint(fd+1), math.MaxUint32, unix.CLOSE_RANGE_CLOEXEC); err != nil {
 		return fmt.Errorf("inherited descriptors: %w", err)
 	}
-	s := &server{fd: fd, managers: map[string]*cgroups.Manager{}}
+	s := &server{fd: fd, managers: map[string]*cgroups.Manager{}, born: make(chan struct{}, 1)}
+	go s.reap()
 	for {
 		var req Request
 		files, err := recv(fd, &req)
@@ -49,6 +51,11 @@ type server struct {
 	out      sync.Mutex
 	mu       sync.Mutex
 	managers map[string]*cgroups.Manager // by cgroup parent
+	// forking is held (read) from a fork until its answer is sent; the
+	// reaper holds it (write) to reap, so no child is reaped before its
+	// pidfd exists, and its end is reported after its answer.
+	forking sync.RWMutex
+	born    chan struct{} // a child was forked (wakes a reaper with none)
 }
 
 func (s *server) reply(r reply) {
@@ -60,7 +67,15 @@ func (s *server) reply(r reply) {
 // start forks the request's process, answers, and reports its end.
 func (s *server) start(req *Request, files []int) {
 	defer closeAll(files)
+	s.forking.RLock()
+	defer s.forking.RUnlock()
 	pid, err := s.fork(req, files)
+	if err == nil {
+		select {
+		case s.born <- struct{}{}:
+		default:
+		}
+	}
 	if err != nil {
 		r := reply{ID: req.ID, Err: err.Error()}
 		var errno syscall.Errno
@@ -74,32 +89,50 @@ func (s *server) start(req *Request, files []int) {
 	// (made from the pid in the reply) names this child, never a reuse.
 	pidfd, err := unix.PidfdOpen(pid, 0)
 	if err != nil {
-		_ = unix.Kill(pid, unix.SIGKILL)
-		wait(pid)
+		_ = unix.Kill(pid, unix.SIGKILL) // reaped by reap
 		s.reply(reply{ID: req.ID, Err: fmt.Sprintf("pidfd: %v", err)})
 		return
 	}
 	s.out.Lock()
-	err = send(s.fd, reply{ID: req.ID, PID: pid}, []int{pidfd})
+	_ = send(s.fd, reply{ID: req.ID, PID: pid}, []int{pidfd})
 	s.out.Unlock()
 	unix.Close(pidfd)
-	if err != nil {
-		// The daemon is gone; the child is init's soon (it dies with us
-		// only if it asked to).
-		return
-	}
-	ws := wait(pid)
-	s.reply(reply{Exit: pid, Status: uint32(ws)})
 }
 
-func wait(pid int) syscall.WaitStatus {
-	var ws syscall.WaitStatus
+// reap reaps every child as it ends and reports it: one thread for them
+// all (a thread per child held a thousand of them with a thousand
+// sandboxes alive, and made every fork copy their stacks' mappings).
+func (s *server) reap() {
 	for {
-		_, err := syscall.Wait4(pid, &ws, 0, nil)
-		if err != syscall.EINTR {
-			return ws
+		var info unix.Siginfo
+		// Wait without reaping: the child stays a zombie, its pid not
+		// reused, until it is reaped below under forking.
+		err := unix.Waitid(unix.P_ALL, 0, &info, unix.WEXITED|unix.WNOWAIT, nil)
+		switch {
+		case errors.Is(err, unix.EINTR):
+			continue
+		case errors.Is(err, unix.ECHILD):
+			<-s.born
+			continue
+		case err != nil:
+			return
+		}
+		pid := int((*childInfo)(unsafe.Pointer(&info)).pid)
+		s.forking.Lock()
+		var ws syscall.WaitStatus
+		got, err := syscall.Wait4(pid, &ws, syscall.WNOHANG, nil)
+		s.forking.Unlock()
+		if err == nil && got == pid {
+			s.reply(reply{Exit: pid, Status: uint32(ws)})
 		}
 	}
+}
+
+// childInfo is the head of a siginfo_t of SIGCHLD (si_pid follows the
+// three ints and the padding of the union's alignment on 64-bit Linux).
+type childInfo struct {
+	signo, errno, code, _ int32
+	pid                   int32
 }
 
 // fork starts the process in its cgroups.

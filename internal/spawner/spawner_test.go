@@ -7,6 +7,7 @@ import (
 	"os"
 	"path/filepath"
 	"sort"
+	"strconv"
 	"strings"
 	"syscall"
 	"testing"
@@ -244,5 +245,43 @@ func TestSpawnerEndsWithItsDaemon(t *testing.T) {
 	case <-done:
 	case <-time.After(10 * time.Second):
 		t.Fatal("the spawner outlived its daemon's socket")
+	}
+}
+
+// Children waiting to end hold no spawner thread each, and every end is
+// reported with its own status.
+func TestSpawnerReapsWithoutAThreadPerChild(t *testing.T) {
+	c := newClient(t)
+	devnull, _ := os.Open(os.DevNull)
+	defer devnull.Close()
+	files := []uintptr{devnull.Fd(), devnull.Fd(), devnull.Fd()}
+	const n = 100
+	var children []*Child
+	for i := range n {
+		ch, err := c.Spawn(Request{Path: "/bin/sh", Argv: []string{"sh", "-c", fmt.Sprintf("sleep 1; exit %d", i%50)}, Dir: "/"}, files)
+		if err != nil {
+			t.Fatal(err)
+		}
+		children = append(children, ch)
+	}
+	c.mu.Lock()
+	pid := c.conn.proc.Pid
+	c.mu.Unlock()
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, l := range strings.Split(string(b), "\n") {
+		if v, ok := strings.CutPrefix(l, "Threads:"); ok {
+			if th, _ := strconv.Atoi(strings.TrimSpace(v)); th > 30 {
+				t.Errorf("the spawner holds %d threads for %d running children", th, n)
+			}
+		}
+	}
+	for i, ch := range children {
+		if ws := end(t, ch); !ws.Exited() || ws.ExitStatus() != i%50 {
+			t.Errorf("child %d: status %v, want exit %d", i, ws, i%50)
+		}
+		unix.Close(ch.Pidfd)
 	}
 }
