@@ -17,7 +17,11 @@ import (
 
 // counter starts a process that writes 1, 2, 3... to /tmp/count ten times
 // a second, in the background.
-const counter = `nohup sh -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/count.new; mv /tmp/count.new /tmp/count; sleep 0.1; done' >/dev/null 2>&1 &`
+//
+// It is its own group: in "A && B && counter", a bare trailing & would put the
+// whole and-or list in the background, and a test would pause or fork while
+// A and B still ran (a checksum file found empty after a pause).
+const counter = `{ nohup sh -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/count.new; mv /tmp/count.new /tmp/count; sleep 0.1; done' >/dev/null 2>&1 & };`
 
 func count(t *testing.T, out string) int {
 	t.Helper()
