@@ -247,6 +247,12 @@ func insideAgentThreads() int64 { return int64(inside.AgentThreads) }
 // niceOf is the nice value of a thread of process pid that is not 0 (0
 // when none).
 func niceOf(t *testing.T, pid int) int {
+	// A process that is exiting has given up its memory already (its
+	// command line reads empty, its status has no VmSize) while its
+	// threads are not zombies yet: it runs nothing more, its nice is moot.
+	if status, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid)); err != nil || !strings.Contains(string(status), "\nVmSize:") {
+		return 0
+	}
 	tasks, _ := os.ReadDir(fmt.Sprintf("/proc/%d/task", pid))
 	for _, task := range tasks {
 		data, err := os.ReadFile(fmt.Sprintf("/proc/%d/task/%s/stat", pid, task.Name()))
