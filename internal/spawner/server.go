@@ -52,8 +52,9 @@ type server struct {
 	mu       sync.Mutex
 	managers map[string]*cgroups.Manager // by cgroup parent
 	// forking is held (read) from a fork until its answer is sent; the
-	// reaper holds it (write) to reap, so no child is reaped before its
-	// pidfd exists, and its end is reported after its answer.
+	// reaper holds it (write) to reap and report, so no child is reaped
+	// before its pidfd exists, its end is reported after its answer, and
+	// a child that reuses its pid is answered after that end.
 	forking sync.RWMutex
 	born    chan struct{} // a child was forked (wakes a reaper with none)
 }
@@ -118,13 +119,16 @@ func (s *server) reap() {
 			return
 		}
 		pid := int((*childInfo)(unsafe.Pointer(&info)).pid)
+		// The end is reported before the lock is let go: a fork that
+		// reuses the pid answers only after it, so the daemon never
+		// takes the old child's end for the new one's.
 		s.forking.Lock()
 		var ws syscall.WaitStatus
 		got, err := syscall.Wait4(pid, &ws, syscall.WNOHANG, nil)
-		s.forking.Unlock()
 		if err == nil && got == pid {
 			s.reply(reply{Exit: pid, Status: uint32(ws)})
 		}
+		s.forking.Unlock()
 	}
 }
 
