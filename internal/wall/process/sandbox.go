@@ -477,8 +477,14 @@ func (sb *Sandbox) spawn(cfg job, argv []string, attr *syscall.ProcAttr) error {
 	sb.pid, sb.pidfd = child.PID, child.Pidfd
 	go func() {
 		hostproc.WaitPidfd(sb.pidfd)
-		if ws, ok := <-child.Status; ok && !(ws.Signaled() && ws.Signal() == syscall.SIGKILL) {
-			sb.waitErr = fmt.Errorf("agent exited (%v)", describe(ws))
+		// How it ended comes from the spawner, right after; the pidfd
+		// alone says that it did (a spawner that died says nothing).
+		select {
+		case ws, ok := <-child.Status:
+			if ok && !(ws.Signaled() && ws.Signal() == syscall.SIGKILL) {
+				sb.waitErr = fmt.Errorf("agent exited (%v)", describe(ws))
+			}
+		case <-time.After(5 * time.Second):
 		}
 		close(sb.exited)
 	}()
