@@ -151,6 +151,12 @@ func (d *Daemon) Client() *client.Client { return client.New(d.API, d.Proxy, d.K
 // sandbox through the API, run a command through the proxy, time to its
 // first output byte. concurrency > 1 runs that many at once (a burst).
 func TimeToInteractive(ctx context.Context, c *client.Client, runs, concurrency int) (stats.Stats, error) {
+	return TimeToInteractiveBursts(ctx, c, runs, concurrency, nil)
+}
+
+// TimeToInteractiveBursts is TimeToInteractive with before run ahead of
+// each burst (nil: none), outside the samples.
+func TimeToInteractiveBursts(ctx context.Context, c *client.Client, runs, concurrency int, before func() error) (stats.Stats, error) {
 	var mu sync.Mutex
 	var samples []time.Duration
 	var firstErr error
@@ -186,6 +192,11 @@ func TimeToInteractive(ctx context.Context, c *client.Client, runs, concurrency 
 		one(false)
 	}
 	for done := 0; done < runs; done += concurrency {
+		if before != nil {
+			if err := before(); err != nil {
+				return stats.Summarize(samples), err
+			}
+		}
 		var wg sync.WaitGroup
 		for k := 0; k < concurrency && done+k < runs; k++ {
 			wg.Add(1)
@@ -318,4 +329,64 @@ func rss(pid int) int64 {
 		}
 	}
 	return 0
+}
+
+// FreeAddr is a loopback address no one listens on now.
+func FreeAddr() (string, error) { return freeAddr() }
+
+// WaitPoolsFull waits until every pool the daemon's /metrics (at
+// metricsAddr) shows holds as many sandboxes as it keeps now.
+func WaitPoolsFull(ctx context.Context, metricsAddr string, timeout time.Duration) error {
+	deadline := time.Now().Add(timeout)
+	var last string
+	for {
+		ready, size, err := poolGauges(ctx, "http://"+metricsAddr+"/metrics")
+		if err == nil && size > 0 && ready == size {
+			return nil
+		}
+		last = fmt.Sprintf("%d of %d ready (%v)", ready, size, err)
+		if time.Now().After(deadline) {
+			return fmt.Errorf("the pools hold %s after %v", last, timeout)
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(50 * time.Millisecond):
+		}
+	}
+}
+
+// poolGauges sums cage_pool_ready and cage_pool_size over every pool.
+func poolGauges(ctx context.Context, url string) (ready, size int, err error) {
+	req, err := http.NewRequestWithContext(ctx, "GET", url, nil)
+	if err != nil {
+		return 0, 0, err
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return 0, 0, err
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		return 0, 0, fmt.Errorf("GET %s: %s", url, resp.Status)
+	}
+	sc := bufio.NewScanner(resp.Body)
+	for sc.Scan() {
+		line := sc.Text()
+		name, rest, _ := strings.Cut(line, "{")
+		f := strings.Fields(rest)
+		if len(f) == 0 || (name != "cage_pool_ready" && name != "cage_pool_size") {
+			continue
+		}
+		v, err := strconv.ParseFloat(f[len(f)-1], 64)
+		if err != nil {
+			return 0, 0, fmt.Errorf("%s: %q", url, line)
+		}
+		if name == "cage_pool_ready" {
+			ready += int(v)
+		} else {
+			size += int(v)
+		}
+	}
+	return ready, size, sc.Err()
 }

@@ -89,6 +89,9 @@ CODE_EXECUTION_ENDPOINT=http://ADDR and CODE_EXECUTION_API_KEY set to the config
 			if fl.Changed("pool") {
 				final.Pool = cfg.Pool
 			}
+			if fl.Changed("pool-grow") {
+				final.PoolGrow = cfg.PoolGrow
+			}
 			if fl.Changed("kubeconfig") {
 				final.Cluster.Kubeconfig = cfg.Cluster.Kubeconfig
 			}
@@ -121,6 +124,9 @@ CODE_EXECUTION_ENDPOINT=http://ADDR and CODE_EXECUTION_API_KEY set to the config
 			if cmd.Root().PersistentFlags().Changed("run-dir") || os.Getenv("CAGE_RUN_DIR") != "" {
 				final.RunDir = g.runDir
 			}
+			if err := daemon.CheckPoolGrow(final.PoolGrow); err != nil {
+				return exitf(ExitUsage, "%v", err)
+			}
 			if err := daemon.CheckTLS(final); err != nil {
 				return exitf(ExitUsage, "%v", err)
 			}
@@ -142,6 +148,7 @@ CODE_EXECUTION_ENDPOINT=http://ADDR and CODE_EXECUTION_API_KEY set to the config
 	fl.StringVar(&cfg.TLS.Key, "tls-key", "", "the key of --tls-cert (PEM; refused if others may read it)")
 	fl.BoolVar(&cfg.TLS.SelfSigned, "tls-self-signed", false, "the proxy serves TLS with a certificate signed by a local CA kept in DATA/tls (printed at the start; needs --domain)")
 	fl.IntVar(&cfg.Pool, "pool", cfg.Pool, "prepared sandboxes kept ready (on the default wall)")
+	fl.IntVar(&cfg.PoolGrow, "pool-grow", cfg.PoolGrow, "every pool keeps up to this many times its size while creates find it empty, back to its size after a minute without creates (1: fixed size)")
 	fl.StringArrayVar(&poolsOf, "pool-of", nil, "[WALL/]TEMPLATE=N: keep N sandboxes of TEMPLATE ready too, on WALL (default: the default wall), started if it has a start command (repeatable)")
 	fl.StringVar(&cfg.DefaultWall, "wall", cfg.DefaultWall, "wall of a create that names none: process, runc, gvisor")
 	fl.IntVar(&cfg.MaxSandboxes, "max-sandboxes", 0, "sandboxes alive at once (0: one per 8 MiB of the host's RAM, at least 16); beyond it creates get 429")

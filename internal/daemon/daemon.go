@@ -49,6 +49,10 @@ type Config struct {
 	// PoolTemplate is the template the pool prepares (default: the
 	// default template; E2B's SDKs ask for "base" when given none).
 	PoolTemplate string `json:"pool_template"`
+	// PoolGrow lets every pool keep up to PoolGrow times its size while
+	// creates find it empty (a burst), shrinking back after a minute
+	// without creates; 1 keeps each pool at its size.
+	PoolGrow int `json:"pool_grow"`
 	// Pools keeps sandboxes of more templates ready: template name (on
 	// the default wall) or WALL/TEMPLATE -> how many. A template with a
 	// start command (code-interpreter-v1) is kept started, its command run
@@ -164,7 +168,7 @@ func (n Network) config() (network.Config, error) {
 // Defaults for Config.
 func Defaults() Config {
 	return Config{API: "127.0.0.1:3000", Proxy: "127.0.0.1:3001", Data: "/var/lib/cage", RunDir: "/run/cage",
-		DefaultTemplate: "host", DefaultWall: "process", MaxTimeout: Duration(24 * time.Hour), Pool: 2}
+		DefaultTemplate: "host", DefaultWall: "process", MaxTimeout: Duration(24 * time.Hour), Pool: 2, PoolGrow: 4}
 }
 
 // Duration is a time.Duration written as "90s", "1h" in the config file.
@@ -198,6 +202,17 @@ func LoadFile(path string, cfg *Config) error {
 		if err := sandbox.CheckPool(key); err != nil {
 			return fmt.Errorf("config %s: pools: %v", path, err)
 		}
+	}
+	if err := CheckPoolGrow(cfg.PoolGrow); err != nil {
+		return fmt.Errorf("config %s: %v", path, err)
+	}
+	return nil
+}
+
+// CheckPoolGrow says what is wrong with a pool_grow (--pool-grow) of n.
+func CheckPoolGrow(n int) error {
+	if n < 1 || n > 64 {
+		return fmt.Errorf("pool_grow %d: want 1 (pools keep their size) to 64", n)
 	}
 	return nil
 }
@@ -295,7 +310,7 @@ func Run(ctx context.Context, cfg Config, log *slog.Logger, ready func(apiAddr, 
 	sweepCtx, stopSweep := context.WithCancel(ctx)
 	defer stopSweep()
 	go mgr.Sweep(sweepCtx, 5*time.Second)
-	host.PoolTemplate = cfg.PoolTemplate
+	host.PoolTemplate, host.PoolGrow = cfg.PoolTemplate, cfg.PoolGrow
 	if host.PoolTemplate == "" {
 		host.PoolTemplate = cfg.DefaultTemplate
 	}

@@ -57,7 +57,7 @@ func (stateCollector) Describe(chan<- *prometheus.Desc) {}
 var (
 	descSandboxes   = desc("sandboxes", "Sandboxes the daemon holds, by state, wall and template.", "state", "wall", "template")
 	descPoolReady   = desc("pool_ready", "Prepared sandboxes ready in a pool.", "template", "wall")
-	descPoolSize    = desc("pool_size", "How many sandboxes a pool keeps ready.", "template", "wall")
+	descPoolSize    = desc("pool_size", "How many sandboxes a pool keeps ready now (its size, more while creates find it empty).", "template", "wall")
 	descPoolHits    = desc("pool_hits_total", "Creates a pool served.", "template", "wall")
 	descPoolMisses  = desc("pool_misses_total", "Creates that found their pool empty (and made a sandbox on the spot).", "template", "wall")
 	descHostCPUs    = desc("host_cpus", "The host's CPUs.")

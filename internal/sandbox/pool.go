@@ -34,6 +34,12 @@ import (
 // runtime changed) is destroyed, never handed out, as the pool finds it
 // at a take or at its sweep (every sweepEvery).
 //
+// A pool is sized by configuration and by demand: each create that finds
+// it empty makes it keep one more (up to Host.PoolGrow times its
+// configured size), so that the next burst of creates finds as many ready
+// as the last one missed; once no create has come for poolIdle, its sweeps
+// destroy what it keeps beyond its configured size, one at a time.
+//
 // A template with a start command gets started sandboxes whose start
 // command has run and passed its ready check (code-interpreter-v1: its
 // Python kernel is up), with the pool's fresh id and token, the default
@@ -58,6 +64,10 @@ type pool struct {
 	hits     atomic.Int64 // creates it served
 	misses   atomic.Int64 // creates that found it empty
 	stale    atomic.Int64 // members destroyed unused as stale
+	floor    int          // the size it was configured with
+	idle     time.Duration
+	size     atomic.Int32 // how many it keeps now: floor, more after misses
+	lastTake atomic.Int64 // when a create last asked it (unix nanoseconds)
 	ch       chan wall.Prepared
 	room     chan struct{} // a token per place free in ch: fill prepares only into room
 	cancel   context.CancelFunc
@@ -71,6 +81,10 @@ const refillPause = 10 * time.Millisecond
 
 // sweepEvery is how often a full pool looks for members gone stale or dead.
 var sweepEvery = 2 * time.Second
+
+// poolIdle is how long a pool grown by demand waits without a create
+// before it shrinks back, one member per sweep (Host.PoolIdle, when set).
+const poolIdle = time.Minute
 
 func poolKey(wallName, tmpl string) string { return wallName + "/" + tmpl }
 
@@ -134,8 +148,14 @@ func (h *Host) AddWallPool(wallName, name string, n int) error {
 		return nil
 	}
 	ctx, cancel := context.WithCancel(context.Background())
-	p := &pool{template: name, wall: d.Name(), prep: prep, ch: make(chan wall.Prepared, n), room: make(chan struct{}, n),
-		cancel: cancel, done: make(chan struct{})}
+	most := n * max(1, h.PoolGrow)
+	idle := h.PoolIdle
+	if idle <= 0 {
+		idle = poolIdle
+	}
+	p := &pool{template: name, wall: d.Name(), prep: prep, floor: n, idle: idle, ch: make(chan wall.Prepared, most),
+		room: make(chan struct{}, most), cancel: cancel, done: make(chan struct{})}
+	p.size.Store(int32(n))
 	for range n {
 		p.room <- struct{}{}
 	}
@@ -206,8 +226,10 @@ func (p *pool) fill(ctx context.Context, h *Host) {
 }
 
 // sweep destroys the members that died or went stale while they waited
-// (the template imported again, the agent, kernel or runtime changed).
+// (the template imported again, the agent, kernel or runtime changed), and
+// one beyond the configured size once no create has come for poolIdle.
 func (p *pool) sweep(h *Host) {
+	p.shrink()
 	tmpl, err := h.tmpl.lookup(h, p.template)
 	if err != nil && !errors.Is(err, template.ErrNotFound) {
 		return // cannot tell now
@@ -231,6 +253,35 @@ func (p *pool) sweep(h *Host) {
 			continue
 		}
 		p.ch <- sb // (its place stayed taken)
+	}
+}
+
+// grow makes the pool keep one more, up to cap(p.ch): a create found it
+// empty.
+func (p *pool) grow() {
+	for {
+		n := p.size.Load()
+		if int(n) >= cap(p.ch) {
+			return
+		}
+		if p.size.CompareAndSwap(n, n+1) {
+			p.free() // a new place
+			return
+		}
+	}
+}
+
+// shrink destroys one member beyond the configured size once no create has
+// asked the pool for p.idle; its place goes with it.
+func (p *pool) shrink() {
+	if int(p.size.Load()) <= p.floor || time.Since(time.Unix(0, p.lastTake.Load())) < p.idle {
+		return
+	}
+	select {
+	case sb := <-p.ch:
+		p.size.Add(-1)
+		_ = sb.Destroy()
+	default:
 	}
 }
 
@@ -384,6 +435,7 @@ func (ps *pools) take(w string, o *Options, spec wall.Spec) wall.Prepared {
 	if p == nil || ((p.started.Load() || p.warm) && !fits(o, p.started.Load())) {
 		return nil
 	}
+	p.lastTake.Store(time.Now().UnixNano())
 	networked := spec.Net != nil && spec.NetPolicy.Networked()
 	if p.fixesNet && !p.started.Load() {
 		p.wantNet.Store(networked)
@@ -428,6 +480,7 @@ func (ps *pools) take(w string, o *Options, spec wall.Spec) wall.Prepared {
 	}
 	ps.misses.Add(1)
 	p.misses.Add(1)
+	p.grow()
 	return nil
 }
 
@@ -437,7 +490,8 @@ func (h *Host) PoolMisses() int64 { return h.pool.misses.Load() }
 // PoolStat is one pool as the daemon's metrics show it.
 type PoolStat struct {
 	Template, Wall string
-	Ready, Size    int   // sandboxes ready now, and how many it keeps
+	Ready, Size    int   // sandboxes ready now, and how many it keeps now
+	Floor, Max     int   // its configured size, and the most demand grows it to
 	Hits, Misses   int64 // creates it served, and creates that found it empty
 	Stale          int64 // sandboxes it destroyed unused, made from what is no longer current
 }
@@ -449,7 +503,8 @@ func (h *Host) PoolStats() []PoolStat {
 	defer ps.mu.Unlock()
 	out := make([]PoolStat, 0, len(ps.byName))
 	for _, p := range ps.byName {
-		out = append(out, PoolStat{Template: p.template, Wall: p.wall, Ready: len(p.ch), Size: cap(p.ch),
+		out = append(out, PoolStat{Template: p.template, Wall: p.wall, Ready: len(p.ch), Size: int(p.size.Load()),
+			Floor: p.floor, Max: cap(p.ch),
 			Hits: p.hits.Load(), Misses: p.misses.Load(), Stale: p.stale.Load()})
 	}
 	return out

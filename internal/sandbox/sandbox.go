@@ -16,6 +16,7 @@ import (
 	"os"
 	"path/filepath"
 	"sync"
+	"time"
 
 	"github.com/cagehq/cage/internal/cgroups"
 	"github.com/cagehq/cage/internal/ids"
@@ -39,6 +40,13 @@ type Host struct {
 	// PoolTemplate is the template the pool prepares sandboxes of ("" is
 	// host); creates of other templates are not pooled.
 	PoolTemplate string
+	// PoolGrow lets a pool keep up to PoolGrow times its size while creates
+	// find it empty, back to its size once none came for poolIdle (0 or 1:
+	// a pool keeps its size).
+	PoolGrow int
+	// PoolIdle is how long a pool grown by demand waits without a create
+	// before it shrinks back, one member per sweep (0: a minute).
+	PoolIdle time.Duration
 	// NetConfig configures sandbox networks, set up at the first sandbox
 	// that has one.
 	NetConfig network.Config
@@ -190,6 +198,12 @@ func (p *Pending) Start(ctx context.Context) (wall.Sandbox, error) {
 	var sb wall.Sandbox
 	var err error
 	if p.prepared != nil {
+		// A member made at background priority (a microVM's QEMU) is
+		// put back to the normal one by its take, not by a Start (a pool
+		// may start a member itself, to warm it up).
+		if f, ok := p.prepared.(interface{ Foreground() }); ok {
+			f.Foreground()
+		}
 		sb, err = p.prepared, p.prepared.Start(p.spec)
 	} else {
 		sb, err = p.driver.Create(ctx, p.spec)

@@ -209,3 +209,118 @@ func TestTemplatePool(t *testing.T) {
 		t.Errorf("after the template changed, a create ran in %q; want the new files", got)
 	}
 }
+
+// TestPoolGrowsWithDemand: a pool sized 1 that may grow to 4 (PoolGrow)
+// keeps one more for each create that found it empty, so that the next
+// burst of as many creates is served from it entirely; once no create has
+// come for its idle time it destroys what it keeps beyond its size (the
+// sandboxes' state directories go with them), back to 1.
+func TestPoolGrowsWithDemand(t *testing.T) {
+	shared := processHost(t)
+	dir, err := os.MkdirTemp("/run", "cage-poolgrow-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	_ = os.Chmod(dir, 0o711)
+	defer testutil.RemoveRunDir(dir)
+	h, err := sandbox.NewHost(dir, shared.AgentPath, shared.Log)
+	if err != nil {
+		t.Fatal(err)
+	}
+	h.Templates = shared.Templates
+	h.PoolGrow, h.PoolIdle = 4, time.Second
+	h.StartPool(1)
+	defer h.Close()
+	stat := func() sandbox.PoolStat {
+		s := h.PoolStats()
+		if len(s) != 1 {
+			t.Fatalf("pools: %+v", s)
+		}
+		return s[0]
+	}
+	waitFor := func(what string, ok func(sandbox.PoolStat) bool) {
+		t.Helper()
+		deadline := time.Now().Add(time.Minute)
+		for !ok(stat()) {
+			if time.Now().After(deadline) {
+				t.Fatalf("the pool never %s: %+v", what, stat())
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+	}
+	full := func(s sandbox.PoolStat) bool { return s.Ready == s.Size }
+	burst := func(n int) {
+		t.Helper()
+		var wg sync.WaitGroup
+		errs := make(chan error, n)
+		for range n {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				sb, err := h.Create(context.Background(), sandbox.Options{})
+				if err != nil {
+					errs <- err
+					return
+				}
+				c := agentclient.New(sb.Dial, sb.Token())
+				defer c.Close()
+				if _, err := c.Run(context.Background(), agentclient.RunOptions{Cmd: "true"}); err != nil {
+					errs <- err
+				}
+				if err := sb.Destroy(); err != nil {
+					errs <- err
+				}
+			}()
+		}
+		wg.Wait()
+		close(errs)
+		for err := range errs {
+			t.Fatal(err)
+		}
+	}
+	waitFor("filled", full)
+	if s := stat(); s.Size != 1 || s.Floor != 1 || s.Max != 4 {
+		t.Fatalf("a pool of 1 growing 4 times: %+v", s)
+	}
+	// A burst of 4: one from the pool, three find it empty.
+	before := stat()
+	burst(4)
+	s := stat()
+	missed := s.Misses - before.Misses
+	if missed < 1 || s.Size != 1+int(missed) {
+		t.Fatalf("after a burst of 4 (%d found the pool empty) the pool keeps %d, want %d: %+v", missed, s.Size, 1+missed, s)
+	}
+	waitFor("refilled to its grown size", full)
+	// The same burst again: every create from the pool.
+	before = stat()
+	burst(s.Size)
+	if after := stat(); after.Misses != before.Misses || after.Hits-before.Hits != int64(s.Size) {
+		t.Errorf("a second burst of %d: %d from the pool, %d found it empty (%+v)", s.Size, after.Hits-before.Hits, after.Misses-before.Misses, after)
+	}
+	waitFor("refilled again", full)
+	if n := len(stateDirs(t, dir)); n != stat().Size {
+		t.Errorf("%d sandbox state directories with %d in the pool", n, stat().Size)
+	}
+	// No creates: back to its size, the sandboxes beyond it destroyed.
+	waitFor("shrank back to 1", func(s sandbox.PoolStat) bool { return s.Size == 1 && s.Ready == 1 })
+	deadline := time.Now().Add(10 * time.Second)
+	for len(stateDirs(t, dir)) != 1 {
+		if time.Now().After(deadline) {
+			t.Fatalf("after the pool shrank to 1: sandbox state directories %v", stateDirs(t, dir))
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+func stateDirs(t *testing.T, runDir string) []string {
+	t.Helper()
+	ents, err := os.ReadDir(filepath.Join(runDir, "sandboxes"))
+	if err != nil && !os.IsNotExist(err) {
+		t.Fatal(err)
+	}
+	var names []string
+	for _, e := range ents {
+		names = append(names, e.Name())
+	}
+	return names
+}
