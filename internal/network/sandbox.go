@@ -71,7 +71,15 @@ func (sb *Sandbox) snapshot() (Policy, uint64) {
 // refuses are cut (should that fail, it is logged as an error: the new
 // policy stays in force). Mode none leaves the interface in place with
 // nothing allowed.
-func (sb *Sandbox) SetPolicy(p Policy) error {
+func (sb *Sandbox) SetPolicy(p Policy) error { return sb.setPolicy(p, true) }
+
+// SetFirstPolicy is SetPolicy for a sandbox in which nothing has run since
+// its interface was made (a prepared sandbox's Start): it has no
+// connection to cut, so the host's connection table, which grows with
+// every sandbox's traffic, is not walked.
+func (sb *Sandbox) SetFirstPolicy(p Policy) error { return sb.setPolicy(p, false) }
+
+func (sb *Sandbox) setPolicy(p Policy, cut bool) error {
 	if p.Mode == None && len(p.Allow) == 0 && len(p.Deny) == 0 {
 		p.Mode = Allowlist
 	}
@@ -118,6 +126,9 @@ func (sb *Sandbox) SetPolicy(p Policy) error {
 	}
 	sb.gen++
 	sb.policy, sb.learned, sb.denied, sb.inY = p, learned, denied, inY
+	if !cut {
+		return nil
+	}
 	// The policy is in force whatever happens now: an error here must not
 	// make the caller record the old one. A dump interrupted by the table
 	// changing is tried again.

@@ -480,7 +480,9 @@ func (ps *pools) take(w string, o *Options, spec wall.Spec) wall.Prepared {
 	}
 	ps.misses.Add(1)
 	p.misses.Add(1)
-	p.grow()
+	if len(kept) == 0 {
+		p.grow() // (members that fit other creates do not make it grow)
+	}
 	return nil
 }
 

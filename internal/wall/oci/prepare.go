@@ -233,7 +233,7 @@ func (sb *Sandbox) Start(spec wall.Spec) error {
 		}
 	}
 	if sb.net != nil {
-		if err := sb.net.SetPolicy(spec.NetPolicy); err != nil {
+		if err := sb.net.SetFirstPolicy(spec.NetPolicy); err != nil {
 			return err
 		}
 	}

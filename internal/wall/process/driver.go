@@ -2,7 +2,12 @@ package process
 
 import (
 	"context"
+	"fmt"
 	"log/slog"
+	"os"
+	"syscall"
+
+	"github.com/cagehq/cage/internal/template"
 
 	"github.com/cagehq/cage/internal/wall"
 )
@@ -44,14 +49,62 @@ func (d *Driver) Create(ctx context.Context, spec wall.Spec) (wall.Sandbox, erro
 // Prepare makes a sandbox of spec's template, id and sizes that waits for
 // Start (see prepare); background prepares at low CPU priority.
 func (d *Driver) Prepare(ctx context.Context, spec wall.Spec, background bool) (wall.Prepared, error) {
+	agent, err := fileID(d.cfg.AgentPath) // before the agent starts: a change after it reads as stale
+	if err != nil {
+		return nil, fmt.Errorf("the sandbox's agent %s: %w", d.cfg.AgentPath, err)
+	}
 	sb, err := prepare(ctx, job{Config: d.cfg, Spec: spec, Background: background})
 	if err != nil {
+		return nil, err
+	}
+	sb.agentPath, sb.agentID = d.cfg.AgentPath, agent
+	// A networked spec's interface is made now, under its policy (a pool's
+	// allows nothing), so that a create pays only for the policy it asks.
+	sb.prepared = true
+	if _, err := sb.attachNetwork(spec); err != nil {
+		_ = sb.Destroy()
 		return nil, err
 	}
 	return sb, nil
 }
 
+// PreparesNetwork is true: a prepared sandbox gets its network interface,
+// or none, as it is made (see wall.NetPreparer).
+func (d *Driver) PreparesNetwork() bool { return true }
+
+// Fits says whether a create of spec can be given this prepared sandbox:
+// one with a network interface serves networked creates, one without the
+// others.
+func (sb *Sandbox) Fits(spec wall.Spec) bool {
+	return !sb.prepared || (spec.Net != nil && spec.NetPolicy.Networked()) == (sb.net != nil)
+}
+
 // Adopt takes charge of a sandbox another process created (see adopt).
 func (d *Driver) Adopt(a wall.Adoption) (wall.Sandbox, error) {
 	return adopt(d.cfg, a)
+}
+
+// Stale says whether the prepared sandbox was made from other files than
+// t's now, or with another agent binary than the host has now.
+func (sb *Sandbox) Stale(t *template.Template) bool {
+	if !sb.prepared {
+		return false
+	}
+	if t == nil || t.Name != sb.template || t.EtcCache != sb.etc || (t.Image != nil) != sb.image ||
+		(t.Image != nil && t.Image.Info.ID != sb.imageID) {
+		return true
+	}
+	agent, err := fileID(sb.agentPath)
+	return err != nil || agent != sb.agentID
+}
+
+// fileID identifies a file's contents as the host installed them: device,
+// inode, size and modification time.
+func fileID(p string) (string, error) {
+	fi, err := os.Stat(p)
+	if err != nil {
+		return "", err
+	}
+	st := fi.Sys().(*syscall.Stat_t)
+	return fmt.Sprintf("%d-%d-%d-%d", st.Dev, st.Ino, fi.Size(), fi.ModTime().UnixNano()), nil
 }

@@ -71,6 +71,9 @@ type Sandbox struct {
 	imageID       string // an image template's image ID
 	image         bool   // the root is an image template's overlay
 	niced         bool   // prepared at background priority
+	prepared      bool   // made by Driver.Prepare: its network, or none, is fixed (Fits)
+	agentPath     string // a prepared sandbox's agent binary, and its fileID then (Stale)
+	agentID       string
 	disk, shm     int64  // the sizes it was built with
 	dieWithParent bool
 	pidfd         int // set for an agent that is not this process's child (adopted, or the spawner's)
@@ -234,10 +237,18 @@ func (sb *Sandbox) Start(s wall.Spec) error {
 	if err := sb.cg.Apply(s.Limits); err != nil {
 		return err
 	}
-	resolvConf, err := sb.attachNetwork(s)
-	if err != nil {
+	trace.Mark("limits applied")
+	var resolvConf string
+	var err error
+	if sb.net != nil { // prepared with its interface (Driver.Prepare)
+		if err := sb.net.SetFirstPolicy(s.NetPolicy); err != nil {
+			return err
+		}
+		resolvConf = s.Net.ResolvConf()
+	} else if resolvConf, err = sb.attachNetwork(s); err != nil {
 		return err
 	}
+	trace.Mark("network attached")
 	disk, shm := s.DiskBytes, s.ShmBytes
 	if disk == 0 {
 		disk = sb.disk
