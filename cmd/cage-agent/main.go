@@ -80,15 +80,17 @@ func main() {
 	if err := <-built; err != nil {
 		fail("sandbox setup", err)
 	}
-	// Built; now wait for the request (at once, unless kept in a pool).
+	// Built: sealed now, its threads taken, then it waits for the request
+	// (at once, unless kept in a pool), which needs no privilege.
+	if err := sb.Seal(); err != nil {
+		fail("sandbox setup", err)
+	}
+	srv.ReserveThreads()
 	token, env, maxOutput, err := sb.WaitStart()
 	if err != nil {
 		fail("sandbox setup", err)
 	}
 	srv.Configure(token, env, maxOutput)
-	if err := sb.Seal(); err != nil {
-		fail("sandbox setup", err)
-	}
 	if err := srv.Serve(sb.Listener); err != nil {
 		fail("serve", err)
 	}

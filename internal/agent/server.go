@@ -202,12 +202,7 @@ func (s *Server) Handler() http.Handler { return http.HandlerFunc(s.route) }
 // touch). Requests are accepted meanwhile; forks wait.
 func (s *Server) Serve(l net.Listener) error {
 	s.startSudo()
-	s.openGate.Do(func() {
-		go func() {
-			reserveThreads(s.cfg.Threads)
-			close(s.procs.spawner.gate)
-		}()
-	})
+	s.ReserveThreads()
 	var p http.Protocols
 	p.SetHTTP1(true)
 	p.SetUnencryptedHTTP2(true)
@@ -221,6 +216,19 @@ func (s *Server) Serve(l net.Listener) error {
 		return nil
 	}
 	return err
+}
+
+// ReserveThreads starts taking the agent's threads (Config.Threads) in the
+// background, once: forks wait until it has them. Serve calls it; a caller
+// that seals the process first may call it earlier, so that a sandbox kept
+// in a pool has its threads before its request.
+func (s *Server) ReserveThreads() {
+	s.openGate.Do(func() {
+		go func() {
+			reserveThreads(s.cfg.Threads)
+			close(s.procs.spawner.gate)
+		}()
+	})
 }
 
 // Shutdown stops serving and kills every process the agent started.

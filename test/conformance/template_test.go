@@ -3,6 +3,7 @@ package conformance
 import (
 	"context"
 	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
@@ -329,4 +330,105 @@ func stateDirs(t *testing.T, runDir string) []string {
 		names = append(names, e.Name())
 	}
 	return names
+}
+
+// TestPoolSizesFit: a pooled process-wall sandbox of the host template is
+// sealed before its create, so it serves only creates of the disk and
+// /dev/shm sizes it was built with; a create of other sizes is made cold
+// and gets what it asked, and one of the pool's sizes is served from it.
+func TestPoolSizesFit(t *testing.T) {
+	shared := processHost(t)
+	dir, err := os.MkdirTemp("/run", "cage-poolsizes-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	_ = os.Chmod(dir, 0o711)
+	defer testutil.RemoveRunDir(dir)
+	h, err := sandbox.NewHost(dir, shared.AgentPath, shared.Log)
+	if err != nil {
+		t.Fatal(err)
+	}
+	h.Templates = shared.Templates
+	h.StartPool(1)
+	defer h.Close()
+	waitFull := func() {
+		t.Helper()
+		deadline := time.Now().Add(time.Minute)
+		for s := h.PoolStats(); len(s) != 1 || s[0].Ready != 1; s = h.PoolStats() {
+			if time.Now().After(deadline) {
+				t.Fatalf("the pool never filled: %+v", s)
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+	}
+	sizes := func(o sandbox.Options, wantPooled bool) string {
+		t.Helper()
+		waitFull()
+		misses := h.PoolMisses()
+		sb, err := h.Create(context.Background(), o)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer sb.Destroy()
+		if pooled := h.PoolMisses() == misses; pooled != wantPooled {
+			t.Errorf("create %+v: from the pool %v, want %v", o, pooled, wantPooled)
+		}
+		c := agentclient.New(sb.Dial, sb.Token())
+		defer c.Close()
+		var out strings.Builder
+		if _, err := c.Run(context.Background(), agentclient.RunOptions{Cmd: "sh", Args: []string{"-c", "df -k /tmp /dev/shm | tail -2 | awk '{print $2}'"}, Stdout: &out}); err != nil {
+			t.Fatal(err)
+		}
+		return strings.Join(strings.Fields(out.String()), " ")
+	}
+	// The member waiting in the pool seals itself without a create: its
+	// agent, the only process in its cgroup, gets no_new_privs and its
+	// seccomp filter (it builds its root first, after the pool has it).
+	waitFull()
+	ids := stateDirs(t, dir)
+	if len(ids) != 1 {
+		t.Fatalf("state directories with one sandbox in the pool: %v", ids)
+	}
+	unsealed := func() (found int, not []string) {
+		procs, _ := os.ReadDir("/proc")
+		for _, p := range procs {
+			cg, err := os.ReadFile(filepath.Join("/proc", p.Name(), "cgroup"))
+			if err != nil || !strings.Contains(string(cg), ids[0]) {
+				continue
+			}
+			status, err := os.ReadFile(filepath.Join("/proc", p.Name(), "status"))
+			if err != nil {
+				continue
+			}
+			found++
+			if !strings.Contains(string(status), "NoNewPrivs:\t1") || !strings.Contains(string(status), "Seccomp:\t2") {
+				not = append(not, p.Name())
+			}
+		}
+		return found, not
+	}
+	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+		found, not := unsealed()
+		if found > 0 && len(not) == 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the pooled sandbox %s, before any create: %d processes, not sealed: %v", ids[0], found, not)
+		}
+	}
+	if s := h.PoolStats(); s[0].Hits+s[0].Misses != 0 {
+		t.Fatalf("a create came before the check: %+v", s)
+	}
+	// The pool makes networked members until creates ask otherwise: ask
+	// for none, then wait for the pool to turn.
+	sizes(sandbox.Options{}, false)
+	if got, want := sizes(sandbox.Options{}, true), fmt.Sprintf("%d %d", sandbox.DefaultDisk>>10, sandbox.DefaultShm>>10); got != want {
+		t.Errorf("pooled create: disk and /dev/shm %s KiB, want %s", got, want)
+	}
+	if got := sizes(sandbox.Options{Disk: 96 << 20}, false); got != fmt.Sprintf("%d %d", 96<<10, sandbox.DefaultShm>>10) {
+		t.Errorf("a create of a 96 MiB disk: disk and /dev/shm %s KiB", got)
+	}
+	if got := sizes(sandbox.Options{Shm: 16 << 20}, false); got != fmt.Sprintf("%d %d", sandbox.DefaultDisk>>10, 16<<10) {
+		t.Errorf("a create of a 16 MiB /dev/shm: disk and /dev/shm %s KiB", got)
+	}
 }

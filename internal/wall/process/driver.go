@@ -61,7 +61,7 @@ func (d *Driver) Prepare(ctx context.Context, spec wall.Spec, background bool) (
 	// A networked spec's interface is made now, under its policy (a pool's
 	// allows nothing), so that a create pays only for the policy it asks.
 	sb.prepared = true
-	if _, err := sb.attachNetwork(spec); err != nil {
+	if err := sb.attachNetwork(spec); err != nil {
 		_ = sb.Destroy()
 		return nil, err
 	}
@@ -74,9 +74,21 @@ func (d *Driver) PreparesNetwork() bool { return true }
 
 // Fits says whether a create of spec can be given this prepared sandbox:
 // one with a network interface serves networked creates, one without the
-// others.
+// others; and only creates of the disk (but where the host resizes it: an
+// image root's) and /dev/shm sizes it was built with, which its sealed
+// agent can no longer change.
 func (sb *Sandbox) Fits(spec wall.Spec) bool {
-	return !sb.prepared || (spec.Net != nil && spec.NetPolicy.Networked()) == (sb.net != nil)
+	if !sb.prepared {
+		return true
+	}
+	disk, shm := spec.DiskBytes, spec.ShmBytes
+	if disk == 0 {
+		disk = sb.disk
+	}
+	if shm == 0 {
+		shm = sb.shm
+	}
+	return networked(spec) == (sb.net != nil) && (sb.image || disk == sb.disk) && shm == sb.shm
 }
 
 // Adopt takes charge of a sandbox another process created (see adopt).

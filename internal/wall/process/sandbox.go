@@ -74,7 +74,7 @@ type Sandbox struct {
 	prepared      bool   // made by Driver.Prepare: its network, or none, is fixed (Fits)
 	agentPath     string // a prepared sandbox's agent binary, and its fileID then (Stale)
 	agentID       string
-	disk, shm     int64  // the sizes it was built with
+	disk, shm     int64 // the sizes it was built with
 	dieWithParent bool
 	pidfd         int // set for an agent that is not this process's child (adopted, or the spawner's)
 	net           *network.Sandbox
@@ -197,8 +197,12 @@ func prepare(ctx context.Context, cfg job) (sb *Sandbox, err error) {
 	// sizes in cfg, and then waits for Start.
 	sb.etc = cfg.Template.EtcCache
 	sb.disk, sb.shm = cfg.DiskBytes, cfg.ShmBytes
+	resolvConf := ""
+	if networked(cfg.Spec) {
+		resolvConf = cfg.Net.ResolvConf()
+	}
 	err = sb.send(&child.InitSpec{
-		ID: sb.id, Hostname: cfg.Hostname, Root: sb.root,
+		ID: sb.id, Hostname: cfg.Hostname, Root: sb.root, ResolvConf: resolvConf,
 		Mounts: cfg.Template.Mounts, Image: image, Build: cfg.Template.Build, Volumes: volumes, DiskBytes: sb.disk, DiskInodes: inside.InodesFor(sb.disk),
 		ShmBytes: sb.shm, UserName: inside.UserName, UserUID: inside.UserUID, UserGID: inside.UserUID,
 		OOMEvents: sb.cg.OOMEventsFile(), PidsEvents: sb.cg.PidsEventsFile(),
@@ -219,8 +223,8 @@ func (sb *Sandbox) send(doc any) error {
 	return nil
 }
 
-// Start applies the limits and sends the agent the request's own settings:
-// from here the sandbox seals itself and serves.
+// Start applies the limits and network policy and sends the agent the
+// request's own settings (the agent, sealed already, then serves).
 func (sb *Sandbox) Start(s wall.Spec) error {
 	if sb.started {
 		return errors.New("sandbox already started")
@@ -238,14 +242,11 @@ func (sb *Sandbox) Start(s wall.Spec) error {
 		return err
 	}
 	trace.Mark("limits applied")
-	var resolvConf string
-	var err error
 	if sb.net != nil { // prepared with its interface (Driver.Prepare)
 		if err := sb.net.SetFirstPolicy(s.NetPolicy); err != nil {
 			return err
 		}
-		resolvConf = s.Net.ResolvConf()
-	} else if resolvConf, err = sb.attachNetwork(s); err != nil {
+	} else if err := sb.attachNetwork(s); err != nil {
 		return err
 	}
 	trace.Mark("network attached")
@@ -261,8 +262,8 @@ func (sb *Sandbox) Start(s wall.Spec) error {
 	if shm == 0 {
 		shm = sb.shm
 	}
-	err = sb.send(&child.StartSpec{Token: s.Token, Env: s.Env, MaxOutput: s.MaxOutput,
-		DiskBytes: disk, DiskInodes: inside.InodesFor(disk), ShmBytes: shm, ResolvConf: resolvConf})
+	err := sb.send(&child.StartSpec{Token: s.Token, Env: s.Env, MaxOutput: s.MaxOutput,
+		DiskBytes: disk, DiskInodes: inside.InodesFor(disk), ShmBytes: shm})
 	sb.specW.Close()
 	sb.specW = nil
 	if err != nil {
@@ -273,21 +274,23 @@ func (sb *Sandbox) Start(s wall.Spec) error {
 }
 
 // attachNetwork gives the sandbox's own network namespace a veth under the
-// policy, and returns the resolv.conf that goes with it ("" for none).
-func (sb *Sandbox) attachNetwork(s wall.Spec) (string, error) {
-	if s.Net == nil || !s.NetPolicy.Networked() {
-		return "", nil
+// policy, when s asks for a network (its resolv.conf went with InitSpec).
+func (sb *Sandbox) attachNetwork(s wall.Spec) error {
+	if !networked(s) {
+		return nil
 	}
 	ns, err := os.Open(fmt.Sprintf("/proc/%d/ns/net", sb.pid))
 	if err != nil {
-		return "", fmt.Errorf("the sandbox's network namespace: %w", err)
+		return fmt.Errorf("the sandbox's network namespace: %w", err)
 	}
 	defer ns.Close()
 	if sb.net, err = s.Net.Attach(sb.id, sb.ids.Slot(), int(ns.Fd()), s.NetPolicy); err != nil {
-		return "", fmt.Errorf("sandbox network: %w", err)
+		return fmt.Errorf("sandbox network: %w", err)
 	}
-	return s.Net.ResolvConf(), nil
+	return nil
 }
+
+func networked(s wall.Spec) bool { return s.Net != nil && s.NetPolicy.Networked() }
 
 // Network is the sandbox's network, nil when it has none.
 func (sb *Sandbox) Network() *network.Sandbox { return sb.net }

@@ -96,6 +96,12 @@ func (c *Child) Build() error {
 		{"pivot_root", func() error { return pivot(spec.Root, spec.Image != "") }},
 		{"hostname", func() error { return unix.Sethostname([]byte(spec.Hostname)) }},
 		{"loopback", inside.LoopbackUp},
+		{"resolv.conf", func() error {
+			if spec.ResolvConf == "" {
+				return nil // the root's own says there is no network
+			}
+			return writeRootFile("/run/cage/resolv.conf", spec.ResolvConf, spec.Image != "")
+		}},
 	}
 	for _, s := range steps {
 		trace.Mark(s.name)
@@ -132,7 +138,9 @@ func readDoc(dec *json.Decoder, v any) error {
 }
 
 // WaitStart waits for the request's own settings (the second document),
-// applies its disk and shm sizes, and returns them.
+// which come once the child is sealed, and returns them. Sizes other than
+// the ones it was built with are refused: it can no longer remount (an
+// image root's disk is the host's, which the host resized).
 func (c *Child) WaitStart() (token string, env map[string]string, maxOutput int64, err error) {
 	st := &StartSpec{}
 	err = readDoc(c.specs, st)
@@ -141,23 +149,9 @@ func (c *Child) WaitStart() (token string, env map[string]string, maxOutput int6
 		return "", nil, 0, err
 	}
 	trace.Mark("start read")
-	// An image root's disk is the host's; the host resized it.
-	if c.spec.Image == "" && (st.DiskBytes != c.spec.DiskBytes || st.DiskInodes != c.spec.DiskInodes) {
-		opts := fmt.Sprintf("size=%d,nr_inodes=%d", st.DiskBytes, st.DiskInodes)
-		if err := unix.Mount("", "/tmp", "", unix.MS_REMOUNT|unix.MS_NOSUID|unix.MS_NODEV, opts); err != nil {
-			return "", nil, 0, fmt.Errorf("resize the disk: %w", err)
-		}
-	}
-	if st.ResolvConf != "" {
-		if err := writeRootFile("/run/cage/resolv.conf", st.ResolvConf, c.spec.Image != ""); err != nil {
-			return "", nil, 0, fmt.Errorf("resolv.conf: %w", err)
-		}
-	}
-	if st.ShmBytes != c.spec.ShmBytes {
-		opts := fmt.Sprintf("size=%d", st.ShmBytes)
-		if err := unix.Mount("", "/dev/shm", "", unix.MS_REMOUNT|unix.MS_NOSUID|unix.MS_NODEV|unix.MS_NOEXEC, opts); err != nil {
-			return "", nil, 0, fmt.Errorf("resize /dev/shm: %w", err)
-		}
+	if (c.spec.Image == "" && (st.DiskBytes != c.spec.DiskBytes || st.DiskInodes != c.spec.DiskInodes)) || st.ShmBytes != c.spec.ShmBytes {
+		return "", nil, 0, fmt.Errorf("the host asked a sealed sandbox for other sizes (disk %d, shm %d; built with %d, %d)",
+			st.DiskBytes, st.ShmBytes, c.spec.DiskBytes, c.spec.ShmBytes)
 	}
 	return st.Token, st.Env, st.MaxOutput, nil
 }

@@ -9,9 +9,9 @@ import "github.com/cagehq/cage/internal/inside"
 
 // The host sends the child two JSON documents over a pipe. InitSpec, once
 // the child is in its cgroups, says how to build the sandbox: the child
-// builds it and waits. StartSpec, when the sandbox is wanted, carries what is
-// particular to one request; the child then seals itself and serves. A pool
-// keeps sandboxes between the two.
+// builds it, seals itself and waits. StartSpec, when the sandbox is wanted,
+// carries what is particular to one request and needs no privilege; the
+// child then serves. A pool keeps sandboxes between the two, sealed.
 type InitSpec struct {
 	ID       string         `json:"id"`
 	Hostname string         `json:"hostname"`
@@ -31,6 +31,8 @@ type InitSpec struct {
 	DiskBytes  int64 `json:"disk_bytes"`
 	DiskInodes int64 `json:"disk_inodes"`
 	ShmBytes   int64 `json:"shm_bytes"`
+	// ResolvConf is set when the sandbox has a network.
+	ResolvConf string `json:"resolv_conf,omitempty"`
 
 	UserName string `json:"user_name"`
 	UserUID  int    `json:"user_uid"`
@@ -45,8 +47,10 @@ type InitSpec struct {
 	DieWithParent bool `json:"die_with_parent"`
 }
 
-// StartSpec is the second document: one request's own settings. Disk and
-// shm sizes that differ from InitSpec's are applied by remounting.
+// StartSpec is the second document: one request's own settings. Its disk
+// and shm sizes are InitSpec's (the sealed child can no longer remount: a
+// pool hands a member only to creates of its sizes); the child refuses
+// others.
 type StartSpec struct {
 	Token      string            `json:"token"`
 	Env        map[string]string `json:"env"`
@@ -54,7 +58,6 @@ type StartSpec struct {
 	DiskBytes  int64             `json:"disk_bytes"`
 	DiskInodes int64             `json:"disk_inodes"`
 	ShmBytes   int64             `json:"shm_bytes"`
-	ResolvConf string            `json:"resolv_conf,omitempty"` // set when the sandbox has a network
 }
 
 // Descriptors the child inherits.
