@@ -373,6 +373,10 @@ func TestPoolSizesFit(t *testing.T) {
 		if pooled := h.PoolMisses() == misses; pooled != wantPooled {
 			t.Errorf("create %+v: from the pool %v, want %v", o, pooled, wantPooled)
 		}
+		// The default limits, whether the pool applied them or the create.
+		if data, err := os.ReadFile(filepath.Join(sb.Cgroup().Dir("pids"), "pids.max")); err != nil || strings.TrimSpace(string(data)) != fmt.Sprint(sandbox.DefaultPids+insideAgentThreads()) {
+			t.Errorf("create %+v: pids.max %q (%v), want %d", o, data, err, sandbox.DefaultPids+insideAgentThreads())
+		}
 		c := agentclient.New(sb.Dial, sb.Token())
 		defer c.Close()
 		var out strings.Builder

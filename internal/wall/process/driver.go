@@ -58,6 +58,13 @@ func (d *Driver) Prepare(ctx context.Context, spec wall.Spec, background bool) (
 		return nil, err
 	}
 	sb.agentPath, sb.agentID = d.cfg.AgentPath, agent
+	// Its limits now (a pool's are the defaults): a create that asks the
+	// same does not write them again.
+	if err := sb.cg.Apply(spec.Limits); err != nil {
+		_ = sb.Destroy()
+		return nil, err
+	}
+	sb.limits = spec.Limits
 	// A networked spec's interface is made now, under its policy (a pool's
 	// allows nothing), so that a create pays only for the policy it asks.
 	sb.prepared = true

@@ -74,7 +74,8 @@ type Sandbox struct {
 	prepared      bool   // made by Driver.Prepare: its network, or none, is fixed (Fits)
 	agentPath     string // a prepared sandbox's agent binary, and its fileID then (Stale)
 	agentID       string
-	disk, shm     int64 // the sizes it was built with
+	limits        cgroups.Limits // a prepared sandbox's, applied as it was made
+	disk, shm     int64          // the sizes it was built with
 	dieWithParent bool
 	pidfd         int // set for an agent that is not this process's child (adopted, or the spawner's)
 	net           *network.Sandbox
@@ -238,8 +239,10 @@ func (sb *Sandbox) Start(s wall.Spec) error {
 	if sb.niced {
 		sb.renice()
 	}
-	if err := sb.cg.Apply(s.Limits); err != nil {
-		return err
+	if !sb.prepared || s.Limits != sb.limits {
+		if err := sb.cg.Apply(s.Limits); err != nil {
+			return err
+		}
 	}
 	trace.Mark("limits applied")
 	if sb.net != nil { // prepared with its interface (Driver.Prepare)
