@@ -190,6 +190,18 @@ func (h *Host) Begin(ctx context.Context, o *Options) (*Pending, error) {
 	return p, nil
 }
 
+// foreground puts a pool's member made at background priority (a
+// microVM's QEMU) back to the normal one: its take does, not its Start,
+// which a pool may call itself to warm the member up.
+func foreground(sb wall.Prepared) {
+	if s, ok := sb.(*startedSandbox); ok {
+		sb = s.Prepared
+	}
+	if f, ok := sb.(interface{ Foreground() }); ok {
+		f.Foreground()
+	}
+}
+
 // Start makes the sandbox (or starts the prepared one) and runs its
 // template's start command. On error nothing is left behind. A prepared
 // sandbox built from an older copy of its template's files is destroyed
@@ -198,12 +210,7 @@ func (p *Pending) Start(ctx context.Context) (wall.Sandbox, error) {
 	var sb wall.Sandbox
 	var err error
 	if p.prepared != nil {
-		// A member made at background priority (a microVM's QEMU) is
-		// put back to the normal one by its take, not by a Start (a pool
-		// may start a member itself, to warm it up).
-		if f, ok := p.prepared.(interface{ Foreground() }); ok {
-			f.Foreground()
-		}
+		foreground(p.prepared)
 		sb, err = p.prepared, p.prepared.Start(p.spec)
 	} else {
 		sb, err = p.driver.Create(ctx, p.spec)

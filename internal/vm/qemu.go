@@ -74,6 +74,9 @@ type Config struct {
 	// Jail, when set, runs once QEMU exists and before the guest runs
 	// (QEMU starts paused): to put it into its cgroup.
 	Jail func(pid int) error
+	// Background starts QEMU, and so its every thread, at BackgroundNice
+	// until Foreground (a VM made ahead of its request).
+	Background bool
 
 	incoming bool              // start paused, waiting for a migration (Restore)
 	paused   bool              // start paused (-S), for Jail
@@ -340,7 +343,7 @@ func launch(cfg Config) (*VM, error) {
 		v.cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 	}
 	v.cmd.Stdout, v.cmd.Stderr = v.console, v.stderr
-	if err := v.cmd.Start(); err != nil {
+	if err := startAt(v.cmd, cfg.Background); err != nil {
 		if v.lifeline != nil {
 			v.lifeline.Close()
 		}

@@ -5,6 +5,8 @@ import (
 	"errors"
 	"fmt"
 	"os"
+
+	"github.com/cagehq/cage/internal/trace"
 )
 
 // Snapshots. A VM to snapshot runs with its RAM in a file mapped shared
@@ -84,11 +86,13 @@ func Restore(ctx context.Context, cfg Config, stateFile string) (*VM, error) {
 	if err != nil {
 		return nil, fmt.Errorf("restore vm: %w", err)
 	}
+	trace.Mark("vm: qemu started")
 	if cfg.Jail != nil {
 		if err := cfg.Jail(v.Pid()); err != nil {
 			v.Stop()
 			return nil, fmt.Errorf("restore vm: %w", err)
 		}
+		trace.Mark("vm: in its cgroup")
 	}
 	if err := v.incomingFrom(ctx, f, migrationCaps); err != nil {
 		v.Stop()
@@ -114,9 +118,11 @@ func (v *VM) incomingFrom(ctx context.Context, state *os.File, caps map[string]a
 	); err != nil {
 		return v.qemuGone(ctx, err)
 	}
+	trace.Mark("vm: qmp answered")
 	if err := q.waitMigration(ctx); err != nil {
 		return v.qemuGone(ctx, err)
 	}
+	trace.Mark("vm: state loaded")
 	// The snapshot's VM was stopped, so the restored one stays paused
 	// after the migration (it takes the source's run state) until told.
 	if _, err := q.call(ctx, "cont", nil); err != nil {

@@ -16,11 +16,13 @@
 //
 // Sandboxes start from snapshots: the first Create of a VM shape (kernel,
 // initramfs and so agent, template image, memory, CPUs) boots a guest,
-// has it mount its root and wait for a host again, and saves it
-// (snapshot.go); every Create restores a VM from that snapshot, its RAM
-// the snapshot's file mapped copy-on-write, and sends the spec, which
-// gives the guest its own identity before the agent exists (see spec).
-// A VM boots cold only when no snapshot can be made. A pool's VM
-// (prepare.go) is restored and greeted ahead of its create, which then
-// sends the spec; under TCG the pool starts it and runs a command first.
+// has it mount its root, make the agent's server (no token, environment
+// or limits yet) and wait for a host again, and saves it (snapshot.go);
+// every Create restores a VM from that snapshot, its RAM the snapshot's
+// file mapped copy-on-write, and sends the spec, which gives the guest its
+// own identity and limits and the agent its token before the agent serves
+// (see spec). A VM boots cold only when no snapshot can be made. A pool's
+// VM (prepare.go) is restored and greeted ahead of its create, QEMU at
+// background priority until the create takes it, which then sends the
+// spec; under TCG the pool starts it and runs a command first.
 package microvm

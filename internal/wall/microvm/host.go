@@ -65,8 +65,9 @@ type Config struct {
 	CPUs     int
 	Log      *slog.Logger // slog.Default() when nil
 
-	coldBoot bool // boot, do not restore (tests compare the two)
-	prepare  bool // stop once the guest waits for its spec (prepare.go)
+	coldBoot   bool // boot, do not restore (tests compare the two)
+	prepare    bool // stop once the guest waits for its spec (prepare.go)
+	background bool // restore at background priority (a pool's; prepare.go)
 }
 
 func logger(cfg Config) *slog.Logger {
@@ -311,6 +312,7 @@ func Create(ctx context.Context, cfg Config) (sb *Sandbox, err error) {
 		if serr == nil {
 			rc := vcfg
 			rc.MemoryFD = mem
+			rc.Background = cfg.background
 			if sb.v, err = vm.Restore(ctx, rc, snap.state()); err != nil {
 				return sb, err
 			}
@@ -366,13 +368,22 @@ func (sb *Sandbox) start(ctx context.Context, spec wall.Spec) error {
 	}
 	if err := json.NewEncoder(first).Encode(guest.Spec{Token: spec.Token, Env: spec.Env, MaxOutput: spec.MaxOutput,
 		Hostname: hostname, DiskBytes: spec.DiskBytes, ShmBytes: shmBytes(spec.ShmBytes), Threads: inside.AgentThreads, Limits: spec.Limits, Net: gnet,
-		Entropy: entropy, UnixNano: time.Now().UnixNano()}); err != nil {
+		Entropy: entropy, UnixNano: time.Now().UnixNano(), Trace: trace.On()}); err != nil {
 		return err
 	}
 	if err := readLine(ctx, first, bufio.NewReader(first), guest.Ready); err != nil {
 		return fmt.Errorf("the guest's agent did not start: %w (%s%s)", err, consoleTail(sb.v), qemuEnd(sb.v))
 	}
 	trace.Mark("microvm: ready")
+	if trace.On() {
+		// The guest's marks (its clock is the host's, set by the spec,
+		// but runs slow under TCG), quoted: the guest writes its console.
+		for _, l := range strings.Split(sb.v.Console(), "\n") {
+			if strings.HasPrefix(l, "trace ") {
+				trace.Mark("guest console: " + strconv.Quote(strings.TrimSpace(l)))
+			}
+		}
+	}
 	return nil
 }
 

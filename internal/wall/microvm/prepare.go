@@ -15,8 +15,8 @@ import (
 // slot and QEMU's host cgroup, whose guest said hello and holds the
 // session, waiting for its spec. It has no identity yet: no token,
 // hostname, random bytes, clock, limits, address or environment; the
-// agent does not exist. Start sends the request's spec, which gives the
-// guest all of them before its agent starts (see guest.Spec), so that no
+// agent does not serve. Start sends the request's spec, which gives the
+// guest all of them before its agent serves (see guest.Spec), so that no
 // two sandboxes share what a snapshot would have made common.
 //
 // The VM's shape stays what it was prepared with: its RAM and vCPUs (the
@@ -65,11 +65,21 @@ func (d *Driver) Prepare(ctx context.Context, spec wall.Spec, background bool) (
 	k, _ := d.guestKernel()
 	accel, _ := d.Accel(ctx)
 	sb, err := Create(ctx, Config{Spec: spec, RunDir: d.cfg.RunDir, Cache: d.cfg.Cache, AgentPath: d.cfg.AgentPath,
-		Kernel: k, Cgroups: d.cfg.Cgroups, Accel: accel, Log: d.cfg.Log, prepare: true})
+		Kernel: k, Cgroups: d.cfg.Cgroups, Accel: accel, Log: d.cfg.Log, prepare: true, background: background})
 	if err != nil {
 		return nil, fmt.Errorf("microvm: %w", err)
 	}
 	return sb, nil
+}
+
+// Foreground puts QEMU back to the normal priority: a pool's VM is
+// restored, and under TCG started and warmed up, at vm.BackgroundNice (so
+// that refilling a pool takes little from the creates it serves), until a
+// create takes it.
+func (sb *Sandbox) Foreground() {
+	if sb.v != nil {
+		sb.v.Foreground()
+	}
 }
 
 // PreparesNetwork is true: the VM's NIC is part of its shape (see

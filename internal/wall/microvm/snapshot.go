@@ -21,6 +21,7 @@ import (
 	"github.com/hashicorp/yamux"
 	"golang.org/x/sys/unix"
 
+	"github.com/cagehq/cage/internal/inside"
 	"github.com/cagehq/cage/internal/network"
 	"github.com/cagehq/cage/internal/vm"
 	"github.com/cagehq/cage/internal/wall/channel"
@@ -365,7 +366,7 @@ func buildSnapshot(ctx context.Context, dir string, c vm.Config) error {
 		sess.Close()
 		return err
 	}
-	err = json.NewEncoder(first).Encode(guest.Spec{Prepare: true, DiskBytes: prepareDiskBytes, ShmBytes: shmBytes(0)})
+	err = json.NewEncoder(first).Encode(guest.Spec{Prepare: true, DiskBytes: prepareDiskBytes, ShmBytes: shmBytes(0), Threads: inside.AgentThreads})
 	if err == nil {
 		err = readLine(ctx, first, bufio.NewReader(first), guest.Prepared)
 	}

@@ -20,6 +20,7 @@ import (
 	"github.com/cagehq/cage/internal/cgroups"
 	"github.com/cagehq/cage/internal/inside"
 	"github.com/cagehq/cage/internal/seal"
+	"github.com/cagehq/cage/internal/trace"
 	"github.com/cagehq/cage/internal/vm/boot"
 	"github.com/cagehq/cage/internal/wall/channel"
 )
@@ -28,7 +29,8 @@ import (
 // namespace, on the agent port its init opened. It returns only on error
 // (the guest is then powered off).
 func guestAgent(port *os.File) error {
-	var disk *os.File // the root's upper layer, once mounted
+	var disk *os.File   // the root's upper layer, once mounted
+	var made *madeAgent // the agent, made before a snapshot
 	for {
 		conn, err := dupPort(port)
 		if err != nil {
@@ -50,11 +52,23 @@ func guestAgent(port *os.File) error {
 		}
 		if !sp.Prepare {
 			disk.Close()
-			return serve(sess, first, sp, restored, port)
+			return serve(sess, first, sp, made, port)
 		}
 		if err := warmUp(); err != nil {
 			fmt.Fprintf(first, "error: %v\n", err)
 			return err
+		}
+		// The agent too: every restored guest would make the same one
+		// (nothing of it is a sandbox's until Configure), and under TCG
+		// making it after the restore costs a good part of the create.
+		if made == nil {
+			if made, err = makeAgent(sp.Threads); err != nil {
+				fmt.Fprintf(first, "error: %v\n", err)
+				return err
+			}
+			// And the protobuf tables of a first command, which every
+			// restored guest shares with the snapshot's pages.
+			agent.WarmProtocol()
 		}
 		// A snapshot is made of this guest: answer, wait for the host to
 		// go (the port's EOF ends the session), and wait for the next one
@@ -179,45 +193,59 @@ func nextHostAgain(port *os.File) (*yamux.Session, net.Conn, Spec, error) {
 	return sess, first, sp, err
 }
 
-// serve makes the guest the sandbox sp describes and serves the agent on
-// sess. Its identity comes first: no command can run before the agent
-// exists, and the agent is made only once the guest has its own random
-// state, clock and name.
-func serve(sess *yamux.Session, first net.Conn, sp Spec, restored bool, port *os.File) error {
-	if err := freshIdentity(sp); err != nil {
-		fmt.Fprintf(first, "error: %v\n", err)
-		return err
+// madeAgent is the agent's server, made (agent.New) in the sandbox's
+// cgroup with no sandbox's identity yet: no token, environment or limits.
+type madeAgent struct {
+	srv *agent.Server
+	cg  *cgroups.Cgroup // the sandbox's group in the guest, which holds the agent
+}
+
+// makeAgent puts the agent into the guest's cgroup of the sandbox (before
+// the spawning thread takes a cgroup namespace rooted there) and makes its
+// server, which serves nobody until serve configures it.
+func makeAgent(threads int) (*madeAgent, error) {
+	cg := cgroups.V2At(cgroupRoot, "cage").Open("sandbox")
+	if err := cg.AddProc(os.Getpid()); err != nil {
+		return nil, fmt.Errorf("guest cgroup: %w", err)
 	}
-	if restored {
-		if err := writeNames(sp.Hostname); err != nil {
-			fmt.Fprintf(first, "error: %v\n", err)
-			return err
-		}
-	} else if err := inside.LoopbackUp(); err != nil {
-		return err
+	var ev cgroups.EventFiles
+	var err error
+	if ev.OOM, err = os.Open(cg.OOMEventsFile()); err != nil {
+		return nil, err
 	}
-	if sp.Net != nil {
-		if err := netUp(sp.Net); err != nil {
-			fmt.Fprintf(first, "error: %v\n", err)
-			return err
-		}
-	}
-	limits, err := guestCgroup(sp.Limits)
-	if err != nil {
-		fmt.Fprintf(first, "error: %v\n", err)
-		return err
+	if ev.Pids, err = os.Open(cg.PidsEventsFile()); err != nil {
+		return nil, err
 	}
 	srv, err := agent.New(agent.Config{
-		Token: sp.Token, DefaultUser: inside.UserName, Env: sp.Env, MaxOutput: sp.MaxOutput,
-		SpawnThreadSetup: spawnThread, AgentUID: inside.AgentUID, Threads: sp.Threads,
-		Limits: limits,
+		DefaultUser: inside.UserName, SpawnThreadSetup: spawnThread, AgentUID: inside.AgentUID, Threads: threads,
+		Limits: ev,
 	})
 	if err != nil {
+		return nil, err
+	}
+	return &madeAgent{srv: srv, cg: cg}, nil
+}
+
+// serve makes the guest the sandbox sp describes and serves the agent on
+// sess. Its identity comes first: no command can run before the agent
+// serves, and the agent serves only once the guest has its own random
+// state, clock, name and limits and the agent its token. made is the
+// agent a snapshot's guest made (nil in a guest booted cold, which makes
+// it here, after its identity).
+func serve(sess *yamux.Session, first net.Conn, sp Spec, made *madeAgent, port *os.File) error {
+	trace.Set(sp.Trace)
+	trace.Mark("guest: spec read")
+	made, err := become(sp, made)
+	if err != nil {
+		fmt.Fprintf(first, "error: %v\n", err)
 		return err
 	}
+	srv := made.srv
+	srv.Configure(sp.Token, sp.Env, sp.MaxOutput)
 	if _, err := seal.Seal(seal.Options{AgentUID: inside.AgentUID, WritableRoot: true}); err != nil {
 		return err
 	}
+	trace.Mark("guest: sealed")
 	if _, err := io.WriteString(first, Ready); err != nil {
 		return err
 	}
@@ -238,6 +266,40 @@ func serve(sess *yamux.Session, first net.Conn, sp Spec, restored bool, port *os
 		}
 		first.Close()
 	}
+}
+
+// become gives the guest sp's identity (random state, clock, hostname),
+// network and limits, and returns its agent: made, or, in a guest booted
+// cold, made here once the rest is done.
+func become(sp Spec, made *madeAgent) (*madeAgent, error) {
+	if err := freshIdentity(sp); err != nil {
+		return nil, err
+	}
+	trace.Mark("guest: identity")
+	if made != nil {
+		if err := writeNames(sp.Hostname); err != nil {
+			return nil, err
+		}
+	} else if err := inside.LoopbackUp(); err != nil {
+		return nil, err
+	}
+	if sp.Net != nil {
+		if err := netUp(sp.Net); err != nil {
+			return nil, err
+		}
+	}
+	trace.Mark("guest: names, network")
+	if made == nil {
+		var err error
+		if made, err = makeAgent(sp.Threads); err != nil {
+			return nil, err
+		}
+	}
+	if err := made.cg.Apply(sp.Limits); err != nil {
+		return nil, fmt.Errorf("guest cgroup: %w", err)
+	}
+	trace.Mark("guest: limits")
+	return made, nil
 }
 
 // spawnThread prepares the thread that starts every command: a cgroup
@@ -303,34 +365,6 @@ func prepareCgroup() error {
 	}
 	cgroupRoot = "/proc/self/fd/" + strconv.Itoa(fd)
 	return nil
-}
-
-// guestCgroup gives the sandbox's group its limits and puts the agent, and
-// so every command it starts, into it, and opens its counters for the exit
-// reasons (OOM, pids limit), as the host's cgroups do on the other walls.
-// The VM's own size and QEMU's host cgroup are the bounds that hold even
-// against guest root; this one makes the limits exact and the reasons the
-// guest kernel's.
-func guestCgroup(lim cgroups.Limits) (agent.LimitEvents, error) {
-	if lim == (cgroups.Limits{}) {
-		return nil, nil
-	}
-	cg := cgroups.V2At(cgroupRoot, "cage").Open("sandbox")
-	if err := cg.Apply(lim); err != nil {
-		return nil, fmt.Errorf("guest cgroup: %w", err)
-	}
-	if err := cg.AddProc(os.Getpid()); err != nil {
-		return nil, fmt.Errorf("guest cgroup: %w", err)
-	}
-	var ev cgroups.EventFiles
-	var err error
-	if ev.OOM, err = os.Open(cg.OOMEventsFile()); err != nil {
-		return nil, err
-	}
-	if ev.Pids, err = os.Open(cg.PidsEventsFile()); err != nil {
-		return nil, err
-	}
-	return ev, nil
 }
 
 // freshIdentity gives the guest what no two sandboxes may share, which a

@@ -12,8 +12,10 @@ import (
 
 // Spec is what the host sends on the session's first stream.
 //
-// A prepare spec (Prepare set, nothing else but DiskBytes) is how a
-// snapshot is made: the guest mounts its root, answers prepared, and once
+// A prepare spec (Prepare set, nothing else but DiskBytes, ShmBytes and
+// Threads) is how a snapshot is made: the guest mounts its root, makes the
+// agent's server in the sandbox's cgroup (with no token, environment or
+// limits: those come with the full spec), answers prepared, and once
 // the host has gone it waits for the next host exactly as a fresh guest
 // does, by writing hello. The VM is saved there, and every VM restored
 // from it greets the host that connects to it and takes the full spec.
@@ -21,7 +23,7 @@ import (
 // Entropy and UnixNano make a restored guest its own: restored guests
 // start with the same kernel RNG state and the clock of the moment of the
 // snapshot, so the guest mixes the host's random bytes into its RNG and
-// sets its clock before the agent exists. A cold-booted guest does the
+// sets its clock before the agent serves. A cold-booted guest does the
 // same; it costs nothing.
 //
 // A resume spec (Resume set, with Entropy and UnixNano) is what the host
@@ -47,6 +49,9 @@ type Spec struct {
 	// Net, when set, is the guest's network: its NIC's address, the
 	// gateway, the resolver's configuration.
 	Net *Net `json:"net,omitempty"`
+	// Trace has the guest print its phase marks on its console (the
+	// host's CAGE_TRACE; see package trace).
+	Trace bool `json:"trace,omitempty"`
 }
 
 // Net configures the guest's eth0 as the other walls' is in the
