@@ -38,10 +38,12 @@ func NewRunc(cfg Config) *Driver {
 // fifo qdisc's goroutine, runsc's default, which writes them. The handoff
 // costs a goroutine wake-up per batch, and on a busy host a wait for a CPU
 // that the sender, clocked by returning ACKs, then spends sending smaller
-// segments: one TCP stream out of a sandbox ran ≈1.3-1.9x faster with none
-// on the 2-core development host (see docs/BENCHMARKS.md). It changes only
-// where the sentry queues packets it sends: not what the sandbox reaches
-// (the veth, the host's nftables and NAT are the same) nor what it sees.
+// segments. On the 2-core development host a stream out of a sandbox cost
+// its cgroup 12-29% less CPU and the sentry 14-34% fewer context switches
+// with none; its throughput against the host's rose in most runs (0.48 to
+// 0.87 at load 5), not in all (docs/BENCHMARKS.md). It changes only where
+// the sentry queues packets it sends: not what the sandbox reaches (the
+// veth, the host's nftables and NAT are the same) nor what it sees.
 func NewGVisor(cfg Config) *Driver {
 	cfg.Runtime = nil
 	runsc := os.Getenv("CAGE_RUNSC")
