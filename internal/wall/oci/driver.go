@@ -39,11 +39,12 @@ func NewRunc(cfg Config) *Driver {
 // costs a goroutine wake-up per batch, and on a busy host a wait for a CPU
 // that the sender, clocked by returning ACKs, then spends sending smaller
 // segments. On the 2-core development host a stream out of a sandbox cost
-// its cgroup 12-29% less CPU and the sentry 14-34% fewer context switches
-// with none; its throughput against the host's rose in most runs (0.48 to
-// 0.87 at load 5), not in all (docs/BENCHMARKS.md). It changes only where
-// the sentry queues packets it sends: not what the sandbox reaches (the
-// veth, the host's nftables and NAT are the same) nor what it sees.
+// its cgroup 9-38% less CPU (7 sandbox pairs, median 16%) and the sentry
+// up to 40% fewer context switches with none; its throughput against the
+// host's rose in most runs (0.48 to 0.87 at load 5), not in all
+// (docs/BENCHMARKS.md). It changes only where the sentry queues packets it
+// sends: not what the sandbox reaches (the veth, the host's nftables and
+// NAT are the same) nor what it sees.
 func NewGVisor(cfg Config) *Driver {
 	cfg.Runtime = nil
 	runsc := os.Getenv("CAGE_RUNSC")
