@@ -23,7 +23,9 @@ import (
 // three runner templates, failures as Dify must see them, hostile code,
 // bad requests, 100 runs at once, the audit trail, nothing left behind.
 func TestDify(t *testing.T) {
-	s := start(t, map[string]any{"timeout": "4s", "memory": "128M", "pids": 64, "pool": 4, "max_output": "64K"})
+	// A pool that keeps its size (--pool-grow 1), so that what is left at
+	// the end can be told from what the pool holds.
+	s := start(t, map[string]any{"timeout": "4s", "memory": "128M", "pids": 64, "pool": 4, "max_output": "64K"}, "--pool-grow", "1")
 	t.Run("runners", s.testRunners)
 	t.Run("failures", s.testFailures)
 	t.Run("memory bomb", s.testMemoryBomb)
