@@ -11,7 +11,6 @@ import (
 	"runtime"
 	"strconv"
 	"strings"
-	"syscall"
 
 	"golang.org/x/sys/unix"
 
@@ -20,6 +19,7 @@ import (
 	"github.com/cagehq/cage/internal/template"
 	"github.com/cagehq/cage/internal/wall"
 	"github.com/cagehq/cage/internal/wall/oci/container"
+	"github.com/cagehq/cage/internal/wall/state"
 )
 
 // A prepared sandbox (a pool's, wall.Preparer) is a container made and
@@ -40,7 +40,7 @@ import (
 // a request fits it and whether it is stale.
 type preparation struct {
 	template, imageID, etc string
-	agent, runtime         string // the agent's and runtime's identities (fileID)
+	agent, runtime         string // the agent's and runtime's identities (state.FileID)
 	agentPath, runtimePath string
 	networked              bool
 	disk, shm              int64
@@ -56,24 +56,13 @@ func newPreparation(cfg job, networked bool) (*preparation, error) {
 		p.imageID = cfg.Template.Image.Info.ID
 	}
 	var err error
-	if p.agent, err = fileID(cfg.AgentPath); err != nil {
+	if p.agent, err = state.FileID(cfg.AgentPath); err != nil {
 		return nil, err
 	}
-	if p.runtime, err = fileID(cfg.Runtime.Binary); err != nil {
+	if p.runtime, err = state.FileID(cfg.Runtime.Binary); err != nil {
 		return nil, err
 	}
 	return p, nil
-}
-
-// fileID names a file's content as it is now: its inode, size and
-// modification time (a binary installed anew changes at least one).
-func fileID(p string) (string, error) {
-	fi, err := os.Stat(p)
-	if err != nil {
-		return "", err
-	}
-	st := fi.Sys().(*syscall.Stat_t)
-	return fmt.Sprintf("%d-%d-%d-%d", st.Dev, st.Ino, fi.Size(), fi.ModTime().UnixNano()), nil
 }
 
 // Prepare makes a sandbox of spec (id, hostname, template, sizes, limits,
@@ -182,11 +171,11 @@ func (sb *Sandbox) Stale(t *template.Template) bool {
 		(t.Image != nil && t.Image.Info.ID != p.imageID) {
 		return true
 	}
-	agent, err := fileID(p.agentPath)
+	agent, err := state.FileID(p.agentPath)
 	if err != nil || agent != p.agent {
 		return true
 	}
-	rt, err := fileID(p.runtimePath)
+	rt, err := state.FileID(p.runtimePath)
 	return err != nil || rt != p.runtime
 }
 

@@ -4,10 +4,9 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
-	"os"
-	"syscall"
 
 	"github.com/cagehq/cage/internal/template"
+	"github.com/cagehq/cage/internal/wall/state"
 
 	"github.com/cagehq/cage/internal/wall"
 )
@@ -49,7 +48,7 @@ func (d *Driver) Create(ctx context.Context, spec wall.Spec) (wall.Sandbox, erro
 // Prepare makes a sandbox of spec's template, id and sizes that waits for
 // Start (see prepare); background prepares at low CPU priority.
 func (d *Driver) Prepare(ctx context.Context, spec wall.Spec, background bool) (wall.Prepared, error) {
-	agent, err := fileID(d.cfg.AgentPath) // before the agent starts: a change after it reads as stale
+	agent, err := state.FileID(d.cfg.AgentPath) // before the agent starts: a change after it reads as stale
 	if err != nil {
 		return nil, fmt.Errorf("the sandbox's agent %s: %w", d.cfg.AgentPath, err)
 	}
@@ -113,17 +112,6 @@ func (sb *Sandbox) Stale(t *template.Template) bool {
 		(t.Image != nil && t.Image.Info.ID != sb.imageID) {
 		return true
 	}
-	agent, err := fileID(sb.agentPath)
+	agent, err := state.FileID(sb.agentPath)
 	return err != nil || agent != sb.agentID
-}
-
-// fileID identifies a file's contents as the host installed them: device,
-// inode, size and modification time.
-func fileID(p string) (string, error) {
-	fi, err := os.Stat(p)
-	if err != nil {
-		return "", err
-	}
-	st := fi.Sys().(*syscall.Stat_t)
-	return fmt.Sprintf("%d-%d-%d-%d", st.Dev, st.Ino, fi.Size(), fi.ModTime().UnixNano()), nil
 }

@@ -72,7 +72,7 @@ type Sandbox struct {
 	image         bool   // the root is an image template's overlay
 	niced         bool   // prepared at background priority
 	prepared      bool   // made by Driver.Prepare: its network, or none, is fixed (Fits)
-	agentPath     string // a prepared sandbox's agent binary, and its fileID then (Stale)
+	agentPath     string // a prepared sandbox's agent binary, and its state.FileID then (Stale)
 	agentID       string
 	limits        cgroups.Limits // a prepared sandbox's, applied as it was made
 	disk, shm     int64          // the sizes it was built with
