@@ -221,21 +221,7 @@ func TestTemplatePool(t *testing.T) {
 // come for its idle time it destroys what it keeps beyond its size (the
 // sandboxes' state directories go with them), back to 1.
 func TestPoolGrowsWithDemand(t *testing.T) {
-	shared := processHost(t)
-	dir, err := os.MkdirTemp("/run", "cage-poolgrow-")
-	if err != nil {
-		t.Fatal(err)
-	}
-	_ = os.Chmod(dir, 0o711)
-	defer testutil.RemoveRunDir(dir)
-	h, err := sandbox.NewHost(dir, shared.AgentPath, shared.Log)
-	if err != nil {
-		t.Fatal(err)
-	}
-	h.Templates = shared.Templates
-	h.PoolGrow, h.PoolIdle = 4, time.Second
-	h.StartPool(1)
-	defer h.Close()
+	h, dir := poolHost(t, "cage-poolgrow-", func(h *sandbox.Host) { h.PoolGrow, h.PoolIdle = 4, time.Second })
 	stat := func() sandbox.PoolStat {
 		s := h.PoolStats()
 		if len(s) != 1 {
@@ -319,6 +305,32 @@ func TestPoolGrowsWithDemand(t *testing.T) {
 	}
 }
 
+// poolHost is a process-wall host of its own in a run directory under
+// /run named from prefix, set by set (when not nil) and keeping a pool of
+// one sandbox of the host template; it is closed, and its directory
+// removed, at the test's end.
+func poolHost(t *testing.T, prefix string, set func(*sandbox.Host)) (*sandbox.Host, string) {
+	t.Helper()
+	shared := processHost(t)
+	dir, err := os.MkdirTemp("/run", prefix)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_ = os.Chmod(dir, 0o711)
+	t.Cleanup(func() { testutil.RemoveRunDir(dir) })
+	h, err := sandbox.NewHost(dir, shared.AgentPath, shared.Log)
+	if err != nil {
+		t.Fatal(err)
+	}
+	h.Templates = shared.Templates
+	if set != nil {
+		set(h)
+	}
+	h.StartPool(1)
+	t.Cleanup(h.Close) // before the directory goes
+	return h, dir
+}
+
 func stateDirs(t *testing.T, runDir string) []string {
 	t.Helper()
 	ents, err := os.ReadDir(filepath.Join(runDir, "sandboxes"))
@@ -337,20 +349,7 @@ func stateDirs(t *testing.T, runDir string) []string {
 // /dev/shm sizes it was built with; a create of other sizes is made cold
 // and gets what it asked, and one of the pool's sizes is served from it.
 func TestPoolSizesFit(t *testing.T) {
-	shared := processHost(t)
-	dir, err := os.MkdirTemp("/run", "cage-poolsizes-")
-	if err != nil {
-		t.Fatal(err)
-	}
-	_ = os.Chmod(dir, 0o711)
-	defer testutil.RemoveRunDir(dir)
-	h, err := sandbox.NewHost(dir, shared.AgentPath, shared.Log)
-	if err != nil {
-		t.Fatal(err)
-	}
-	h.Templates = shared.Templates
-	h.StartPool(1)
-	defer h.Close()
+	h, dir := poolHost(t, "cage-poolsizes-", nil)
 	waitFull := func() {
 		t.Helper()
 		deadline := time.Now().Add(time.Minute)
