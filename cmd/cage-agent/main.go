@@ -86,6 +86,13 @@ func main() {
 		fail("sandbox setup", err)
 	}
 	srv.ReserveThreads()
+	if !sb.StartPending() {
+		// Kept in a pool: its first request's one-time costs are paid now.
+		if err := srv.WarmUp(); err != nil {
+			fmt.Fprintln(os.Stderr, "cage-agent:", err)
+		}
+		trace.Mark("warmed up")
+	}
 	token, env, maxOutput, err := sb.WaitStart()
 	if err != nil {
 		fail("sandbox setup", err)

@@ -203,11 +203,7 @@ func (s *Server) Handler() http.Handler { return http.HandlerFunc(s.route) }
 func (s *Server) Serve(l net.Listener) error {
 	s.startSudo()
 	s.ReserveThreads()
-	var p http.Protocols
-	p.SetHTTP1(true)
-	p.SetUnencryptedHTTP2(true)
-	srv := &http.Server{Handler: http.HandlerFunc(s.route), Protocols: &p, ReadHeaderTimeout: 30 * time.Second,
-		IdleTimeout: 5 * time.Minute, MaxHeaderBytes: 64 << 10}
+	srv := s.httpServer()
 	s.mu.Lock()
 	s.srv = srv
 	s.mu.Unlock()
@@ -216,6 +212,16 @@ func (s *Server) Serve(l net.Listener) error {
 		return nil
 	}
 	return err
+}
+
+// httpServer is the agent's HTTP server: HTTP/1.1 and h2c, every request
+// through route.
+func (s *Server) httpServer() *http.Server {
+	var p http.Protocols
+	p.SetHTTP1(true)
+	p.SetUnencryptedHTTP2(true)
+	return &http.Server{Handler: http.HandlerFunc(s.route), Protocols: &p, ReadHeaderTimeout: 30 * time.Second,
+		IdleTimeout: 5 * time.Minute, MaxHeaderBytes: 64 << 10}
 }
 
 // ReserveThreads starts taking the agent's threads (Config.Threads) in the

@@ -1,6 +1,7 @@
 package child
 
 import (
+	"bytes"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -135,6 +136,20 @@ func readDoc(dec *json.Decoder, v any) error {
 		return fmt.Errorf("read sandbox spec: %w", err)
 	}
 	return nil
+}
+
+// StartPending says whether the request's own settings (the start
+// document) have come already: then the sandbox was asked for as it was
+// made, not kept in a pool, and anything done before WaitStart delays it.
+func (c *Child) StartPending() bool {
+	// What the decoder read past the first document: at least the newline
+	// that ends it.
+	if rest, err := io.ReadAll(c.specs.Buffered()); err == nil && len(bytes.TrimSpace(rest)) > 0 {
+		return true
+	}
+	fds := []unix.PollFd{{Fd: int32(c.specFile.Fd()), Events: unix.POLLIN}}
+	n, err := unix.Poll(fds, 0)
+	return err == nil && n > 0
 }
 
 // WaitStart waits for the request's own settings (the second document),
