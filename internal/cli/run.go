@@ -7,7 +7,6 @@ import (
 	"io"
 	"os"
 	"os/signal"
-	"path/filepath"
 	"strings"
 	"sync/atomic"
 	"syscall"
@@ -23,7 +22,6 @@ import (
 	"github.com/cagehq/cage/internal/agentclient"
 	"github.com/cagehq/cage/internal/network"
 	"github.com/cagehq/cage/internal/sandbox"
-	"github.com/cagehq/cage/internal/template"
 	"github.com/cagehq/cage/internal/trace"
 	"github.com/cagehq/cage/internal/units"
 	"github.com/cagehq/cage/internal/wall"
@@ -223,7 +221,7 @@ func runCommand(ctx context.Context, g *globals, f *runFlags, args []string, std
 	// destruction, before cage exits.
 	gcDone := make(chan struct{})
 	go func() { defer close(gcDone); trace.Mark("gc"); host.GC(); trace.Mark("gc done") }()
-	defer func() { <-gcDone; pruneIfIdle(host.RunDir) }()
+	defer func() { <-gcDone; sandbox.PruneIfIdle(host.RunDir) }()
 	defer sb.Destroy()
 
 	// A closed stdout must not kill cage before it has destroyed the sandbox:
@@ -279,15 +277,6 @@ func runCommand(ctx context.Context, g *globals, f *runFlags, args []string, std
 		return sandboxFailure(sb, &timedOut, p.timeout, err)
 	}
 	return exitFromEnd(end, args[0], p.opts.Memory, p.opts.Pids, stderr)
-}
-
-// pruneIfIdle prunes the template caches when no sandbox is left under
-// runDir: what sandbox.Host.GC does last, repeated once this run's own
-// sandbox is gone.
-func pruneIfIdle(runDir string) {
-	if ents, err := os.ReadDir(filepath.Join(runDir, "sandboxes")); err == nil && len(ents) == 0 {
-		template.PruneCaches(filepath.Join(runDir, "templates"))
-	}
 }
 
 // sandboxFailure explains a failed run: the timeout, a sandbox that died, or

@@ -23,6 +23,7 @@ import (
 	"github.com/cagehq/cage/internal/imgstore"
 	"github.com/cagehq/cage/internal/inside"
 	"github.com/cagehq/cage/internal/network"
+	"github.com/cagehq/cage/internal/rocache"
 	"github.com/cagehq/cage/internal/template"
 	"github.com/cagehq/cage/internal/wall"
 	"github.com/cagehq/cage/internal/wall/state"
@@ -272,8 +273,17 @@ func (h *Host) GC() {
 		h.Log.Info("gc: removed the leftovers of dead sandboxes", "sandboxes", ids)
 	}
 	h.net.gc(h)
-	if ents, err := os.ReadDir(filepath.Join(h.RunDir, "sandboxes")); err == nil && len(ents) == 0 {
-		template.PruneCaches(filepath.Join(h.RunDir, "templates"))
+	PruneIfIdle(h.RunDir)
+}
+
+// PruneIfIdle prunes the read-only copies sandboxes share (the host
+// template's /etc, the agent's binary) down to the newest of each, when no
+// sandbox is left under runDir: a running sandbox keeps using the copy it
+// started with, and a replaced agent or /etc leaves its old copy behind.
+func PruneIfIdle(runDir string) {
+	if ents, err := os.ReadDir(filepath.Join(runDir, "sandboxes")); err == nil && len(ents) == 0 {
+		template.PruneCaches(filepath.Join(runDir, "templates"))
+		rocache.Prune(filepath.Join(runDir, "agents"), "")
 	}
 }
 

@@ -19,7 +19,6 @@ import (
 	"strconv"
 	"strings"
 	"sync"
-	"syscall"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -593,39 +592,9 @@ func (sb *Sandbox) teardown() error {
 }
 
 // agentCopy returns a read-only copy of the agent binary on a tmpfs of its
-// own (rocache), named after the source's size, mtime and inode: what a
-// sandbox mounts shows no path of the host.
+// own (rocache.Executable): what a sandbox mounts shows no path of the host.
 func agentCopy(runDir, agentPath string) (string, error) {
-	fi, err := os.Stat(agentPath)
-	if err != nil {
-		return "", err
-	}
-	st := fi.Sys().(*syscall.Stat_t)
-	key := fmt.Sprintf("agent-%d-%d-%d", fi.Size(), fi.ModTime().UnixNano(), st.Ino)
-	dir, err := rocache.Get(filepath.Join(runDir, "agents"), key, strconv.FormatInt(fi.Size()+1<<20, 10), func(dst string) error {
-		return copyFile(agentPath, filepath.Join(dst, "cage-agent"))
-	})
-	if err != nil {
-		return "", err
-	}
-	return filepath.Join(dir, "cage-agent"), nil
-}
-
-func copyFile(src, dst string) error {
-	in, err := os.Open(src)
-	if err != nil {
-		return err
-	}
-	defer in.Close()
-	out, err := os.OpenFile(dst, os.O_CREATE|os.O_EXCL|os.O_WRONLY, 0o755)
-	if err != nil {
-		return err
-	}
-	if _, err := io.Copy(out, in); err != nil {
-		out.Close()
-		return err
-	}
-	return out.Close()
+	return rocache.Executable(filepath.Join(runDir, "agents"), agentPath, "cage-agent")
 }
 
 // adopt takes charge again of a running OCI sandbox whose creator is gone:

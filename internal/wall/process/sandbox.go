@@ -22,6 +22,7 @@ import (
 	"github.com/cagehq/cage/internal/hostproc"
 	"github.com/cagehq/cage/internal/inside"
 	"github.com/cagehq/cage/internal/network"
+	"github.com/cagehq/cage/internal/rocache"
 	"github.com/cagehq/cage/internal/spawner"
 	"github.com/cagehq/cage/internal/template"
 	"github.com/cagehq/cage/internal/trace"
@@ -338,6 +339,12 @@ func (sb *Sandbox) makeDirs() (string, error) {
 // fork starts the agent in new namespaces and puts it in new cgroups; it
 // then waits for its spec (Start).
 func (sb *Sandbox) fork(cfg job, listener *os.File) (rootSock *os.File, err error) {
+	// The agent runs from a copy on huge pages (fewer page faults at each
+	// start); a replaced binary gets a copy of its own.
+	exe, err := rocache.Executable(filepath.Join(cfg.RunDir, "agents"), cfg.AgentPath, "cage-agent")
+	if err != nil {
+		return nil, fmt.Errorf("the sandbox's agent %s: %w", cfg.AgentPath, err)
+	}
 	specR, specW, err := os.Pipe()
 	if err != nil {
 		return nil, err
@@ -401,12 +408,12 @@ func (sb *Sandbox) fork(cfg job, listener *os.File) (rootSock *os.File, err erro
 	trace.Mark("fork")
 	argv := []string{"cage-agent", "init"}
 	if cfg.Spawner != nil && !cfg.DieWithCaller {
-		err = sb.spawn(cfg, argv, attr)
+		err = sb.spawn(cfg, exe, argv, attr)
 	} else {
 		var pid int
 		pid, err = sb.cg.Spawn(func(cgroupFD int) (int, error) {
 			attr.Sys.UseCgroupFD, attr.Sys.CgroupFD = cgroupFD >= 0, cgroupFD
-			return syscall.ForkExec(cfg.AgentPath, argv, attr)
+			return syscall.ForkExec(exe, argv, attr)
 		})
 		if pid > 0 {
 			sb.pid = pid
@@ -479,8 +486,8 @@ func (sb *Sandbox) reap() {
 // spawn starts the agent through the spawner, which forks it from its own
 // small address space and answers with a pidfd: the agent is then watched
 // and killed as an adopted one is.
-func (sb *Sandbox) spawn(cfg job, argv []string, attr *syscall.ProcAttr) error {
-	req := spawner.Request{Path: cfg.AgentPath, Argv: argv, Env: attr.Env, Dir: attr.Dir,
+func (sb *Sandbox) spawn(cfg job, exe string, argv []string, attr *syscall.ProcAttr) error {
+	req := spawner.Request{Path: exe, Argv: argv, Env: attr.Env, Dir: attr.Dir,
 		Cloneflags: attr.Sys.Cloneflags, UIDMaps: attr.Sys.UidMappings, GIDMaps: attr.Sys.GidMappings,
 		Setgroups: attr.Sys.GidMappingsEnableSetgroups, Setsid: attr.Sys.Setsid,
 		CgroupParent: cfg.Cgroups.Parent, Cgroup: sb.cg.Name}
