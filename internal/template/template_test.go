@@ -4,6 +4,7 @@ import (
 	"errors"
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 	"time"
 
@@ -103,4 +104,78 @@ func TestEtcCacheFollowsTheHost(t *testing.T) {
 	if _, err := os.Stat(filepath.Join(a, "conf")); err != nil {
 		t.Errorf("the old copy must stay for sandboxes still using it: %v", err)
 	}
+}
+
+// TestEtcManifest: the fingerprint of the host's /etc comes from the
+// manifest of the last walk while every state in it holds, and from a new
+// walk as soon as one does not: an entry added in a nested directory, a
+// new subdirectory, a listed entry that was absent and appears, a top-level
+// file rewritten, a manifest that is not one.
+func TestEtcManifest(t *testing.T) {
+	src, cache := t.TempDir(), t.TempDir()
+	must := func(err error) {
+		t.Helper()
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	must(os.WriteFile(filepath.Join(src, "conf"), []byte("one"), 0o644))
+	must(os.MkdirAll(filepath.Join(src, "my dir", "sub"), 0o755))
+	entries := []string{"conf", "my dir", "absent"}
+	manifest := filepath.Join(cache, ".etc-manifest")
+	// staleSum writes into the manifest a sum no walk gives, as a manifest
+	// made before a change would hold.
+	const staleSum = "0123456789abcdef"
+	stale := func() {
+		t.Helper()
+		b, err := os.ReadFile(manifest)
+		must(err)
+		lines := strings.Split(string(b), "\n")
+		lines[1] = staleSum
+		must(os.WriteFile(manifest, []byte(strings.Join(lines, "\n")), 0o644))
+	}
+	first, err := fingerprint(cache, src, entries)
+	must(err)
+	if want := walkedSum(t, src, entries); first != want {
+		t.Fatalf("first fingerprint %s, a walk's %s", first, want)
+	}
+	// The manifest stands while its states hold.
+	stale()
+	if got, _ := fingerprint(cache, src, entries); got != staleSum {
+		t.Fatalf("manifest not used: %s", got)
+	}
+	for _, c := range []struct {
+		name string
+		do   func()
+	}{
+		{"a file added in a nested directory", func() { must(os.WriteFile(filepath.Join(src, "my dir", "sub", "new"), nil, 0o644)) }},
+		{"a new subdirectory", func() { must(os.Mkdir(filepath.Join(src, "my dir", "sub", "deeper"), 0o755)) }},
+		{"an absent entry appears", func() { must(os.WriteFile(filepath.Join(src, "absent"), nil, 0o644)) }},
+		{"a top-level file rewritten", func() { must(os.WriteFile(filepath.Join(src, "conf"), []byte("two!"), 0o644)) }},
+	} {
+		time.Sleep(10 * time.Millisecond) // a new mtime on coarse clocks
+		stale()
+		c.do()
+		got, err := fingerprint(cache, src, entries)
+		must(err)
+		if want := walkedSum(t, src, entries); got != want {
+			t.Errorf("%s: fingerprint %s, a walk's %s", c.name, got, want)
+		}
+	}
+	for _, junk := range []string{"", "x", "key\nsum\n", "\n\n\n"} {
+		must(os.WriteFile(manifest, []byte(junk), 0o644))
+		if got, err := fingerprint(cache, src, entries); err != nil || got != walkedSum(t, src, entries) {
+			t.Errorf("manifest %q: fingerprint %s (%v)", junk, got, err)
+		}
+	}
+}
+
+// walkedSum is the fingerprint a walk gives (no manifest).
+func walkedSum(t *testing.T, src string, entries []string) string {
+	t.Helper()
+	sum, err := fingerprint(t.TempDir(), src, entries)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return sum
 }
