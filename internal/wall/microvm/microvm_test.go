@@ -79,9 +79,10 @@ func TestGuestAgent(t *testing.T) {
 	}
 	c := agentclient.New(sb.Dial, sb.Token())
 	var out bytes.Buffer
-	end, err := c.Run(ctx, agentclient.RunOptions{Cmd: "/bin/sh", Args: []string{"-c", "head -1 /etc/os-release; id -u; cat /etc/hostname; echo x > /home/user/f && cat /home/user/f"}, Stdout: &out, Stderr: &out})
+	end, err := c.Run(ctx, agentclient.RunOptions{Cmd: "/bin/sh", Args: []string{"-c", "head -1 /etc/os-release; id -u; cat /etc/hostname; echo x > /home/user/f && cat /home/user/f; cat /proc/sys/kernel/randomize_va_space"}, Stdout: &out, Stderr: &out})
 	t.Logf("cold boot -> command done: %v", time.Since(start).Round(time.Millisecond))
-	if err != nil || end.GetExitCode() != 0 || out.String() != "ID=cage-test\n1000\ncage-01234567\nx\n" {
+	// Under TCG (Accel ""), no address-space randomization: tcgArgs.
+	if err != nil || end.GetExitCode() != 0 || out.String() != "ID=cage-test\n1000\ncage-01234567\nx\n0\n" {
 		t.Errorf("in the guest: %q, %v, %v", out.String(), end, err)
 	}
 	// The wrong token is refused.
@@ -448,5 +449,24 @@ func TestShapeKnowsTheDiskFile(t *testing.T) {
 	}
 	if _, err := diskFiles([]string{filepath.Join(t.TempDir(), "gone.ext4")}); err == nil {
 		t.Error("a missing disk has an identity")
+	}
+}
+
+// TestGuestArgsByAccel: under TCG the guest runs without address-space
+// randomization (tcgArgs), under KVM with it; the command line is part of
+// a snapshot's shape, so a snapshot made with the other one is not
+// restored.
+func TestGuestArgsByAccel(t *testing.T) {
+	for accel, want := range map[string]bool{"": true, "tcg": true, "kvm": false} {
+		args := strings.Fields(guestArgsFor(accel))
+		if got := slices.Contains(args, "norandmaps"); got != want {
+			t.Errorf("accel %q: %q, norandmaps %v, want %v", accel, args, got, want)
+		}
+		if !slices.Contains(args, "mitigations=off") || !slices.Contains(args, "ipv6.disable=1") {
+			t.Errorf("accel %q: %q lacks the wall's other arguments", accel, args)
+		}
+	}
+	if (shape{Append: guestArgsFor("tcg")}).key() == (shape{Append: guestArgs}).key() {
+		t.Error("a snapshot made without the TCG arguments has the same shape key")
 	}
 }
