@@ -38,7 +38,7 @@ type codeIn struct {
 	MaxOutputBytes int               `json:"max_output_bytes,omitempty" jsonschema:"bytes kept of stdout and of stderr each; beyond, the head and the tail are kept and truncated is set"`
 }
 
-var codeSchema = schemaFor[codeIn](func(p props) {
+var codeSchema = lazySchema[codeIn](func(p props) {
 	p.sandboxID().minLen("code", 1).maxLen("code", maxCodeLen).
 		enum("language", "python", "javascript", "typescript", "r", "bash").maxLen("context_id", 128).
 		maxProps("envs", maxEnvs).def("timeout_s", defaultExecTimeout).rng("timeout_s", 1, maxExecTimeout).

@@ -30,7 +30,7 @@ type execIn struct {
 	MaxOutputBytes int               `json:"max_output_bytes,omitempty" jsonschema:"bytes kept of stdout and of stderr each; beyond, the head and the tail are kept and truncated is set"`
 }
 
-var execSchema = schemaFor[execIn](func(p props) {
+var execSchema = lazySchema[execIn](func(p props) {
 	p.sandboxID().minLen("command", 1).maxLen("command", maxCommandLen).maxLen("cwd", maxPathLen).
 		maxProps("envs", maxEnvs).maxLen("user", 64).rng("timeout_s", 1, maxExecTimeout).
 		def("max_output_bytes", defaultOutput).rng("max_output_bytes", minOutput, maxOutput)

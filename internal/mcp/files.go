@@ -36,7 +36,7 @@ type readIn struct {
 	User      string `json:"user,omitempty" jsonschema:"account to act as, e.g. root (default: the sandbox's default user)"`
 }
 
-var readSchema = schemaFor[readIn](func(p props) {
+var readSchema = lazySchema[readIn](func(p props) {
 	p.sandboxID().minLen("path", 1).maxLen("path", maxPathLen).def("encoding", "auto").enum("encoding", "auto", "utf8", "base64").
 		rng("offset", 0, 1<<62).def("max_bytes", defaultReadBytes).rng("max_bytes", 1, maxReadBytes).maxLen("user", 64)
 })
@@ -211,7 +211,7 @@ type writeIn struct {
 	User      string `json:"user,omitempty" jsonschema:"account to act as, e.g. root (default: the sandbox's default user)"`
 }
 
-var writeSchema = schemaFor[writeIn](func(p props) {
+var writeSchema = lazySchema[writeIn](func(p props) {
 	p.sandboxID().minLen("path", 1).maxLen("path", maxPathLen).maxLen("content", maxWriteBytes*4/3+4).
 		def("encoding", "utf8").enum("encoding", "utf8", "base64").pattern("mode", modeRE.String()).maxLen("user", 64)
 })
@@ -315,7 +315,7 @@ type listFilesIn struct {
 	User       string `json:"user,omitempty" jsonschema:"account to act as, e.g. root (default: the sandbox's default user)"`
 }
 
-var listFilesSchema = schemaFor[listFilesIn](func(p props) {
+var listFilesSchema = lazySchema[listFilesIn](func(p props) {
 	p.sandboxID().def("path", "~").maxLen("path", maxPathLen).def("depth", 1).rng("depth", 1, maxListDepth).
 		def("max_entries", defaultListEntries).rng("max_entries", 1, maxListEntries).maxLen("user", 64)
 })

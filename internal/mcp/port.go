@@ -15,7 +15,7 @@ type portIn struct {
 	Port      int    `json:"port" jsonschema:"the port a server listens on inside the sandbox"`
 }
 
-var portSchema = schemaFor[portIn](func(p props) { p.sandboxID().rng("port", 1, 65535) })
+var portSchema = lazySchema[portIn](func(p props) { p.sandboxID().rng("port", 1, 65535) })
 
 type portOut struct {
 	URL     string            `json:"url" jsonschema:"the server's URL: {port}-{sandbox_id}.{domain} through cage's proxy"`

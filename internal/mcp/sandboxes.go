@@ -26,7 +26,7 @@ type createIn struct {
 	Wall          string            `json:"wall,omitempty" jsonschema:"isolation: process, runc, gvisor or microvm (default: the daemon's)"`
 }
 
-var createSchema = schemaFor[createIn](func(p props) {
+var createSchema = lazySchema[createIn](func(p props) {
 	p.def("timeout_s", 300).rng("timeout_s", 1, 86400).def("allow_internet", true).
 		maxProps("envs", maxEnvs).maxProps("metadata", maxMetadata).rng("memory_mb", 0, 1<<30).rng("cpus", 0, 1024).
 		enum("wall", "process", "runc", "gvisor", "microvm").maxLen("template", 256)
@@ -77,7 +77,7 @@ type listIn struct {
 	Metadata map[string]string `json:"metadata,omitempty" jsonschema:"only sandboxes with all of these metadata pairs"`
 }
 
-var listSchema = schemaFor[listIn](func(p props) {
+var listSchema = lazySchema[listIn](func(p props) {
 	p.def("state", "running").enum("state", "running", "paused", "all").maxProps("metadata", maxMetadata)
 })
 
@@ -114,7 +114,7 @@ type idIn struct {
 	SandboxID string `json:"sandbox_id" jsonschema:"the sandbox, as sandbox_create or sandbox_list gave it"`
 }
 
-var idSchema = schemaFor[idIn](func(p props) { p.sandboxID() })
+var idSchema = lazySchema[idIn](func(p props) { p.sandboxID() })
 
 type killOut struct {
 	SandboxID string `json:"sandbox_id"`
@@ -137,7 +137,7 @@ type pauseIn struct {
 	KeepMemory bool   `json:"keep_memory,omitempty" jsonschema:"keep the sandbox's memory, so its processes resume where they stood (false: keep only its files, release its memory; its processes end)"`
 }
 
-var pauseSchema = schemaFor[pauseIn](func(p props) { p.sandboxID().def("keep_memory", true) })
+var pauseSchema = lazySchema[pauseIn](func(p props) { p.sandboxID().def("keep_memory", true) })
 
 type stateOut struct {
 	SandboxID string    `json:"sandbox_id"`
@@ -170,7 +170,7 @@ type resumeIn struct {
 	TimeoutS  int64  `json:"timeout_s,omitempty" jsonschema:"seconds from now the sandbox lives; a running sandbox that would end sooner is extended"`
 }
 
-var resumeSchema = schemaFor[resumeIn](func(p props) { p.sandboxID().def("timeout_s", 300).rng("timeout_s", 1, 86400) })
+var resumeSchema = lazySchema[resumeIn](func(p props) { p.sandboxID().def("timeout_s", 300).rng("timeout_s", 1, 86400) })
 
 func (t *tools) resume(ctx context.Context, _ *sdk.CallToolRequest, in resumeIn) (*sdk.CallToolResult, stateOut, error) {
 	if err := checkID(in.SandboxID); err != nil {

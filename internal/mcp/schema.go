@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"regexp"
 	"strings"
+	"sync"
 
 	"github.com/google/jsonschema-go/jsonschema"
 )
@@ -160,3 +161,10 @@ func clip(s string, n int) string {
 }
 
 func ptr[T any](v T) *T { return &v }
+
+// lazySchema is schemaFor made on first use: reflecting over every tool's
+// input type at package init cost every cage command (`cage run` too) a
+// quarter of a millisecond.
+func lazySchema[T any](fix func(p props)) func() *jsonschema.Schema {
+	return sync.OnceValue(func() *jsonschema.Schema { return schemaFor[T](fix) })
+}
