@@ -249,6 +249,9 @@ func (s *Store) GetKey(id string) (*APIKey, error) {
 	return k, nil
 }
 
+// verifyKeySQL finds the keys sharing a display prefix.
+var verifyKeySQL = "SELECT " + keyCols + ", hash FROM api_keys WHERE prefix = ?"
+
 // VerifyKey returns the live key whose plaintext is given. Unknown, malformed
 // and revoked keys all give ErrNotFound. It records the use in LastUsed, at
 // most once a minute per key so that authenticating is mostly a read.
@@ -260,8 +263,11 @@ func (s *Store) VerifyKey(plaintext string) (*APIKey, error) {
 	want := hashKey(plaintext)
 	// Look up by the display prefix (not secret) and compare the hashes in
 	// constant time; a 32-bit prefix may be shared, so check every match.
-	rows, err := s.db.QueryContext(ctx,
-		"SELECT "+keyCols+", hash FROM api_keys WHERE prefix = ?", plaintext[len(KeyPrefix):len(KeyPrefix)+displayLen])
+	st, err := s.prepared(verifyKeySQL)
+	if err != nil {
+		return nil, fmt.Errorf("store: verify key: %w", err)
+	}
+	rows, err := st.QueryContext(ctx, plaintext[len(KeyPrefix):len(KeyPrefix)+displayLen])
 	if err != nil {
 		return nil, fmt.Errorf("store: verify key: %w", err)
 	}

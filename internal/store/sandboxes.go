@@ -181,9 +181,11 @@ func (s *Store) InsertSandbox(sb *Sandbox) error {
 	if err != nil {
 		return fmt.Errorf("store: insert sandbox %s: %w", sb.ID, err)
 	}
-	marks := strings.TrimSuffix(strings.Repeat("?, ", len(args)), ", ")
-	res, err := s.db.ExecContext(context.Background(),
-		"INSERT INTO sandboxes ("+sandboxCols+") VALUES ("+marks+") ON CONFLICT (id) DO NOTHING", args...)
+	st, err := s.prepared(insertSandboxSQL)
+	if err != nil {
+		return fmt.Errorf("store: insert sandbox %s: %w", sb.ID, err)
+	}
+	res, err := st.ExecContext(context.Background(), args...)
 	if err != nil {
 		return fmt.Errorf("store: insert sandbox %s: %w", sb.ID, err)
 	}
@@ -204,9 +206,11 @@ func idOf(sb *Sandbox) string {
 
 // GetSandbox returns the sandbox with the given ID, or ErrNotFound.
 func (s *Store) GetSandbox(id string) (*Sandbox, error) {
-	row := s.db.QueryRowContext(context.Background(),
-		"SELECT "+sandboxCols+" FROM sandboxes WHERE id = ?", id)
-	sb, err := scanSandbox(row)
+	st, err := s.prepared(getSandboxSQL)
+	if err != nil {
+		return nil, fmt.Errorf("store: get sandbox %s: %w", id, err)
+	}
+	sb, err := scanSandbox(st.QueryRowContext(context.Background(), id))
 	if errors.Is(err, sql.ErrNoRows) {
 		return nil, fmt.Errorf("store: sandbox %s: %w", id, ErrNotFound)
 	}
@@ -226,15 +230,24 @@ func (s *Store) UpdateSandbox(sb *Sandbox) error {
 	if err != nil {
 		return fmt.Errorf("store: update sandbox %s: %w", sb.ID, err)
 	}
-	cols := strings.Split(sandboxCols, ",")
-	sets := make([]string, 0, len(cols)-1)
-	for _, c := range cols[1:] { // cols[0] is id
-		sets = append(sets, strings.TrimSpace(c)+" = ?")
-	}
 	args = append(args[1:], sb.ID)
-	return s.execOne("update sandbox "+sb.ID,
-		"UPDATE sandboxes SET "+strings.Join(sets, ", ")+" WHERE id = ?", args...)
+	return s.execOne("update sandbox "+sb.ID, updateSandboxSQL, args...)
 }
+
+// The statements of a sandbox's row, built once from sandboxCols.
+var (
+	insertSandboxSQL = "INSERT INTO sandboxes (" + sandboxCols + ") VALUES (" +
+		strings.TrimSuffix(strings.Repeat("?, ", len(strings.Split(sandboxCols, ","))), ", ") + ") ON CONFLICT (id) DO NOTHING"
+	getSandboxSQL    = "SELECT " + sandboxCols + " FROM sandboxes WHERE id = ?"
+	updateSandboxSQL = func() string {
+		cols := strings.Split(sandboxCols, ",")
+		sets := make([]string, 0, len(cols)-1)
+		for _, c := range cols[1:] { // cols[0] is id
+			sets = append(sets, strings.TrimSpace(c)+" = ?")
+		}
+		return "UPDATE sandboxes SET " + strings.Join(sets, ", ") + " WHERE id = ?"
+	}()
+)
 
 // SetState changes a sandbox's state, or returns ErrNotFound.
 func (s *Store) SetState(id, state string) error {
@@ -256,7 +269,11 @@ func (s *Store) DeleteSandbox(id string) error {
 
 // execOne runs a statement that must affect a row, else ErrNotFound.
 func (s *Store) execOne(what, query string, args ...any) error {
-	res, err := s.db.ExecContext(context.Background(), query, args...)
+	st, err := s.prepared(query)
+	if err != nil {
+		return fmt.Errorf("store: %s: %w", what, err)
+	}
+	res, err := st.ExecContext(context.Background(), args...)
 	if err != nil {
 		return fmt.Errorf("store: %s: %w", what, err)
 	}

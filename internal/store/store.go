@@ -27,6 +27,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"sync"
 	"time"
 
 	_ "modernc.org/sqlite" // registers the "sqlite" database/sql driver
@@ -48,6 +49,31 @@ type Store struct {
 	db   *sql.DB
 	path string
 	now  func() time.Time // the clock; tests replace it
+
+	stmtMu sync.Mutex
+	stmts  map[string]*sql.Stmt // see prepared
+}
+
+// prepared returns query prepared once on the store's connection: what every
+// create, start and kill runs (sandbox rows, key checks) would otherwise be
+// parsed and compiled by SQLite at each call, about half of its cost. Only
+// queries whose text is a constant of this package come here, so the cache
+// is bounded.
+func (s *Store) prepared(query string) (*sql.Stmt, error) {
+	s.stmtMu.Lock()
+	defer s.stmtMu.Unlock()
+	if st, ok := s.stmts[query]; ok {
+		return st, nil
+	}
+	st, err := s.db.PrepareContext(context.Background(), query)
+	if err != nil {
+		return nil, err
+	}
+	if s.stmts == nil {
+		s.stmts = map[string]*sql.Stmt{}
+	}
+	s.stmts[query] = st
+	return st, nil
 }
 
 // migrations are applied in order; migration i brings the schema to version
@@ -274,6 +300,12 @@ func (s *Store) Path() string { return s.path }
 // Close closes the database. SQLite checkpoints the WAL into the main file
 // when its last connection closes.
 func (s *Store) Close() error {
+	s.stmtMu.Lock()
+	for _, st := range s.stmts {
+		st.Close()
+	}
+	s.stmts = nil
+	s.stmtMu.Unlock()
 	return s.db.Close()
 }
 
