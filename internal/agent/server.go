@@ -203,11 +203,7 @@ func (s *Server) Handler() http.Handler { return http.HandlerFunc(s.route) }
 func (s *Server) Serve(l net.Listener) error {
 	s.startSudo()
 	s.ReserveThreads()
-	srv := s.httpServer()
-	s.mu.Lock()
-	s.srv = srv
-	s.mu.Unlock()
-	err := srv.Serve(l)
+	err := s.httpServer().Serve(l)
 	if err == http.ErrServerClosed {
 		return nil
 	}
@@ -215,13 +211,19 @@ func (s *Server) Serve(l net.Listener) error {
 }
 
 // httpServer is the agent's HTTP server: HTTP/1.1 and h2c, every request
-// through route.
+// through route. It is made once: WarmUp's request and Serve's share it,
+// so that its own set-up at first use is behind WarmUp too.
 func (s *Server) httpServer() *http.Server {
-	var p http.Protocols
-	p.SetHTTP1(true)
-	p.SetUnencryptedHTTP2(true)
-	return &http.Server{Handler: http.HandlerFunc(s.route), Protocols: &p, ReadHeaderTimeout: 30 * time.Second,
-		IdleTimeout: 5 * time.Minute, MaxHeaderBytes: 64 << 10}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.srv == nil {
+		var p http.Protocols
+		p.SetHTTP1(true)
+		p.SetUnencryptedHTTP2(true)
+		s.srv = &http.Server{Handler: http.HandlerFunc(s.route), Protocols: &p, ReadHeaderTimeout: 30 * time.Second,
+			IdleTimeout: 5 * time.Minute, MaxHeaderBytes: 64 << 10}
+	}
+	return s.srv
 }
 
 // ReserveThreads starts taking the agent's threads (Config.Threads) in the

@@ -28,7 +28,8 @@ import (
 // tables built, their buffers and goroutine stacks grown (about 2 ms here
 // on a pooled sandbox's first command). Nothing is forked and nothing of
 // the request stays but those caches: the command is not found, and the
-// connection and its server are closed before WarmUp returns.
+// connection is closed before WarmUp returns; the server, made once,
+// serves the real listener next (Serve).
 //
 // A sandbox kept in a pool calls it while it waits for its request (see
 // cage-agent's main); it must come before Configure and Serve, never
@@ -49,11 +50,10 @@ func (s *Server) WarmUp() error {
 		server.Close()
 		return err
 	}
-	defer client.Close()
-	srv := s.httpServer()
+	defer client.Close() // the server's end then reads EOF and goes
 	l := &oneConn{conn: server, done: make(chan struct{})}
-	go func() { _ = srv.Serve(l) }()
-	defer srv.Close()
+	go func() { _ = s.httpServer().Serve(l) }()
+	defer l.Close()
 	_ = client.SetDeadline(time.Now().Add(warmUpTimeout))
 	return warmRequest(client, s.cfg.Token)
 }
