@@ -21,15 +21,16 @@ import (
 
 // WarmUp has the agent serve one request of its own, over a socket pair
 // that only this process holds, before it serves anyone: a process start
-// of a command that does not exist (WarmCommand), as a client would send
-// it over HTTP/2. A fresh agent's first request otherwise pays, on the way
+// with an empty command, as a client would send it over HTTP/2, which
+// Start refuses (invalid_argument) before it looks anything up. A fresh agent's first request otherwise pays, on the way
 // to its first output, for what every later one finds ready: the code of
 // the HTTP/2 server, Connect and the protobuf runtime faulted in, their
 // tables built, their buffers and goroutine stacks grown (about 2 ms here
-// on a pooled sandbox's first command). Nothing is forked and nothing of
-// the request stays but those caches: the command is not found, and the
-// connection is closed before WarmUp returns; the server, made once,
-// serves the real listener next (Serve).
+// on a pooled sandbox's first command). Nothing is looked up, forked or
+// run (a command of any name could be a file of a hostile template's,
+// and the sandbox may go to another tenant), and nothing of the request
+// stays but those caches: the connection is closed before WarmUp returns;
+// the server, made once, serves the real listener next (Serve).
 //
 // A sandbox kept in a pool calls it while it waits for its request (see
 // cage-agent's main); it must come before Configure and Serve, never
@@ -58,10 +59,6 @@ func (s *Server) WarmUp() error {
 	return warmRequest(client, s.cfg.Token)
 }
 
-// WarmCommand is the command of WarmUp's request: it is looked up in
-// PATH, not found, and never run.
-const WarmCommand = "cage-agent-warm-up-not-a-command"
-
 // warmUpTimeout bounds WarmUp: it is a cache's warming, never a wait.
 const warmUpTimeout = 2 * time.Second
 
@@ -72,9 +69,9 @@ func fileConn(fd int) (net.Conn, error) {
 }
 
 // warmRequest writes an HTTP/2 (h2c, prior knowledge) request for
-// Process.Start of WarmCommand and reads the answer to its end.
+// Process.Start of an empty command and reads the answer to its end.
 func warmRequest(c net.Conn, token string) error {
-	body, err := proto.Marshal(&pb.StartRequest{Process: &pb.ProcessConfig{Cmd: WarmCommand}})
+	body, err := proto.Marshal(&pb.StartRequest{Process: &pb.ProcessConfig{Cmd: ""}})
 	if err != nil {
 		return err
 	}
@@ -133,7 +130,7 @@ func warmRequest(c net.Conn, token string) error {
 }
 
 // warmAnswer checks that the answer is the end of a stream that says the
-// command was not found: the request went the whole way through.
+// empty command was refused: the request went the whole way to Start.
 func warmAnswer(data []byte) error {
 	for len(data) >= 5 {
 		n := int(binary.BigEndian.Uint32(data[1:5]))
@@ -147,8 +144,8 @@ func warmAnswer(data []byte) error {
 			if err := json.Unmarshal(data[5:5+n], &end); err != nil {
 				return fmt.Errorf("warm-up: %w", err)
 			}
-			if end.Error == nil || end.Error.Code != "not_found" {
-				return fmt.Errorf("warm-up: the answer is not not_found: %s", data[5:5+n])
+			if end.Error == nil || end.Error.Code != "invalid_argument" {
+				return fmt.Errorf("warm-up: the answer is not invalid_argument: %s", data[5:5+n])
 			}
 			return nil
 		}

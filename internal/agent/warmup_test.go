@@ -15,7 +15,7 @@ import (
 
 // TestWarmUp: the agent's own request goes the whole way through its
 // HTTP/2 server, Connect and Start (WarmUp checks that the answer is the
-// end of a stream saying not_found), with or without a token configured,
+// end of a stream saying invalid_argument: the empty command), with or without a token configured,
 // and leaves no process behind; the same server then serves the real
 // listener, token checked.
 func TestWarmUp(t *testing.T) {
@@ -64,7 +64,7 @@ func TestWarmUp(t *testing.T) {
 	}
 }
 
-// TestWarmAnswerRefusesOthers: an answer other than not_found (a refused
+// TestWarmAnswerRefusesOthers: an answer other than invalid_argument (a refused
 // token, say) is an error, not a warm-up that silently did nothing.
 func TestWarmAnswerRefusesOthers(t *testing.T) {
 	env := func(flags byte, body string) []byte {
@@ -75,12 +75,13 @@ func TestWarmAnswerRefusesOthers(t *testing.T) {
 		data []byte
 		ok   bool
 	}{
-		"not_found":        {env(2, `{"error":{"code":"not_found","message":"x"}}`), true},
+		"invalid_argument": {env(2, `{"error":{"code":"invalid_argument","message":"x"}}`), true},
+		"not_found":        {env(2, `{"error":{"code":"not_found"}}`), false},
 		"unauthenticated":  {env(2, `{"error":{"code":"unauthenticated"}}`), false},
 		"no error":         {env(2, `{}`), false},
 		"no end":           {env(0, "\x08\x01"), false},
-		"truncated":        {env(2, `{"error":{"code":"not_found"}}`)[:10], false},
-		"message then end": {bytes.Join([][]byte{env(0, "\x08\x01"), env(2, `{"error":{"code":"not_found"}}`)}, nil), true},
+		"truncated":        {env(2, `{"error":{"code":"invalid_argument"}}`)[:10], false},
+		"message then end": {bytes.Join([][]byte{env(0, "\x08\x01"), env(2, `{"error":{"code":"invalid_argument"}}`)}, nil), true},
 	} {
 		if err := warmAnswer(tc.data); (err == nil) != tc.ok {
 			t.Errorf("%s: warmAnswer = %v, want ok=%v", name, err, tc.ok)
