@@ -113,14 +113,17 @@ func build(dst, size string, huge bool, fill func(string) error) error {
 		return err
 	}
 	opts := "size=" + size + ",mode=755"
-	var err error = syscall.EINVAL
-	if huge {
-		// A kernel without transparent huge pages for tmpfs refuses the
-		// option: the copy then works as well, in small pages.
-		err = syscall.Mount("tmpfs", dst, "tmpfs", syscall.MS_NOSUID|syscall.MS_NODEV, opts+",huge=within_size")
+	mount := func(opts string) error {
+		return syscall.Mount("tmpfs", dst, "tmpfs", syscall.MS_NOSUID|syscall.MS_NODEV, opts)
 	}
-	if errors.Is(err, syscall.EINVAL) {
-		err = syscall.Mount("tmpfs", dst, "tmpfs", syscall.MS_NOSUID|syscall.MS_NODEV, opts)
+	var err error
+	if huge {
+		err = mount(opts + ",huge=within_size")
+	}
+	// A kernel without transparent huge pages for tmpfs refuses the option:
+	// the copy then works as well, in small pages.
+	if !huge || errors.Is(err, syscall.EINVAL) {
+		err = mount(opts)
 	}
 	if err != nil {
 		return err
