@@ -91,7 +91,9 @@ func main() {
 	// second one Go's scheduler keeps waking threads that find nothing to
 	// do (measured per command: 47 context switches -> 27, a quarter less
 	// of the agent's CPU). The sandbox's processes are not its threads,
-	// and a blocked system call still hands the P on.
+	// and a blocked system call still hands the P on. The process wall
+	// starts the agent with GOMAXPROCS=1 already (then this costs nothing);
+	// this is for an agent started without it.
 	runtime.GOMAXPROCS(1)
 	if !sb.StartPending() {
 		// Kept in a pool: its first request's one-time costs are paid now.
