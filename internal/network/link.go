@@ -33,38 +33,57 @@ import (
 // of the daemon's CPU, starving the very holders it waited for.
 var linkMu sync.Mutex
 
+// rtnl is this process's netlink socket for the links on the host: one for
+// every request (the package's functions open and close a socket for each).
+// It lives in the namespace of the thread that first asks, which is the
+// host's: no caller of attachLink or removeLink has moved its thread.
+var rtnl = sync.OnceValue(func() *netlink.Handle {
+	h, err := netlink.NewHandle(unix.NETLINK_ROUTE)
+	if err != nil {
+		return &netlink.Handle{} // a socket per request, as before
+	}
+	return h
+})
+
 // attachLink makes the pair with its peer inside the namespace nsFD.
 func attachLink(slot, nsFD int, ip, gw netip.Addr) (err error) {
 	linkMu.Lock()
 	defer linkMu.Unlock()
+	nl := rtnl()
 	name := ifName(slot)
-	if old, err := netlink.LinkByName(name); err == nil {
-		_ = netlink.LinkDel(old) // a leftover of a sandbox whose owner died
-	}
 	veth := &netlink.Veth{LinkAttrs: netlink.LinkAttrs{Name: name, TxQLen: 1000}, PeerName: "eth0", PeerNamespace: netlink.NsFd(nsFD)}
-	if err := netlink.LinkAdd(veth); err != nil {
+	err = nl.LinkAdd(veth)
+	if errors.Is(err, unix.EEXIST) {
+		// A leftover of a sandbox whose owner died holds the name.
+		if old, lerr := nl.LinkByName(name); lerr == nil {
+			_ = nl.LinkDel(old)
+		}
+		veth.Index = 0
+		err = nl.LinkAdd(veth)
+	}
+	if err != nil {
 		return fmt.Errorf("create veth %s: %w", name, err)
 	}
 	defer func() {
 		if err != nil {
-			_ = netlink.LinkDel(veth)
+			_ = nl.LinkDel(veth)
 		}
 	}()
 	// Before the link is up, so that it never gets an IPv6 link-local address.
 	if err := os.WriteFile("/proc/sys/net/ipv6/conf/"+name+"/disable_ipv6", []byte("1"), 0); err != nil && !errors.Is(err, os.ErrNotExist) {
 		return fmt.Errorf("disable IPv6 on %s: %w", name, err)
 	}
-	host, err := netlink.LinkByName(name)
-	if err != nil {
-		return err
+	// LinkAdd learnt the host end's index.
+	if veth.Index == 0 {
+		return fmt.Errorf("create veth %s: its index is unknown", name)
 	}
-	if err := netlink.AddrAdd(host, &netlink.Addr{IPNet: ipnet(gw), Flags: unix.IFA_F_NOPREFIXROUTE}); err != nil {
+	if err := nl.AddrAdd(veth, &netlink.Addr{IPNet: ipnet(gw), Flags: unix.IFA_F_NOPREFIXROUTE}); err != nil {
 		return fmt.Errorf("address %s on %s: %w", gw, name, err)
 	}
-	if err := netlink.LinkSetUp(host); err != nil {
+	if err := nl.LinkSetUp(veth); err != nil {
 		return fmt.Errorf("bring %s up: %w", name, err)
 	}
-	if err := netlink.RouteAdd(&netlink.Route{LinkIndex: host.Attrs().Index, Dst: ipnet(ip), Scope: netlink.SCOPE_LINK}); err != nil {
+	if err := nl.RouteAdd(&netlink.Route{LinkIndex: veth.Index, Dst: ipnet(ip), Scope: netlink.SCOPE_LINK}); err != nil {
 		return fmt.Errorf("route to %s: %w", ip, err)
 	}
 	return configureInside(nsFD, ip, gw)
@@ -101,7 +120,8 @@ func configureInside(nsFD int, ip, gw netip.Addr) error {
 
 // removeLink deletes cage<slot> (its peer goes with it).
 func removeLink(slot int) error {
-	l, err := netlink.LinkByName(ifName(slot))
+	nl := rtnl()
+	l, err := nl.LinkByName(ifName(slot))
 	if err != nil {
 		var nf netlink.LinkNotFoundError
 		if errors.As(err, &nf) {
@@ -109,7 +129,7 @@ func removeLink(slot int) error {
 		}
 		return err
 	}
-	if err := netlink.LinkDel(l); err != nil && !errors.Is(err, unix.ENODEV) {
+	if err := nl.LinkDel(l); err != nil && !errors.Is(err, unix.ENODEV) {
 		return err // (ENODEV: the namespace went and took the pair with it)
 	}
 	return nil

@@ -16,6 +16,7 @@ import (
 	"time"
 
 	"github.com/miekg/dns"
+	"github.com/vishvananda/netlink"
 	"github.com/vishvananda/netns"
 
 	"github.com/cagehq/cage/internal/testutil"
@@ -351,6 +352,46 @@ func TestCloseAndGC(t *testing.T) {
 	}
 	if _, err := s2.get(testutil.PublicHost.String() + ":80"); err == nil {
 		t.Error("a collected sandbox still reaches out")
+	}
+}
+
+// A slot's interface left by a sandbox whose owner died (here: a dummy of
+// the same name) does not stop the next sandbox on that slot: attaching
+// replaces it, and the new sandbox reaches out through its own pair.
+func TestAttachReplacesLeftoverLink(t *testing.T) {
+	w := testutil.NewWorld(t)
+	h := newHost(t, w, nil)
+	nextSlot++
+	slot := nextSlot
+	stale := &netlink.Veth{LinkAttrs: netlink.LinkAttrs{Name: ifName(slot)}, PeerName: fmt.Sprintf("stale%d", slot)}
+	if err := netlink.LinkAdd(stale); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = removeLink(slot) })
+	ns := namespaces(t, 1)[0]
+	sb, err := h.Attach(fmt.Sprintf("sb%d", slot), slot, int(ns), Policy{Mode: Internet})
+	if err != nil {
+		t.Fatalf("attach over a leftover link: %v", err)
+	}
+	s := &fakeSandbox{ns: ns, net: sb}
+	l, err := netlink.LinkByName(ifName(slot))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if l.Attrs().Index == stale.Index {
+		t.Errorf("%s is still the leftover (index %d)", ifName(slot), stale.Index)
+	}
+	if _, err := netlink.LinkByName(fmt.Sprintf("stale%d", slot)); err == nil {
+		t.Error("the leftover's peer is still there")
+	}
+	if _, err := s.get(testutil.PublicHost.String() + ":80"); err != nil {
+		t.Errorf("the sandbox on a reclaimed slot cannot reach out: %v", err)
+	}
+	if err := sb.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if slices.Contains(hostLinks(), slot) {
+		t.Error("veth left after Close")
 	}
 }
 
