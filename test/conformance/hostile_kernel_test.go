@@ -260,10 +260,11 @@ print("tioclinux=" + sc(16, 0, 0x541C, ctypes.addressof(c)))
 		},
 		{
 			name:   "signals_to_the_agent",
-			expect: "signals sent to PID 1 (the agent) do not kill it: user gets EPERM; root's TERM/HUP/INT/QUIT/ABRT/SEGV/BUS/KILL/STOP and kill -KILL -1 leave it serving",
+			expect: "signals sent to PID 1 (the agent) do not kill it: user gets EPERM; root's TERM/HUP/INT/QUIT/ABRT/SEGV/BUS/KILL/STOP, every other number from 1 to 64 and kill -KILL -1 leave it serving",
 			users:  bothUsers,
 			opts:   &sandbox.Options{}, // a fresh sandbox: if the agent dies, the rows after this one must not die with it
 			script: `for s in TERM HUP INT QUIT ABRT SEGV BUS FPE SYS TRAP USR1 USR2 PIPE ALRM XCPU XFSZ VTALRM PROF KILL STOP; do kill -s $s 1 2>/dev/null; done
+n=1; while [ $n -le 64 ]; do kill -$n 1 2>/dev/null; n=$((n+1)); done
 kill -KILL -1 2>/dev/null; sleep 0.3; echo still-running`,
 			check: exitsOK("still-running"),
 		},
