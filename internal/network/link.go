@@ -8,6 +8,7 @@ import (
 	"os"
 	"runtime"
 	"sync"
+	"time"
 
 	"github.com/vishvananda/netlink"
 	"github.com/vishvananda/netns"
@@ -36,10 +37,17 @@ var linkMu sync.Mutex
 // rtnl is this process's netlink socket for the links on the host: one for
 // every request (the package's functions open and close a socket for each).
 // It lives in the namespace of the thread that first asks, which is the
-// host's: no caller of attachLink or removeLink has moved its thread.
+// host's: no caller of attachLink or removeLink has moved its thread. Its
+// requests time out as the package's own sockets' do (a minute).
 var rtnl = sync.OnceValue(func() *netlink.Handle {
 	h, err := netlink.NewHandle(unix.NETLINK_ROUTE)
+	if err == nil {
+		err = h.SetSocketTimeout(time.Minute)
+	}
 	if err != nil {
+		if h != nil {
+			h.Close()
+		}
 		return &netlink.Handle{} // a socket per request, as before
 	}
 	return h
