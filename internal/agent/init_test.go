@@ -38,12 +38,12 @@ func TestReserveThreads(t *testing.T) {
 // 32 and 34 at their default, which ends a process: the kernel drops them,
 // as any signal without a handler, when sent to a namespace's init from
 // inside it.)
-// The process is this test binary again (absorbHelper), not a sandbox:
+// The process is this test binary again (TestAbsorbHelper), not a sandbox:
 // in a sandbox the workload cannot signal the agent at all (another uid),
 // so only the host could, and this is what the host would see.
 func TestAbsorbSignals(t *testing.T) {
 	if os.Getenv("CAGE_ABSORB_HELPER") != "" {
-		t.Skip("the helper runs in TestMain's place")
+		t.Skip("this process is TestAbsorbSignals's helper")
 	}
 	cmd := exec.Command(os.Args[0], "-test.run=^TestAbsorbHelper$")
 	cmd.Env = append(os.Environ(), "CAGE_ABSORB_HELPER=1")
@@ -123,9 +123,8 @@ func TestAbsorbHelper(t *testing.T) {
 		case "ping":
 			fmt.Println("alive")
 		case "stderr":
-			_, err := fmt.Fprintln(os.Stderr, "to a pipe no one reads")
-			fmt.Println("wrote") // err is EPIPE; still here
-			_ = err
+			_, _ = fmt.Fprintln(os.Stderr, "to a pipe no one reads") // EPIPE
+			fmt.Println("wrote")                                     // and still here
 		}
 	}
 	os.Exit(0)

@@ -355,7 +355,7 @@ func TestCloseAndGC(t *testing.T) {
 	}
 }
 
-// A slot's interface left by a sandbox whose owner died (here: a dummy of
+// A slot's interface left by a sandbox whose owner died (here: a pair of
 // the same name) does not stop the next sandbox on that slot: attaching
 // replaces it, and the new sandbox reaches out through its own pair.
 func TestAttachReplacesLeftoverLink(t *testing.T) {
