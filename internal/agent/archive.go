@@ -11,6 +11,7 @@ import (
 	"os"
 	"path"
 	"path/filepath"
+	"slices"
 	"sort"
 	"strings"
 	"syscall"
@@ -34,8 +35,10 @@ import (
 // template's /tmp, /var/tmp and /home whole, and of an image template's
 // writable root the files changed since the sandbox started (an inode's
 // change time is set by every write, chmod, chown, rename and copy-up;
-// the image's own files keep the time they were unpacked); with their
-// owners, modes, times and user.* extended attributes.
+// the image's own files keep the time they were unpacked: found in the
+// root's overlay upper layer where the agent can read it, the microvm
+// guest's, else by a walk of the whole root); with their owners, modes,
+// times and user.* extended attributes.
 // Not saved: running processes, memory, sockets and devices, and the
 // volumes mounted in the sandbox (the host keeps them; a walk never
 // crosses into a file system it does not save). Files a
@@ -61,20 +64,24 @@ type mount struct {
 }
 
 // writableMounts reads the mount table and returns the mount points whose
-// files are saved and the devices they are on (one tmpfs is bound at
-// several points: /tmp, /var/tmp, /home).
-func writableMounts(volumes []string) (points []string, devs map[uint64]bool, err error) {
+// files are saved, the devices they are on (one tmpfs is bound at
+// several points: /tmp, /var/tmp, /home), and every mount point there is.
+func writableMounts(volumes []string) (points []string, devs map[uint64]bool, all map[string]bool, err error) {
 	f, err := os.Open("/proc/self/mountinfo")
 	if err != nil {
-		return nil, nil, err
+		return nil, nil, nil, err
 	}
 	defer f.Close()
-	devs = map[uint64]bool{}
+	devs, all = map[uint64]bool{}, map[string]bool{}
 	sc := bufio.NewScanner(f)
 	sc.Buffer(make([]byte, 64<<10), 1<<20)
 	for sc.Scan() {
 		m, ok := parseMountinfo(sc.Text())
-		if !ok || m.readOnly || skipFS[m.fstype] || under(m.point, skipUnder) || under(m.point, volumes) {
+		if !ok {
+			continue
+		}
+		all[m.point] = true
+		if m.readOnly || skipFS[m.fstype] || under(m.point, skipUnder) || under(m.point, volumes) {
 			continue
 		}
 		var st unix.Stat_t
@@ -83,7 +90,7 @@ func writableMounts(volumes []string) (points []string, devs map[uint64]bool, er
 		}
 		points, devs[st.Dev] = append(points, m.point), true
 	}
-	return points, devs, sc.Err()
+	return points, devs, all, sc.Err()
 }
 
 // parseMountinfo reads "ID PARENT MAJ:MIN ROOT POINT OPTS ... - FSTYPE SRC SUPEROPTS".
@@ -142,7 +149,7 @@ func (s *Server) serveArchive(w http.ResponseWriter, r *http.Request) {
 		writeHTTPError(w, httpErr(http.StatusBadRequest, "processes: want stop or kill"))
 		return
 	}
-	points, devs, err := writableMounts(s.cfg.Volumes)
+	points, devs, mounted, err := writableMounts(s.cfg.Volumes)
 	if err != nil {
 		writeHTTPError(w, httpErr(http.StatusInternalServerError, "mount table: %v", err))
 		return
@@ -156,7 +163,18 @@ func (s *Server) serveArchive(w http.ResponseWriter, r *http.Request) {
 	keep := func(dir string, st *unix.Stat_t) bool {
 		return dir != "/" || s.configured.IsZero() || !time.Unix(st.Ctim.Sec, st.Ctim.Nsec).Before(since)
 	}
-	if err := archiveTree(tw, points, devs, keep); err != nil {
+	seen := map[string]bool{}
+	if s.rootUpper != "" && slices.Contains(points, "/") {
+		// The root's changes are all in its overlay's upper layer: walk
+		// that, not the whole image (under TCG, reading a cold image's
+		// inodes took most of a pause).
+		if err := archiveUpper(tw, s.rootUpper, mounted, seen, func(st *unix.Stat_t) bool { return keep("/", st) }); err != nil {
+			s.log.Warn("archive cut short", "err", err)
+			panic(http.ErrAbortHandler)
+		}
+		points = slices.DeleteFunc(points, func(p string) bool { return p == "/" })
+	}
+	if err := archiveTree(tw, points, devs, seen, keep); err != nil {
 		s.log.Warn("archive cut short", "err", err)
 		panic(http.ErrAbortHandler) // the client must see a broken stream, not a short tar
 	}
@@ -182,9 +200,8 @@ func (s *Server) signalAll(sig syscall.Signal) {
 // archiveTree writes every file under the saved mount points that keep
 // accepts (given the mount point it is walked from), each path once,
 // crossing into no file system that is not saved.
-func archiveTree(tw *tar.Writer, points []string, devs map[uint64]bool, keep func(mount string, st *unix.Stat_t) bool) error {
+func archiveTree(tw *tar.Writer, points []string, devs map[uint64]bool, seen map[string]bool, keep func(mount string, st *unix.Stat_t) bool) error {
 	sort.Strings(points)
-	seen := map[string]bool{}
 	for _, top := range points {
 		if seen[top] {
 			continue
@@ -219,7 +236,7 @@ func archiveTree(tw *tar.Writer, points []string, devs map[uint64]bool, keep fun
 			if !keep(top, &st) {
 				return nil // an image's file the sandbox did not change (its directory may hold some it did)
 			}
-			return addEntry(tw, p, &st)
+			return addEntry(tw, p, p, &st)
 		})
 		if err != nil {
 			return err
@@ -228,8 +245,40 @@ func archiveTree(tw *tar.Writer, points []string, devs map[uint64]bool, keep fun
 	return nil
 }
 
-// addEntry writes one file's header (and contents).
-func addEntry(tw *tar.Writer, p string, st *unix.Stat_t) error {
+// archiveUpper writes the files of the root's overlay upper layer, the
+// directory upper, that keep accepts, under their paths in the root. The
+// upper layer holds every file the sandbox made or changed (an image's file
+// is copied up whole at its first change, its metadata's included) and
+// whiteouts for what it deleted, which are devices and so not kept, as a
+// walk of the root would not see them either. Where something is mounted
+// over the root (mounted: every mount point), the upper layer's files
+// there are hidden, not the root's: they are skipped, as are skipUnder's
+// trees. Each path it writes is marked in seen.
+func archiveUpper(tw *tar.Writer, upper string, mounted, seen map[string]bool, keep func(st *unix.Stat_t) bool) error {
+	upper = filepath.Clean(upper)
+	return filepath.WalkDir(upper, func(src string, d fs.DirEntry, err error) error {
+		if err != nil {
+			return nil // gone meanwhile, or unreadable: skip
+		}
+		p := "/" + strings.TrimPrefix(strings.TrimPrefix(src, upper), "/")
+		if p != "/" && (mounted[p] || under(p, skipUnder)) {
+			if d.IsDir() {
+				return fs.SkipDir
+			}
+			return nil
+		}
+		var st unix.Stat_t
+		if err := unix.Lstat(src, &st); err != nil || !keep(&st) {
+			return nil
+		}
+		seen[p] = true
+		return addEntry(tw, p, src, &st)
+	})
+}
+
+// addEntry writes the header (and contents) of the file at p in the root,
+// read at src (p itself, or its place in the root's upper layer).
+func addEntry(tw *tar.Writer, p, src string, st *unix.Stat_t) error {
 	hdr := &tar.Header{Name: strings.TrimPrefix(p, "/"), Mode: int64(st.Mode & 0o7777), Uid: int(st.Uid), Gid: int(st.Gid),
 		ModTime: time.Unix(st.Mtim.Sec, st.Mtim.Nsec), Format: tar.FormatPAX}
 	if hdr.Name == "" {
@@ -239,7 +288,7 @@ func addEntry(tw *tar.Writer, p string, st *unix.Stat_t) error {
 	case unix.S_IFDIR:
 		hdr.Typeflag, hdr.Name = tar.TypeDir, hdr.Name+"/"
 	case unix.S_IFLNK:
-		target, err := os.Readlink(p)
+		target, err := os.Readlink(src)
 		if err != nil {
 			return nil
 		}
@@ -251,16 +300,16 @@ func addEntry(tw *tar.Writer, p string, st *unix.Stat_t) error {
 	default:
 		return nil // sockets and devices are not files to keep
 	}
-	hdr.PAXRecords = userXattrs(p)
+	hdr.PAXRecords = userXattrs(src)
 	if hdr.Typeflag != tar.TypeReg {
 		return tw.WriteHeader(hdr)
 	}
 	// A FIFO or a file swapped in since the lstat must not hang or mislead.
-	fd, err := unix.Open(p, unix.O_RDONLY|unix.O_NOFOLLOW|unix.O_NONBLOCK|unix.O_CLOEXEC, 0)
+	fd, err := unix.Open(src, unix.O_RDONLY|unix.O_NOFOLLOW|unix.O_NONBLOCK|unix.O_CLOEXEC, 0)
 	if err != nil {
 		return nil
 	}
-	f := os.NewFile(uintptr(fd), p)
+	f := os.NewFile(uintptr(fd), src)
 	defer f.Close()
 	// (A regular file still: overlayfs answers fstat of an open file with
 	// the layer's device and inode, not the merged view's, so only the

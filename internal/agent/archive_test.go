@@ -3,6 +3,7 @@ package agent
 import (
 	"archive/tar"
 	"bytes"
+	"io"
 	"os"
 	"path/filepath"
 	"strings"
@@ -110,5 +111,83 @@ func TestParseMountinfo(t *testing.T) {
 	}
 	if _, ok := parseMountinfo("garbage"); ok {
 		t.Errorf("garbage parsed")
+	}
+}
+
+// TestArchiveUpper: the archive of a root from its overlay's upper layer
+// names each file by its path in the root and reads it from the layer;
+// it leaves out whiteouts (devices), what keep refuses, the trees that
+// are never saved (/proc, /run/cage...) and what a mount covers (the
+// layer's files under a mount point are hidden in the root), and marks
+// what it wrote as seen.
+func TestArchiveUpper(t *testing.T) {
+	upper := t.TempDir()
+	write := func(p, s string) {
+		t.Helper()
+		if err := os.MkdirAll(filepath.Dir(filepath.Join(upper, p)), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(filepath.Join(upper, p), []byte(s), 0o640); err != nil {
+			t.Fatal(err)
+		}
+	}
+	write("etc/motd", "changed\n")
+	write("home/user/notes.txt", "notes\n")
+	write("usr/local/old", "not changed since the start\n")
+	write("mnt/vol/hidden", "under a mount point\n")
+	write("run/cage/token", "secret\n")
+	write("proc/x", "kernel's\n")
+	if err := os.Symlink("/etc/motd", filepath.Join(upper, "home/user/link")); err != nil {
+		t.Fatal(err)
+	}
+	whiteout := os.Geteuid() == 0
+	if whiteout { // overlayfs's whiteout: a character device 0:0
+		if err := unix.Mknod(filepath.Join(upper, "etc/deleted"), unix.S_IFCHR, 0); err != nil {
+			t.Fatal(err)
+		}
+	}
+	var old unix.Stat_t
+	if err := unix.Lstat(filepath.Join(upper, "usr/local/old"), &old); err != nil {
+		t.Fatal(err)
+	}
+	keep := func(st *unix.Stat_t) bool { return st.Ino != old.Ino }
+	var b bytes.Buffer
+	tw := tar.NewWriter(&b)
+	seen := map[string]bool{}
+	if err := archiveUpper(tw, upper+"/", map[string]bool{"/": true, "/mnt/vol": true}, seen, keep); err != nil {
+		t.Fatal(err)
+	}
+	if err := tw.Close(); err != nil {
+		t.Fatal(err)
+	}
+	got := map[string]string{}
+	tr := tar.NewReader(&b)
+	for {
+		h, err := tr.Next()
+		if err != nil {
+			break
+		}
+		body, _ := io.ReadAll(tr)
+		got[h.Name] = string(body)
+		if h.Typeflag == tar.TypeSymlink {
+			got[h.Name] = "-> " + h.Linkname
+		}
+	}
+	want := map[string]string{
+		"etc/": "", "etc/motd": "changed\n", "home/": "", "home/user/": "", "home/user/notes.txt": "notes\n",
+		"home/user/link": "-> /etc/motd", "mnt/": "", "run/": "", "usr/": "", "usr/local/": "",
+	}
+	for name, body := range want {
+		if g, ok := got[name]; !ok || g != body {
+			t.Errorf("%s: got %q (there: %v), want %q", name, g, ok, body)
+		}
+	}
+	for name := range got {
+		if _, ok := want[name]; !ok {
+			t.Errorf("%s was archived", name)
+		}
+	}
+	if !seen["/etc/motd"] || !seen["/home/user"] || seen["/mnt/vol/hidden"] {
+		t.Errorf("seen: %v", seen)
 	}
 }

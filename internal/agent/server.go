@@ -100,6 +100,9 @@ type Server struct {
 	// configured is when the sandbox was started (Configure): files of its
 	// image changed since are its own (see archive.go).
 	configured time.Time
+	// rootUpper is where the root overlay's upper layer can be read, when
+	// the agent can (ArchiveRootFrom); empty otherwise.
+	rootUpper string
 }
 
 // heapTarget is the agent's soft heap limit: far above an idle agent's few
@@ -189,6 +192,12 @@ func (s *Server) Configure(token string, env map[string]string, maxOutput int64)
 		s.cfg.MaxOutput = maxOutput
 	}
 }
+
+// ArchiveRootFrom tells the agent where the root overlay's upper layer can
+// be read (the microvm guest's, through a descriptor its init kept): an
+// archive of the root walks it, where the sandbox's changes are, instead
+// of the whole image. Call it before Serve.
+func (s *Server) ArchiveRootFrom(upper string) { s.rootUpper = upper }
 
 // Handler returns the agent's HTTP handler.
 func (s *Server) Handler() http.Handler { return http.HandlerFunc(s.route) }

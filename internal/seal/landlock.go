@@ -54,7 +54,7 @@ func handledRights(abi int) uint64 {
 
 // applyLandlock restricts every thread of the agent, and so every process it
 // starts. It returns the ABI used (0: the kernel has no Landlock).
-func applyLandlock(writableRoot bool, more []string) (int, error) {
+func applyLandlock(writableRoot bool, more, readable []string) (int, error) {
 	abi := landlockABI()
 	if abi == 0 {
 		return 0, nil
@@ -90,6 +90,12 @@ func applyLandlock(writableRoot bool, more []string) (int, error) {
 			path   string
 			access uint64
 		}{p, writable})
+	}
+	for _, p := range readable {
+		rules = append(rules, struct {
+			path   string
+			access uint64
+		}{p, llRead & handled})
 	}
 	for _, r := range rules {
 		if err := landlockAllow(int(fd), r.path, r.access); err != nil {

@@ -31,6 +31,10 @@ type Options struct {
 	// Writable are more directories the sandbox may write under: the
 	// volumes mounted in it.
 	Writable []string
+	// Readable are more directories it may read under, outside its root:
+	// the microvm guest's root overlay's upper layer, its own files, which
+	// its agent archives from there.
+	Readable []string
 }
 
 // SpawnThread prepares the calling thread, the agent's spawning thread (see
@@ -53,7 +57,7 @@ func Seal(o Options) (int, error) {
 		trace = func(string) {}
 	}
 	trace("landlock")
-	abi, err := applyLandlock(o.WritableRoot, o.Writable)
+	abi, err := applyLandlock(o.WritableRoot, o.Writable, o.Readable)
 	if err != nil {
 		return abi, fmt.Errorf("landlock: %w", err)
 	}

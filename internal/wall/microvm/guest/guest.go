@@ -51,8 +51,7 @@ func guestAgent(port *os.File) error {
 			return err
 		}
 		if !sp.Prepare {
-			disk.Close()
-			return serve(sess, first, sp, made, port)
+			return serve(sess, first, sp, made, port, disk)
 		}
 		if err := warmUp(); err != nil {
 			fmt.Fprintf(first, "error: %v\n", err)
@@ -231,8 +230,9 @@ func makeAgent(threads int) (*madeAgent, error) {
 // serves, and the agent serves only once the guest has its own random
 // state, clock, name and limits and the agent its token. made is the
 // agent a snapshot's guest made (nil in a guest booted cold, which makes
-// it here, after its identity).
-func serve(sess *yamux.Session, first net.Conn, sp Spec, made *madeAgent, port *os.File) error {
+// it here, after its identity). disk is the root's upper tmpfs (see
+// switchRoot), kept open for the agent's archives.
+func serve(sess *yamux.Session, first net.Conn, sp Spec, made *madeAgent, port, disk *os.File) error {
 	trace.Set(sp.Trace)
 	trace.Mark("guest: spec read")
 	made, err := become(sp, made)
@@ -242,7 +242,13 @@ func serve(sess *yamux.Session, first net.Conn, sp Spec, made *madeAgent, port *
 	}
 	srv := made.srv
 	srv.Configure(sp.Token, sp.Env, sp.MaxOutput)
-	if _, err := seal.Seal(seal.Options{AgentUID: inside.AgentUID, WritableRoot: true}); err != nil {
+	// The root's upper layer is outside the root, reached through disk
+	// (a descriptor opened before the chroot; no command inherits it):
+	// the sandbox's changes are all there, and an archive walks only
+	// them.
+	upper := "/proc/self/fd/" + strconv.Itoa(int(disk.Fd())) + "/upper"
+	srv.ArchiveRootFrom(upper)
+	if _, err := seal.Seal(seal.Options{AgentUID: inside.AgentUID, WritableRoot: true, Readable: []string{upper}}); err != nil {
 		return err
 	}
 	trace.Mark("guest: sealed")
