@@ -337,6 +337,7 @@ func Create(ctx context.Context, cfg Config) (sb *Sandbox, err error) {
 	if err != nil {
 		return sb, err
 	}
+	go nudge(sb.sess)
 	trace.Mark("microvm: greeted")
 	if cfg.prepare {
 		return sb, sb.prepared()
