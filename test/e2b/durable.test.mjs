@@ -18,7 +18,8 @@ test('pause with memory: paused, not running, and a process counts on from where
   await withSandbox({}, async (sbx) => {
     await sbx.files.write('/home/user/kept.txt', 'kept across pauses\n')
     await sbx.commands.run(COUNTER)
-    await sleep(400)
+    // Its first count, however slow the start (a guest under TCG on a busy host).
+    await waitFor(() => sbx.files.exists('/tmp/count'), 30_000, () => 'the counter to start')
     const before = await count(sbx)
     assert.equal(await sbx.pause(), true, 'pause() of a running sandbox')
     assert.equal(await sbx.isRunning(), false, 'isRunning() while paused')
