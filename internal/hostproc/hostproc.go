@@ -1,7 +1,8 @@
 // Package hostproc names and watches host processes that are not this
 // process's children: a process's start time (with its pid, a name that
 // survives pid reuse) and waiting on a pidfd. Every wall's host half uses it
-// to adopt sandboxes another process created.
+// to adopt sandboxes another process created. And Foreground, for the
+// walls that start a pool's sandboxes niced.
 package hostproc
 
 import (

@@ -2,13 +2,13 @@ package vm
 
 import (
 	"fmt"
-	"os"
 	"os/exec"
 	"runtime"
-	"strconv"
 	"sync"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/cagehq/cage/internal/hostproc"
 )
 
 // BackgroundNice is the priority of a VM started with Config.Background
@@ -58,35 +58,11 @@ func startAt(cmd *exec.Cmd, background bool) error {
 	return <-s.done
 }
 
-// Foreground puts every thread of QEMU back to the normal priority (nice
-// is per thread in Linux: each inherited the background value). A thread
-// that a niced one makes while the threads are walked inherits the
-// background value too, so the walk is repeated until it finds none left.
+// Foreground puts every thread of QEMU back to the normal priority (each
+// inherited the background value).
 func (v *VM) Foreground() {
 	if !v.cfg.Background {
 		return
 	}
-	for pass := 0; pass < 8 && v.foregroundOnce() > 0; pass++ {
-	}
-}
-
-// foregroundOnce renices the threads still niced and says how many.
-func (v *VM) foregroundOnce() int {
-	pid := v.Pid()
-	tasks, _ := os.ReadDir("/proc/" + strconv.Itoa(pid) + "/task")
-	found := 0
-	for _, t := range tasks {
-		tid, err := strconv.Atoi(t.Name())
-		if err != nil {
-			continue
-		}
-		// getpriority(2)'s raw return is 20 - nice.
-		if p, err := unix.Getpriority(unix.PRIO_PROCESS, tid); err == nil && 20-p <= 0 {
-			continue
-		}
-		if unix.Setpriority(unix.PRIO_PROCESS, tid, 0) == nil {
-			found++
-		}
-	}
-	return found
+	hostproc.Foreground(v.Pid())
 }

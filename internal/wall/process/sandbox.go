@@ -10,7 +10,6 @@ import (
 	"net"
 	"os"
 	"path/filepath"
-	"strconv"
 	"strings"
 	"sync"
 	"syscall"
@@ -305,36 +304,12 @@ func (sb *Sandbox) SetNetwork(n *network.Sandbox) { sb.net = n }
 // backgroundNice is the priority prepared sandboxes are built at.
 const backgroundNice = 15
 
-// renice puts every thread of the agent back to normal priority (nice is
-// per thread in Linux; threads inherited the background value). A thread
-// that a niced one makes while the threads are walked inherits the
-// background value too and is not in the walk's list (seen once in the
-// conformance suite: an agent thread still at nice 15 after its create),
-// so the walk is repeated until it finds none left.
+// renice puts every thread of the agent back to normal priority (each
+// inherited the background value; a thread made during the walk too, seen
+// once in the conformance suite: hostproc.Foreground walks again).
 func (sb *Sandbox) renice() {
-	for pass := 0; pass < 8 && sb.reniceOnce() > 0; pass++ {
-	}
+	hostproc.Foreground(sb.pid)
 	sb.niced = false
-}
-
-// reniceOnce renices the agent's threads still niced and says how many.
-func (sb *Sandbox) reniceOnce() int {
-	tasks, _ := os.ReadDir(fmt.Sprintf("/proc/%d/task", sb.pid))
-	found := 0
-	for _, t := range tasks {
-		tid, err := strconv.Atoi(t.Name())
-		if err != nil {
-			continue
-		}
-		// getpriority(2)'s raw return is 20 - nice.
-		if p, err := unix.Getpriority(unix.PRIO_PROCESS, tid); err == nil && 20-p <= 0 {
-			continue
-		}
-		if unix.Setpriority(unix.PRIO_PROCESS, tid, 0) == nil {
-			found++
-		}
-	}
-	return found
 }
 
 // makeDirs creates the sandbox's state directory and the empty directory its
