@@ -10,6 +10,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
 	"slices"
 	"sort"
 	"strconv"
@@ -457,6 +458,19 @@ func testBoot(t *testing.T, k *Kernel, initrd string) {
 		if err != nil || got != line {
 			t.Fatalf("echo: %q, %v; want %q", got, err, line)
 		}
+	}
+	// What QEMU reports of the VM for a stall's report and a trace: the
+	// port's queues, which the echoes used, and TCG's translations.
+	qs, err := v.VirtioQueues(ctx)
+	if err != nil {
+		t.Errorf("VirtioQueues: %v", err)
+	} else if !regexp.MustCompile(`(?m)^virtio-serial: q0 avail \d+ taken \d+ used \d+ .*; q5 `).MatchString(qs) ||
+		!regexp.MustCompile(`used [1-9]`).MatchString(qs) {
+		t.Errorf("VirtioQueues: %q; want the six queues of the 2-port virtio-serial, some used", qs)
+	}
+	t.Logf("after the echoes, QEMU reports: %s", qs)
+	if n, err := v.TranslatedBlocks(ctx); err != nil || n < 1000 {
+		t.Errorf("TranslatedBlocks after a boot under TCG: %d, %v; want thousands", n, err)
 	}
 	// Hanging up ends the guest (it restarts, which -no-reboot makes QEMU's
 	// clean exit).

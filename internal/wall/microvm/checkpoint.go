@@ -196,7 +196,7 @@ func (sb *Sandbox) attach(ctx context.Context) error {
 		return fmt.Errorf("the guest's agent did not serve again: %w (%s)", err, consoleTail(sb.v))
 	}
 	sb.sess = sess
-	go nudge(sess)
+	go nudge(sess, sb.reportStall)
 	return nil
 }
 

@@ -227,6 +227,7 @@ func (sb *Sandbox) attachNetwork(cfg Config) error {
 // its cgroup, its uid range and its directory.
 func (sb *Sandbox) Destroy() (err error) {
 	sb.destroy.Do(func() {
+		sb.traceBlocks("microvm: destroy")
 		close(sb.destroyed)
 		err = sb.release()
 		sb.ids.Release()
@@ -337,8 +338,8 @@ func Create(ctx context.Context, cfg Config) (sb *Sandbox, err error) {
 	if err != nil {
 		return sb, err
 	}
-	go nudge(sb.sess)
-	trace.Mark("microvm: greeted")
+	go nudge(sb.sess, sb.reportStall)
+	sb.traceBlocks("microvm: greeted")
 	if cfg.prepare {
 		return sb, sb.prepared()
 	}
@@ -375,7 +376,7 @@ func (sb *Sandbox) start(ctx context.Context, spec wall.Spec) error {
 	if err := readLine(ctx, first, bufio.NewReader(first), guest.Ready); err != nil {
 		return fmt.Errorf("the guest's agent did not start: %w (%s%s)", err, consoleTail(sb.v), qemuEnd(sb.v))
 	}
-	trace.Mark("microvm: ready")
+	sb.traceBlocks("microvm: ready")
 	if trace.On() {
 		// The guest's marks (its clock is the host's, set by the spec,
 		// but runs slow under TCG), quoted: the guest writes its console.
@@ -386,6 +387,25 @@ func (sb *Sandbox) start(ctx context.Context, spec wall.Spec) error {
 		}
 	}
 	return nil
+}
+
+// traceBlocks marks a phase of the sandbox's life in the trace with the
+// blocks of guest code TCG has translated so far in its QEMU (a QMP round
+// trip, taken before the mark's time): under TCG a restored guest spends
+// its time translating what it runs for the first time since QEMU
+// started, so the counts between marks say where it goes.
+func (sb *Sandbox) traceBlocks(what string) {
+	if !trace.On() || sb.v == nil {
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	n, err := sb.v.TranslatedBlocks(ctx)
+	if err != nil {
+		trace.Mark(what + " (translated blocks not known: " + err.Error() + ")")
+		return
+	}
+	trace.Mark(what + " (" + strconv.Itoa(n) + " blocks translated)")
 }
 
 // greetTimeout bounds the wait for a restored (or booted) guest's hello:

@@ -1,6 +1,7 @@
 package microvm
 
 import (
+	"context"
 	"sync/atomic"
 	"time"
 
@@ -24,13 +25,21 @@ const (
 	nudgesOut = 4
 )
 
+// stallAfter is how long a ping may go unanswered before nudge reports
+// the guest as stalled: far beyond a TCG guest's slowest answer under load
+// (a ping is answered by the agent's session loop, not by a command).
+var stallAfter = 10 * time.Second
+
 // nudge pings the guest's agent every nudgeEvery while sess has a stream
 // open, until sess ends. A ping that goes unanswered does not end the
-// session (yamux's keepalive would): only traffic matters here.
-func nudge(sess *yamux.Session) {
+// session (yamux's keepalive would): only traffic matters here. One that
+// stays unanswered for stallAfter calls stalled (when not nil), once until
+// a ping is answered again: the report of a hang, taken while it lasts.
+func nudge(sess *yamux.Session, stalled func(time.Duration)) {
 	t := time.NewTicker(nudgeEvery)
 	defer t.Stop()
 	var out atomic.Int32
+	var reported atomic.Bool
 	for {
 		select {
 		case <-sess.CloseChan():
@@ -43,7 +52,44 @@ func nudge(sess *yamux.Session) {
 		out.Add(1)
 		go func() {
 			defer out.Add(-1)
-			_, _ = sess.Ping()
+			answered := make(chan error, 1)
+			go func() { _, err := sess.Ping(); answered <- err }()
+			select {
+			case err := <-answered:
+				if err == nil {
+					reported.Store(false)
+				}
+				return
+			case <-sess.CloseChan():
+				return
+			case <-time.After(stallAfter):
+			}
+			if stalled != nil && reported.CompareAndSwap(false, true) {
+				stalled(stallAfter)
+			}
+			if err := <-answered; err == nil {
+				reported.Store(false)
+			}
 		}()
 	}
+}
+
+// reportStall logs what the host can see of a guest that has not answered
+// a ping for d while a stream was open: the state of each virtio queue
+// (QEMU's), the streams open and the console's last line. The guest's
+// channel hang (a request whose answer never comes) was never caught in
+// the act; this is its record when it comes again.
+func (sb *Sandbox) reportStall(d time.Duration) {
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	queues, err := sb.v.VirtioQueues(ctx)
+	if err != nil {
+		queues = "not known: " + err.Error()
+	}
+	streams := 0
+	if s := sb.sess; s != nil {
+		streams = s.NumStreams()
+	}
+	logger(sb.cfg).Warn("microvm: the guest has not answered the host's ping", "sandbox", sb.id, "for", d,
+		"streams", streams, "virtio", queues, "console", sb.v.ConsoleLastLine())
 }

@@ -1,14 +1,24 @@
 package microvm
 
 import (
+	"bytes"
+	"context"
 	"io"
+	"log/slog"
 	"net"
+	"path/filepath"
+	"strings"
 	"sync"
+	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
 	"github.com/hashicorp/yamux"
 
+	"github.com/cagehq/cage/internal/agentclient"
+	"github.com/cagehq/cage/internal/testutil"
+	"github.com/cagehq/cage/internal/wall"
 	"github.com/cagehq/cage/internal/wall/channel"
 )
 
@@ -62,7 +72,8 @@ func TestNudge(t *testing.T) {
 		}
 	}()
 	done := make(chan struct{})
-	go func() { nudge(sess); close(done) }()
+	var stalls atomic.Int32
+	go func() { nudge(sess, func(time.Duration) { stalls.Add(1) }); close(done) }()
 
 	time.Sleep(3 * nudgeEvery)
 	if n := host.count(); n != 0 {
@@ -79,11 +90,130 @@ func TestNudge(t *testing.T) {
 	if n := host.count(); n < 2 {
 		t.Errorf("%d pings in %v with a stream open, want at least 2", n, 20*nudgeEvery)
 	}
+	if n := stalls.Load(); n != 0 {
+		t.Errorf("a guest that answers every ping was reported stalled %d times", n)
+	}
 	st.Close()
 	sess.Close()
 	select {
 	case <-done:
 	case <-time.After(5 * time.Second):
 		t.Fatal("nudge goes on after the session ended")
+	}
+}
+
+// TestNudgeStall: a guest that answers no ping while a stream is open is
+// reported once (not once per ping) after stallAfter, and a report is what
+// the hang leaves: the session goes on.
+func TestNudgeStall(t *testing.T) {
+	defer func(d time.Duration) { stallAfter = d }(stallAfter)
+	stallAfter = 300 * time.Millisecond
+	hostEnd, guestEnd := net.Pipe()
+	go func() { _, _ = io.Copy(io.Discard, guestEnd) }() // a guest that reads and never answers
+	sess, err := channel.Client(hostEnd)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer sess.Close()
+	reports := make(chan time.Duration, 16)
+	go nudge(sess, func(d time.Duration) { reports <- d })
+	time.Sleep(2 * nudgeEvery)
+	if n := len(reports); n != 0 {
+		t.Fatalf("%d stall reports with no stream open (no ping sent), want none", n)
+	}
+	if _, err := sess.Open(); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case d := <-reports:
+		if d != stallAfter {
+			t.Errorf("reported a stall of %v, want %v", d, stallAfter)
+		}
+	case <-time.After(10 * nudgeEvery):
+		t.Fatalf("no stall report in %v of unanswered pings", 10*nudgeEvery)
+	}
+	time.Sleep(4 * nudgeEvery) // more pings, all unanswered
+	if n := len(reports); n != 0 {
+		t.Errorf("%d more reports of the same stall, want one in all", n)
+	}
+	if sess.IsClosed() {
+		t.Error("the session ended over unanswered pings")
+	}
+}
+
+// lockedBuffer is a log's destination written from several goroutines.
+type lockedBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (l *lockedBuffer) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.Write(p)
+}
+
+func (l *lockedBuffer) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.String()
+}
+
+// TestStallReportVM: a real guest that stops answering while a command's
+// stream is open (its QEMU stopped with SIGSTOP) is reported in the
+// wall's log with QEMU's view of the virtio queues, once QEMU answers
+// again; the sandbox then serves as before.
+func TestStallReportVM(t *testing.T) {
+	k := needVM(t)
+	bin := testutil.Binaries(t)
+	tmpl := testTemplate(t)
+	defer func(d time.Duration) { stallAfter = d }(stallAfter)
+	stallAfter = 2 * time.Second
+	var log lockedBuffer
+	ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
+	defer cancel()
+	sb, err := Create(ctx, Config{Spec: wall.Spec{ID: "stall0000000000000001", Template: tmpl, DiskBytes: 16 << 20, Token: "t"},
+		RunDir: testutil.RunDir(t), AgentPath: filepath.Join(bin, "cage-agent"), Kernel: k, MemoryMB: 256, CPUs: 1,
+		Log: slog.New(slog.NewTextHandler(&log, nil))})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer sb.Destroy()
+	c := agentclient.New(sb.Dial, sb.Token())
+	defer c.Close()
+	started := make(chan struct{})
+	go func() {
+		_, _ = c.Run(ctx, agentclient.RunOptions{Cmd: "sleep", Args: []string{"60"}, Stdout: io.Discard, Stderr: io.Discard,
+			OnStart: func(uint32) { close(started) }})
+	}()
+	select {
+	case <-started:
+	case <-time.After(60 * time.Second):
+		t.Fatal("sleep did not start")
+	}
+	pid := sb.v.Pid()
+	if err := syscall.Kill(pid, syscall.SIGSTOP); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(stallAfter + 3*nudgeEvery)
+	if err := syscall.Kill(pid, syscall.SIGCONT); err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(10 * time.Second)
+	for !strings.Contains(log.String(), "the guest has not answered") && time.Now().Before(deadline) {
+		time.Sleep(100 * time.Millisecond)
+	}
+	got := log.String()
+	if !strings.Contains(got, "the guest has not answered the host's ping") || !strings.Contains(got, "virtio-serial: q0 avail") {
+		t.Fatalf("no stall report with the virtio queues in the log:\n%s", got)
+	}
+	if n := strings.Count(got, "the guest has not answered"); n != 1 {
+		t.Errorf("%d reports of one stall, want 1:\n%s", n, got)
+	}
+	t.Logf("the report: %s", got)
+	var out bytes.Buffer
+	end, err := c.Run(ctx, agentclient.RunOptions{Cmd: "echo", Args: []string{"still here"}, Stdout: &out, Stderr: io.Discard})
+	if err != nil || end.GetExitCode() != 0 || out.String() != "still here\n" {
+		t.Errorf("after the stall: %q, %v", out.String(), err)
 	}
 }
