@@ -70,7 +70,11 @@ func processHost(t testing.TB) *sandbox.Host {
 		}
 		hostDir = dir
 		_ = os.Chmod(dir, 0o711)
-		host, hostErr = sandbox.NewHost(dir, filepath.Join(bin, "cage-agent"), slog.New(slog.DiscardHandler))
+		// Warnings go to stderr, which `go test` shows when the package
+		// fails: a microVM's stall report (its virtio queues, taken while
+		// the guest hangs) is then beside the test that met the hang.
+		host, hostErr = sandbox.NewHost(dir, filepath.Join(bin, "cage-agent"),
+			slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn})))
 		if hostErr == nil {
 			host.KernelDir = testutil.KernelDir()
 			// As the daemon runs it: the process wall's agents come from
