@@ -20,6 +20,7 @@ import (
 	"github.com/cagehq/cage/internal/agentclient"
 	"github.com/cagehq/cage/internal/inside"
 	"github.com/cagehq/cage/internal/sandbox"
+	"github.com/cagehq/cage/internal/testutil"
 )
 
 // Resource-exhaustion rows.
@@ -321,7 +322,7 @@ sleep 0.3; ps -eo ppid=,args= | grep -c '^ *1 sleep 4[23]4[23]'`, asUser(user))
 
 func pidsExhaustedAgentBusy(t *testing.T, e *hostileEnv, b *box, user string) {
 	b.mustSh("head -c 8M /dev/zero > /tmp/big", asUser(user))
-	var out lockedBuffer
+	var out testutil.SyncBuffer
 	done := make(chan result, 1)
 	go func() {
 		done <- b.pyRun(`

@@ -1,11 +1,9 @@
 package conformance
 
 import (
-	"bytes"
 	"context"
 	"io"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -14,6 +12,7 @@ import (
 	pb "github.com/cagehq/cage/api/gen/process"
 	"github.com/cagehq/cage/internal/agentclient"
 	"github.com/cagehq/cage/internal/sandbox"
+	"github.com/cagehq/cage/internal/testutil"
 )
 
 // Commands in a PTY: a terminal of the requested size, interactive input,
@@ -23,26 +22,8 @@ func withPTY(cols, rows uint32) func(*agentclient.RunOptions) {
 	return func(o *agentclient.RunOptions) { o.PTY = &pb.PTY_Size{Cols: cols, Rows: rows} }
 }
 
-// lockedBuffer is an output sink a test can read while a command runs.
-type lockedBuffer struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (l *lockedBuffer) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.buf.Write(p)
-}
-
-func (l *lockedBuffer) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.buf.String()
-}
-
 // waitFor polls out until it contains s.
-func waitFor(t *testing.T, out *lockedBuffer, s string, d time.Duration) bool {
+func waitFor(t *testing.T, out *testutil.SyncBuffer, s string, d time.Duration) bool {
 	t.Helper()
 	deadline := time.Now().Add(d)
 	for time.Now().Before(deadline) {
@@ -85,7 +66,7 @@ func TestPTY(t *testing.T) {
 		defer cancel()
 		in, inW := io.Pipe()
 		defer inW.Close()
-		var out lockedBuffer
+		var out testutil.SyncBuffer
 		pids := make(chan uint32, 1)
 		done := make(chan result, 1)
 		go func() {

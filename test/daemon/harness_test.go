@@ -55,7 +55,7 @@ type daemon struct {
 	flags  []string
 	key    string // the first API key, made before the daemon started
 
-	log *syncBuffer // every run's output, one after the other
+	log *testutil.SyncBuffer // every run's output, one after the other
 
 	mu      sync.Mutex
 	cmd     *exec.Cmd
@@ -97,7 +97,7 @@ func startDaemon(t *testing.T, flags ...string) *daemon {
 		t: t, bin: bin, data: t.TempDir(), runDir: runDir,
 		api: freePort(t), proxy: freePort(t),
 		flags:   append([]string{"--pool", "0", "--config", worldConfig(t)}, flags...),
-		log:     &syncBuffer{},
+		log:     &testutil.SyncBuffer{},
 		created: map[string]string{},
 		http:    &http.Client{Timeout: 60 * time.Second},
 	}
@@ -834,24 +834,6 @@ func socketOwner(pid int, sockets map[string]string) string {
 }
 
 // --- small things ---
-
-// syncBuffer is a bytes.Buffer safe for concurrent writers.
-type syncBuffer struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (b *syncBuffer) Write(p []byte) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.Write(p)
-}
-
-func (b *syncBuffer) String() string {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.String()
-}
 
 func tail(s string, n int) string {
 	if len(s) > n {

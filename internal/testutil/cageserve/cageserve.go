@@ -43,7 +43,7 @@ type Daemon struct {
 	Key    string // the first API key
 	HTTP   *http.Client
 
-	log     *logBuffer
+	log     *testutil.SyncBuffer
 	args    []string
 	cmd     *exec.Cmd
 	done    chan struct{}
@@ -69,7 +69,7 @@ func Start(t testing.TB, flags ...string) *Daemon {
 		t.Fatal(err)
 	}
 	d := &Daemon{t: t, bin: bin, Data: t.TempDir(), RunDir: runDir, API: freePort(t), Proxy: freePort(t),
-		HTTP: &http.Client{Timeout: 2 * time.Minute}, log: &logBuffer{}, created: map[string]string{}}
+		HTTP: &http.Client{Timeout: 2 * time.Minute}, log: &testutil.SyncBuffer{}, created: map[string]string{}}
 	t.Cleanup(func() { testutil.RemoveRunDir(runDir) })
 	d.Key = d.NewKey(t, "first")
 	t.Cleanup(d.cleanup)
@@ -348,21 +348,4 @@ func freePort(t testing.TB) string {
 	}
 	defer l.Close()
 	return l.Addr().String()
-}
-
-type logBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (l *logBuffer) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.Write(p)
-}
-
-func (l *logBuffer) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.String()
 }

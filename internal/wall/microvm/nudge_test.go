@@ -141,24 +141,6 @@ func TestNudgeStall(t *testing.T) {
 	}
 }
 
-// lockedBuffer is a log's destination written from several goroutines.
-type lockedBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (l *lockedBuffer) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.Write(p)
-}
-
-func (l *lockedBuffer) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.String()
-}
-
 // TestStallReportVM: a real guest that stops answering while a command's
 // stream is open (its QEMU stopped with SIGSTOP) is reported in the
 // wall's log with QEMU's view of the virtio queues, once QEMU answers
@@ -169,7 +151,7 @@ func TestStallReportVM(t *testing.T) {
 	tmpl := testTemplate(t)
 	defer func(d time.Duration) { stallAfter = d }(stallAfter)
 	stallAfter = 2 * time.Second
-	var log lockedBuffer
+	var log testutil.SyncBuffer
 	ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
 	defer cancel()
 	sb, err := Create(ctx, Config{Spec: wall.Spec{ID: "stall0000000000000001", Template: tmpl, DiskBytes: 16 << 20, Token: "t"},
