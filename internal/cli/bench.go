@@ -38,8 +38,9 @@ as JSON, for tracking.
              (interleaved), cold and from the wall's pool where the walls
              keep pools, and memory with 50 idle sandboxes of each
   microvm    the microvm wall (base): create, restored from its snapshot ->
-             first output, interleaved with the process wall's, and from a
-             pool where the walls keep pools; QEMU's PSS and host cgroup
+             first output, interleaved with the process wall's (under TCG
+             with the blocks of guest code translated on the way), and from
+             a pool where the walls keep pools; QEMU's PSS and host cgroup
              charge with 20 idle VMs restored from one snapshot
   serve      against a cage serve it starts: time to interactive (create -> first
              output through the API and proxy) sequential and 20 at once, the

@@ -58,3 +58,21 @@ func TestBenchBadOnly(t *testing.T) {
 		t.Errorf("--runs 0: exit %d, want %d", code, ExitUsage)
 	}
 }
+
+// TestBlocksNote: the microvm row's note gives the median count of the
+// samples read, says nothing without one (KVM, or none read), and joins
+// the wall's warning without empty parts.
+func TestBlocksNote(t *testing.T) {
+	if got := blocksNote(nil); got != "" {
+		t.Errorf("blocksNote(nil) = %q, want none", got)
+	}
+	if got := blocksNote([]int{47000, 45000, 52000}); !strings.Contains(got, "translated 47000 blocks") || !strings.Contains(got, "median of 3") {
+		t.Errorf("blocksNote = %q, want the median 47000 of 3", got)
+	}
+	if got := joinNotes("", "TCG warning", "", "blocks"); got != "TCG warning; blocks" {
+		t.Errorf("joinNotes = %q", got)
+	}
+	if got := joinNotes("", ""); got != "" {
+		t.Errorf("joinNotes of nothing = %q", got)
+	}
+}

@@ -389,6 +389,12 @@ func (sb *Sandbox) start(ctx context.Context, spec wall.Spec) error {
 	return nil
 }
 
+// TranslatedBlocks is how many blocks of guest code TCG has translated in
+// the sandbox's QEMU so far (0 under KVM; see vm.TranslatedBlocks).
+func (sb *Sandbox) TranslatedBlocks(ctx context.Context) (int, error) {
+	return sb.v.TranslatedBlocks(ctx)
+}
+
 // traceBlocks marks a phase of the sandbox's life in the trace with the
 // blocks of guest code TCG has translated so far in its QEMU (a QMP round
 // trip, taken before the mark's time): under TCG a restored guest spends
