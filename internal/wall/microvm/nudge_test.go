@@ -152,7 +152,9 @@ func TestStallReportVM(t *testing.T) {
 	defer func(d time.Duration) { stallAfter = d }(stallAfter)
 	stallAfter = 2 * time.Second
 	var log testutil.SyncBuffer
-	ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
+	// Its run directory is its own: the image and the snapshot are made
+	// first (a minute or more on a loaded CI host).
+	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
 	defer cancel()
 	sb, err := Create(ctx, Config{Spec: wall.Spec{ID: "stall0000000000000001", Template: tmpl, DiskBytes: 16 << 20, Token: "t"},
 		RunDir: testutil.RunDir(t), AgentPath: filepath.Join(bin, "cage-agent"), Kernel: k, MemoryMB: 256, CPUs: 1,
