@@ -33,9 +33,10 @@ var stallAfter = 10 * time.Second
 // nudge pings the guest's agent every nudgeEvery while sess has a stream
 // open, until sess ends. A ping that goes unanswered does not end the
 // session (yamux's keepalive would): only traffic matters here. One that
-// stays unanswered for stallAfter calls stalled (when not nil), once until
-// a ping is answered again: the report of a hang, taken while it lasts.
-func nudge(sess *yamux.Session, stalled func(time.Duration)) {
+// stays unanswered for stallAfter calls stalled (when not nil) with the
+// streams open then, once until a ping is answered again: the report of a
+// hang, taken while it lasts.
+func nudge(sess *yamux.Session, stalled func(d time.Duration, streams int)) {
 	t := time.NewTicker(nudgeEvery)
 	defer t.Stop()
 	var out atomic.Int32
@@ -65,7 +66,7 @@ func nudge(sess *yamux.Session, stalled func(time.Duration)) {
 			case <-time.After(stallAfter):
 			}
 			if stalled != nil && reported.CompareAndSwap(false, true) {
-				stalled(stallAfter)
+				stalled(stallAfter, sess.NumStreams())
 			}
 			if err := <-answered; err == nil {
 				reported.Store(false)
@@ -75,20 +76,16 @@ func nudge(sess *yamux.Session, stalled func(time.Duration)) {
 }
 
 // reportStall logs what the host can see of a guest that has not answered
-// a ping for d while a stream was open: the state of each virtio queue
-// (QEMU's), the streams open and the console's last line. The guest's
+// a ping for d while streams were open: the state of each virtio queue
+// (QEMU's), the streams and the console's last line. The guest's
 // channel hang (a request whose answer never comes) was never caught in
 // the act; this is its record when it comes again.
-func (sb *Sandbox) reportStall(d time.Duration) {
+func (sb *Sandbox) reportStall(d time.Duration, streams int) {
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
 	queues, err := sb.v.VirtioQueues(ctx)
 	if err != nil {
 		queues = "not known: " + err.Error()
-	}
-	streams := 0
-	if s := sb.sess; s != nil {
-		streams = s.NumStreams()
 	}
 	logger(sb.cfg).Warn("microvm: the guest has not answered the host's ping", "sandbox", sb.id, "for", d,
 		"streams", streams, "virtio", queues, "console", sb.v.ConsoleLastLine())

@@ -73,7 +73,7 @@ func TestNudge(t *testing.T) {
 	}()
 	done := make(chan struct{})
 	var stalls atomic.Int32
-	go func() { nudge(sess, func(time.Duration) { stalls.Add(1) }); close(done) }()
+	go func() { nudge(sess, func(time.Duration, int) { stalls.Add(1) }); close(done) }()
 
 	time.Sleep(3 * nudgeEvery)
 	if n := host.count(); n != 0 {
@@ -116,7 +116,12 @@ func TestNudgeStall(t *testing.T) {
 	}
 	defer sess.Close()
 	reports := make(chan time.Duration, 16)
-	go nudge(sess, func(d time.Duration) { reports <- d })
+	go nudge(sess, func(d time.Duration, streams int) {
+		if streams != 1 {
+			t.Errorf("a stall reported with %d streams open, want the 1 open", streams)
+		}
+		reports <- d
+	})
 	time.Sleep(2 * nudgeEvery)
 	if n := len(reports); n != 0 {
 		t.Fatalf("%d stall reports with no stream open (no ping sent), want none", n)
@@ -188,7 +193,7 @@ func TestStallReportVM(t *testing.T) {
 		time.Sleep(100 * time.Millisecond)
 	}
 	got := log.String()
-	if !strings.Contains(got, "the guest has not answered the host's ping") || !strings.Contains(got, "virtio-serial: q0 avail") {
+	if !strings.Contains(got, "the guest has not answered the host's ping") || !strings.Contains(got, "virtio-serial: q0 avail") || !strings.Contains(got, "streams=1") {
 		t.Fatalf("no stall report with the virtio queues in the log:\n%s", got)
 	}
 	if n := strings.Count(got, "the guest has not answered"); n != 1 {
