@@ -27,7 +27,6 @@ import (
 	"slices"
 	"strconv"
 	"strings"
-	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -166,7 +165,7 @@ type daemon struct {
 	apiURL   string
 	proxyURL string
 	key      string
-	log      *syncBuffer
+	log      *testutil.SyncBuffer
 	done     chan struct{} // closed when cmd has exited
 	waitErr  error
 	stopped  bool
@@ -238,7 +237,7 @@ func startDaemon(t *testing.T, extra ...string) *daemon {
 		proxyURL: scheme + proxy,
 		key:      key,
 		data:     data,
-		log:      &syncBuffer{},
+		log:      &testutil.SyncBuffer{},
 		done:     make(chan struct{}),
 	}
 	// The sandboxes' outside is the test world (see testutil.World).
@@ -277,7 +276,7 @@ func startDaemon(t *testing.T, extra ...string) *daemon {
 			}
 		}
 		if t.Failed() {
-			t.Logf("cage serve log (%s):\n%s", strings.Join(d.cmd.Args, " "), d.log.tail(1<<20))
+			t.Logf("cage serve log (%s):\n%s", strings.Join(d.cmd.Args, " "), lastBytes(d.log.String(), 1<<20))
 		}
 	})
 
@@ -537,23 +536,8 @@ func lastLine(s string) string {
 	return strings.TrimSpace(lines[len(lines)-1])
 }
 
-// syncBuffer is a bytes.Buffer safe for the daemon's two output streams.
-type syncBuffer struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (b *syncBuffer) Write(p []byte) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.Write(p)
-}
-
-// tail is the last n bytes written.
-func (b *syncBuffer) tail(n int) string {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	s := b.buf.String()
+// lastBytes is the last n bytes of s.
+func lastBytes(s string, n int) string {
 	if len(s) > n {
 		return "[...]\n" + s[len(s)-n:]
 	}
