@@ -105,7 +105,7 @@ func CreateToFirstOutput(ctx context.Context, h *sandbox.Host, runs int) (stats.
 // WallToFirstOutput is CreateToFirstOutput on a given wall, after warm
 // unmeasured runs.
 func WallToFirstOutput(ctx context.Context, h *sandbox.Host, wallName string, runs, warm int) (stats.Stats, error) {
-	s, _, err := wallToFirstOutput(ctx, h, wallName, runs, warm)
+	s, _, err := WallToFirstOutputBlocks(ctx, h, wallName, runs, warm)
 	return s, err
 }
 
@@ -121,10 +121,6 @@ type blockCounter interface {
 // an emulator, or where one could not be read): under TCG where a
 // microVM's time goes, and unlike the time not moved by the host's load.
 func WallToFirstOutputBlocks(ctx context.Context, h *sandbox.Host, wallName string, runs, warm int) (stats.Stats, []int, error) {
-	return wallToFirstOutput(ctx, h, wallName, runs, warm)
-}
-
-func wallToFirstOutput(ctx context.Context, h *sandbox.Host, wallName string, runs, warm int) (stats.Stats, []int, error) {
 	var samples []time.Duration
 	var blocks []int
 	for i := -warm; i < runs; i++ {

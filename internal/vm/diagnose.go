@@ -24,7 +24,6 @@ type virtioQueue struct {
 	SignalledUsed uint16 `json:"signalled-used"`
 	SignalledOK   bool   `json:"signalled-used-valid"`
 	InUse         int    `json:"inuse"`
-	Num           int    `json:"vring-num"`
 }
 
 // VirtioQueues describes every queue of the VM's virtio devices, one line
