@@ -4,7 +4,8 @@
 // are v1 hierarchies and cgroup2 is mounted beside them without controllers.
 //
 // Every sandbox gets a group named after it below a parent ("cage") in each
-// hierarchy that has a controller cage uses.
+// hierarchy that has a controller cage uses; on v1 the process wall's also
+// gets a child in the pids hierarchy for its workload (SplitPids).
 package cgroups
 
 import (
@@ -154,6 +155,39 @@ type Cgroup struct {
 	m    *Manager
 	Name string
 	dirs map[string]string // controller (or "unified") -> directory
+
+	// workload is the child group of the pids hierarchy that holds the
+	// sandbox's workload (SplitPids), "" when there is none; reserve is
+	// how many of the group's pids the workload may not take.
+	workload string
+	reserve  int64
+}
+
+// workloadGroup names the child group of SplitPids.
+const workloadGroup = "workload"
+
+// SplitPids makes, on cgroup v1 (and the hybrid), a child of the group in
+// the pids hierarchy for the sandbox's workload, whose limit Apply keeps
+// reserve below the group's; it returns that child's tasks file, opened
+// for writing. A thread that writes its own id there moves alone (v1
+// places threads, not processes), and what it forks from then on is born
+// in the child: the sandbox's agent moves the one thread it forks from,
+// and so holds reserve pids that no workload can take, without taking
+// them ahead. The file was opened by the host: the kernel checks a move
+// against the opener's credentials, so the agent may write to it from
+// its user namespace. On v2 a process's threads share its group (the
+// pids controller's threaded mode would change the whole subtree): it
+// returns nil, and the agent takes its threads ahead instead.
+func (cg *Cgroup) SplitPids(reserve int64) (*os.File, error) {
+	if cg.m.Mode == V2 {
+		return nil, nil
+	}
+	dir := filepath.Join(cg.dirs["pids"], workloadGroup)
+	if err := os.Mkdir(dir, 0o755); err != nil {
+		return nil, err
+	}
+	cg.workload, cg.reserve = dir, reserve
+	return os.OpenFile(filepath.Join(dir, "tasks"), os.O_WRONLY|syscall.O_CLOEXEC, 0)
 }
 
 // Create makes the sandbox's group and applies its limits. On failure nothing
@@ -204,8 +238,19 @@ func (m *Manager) Open(name string) *Cgroup {
 		for c, mnt := range m.v1 {
 			cg.dirs[c] = filepath.Join(mnt, m.Parent, name)
 		}
+		if dir := filepath.Join(cg.dirs["pids"], workloadGroup); exists(dir) {
+			cg.workload = dir
+			cg.reserve = max(0, readInt(cg.dirs["pids"], "pids.max")-readInt(dir, "pids.max"))
+		}
 	}
 	return cg
+}
+
+// readInt reads a number from a cgroup file (0 if it holds none: "max").
+func readInt(dir, file string) int64 {
+	b, _ := os.ReadFile(filepath.Join(dir, file))
+	n, _ := strconv.ParseInt(strings.TrimSpace(string(b)), 10, 64)
+	return n
 }
 
 // List names the sandbox groups that exist under the parent.
@@ -267,7 +312,15 @@ func (cg *Cgroup) Apply(lim Limits) error {
 		}
 	}
 	if lim.Pids > 0 {
-		return cg.write("pids", "pids.max", strconv.FormatInt(lim.Pids, 10))
+		if err := cg.write("pids", "pids.max", strconv.FormatInt(lim.Pids, 10)); err != nil {
+			return err
+		}
+		if cg.workload != "" {
+			v := strconv.FormatInt(max(1, lim.Pids-cg.reserve), 10)
+			if err := os.WriteFile(filepath.Join(cg.workload, "pids.max"), []byte(v), 0); err != nil {
+				return fmt.Errorf("set pids.max of the workload: %w", err)
+			}
+		}
 	}
 	return nil
 }
@@ -322,20 +375,33 @@ func (cg *Cgroup) OOMEventsFile() string {
 	return filepath.Join(cg.dirs["memory"], "memory.oom_control")
 }
 
+// A workload that SplitPids set apart hits its own group's limit, which
+// counts there.
 func (cg *Cgroup) PidsEventsFile() string {
+	if cg.workload != "" {
+		return filepath.Join(cg.workload, "pids.events")
+	}
 	return filepath.Join(cg.Dir("pids"), "pids.events")
 }
 
-// Procs lists the pids in the group.
+// Procs lists the pids in the group, its workload's group included (a
+// process with threads in both is listed once).
 func (cg *Cgroup) Procs() []int {
 	var pids []int
-	data, err := os.ReadFile(filepath.Join(cg.Dir("pids"), "cgroup.procs"))
-	if err != nil {
-		return nil
-	}
-	for _, f := range strings.Fields(string(data)) {
-		if n, err := strconv.Atoi(f); err == nil {
-			pids = append(pids, n)
+	seen := map[int]bool{}
+	for _, dir := range []string{cg.Dir("pids"), cg.workload} {
+		if dir == "" {
+			continue
+		}
+		data, err := os.ReadFile(filepath.Join(dir, "cgroup.procs"))
+		if err != nil {
+			continue
+		}
+		for _, f := range strings.Fields(string(data)) {
+			if n, err := strconv.Atoi(f); err == nil && !seen[n] {
+				seen[n] = true
+				pids = append(pids, n)
+			}
 		}
 	}
 	return pids
@@ -348,6 +414,12 @@ func (cg *Cgroup) Procs() []int {
 func (cg *Cgroup) Destroy() error {
 	var firstErr error
 	done := map[string]bool{}
+	// The workload's group first: a group with a child cannot be removed.
+	if cg.workload != "" {
+		if err := removeGroup(cg.workload); err != nil {
+			firstErr = err
+		}
+	}
 	for _, dir := range cg.dirs {
 		done[dir] = true
 		if err := removeGroup(dir); err != nil && firstErr == nil {

@@ -37,7 +37,7 @@ func resourceRows() []hostileRow {
 		},
 		{
 			name:   "pids_exhausted_agent_busy",
-			expect: "while the workload holds every pid of pids=32, concurrent file-API and process requests fail or succeed cleanly; the agent survives and the workload's command ends normally",
+			expect: "while the workload holds every pid of pids=32, the agent can still have its AgentThreads threads (process, runc: the host's group leaves it room for them), concurrent file-API and process requests fail or succeed cleanly; the agent survives and the workload's command ends normally",
 			opts:   &sandbox.Options{Pids: 32},
 			custom: pidsExhaustedAgentBusy,
 			on: map[string]wallOutcome{"gvisor": sentryMayDie(
@@ -344,6 +344,7 @@ time.sleep(3)
 	if !waitFor(t, &out, "holding", 10*time.Second) {
 		return
 	}
+	agentRoom(t, e, b)
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
 	var wg sync.WaitGroup
@@ -368,6 +369,39 @@ time.sleep(3)
 	}
 	if r.err != nil || r.code() != 0 {
 		t.Errorf("the pid-holding command: %v %+v", r.err, r.end)
+	}
+}
+
+// agentRoom checks, while the workload holds every pid it may, that the
+// agent can still have AgentThreads threads: those it has and the room
+// left under its group's pids limit. The process wall's agent takes none
+// ahead where the workload has a pids group of its own (cgroup v1), and
+// every wall's takes them ahead where not. On the walls whose agent is a
+// host process in the sandbox's group: gVisor's and the microvm's threads
+// are the sentry's and the guest's.
+func agentRoom(t *testing.T, e *hostileEnv, b *box) {
+	t.Helper()
+	cg := b.sb.Cgroup()
+	if cg == nil || (e.w.name != "process" && e.w.name != "runc") {
+		return
+	}
+	tasks, err := os.ReadDir(fmt.Sprintf("/proc/%d/task", b.sb.AgentPID()))
+	if err != nil {
+		t.Errorf("the agent's threads: %v", err)
+		return
+	}
+	read := func(file string) int {
+		data, err := os.ReadFile(filepath.Join(cg.Dir("pids"), file))
+		n, perr := strconv.Atoi(strings.TrimSpace(string(data)))
+		if err != nil || perr != nil {
+			t.Errorf("%s of the sandbox's group: %q %v %v", file, data, err, perr)
+		}
+		return n
+	}
+	limit, used := read("pids.max"), read("pids.current")
+	if room := limit - used; len(tasks)+room < inside.AgentThreads {
+		t.Errorf("the workload left the agent room for %d threads beside its %d (pids %d of %d): want %d in all",
+			room, len(tasks), used, limit, inside.AgentThreads)
 	}
 }
 

@@ -77,6 +77,7 @@ type Sandbox struct {
 	limits        cgroups.Limits // a prepared sandbox's, applied as it was made
 	disk, shm     int64          // the sizes it was built with
 	dieWithParent bool
+	workloadFD    int // the child's descriptor of its workload group's tasks file, 0 if none
 	pidfd         int // set for an agent that is not this process's child (adopted, or the spawner's)
 	net           *network.Sandbox
 
@@ -206,7 +207,7 @@ func prepare(ctx context.Context, cfg job) (sb *Sandbox, err error) {
 		ID: sb.id, Hostname: cfg.Hostname, Root: sb.root, ResolvConf: resolvConf,
 		Mounts: cfg.Template.Mounts, Image: image, Build: cfg.Template.Build, Volumes: volumes, DiskBytes: sb.disk, DiskInodes: inside.InodesFor(sb.disk),
 		ShmBytes: sb.shm, UserName: inside.UserName, UserUID: inside.UserUID, UserGID: inside.UserUID,
-		OOMEvents: sb.cg.OOMEventsFile(), PidsEvents: sb.cg.PidsEventsFile(),
+		OOMEvents: sb.cg.OOMEventsFile(), PidsEvents: sb.cg.PidsEventsFile(), WorkloadTasks: sb.workloadFD,
 		Debug: trace.On(), DieWithParent: sb.dieWithParent,
 	})
 	return sb, err
@@ -400,6 +401,18 @@ func (sb *Sandbox) fork(cfg job, listener *os.File) (rootSock *os.File, err erro
 	// yet; it waits for its spec, which comes only once it is inside them.
 	if sb.cg, err = cfg.Cgroups.Create(cfg.ID, cgroups.Limits{}); err != nil {
 		return nil, err
+	}
+	// The workload's own pids group, where cgroups can make one: the agent
+	// keeps AgentThreads of the limit to itself without taking them ahead
+	// (the thread it forks from is the workload's, hence one less).
+	tasks, err := sb.cg.SplitPids(inside.AgentThreads - 1)
+	if err != nil {
+		return nil, fmt.Errorf("the workload's pids group: %w", err)
+	}
+	if tasks != nil {
+		defer tasks.Close()
+		sb.workloadFD = len(attr.Files)
+		attr.Files = append(attr.Files, tasks.Fd())
 	}
 	sb.dieWithParent = cfg.DieWithCaller
 	if cfg.DieWithCaller {

@@ -40,6 +40,11 @@ type InitSpec struct {
 
 	OOMEvents  string `json:"oom_events"`  // host path of the cgroup's OOM counter
 	PidsEvents string `json:"pids_events"` // host path of the pids-limit counter
+	// WorkloadTasks, when not 0, is the descriptor of the tasks file of
+	// the workload's pids group (cgroups.SplitPids): the thread that forks
+	// every process moves itself there, and the agent then holds its pids
+	// without taking its threads ahead.
+	WorkloadTasks int `json:"workload_tasks,omitempty"`
 
 	Debug bool `json:"debug"`
 	// DieWithParent re-arms the parent-death signal after the agent changes
