@@ -1,9 +1,37 @@
 package inside
 
-// AgentThreads is how many threads the agent holds (it takes them before it
-// serves); the pids limit is raised by as much, so that the workload's
-// budget is what was asked.
+import (
+	"fmt"
+	"os"
+)
+
+// AgentThreads is how many threads the agent may hold beside the
+// workload: the pids limit is raised by as much, so that the workload's
+// budget is what was asked. Where the workload has a pids group of its own
+// (JoinWorkload) the agent starts them as it needs them; elsewhere it takes
+// them before it serves.
 const AgentThreads = 20
+
+// JoinWorkload returns setup preceded by a move of the calling thread into
+// the workload's pids group, whose tasks file the host opened (the kernel
+// checks a move against the opener's credentials): the agent's spawning
+// thread runs it, so that every process it forks is born there, counted
+// against the workload's budget, while the agent's other threads stay in
+// the sandbox's group (the Go runtime never starts a thread from a locked
+// one). The thread names itself "0": a thread that moves itself does not
+// take the kernel's global cgroup_threadgroup_rwsem, whose first writer
+// after an idle spell waits for an RCU grace period (by its id, a cold
+// create waited some 8 ms more).
+func JoinWorkload(tasks *os.File, setup func() error) func() error {
+	return func() error {
+		_, err := tasks.WriteString("0")
+		tasks.Close()
+		if err != nil {
+			return fmt.Errorf("move the spawning thread into the workload's pids group: %w", err)
+		}
+		return setup()
+	}
+}
 
 // InodesFor sizes the disk's inode table: one per 8 KiB, at least 4096.
 func InodesFor(bytes int64) int64 { return max(4096, bytes/8192) }

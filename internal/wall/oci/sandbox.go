@@ -380,6 +380,21 @@ func (sb *Sandbox) run(ctx context.Context, cfg job, key []byte) error {
 		return err
 	}
 	defer oom.Close()
+	var tasks *os.File
+	if !cfg.Runtime.gvisor() {
+		// runc: the workload's own pids group where cgroups can make one
+		// (see the process wall); under gVisor every thread is the
+		// sentry's. Its events file is the one the agent reads.
+		if tasks, err = sb.cg.SplitPids(inside.AgentThreads - 1); err != nil {
+			return fmt.Errorf("the workload's pids group: %w", err)
+		}
+		if tasks != nil {
+			defer tasks.Close()
+			if err := sb.cg.Apply(cgroups.Limits{Pids: cfg.Limits.Pids}); err != nil {
+				return err
+			}
+		}
+	}
 	pids, err := os.Open(sb.cg.PidsEventsFile())
 	if err != nil {
 		return err
@@ -440,6 +455,10 @@ func (sb *Sandbox) run(ctx context.Context, cfg job, key []byte) error {
 		spec.OOMFD, spec.PidsFD = 5, 6
 		if lifeR != nil {
 			spec.LifelineFD = 2 + len(files)
+		}
+		if tasks != nil {
+			files = append(files, tasks)
+			spec.WorkloadTasksFD = 2 + len(files)
 		}
 		args = append(args, "--preserve-fds", strconv.Itoa(len(files))) // fds 3 .. 3+len-1
 	}

@@ -71,6 +71,11 @@ type Spec struct {
 	// which the agent lets go at SIGUSR2: a checkpoint holds no host
 	// descriptor but the standard streams (the host holds the lock then).
 	LockFD int `json:"lock_fd,omitempty"`
+	// WorkloadTasksFD, when not 0 (runc on cgroup v1), is the tasks file of
+	// the workload's pids group (cgroups.SplitPids), which the spawning
+	// thread joins (inside.JoinWorkload); the agent then takes no threads
+	// ahead.
+	WorkloadTasksFD int `json:"workload_tasks_fd,omitempty"`
 }
 
 // sandboxDev is what a sandbox's /dev holds on every wall (the process
@@ -160,10 +165,16 @@ func Serve() error {
 	if err != nil {
 		return fmt.Errorf("read the spec's start: %w", err)
 	}
+	setup, threads := seal.SpawnThread, spec.Threads
+	if spec.WorkloadTasksFD > 0 {
+		// The workload's processes are counted apart from the agent's
+		// threads (the host made their group): none are needed ahead.
+		setup, threads = inside.JoinWorkload(os.NewFile(uintptr(spec.WorkloadTasksFD), "workload tasks"), setup), 0
+	}
 	cfg := agent.Config{
 		Token: start.Token, DefaultUser: spec.UserName, Env: start.Env, MaxOutput: start.MaxOutput,
-		Limits: cgroups.EventFiles{OOM: fileOrNil(spec.OOMFD), Pids: fileOrNil(spec.PidsFD)}, SpawnThreadSetup: seal.SpawnThread,
-		AgentUID: spec.AgentUID, Threads: spec.Threads, Volumes: spec.Volumes,
+		Limits: cgroups.EventFiles{OOM: fileOrNil(spec.OOMFD), Pids: fileOrNil(spec.PidsFD)}, SpawnThreadSetup: setup,
+		AgentUID: spec.AgentUID, Threads: threads, Volumes: spec.Volumes,
 	}
 	srv, err := agent.New(cfg)
 	if err != nil {

@@ -72,7 +72,7 @@ func Init() (*Child, error) {
 	if spec.WorkloadTasks > 0 {
 		// The workload's processes are counted apart from the agent's
 		// threads (the host made their group): the agent needs none ahead.
-		setup, threads = intoWorkload(os.NewFile(uintptr(spec.WorkloadTasks), "workload tasks"), setup), 0
+		setup, threads = inside.JoinWorkload(os.NewFile(uintptr(spec.WorkloadTasks), "workload tasks"), setup), 0
 	}
 	return &Child{Listener: l, spec: spec, specs: specs, specFile: specFile, Config: agent.Config{
 		DefaultUser:      spec.UserName,
@@ -82,25 +82,6 @@ func Init() (*Child, error) {
 		Threads:          threads,
 		Volumes:          spec.Volumes,
 	}}, nil
-}
-
-// intoWorkload moves the spawning thread, and so every process it will
-// fork, into the workload's pids group (tasks is its tasks file), then runs
-// setup. The agent's other threads stay where the workload cannot reach:
-// the runtime starts threads from an unlocked one, never from this one.
-// The thread names itself "0": a thread that moves itself does not take
-// the kernel's global cgroup_threadgroup_rwsem (see cgroups.Spawn), whose
-// first writer after an idle spell waits for an RCU grace period; by its
-// id it did, and a cold create waited some 8 ms more.
-func intoWorkload(tasks *os.File, setup func() error) func() error {
-	return func() error {
-		_, err := tasks.WriteString("0")
-		tasks.Close()
-		if err != nil {
-			return fmt.Errorf("move the spawning thread into the workload's group: %w", err)
-		}
-		return setup()
-	}
 }
 
 func spawnSetup(build bool) func() error {
