@@ -4,8 +4,9 @@
 // are v1 hierarchies and cgroup2 is mounted beside them without controllers.
 //
 // Every sandbox gets a group named after it below a parent ("cage") in each
-// hierarchy that has a controller cage uses; on v1 the process wall's also
-// gets a child in the pids hierarchy for its workload (SplitPids).
+// hierarchy that has a controller cage uses; on v1 those of the process and
+// runc walls also get a child in the pids hierarchy for their workload
+// (SplitPids).
 package cgroups
 
 import (
@@ -169,7 +170,7 @@ const workloadGroup = "workload"
 // SplitPids makes, on cgroup v1 (and the hybrid), a child of the group in
 // the pids hierarchy for the sandbox's workload, whose limit Apply keeps
 // reserve below the group's; it returns that child's tasks file, opened
-// for writing. A thread that writes its own id there moves alone (v1
+// for writing. A thread that writes "0" there moves itself alone (v1
 // places threads, not processes), and what it forks from then on is born
 // in the child: the sandbox's agent moves the one thread it forks from,
 // and so holds reserve pids that no workload can take, without taking
