@@ -1,7 +1,7 @@
-// Package metrics is the daemon's Prometheus metrics (the official Go
-// client, github.com/prometheus/client_golang), served on a listener of
-// their own (`cage serve --metrics ADDR`, off by default) for the
-// operator, never on the API: what a tenant can reach shows no metrics.
+// Package metrics is the daemon's Prometheus metrics (the text format,
+// written by cage itself: expo.go), served on a listener of their own
+// (`cage serve --metrics ADDR`, off by default) for the operator, never
+// on the API: what a tenant can reach shows no metrics.
 //
 // No metric carries a sandbox's id, a key's or a volume's: labels are
 // bounded sets (states, walls, templates of the store, routes of the
@@ -9,57 +9,58 @@
 // neither the series count nor what a scrape reveals grows with what
 // tenants do. Teams appear by name only in the quota gauges.
 //
-// Counting is a few atomic adds on the paths it watches (an API call, a
-// proxied request, a create); what is read from the store and the host
+// Counting is a map lookup and an add under a vector's lock on the paths
+// it watches (an API call, a proxied request, a create); what is read from the store and the host
 // (sandboxes by state, pools, headroom) is read when Prometheus scrapes,
-// by the collectors the daemon adds (Collect). A nil *Metrics counts
-// nothing, so callers need no checks.
+// from the State the daemon adds, as are the Go runtime's and the
+// process's own figures. A nil *Metrics counts nothing, so callers need no
+// checks.
 package metrics
 
 import (
+	"bytes"
 	"crypto/subtle"
 	"net/http"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
-
-	"github.com/prometheus/client_golang/prometheus"
-	"github.com/prometheus/client_golang/prometheus/collectors"
-	"github.com/prometheus/client_golang/prometheus/promhttp"
 )
 
-// Metrics is the daemon's registry and the counters its parts update.
+// Metrics is the counters the daemon's parts update and what it reads at
+// each scrape.
 type Metrics struct {
-	reg *prometheus.Registry
+	apiRequests  *vec // route, code
+	apiSeconds   *vec // route (histogram)
+	rateLimited  *vec // limit: requests, creates
+	quotaRefused *vec // quota
+	creates      *vec // wall, result
+	createSecs   *vec // wall (histogram)
+	resumes      *vec // kind, result
+	resumeSecs   *vec // kind (histogram)
+	ends         *vec // reason
+	limitHits    *vec // limit: oom, pids
+	netDecisions *vec // kind, decision
+	proxyReqs    *vec // port, rpc, code
+	proxyBytes   *vec // direction
 
-	apiRequests  *prometheus.CounterVec   // route, code
-	apiSeconds   *prometheus.HistogramVec // route
-	rateLimited  *prometheus.CounterVec   // limit: requests, creates
-	quotaRefused *prometheus.CounterVec   // quota
-	creates      *prometheus.CounterVec   // wall, result
-	createSecs   *prometheus.HistogramVec // wall
-	resumes      *prometheus.CounterVec   // kind, result
-	resumeSecs   *prometheus.HistogramVec // kind
-	ends         *prometheus.CounterVec   // reason
-	limitHits    *prometheus.CounterVec   // limit: oom, pids
-	netDecisions *prometheus.CounterVec   // kind, decision
-	proxyReqs    *prometheus.CounterVec   // port, rpc, code
-	proxyBytes   *prometheus.CounterVec   // direction
+	mu     sync.Mutex
+	states []State
 }
 
 // latencyBuckets span a pooled create (ms) to a cold microVM (s).
 var latencyBuckets = []float64{.002, .005, .01, .02, .05, .1, .2, .5, 1, 2, 5, 10, 30}
 
-// New makes the registry with the Go runtime's and the process's own
-// collectors (goroutines, heap, open descriptors, resident memory).
+// New makes the daemon's counters; a scrape also shows the Go runtime's
+// and the process's own figures (goroutines, heap, open descriptors,
+// resident memory).
 func New() *Metrics {
-	m := &Metrics{reg: prometheus.NewRegistry()}
-	counter := func(name, help string, labels ...string) *prometheus.CounterVec {
-		return prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: "cage", Name: name, Help: help}, labels)
+	m := &Metrics{}
+	counter := func(name, help string, labels ...string) *vec {
+		return newVec("cage_"+name, help, nil, labels...)
 	}
-	hist := func(name, help string, labels ...string) *prometheus.HistogramVec {
-		return prometheus.NewHistogramVec(prometheus.HistogramOpts{Namespace: "cage", Name: name, Help: help,
-			Buckets: latencyBuckets}, labels)
+	hist := func(name, help string, labels ...string) *vec {
+		return newVec("cage_"+name, help, latencyBuckets, labels...)
 	}
 	m.apiRequests = counter("api_requests_total", "Control API calls answered, by route and status.", "route", "code")
 	m.apiSeconds = hist("api_request_duration_seconds", "Control API calls' time to answer (a create's includes its sandbox's start).", "route")
@@ -74,20 +75,32 @@ func New() *Metrics {
 	m.netDecisions = counter("network_decisions_total", "Sandbox network decisions (connections and DNS answers) allowed and denied, as the host logged them.", "kind", "decision")
 	m.proxyReqs = counter("proxy_requests_total", "Requests the sandbox-traffic proxy answered, by port (envd, interp, port), envd RPC and status.", "port", "rpc", "code")
 	m.proxyBytes = counter("proxy_bytes_total", "Bytes through the proxy: in (client to sandbox, request bodies), out (sandbox to client, responses). Upgraded connections (WebSocket) are not counted.", "direction")
-	m.reg.MustRegister(m.apiRequests, m.apiSeconds, m.rateLimited, m.quotaRefused, m.creates, m.createSecs, m.resumes,
-		m.resumeSecs, m.ends, m.limitHits, m.netDecisions, m.proxyReqs, m.proxyBytes,
-		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	return m
 }
 
-// Registry is the registry, for collectors of the daemon's own.
-func (m *Metrics) Registry() *prometheus.Registry { return m.reg }
+// families is everything a scrape shows.
+func (m *Metrics) families() []*family {
+	var fams []*family
+	for _, v := range []*vec{m.apiRequests, m.apiSeconds, m.rateLimited, m.quotaRefused, m.creates, m.createSecs,
+		m.resumes, m.resumeSecs, m.ends, m.limitHits, m.netDecisions, m.proxyReqs, m.proxyBytes} {
+		if f := v.family(); f != nil {
+			fams = append(fams, f)
+		}
+	}
+	m.mu.Lock()
+	states := m.states
+	m.mu.Unlock()
+	for _, s := range states {
+		fams = append(fams, s.families()...)
+	}
+	fams = append(fams, goFamilies()...)
+	return append(fams, processFamilies()...)
+}
 
 // Handler serves the metrics in Prometheus's text format; with a token,
 // only to a request that carries it as `Authorization: Bearer TOKEN`
 // (compared in constant time; 401 otherwise).
 func (m *Metrics) Handler(token string) http.Handler {
-	h := promhttp.HandlerFor(m.reg, promhttp.HandlerOpts{ErrorHandling: promhttp.ContinueOnError})
 	mux := http.NewServeMux()
 	mux.HandleFunc("/metrics", func(w http.ResponseWriter, r *http.Request) {
 		if token != "" {
@@ -102,7 +115,16 @@ func (m *Metrics) Handler(token string) http.Handler {
 			http.Error(w, "GET only", http.StatusMethodNotAllowed)
 			return
 		}
-		h.ServeHTTP(w, r)
+		var b bytes.Buffer
+		if err := writeText(&b, m.families()); err != nil {
+			http.Error(w, err.Error(), http.StatusInternalServerError)
+			return
+		}
+		w.Header().Set("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+		w.Header().Set("Content-Length", strconv.Itoa(b.Len()))
+		if r.Method == http.MethodGet {
+			_, _ = w.Write(b.Bytes())
+		}
 	})
 	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) { http.NotFound(w, r) })
 	return mux
@@ -117,15 +139,15 @@ func (m *Metrics) APICall(route string, status int, d time.Duration) {
 	if route == "" {
 		route = "none"
 	}
-	m.apiRequests.WithLabelValues(route, strconv.Itoa(status)).Inc()
-	m.apiSeconds.WithLabelValues(route).Observe(d.Seconds())
+	m.apiRequests.add(1, route, strconv.Itoa(status))
+	m.apiSeconds.observe(d.Seconds(), route)
 }
 
 // RateLimited counts a call refused by a key's rate: "requests" or
 // "creates".
 func (m *Metrics) RateLimited(limit string) {
 	if m != nil {
-		m.rateLimited.WithLabelValues(limit).Inc()
+		m.rateLimited.add(1, limit)
 	}
 }
 
@@ -133,7 +155,7 @@ func (m *Metrics) RateLimited(limit string) {
 // memory, disk, paused).
 func (m *Metrics) QuotaRefused(quota string) {
 	if m != nil {
-		m.quotaRefused.WithLabelValues(quota).Inc()
+		m.quotaRefused.add(1, quota)
 	}
 }
 
@@ -149,9 +171,9 @@ func (m *Metrics) Created(wall string, d time.Duration, err error) {
 	if m == nil {
 		return
 	}
-	m.creates.WithLabelValues(wall, result(err)).Inc()
+	m.creates.add(1, wall, result(err))
 	if err == nil {
-		m.createSecs.WithLabelValues(wall).Observe(d.Seconds())
+		m.createSecs.observe(d.Seconds(), wall)
 	}
 }
 
@@ -161,23 +183,23 @@ func (m *Metrics) Resumed(kind string, d time.Duration, err error) {
 	if m == nil {
 		return
 	}
-	m.resumes.WithLabelValues(kind, result(err)).Inc()
+	m.resumes.add(1, kind, result(err))
 	if err == nil {
-		m.resumeSecs.WithLabelValues(kind).Observe(d.Seconds())
+		m.resumeSecs.observe(d.Seconds(), kind)
 	}
 }
 
 // Ended counts a sandbox's end: kill, timeout, died or removed.
 func (m *Metrics) Ended(reason string) {
 	if m != nil {
-		m.ends.WithLabelValues(reason).Inc()
+		m.ends.add(1, reason)
 	}
 }
 
 // LimitHits counts n hits of a sandbox's limit: "oom" or "pids".
 func (m *Metrics) LimitHits(limit string, n uint64) {
 	if m != nil && n > 0 {
-		m.limitHits.WithLabelValues(limit).Add(float64(n))
+		m.limitHits.add(float64(n), limit)
 	}
 }
 
@@ -193,7 +215,7 @@ func (m *Metrics) NetDecision(kind, decision string) {
 	if decision != "allow" {
 		decision = "deny"
 	}
-	m.netDecisions.WithLabelValues(kind, decision).Inc()
+	m.netDecisions.add(1, kind, decision)
 }
 
 // ProxyRequest counts a request the proxy answered, with its bytes.
@@ -208,12 +230,12 @@ func (m *Metrics) ProxyRequest(port int, path string, status int, in, out int64)
 	case InterpPort:
 		class = "interp"
 	}
-	m.proxyReqs.WithLabelValues(class, rpc, strconv.Itoa(status)).Inc()
+	m.proxyReqs.add(1, class, rpc, strconv.Itoa(status))
 	if in > 0 {
-		m.proxyBytes.WithLabelValues("in").Add(float64(in))
+		m.proxyBytes.add(float64(in), "in")
 	}
 	if out > 0 {
-		m.proxyBytes.WithLabelValues("out").Add(float64(out))
+		m.proxyBytes.add(float64(out), "out")
 	}
 }
 

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"net/http"
 	"net/http/httptest"
+	"runtime"
 	"testing"
 	"time"
 
@@ -166,5 +167,88 @@ func TestCountersAndState(t *testing.T) {
 				}
 			}
 		}
+	}
+}
+
+// TestExpositionHostileLabel: a label value (a team's name, set by an
+// admin) with quotes, backslashes and newlines stays one label value: the
+// page still parses, the value comes back whole, and no series is injected.
+func TestExpositionHostileLabel(t *testing.T) {
+	m := New()
+	evil := "a\"b\\c\n} 1\ncage_injected 1\n# TYPE x counter"
+	teams := func() ([]TeamUse, error) {
+		return []TeamUse{{Name: evil, Quota: map[string]float64{"sandboxes": 3}}}, nil
+	}
+	// Two states: families of one name go under one header.
+	m.AddState(State{Teams: teams})
+	m.AddState(State{Teams: func() ([]TeamUse, error) {
+		return []TeamUse{{Name: "beta", Quota: map[string]float64{"cpus": 2}}}, nil
+	}})
+	srv := httptest.NewServer(m.Handler(""))
+	defer srv.Close()
+	fams := Scrape(t, srv.URL+"/metrics", "")
+	if got := value(fams, "cage_team_quota", map[string]string{"team": evil, "resource": "sandboxes"}); got != 3 {
+		t.Errorf("the hostile team's quota: %v, want 3", got)
+	}
+	if got := value(fams, "cage_team_quota", map[string]string{"team": "beta", "resource": "cpus"}); got != 2 {
+		t.Errorf("the second state's team: %v, want 2", got)
+	}
+	if fams["cage_injected"] != nil || fams["x"] != nil {
+		t.Error("a label value injected a series")
+	}
+}
+
+// TestHistogramBuckets: a bucket counts the observations at most its
+// bound, cumulatively; +Inf counts them all; the sum is theirs.
+func TestHistogramBuckets(t *testing.T) {
+	m := New()
+	for _, d := range []time.Duration{time.Millisecond, 10 * time.Millisecond, 11 * time.Millisecond, time.Minute} {
+		m.Created("runc", d, nil)
+	}
+	srv := httptest.NewServer(m.Handler(""))
+	defer srv.Close()
+	f := Scrape(t, srv.URL+"/metrics", "")["cage_sandbox_create_duration_seconds"]
+	if f == nil || len(f.Metric) != 1 || f.Metric[0].Histogram == nil {
+		t.Fatalf("histogram: %v", f)
+	}
+	h := f.Metric[0].Histogram
+	want := map[float64]uint64{.002: 1, .005: 1, .01: 2, .02: 3, 30: 3}
+	for _, b := range h.Bucket {
+		if n, ok := want[b.GetUpperBound()]; ok && b.GetCumulativeCount() != n {
+			t.Errorf("bucket le=%v: %d, want %d", b.GetUpperBound(), b.GetCumulativeCount(), n)
+		}
+	}
+	if h.GetSampleCount() != 4 {
+		t.Errorf("count %d, want 4", h.GetSampleCount())
+	}
+	if s := h.GetSampleSum(); s < 60.021 || s > 60.023 {
+		t.Errorf("sum %v, want 60.022", s)
+	}
+}
+
+// TestRuntimeFamilies: the Go runtime's and the process's own figures are
+// this process's.
+func TestRuntimeFamilies(t *testing.T) {
+	srv := httptest.NewServer(New().Handler(""))
+	defer srv.Close()
+	fams := Scrape(t, srv.URL+"/metrics", "")
+	now := float64(time.Now().Unix())
+	if st := value(fams, "process_start_time_seconds", nil); st < now-24*3600 || st > now+5 {
+		t.Errorf("process_start_time_seconds %v, now %v", st, now)
+	}
+	if value(fams, "process_cpu_seconds_total", nil) < 0 { // 0 in a test this short
+		t.Error("process_cpu_seconds_total missing")
+	}
+	for _, name := range []string{"process_max_fds", "process_virtual_memory_bytes",
+		"go_threads", "go_memstats_heap_alloc_bytes", "go_memstats_sys_bytes"} {
+		if value(fams, name, nil) <= 0 {
+			t.Errorf("%s missing or zero", name)
+		}
+	}
+	if value(fams, "go_info", map[string]string{"version": runtime.Version()}) != 1 {
+		t.Error("go_info does not name this runtime's version")
+	}
+	if f := fams["go_gc_duration_seconds"]; f == nil || f.Metric[0].Summary == nil {
+		t.Error("go_gc_duration_seconds is not a summary")
 	}
 }

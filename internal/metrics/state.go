@@ -1,7 +1,8 @@
 package metrics
 
 import (
-	"github.com/prometheus/client_golang/prometheus"
+	"maps"
+	"slices"
 )
 
 // State is what the daemon reads when Prometheus scrapes: each func is
@@ -45,86 +46,77 @@ type TeamUse struct {
 	Quota, Usage map[string]float64 // sandboxes, cpus, memory_bytes, disk_bytes, paused
 }
 
-// stateCollector reads State at each scrape. It describes nothing ahead
-// (an unchecked collector): its series depend on what exists.
-type stateCollector struct{ s State }
-
-// AddState adds the scrape-time readings.
-func (m *Metrics) AddState(s State) { m.reg.MustRegister(stateCollector{s}) }
-
-func (stateCollector) Describe(chan<- *prometheus.Desc) {}
-
-var (
-	descSandboxes   = desc("sandboxes", "Sandboxes the daemon holds, by state, wall and template.", "state", "wall", "template")
-	descPoolReady   = desc("pool_ready", "Prepared sandboxes ready in a pool.", "template", "wall")
-	descPoolSize    = desc("pool_size", "How many sandboxes a pool keeps ready now (its size, more while creates find it empty).", "template", "wall")
-	descPoolHits    = desc("pool_hits_total", "Creates a pool served.", "template", "wall")
-	descPoolMisses  = desc("pool_misses_total", "Creates that found their pool empty (and made a sandbox on the spot).", "template", "wall")
-	descHostCPUs    = desc("host_cpus", "The host's CPUs.")
-	descHostMem     = desc("host_memory_bytes", "The host's memory: total and available (/proc/meminfo MemAvailable).", "kind")
-	descCommitted   = desc("sandboxes_committed", "What the host has given its sandboxes: vCPUs (cpus), memory and disk limits (bytes).", "resource")
-	descFree        = desc("host_disk_free_bytes", "Bytes free on the file systems of the data and run directories.", "dir")
-	descMaxSbx      = desc("sandboxes_max", "The server's bound on sandboxes alive at once (max_sandboxes).")
-	descLiveSbx     = desc("sandboxes_live", "Sandboxes counted against max_sandboxes (running, frozen, being made).")
-	descMaxCreating = desc("creates_max", "Creates the server runs at once (limits.creating).")
-	descCreating    = desc("creates_in_flight", "Creates running now.")
-	descTeamQuota   = desc("team_quota", "A team's quota (absent: none): sandboxes, cpus, memory_bytes, disk_bytes, paused.", "team", "resource")
-	descTeamUsage   = desc("team_usage", "What a team holds, in its quotas' terms.", "team", "resource")
-)
-
-func desc(name, help string, labels ...string) *prometheus.Desc {
-	return prometheus.NewDesc("cage_"+name, help, labels, nil)
+// AddState adds what the daemon reads at each scrape.
+func (m *Metrics) AddState(s State) {
+	m.mu.Lock()
+	m.states = append(m.states, s)
+	m.mu.Unlock()
 }
 
-func gauge(ch chan<- prometheus.Metric, d *prometheus.Desc, v float64, labels ...string) {
-	ch <- prometheus.MustNewConstMetric(d, prometheus.GaugeValue, v, labels...)
-}
-
-func counterOf(ch chan<- prometheus.Metric, d *prometheus.Desc, v float64, labels ...string) {
-	ch <- prometheus.MustNewConstMetric(d, prometheus.CounterValue, v, labels...)
-}
-
-func (c stateCollector) Collect(ch chan<- prometheus.Metric) {
-	if c.s.Sandboxes != nil {
-		if gs, err := c.s.Sandboxes(); err == nil {
+// families reads the state once: gauges and counters without their
+// history, their series depending on what exists.
+func (s State) families() []*family {
+	var fams []*family
+	fam := func(name, typ, help string) *family {
+		f := &family{name: "cage_" + name, help: help, typ: typ}
+		fams = append(fams, f)
+		return f
+	}
+	if s.Sandboxes != nil {
+		if gs, err := s.Sandboxes(); err == nil {
+			f := fam("sandboxes", "gauge", "Sandboxes the daemon holds, by state, wall and template.")
 			for _, g := range gs {
-				gauge(ch, descSandboxes, float64(g.N), g.State, g.Wall, g.Template)
+				f.add(float64(g.N), "state", g.State, "wall", g.Wall, "template", g.Template)
 			}
 		}
 	}
-	if c.s.Pools != nil {
-		for _, p := range c.s.Pools() {
-			gauge(ch, descPoolReady, float64(p.Ready), p.Template, p.Wall)
-			gauge(ch, descPoolSize, float64(p.Size), p.Template, p.Wall)
-			counterOf(ch, descPoolHits, float64(p.Hits), p.Template, p.Wall)
-			counterOf(ch, descPoolMisses, float64(p.Misses), p.Template, p.Wall)
+	if s.Pools != nil {
+		ready := fam("pool_ready", "gauge", "Prepared sandboxes ready in a pool.")
+		size := fam("pool_size", "gauge", "How many sandboxes a pool keeps ready now (its size, more while creates find it empty).")
+		hits := fam("pool_hits_total", "counter", "Creates a pool served.")
+		misses := fam("pool_misses_total", "counter", "Creates that found their pool empty (and made a sandbox on the spot).")
+		for _, p := range s.Pools() {
+			ready.add(float64(p.Ready), "template", p.Template, "wall", p.Wall)
+			size.add(float64(p.Size), "template", p.Template, "wall", p.Wall)
+			hits.add(float64(p.Hits), "template", p.Template, "wall", p.Wall)
+			misses.add(float64(p.Misses), "template", p.Template, "wall", p.Wall)
 		}
 	}
-	if c.s.Headroom != nil {
-		h := c.s.Headroom()
-		gauge(ch, descHostCPUs, h.CPUs)
-		gauge(ch, descHostMem, float64(h.MemTotal), "total")
-		gauge(ch, descHostMem, float64(h.MemAvailable), "available")
-		gauge(ch, descCommitted, h.CommittedCPUs, "cpus")
-		gauge(ch, descCommitted, float64(h.CommittedMemory), "memory_bytes")
-		gauge(ch, descCommitted, float64(h.CommittedDisk), "disk_bytes")
-		gauge(ch, descFree, float64(h.DataFree), "data")
-		gauge(ch, descFree, float64(h.RunFree), "run")
-		gauge(ch, descMaxSbx, float64(h.MaxSandboxes))
-		gauge(ch, descLiveSbx, float64(h.LiveSandboxes))
-		gauge(ch, descMaxCreating, float64(h.MaxCreating))
-		gauge(ch, descCreating, float64(h.CreatesInFlight))
+	if s.Headroom != nil {
+		h := s.Headroom()
+		fam("host_cpus", "gauge", "The host's CPUs.").add(h.CPUs)
+		mem := fam("host_memory_bytes", "gauge", "The host's memory: total and available (/proc/meminfo MemAvailable).")
+		mem.add(float64(h.MemTotal), "kind", "total")
+		mem.add(float64(h.MemAvailable), "kind", "available")
+		c := fam("sandboxes_committed", "gauge", "What the host has given its sandboxes: vCPUs (cpus), memory and disk limits (bytes).")
+		c.add(h.CommittedCPUs, "resource", "cpus")
+		c.add(float64(h.CommittedMemory), "resource", "memory_bytes")
+		c.add(float64(h.CommittedDisk), "resource", "disk_bytes")
+		free := fam("host_disk_free_bytes", "gauge", "Bytes free on the file systems of the data and run directories.")
+		free.add(float64(h.DataFree), "dir", "data")
+		free.add(float64(h.RunFree), "dir", "run")
+		fam("sandboxes_max", "gauge", "The server's bound on sandboxes alive at once (max_sandboxes).").add(float64(h.MaxSandboxes))
+		fam("sandboxes_live", "gauge", "Sandboxes counted against max_sandboxes (running, frozen, being made).").add(float64(h.LiveSandboxes))
+		fam("creates_max", "gauge", "Creates the server runs at once (limits.creating).").add(float64(h.MaxCreating))
+		fam("creates_in_flight", "gauge", "Creates running now.").add(float64(h.CreatesInFlight))
 	}
-	if c.s.Teams != nil {
-		if ts, err := c.s.Teams(); err == nil {
+	if s.Teams != nil {
+		if ts, err := s.Teams(); err == nil {
+			quota := fam("team_quota", "gauge", "A team's quota (absent: none): sandboxes, cpus, memory_bytes, disk_bytes, paused.")
+			usage := fam("team_usage", "gauge", "What a team holds, in its quotas' terms.")
 			for _, t := range ts {
-				for r, v := range t.Quota {
-					gauge(ch, descTeamQuota, v, t.Name, r)
+				for _, r := range sortedKeys(t.Quota) {
+					quota.add(t.Quota[r], "team", t.Name, "resource", r)
 				}
-				for r, v := range t.Usage {
-					gauge(ch, descTeamUsage, v, t.Name, r)
+				for _, r := range sortedKeys(t.Usage) {
+					usage.add(t.Usage[r], "team", t.Name, "resource", r)
 				}
 			}
 		}
 	}
+	return fams
+}
+
+func sortedKeys(m map[string]float64) []string {
+	return slices.Sorted(maps.Keys(m))
 }
