@@ -6,6 +6,7 @@ import (
 	"regexp"
 	"strconv"
 	"strings"
+	"sync"
 )
 
 // Break is a place where the chain does not hold.
@@ -22,13 +23,13 @@ type Checkpoint struct {
 	Hash string
 }
 
-var hexHash = regexp.MustCompile(`^[0-9a-f]{64}$`)
+var hexHash = sync.OnceValue(func() *regexp.Regexp { return regexp.MustCompile(`^[0-9a-f]{64}$`) })
 
 // ParseCheckpoint reads "SEQ:HASH".
 func ParseCheckpoint(s string) (Checkpoint, error) {
 	seq, h, ok := strings.Cut(strings.TrimSpace(s), ":")
 	n, err := strconv.ParseInt(seq, 10, 64)
-	if !ok || err != nil || n < 1 || !hexHash.MatchString(h) {
+	if !ok || err != nil || n < 1 || !hexHash().MatchString(h) {
 		return Checkpoint{}, fmt.Errorf("checkpoint %q: want SEQ:HASH (a head printed by `cage audit verify`)", s)
 	}
 	return Checkpoint{Seq: n, Hash: h}, nil

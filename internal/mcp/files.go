@@ -213,7 +213,7 @@ type writeIn struct {
 
 var writeSchema = lazySchema[writeIn](func(p props) {
 	p.sandboxID().minLen("path", 1).maxLen("path", maxPathLen).maxLen("content", maxWriteBytes*4/3+4).
-		def("encoding", "utf8").enum("encoding", "utf8", "base64").pattern("mode", modeRE.String()).maxLen("user", 64)
+		def("encoding", "utf8").enum("encoding", "utf8", "base64").pattern("mode", modeRE().String()).maxLen("user", 64)
 })
 
 type writeOut struct {
@@ -270,7 +270,7 @@ func checkWrite(in writeIn) ([]byte, error) {
 	if err := checkPath("path", in.Path); err != nil {
 		return nil, err
 	}
-	if in.Mode != "" && !modeRE.MatchString(in.Mode) {
+	if in.Mode != "" && !modeRE().MatchString(in.Mode) {
 		return nil, fmt.Errorf("mode %q: want octal permissions such as 0644 or 755", clip(in.Mode, 20))
 	}
 	var data []byte

@@ -37,10 +37,12 @@ const (
 	maxListDepth       = 5
 )
 
+// The patterns are compiled on first use, not at every cage process's
+// start (`cage run` never needs them).
 var (
-	idRE      = regexp.MustCompile(`^[a-z0-9][a-z0-9-]*$`)
-	envNameRE = regexp.MustCompile(`^[A-Za-z_][A-Za-z0-9_]*$`)
-	modeRE    = regexp.MustCompile(`^0?[0-7]{3,4}$`)
+	idRE      = sync.OnceValue(func() *regexp.Regexp { return regexp.MustCompile(`^[a-z0-9][a-z0-9-]*$`) })
+	envNameRE = sync.OnceValue(func() *regexp.Regexp { return regexp.MustCompile(`^[A-Za-z_][A-Za-z0-9_]*$`) })
+	modeRE    = sync.OnceValue(func() *regexp.Regexp { return regexp.MustCompile(`^0?[0-7]{3,4}$`) })
 )
 
 // schemaFor is T's inferred input schema with fix applied to its
@@ -113,13 +115,13 @@ func (p props) maxProps(name string, n int) props {
 
 // sandboxID bounds the sandbox_id property every tool but create and list has.
 func (p props) sandboxID() props {
-	return p.minLen("sandbox_id", 1).maxLen("sandbox_id", maxIDLen).pattern("sandbox_id", idRE.String())
+	return p.minLen("sandbox_id", 1).maxLen("sandbox_id", maxIDLen).pattern("sandbox_id", idRE().String())
 }
 
 // Checks the handlers make themselves, whatever validated the input.
 
 func checkID(id string) error {
-	if len(id) == 0 || len(id) > maxIDLen || !idRE.MatchString(id) {
+	if len(id) == 0 || len(id) > maxIDLen || !idRE().MatchString(id) {
 		return fmt.Errorf("sandbox_id %q: not a sandbox id (lowercase letters, digits and dashes, as sandbox_create and sandbox_list give them)", clip(id, 80))
 	}
 	return nil
@@ -142,7 +144,7 @@ func checkEnvs(envs map[string]string) error {
 		return fmt.Errorf("envs: %d variables, at most %d", len(envs), maxEnvs)
 	}
 	for k, v := range envs {
-		if !envNameRE.MatchString(k) {
+		if !envNameRE().MatchString(k) {
 			return fmt.Errorf("envs: %q is not a variable name ([A-Za-z_][A-Za-z0-9_]*)", clip(k, 80))
 		}
 		if strings.ContainsRune(v, 0) || len(v) > maxEnvValue {

@@ -7,6 +7,7 @@ import (
 	"regexp"
 	"strconv"
 	"strings"
+	"sync"
 )
 
 // What QEMU says of the VM's devices and of its translations, for reports
@@ -98,14 +99,14 @@ func (v *VM) TranslatedBlocks(ctx context.Context) (int, error) {
 	return tbCount(s)
 }
 
-var tbCountLine = regexp.MustCompile(`(?m)^TB count\s+(\d+)`)
+var tbCountLine = sync.OnceValue(func() *regexp.Regexp { return regexp.MustCompile(`(?m)^TB count\s+(\d+)`) })
 
 // tbCount reads the TB count from `info jit`'s text.
 func tbCount(info string) (int, error) {
 	if strings.Contains(info, "only available with accel=tcg") {
 		return 0, nil // KVM: nothing is translated
 	}
-	m := tbCountLine.FindStringSubmatch(info)
+	m := tbCountLine().FindStringSubmatch(info)
 	if m == nil {
 		return 0, fmt.Errorf("info jit: no TB count in %q", firstLine(info))
 	}
