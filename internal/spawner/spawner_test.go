@@ -147,11 +147,13 @@ func TestSpawnErrors(t *testing.T) {
 func TestSpawnNamespacesCgroupNice(t *testing.T) {
 	c := newClient(t)
 	testutil.RequireKernelFeature(t, testutil.UserNamespaces)
-	m, err := cgroups.Detect("cage-spawner-test")
+	// Under cage's own parent group, which the host keeps anyway: a parent
+	// of the test's own would stay behind on the host, empty.
+	m, err := cgroups.Detect("cage")
 	if err != nil {
 		t.Skip(err)
 	}
-	name := fmt.Sprintf("t%d", os.Getpid())
+	name := fmt.Sprintf("spawner-test-%d", os.Getpid())
 	cg, err := m.Create(name, cgroups.Limits{})
 	if err != nil {
 		t.Fatal(err)
@@ -159,14 +161,14 @@ func TestSpawnNamespacesCgroupNice(t *testing.T) {
 	maps := []syscall.SysProcIDMap{{ContainerID: 0, HostID: 200000, Size: 65536}}
 	ch, out := run(t, c, Request{Cloneflags: syscall.CLONE_NEWUSER | syscall.CLONE_NEWPID | syscall.CLONE_NEWNS,
 		UIDMaps: maps, GIDMaps: maps, Setgroups: true, Setsid: true,
-		CgroupParent: "cage-spawner-test", Cgroup: name, Nice: 7},
+		CgroupParent: "cage", Cgroup: name, Nice: 7},
 		"echo $$; id -u; cat /proc/self/cgroup; cut -d' ' -f19 /proc/self/stat")
 	defer unix.Close(ch.Pidfd)
 	lines := strings.Split(strings.TrimSpace(out), "\n")
 	if len(lines) < 4 || lines[0] != "1" || lines[1] != "0" {
 		t.Fatalf("want pid 1 and uid 0 in the new namespaces, got:\n%s", out)
 	}
-	if !strings.Contains(out, "/cage-spawner-test/"+name) {
+	if !strings.Contains(out, "/cage/"+name) {
 		t.Fatalf("not born in its cgroup:\n%s", out)
 	}
 	if lines[len(lines)-1] != "7" {
