@@ -47,6 +47,10 @@ desktop: build
 demo: build
 	./scripts/demo.sh
 
+# cage bench with every wall and peer set up (root; scripts/bench.sh).
+bench:
+	./scripts/bench.sh $(ARGS)
+
 test:
 	./scripts/test.sh
 

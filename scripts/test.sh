@@ -28,31 +28,11 @@ if [ "$(id -u)" != 0 ]; then
   echo "test.sh: not root: the integration tests (sandboxes) will be skipped; run with sudo for the full suite" >&2
 fi
 
-# What is slow to make (runsc, the guest kernel, the base template) is kept
-# outside the clone, in $CAGE_DEV_CACHE (default /var/cache/cage-dev, or
-# ~/.cache/cage-dev when not root), each under a key of its inputs: a warm
-# machine reuses it, a fresh one (or changed inputs) builds it again.
-if [ "$(id -u)" = 0 ]; then cache=${CAGE_DEV_CACHE:-/var/cache/cage-dev}; else cache=${CAGE_DEV_CACHE:-$HOME/.cache/cage-dev}; fi
-mkdir -p "$cache" .tools/bin
-
-# gVisor's runsc, built from the Go module proxy at the version the
-# Makefile pins (static; a cgo build fails at start).
-if [ -z "${CAGE_RUNSC:-}" ]; then
-  runsc_dir="$cache/runsc-$(sed -n 's/^RUNSC_VERSION ?= //p' Makefile)"
-  export CAGE_RUNSC="$runsc_dir/runsc"
-  if [ ! -x "$CAGE_RUNSC" ]; then
-    echo "== building runsc (gVisor) from the module proxy (about 2 minutes, once per version)"
-    rm -rf "$runsc_dir.tmp"
-    make -s runsc RUNSC_DIR="$runsc_dir.tmp" && rm -rf "$runsc_dir" && mv "$runsc_dir.tmp" "$runsc_dir"
-  fi
-  ln -sfn "$CAGE_RUNSC" .tools/bin/runsc
-fi
-# The microvm wall's guest kernel (Debian's cloud kernel, one directory per
-# kernel version) and QEMU, for the tests of internal/vm and the wall.
-if [ "$(id -u)" = 0 ]; then
-  export CAGE_KERNEL_DIR="${CAGE_KERNEL_DIR:-$cache/kernel}"
-  echo "== guest kernel $(bash scripts/kernel.sh "$CAGE_KERNEL_DIR") and QEMU"
-fi
+# runsc, the guest kernel and QEMU (and, below, the base template), from
+# the cache outside the clone (scripts/walls.sh).
+. scripts/walls.sh
+walls_runsc
+walls_kernel
 # The Kubernetes control plane of the cluster tests (etcd, kube-apiserver,
 # kube-scheduler from the module proxy; about 10 minutes on 2 cores, once
 # per version pair). Not root: the cluster tests skip.
@@ -77,21 +57,10 @@ echo "== go vet"
 go vet ./...
 echo "== build"
 make -s build
-# The ready-made template "base", built once from Debian's mirror (about two
-# minutes) into a store kept in .tools, for the tests that start sandboxes
-# of it (python3 and node through the E2B SDK).
+# The ready-made template "base" (scripts/walls.sh), for the tests that
+# start sandboxes of it (python3 and node through the E2B SDK).
+walls_base
 if [ "$(id -u)" = 0 ]; then
-  # The store's key: what makes and reads it (the Dockerfile, the store and
-  # build code). Stores of older keys go after a week unused.
-  key=$(git ls-files -s templates/base internal/imgstore internal/build internal/template | sha256sum | cut -c1-16)
-  export CAGE_TEMPLATES="${CAGE_TEMPLATES:-$cache/templates-$key}"
-  find "$cache" -maxdepth 1 -name 'templates-*' ! -name "templates-$key" -mtime +7 -exec rm -rf {} + 2>/dev/null || true
-  if ! ./bin/cage template inspect base >/dev/null 2>&1; then
-    echo "== building the base template (Debian 12 from Debian's mirror, once per key)"
-    ./bin/cage template build --net internet templates/base base >.tools/base-build.log 2>&1 ||
-      { tail -30 .tools/base-build.log >&2; exit 1; }
-  fi
-  touch "$CAGE_TEMPLATES"
   export CAGE_REQUIRE_BASE=1
   # code-interpreter-v1 (@e2b/code-interpreter's template): base and
   # Debian's data stack (about five minutes the first time), then cached

@@ -26,7 +26,7 @@ var expectedRows = map[string][]bench.Row{
 		{ID: "gvisor", What: "gVisor wall, create -> first output, cold", PeerName: "raw runsc run, same bundle"},
 		{ID: "gvisor.pool", What: "gVisor wall, create -> first output, from a pool of 4", PeerName: "raw runsc run, same bundle", Target: "<= 1.0x raw"},
 		{ID: "gvisor.tcp", What: "gVisor TCP throughput vs host", Target: ">= 0.5", Status: bench.NotMeasured,
-			Note: "not in cage bench: it needs the test world's outside host; go test -run '^$' -bench NetworkThroughput ./test/conformance"},
+			Note: "not in cage bench: it needs the test world's outside host; make bench runs it after the table (go test -run '^$' -bench NetworkThroughput ./test/conformance)"},
 	},
 	"microvm": {
 		{ID: "microvm", What: "microvm wall, create (restore) -> first output", PeerName: "process wall, interleaved", Target: "p50 <= 300 ms"},
