@@ -35,7 +35,13 @@ rc=0
 if [ $# = 0 ]; then
   echo
   echo "gVisor TCP throughput against the host's (3 streams of 256 MiB each; the ratio of the medians):"
-  go test -count=1 -run '^$' -bench 'NetworkThroughput/(gvisor|process)$' -benchtime 3x ./test/conformance |
-    grep '^Benchmark' || rc=1
+  out=$(mktemp)
+  if go test -count=1 -run '^$' -bench 'NetworkThroughput/(gvisor|process)$' -benchtime 3x ./test/conformance >"$out" 2>&1; then
+    grep '^Benchmark' "$out"
+  else
+    tail -20 "$out" >&2
+    rc=1
+  fi
+  rm -f "$out"
 fi
 exit $rc
