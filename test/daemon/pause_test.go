@@ -24,7 +24,8 @@ import (
 // It returns once the counter has written its first count (on a loaded
 // host the background shell may not have run yet when the command ends),
 // or after 5 s without one, for the test's next read to fail on.
-const counter = `{ nohup sh -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/count.new; mv /tmp/count.new /tmp/count; sleep 0.1; done' >/dev/null 2>&1 & }; n=0; until [ -e /tmp/count ] || [ $n -ge 500 ]; do n=$((n+1)); sleep 0.01; done;`
+// The wait is inside the group, so that a failing A still fails the command.
+const counter = `{ nohup sh -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/count.new; mv /tmp/count.new /tmp/count; sleep 0.1; done' >/dev/null 2>&1 & n=0; until [ -e /tmp/count ] || [ $n -ge 500 ]; do n=$((n+1)); sleep 0.01; done; };`
 
 func count(t *testing.T, out string) int {
 	t.Helper()
