@@ -20,6 +20,7 @@ import (
 
 	"github.com/cagehq/cage/api/types"
 	"github.com/cagehq/cage/internal/agentclient"
+	"github.com/cagehq/cage/internal/cgroups"
 	"github.com/cagehq/cage/internal/client"
 )
 
@@ -252,6 +253,12 @@ func DaemonLoad(ctx context.Context, d *Daemon, n, concurrency int) (rate float6
 // and leaves them alive; it returns the rate of creates a second. A
 // create that fails ends it with that error.
 func CreateMany(ctx context.Context, c *client.Client, n, concurrency int) (rate float64, err error) {
+	rate, _, err = createMany(ctx, c, n, concurrency)
+	return rate, err
+}
+
+// createMany is CreateMany that also returns the sandboxes' ids.
+func createMany(ctx context.Context, c *client.Client, n, concurrency int) (rate float64, ids []string, err error) {
 	start := time.Now()
 	var wg sync.WaitGroup
 	var mu sync.Mutex
@@ -268,51 +275,167 @@ func CreateMany(ctx context.Context, c *client.Client, n, concurrency int) (rate
 				}
 				next++
 				mu.Unlock()
-				if _, cerr := c.Create(ctx, hostSandbox(600)); cerr != nil {
-					mu.Lock()
+				sb, cerr := c.Create(ctx, hostSandbox(600))
+				mu.Lock()
+				if cerr != nil {
 					if err == nil {
 						err = fmt.Errorf("create %d of %d: %w", next, n, cerr)
 					}
 					mu.Unlock()
 					return
 				}
+				ids = append(ids, sb.SandboxID)
+				mu.Unlock()
 			}
 		}()
 	}
 	wg.Wait()
-	return float64(n) / time.Since(start).Seconds(), err
+	return float64(n) / time.Since(start).Seconds(), ids, err
 }
 
 // Rates is the API's create rate with few sandboxes alive and with many.
 type Rates struct {
-	Empty, Full   float64 // creates a second: the first window, the last
-	Alive         int     // sandboxes alive at the end
-	RSSBefore     int64   // the daemon's resident memory before
-	RSSFull       int64   // ... with Alive sandboxes alive
-	Window, Conns int
+	Empty, Full       float64  // creates a second: the first window, the last
+	EmptyCPU, FullCPU CPUSplit // the CPU each of their creates took
+	Alive             int      // sandboxes alive at the end
+	RSSBefore         int64    // the daemon's resident memory before
+	RSSFull           int64    // ... with Alive sandboxes alive
+	Window, Conns     int
 }
 
 // CreateRates creates alive sandboxes through the API, concurrency at a
 // time: the rate of the first window creates (next to none alive) and of
 // the last window (next to alive), so that a rate that falls as sandboxes
-// pile up shows. They stay alive (Daemon.Stop removes them).
+// pile up shows, and what each create of those windows cost in CPU, and
+// where. They stay alive (Daemon.Stop removes them).
 func CreateRates(ctx context.Context, d *Daemon, alive, window, concurrency int) (Rates, error) {
 	window = max(1, min(window, alive/2))
 	r := Rates{Alive: alive, Window: window, Conns: concurrency, RSSBefore: rss(d.Pid())}
 	c := d.Client()
 	var err error
-	if r.Empty, err = CreateMany(ctx, c, window, concurrency); err != nil {
+	if r.Empty, r.EmptyCPU, err = cpuWindow(ctx, d, c, window, concurrency); err != nil {
 		return r, err
 	}
 	if _, err = CreateMany(ctx, c, alive-2*window, concurrency); err != nil {
 		return r, err
 	}
-	if r.Full, err = CreateMany(ctx, c, window, concurrency); err != nil {
+	if r.Full, r.FullCPU, err = cpuWindow(ctx, d, c, window, concurrency); err != nil {
 		return r, err
 	}
 	time.Sleep(time.Second)
 	r.RSSFull = rss(d.Pid())
 	return r, nil
+}
+
+// CPUSplit is the CPU time of one create through the API, and where it
+// went: the whole host's busy time while the window's creates ran, the
+// sandboxes' own cgroups (each read once its create has answered: its
+// agent's start, root and seal, and its fork, which the spawner makes
+// from a thread in the group; for a pooled one, its preparing too), the
+// daemon's process and its spawner's. The parts overlap (the spawner's
+// forks) and do not add up to the host's: the rest is the kernel's own
+// threads, the client, and anything else running on the host.
+type CPUSplit struct {
+	Host, Sandboxes, Daemon, Spawner time.Duration
+}
+
+// cpuWindow runs createMany and splits its CPU per create (see CPUSplit).
+func cpuWindow(ctx context.Context, d *Daemon, c *client.Client, n, concurrency int) (float64, CPUSplit, error) {
+	cg, err := cgroups.Detect("cage")
+	if err != nil {
+		return 0, CPUSplit{}, err
+	}
+	hostBefore, daemonBefore, spawnerBefore := hostBusy(), procCPU(d.Pid()), procCPU(spawnerOf(d.Pid()))
+	rate, ids, err := createMany(ctx, c, n, concurrency)
+	if err != nil {
+		return rate, CPUSplit{}, err
+	}
+	var s CPUSplit
+	s.Host = (hostBusy() - hostBefore) / time.Duration(n)
+	s.Daemon = (procCPU(d.Pid()) - daemonBefore) / time.Duration(n)
+	s.Spawner = (procCPU(spawnerOf(d.Pid())) - spawnerBefore) / time.Duration(n)
+	for _, id := range ids {
+		u, err := cg.Open(id).Usage()
+		if err != nil {
+			return rate, s, fmt.Errorf("sandbox %s's cgroup: %w", id, err)
+		}
+		s.Sandboxes += time.Duration(u.CPUNanos)
+	}
+	s.Sandboxes /= time.Duration(n)
+	return rate, s, nil
+}
+
+// userHZ is the unit of /proc's CPU times (USER_HZ, 100 on every Linux
+// architecture cage runs on).
+const userHZ = 100
+
+// hostBusy is the CPU time every CPU of the host has been busy (not idle,
+// not waiting for I/O) since boot.
+func hostBusy() time.Duration {
+	b, err := os.ReadFile("/proc/stat")
+	if err != nil {
+		return 0
+	}
+	line, _, _ := strings.Cut(string(b), "\n")
+	fields := strings.Fields(line)
+	var ticks int64
+	for i, f := range fields[1:] {
+		if i == 3 || i == 4 { // idle, iowait
+			continue
+		}
+		n, _ := strconv.ParseInt(f, 10, 64)
+		ticks += n
+	}
+	return time.Duration(ticks) * time.Second / userHZ
+}
+
+// procCPU is the CPU time process pid has used, its threads' included (0
+// when it is gone).
+func procCPU(pid int) time.Duration {
+	f := procStat(pid)
+	if len(f) < 15 {
+		return 0
+	}
+	u, _ := strconv.ParseInt(f[13], 10, 64)
+	k, _ := strconv.ParseInt(f[14], 10, 64)
+	return time.Duration(u+k) * time.Second / userHZ
+}
+
+// procStat is /proc/PID/stat's fields, the command name (which may hold
+// spaces) as one.
+func procStat(pid int) []string {
+	if pid <= 0 {
+		return nil
+	}
+	b, err := os.ReadFile(filepath.Join("/proc", strconv.Itoa(pid), "stat"))
+	if err != nil {
+		return nil
+	}
+	s := string(b)
+	i, j := strings.IndexByte(s, '('), strings.LastIndexByte(s, ')')
+	if i < 0 || j < i || j+2 > len(s) {
+		return nil
+	}
+	return append([]string{s[:i-1], s[i+1 : j]}, strings.Fields(s[j+2:])...)
+}
+
+// spawnerOf is the pid of the daemon's spawner (its child cage-agent), 0
+// when it has none. A child is listed under the thread that forked it.
+func spawnerOf(daemon int) int {
+	tasks, _ := filepath.Glob(fmt.Sprintf("/proc/%d/task/*/children", daemon))
+	for _, t := range tasks {
+		b, err := os.ReadFile(t)
+		if err != nil {
+			continue
+		}
+		for _, f := range strings.Fields(string(b)) {
+			pid, _ := strconv.Atoi(f)
+			if st := procStat(pid); len(st) > 1 && st[1] == "cage-agent" {
+				return pid
+			}
+		}
+	}
+	return 0
 }
 
 func rss(pid int) int64 {

@@ -15,6 +15,8 @@ var expectedRows = map[string][]bench.Row{
 	"serve": {
 		{ID: "serve.rate", What: "API creates/s (process wall), few alive", PeerName: "Firecracker: about 150/s per host (published, not this run)", Target: ">= 200/s"},
 		{ID: "serve.rate.alive", What: "API creates/s with many alive", Target: ">= 200/s and >= 0.9x the first"},
+		{ID: "serve.cpu", What: "CPU per API create, few alive (the whole host's)"},
+		{ID: "serve.cpu.alive", What: "CPU per API create, many alive (the whole host's)"},
 		{ID: "serve.tti20", What: "time to interactive, 20 at once (API + proxy, pool of 4)", Target: "p50 <= 100 ms"},
 		{ID: "serve.tti20.grown", What: "time to interactive, 20 at once, the pool grown by the last burst (pool_grow 4: to 16) and refilled", Target: "p50 <= 100 ms"},
 		{ID: "serve.tti", What: "time to interactive, one at a time (API + proxy, pool of 4)", PeerName: "E2B about 150 ms, Daytona about 186 ms (published)"},

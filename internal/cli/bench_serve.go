@@ -106,8 +106,25 @@ func benchServe(ctx context.Context, t *bench.Table, runs, alive int) error {
 	t.Set(bench.Row{ID: "serve.rate.alive", What: fmt.Sprintf("API creates/s, the last %d of %d alive", r.Window, r.Alive),
 		Cage: bench.Quantity(r.Full, "creates/s"), PeerName: "the first " + strconv.Itoa(r.Window), Peer: bench.Quantity(r.Empty, "creates/s"),
 		Ratio: flat, Status: bench.Judge(r.Full >= 200 && flat >= 0.9)})
+	t.Set(cpuRow("serve.cpu", fmt.Sprintf("CPU per API create, the first %d (the whole host's)", r.Window), r.EmptyCPU, nil))
+	t.Set(cpuRow("serve.cpu.alive", fmt.Sprintf("CPU per API create, the last %d of %d alive (the whole host's)", r.Window, r.Alive),
+		r.FullCPU, &r.EmptyCPU))
 	t.Set(bench.Row{ID: "serve.rss", What: fmt.Sprintf("daemon resident memory with %d alive", r.Alive),
 		Cage: bench.Quantity(float64(r.RSSFull)/(1<<20), "MiB"), Status: bench.NoTarget,
 		Note: "idle before: " + units.FormatSize(roundKiB(r.RSSBefore))})
 	return nil
+}
+
+// cpuRow is a window's CPU per create and where it went (bench.CPUSplit),
+// beside the first window's where there is one: what grows with the
+// sandboxes alive. 200 creates/s on 2 CPUs leaves 10 ms for all of it.
+func cpuRow(id, what string, s bench.CPUSplit, first *bench.CPUSplit) bench.Row {
+	ms := func(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }
+	row := bench.Row{ID: id, What: what, Cage: bench.Quantity(ms(s.Host), "ms"), Status: bench.NoTarget,
+		Note: fmt.Sprintf("in the sandboxes' cgroups %.2f ms, the daemon %.2f ms, its spawner %.2f ms (whose forks run in the sandboxes' cgroups: the parts overlap)",
+			ms(s.Sandboxes), ms(s.Daemon), ms(s.Spawner))}
+	if first != nil && first.Host > 0 {
+		row.PeerName, row.Peer, row.Ratio = "the first window", bench.Quantity(ms(first.Host), "ms"), float64(s.Host)/float64(first.Host)
+	}
+	return row
 }
