@@ -180,10 +180,11 @@ func (cn *conn) spawn(req Request, files []uintptr) (*Child, error) {
 // connection breaks; then every waiter is let go.
 func (cn *conn) read() {
 	var err error
+	rc := newReceiver()
 	for {
 		var r reply
 		var files []int
-		files, err = recv(cn.fd, &r)
+		files, err = rc.recv(cn.fd, &r)
 		if err != nil {
 			break
 		}

@@ -32,9 +32,10 @@ func Serve(fd int) error {
 	}
 	s := &server{fd: fd, managers: map[string]*cgroups.Manager{}, born: make(chan struct{}, 1)}
 	go s.reap()
+	rc := newReceiver()
 	for {
 		var req Request
-		files, err := recv(fd, &req)
+		files, err := rc.recv(fd, &req)
 		if errors.Is(err, errClosed) {
 			return nil
 		}

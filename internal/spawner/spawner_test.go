@@ -287,3 +287,68 @@ func TestSpawnerReapsWithoutAThreadPerChild(t *testing.T) {
 		unix.Close(ch.Pidfd)
 	}
 }
+
+// One socket's messages are read into the same buffers, one after the
+// other, each decoded whole: a long message followed by a short one
+// leaves nothing of the first in the second, and descriptors still come.
+func TestReceiverReusesBuffers(t *testing.T) {
+	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Close(fds[0])
+	defer unix.Close(fds[1])
+	long := Request{ID: 1, Path: "/" + strings.Repeat("x", 4000), Argv: []string{"a", "b"}}
+	short := Request{ID: 2, Path: "/y"}
+	devnull, err := os.Open(os.DevNull)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer devnull.Close()
+	if err := send(fds[0], &long, nil); err != nil {
+		t.Fatal(err)
+	}
+	if err := send(fds[0], &short, []int{int(devnull.Fd())}); err != nil {
+		t.Fatal(err)
+	}
+	rc := newReceiver()
+	var got1, got2 Request
+	if files, err := rc.recv(fds[1], &got1); err != nil || len(files) != 0 {
+		t.Fatalf("first: files %v, err %v", files, err)
+	}
+	files, err := rc.recv(fds[1], &got2)
+	if err != nil || len(files) != 1 {
+		t.Fatalf("second: files %v, err %v", files, err)
+	}
+	closeAll(files)
+	if got1.Path != long.Path || len(got1.Argv) != 2 || got2.ID != 2 || got2.Path != "/y" || got2.Argv != nil {
+		t.Errorf("decoded %+v and %+v", got1, got2)
+	}
+	// What the first decoded is its own, not the reused buffer's.
+	if got1.Path != long.Path {
+		t.Error("the first message changed when the second was read")
+	}
+}
+
+// BenchmarkRecv reads one request at a time from a socket, as the spawner
+// and its client do for each sandbox.
+func BenchmarkRecv(b *testing.B) {
+	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer unix.Close(fds[0])
+	defer unix.Close(fds[1])
+	req := Request{ID: 7, Path: "/usr/bin/cage-agent", Argv: []string{"cage-agent", "init"}, Env: []string{"PATH=/usr/bin", "GOMAXPROCS=1"}}
+	rc := newReceiver()
+	b.ReportAllocs()
+	for b.Loop() {
+		if err := send(fds[0], &req, nil); err != nil {
+			b.Fatal(err)
+		}
+		var got Request
+		if _, err := rc.recv(fds[1], &got); err != nil {
+			b.Fatal(err)
+		}
+	}
+}

@@ -98,11 +98,21 @@ func send(fd int, v any, files []int) error {
 	}
 }
 
+// receiver reads the messages of one socket, from one goroutine: its
+// buffers serve every message (a fresh 64 KiB buffer per message was a
+// page-faulting allocation per create in the daemon and in the spawner,
+// where pages written while a forked child still shares them are copied).
+type receiver struct{ buf, oob []byte }
+
+func newReceiver() *receiver {
+	return &receiver{buf: make([]byte, maxMessage+1), oob: make([]byte, unix.CmsgSpace(maxFiles*4))}
+}
+
 // recv reads one message and the descriptors that came with it (made
-// close-on-exec by the kernel as they arrive).
-func recv(fd int, v any) ([]int, error) {
-	buf := make([]byte, maxMessage+1)
-	oob := make([]byte, unix.CmsgSpace(maxFiles*4))
+// close-on-exec by the kernel as they arrive). v keeps nothing of the
+// buffer: JSON decoding copies what it keeps.
+func (rc *receiver) recv(fd int, v any) ([]int, error) {
+	buf, oob := rc.buf, rc.oob
 	var n, oobn, flags int
 	var err error
 	for {
