@@ -18,22 +18,44 @@ import (
 	"k8s.io/apimachinery/pkg/util/validation"
 
 	"github.com/cagehq/cage/internal/kube"
+	"github.com/cagehq/cage/internal/proxy"
 )
 
 // Node-to-node authentication: a request one node makes of another (the
 // internal routes under /cluster/, and the front's forwarded API and proxy
 // requests) carries AuthHeader, an HMAC-SHA256 under the cluster's node
-// key (the Secret KeySecret) of the signing node's name, the time, the
+// key (the Secret KeySecret) of what the signature is for (Purpose), the
+// signing node's name, the name of the node it is for, the time, the
 // method and the path with its query. A signature is good for MaxSkew
 // either side of the verifier's clock; within that window it can be
-// replayed for the same method and path (the routes it guards are
-// idempotent or keyed by the sandbox's id).
+// replayed for the same purpose, node, method and path (the routes it
+// guards are idempotent or keyed by the sandbox's id), and for nothing
+// else: traffic forwarded to a sandbox's node reaches the sandbox, which
+// must not be able to turn the signature it sees into one for the
+// internal routes or another node (and the proxy removes it before
+// forwarding: see proxy.NodeAuthHeader).
 const (
-	AuthHeader    = "X-Cage-Node-Auth"
+	AuthHeader    = proxy.NodeAuthHeader
 	KeySecret     = "cage-cluster"
 	KeySecretData = "node-key"
 	KeyLen        = 32
 	MaxSkew       = 60 * time.Second
+)
+
+// Purpose is what a node signature is for; one made for a purpose never
+// verifies for another.
+type Purpose string
+
+const (
+	// ForInternal: the internal routes (/cluster/...).
+	ForInternal Purpose = "internal"
+	// ForAPI: an API request the front forwards to the sandbox's node
+	// (the client's key is checked there as anywhere; the signature says
+	// its rates were taken).
+	ForAPI Purpose = "api"
+	// ForTraffic: sandbox traffic the front forwards to the proxy of the
+	// sandbox's node (whose tokens the owner's proxy checks).
+	ForTraffic Purpose = "traffic"
 )
 
 // ErrAuth marks a request without a good node signature.
@@ -42,15 +64,16 @@ var ErrAuth = errors.New("node authentication failed")
 // now is the clock of Sign and Verify (tests move it).
 var now = time.Now
 
-// Sign adds to r the AuthHeader of node under key.
-func Sign(r *http.Request, key []byte, node string) {
+// Sign adds to r the AuthHeader of node from, for node to and purpose p,
+// under key.
+func Sign(r *http.Request, key []byte, from, to string, p Purpose) {
 	t := strconv.FormatInt(now().Unix(), 10)
-	r.Header.Set(AuthHeader, "node="+node+",t="+t+",sig="+hex.EncodeToString(mac(key, node, t, r)))
+	r.Header.Set(AuthHeader, "node="+from+",t="+t+",sig="+hex.EncodeToString(mac(key, p, from, to, t, r)))
 }
 
-// Verify checks r's AuthHeader under key and returns the signing node's
-// name. It reads no body.
-func Verify(r *http.Request, key []byte) (node string, err error) {
+// Verify checks r's AuthHeader under key, as made for node self and
+// purpose p, and returns the signing node's name. It reads no body.
+func Verify(r *http.Request, key []byte, self string, p Purpose) (node string, err error) {
 	h := r.Header.Get(AuthHeader)
 	if h == "" {
 		return "", fmt.Errorf("%w: no %s header", ErrAuth, AuthHeader)
@@ -83,15 +106,17 @@ func Verify(r *http.Request, key []byte) (node string, err error) {
 		return "", fmt.Errorf("%w: signature time is %v away from this node's clock", ErrAuth, d.Round(time.Second))
 	}
 	got, err := hex.DecodeString(sig)
-	if err != nil || !hmac.Equal(got, mac(key, node, t, r)) {
+	if err != nil || !hmac.Equal(got, mac(key, p, node, self, t, r)) {
 		return "", fmt.Errorf("%w: bad signature", ErrAuth)
 	}
 	return node, nil
 }
 
-func mac(key []byte, node, t string, r *http.Request) []byte {
+func mac(key []byte, p Purpose, from, to, t string, r *http.Request) []byte {
 	m := hmac.New(sha256.New, key)
-	m.Write([]byte(node + "|" + t + "|" + r.Method + "|" + r.URL.RequestURI()))
+	// Node names are DNS subdomains and the purposes fixed words: none
+	// holds "|", so no two inputs run together.
+	m.Write([]byte("cage-node-auth-v2|" + string(p) + "|" + from + "|" + to + "|" + t + "|" + r.Method + "|" + r.URL.RequestURI()))
 	return m.Sum(nil)
 }
 

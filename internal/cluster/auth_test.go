@@ -18,9 +18,10 @@ import (
 
 var key = bytes.Repeat([]byte{7}, KeyLen)
 
+// signed is a request signed by node for node-b's internal routes.
 func signed(method, target, node string) *http.Request {
 	r := httptest.NewRequest(method, target, nil)
-	Sign(r, key, node)
+	Sign(r, key, node, "node-b", ForInternal)
 	return r
 }
 
@@ -32,7 +33,7 @@ func at(t *testing.T, when time.Time) {
 
 func TestSignVerify(t *testing.T) {
 	r := signed("POST", "/cluster/pods/"+testID+"/start?x=1", "node-a")
-	node, err := Verify(r, key)
+	node, err := Verify(r, key, "node-b", ForInternal)
 	if err != nil || node != "node-a" {
 		t.Fatalf("Verify = %q, %v", node, err)
 	}
@@ -70,7 +71,25 @@ func TestVerifyRefuses(t *testing.T) {
 		},
 		"other key": func() *http.Request {
 			r := httptest.NewRequest("POST", "/cluster/pods/x/start", nil)
-			Sign(r, bytes.Repeat([]byte{8}, KeyLen), "node-a")
+			Sign(r, bytes.Repeat([]byte{8}, KeyLen), "node-a", "node-b", ForInternal)
+			return r
+		},
+		// What a sandbox sees of traffic forwarded to it (were the proxy
+		// not to remove it), or of an API request, is no signature for
+		// the internal routes.
+		"made for traffic": func() *http.Request {
+			r := httptest.NewRequest("POST", "/cluster/pods/"+testID+"/start?x=1", nil)
+			Sign(r, key, "node-a", "node-b", ForTraffic)
+			return r
+		},
+		"made for the API": func() *http.Request {
+			r := httptest.NewRequest("POST", "/cluster/pods/"+testID+"/start?x=1", nil)
+			Sign(r, key, "node-a", "node-b", ForAPI)
+			return r
+		},
+		"made for another node": func() *http.Request {
+			r := httptest.NewRequest("POST", "/cluster/pods/"+testID+"/start?x=1", nil)
+			Sign(r, key, "node-a", "node-c", ForInternal)
 			return r
 		},
 		"garbage": func() *http.Request {
@@ -86,18 +105,18 @@ func TestVerifyRefuses(t *testing.T) {
 	}
 	for name, mk := range cases {
 		r := mk()
-		if node, err := Verify(r, key); !errors.Is(err, ErrAuth) {
+		if node, err := Verify(r, key, "node-b", ForInternal); !errors.Is(err, ErrAuth) {
 			t.Errorf("%s: Verify = %q, %v; want ErrAuth", name, node, err)
 		}
 	}
-	if _, err := Verify(good, nil); !errors.Is(err, ErrAuth) {
+	if _, err := Verify(good, nil, "node-b", ForInternal); !errors.Is(err, ErrAuth) {
 		t.Errorf("no key: err = %v", err)
 	}
 	// Replay: good within ±60 s, refused outside.
 	for d, ok := range map[time.Duration]bool{59 * time.Second: true, -59 * time.Second: true,
 		61 * time.Second: false, -61 * time.Second: false, time.Hour: false} {
 		at(t, t0.Add(d))
-		_, err := Verify(good, key)
+		_, err := Verify(good, key, "node-b", ForInternal)
 		if (err == nil) != ok {
 			t.Errorf("replayed %v later: err = %v, want ok=%v", d, err, ok)
 		}

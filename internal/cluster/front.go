@@ -290,7 +290,7 @@ func (f *Front) start(ctx context.Context, node, id string) (*store.Sandbox, err
 	if err != nil {
 		return nil, err
 	}
-	Sign(r, f.cfg.NodeKey, f.cfg.NodeName)
+	Sign(r, f.cfg.NodeKey, f.cfg.NodeName, node, ForInternal)
 	resp, err := f.cfg.HTTP.Do(r)
 	if err != nil {
 		return nil, fmt.Errorf("%w: node %s did not answer the start of sandbox %s: %v", sandbox.ErrUnavailable, node, id, err)

@@ -105,7 +105,7 @@ func addStandIn(t *testing.T, c *kube.Client, key []byte, name string, walls ...
 	s := &standIn{name: name}
 	mux := http.NewServeMux()
 	mux.HandleFunc("POST /cluster/pods/{id}/start", func(w http.ResponseWriter, r *http.Request) {
-		if _, err := Verify(r, key); err != nil {
+		if _, err := Verify(r, key, name, ForInternal); err != nil {
 			apiError(w, http.StatusUnauthorized, err.Error())
 			return
 		}
@@ -117,7 +117,14 @@ func addStandIn(t *testing.T, c *kube.Client, key []byte, name string, walls ...
 		writeTestJSON(w, http.StatusCreated, store.Sandbox{ID: r.PathValue("id"), AccessToken: "token-" + name, Wall: "process"})
 	})
 	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
-		from, err := Verify(r, key)
+		// The stand-in is the node's API and its proxy at once: a request
+		// is signed for one or the other, and for this node.
+		purpose := ForAPI
+		from, err := Verify(r, key, name, purpose)
+		if err != nil {
+			purpose = ForTraffic
+			from, err = Verify(r, key, name, purpose)
+		}
 		if err != nil {
 			apiError(w, http.StatusUnauthorized, err.Error())
 			return
@@ -134,8 +141,8 @@ func addStandIn(t *testing.T, c *kube.Client, key []byte, name string, walls ...
 		body, _ := io.ReadAll(r.Body)
 		w.Header().Set("Content-Type", "text/plain")
 		w.WriteHeader(http.StatusOK)
-		fmt.Fprintf(w, "%s %s %s from=%s key=%s host=%s body=%s\n", name, r.Method, r.URL.RequestURI(), from,
-			r.Header.Get("X-API-Key"), r.Host, body)
+		fmt.Fprintf(w, "%s %s %s from=%s key=%s host=%s for=%s body=%s\n", name, r.Method, r.URL.RequestURI(), from,
+			r.Header.Get("X-API-Key"), r.Host, purpose, body)
 		w.(http.Flusher).Flush()
 		if r.URL.Query().Get("stream") != "" {
 			<-r.Context().Done() // a stream that lasts until the client goes
@@ -365,7 +372,7 @@ func TestFront(t *testing.T) {
 	t.Run("forwarded to the owner node", func(t *testing.T) {
 		code, body := call("POST", "/sandboxes/"+id+"/timeout?x=1", r.KeyID)
 		want := "b POST /sandboxes/" + id + "/timeout?x=1 from=a key=e2b_client_key"
-		if code != 200 || !strings.HasPrefix(body, want) || !strings.Contains(body, "body=hello") {
+		if code != 200 || !strings.HasPrefix(body, want) || !strings.Contains(body, "for=api body=hello") {
 			t.Fatalf("forwarded: %d %q, want 200 %q", code, body, want)
 		}
 		// Another tenant's sandbox is not forwarded: it is answered here
@@ -406,7 +413,7 @@ func TestFront(t *testing.T) {
 		}
 		line, err := bufio.NewReader(resp.Body).ReadString('\n')
 		resp.Body.Close()
-		if err != nil || !strings.Contains(line, "b GET /stream?stream=1 from=a") || !strings.Contains(line, "host=49983-"+id+".cage.test") {
+		if err != nil || !strings.Contains(line, "b GET /stream?stream=1 from=a") || !strings.Contains(line, "host=49983-"+id+".cage.test for=traffic") {
 			t.Fatalf("stream's first line: %q %v", line, err)
 		}
 		conn, err := net.Dial("tcp", strings.TrimPrefix(px.URL, "http://"))

@@ -381,7 +381,7 @@ func (n *Node) Routes(next http.Handler) http.Handler {
 			next.ServeHTTP(w, r)
 			return
 		}
-		if _, err := Verify(r, n.key); err != nil {
+		if _, err := Verify(r, n.key, n.cfg.NodeName, ForInternal); err != nil {
 			w.Header().Set("Connection", "close") // the body is never read
 			writeErr(w, http.StatusUnauthorized, err.Error())
 			return

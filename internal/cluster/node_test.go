@@ -512,8 +512,17 @@ func (e *nodeEnv) testStartAuth(t *testing.T) {
 	otherKey := make([]byte, cluster.KeyLen)
 	for name, sign := range map[string]func(r *http.Request){
 		"no signature": func(r *http.Request) {},
-		"other key":    func(r *http.Request) { cluster.Sign(r, otherKey, nodeName) },
-		"garbage":      func(r *http.Request) { r.Header.Set(cluster.AuthHeader, "node=x,t=1,sig=00") },
+		"other key":    func(r *http.Request) { cluster.Sign(r, otherKey, "node-other", nodeName, cluster.ForInternal) },
+		"for traffic": func(r *http.Request) {
+			r.Header.Set(cluster.AuthHeader, signedAs(t, e, "/cluster/pods/"+id+"/start", nodeName, cluster.ForTraffic))
+		},
+		"for the API": func(r *http.Request) {
+			r.Header.Set(cluster.AuthHeader, signedAs(t, e, "/cluster/pods/"+id+"/start", nodeName, cluster.ForAPI))
+		},
+		"for another node": func(r *http.Request) {
+			r.Header.Set(cluster.AuthHeader, signedAs(t, e, "/cluster/pods/"+id+"/start", "node-c", cluster.ForInternal))
+		},
+		"garbage": func(r *http.Request) { r.Header.Set(cluster.AuthHeader, "node=x,t=1,sig=00") },
 		"other path": func(r *http.Request) {
 			r.Header.Set(cluster.AuthHeader, signedFor(t, e, "/cluster/pods/"+ids.NewID()+"/start"))
 		},
@@ -567,12 +576,19 @@ func (e *nodeEnv) testStartAuth(t *testing.T) {
 // with the cluster's node key read from its Secret.
 func signedFor(t *testing.T, e *nodeEnv, path string) string {
 	t.Helper()
+	return signedAs(t, e, path, nodeName, cluster.ForInternal)
+}
+
+// signedAs is a signature of POST path by another node for node to and
+// purpose p.
+func signedAs(t *testing.T, e *nodeEnv, path, to string, p cluster.Purpose) string {
+	t.Helper()
 	s, err := e.admin.CoreV1().Secrets(cluster.DefaultNamespace).Get(context.Background(), cluster.KeySecret, metav1.GetOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}
 	r, _ := http.NewRequest(http.MethodPost, "http://x"+path, nil)
-	cluster.Sign(r, s.Data[cluster.KeySecretData], "node-other")
+	cluster.Sign(r, s.Data[cluster.KeySecretData], "node-other", to, p)
 	return r.Header.Get(cluster.AuthHeader)
 }
 

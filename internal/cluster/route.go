@@ -92,7 +92,7 @@ func (f *Front) Forward(w http.ResponseWriter, r *http.Request, id, owner string
 		Rewrite: func(pr *httputil.ProxyRequest) {
 			pr.SetURL(base)
 			pr.Out.Host = base.Host
-			Sign(pr.Out, f.cfg.NodeKey, f.cfg.NodeName)
+			Sign(pr.Out, f.cfg.NodeKey, f.cfg.NodeName, node, ForAPI)
 		},
 		Transport:     f.cfg.HTTP.Transport,
 		FlushInterval: -1,
@@ -143,7 +143,7 @@ func (f *Front) ForwardTraffic(w http.ResponseWriter, r *http.Request, id string
 		Rewrite: func(pr *httputil.ProxyRequest) {
 			pr.Out.URL.Scheme, pr.Out.URL.Host = base.Scheme, base.Host
 			pr.Out.Host = r.Host // the owner routes by Host as this proxy did
-			Sign(pr.Out, f.cfg.NodeKey, f.cfg.NodeName)
+			Sign(pr.Out, f.cfg.NodeKey, f.cfg.NodeName, node, ForTraffic)
 		},
 		Transport:     f.cfg.HTTP.Transport,
 		FlushInterval: -1,
@@ -164,10 +164,11 @@ func (f *Front) ForwardTraffic(w http.ResponseWriter, r *http.Request, id string
 	return true
 }
 
-// Forwarded says whether r was forwarded by another node of the cluster
-// (its node signature verifies under the cluster's key).
+// Forwarded says whether r is an API request another node of the cluster
+// forwarded to this one (its node signature verifies under the cluster's
+// key, as made for this node's API).
 func (f *Front) Forwarded(r *http.Request) bool {
-	_, err := Verify(r, f.cfg.NodeKey)
+	_, err := Verify(r, f.cfg.NodeKey, f.cfg.NodeName, ForAPI)
 	return err == nil
 }
 

@@ -77,3 +77,54 @@ func TestInterpToken(t *testing.T) {
 		t.Errorf("reached the port: %q\nwant (in order, no token): %q", seen, want)
 	}
 }
+
+// TestSandboxNeverSeesCageHeaders: what the proxy routes and checks by
+// (the sandbox id and port, the traffic token) and another node's
+// signature on traffic it forwarded here in cluster mode never reach the
+// server in the sandbox, on an exposed port as on the agent's; the
+// client's own headers do. A node signature seen by a sandbox could be
+// replayed to the cluster's internal routes.
+func TestSandboxNeverSeesCageHeaders(t *testing.T) {
+	a := newFakeAgent(t)
+	var mu sync.Mutex
+	var seen []http.Header
+	a.srv.Handler = http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.Method != http.MethodConnect {
+			mu.Lock()
+			seen = append(seen, r.Header.Clone())
+			mu.Unlock()
+		}
+		w.WriteHeader(http.StatusOK)
+	})
+	srv := httptest.NewServer(New(sandboxes{sb{a}}, "", nil))
+	defer srv.Close()
+	for _, port := range []int{8080, EnvdPort} {
+		req, _ := http.NewRequest("GET", srv.URL+"/health", nil)
+		req.Header.Set("E2b-Sandbox-Id", "sandbox1")
+		req.Header.Set("E2b-Sandbox-Port", strconv.Itoa(port))
+		req.Header.Set(TrafficHeader, "traffic")
+		req.Header.Set(NodeAuthHeader, "node=a,t=1796282761,sig=738399c9")
+		req.Header.Set("X-Client-Own", "kept")
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		if resp.StatusCode != 200 {
+			t.Fatalf("port %d: %d", port, resp.StatusCode)
+		}
+	}
+	if len(seen) != 2 {
+		t.Fatalf("%d requests reached the sandbox, want 2", len(seen))
+	}
+	for i, h := range seen {
+		for _, k := range []string{"E2b-Sandbox-Id", "E2b-Sandbox-Port", TrafficHeader, NodeAuthHeader} {
+			if v := h.Get(k); v != "" {
+				t.Errorf("request %d: the sandbox saw %s: %q", i, k, v)
+			}
+		}
+		if h.Get("X-Client-Own") != "kept" {
+			t.Errorf("request %d: the client's own header was dropped", i)
+		}
+	}
+}

@@ -70,6 +70,11 @@ type Access struct {
 // TrafficHeader carries the traffic token of a sandbox whose ports are not public.
 const TrafficHeader = "E2b-Traffic-Access-Token"
 
+// NodeAuthHeader is the node signature of cluster mode (internal/cluster
+// signs and checks it): a node that forwards sandbox traffic to the
+// sandbox's node signs it there, and no sandbox ever sees it.
+const NodeAuthHeader = "X-Cage-Node-Auth"
+
 // Proxy forwards sandbox traffic.
 type Proxy struct {
 	sandboxes Sandboxes
@@ -224,6 +229,7 @@ func (p *Proxy) serve(w http.ResponseWriter, r *http.Request) {
 			pr.Out.Header.Del("E2b-Sandbox-Id")
 			pr.Out.Header.Del("E2b-Sandbox-Port")
 			pr.Out.Header.Del(TrafficHeader)
+			pr.Out.Header.Del(NodeAuthHeader) // another node's, on traffic it forwarded here
 			if port == InterpPort {
 				pr.Out.Header.Del("X-Access-Token") // checked here; code in the sandbox never sees it
 			}

@@ -28,6 +28,8 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/watch"
 
+	"github.com/cagehq/cage/internal/agentclient"
+	"github.com/cagehq/cage/internal/client"
 	"github.com/cagehq/cage/internal/cluster"
 	"github.com/cagehq/cage/internal/testutil"
 	"github.com/cagehq/cage/test/cluster/clusterutil"
@@ -162,6 +164,7 @@ func TestCluster(t *testing.T) {
 	})
 
 	t.Run("tenants and keys", func(t *testing.T) { tenants(t, c, where) })
+	t.Run("node signatures stay out of sandboxes", func(t *testing.T) { nodeSignature(t, c, where) })
 	t.Run("lost node, then back", func(t *testing.T) { lostAndBack(t, c, where) })
 	t.Run("partition", func(t *testing.T) { partition(t, c, where) })
 }
@@ -214,6 +217,97 @@ func tenants(t *testing.T, c *clusterutil.Cluster, where *placements) {
 			code, _ := call(t, c, n, "GET", "/v2/sandboxes", other, "")
 			return code == 401
 		})
+	}
+}
+
+// echoHeaders is a server for a sandbox's port 8080 that answers each
+// request with its headers as JSON.
+const echoHeaders = `
+import http.server, json
+class H(http.server.BaseHTTPRequestHandler):
+    def answer(self):
+        b = json.dumps(dict(self.headers.items())).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(b)))
+        self.end_headers()
+        self.wfile.write(b)
+    do_GET = do_POST = answer
+    def log_message(self, *a): pass
+http.server.HTTPServer(("127.0.0.1", 8080), H).serve_forever()
+`
+
+// nodeSignature: traffic a front forwards to the sandbox's node is signed
+// by the front, and the sandbox never sees that signature: a tenant's own
+// server, which echoes the headers of what reaches it, shows none for a
+// request made through another node's proxy, whatever path it names.
+// (A signature seen there, for the path of the internal start route, once
+// opened another tenant's sandbox record to a replay; signatures are now
+// also bound to their purpose and node, which internal/cluster's tests
+// check.) Nothing the sandbox sees opens the internal routes either.
+func nodeSignature(t *testing.T, c *clusterutil.Cluster, where *placements) {
+	var id, token string
+	for i := 0; i < 12 && id == ""; i++ {
+		code, out := call(t, c, "a", "POST", "/sandboxes", c.Key, `{"templateID":"host","timeout":300}`)
+		var sb struct {
+			SandboxID       string `json:"sandboxID"`
+			EnvdAccessToken string `json:"envdAccessToken"`
+		}
+		if code != 201 || json.Unmarshal([]byte(out), &sb) != nil {
+			t.Fatalf("create: %d %s", code, out)
+		}
+		if where.node(sb.SandboxID) == "b" {
+			id, token = sb.SandboxID, sb.EnvdAccessToken
+		} else {
+			kill(t, c, "a", sb.SandboxID)
+		}
+	}
+	if id == "" {
+		t.Fatal("no create landed on b")
+	}
+	defer kill(t, c, "a", id)
+	ag, err := client.New("", c.Nodes["b"].Proxy, "").Agent(id, token)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	go func() {
+		_, _ = ag.Run(ctx, agentclient.RunOptions{Cmd: "python3", Args: []string{"-c", echoHeaders}, Stdout: io.Discard, Stderr: io.Discard})
+	}()
+	through := func(front, path string) (int, map[string]string) {
+		req, _ := http.NewRequest("POST", c.Nodes[front].Proxy+path, nil)
+		req.Header.Set("E2b-Sandbox-Id", id)
+		req.Header.Set("E2b-Sandbox-Port", "8080")
+		resp, err := (&http.Client{Timeout: 30 * time.Second}).Do(req)
+		if err != nil {
+			return 0, nil
+		}
+		defer resp.Body.Close()
+		var seen map[string]string
+		_ = json.NewDecoder(resp.Body).Decode(&seen)
+		return resp.StatusCode, seen
+	}
+	waitFor(t, 30*time.Second, "the sandbox's server answering through a's proxy", func() bool {
+		code, _ := through("a", "/")
+		return code == 200
+	})
+	start := "/cluster/pods/" + id + "/start"
+	for _, front := range []string{"a", "c"} {
+		code, seen := through(front, start)
+		if code != 200 || seen == nil {
+			t.Fatalf("through %s's proxy to b's sandbox: %d %v", front, code, seen)
+		}
+		for k, v := range seen {
+			if strings.EqualFold(k, cluster.AuthHeader) {
+				t.Errorf("through %s's proxy, the sandbox saw %s: %s", front, k, v)
+				for _, n := range []string{"a", "b", "c"} {
+					if code, body := call(t, c, n, "POST", start, "", "", cluster.AuthHeader, v); code != 401 {
+						t.Errorf("that signature replayed to %s's %s: %d %.200s", n, start, code, body)
+					}
+				}
+			}
+		}
 	}
 }
 
