@@ -287,6 +287,9 @@ func TestNamedVerdicts(t *testing.T) {
 		check(t, prog, fmt.Sprintf("nr %d", nr), x86(nr), vEPERM)
 	}
 	check(t, prog, "clone3", x86(unix.SYS_CLONE3), vENOSYS)
+	for _, nr := range []uintptr{unix.SYS_IO_SETUP, unix.SYS_IO_SUBMIT, unix.SYS_IO_GETEVENTS, unix.SYS_IO_PGETEVENTS, unix.SYS_IO_CANCEL, unix.SYS_IO_DESTROY} {
+		check(t, prog, fmt.Sprintf("aio nr %d", nr), x86(nr), vENOSYS)
+	}
 }
 
 func TestArgumentFilters(t *testing.T) {

@@ -20,7 +20,10 @@
 //     bpf, perf_event_open, userfaultfd, keyrings, ptrace and process_vm_*,
 //     the mount and namespace calls, modules, kexec, ...).
 //   - clone is allowed only without namespace flags; clone3 gets ENOSYS so
-//     that libcs fall back to clone; socket denies AF_ALG, AF_VSOCK,
+//     that libcs fall back to clone; legacy AIO (io_setup, io_submit, ...)
+//     gets ENOSYS, as on a kernel without it (its contexts count against
+//     one host-wide limit, fs.aio-max-nr, that one sandbox could take);
+//     socket denies AF_ALG, AF_VSOCK,
 //     AF_PACKET, AF_KEY and raw IP sockets; ioctl denies TIOCSTI and
 //     TIOCLINUX; personality allows only the values Docker allows
 //     (filter.go).

@@ -214,6 +214,13 @@ func probes(int80 bool) []probe {
 		{"x32 getpid", wantDenied, func() outcome { return sys(unix.SYS_GETPID | x32Bit) }},
 		{"syscall 1000", wantDenied, func() outcome { return sys(1000) }},
 		{"clone3", wantENOSYS, func() outcome { return sys(unix.SYS_CLONE3, 0, 0) }},
+		// Legacy AIO: a context of 1 event would be a real allocation
+		// against the host's one fs.aio-max-nr if let through.
+		{"io_setup", wantENOSYS, func() outcome {
+			var ctx uint64
+			return sys(unix.SYS_IO_SETUP, 1, uintptr(unsafe.Pointer(&ctx)))
+		}},
+		{"io_submit", wantENOSYS, func() outcome { return sys(unix.SYS_IO_SUBMIT, 0, 0, 0) }},
 	}
 	if int80 {
 		ps = append(ps, probe{"int 0x80 getpid", wantDenied, func() outcome {
