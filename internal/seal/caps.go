@@ -25,6 +25,17 @@ var agentCaps = []uintptr{
 	unix.CAP_FSETID, unix.CAP_KILL, unix.CAP_SETGID, unix.CAP_SETUID,
 }
 
+// sentinelCap is held (permitted, never effective) by the agent, where it
+// can hold it, and by nothing it runs: no bounding set of a command has it. The kernel lets a
+// process of the agent's uid ptrace the agent, or open its /proc/PID/mem,
+// only if its capabilities include every one the agent holds; in a build
+// sandbox, root's commands keep agentCaps (CAP_SETUID among them), so one
+// could take the agent's uid with the same capabilities and write the
+// agent's memory. The sentinel keeps the agent's set out of their reach.
+// CAP_BLOCK_SUSPEND is checked only against the host's user namespace, so
+// in the sandbox's it grants the agent nothing.
+const sentinelCap = unix.CAP_BLOCK_SUSPEND
+
 // Securebits (linux/securebits.h).
 const (
 	secbitNoroot               = 1 << 0
@@ -114,6 +125,14 @@ func dropPrivileges(agentUID int) error {
 	for _, c := range agentCaps {
 		data[c/32].Effective |= 1 << (c % 32)
 		data[c/32].Permitted |= 1 << (c % 32)
+	}
+	// The sentinel where the agent holds it (it is root of its own user
+	// namespace or guest); an OCI wall's runtime gives its init a short
+	// list without it, and builds run on the process wall only.
+	var held [2]unix.CapUserData
+	if unix.Capget(&unix.CapUserHeader{Version: unix.LINUX_CAPABILITY_VERSION_3}, &held[0]) == nil &&
+		held[sentinelCap/32].Permitted&(1<<(sentinelCap%32)) != 0 {
+		data[sentinelCap/32].Permitted |= 1 << (sentinelCap % 32)
 	}
 	if err := allThreads(unix.SYS_CAPSET, uintptr(unsafe.Pointer(&hdr)), uintptr(unsafe.Pointer(&data[0])), 0); err != nil {
 		return fmt.Errorf("capset: %w", err)

@@ -2,6 +2,7 @@ package clitest
 
 import (
 	"os"
+	"os/exec"
 	"path/filepath"
 	"regexp"
 	"strings"
@@ -135,6 +136,35 @@ func TestTemplateBuildNetwork(t *testing.T) {
 		t.Errorf("with --net internet: %v", r)
 	}
 	e.noLeftovers(r.ids...)
+}
+
+// TestBuildStepCannotTakeOverAgent: a RUN step runs as root with the
+// capabilities a build needs (CAP_SETUID among them). A hostile step that
+// takes the agent's uid and keeps them still cannot open the agent's
+// memory: the agent holds a capability no command can have, so the
+// kernel refuses the access (before, it opened /proc/1/mem for writing,
+// which is the agent's code and the uid-range lock it holds).
+func TestBuildStepCannotTakeOverAgent(t *testing.T) {
+	e := setup(t)
+	env, ctxDir := buildEnv(t, e)
+	probe := filepath.Join(ctxDir, "agentpeek")
+	cmd := exec.Command("go", "build", "-trimpath", "-o", probe, "./testdata/agentpeek")
+	cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
+	if out, err := cmd.CombinedOutput(); err != nil {
+		t.Fatalf("go build agentpeek: %v\n%s", err, out)
+	}
+	must(t, os.WriteFile(filepath.Join(ctxDir, "Dockerfile"), []byte("FROM bb\nCOPY agentpeek /agentpeek\nRUN /agentpeek\n"), 0o644))
+	r := e.cageEnv(nil, env, "template", "build", "--no-cache", ctxDir, "peek")
+	if r.code != 0 {
+		t.Fatalf("build: %v", r)
+	}
+	e.noLeftovers(r.ids...)
+	if !strings.Contains(r.stderr, "as the agent's uid") {
+		t.Fatalf("the step did not reach the agent's uid with its capabilities (the test proves nothing): %v", r)
+	}
+	if !strings.Contains(r.stderr, "agent memory: refused (permission denied)") {
+		t.Errorf("a build step as the agent's uid: %v; want its memory refused", r)
+	}
 }
 
 // TestTemplateBuildBadInput: one line, the right code, nothing left.
