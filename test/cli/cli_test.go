@@ -12,6 +12,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"io/fs"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -654,8 +655,15 @@ type liveCage struct {
 // its first line.
 func (e *env) startCage(args ...string) *liveCage {
 	e.t.Helper()
+	return e.startCageEnv(nil, args...)
+}
+
+// startCageEnv is startCage with env added to cage's environment.
+func (e *env) startCageEnv(env []string, args ...string) *liveCage {
+	e.t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	l := &liveCage{cmd: e.command(ctx, args...), ready: make(chan struct{}), eof: make(chan struct{}), cancel: cancel}
+	l.cmd.Env = append(l.cmd.Env, env...)
 	stdout, err := l.cmd.StdoutPipe()
 	if err != nil {
 		e.t.Fatal(err)
@@ -948,4 +956,74 @@ for fd in range(3, 300):
 		t.Errorf("the command saw descriptors beyond its own stdio (3 is the listing's): %q", out)
 	}
 	e.noLeftovers()
+}
+
+// TestHostUsersCannotReachSandboxFiles: the host mounts some of a
+// sandbox's files under its state directory (an image template's overlay
+// on the process wall, the OCI walls' disk and root): another user of the
+// host can neither list that directory nor read or plant a file there,
+// while the sandbox runs (before, they were world-traversable: a host
+// user read what a tenant kept in /tmp, and planted files it then saw).
+func TestHostUsersCannotReachSandboxFiles(t *testing.T) {
+	for _, c := range []struct {
+		wall, template string
+		mounted        bool // its /tmp is mounted on the host, under the state directory
+	}{{"process", "bb", true}, {"runc", "", true}, {"gvisor", "", false}} {
+		t.Run(c.wall, func(t *testing.T) {
+			e := setup(t)
+			if c.wall != "process" {
+				bin := map[string]string{"runc": "runc", "gvisor": "runsc"}[c.wall]
+				if _, err := exec.LookPath(bin); err != nil && os.Getenv("CAGE_RUNSC") == "" {
+					testutil.SkipWall(t, c.wall, "%s not installed", bin)
+				}
+			}
+			var env []string
+			args := []string{"run", "--wall", c.wall}
+			if c.template != "" {
+				env, _ = buildEnv(t, e)
+				args = append(args, "--template", c.template)
+			}
+			args = append(args, "--", "sh", "-c", "echo TENANT-SECRET > /tmp/secret; echo READY; sleep 30")
+			l := e.startCageEnv(env, args...)
+			defer func() {
+				_ = l.cmd.Process.Signal(os.Interrupt)
+				l.wait(t)
+				e.noLeftovers()
+			}()
+			ids := dirNames(filepath.Join(e.runDir, "sandboxes"))
+			if len(ids) != 1 {
+				t.Fatalf("RUN_DIR/sandboxes holds %v, want one sandbox", ids)
+			}
+			dir := filepath.Join(e.runDir, "sandboxes", ids[0])
+			var found []string // where the host sees the sandbox's file (as root)
+			_ = filepath.WalkDir(dir, func(p string, d fs.DirEntry, err error) error {
+				if err == nil && d.Name() == "secret" && !d.IsDir() {
+					found = append(found, p)
+				}
+				return nil
+			})
+			if c.mounted && len(found) == 0 {
+				t.Fatalf("the sandbox's /tmp/secret is nowhere under %s: this test would prove nothing", dir)
+			}
+			asNobody := func(name string, arg ...string) (string, error) {
+				cmd := exec.Command(name, arg...)
+				cmd.Dir = "/"
+				cmd.SysProcAttr = &syscall.SysProcAttr{Credential: &syscall.Credential{Uid: 65534, Gid: 65534}}
+				out, err := cmd.CombinedOutput()
+				return string(out), err
+			}
+			if out, err := asNobody("ls", dir); err == nil {
+				t.Errorf("a host user listed the sandbox's state directory: %q", out)
+			}
+			for _, p := range found {
+				if out, err := asNobody("cat", p); err == nil || strings.Contains(out, "TENANT-SECRET") {
+					t.Errorf("a host user read the sandbox's %s: %q", p, out)
+				}
+				planted := filepath.Join(filepath.Dir(p), "planted")
+				if out, err := asNobody("sh", "-c", "echo from-the-host > "+planted); err == nil {
+					t.Errorf("a host user wrote %s: %q", planted, out)
+				}
+			}
+		})
+	}
 }

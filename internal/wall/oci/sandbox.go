@@ -212,7 +212,13 @@ func create(ctx context.Context, cfg job) (sb *Sandbox, err error) {
 	if err := os.MkdirAll(filepath.Dir(sb.dir), 0o711); err != nil {
 		return sb, err
 	}
-	if err := os.Mkdir(sb.dir, 0o711); err != nil {
+	// The container's root user traverses it to the bundle (as its
+	// group); no other host user may: the sandbox's disk and an image
+	// root are mounted in it.
+	if err := os.Mkdir(sb.dir, 0o710); err != nil {
+		return sb, err
+	}
+	if err := os.Chown(sb.dir, 0, sb.ids.HostID(0)); err != nil {
 		return sb, err
 	}
 	if sb.owner, err = state.LockOwner(sb.dir); err != nil {

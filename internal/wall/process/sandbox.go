@@ -319,7 +319,13 @@ func (sb *Sandbox) makeDirs() (string, error) {
 	if err := os.MkdirAll(filepath.Dir(sb.dir), 0o711); err != nil {
 		return "", err
 	}
-	if err := os.Mkdir(sb.dir, 0o711); err != nil {
+	// The sandbox's root user traverses it to its root (as its group);
+	// no other host user may: an image template's overlay is mounted in
+	// it, whose files are the sandbox's.
+	if err := os.Mkdir(sb.dir, 0o710); err != nil {
+		return "", err
+	}
+	if err := os.Chown(sb.dir, 0, sb.ids.HostID(0)); err != nil {
 		return "", err
 	}
 	root := filepath.Join(sb.dir, "root")
