@@ -2,6 +2,7 @@ package build
 
 import (
 	"archive/tar"
+	"context"
 	"errors"
 	"fmt"
 	"io"
@@ -24,7 +25,7 @@ import (
 // the capture is done, when no process of the step is left to change them
 // under the reader (a FIFO swapped in for a file would block it; a file
 // growing without end would never be read to its end).
-func captureAfter(sb wall.Sandbox, stateDir, rel, out string) (int, error) {
+func captureAfter(ctx context.Context, sb wall.Sandbox, stateDir, rel, out string) (int, error) {
 	sd, err := os.Open(stateDir)
 	if err != nil {
 		return 0, err
@@ -51,8 +52,26 @@ func captureAfter(sb wall.Sandbox, stateDir, rel, out string) (int, error) {
 		return 0, err
 	}
 	defer root.Close()
-	return capture(root, int(st.Uid), out)
+	return capture(ctx, root, int(st.Uid), out)
 }
+
+// Bounds of a capture. The step wrote the tree, and the host pays for
+// every entry in proportion to its depth (os.Root resolves a path one
+// name at a time) and for every name's bytes (in the tar's headers, and
+// a hard-linked file's first name in memory): a chain of thousands of
+// nested directories took the host minutes of system time, and long
+// names over empty files gigabytes, from a step that used a few inodes.
+// Real layers stay far inside them (a node_modules tree of 50,000 files
+// averages some 8 names deep).
+const (
+	maxCaptureName  = 4096      // bytes of one entry's name (as a layer may hold)
+	maxCaptureDepth = 256       // names in one entry's path
+	maxCaptureWalk  = 8 << 20   // names resolved over every entry
+	maxCaptureNames = 256 << 20 // bytes of every entry's name
+)
+
+// errCaptureBounds is a step whose changes are past a capture's bounds.
+var errCaptureBounds = errors.New("the step's changes are past what a layer may hold")
 
 // capture writes what a RUN step changed, the overlay's upper directory of
 // its sandbox (root), as an OCI layer tar at out: overlay whiteouts (0:0
@@ -62,7 +81,7 @@ func captureAfter(sb wall.Sandbox, stateDir, rel, out string) (int, error) {
 // through an os.Root, so a symlink it planted never leads the host out, and
 // every file and directory is opened without following, without blocking
 // (a FIFO opens at once) and checked to be what Lstat saw, else refused.
-func capture(root *os.Root, idBase int, out string) (entries int, err error) {
+func capture(ctx context.Context, root *os.Root, idBase int, out string) (entries int, err error) {
 	f, err := os.OpenFile(out, os.O_CREATE|os.O_TRUNC|os.O_WRONLY, 0o600)
 	if err != nil {
 		return 0, err
@@ -74,12 +93,29 @@ func capture(root *os.Root, idBase int, out string) (entries int, err error) {
 	}()
 	tw := tar.NewWriter(f)
 	c := &capturer{root: root, tw: tw, base: idBase, links: map[[2]uint64]string{}}
+	var walked, names int
 	err = fs.WalkDir(root.FS(), ".", func(p string, d fs.DirEntry, err error) error {
 		if err != nil {
 			return err
 		}
 		if p == "." {
 			return nil
+		}
+		if err := ctx.Err(); err != nil {
+			return err
+		}
+		depth := strings.Count(p, "/") + 1
+		walked += depth
+		names += len(p)
+		switch {
+		case len(p) > maxCaptureName:
+			return fmt.Errorf("%w: a name of %d bytes (at most %d): %.80s...", errCaptureBounds, len(p), maxCaptureName, p)
+		case depth > maxCaptureDepth:
+			return fmt.Errorf("%w: a path %d directories deep (at most %d): %.80s...", errCaptureBounds, depth, maxCaptureDepth, p)
+		case walked > maxCaptureWalk:
+			return fmt.Errorf("%w: more than %d names to resolve (files times their depth)", errCaptureBounds, maxCaptureWalk)
+		case names > maxCaptureNames:
+			return fmt.Errorf("%w: more than %d MiB of file names", errCaptureBounds, maxCaptureNames>>20)
 		}
 		if skipped(p) {
 			if d.IsDir() {
@@ -208,7 +244,9 @@ func (c *capturer) entry(p string) error {
 			h.Typeflag, h.Linkname = tar.TypeLink, first
 			return c.write(h, nil)
 		}
-		c.links[key] = p
+		if st.Nlink > 1 { // only a file with other names needs its first one kept
+			c.links[key] = p
+		}
 		file, err := c.openSame(p, os.O_RDONLY, st)
 		if err != nil {
 			return err

@@ -14,6 +14,8 @@ import (
 	"testing"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/cagehq/cage/internal/imgstore"
 	"github.com/cagehq/cage/internal/sandbox"
 	"github.com/cagehq/cage/internal/testutil"
@@ -34,7 +36,7 @@ func captureGuarded(t *testing.T, dir string) (int, error) {
 	}
 	done := make(chan res, 1)
 	go func() {
-		n, err := capture(root, 0, filepath.Join(t.TempDir(), "layer.tar"))
+		n, err := capture(context.Background(), root, 0, filepath.Join(t.TempDir(), "layer.tar"))
 		done <- res{n, err}
 	}()
 	select {
@@ -43,6 +45,61 @@ func captureGuarded(t *testing.T, dir string) (int, error) {
 	case <-time.After(time.Minute):
 		t.Fatalf("capture hung")
 		return 0, nil
+	}
+}
+
+// TestCaptureBounds: a step's tree past a layer's bounds is refused as the
+// walk meets it, with a line that says which bound, before the host has
+// paid for the rest of it: a chain of directories deeper than 256, and a
+// name longer than 4096 bytes made of long directory names; a tree inside
+// them is captured whole; a cancelled build stops its capture.
+func TestCaptureBounds(t *testing.T) {
+	// mkChain makes depth nested directories named name, and a file at the
+	// bottom, one level at a time from a descriptor of the last (a path
+	// may be longer than one system call takes).
+	mkChain := func(t *testing.T, depth int, name string) string {
+		dir := t.TempDir()
+		fd, err := unix.Open(dir, unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for range depth {
+			if err := unix.Mkdirat(fd, name, 0o755); err != nil {
+				t.Fatal(err)
+			}
+			next, err := unix.Openat(fd, name, unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+			unix.Close(fd)
+			if err != nil {
+				t.Fatal(err)
+			}
+			fd = next
+		}
+		f, err := unix.Openat(fd, "f", unix.O_CREAT|unix.O_WRONLY|unix.O_CLOEXEC, 0o644)
+		unix.Close(fd)
+		if err != nil {
+			t.Fatal(err)
+		}
+		unix.Close(f)
+		return dir
+	}
+	if _, err := captureGuarded(t, mkChain(t, 300, "d")); !errors.Is(err, errCaptureBounds) || !strings.Contains(err.Error(), "directories deep") {
+		t.Errorf("a chain 300 deep: %v; want refused for its depth", err)
+	}
+	if _, err := captureGuarded(t, mkChain(t, 20, strings.Repeat("n", 250))); !errors.Is(err, errCaptureBounds) || !strings.Contains(err.Error(), "a name of") {
+		t.Errorf("a path of 20 names of 250 bytes: %v; want refused for its length", err)
+	}
+	if n, err := captureGuarded(t, mkChain(t, 200, "d")); err != nil || n != 201 {
+		t.Errorf("a chain 200 deep: %d entries, %v; want all 201 captured", n, err)
+	}
+	root, err := os.OpenRoot(mkChain(t, 3, "d"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer root.Close()
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	if _, err := capture(ctx, root, 0, filepath.Join(t.TempDir(), "layer.tar")); !errors.Is(err, context.Canceled) {
+		t.Errorf("a cancelled capture: %v; want context.Canceled", err)
 	}
 }
 
@@ -127,14 +184,15 @@ func TestBuildStepLeavesFIFOSwapper(t *testing.T) {
 	if _, err := host.Templates.Import(ctx, testutil.WriteDockerArchive(t, testutil.TestImage(t), "cage-test:latest"), "bb", imgstore.Options{}); err != nil {
 		t.Fatal(err)
 	}
-	// Files 1000 directories deep (a long walk from the layer's top to each,
-	// which widens the window between a reader's Lstat and its open), and
+	// Files 250 directories deep (a long walk from the layer's top to each,
+	// which widens the window between a reader's Lstat and its open; a
+	// layer holds paths at most 256 deep, see TestCaptureBounds), and
 	// four processes left behind swapping s1..s4 for FIFOs and back,
 	// atomically (rename), as fast as they can. k1..k4 stay as they are.
 	// (cage's builder expands $NAME in RUN as Docker's does not: \$ keeps
 	// the shell's variables.)
 	const dockerfile = `FROM bb
-RUN mkdir /w && cd /w && for i in $(busybox seq 1000); do mkdir d && cd d; done && \
+RUN mkdir /w && cd /w && for i in $(busybox seq 250); do mkdir d && cd d; done && \
     for i in 1 2 3 4; do echo x > s\$i; echo k > k\$i; done && \
     for j in 1 2 3 4; do (while :; do busybox mkfifo .p\$j && mv -f .p\$j s\$j; echo y > .r\$j && mv -f .r\$j s\$j; done) </dev/null >/dev/null 2>&1 & done; \
     echo > /done
@@ -155,7 +213,7 @@ RUN mkdir /w && cd /w && for i in $(busybox seq 1000); do mkdir d && cd d; done 
 	}
 	// The files left alone are there; the swapped ones are files or absent
 	// (FIFOs are not carried), never FIFOs.
-	deep := filepath.Join(append([]string{top, "w"}, strings.Split(strings.Repeat("d/", 1000), "/")...)...)
+	deep := filepath.Join(append([]string{top, "w"}, strings.Split(strings.Repeat("d/", 250), "/")...)...)
 	ents, err := os.ReadDir(deep)
 	if err != nil {
 		t.Fatal(err)
