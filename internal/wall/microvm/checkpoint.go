@@ -216,7 +216,7 @@ func greetAgain(ctx context.Context, v *vm.VM) (*yamux.Session, error) {
 	}
 	br := bufio.NewReader(conn)
 	for skipped := 0; ; {
-		line, err := br.ReadString('\n')
+		line, err := readLineMax(br, helloWindow+len(guest.Hello))
 		if err != nil {
 			conn.Close()
 			return nil, fmt.Errorf("the guest did not come back: %w (%s)", err, consoleTail(v))

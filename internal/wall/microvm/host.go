@@ -548,7 +548,7 @@ func readLine(ctx context.Context, c net.Conn, r *bufio.Reader, want string) err
 		_ = c.SetReadDeadline(dl)
 		defer c.SetReadDeadline(time.Time{})
 	}
-	line, err := r.ReadString('\n')
+	line, err := readLineMax(r, maxGuestLine)
 	if err != nil {
 		return err
 	}
@@ -556,6 +556,28 @@ func readLine(ctx context.Context, c net.Conn, r *bufio.Reader, want string) err
 		return fmt.Errorf("%s", strings.TrimSpace(line))
 	}
 	return nil
+}
+
+// maxGuestLine bounds a line the host reads from a guest before its
+// session (a readiness word, or one line of error).
+const maxGuestLine = 64 << 10
+
+// readLineMax reads one line of at most max bytes: a guest (hostile, or
+// its agent taken over) that sends one without end is refused, not
+// buffered until the deadline.
+func readLineMax(r *bufio.Reader, max int) (string, error) {
+	var line []byte
+	for {
+		frag, err := r.ReadSlice('\n')
+		if len(line)+len(frag) > max {
+			return "", fmt.Errorf("a line of more than %d bytes from the guest", max)
+		}
+		line = append(line, frag...)
+		if err == bufio.ErrBufferFull {
+			continue
+		}
+		return string(line), err
+	}
 }
 
 // qemuEnd says how QEMU ended, if it has within a moment.
