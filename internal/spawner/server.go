@@ -168,7 +168,16 @@ func (s *server) fork(req *Request, files []int) (int, error) {
 	}
 	start := func(cgroupFD int) (int, error) {
 		attr.Sys.UseCgroupFD, attr.Sys.CgroupFD = cgroupFD >= 0, cgroupFD
-		pid, err := syscall.ForkExec(req.Path, req.Argv, attr)
+		fork := func() (int, error) { return syscall.ForkExec(req.Path, req.Argv, attr) }
+		var pid int
+		var err error
+		if uid, gid, ok := ownerOf(req); ok {
+			// A new user namespace is its root's host uid's, not root's
+			// (ForkOwned).
+			pid, err = ForkOwned(uid, gid, fork)
+		} else {
+			pid, err = fork()
+		}
 		if err == nil && req.Nice != 0 {
 			_ = unix.Setpriority(unix.PRIO_PROCESS, pid, req.Nice)
 		}
@@ -185,6 +194,27 @@ func (s *server) fork(req *Request, files []int) (int, error) {
 		return 0, err
 	}
 	return m.Open(req.Cgroup).Spawn(start)
+}
+
+// ownerOf is the host uid and gid that root of a request's new user
+// namespace maps to, which own the namespace (ok false: no new user
+// namespace, or none mapped to root).
+func ownerOf(req *Request) (uid, gid int, ok bool) {
+	if req.Cloneflags&syscall.CLONE_NEWUSER == 0 {
+		return 0, 0, false
+	}
+	uid, gid = -1, -1
+	for _, m := range req.UIDMaps {
+		if m.ContainerID == 0 {
+			uid = m.HostID
+		}
+	}
+	for _, m := range req.GIDMaps {
+		if m.ContainerID == 0 {
+			gid = m.HostID
+		}
+	}
+	return uid, gid, uid > 0 && gid > 0
 }
 
 // manager is the cgroup layout under parent, read once.

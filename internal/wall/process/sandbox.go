@@ -434,7 +434,11 @@ func (sb *Sandbox) fork(cfg job, listener *os.File) (rootSock *os.File, err erro
 		var pid int
 		pid, err = sb.cg.Spawn(func(cgroupFD int) (int, error) {
 			attr.Sys.UseCgroupFD, attr.Sys.CgroupFD = cgroupFD >= 0, cgroupFD
-			return syscall.ForkExec(exe, argv, attr)
+			// The sandbox's user namespace is its root's host uid's, not
+			// root's (spawner.ForkOwned).
+			return spawner.ForkOwned(sb.ids.HostID(0), sb.ids.HostID(0), func() (int, error) {
+				return syscall.ForkExec(exe, argv, attr)
+			})
 		})
 		if pid > 0 {
 			sb.pid = pid
