@@ -80,7 +80,7 @@ type Limits struct {
 	Memory string  `json:"memory"` // per sandbox, e.g. "16G" (default: 3/4 of the host's RAM)
 	Disk   string  `json:"disk"`   // per sandbox (default: as memory)
 	CPUs   float64 `json:"cpus"`   // per sandbox (default: the host's CPUs)
-	Pids   int64   `json:"pids"`   // per sandbox (default 32768)
+	Pids   int64   `json:"pids"`   // per sandbox (default 32768, or a quarter of the kernel's pid_max where fewer)
 	// Creating bounds the creates in progress (default: 4 per CPU).
 	Creating int `json:"creating"`
 	// ConnsPerClient and Conns bound each listener's connections per

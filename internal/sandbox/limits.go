@@ -8,6 +8,7 @@ import (
 	"os"
 	"runtime"
 	"strconv"
+	"strings"
 	"sync"
 
 	"github.com/cagehq/cage/internal/units"
@@ -24,7 +25,10 @@ type Maxima struct {
 }
 
 // MaxPids is the default ceiling on a sandbox's pids: far above what a
-// sandbox needs, far below the kernel's pid space.
+// sandbox needs. Where the kernel's pid space is small (pid_max 32768 on
+// hosts that keep the kernel's default), the ceiling is a quarter of it
+// (HostMaxima): one sandbox allowed the whole space could take every pid
+// of the host.
 const MaxPids = 32768
 
 var (
@@ -33,7 +37,8 @@ var (
 )
 
 // HostMaxima are the defaults that fit this host: memory and disk (a tmpfs,
-// RAM) up to three quarters of its RAM, as many CPUs as it has, MaxPids.
+// RAM) up to three quarters of its RAM, as many CPUs as it has, MaxPids or
+// a quarter of the kernel's pid space, whichever is fewer.
 func HostMaxima() Maxima {
 	hostMaxOnce.Do(func() {
 		ram := HostMemory()
@@ -41,7 +46,7 @@ func HostMaxima() Maxima {
 			ram = 4 << 30 // unreadable /proc/meminfo: a small host's worth
 		}
 		per := ram / 4 * 3 &^ (1<<20 - 1)
-		hostMax = Maxima{Memory: per, Disk: per, Pids: MaxPids, CPUs: float64(runtime.NumCPU())}
+		hostMax = Maxima{Memory: per, Disk: per, Pids: min(MaxPids, hostPidSpace()/4), CPUs: float64(runtime.NumCPU())}
 	})
 	return hostMax
 }
@@ -115,4 +120,18 @@ func BytesOfMiB(what string, n int64) (int64, error) {
 		return 0, fmt.Errorf("%w: %s %d MiB is out of range", ErrInvalid, what, n)
 	}
 	return n << 20, nil
+}
+
+// hostPidSpace is the kernel's pid_max (4*MaxPids where it cannot be read,
+// which leaves MaxPids the ceiling).
+func hostPidSpace() int64 {
+	b, err := os.ReadFile("/proc/sys/kernel/pid_max")
+	if err != nil {
+		return 4 * MaxPids
+	}
+	n, err := strconv.ParseInt(strings.TrimSpace(string(b)), 10, 64)
+	if err != nil || n <= 0 {
+		return 4 * MaxPids
+	}
+	return n
 }
