@@ -618,7 +618,15 @@ func (sb *Sandbox) teardown() error {
 		<-sb.exited
 		unix.Close(sb.pidfd)
 	case sb.pid > 0:
-		_ = syscall.Kill(sb.pid, syscall.SIGKILL)
+		select {
+		case <-sb.exited:
+			// Reaped already (it died on its own): its pid may be another
+			// process's by now, which a signal must not reach. (Reuse needs
+			// the whole pid space to wrap, so the moment between this
+			// check and the kill is no window for one.)
+		default:
+			_ = syscall.Kill(sb.pid, syscall.SIGKILL)
+		}
 		<-sb.exited
 	}
 	trace.Mark("reaped")
