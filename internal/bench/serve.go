@@ -389,16 +389,13 @@ func hostBusy() time.Duration {
 	return time.Duration(ticks) * time.Second / userHZ
 }
 
-// procCPU is the CPU time process pid has used, its threads' included (0
-// when it is gone).
+// procCPU is CPUTime, 0 for no process (pid 0, or one gone).
 func procCPU(pid int) time.Duration {
-	f := procStat(pid)
-	if len(f) < 15 {
+	if pid <= 0 {
 		return 0
 	}
-	u, _ := strconv.ParseInt(f[13], 10, 64)
-	k, _ := strconv.ParseInt(f[14], 10, 64)
-	return time.Duration(u+k) * time.Second / userHZ
+	d, _ := CPUTime(pid)
+	return d
 }
 
 // procStat is /proc/PID/stat's fields, the command name (which may hold

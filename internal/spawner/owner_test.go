@@ -2,6 +2,7 @@ package spawner
 
 import (
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strconv"
 	"strings"
@@ -31,7 +32,7 @@ func TestForkOwned(t *testing.T) {
 			Credential:  &syscall.Credential{Uid: 0, Gid: 0},
 		},
 	}
-	sleep, err := findBin("sleep")
+	sleep, err := exec.LookPath("sleep")
 	if err != nil {
 		t.Skip(err)
 	}
@@ -46,7 +47,7 @@ func TestForkOwned(t *testing.T) {
 		var ws syscall.WaitStatus
 		_, _ = syscall.Wait4(pid, &ws, 0, nil)
 	}()
-	ns, err := os.Open(filepath.Join("/proc", itoa(pid), "ns", "user"))
+	ns, err := os.Open(filepath.Join("/proc", strconv.Itoa(pid), "ns", "user"))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -58,11 +59,11 @@ func TestForkOwned(t *testing.T) {
 	if uid != owner {
 		t.Errorf("the child's user namespace is owned by uid %d, want %d", uid, owner)
 	}
-	status, err := os.ReadFile(filepath.Join("/proc", itoa(pid), "status"))
+	status, err := os.ReadFile(filepath.Join("/proc", strconv.Itoa(pid), "status"))
 	if err != nil {
 		t.Fatal(err)
 	}
-	if !strings.Contains(string(status), "Uid:\t"+itoa(owner)+"\t"+itoa(owner)+"\t"+itoa(owner)) {
+	if !strings.Contains(string(status), "Uid:\t"+strconv.Itoa(owner)+"\t"+strconv.Itoa(owner)+"\t"+strconv.Itoa(owner)) {
 		t.Errorf("the child's ids: %s", lineOf(string(status), "Uid:"))
 	}
 	tasks, _ := filepath.Glob("/proc/self/task/*/status")
@@ -81,19 +82,6 @@ func TestForkOwned(t *testing.T) {
 		t.Error("ForkOwned as uid 0: no error")
 	}
 }
-
-func findBin(name string) (string, error) {
-	for _, d := range []string{"/usr/bin", "/bin"} {
-		if p := filepath.Join(d, name); fileExists(p) {
-			return p, nil
-		}
-	}
-	return "", os.ErrNotExist
-}
-
-func fileExists(p string) bool { _, err := os.Stat(p); return err == nil }
-
-func itoa(n int) string { return strconv.Itoa(n) }
 
 func lineOf(s, key string) string {
 	for _, l := range strings.Split(s, "\n") {
