@@ -1,6 +1,7 @@
 package hostproc
 
 import (
+	"bufio"
 	"os"
 	"os/exec"
 	"strconv"
@@ -33,10 +34,17 @@ func TestForeground(t *testing.T) {
 	if os.Geteuid() != 0 {
 		t.Skip("SKIP: lowering a nice value needs root")
 	}
+	// The helper makes its threads only once told to, so its main
+	// thread is niced before any other thread exists.
 	cmd := exec.Command("python3", "-c", "import threading, sys, time\n"+
+		"sys.stdin.readline()\n"+
 		"ts = [threading.Thread(target=time.sleep, args=(30,), daemon=True) for _ in range(4)]\n"+
 		"[t.start() for t in ts]\nprint('up', flush=True)\ntime.sleep(30)\n")
 	out, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	in, err := cmd.StdinPipe()
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -48,9 +56,13 @@ func TestForeground(t *testing.T) {
 	if err := unix.Setpriority(unix.PRIO_PROCESS, pid, 15); err != nil {
 		t.Fatal(err)
 	}
-	buf := make([]byte, 3)
-	if _, err := out.Read(buf); err != nil || string(buf) != "up\n" {
-		t.Fatalf("the helper did not start its threads: %q %v", buf, err)
+	if _, err := in.Write([]byte("go\n")); err != nil {
+		t.Fatal(err)
+	}
+	// A pipe may hand the line over in pieces: read up to its end.
+	line, err := bufio.NewReader(out).ReadString('\n')
+	if err != nil || line != "up\n" {
+		t.Fatalf("the helper did not start its threads: %q %v", line, err)
 	}
 	before := nices(pid)
 	if len(before) < 5 {
