@@ -3,7 +3,31 @@ package inside
 import (
 	"fmt"
 	"os"
+	"syscall"
 )
+
+// MaxOpenFiles is a sandbox's limit of open files per process, or the
+// host's hard limit where that is lower.
+const MaxOpenFiles = 65536
+
+// LimitOpenFiles sets the agent's open files limit, which every command
+// inherits, to MaxOpenFiles or the hard limit it was given if lower, soft
+// and hard alike, so that every wall gives commands the same limit
+// whatever soft limit the host's cage ran with. Raising the soft limit up
+// to the hard one and lowering the hard one need no privilege. syscall's
+// Setrlimit, not unix's: it also tells Go's runtime not to give commands
+// back the soft limit the agent started with.
+func LimitOpenFiles() error {
+	var rl syscall.Rlimit
+	if err := syscall.Getrlimit(syscall.RLIMIT_NOFILE, &rl); err != nil {
+		return fmt.Errorf("open files limit: %w", err)
+	}
+	n := min(rl.Max, MaxOpenFiles)
+	if err := syscall.Setrlimit(syscall.RLIMIT_NOFILE, &syscall.Rlimit{Cur: n, Max: n}); err != nil {
+		return fmt.Errorf("open files limit: %w", err)
+	}
+	return nil
+}
 
 // AgentThreads is how many threads the agent may hold beside the
 // workload: the pids limit is raised by as much, so that the workload's

@@ -1039,15 +1039,22 @@ func TestHostUsersCannotReachSandboxFiles(t *testing.T) {
 // one sandbox, as its unprivileged user, took root's 128 instances, and
 // inotify failed on the host and in every sandbox until it let go.)
 func TestSandboxOwnsItsUserNamespace(t *testing.T) {
-	e := setup(t)
-	r := e.cage(nil, "run", "--", "python3", "-c", `import array, fcntl, os
+	for _, wall := range []string{"process", "runc"} {
+		t.Run(wall, func(t *testing.T) {
+			e := setup(t)
+			if wall == "runc" {
+				if _, err := exec.LookPath("runc"); err != nil {
+					testutil.SkipWall(t, wall, "runc not installed")
+				}
+			}
+			r := e.cage(nil, "run", "--wall", wall, "--", "python3", "-c", `import array, fcntl, os
 b = array.array("I", [0])
 fcntl.ioctl(os.open("/proc/self/ns/user", os.O_RDONLY), 0xb704, b)  # NS_GET_OWNER_UID
 print(b[0])`)
-	if r.code != 0 || r.stdout != "0\n" {
-		t.Errorf("the sandbox's user namespace's owner, seen inside: %v; want 0, its own root (65534: a host uid it cannot see)", r)
-	}
-	l := e.startCage("run", "--", "python3", "-c", `import ctypes, sys, time
+			if r.code != 0 || r.stdout != "0\n" {
+				t.Errorf("the sandbox's user namespace's owner, seen inside: %v; want 0, its own root (65534: a host uid it cannot see)", r)
+			}
+			l := e.startCage("run", "--wall", wall, "--", "python3", "-c", `import ctypes, sys, time
 libc = ctypes.CDLL(None)
 n = 0
 while libc.inotify_init() >= 0:
@@ -1055,27 +1062,29 @@ while libc.inotify_init() >= 0:
 print("READY", flush=True)
 print(n, flush=True)
 time.sleep(30)`)
-	defer func() {
-		_ = l.cmd.Process.Signal(os.Interrupt)
-		l.wait(t)
-		e.noLeftovers()
-	}()
-	deadline := time.Now().Add(10 * time.Second)
-	for strings.Count(l.output(), "\n") < 2 && time.Now().Before(deadline) {
-		time.Sleep(20 * time.Millisecond)
-	}
-	held, _ := strconv.Atoi(strings.TrimSpace(strings.TrimPrefix(l.output(), "READY\n")))
-	if held < 64 {
-		t.Fatalf("the sandbox held %d inotify instances (%q): this test would prove nothing", held, l.output())
-	}
-	fd, err := unix.InotifyInit1(unix.IN_CLOEXEC)
-	if err != nil {
-		t.Errorf("host root's inotify_init while a sandbox holds %d instances: %v", held, err)
-	} else {
-		unix.Close(fd)
-	}
-	r = e.cage(nil, "run", "--", "python3", "-c", `import ctypes; print(ctypes.CDLL(None).inotify_init() >= 0)`)
-	if r.code != 0 || r.stdout != "True\n" {
-		t.Errorf("another sandbox's inotify_init while the first holds %d instances: %v", held, r)
+			defer func() {
+				_ = l.cmd.Process.Signal(os.Interrupt)
+				l.wait(t)
+				e.noLeftovers()
+			}()
+			deadline := time.Now().Add(20 * time.Second)
+			for strings.Count(l.output(), "\n") < 2 && time.Now().Before(deadline) {
+				time.Sleep(20 * time.Millisecond)
+			}
+			held, _ := strconv.Atoi(strings.TrimSpace(strings.TrimPrefix(l.output(), "READY\n")))
+			if held < 64 {
+				t.Fatalf("the sandbox held %d inotify instances (%q): this test would prove nothing", held, l.output())
+			}
+			fd, err := unix.InotifyInit1(unix.IN_CLOEXEC)
+			if err != nil {
+				t.Errorf("host root's inotify_init while a sandbox holds %d instances: %v", held, err)
+			} else {
+				unix.Close(fd)
+			}
+			r = e.cage(nil, "run", "--wall", wall, "--", "python3", "-c", `import ctypes; print(ctypes.CDLL(None).inotify_init() >= 0)`)
+			if r.code != 0 || r.stdout != "True\n" {
+				t.Errorf("another sandbox's inotify_init while the first holds %d instances: %v", held, r)
+			}
+		})
 	}
 }

@@ -1,9 +1,11 @@
 package conformance
 
 import (
+	"fmt"
 	"os/exec"
 	"strconv"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -207,4 +209,27 @@ print("forked", n)
 	if out, err := exec.Command("/bin/sh", "-c", "echo forked").Output(); err != nil || string(out) != "forked\n" {
 		t.Errorf("the host cannot fork: %v", err)
 	}
+}
+
+// TestOpenFilesLimit: every wall gives commands the same open files limit,
+// soft and hard alike, whatever soft limit the host's cage runs with:
+// 65536, or the host's hard limit where that is lower (a microVM's guest
+// has a kernel of its own: 65536 there).
+func TestOpenFilesLimit(t *testing.T) {
+	var rl syscall.Rlimit
+	if err := syscall.Getrlimit(syscall.RLIMIT_NOFILE, &rl); err != nil {
+		t.Fatal(err)
+	}
+	forEachWall(t, func(t *testing.T, w wall) {
+		want := min(rl.Max, 65536)
+		if w.name == "microvm" {
+			want = 65536
+		}
+		b := w.newBox(t, sandbox.Options{})
+		for _, user := range []string{"user", "root"} {
+			if out := b.mustSh("ulimit -Sn; ulimit -Hn", asUser(user)); out != fmt.Sprintf("%d\n%d\n", want, want) {
+				t.Errorf("as %s: open files soft and hard %q, want %d both", user, out, want)
+			}
+		}
+	})
 }

@@ -59,6 +59,7 @@ type bundleConfig struct {
 	cgroupPath string // the group cage made and limited (see linux)
 	shmBytes   int64
 	userns     bool
+	usernsPath string   // the user namespace to join, made by cage (see ownedUserNS)
 	args       []string // the container's process: the agent, or a bare command (RunBare)
 	netns      string   // a network namespace to join ("" = a new one, loopback only)
 	resolvConf string
@@ -213,27 +214,34 @@ func (b *bundleConfig) mounts(mounts []specs.Mount) []specs.Mount {
 
 // process is the container's init: root, with containerCaps and
 // no_new_privs.
+//
+// Open files: 65536, or the host's own hard limit if lower (a runtime
+// cannot raise it). runsc sets it from the bundle; under runc the agent
+// sets it itself (inside.LimitOpenFiles), as runc's prlimit on a process in a
+// user namespace that is not host root's needs CAP_SYS_RESOURCE, which
+// host root does not always hold (it lacks it in these machines' VMs).
 func (b *bundleConfig) process() *specs.Process {
-	// Open files: 65536, or the host's own hard limit if lower (a runtime
-	// cannot raise it).
-	nofile := uint64(65536)
-	var rl syscall.Rlimit
-	if syscall.Getrlimit(syscall.RLIMIT_NOFILE, &rl) == nil && rl.Max < nofile {
-		nofile = rl.Max
-	}
-	return &specs.Process{
+	p := &specs.Process{
 		User: specs.User{UID: 0, GID: 0}, Args: b.args, Cwd: "/",
 		Env: []string{"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"},
 		Capabilities: &specs.LinuxCapabilities{Bounding: containerCaps, Effective: containerCaps,
 			Permitted: containerCaps},
-		Rlimits:         []specs.POSIXRlimit{{Type: "RLIMIT_NOFILE", Hard: nofile, Soft: nofile}},
 		NoNewPrivileges: true,
 	}
+	if !b.userns {
+		nofile := uint64(inside.MaxOpenFiles)
+		var rl syscall.Rlimit
+		if syscall.Getrlimit(syscall.RLIMIT_NOFILE, &rl) == nil && rl.Max < nofile {
+			nofile = rl.Max
+		}
+		p.Rlimits = []specs.POSIXRlimit{{Type: "RLIMIT_NOFILE", Hard: nofile, Soft: nofile}}
+	}
+	return p
 }
 
 // linux names the namespaces (the network's joined when the sandbox has
-// one; a user namespace mapped to the sandbox's ids under runc), the paths
-// masked, and the cgroup.
+// one; under runc, a user namespace mapped to the sandbox's ids, joined
+// where cage made it: see ownedUserNS), the paths masked, and the cgroup.
 //
 // The bundle names the group cage made (cgroups.Manager.Create, before the
 // runtime starts) and sets no linux.resources: cage's group is what limits
@@ -252,7 +260,7 @@ func (b *bundleConfig) linux() *specs.Linux {
 		CgroupsPath: b.cgroupPath, MaskedPaths: maskedPaths, ReadonlyPaths: readonlyPaths,
 	}
 	if b.userns {
-		l.Namespaces = append(l.Namespaces, specs.LinuxNamespace{Type: specs.UserNamespace})
+		l.Namespaces = append(l.Namespaces, specs.LinuxNamespace{Type: specs.UserNamespace, Path: b.usernsPath})
 		m := []specs.LinuxIDMapping{{ContainerID: 0, HostID: b.idBase, Size: 65536}}
 		l.UIDMappings, l.GIDMappings = m, m
 	}

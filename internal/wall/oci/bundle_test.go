@@ -24,6 +24,7 @@ const (
 	testID     = "0123abcd4567ef89"
 	testIDBase = 300000
 	testShm    = 64 << 20
+	testUserNS = "/proc/4242/fd/7" // the user namespace cage made (ownedUserNS)
 )
 
 // newBundle fills a bundleConfig as Create does for the wall ("runc" or
@@ -37,6 +38,9 @@ func newBundle(t *testing.T, wall string, tmpl *template.Template, netns string)
 		disk: filepath.Join(dir, "disk"), cgroupPath: cgroupsPath(&cgroups.Manager{Parent: "cage"}, testID),
 		shmBytes: testShm, idBase: testIDBase, userns: !rt.gvisor(), args: []string{agentInside, "serve"},
 		netns: netns, image: tmpl.Image != nil}
+	if b.userns {
+		b.usernsPath = testUserNS
+	}
 	if netns != "" {
 		b.resolvConf = "nameserver 10.200.0.1\n"
 	}
@@ -95,11 +99,12 @@ func TestBundleRunc(t *testing.T) {
 	b := newBundle(t, "runc", tmpl, "")
 	spec := writeBundle(t, b)
 	checkCommon(t, b, spec)
-	// A user namespace mapping the container's 0..65535 to the sandbox's
-	// range; every other namespace new.
+	// The user namespace cage made, mapping the container's 0..65535 to
+	// the sandbox's range (the maps say so again: runc reads its root's
+	// host ids from them); every other namespace new.
 	checkNamespaces(t, spec, map[specs.LinuxNamespaceType]string{specs.PIDNamespace: "", specs.NetworkNamespace: "",
 		specs.IPCNamespace: "", specs.UTSNamespace: "", specs.MountNamespace: "", specs.CgroupNamespace: "",
-		specs.UserNamespace: ""})
+		specs.UserNamespace: testUserNS})
 	want := []specs.LinuxIDMapping{{ContainerID: 0, HostID: testIDBase, Size: 65536}}
 	if !slices.Equal(spec.Linux.UIDMappings, want) || !slices.Equal(spec.Linux.GIDMappings, want) {
 		t.Errorf("id maps: uid %+v gid %+v, want %+v", spec.Linux.UIDMappings, spec.Linux.GIDMappings, want)
@@ -184,7 +189,7 @@ func checkCommon(t *testing.T, b *bundleConfig, spec *specs.Spec) {
 	if spec.Root == nil || spec.Root.Path != b.rootfs || spec.Root.Readonly != !b.image {
 		t.Errorf("root %+v, want %s read-only %v", spec.Root, b.rootfs, !b.image)
 	}
-	checkProcess(t, spec.Process, b.args)
+	checkProcess(t, spec.Process, b.args, !b.userns)
 	l := spec.Linux
 	if l == nil {
 		t.Fatal("no linux section")
@@ -216,8 +221,9 @@ func checkCommon(t *testing.T, b *bundleConfig, spec *specs.Spec) {
 }
 
 // checkProcess: root, PATH, cwd /, the agent's capabilities (no more), no
-// inheritable or ambient ones, no_new_privs, and the open files limit.
-func checkProcess(t *testing.T, p *specs.Process, args []string) {
+// inheritable or ambient ones, no_new_privs, and the open files limit
+// where the runtime sets it (nofile; runc's agent sets its own).
+func checkProcess(t *testing.T, p *specs.Process, args []string, nofile bool) {
 	t.Helper()
 	if p == nil {
 		t.Fatal("no process")
@@ -241,6 +247,12 @@ func checkProcess(t *testing.T, p *specs.Process, args []string) {
 	if c == nil || !slices.Equal(c.Bounding, caps) || !slices.Equal(c.Effective, caps) ||
 		!slices.Equal(c.Permitted, caps) || len(c.Inheritable) != 0 || len(c.Ambient) != 0 {
 		t.Errorf("capabilities %+v, want %q bounding, effective and permitted only", c, caps)
+	}
+	if !nofile {
+		if len(p.Rlimits) != 0 {
+			t.Errorf("rlimits %+v, want none", p.Rlimits)
+		}
+		return
 	}
 	if len(p.Rlimits) != 1 {
 		t.Fatalf("rlimits %+v, want RLIMIT_NOFILE only", p.Rlimits)

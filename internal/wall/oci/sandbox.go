@@ -272,10 +272,21 @@ func create(ctx context.Context, cfg job) (sb *Sandbox, err error) {
 	if err != nil {
 		return sb, err
 	}
+	usernsPath := ""
+	if !cfg.Runtime.gvisor() {
+		// runc joins the namespace by this path as it starts the
+		// container, which then holds it.
+		fd, err := ownedUserNS(sb.ids.HostID(0), cfg.AgentPath)
+		if err != nil {
+			return sb, err
+		}
+		defer unix.Close(fd)
+		usernsPath = fmt.Sprintf("/proc/%d/fd/%d", os.Getpid(), fd)
+	}
 	b := &bundleConfig{dir: filepath.Join(sb.dir, "bundle"), rootfs: sb.rootfs, id: cfg.ID, hostname: cfg.Hostname, volumes: volumes,
 		agentPath: agentCopy, template: cfg.Template, disk: sb.diskMount,
 		cgroupPath: cgroupsPath(cfg.Cgroups, cfg.ID), shmBytes: cfg.ShmBytes,
-		idBase: uint32(sb.ids.Base), userns: !cfg.Runtime.gvisor(), args: []string{agentInside, "serve"},
+		idBase: uint32(sb.ids.Base), userns: !cfg.Runtime.gvisor(), usernsPath: usernsPath, args: []string{agentInside, "serve"},
 		netns: sb.netns, resolvConf: resolvConf, image: cfg.Template.Image != nil}
 	if cfg.bare != nil {
 		b.args = cfg.bare

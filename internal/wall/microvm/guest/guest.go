@@ -10,6 +10,7 @@ import (
 	"net"
 	"os"
 	"strconv"
+	"syscall"
 	"unsafe"
 
 	"github.com/hashicorp/yamux"
@@ -29,6 +30,13 @@ import (
 // namespace, on the agent port its init opened. It returns only on error
 // (the guest is then powered off).
 func guestAgent(port *os.File) error {
+	// Open files as on every other wall: the guest's kernel starts its
+	// processes at 1024 (hard 4096); its root may raise them. syscall's
+	// Setrlimit (see inside.LimitOpenFiles).
+	n := uint64(inside.MaxOpenFiles)
+	if err := syscall.Setrlimit(syscall.RLIMIT_NOFILE, &syscall.Rlimit{Cur: n, Max: n}); err != nil {
+		return fmt.Errorf("open files limit: %w", err)
+	}
 	var disk *os.File   // the root's upper layer, once mounted
 	var made *madeAgent // the agent, made before a snapshot
 	for {

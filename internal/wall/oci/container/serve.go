@@ -104,6 +104,9 @@ func trimDev(dir string) error {
 
 // Serve is cage-agent's `serve` mode. It returns only on error.
 func Serve() error {
+	if err := inside.LimitOpenFiles(); err != nil {
+		return err
+	}
 	f := os.NewFile(3, "spec")
 	dec := json.NewDecoder(io.LimitReader(f, 1<<20))
 	var spec Spec

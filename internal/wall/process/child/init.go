@@ -44,6 +44,9 @@ func Init() (*Child, error) {
 	// close-on-exec, but a caller may start the agent differently) must not
 	// reach the commands either.
 	_ = unix.CloseRange(fdIDLock+1, math.MaxUint32, unix.CLOSE_RANGE_CLOEXEC)
+	if err := inside.LimitOpenFiles(); err != nil {
+		return nil, err
+	}
 	specFile := os.NewFile(fdSpec, "spec")
 	specs := json.NewDecoder(io.LimitReader(specFile, 1<<20))
 	spec := &InitSpec{}
