@@ -99,20 +99,20 @@ func envdKind(method, path string) string {
 
 // envdCall is one recorded request.
 type envdCall struct {
-	t                             *Trail
-	r                             *http.Request
-	kind, sandbox, owner, client  string
-	user                          string
-	req                           *capture
-	upload                        *uploadTee
-	resp                          *http.Response
-	scan                          *scanner
-	count                         *counter
-	mu                            sync.Mutex
-	id                            string
-	pid                           uint32
-	startLogged, endLogged, ended bool
-	detail                        map[string]any
+	t                            *Trail
+	r                            *http.Request
+	kind, sandbox, owner, client string
+	user                         string
+	req                          *capture
+	upload                       *uploadTee
+	resp                         *http.Response
+	scan                         *scanner
+	count                        *counter
+	mu                           sync.Mutex
+	id                           string
+	pid                          uint32
+	startLogged, endLogged       bool
+	detail                       map[string]any
 }
 
 func (c *envdCall) event(kind, source string, status int, detail map[string]any) Event {
@@ -287,7 +287,14 @@ func (c *envdCall) onMessage(cd codec, flags byte, msg []byte) {
 	ev := resp.GetEvent()
 	switch {
 	case ev.GetStart() != nil && c.kind == KindProcessStart:
+		// The first start event only: the map goes to the writer, which
+		// reads it on its own goroutine, and the agent (not trusted) may
+		// send any number of start events on one stream.
 		c.mu.Lock()
+		if c.startLogged {
+			c.mu.Unlock()
+			return
+		}
 		c.pid, c.startLogged = ev.GetStart().GetPid(), true
 		d := c.detail
 		d["agent"] = map[string]any{"pid": c.pid}
@@ -303,10 +310,17 @@ func (c *envdCall) onMessage(cd codec, flags byte, msg []byte) {
 // recordEnd records a process's end as its agent reported it; an end seen
 // by several streams of the same process (Start and Connect) is recorded
 // once.
+//
+// One end per stream: the agent (not trusted) may send any number, and a
+// flood of them would fill the writer's queue, shared by every tenant.
 func (c *envdCall) recordEnd(end *pb.ProcessEvent_EndEvent) {
 	c.mu.Lock()
-	pid, id := c.pid, c.id
+	pid, id, seen := c.pid, c.id, c.endLogged
+	c.endLogged = true
 	c.mu.Unlock()
+	if seen {
+		return
+	}
 	if c.kind == KindProcessEnd {
 		var sel pb.ConnectRequest
 		if decodeCaptured(c.req, codecOf(c.r.Header), &sel) == nil {

@@ -160,6 +160,7 @@ func (t *Trail) Record(ev Event) {
 	if ev.Time.IsZero() {
 		ev.Time = time.Now()
 	}
+	boundDetail(ev.Detail)
 	if family(ev.Kind) == "api" || family(ev.Kind) == "proxy" {
 		if !t.allow(ev.KeyID, ev.Time) {
 			t.count(lostKey(ev))
@@ -275,4 +276,46 @@ func (t *Trail) retainer() {
 		case <-tk.C:
 		}
 	}
+}
+
+// maxStringKept bounds each string an entry's detail keeps (a path, a
+// cwd, a tag: a tenant chooses them, up to what a request can carry), and
+// maxListKept each list (env names), so that a tenant cannot make every
+// entry large and push others out of retention sooner. argv is bounded by
+// its own rule (boundedArgv, 16 KiB in all, hashed).
+const (
+	maxStringKept = 4 << 10
+	maxListKept   = 256
+)
+
+// boundDetail clips d's strings and lists in place; Record's caller gives
+// the map up with the entry.
+func boundDetail(d map[string]any) {
+	for k, v := range d {
+		switch v := v.(type) {
+		case string:
+			d[k] = clipString(v)
+		case []string:
+			if k == "argv" {
+				continue
+			}
+			if len(v) > maxListKept {
+				d[k+"_not_kept"] = len(v) - maxListKept
+				v = v[:maxListKept]
+			}
+			for i := range v {
+				v[i] = clipString(v[i])
+			}
+			d[k] = v
+		case map[string]any:
+			boundDetail(v)
+		}
+	}
+}
+
+func clipString(s string) string {
+	if len(s) <= maxStringKept {
+		return s
+	}
+	return s[:maxStringKept] + "…(truncated)"
 }
