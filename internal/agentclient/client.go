@@ -57,8 +57,12 @@ func newClient(dial DialFunc, token string, headers http.Header, local bool) *Cl
 		IdleConnTimeout: 90 * time.Second,
 		// Nor does net/http ask for gzip on a local client's behalf.
 		DisableCompression: local,
+		// The agent is not trusted: its answers' heads and messages are
+		// bounded (net/http's default allows 10 MiB of headers, Connect
+		// 4 GiB messages).
+		MaxResponseHeaderBytes: 64 << 10,
 	}
-	var opts []connect.ClientOption
+	opts := []connect.ClientOption{connect.WithReadMaxBytes(maxMessage)}
 	if local {
 		opts = append(opts, connect.WithAcceptCompression("gzip", nil, nil))
 	}
@@ -70,6 +74,10 @@ func newClient(dial DialFunc, token string, headers http.Header, local bool) *Cl
 		h2:      tr,
 	}
 }
+
+// maxMessage bounds one message from the agent: a directory's listing is
+// the largest (some 200 bytes an entry).
+const maxMessage = 64 << 20
 
 // Close drops the client's connections.
 func (c *Client) Close() { c.h2.CloseIdleConnections() }

@@ -35,12 +35,17 @@ func DialPort(ctx context.Context, dial DialFunc, token string, port int) (net.C
 		c.Close()
 		return nil, err
 	}
-	br := bufio.NewReader(c)
+	// The agent is not trusted: its answer's head is read within
+	// maxAnswerHead (http.ReadResponse has no bound of its own), then
+	// the connection carries the port's bytes without one.
+	lr := &headLimit{r: c, left: maxAnswerHead}
+	br := bufio.NewReader(lr)
 	resp, err := http.ReadResponse(br, &http.Request{Method: http.MethodConnect})
 	if err != nil {
 		c.Close()
 		return nil, fmt.Errorf("port %d: %w", port, err)
 	}
+	lr.left = -1
 	if resp.StatusCode != http.StatusOK {
 		body, _ := io.ReadAll(io.LimitReader(resp.Body, 512))
 		c.Close()
@@ -51,6 +56,31 @@ func DialPort(ctx context.Context, dial DialFunc, token string, port int) (net.C
 	}
 	_ = c.SetDeadline(time.Time{})
 	return &bufferedConn{Conn: c, r: br}, nil
+}
+
+// maxAnswerHead bounds the agent's answer to a CONNECT up to its body.
+const maxAnswerHead = 16 << 10
+
+// headLimit reads r until left bytes are read, then fails; left < 0: no
+// limit.
+type headLimit struct {
+	r    io.Reader
+	left int64
+}
+
+func (h *headLimit) Read(p []byte) (int, error) {
+	if h.left < 0 {
+		return h.r.Read(p)
+	}
+	if h.left == 0 {
+		return 0, errors.New("the agent's answer is too long")
+	}
+	if int64(len(p)) > h.left {
+		p = p[:h.left]
+	}
+	n, err := h.r.Read(p)
+	h.left -= int64(n)
+	return n, err
 }
 
 // bufferedConn reads what the reader holds before the connection.
