@@ -83,6 +83,9 @@ type Proxy struct {
 
 	mu         sync.Mutex
 	transports map[wall.Sandbox]*http.Transport
+	inFlight   map[string]int // requests being relayed, by sandbox
+	warnedAt   time.Time      // the last warning logged (see warn)
+	unwarned   int            // warnings not logged since
 
 	// Observe, when set, is given every authorized request before it is
 	// forwarded (the audit trail): it may replace r.Body, and returns
@@ -109,7 +112,8 @@ func New(sandboxes Sandboxes, domain string, log *slog.Logger) *Proxy {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	p := &Proxy{sandboxes: sandboxes, domain: DomainHost(domain), log: log, transports: map[wall.Sandbox]*http.Transport{}}
+	p := &Proxy{sandboxes: sandboxes, domain: DomainHost(domain), log: log, transports: map[wall.Sandbox]*http.Transport{},
+		inFlight: map[string]int{}}
 	return p
 }
 
@@ -203,6 +207,12 @@ func (p *Proxy) serve(w http.ResponseWriter, r *http.Request) {
 			}
 		}
 	}
+	if !p.enter(id) {
+		writeJSON(w, http.StatusTooManyRequests, sandboxError{id,
+			"Too many requests to this sandbox at once (" + strconv.Itoa(maxInFlightPerSandbox) + ")", http.StatusTooManyRequests})
+		return
+	}
+	defer p.leave(id)
 	// Only a request that carries a credential wakes a paused sandbox (an
 	// anonymous /health does not), as on E2B; public ports are anyone's.
 	mayResume := port != EnvdPort || r.URL.Path == "/files" ||
@@ -257,7 +267,7 @@ func (p *Proxy) serve(w http.ResponseWriter, r *http.Request) {
 					return
 				}
 				if r.Context().Err() == nil {
-					p.log.Warn("proxy to sandbox", "sandbox", id, "port", port, "err", err)
+					p.warn(id, port, err)
 				}
 				writeJSON(w, http.StatusBadGateway, sandboxError{id, "The sandbox did not answer", http.StatusBadGateway})
 			}
@@ -431,7 +441,7 @@ func (p *Proxy) transport(sb wall.Sandbox) *http.Transport {
 		return agentclient.DialPort(ctx, sb.Dial, sb.Token(), port)
 	}
 	t := &http.Transport{DialContext: dial, DialTLSContext: dialTLS(sb), MaxIdleConns: maxIdlePerSandbox,
-		MaxIdleConnsPerHost: 16, IdleConnTimeout: 90 * time.Second}
+		MaxIdleConnsPerHost: 16, IdleConnTimeout: 90 * time.Second, MaxResponseHeaderBytes: maxAnswerHead}
 	p.transports[sb] = t
 	go func() {
 		<-sb.Exited()
@@ -446,3 +456,51 @@ func (p *Proxy) transport(sb wall.Sandbox) *http.Transport {
 // maxIdlePerSandbox bounds the idle connections the proxy keeps to one
 // sandbox, all its ports together.
 const maxIdlePerSandbox = 64
+
+// maxAnswerHead bounds the head of a sandbox's answer (net/http's default
+// is 10 MiB, which a sandbox's server could send to every request while
+// its client does not read).
+const maxAnswerHead = 64 << 10
+
+// maxInFlightPerSandbox bounds the requests the proxy relays to one
+// sandbox at once (open WebSockets and streams included): each holds a
+// connection through the agent, its buffers and goroutines, and HTTP/2
+// lets one client connection carry hundreds. Beyond it: 429.
+const maxInFlightPerSandbox = 1024
+
+// enter counts a request to sandbox id in, unless it has
+// maxInFlightPerSandbox already.
+func (p *Proxy) enter(id string) bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.inFlight[id] >= maxInFlightPerSandbox {
+		return false
+	}
+	p.inFlight[id]++
+	return true
+}
+
+// warn logs a request the sandbox did not answer: at most one a second,
+// with how many were not logged since (anyone may send requests to a
+// public port whose server fails, each of which would be a line).
+func (p *Proxy) warn(id string, port int, err error) {
+	p.mu.Lock()
+	now := time.Now()
+	if now.Sub(p.warnedAt) < time.Second {
+		p.unwarned++
+		p.mu.Unlock()
+		return
+	}
+	skipped := p.unwarned
+	p.warnedAt, p.unwarned = now, 0
+	p.mu.Unlock()
+	p.log.Warn("proxy to sandbox", "sandbox", id, "port", port, "err", err, "not_logged_before", skipped)
+}
+
+func (p *Proxy) leave(id string) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.inFlight[id]--; p.inFlight[id] <= 0 {
+		delete(p.inFlight, id)
+	}
+}

@@ -12,6 +12,7 @@ import (
 	"net/http/httptest"
 	"net/url"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -32,10 +33,11 @@ type fakeAgent struct {
 	srv       *http.Server
 	l         net.Listener
 	exited    chan struct{}
+	release   chan struct{} // closed: /hold answers
 }
 
 func newFakeAgent(t *testing.T) *fakeAgent {
-	a := &fakeAgent{exited: make(chan struct{})}
+	a := &fakeAgent{exited: make(chan struct{}), release: make(chan struct{})}
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
@@ -43,6 +45,19 @@ func newFakeAgent(t *testing.T) *fakeAgent {
 	a.l = l
 	a.srv = &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		a.requests.Add(1)
+		if r.URL.Path == "/hold" { // answers once the test lets go
+			w.WriteHeader(http.StatusOK)
+			http.NewResponseController(w).Flush()
+			<-a.release
+			return
+		}
+		if r.URL.Path == "/bighead" { // a head of 1 MiB
+			for i := range 256 {
+				w.Header().Set("X-Big-"+strconv.Itoa(i), strings.Repeat("v", 4096))
+			}
+			w.WriteHeader(http.StatusOK)
+			return
+		}
 		if r.URL.Path == "/refuse" { // answers before reading the body, as a size limit does
 			w.WriteHeader(http.StatusRequestEntityTooLarge)
 			return
@@ -56,7 +71,7 @@ func newFakeAgent(t *testing.T) *fakeAgent {
 		w.WriteHeader(http.StatusOK)
 	})}
 	go a.srv.Serve(l)
-	t.Cleanup(func() { a.srv.Close(); close(a.exited) })
+	t.Cleanup(func() { a.srv.Close(); close(a.exited); a.letGo() })
 	return a
 }
 
@@ -309,6 +324,107 @@ func TestEarlyAnswerReachesClient(t *testing.T) {
 		c.Close()
 		if resp.StatusCode != http.StatusRequestEntityTooLarge {
 			t.Fatalf("try %d: %d, want 413", i, resp.StatusCode)
+		}
+	}
+}
+
+func (a *fakeAgent) letGo() {
+	select {
+	case <-a.release:
+	default:
+		close(a.release)
+	}
+}
+
+// TestSandboxAnswerHeadBounded: a sandbox's server answering with a head of
+// 1 MiB gets its client a 502; the proxy reads no more than 64 KiB of it
+// (net/http's default, 10 MiB, held per request while a client does not
+// read: 559 MiB for 60 requests in a review's run).
+func TestSandboxAnswerHeadBounded(t *testing.T) {
+	a := newFakeAgent(t)
+	srv := httptest.NewServer(New(sandboxes{sb{a}}, "", nil))
+	defer srv.Close()
+	req, _ := http.NewRequest(http.MethodGet, srv.URL+"/bighead", nil)
+	req.Header.Set("E2b-Sandbox-Id", "sandbox1")
+	req.Header.Set("X-Access-Token", "the-token")
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusBadGateway || resp.Header.Get("X-Big-0") != "" {
+		t.Errorf("a 1 MiB head from the sandbox: %d, want 502", resp.StatusCode)
+	}
+}
+
+// TestInFlightPerSandbox: the proxy relays at most maxInFlightPerSandbox
+// requests to one sandbox at once; the next gets 429 (before, none: one
+// HTTP/2 client connection made the proxy open 240 connections to the
+// sandbox); once they end, requests go through again.
+func TestInFlightPerSandbox(t *testing.T) {
+	a := newFakeAgent(t)
+	srv := httptest.NewServer(New(sandboxes{sb{a}}, "", nil))
+	defer srv.Close()
+	c := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: maxInFlightPerSandbox + 8}}
+	defer c.CloseIdleConnections()
+	get := func(path string) (*http.Response, error) {
+		req, _ := http.NewRequest(http.MethodGet, srv.URL+path, nil)
+		req.Header.Set("E2b-Sandbox-Id", "sandbox1")
+		req.Header.Set("X-Access-Token", "the-token")
+		return c.Do(req)
+	}
+	held := make(chan *http.Response, maxInFlightPerSandbox)
+	errs := make(chan error, maxInFlightPerSandbox)
+	for range maxInFlightPerSandbox {
+		go func() {
+			resp, err := get("/hold")
+			if err != nil {
+				errs <- err
+				return
+			}
+			held <- resp
+		}()
+	}
+	var open []*http.Response
+	for range maxInFlightPerSandbox {
+		select {
+		case resp := <-held:
+			open = append(open, resp)
+		case err := <-errs:
+			t.Fatalf("a held request: %v", err)
+		case <-time.After(60 * time.Second):
+			t.Fatalf("%d of %d held requests answered", len(open), maxInFlightPerSandbox)
+		}
+	}
+	for _, resp := range open {
+		if resp.StatusCode != http.StatusOK {
+			t.Fatalf("a held request: %d", resp.StatusCode)
+		}
+	}
+	resp, err := get("/health")
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusTooManyRequests {
+		t.Errorf("one request beyond %d at once: %d, want 429", maxInFlightPerSandbox, resp.StatusCode)
+	}
+	a.letGo()
+	for _, resp := range open {
+		_, _ = io.Copy(io.Discard, resp.Body)
+		resp.Body.Close()
+	}
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+		resp, err := get("/health")
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		if resp.StatusCode == http.StatusNoContent {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("after the held requests ended: %d, want 204", resp.StatusCode)
 		}
 	}
 }
