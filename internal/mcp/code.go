@@ -10,6 +10,7 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"slices"
 	"sort"
 	"strings"
 	"time"
@@ -26,6 +27,13 @@ const (
 	maxImages   = 8
 	maxImage    = 4 << 20 // decoded bytes of one image returned
 	maxLineSize = 24 << 20
+	// What a run's answer keeps of its results (the daemon holds it for
+	// as long as the run lasts, up to an hour): the first maxResults, and
+	// of their text, HTML and JSON maxResultBytes in all; a result's JSON
+	// only if it is at most 64 KiB written out; maxDropped reasons.
+	maxResults     = 64
+	maxResultBytes = 1 << 20
+	maxDropped     = 32
 )
 
 type codeIn struct {
@@ -175,7 +183,8 @@ type codeRun struct {
 	stdout, stderr *capture
 	results        []codeResult
 	images         []*sdk.ImageContent
-	dropped        []string // why images were left out
+	dropped        []string // why images or results were left out
+	kept           int      // bytes of the results kept
 	err            *codeError
 }
 
@@ -233,7 +242,29 @@ func (r *codeRun) read(body io.Reader) error {
 func (r *codeRun) result(l *codeLine) {
 	var text string
 	_ = json.Unmarshal(l.Text, &text)
-	cr := codeResult{IsMain: l.IsMain, Text: clip(text, 64<<10), HTML: clip(l.HTML, 64<<10), JSON: l.JSON, Formats: []string{}}
+	if len(r.results) >= maxResults {
+		r.drop(fmt.Sprintf("results past the first %d", maxResults))
+		return
+	}
+	// Copies: a clipped string would keep its whole line (up to 24 MiB).
+	cr := codeResult{IsMain: l.IsMain, Text: strings.Clone(clip(text, 64<<10)), HTML: strings.Clone(clip(l.HTML, 64<<10)),
+		Formats: []string{}}
+	if l.JSON != nil {
+		if b, err := json.Marshal(l.JSON); err == nil && len(b) <= 64<<10 {
+			cr.JSON = json.RawMessage(b)
+		} else {
+			r.drop("a result's JSON over 64 KiB")
+		}
+	}
+	size := len(cr.Text) + len(cr.HTML)
+	if j, ok := cr.JSON.(json.RawMessage); ok {
+		size += len(j)
+	}
+	if r.kept+size > maxResultBytes {
+		r.drop(fmt.Sprintf("results past the first %d bytes", maxResultBytes))
+		return
+	}
+	r.kept += size
 	for name, v := range map[string]string{"text": text, "html": l.HTML, "png": l.PNG, "jpeg": l.JPEG, "svg": l.SVG, "markdown": l.Markdown} {
 		if v != "" {
 			cr.Formats = append(cr.Formats, name)
@@ -243,12 +274,23 @@ func (r *codeRun) result(l *codeLine) {
 		cr.Formats = append(cr.Formats, "json")
 	}
 	for k := range l.Extra {
-		cr.Formats = append(cr.Formats, k)
+		if len(cr.Formats) < 32 {
+			cr.Formats = append(cr.Formats, clip(k, 64))
+		}
 	}
 	sort.Strings(cr.Formats)
 	r.image("image/png", l.PNG)
 	r.image("image/jpeg", l.JPEG)
 	r.results = append(r.results, cr)
+}
+
+// drop records why something was left out: each reason once, at most
+// maxDropped of them.
+func (r *codeRun) drop(why string) {
+	if len(r.dropped) >= maxDropped || slices.Contains(r.dropped, why) {
+		return
+	}
+	r.dropped = append(r.dropped, why)
 }
 
 func (r *codeRun) image(mime, b64 string) {
@@ -258,11 +300,11 @@ func (r *codeRun) image(mime, b64 string) {
 	data, err := base64.StdEncoding.DecodeString(b64)
 	switch {
 	case err != nil:
-		r.dropped = append(r.dropped, mime+" that is not base64")
+		r.drop(mime + " that is not base64")
 	case len(r.images) >= maxImages:
-		r.dropped = append(r.dropped, fmt.Sprintf("%s past the first %d images", mime, maxImages))
+		r.drop(fmt.Sprintf("%s past the first %d images", mime, maxImages))
 	case len(data) > maxImage:
-		r.dropped = append(r.dropped, fmt.Sprintf("%s of %d bytes (over %d)", mime, len(data), maxImage))
+		r.drop(fmt.Sprintf("%s of %d bytes (over %d)", mime, len(data), maxImage))
 	default:
 		r.images = append(r.images, &sdk.ImageContent{Data: data, MIMEType: mime})
 	}
@@ -297,7 +339,7 @@ func (r *codeRun) answer() (*sdk.CallToolResult, codeOut, error) {
 		fmt.Fprintf(&b, "error: %s: %s\n%s\n", r.err.Name, r.err.Value, r.err.Traceback)
 	}
 	for _, d := range r.dropped {
-		fmt.Fprintf(&b, "cage: left out an image: %s\n", d)
+		fmt.Fprintf(&b, "cage: left out: %s\n", d)
 	}
 	if len(r.images) > 0 {
 		fmt.Fprintf(&b, "%d image(s) follow\n", len(r.images))
