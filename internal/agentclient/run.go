@@ -60,10 +60,17 @@ func (c *Client) Run(ctx context.Context, o RunOptions) (*pb.ProcessEvent_EndEve
 		return nil, err
 	}
 	defer stream.Close()
+	started := false
 	for stream.Receive() {
 		ev := stream.Msg().GetEvent()
 		switch e := ev.GetEvent().(type) {
 		case *pb.ProcessEvent_Start:
+			// One start a stream: the agent is not trusted, and each would
+			// start another feeder of the same input.
+			if started {
+				return nil, errors.New("the agent started the process twice")
+			}
+			started = true
 			if o.OnStart != nil {
 				o.OnStart(e.Start.GetPid())
 			}
