@@ -18,6 +18,7 @@ import (
 	"crypto/hmac"
 	"crypto/rand"
 	"crypto/sha256"
+	"encoding/binary"
 	"encoding/hex"
 	"errors"
 	"fmt"
@@ -58,8 +59,20 @@ func SessionConfig() *yamux.Config {
 // once that it takes no streams (yamux's go-away), so that a stream the
 // agent opens anyway is reset on arrival and what it sends on one is
 // discarded, never buffered.
+//
+// Nor may it ask for pings: yamux answers each from a goroutine of its own
+// that waits up to ConnectionWriteTimeout for the wire, so a peer sending
+// pings and reading nothing made the host grow without bound (400,000
+// goroutines and 1.3 GiB in under 3 s). An honest peer sends none (the
+// host pings; keep-alive is off on both ends): the session ends at the
+// maxPeerPings+1st.
 func Client(conn io.ReadWriteCloser) (*yamux.Session, error) {
-	sess, err := yamux.Client(conn, SessionConfig())
+	guarded := struct {
+		io.Reader
+		io.Writer
+		io.Closer
+	}{&pingGuard{r: conn}, conn, conn}
+	sess, err := yamux.Client(guarded, SessionConfig())
 	if err != nil {
 		return nil, err
 	}
@@ -68,6 +81,64 @@ func Client(conn io.ReadWriteCloser) (*yamux.Session, error) {
 		return nil, err
 	}
 	return sess, nil
+}
+
+// maxPeerPings is how many pings a peer may ask the host to answer in a
+// session.
+const maxPeerPings = 16
+
+// errPings ends a session whose peer asked for more than maxPeerPings.
+var errPings = errors.New("channel: the peer asked for too many pings")
+
+// pingGuard passes a yamux connection's bytes on to the host's session,
+// reading their frames as it goes (a 12-byte header: version, type,
+// flags, stream, length; a data frame's payload of length bytes follows,
+// no other type has one) and failing once the peer has asked for more
+// than maxPeerPings answers (a ping with SYN).
+type pingGuard struct {
+	r       io.Reader
+	hdr     [12]byte
+	hdrN    int    // bytes of the current header read
+	payload uint32 // bytes of a data frame's payload still to come
+	pings   int
+}
+
+func (g *pingGuard) Read(p []byte) (int, error) {
+	n, err := g.r.Read(p)
+	if serr := g.scan(p[:n]); serr != nil {
+		return 0, serr
+	}
+	return n, err
+}
+
+func (g *pingGuard) scan(b []byte) error {
+	const typeData, typePing, flagSYN = 0, 2, 1
+	for len(b) > 0 {
+		if g.payload > 0 {
+			k := min(uint32(len(b)), g.payload)
+			b, g.payload = b[k:], g.payload-k
+			continue
+		}
+		k := copy(g.hdr[g.hdrN:], b)
+		g.hdrN += k
+		b = b[k:]
+		if g.hdrN < len(g.hdr) {
+			return nil
+		}
+		g.hdrN = 0
+		flags, length := binary.BigEndian.Uint16(g.hdr[2:4]), binary.BigEndian.Uint32(g.hdr[8:12])
+		switch g.hdr[1] {
+		case typeData:
+			g.payload = length
+		case typePing:
+			if flags&flagSYN != 0 {
+				if g.pings++; g.pings > maxPeerPings {
+					return errPings
+				}
+			}
+		}
+	}
+	return nil
 }
 
 // The handshake: the host writes greeting, a space and a fresh nonce (hex)
