@@ -165,8 +165,8 @@ func ipnet(a netip.Addr) *net.IPNet {
 
 // NewNamespace makes a network namespace (owned by the host's user
 // namespace, so that nothing inside can reconfigure it) and bind-mounts it
-// at path, for a runtime that joins a namespace by path (gVisor needs its
-// interfaces to exist when it starts).
+// at path, for a runtime that joins a namespace by path and has no user
+// namespace (gVisor, which needs its interfaces to exist when it starts).
 func NewNamespace(path string) error {
 	f, err := os.OpenFile(path, os.O_CREATE|os.O_EXCL|os.O_RDONLY, 0o444)
 	if err != nil {
@@ -177,6 +177,22 @@ func NewNamespace(path string) error {
 		return unix.Mount(fmt.Sprintf("/proc/self/task/%d/ns/net", unix.Gettid()), path, "", unix.MS_BIND, "")
 	})
 	if err != nil {
+		_ = os.Remove(path)
+		return err
+	}
+	return nil
+}
+
+// PinNamespace bind-mounts the network namespace nsFD at path, as
+// NewNamespace does a new one: for a runtime that joins it by path (runc,
+// whose container's user namespace owns it: see oci.ownedNamespaces).
+func PinNamespace(nsFD int, path string) error {
+	f, err := os.OpenFile(path, os.O_CREATE|os.O_EXCL|os.O_RDONLY, 0o444)
+	if err != nil {
+		return err
+	}
+	f.Close()
+	if err := unix.Mount(fmt.Sprintf("/proc/self/fd/%d", nsFD), path, "", unix.MS_BIND, ""); err != nil {
 		_ = os.Remove(path)
 		return err
 	}

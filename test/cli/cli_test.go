@@ -1047,12 +1047,16 @@ func TestSandboxOwnsItsUserNamespace(t *testing.T) {
 					testutil.SkipWall(t, wall, "runc not installed")
 				}
 			}
-			r := e.cage(nil, "run", "--wall", wall, "--", "python3", "-c", `import array, fcntl, os
+			// With a network too: runc joins the user namespace first, and
+			// then only namespaces it owns.
+			for _, net := range []string{"none", "allowlist"} {
+				r := e.cage(nil, "run", "--wall", wall, "--net", net, "--", "python3", "-c", `import array, fcntl, os
 b = array.array("I", [0])
 fcntl.ioctl(os.open("/proc/self/ns/user", os.O_RDONLY), 0xb704, b)  # NS_GET_OWNER_UID
 print(b[0])`)
-			if r.code != 0 || r.stdout != "0\n" {
-				t.Errorf("the sandbox's user namespace's owner, seen inside: %v; want 0, its own root (65534: a host uid it cannot see)", r)
+				if r.code != 0 || r.stdout != "0\n" {
+					t.Errorf("--net %s: the sandbox's user namespace's owner, seen inside: %v; want 0, its own root (65534: a host uid it cannot see)", net, r)
+				}
 			}
 			l := e.startCage("run", "--wall", wall, "--", "python3", "-c", `import ctypes, sys, time
 libc = ctypes.CDLL(None)
@@ -1081,7 +1085,7 @@ time.sleep(30)`)
 			} else {
 				unix.Close(fd)
 			}
-			r = e.cage(nil, "run", "--wall", wall, "--", "python3", "-c", `import ctypes; print(ctypes.CDLL(None).inotify_init() >= 0)`)
+			r := e.cage(nil, "run", "--wall", wall, "--", "python3", "-c", `import ctypes; print(ctypes.CDLL(None).inotify_init() >= 0)`)
 			if r.code != 0 || r.stdout != "True\n" {
 				t.Errorf("another sandbox's inotify_init while the first holds %d instances: %v", held, r)
 			}

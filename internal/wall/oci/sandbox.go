@@ -58,13 +58,18 @@ func (r *Runtime) flags(networked bool) []string {
 
 // attachNetwork makes the sandbox's network namespace with its veth, before
 // the runtime starts (gVisor reads the interfaces it finds as it starts),
-// and returns its resolv.conf.
-func (sb *Sandbox) attachNetwork(cfg job) (string, error) {
+// and returns its resolv.conf. made, when not -1, is the namespace made
+// for it (runc's: see ownedNamespaces), pinned at the same path.
+func (sb *Sandbox) attachNetwork(cfg job, made int) (string, error) {
 	if cfg.Net == nil || !cfg.NetPolicy.Networked() {
 		return inside.NoNetworkResolvConf, nil
 	}
 	path := filepath.Join(sb.dir, "netns")
-	if err := network.NewNamespace(path); err != nil {
+	pin := network.NewNamespace
+	if made >= 0 {
+		pin = func(path string) error { return network.PinNamespace(made, path) }
+	}
+	if err := pin(path); err != nil {
 		return "", fmt.Errorf("sandbox network namespace: %w", err)
 	}
 	sb.netns = path
@@ -232,7 +237,21 @@ func create(ctx context.Context, cfg job) (sb *Sandbox, err error) {
 			return sb, err
 		}
 	}
-	resolvConf, err := sb.attachNetwork(cfg)
+	usernsPath, netFD := "", -1
+	if !cfg.Runtime.gvisor() {
+		// runc joins the namespaces by these paths as it starts the
+		// container, which then holds them.
+		userFD, nfd, err := ownedNamespaces(sb.ids.HostID(0), cfg.AgentPath, cfg.Net != nil && cfg.NetPolicy.Networked())
+		if err != nil {
+			return sb, err
+		}
+		defer unix.Close(userFD)
+		if nfd >= 0 {
+			defer unix.Close(nfd)
+		}
+		usernsPath, netFD = fmt.Sprintf("/proc/%d/fd/%d", os.Getpid(), userFD), nfd
+	}
+	resolvConf, err := sb.attachNetwork(cfg, netFD)
 	if err != nil {
 		return sb, err
 	}
@@ -271,17 +290,6 @@ func create(ctx context.Context, cfg job) (sb *Sandbox, err error) {
 	volumes, err := sb.attachVolumes(cfg)
 	if err != nil {
 		return sb, err
-	}
-	usernsPath := ""
-	if !cfg.Runtime.gvisor() {
-		// runc joins the namespace by this path as it starts the
-		// container, which then holds it.
-		fd, err := ownedUserNS(sb.ids.HostID(0), cfg.AgentPath)
-		if err != nil {
-			return sb, err
-		}
-		defer unix.Close(fd)
-		usernsPath = fmt.Sprintf("/proc/%d/fd/%d", os.Getpid(), fd)
 	}
 	b := &bundleConfig{dir: filepath.Join(sb.dir, "bundle"), rootfs: sb.rootfs, id: cfg.ID, hostname: cfg.Hostname, volumes: volumes,
 		agentPath: agentCopy, template: cfg.Template, disk: sb.diskMount,

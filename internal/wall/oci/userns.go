@@ -10,24 +10,37 @@ import (
 	"github.com/cagehq/cage/internal/spawner"
 )
 
-// ownedUserNS makes a runc sandbox's user namespace, its 0..65535 mapped
-// to the sandbox's host ids from base, and returns a descriptor holding
-// it; the bundle names it and runc joins it instead of making one.
+// ownedNamespaces makes a runc sandbox's user namespace, its 0..65535
+// mapped to the sandbox's host ids from base, and, when network is set, a
+// network namespace with it; it returns descriptors holding them (netns
+// -1 without). The bundle names them and runc joins them instead of making
+// its own.
 //
-// runc runs as host root, so a namespace it made would be host root's, and
-// the kernel charges per-user counts (inotify instances, queued signals)
-// at the host's level to a namespace's owner: one sandbox could use up
-// host root's and every other sandbox's. This one is owned by the
-// sandbox root's own host uid (see spawner.ForkOwned), as the process
+// runc runs as host root, so a user namespace it made would be host
+// root's, and the kernel charges per-user counts (inotify instances,
+// queued signals) at the host's level to a namespace's owner: one sandbox
+// could use up host root's and every other sandbox's. This one is owned by
+// the sandbox root's own host uid (see spawner.ForkOwned), as the process
 // wall's are. setgroups stays allowed: runc and the agent set groups.
-func ownedUserNS(base int, holder string) (int, error) {
+//
+// runc joins the user namespace first, and from inside it may join only
+// namespaces it owns: so a networked sandbox's network namespace is made
+// here, owned by it (as on the process wall), not by the host as gVisor's
+// (network.NewNamespace). Commands hold no capabilities in it (the seal),
+// and the host's rules, on its side of the veth, are what bound its
+// traffic.
+func ownedNamespaces(base int, holder string, network bool) (userns, netns int, err error) {
 	m := []syscall.SysProcIDMap{{ContainerID: 0, HostID: base, Size: 65536}}
+	flags := uintptr(syscall.CLONE_NEWUSER)
+	if network {
+		flags |= syscall.CLONE_NEWNET
+	}
 	cmd := exec.Command(holder, "hold")
-	cmd.SysProcAttr = &syscall.SysProcAttr{Cloneflags: syscall.CLONE_NEWUSER, UidMappings: m, GidMappings: m,
+	cmd.SysProcAttr = &syscall.SysProcAttr{Cloneflags: flags, UidMappings: m, GidMappings: m,
 		GidMappingsEnableSetgroups: true, Pdeathsig: syscall.SIGKILL}
 	in, err := cmd.StdinPipe()
 	if err != nil {
-		return -1, err
+		return -1, -1, err
 	}
 	defer in.Close()
 	if _, err := spawner.ForkOwned(base, base, func() (int, error) {
@@ -40,13 +53,24 @@ func ownedUserNS(base int, holder string) (int, error) {
 			_ = cmd.Process.Kill()
 			_ = cmd.Wait()
 		}
-		return -1, fmt.Errorf("the sandbox's user namespace: %w", err)
+		return -1, -1, fmt.Errorf("the sandbox's namespaces: %w", err)
 	}
-	fd, err := unix.Open(fmt.Sprintf("/proc/%d/ns/user", cmd.Process.Pid), unix.O_RDONLY|unix.O_CLOEXEC, 0)
-	in.Close() // the holder exits; the descriptor keeps the namespace
-	_ = cmd.Wait()
-	if err != nil {
-		return -1, fmt.Errorf("the sandbox's user namespace: %w", err)
+	defer func() {
+		in.Close() // the holder exits; the descriptors keep the namespaces
+		_ = cmd.Wait()
+	}()
+	open := func(ns string) (int, error) {
+		return unix.Open(fmt.Sprintf("/proc/%d/ns/%s", cmd.Process.Pid, ns), unix.O_RDONLY|unix.O_CLOEXEC, 0)
 	}
-	return fd, nil
+	if userns, err = open("user"); err != nil {
+		return -1, -1, fmt.Errorf("the sandbox's user namespace: %w", err)
+	}
+	netns = -1
+	if network {
+		if netns, err = open("net"); err != nil {
+			unix.Close(userns)
+			return -1, -1, fmt.Errorf("the sandbox's network namespace: %w", err)
+		}
+	}
+	return userns, netns, nil
 }
