@@ -136,7 +136,9 @@ func (sb *Sandbox) Restore(ctx context.Context, dir string) (err error) {
 	defer func() {
 		if err != nil {
 			_ = sb.release()
+			sb.mu.Lock()
 			sb.sess = nil
+			sb.mu.Unlock()
 		}
 	}()
 	if err := sb.setUp(); err != nil {
@@ -195,7 +197,9 @@ func (sb *Sandbox) attach(ctx context.Context) error {
 		sess.Close()
 		return fmt.Errorf("the guest's agent did not serve again: %w (%s)", err, consoleTail(sb.v))
 	}
+	sb.mu.Lock()
 	sb.sess = sess
+	sb.mu.Unlock()
 	go nudge(sess, sb.reportStall)
 	return nil
 }

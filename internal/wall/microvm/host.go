@@ -149,7 +149,13 @@ func (sb *Sandbox) Token() string { return sb.token }
 
 // Dial opens a connection to the agent: a stream of the session.
 func (sb *Sandbox) Dial(ctx context.Context) (net.Conn, error) {
-	c, err := sb.sess.Open()
+	sb.mu.Lock()
+	sess := sb.sess // none while a checkpoint is restored, or after one failed
+	sb.mu.Unlock()
+	if sess == nil {
+		return nil, fmt.Errorf("sandbox %s is not running", sb.id)
+	}
+	c, err := sess.Open()
 	if err != nil {
 		return nil, fmt.Errorf("sandbox %s: %w", sb.id, err)
 	}
