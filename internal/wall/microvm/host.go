@@ -99,19 +99,38 @@ func hostMemoryMB(memMB int) int64 { return int64(2*memMB + QEMUOverheadMB) }
 // block I/O workers.
 const qemuPids = 128
 
-// vmSize is the VM shape of cfg: RAM and vCPUs.
+// vmSize is the VM shape of cfg: RAM and vCPUs. RAM from a memory limit
+// is rounded up to a size class (memClass); the guest's cgroup holds the
+// sandbox to its limit exactly.
 func vmSize(cfg Config) (memMB, cpus int) {
 	memMB, cpus = cfg.MemoryMB, cfg.CPUs
 	if memMB == 0 {
 		memMB = 256
 		if cfg.Limits.MemoryBytes > 0 {
-			memMB = int((cfg.Limits.MemoryBytes+(1<<20)-1)>>20) + GuestOverheadMB
+			memMB = memClass(int((cfg.Limits.MemoryBytes+(1<<20)-1)>>20) + GuestOverheadMB)
 		}
 	}
 	if cpus == 0 {
 		cpus = max(1, int(math.Ceil(cfg.Limits.CPUs)))
 	}
 	return memMB, cpus
+}
+
+// memClass rounds a VM's RAM up to a size class: a multiple of 64 MiB
+// below 1 GiB, of 256 MiB below 8 GiB, of 1 GiB above. Each shape of VM
+// has a snapshot of its own, on disk and loaded into the daemon's memory
+// (some 100 MB each), made by a cold boot: with RAM to the MiB of each
+// request's limit, a tenant asking for 512, 513, 514... MiB made one per
+// request, without bound.
+func memClass(mb int) int {
+	step := 64
+	switch {
+	case mb > 8<<10:
+		step = 1 << 10
+	case mb > 1<<10:
+		step = 256
+	}
+	return (mb + step - 1) / step * step
 }
 
 // Sandbox is a running microvm sandbox, seen from the host.
