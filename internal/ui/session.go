@@ -191,7 +191,7 @@ func safeMethod(m string) bool { return m == http.MethodGet || m == http.MethodH
 // session in the context.
 func (s *Server) authed(next http.HandlerFunc) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		c, err := r.Cookie(cookieName)
+		c, err := r.Cookie(sessionCookie(r))
 		if err != nil || c.Value == "" {
 			writeError(w, http.StatusUnauthorized, "not signed in")
 			return
@@ -256,8 +256,8 @@ func (s *Server) signIn(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	ss := s.sessions.create(key, who)
-	http.SetCookie(w, &http.Cookie{Name: cookieName, Value: ss.id, Path: "/ui", HttpOnly: true, Secure: secure(r),
-		SameSite: http.SameSiteStrictMode, MaxAge: int(s.cfg.SessionMax / time.Second)})
+	http.SetCookie(w, &http.Cookie{Name: sessionCookie(r), Value: ss.id, Path: cookiePath(r), HttpOnly: true,
+		Secure: secure(r), SameSite: http.SameSiteStrictMode, MaxAge: int(s.cfg.SessionMax / time.Second)})
 	s.record(r, who, http.StatusOK)
 	writeJSON(w, http.StatusOK, sessionJSON{CSRF: ss.csrf, Identity: who})
 }
@@ -270,7 +270,7 @@ func (s *Server) record(r *http.Request, who Identity, status int) {
 
 // whoami is the session's identity and CSRF token (401 when none).
 func (s *Server) whoami(w http.ResponseWriter, r *http.Request) {
-	c, err := r.Cookie(cookieName)
+	c, err := r.Cookie(sessionCookie(r))
 	if err != nil {
 		writeError(w, http.StatusUnauthorized, "not signed in")
 		return
@@ -300,9 +300,30 @@ func secure(r *http.Request) bool {
 	return r.TLS != nil || strings.EqualFold(r.Header.Get("X-Forwarded-Proto"), "https")
 }
 
+// sessionCookie names the session cookie for r. Over TLS it is
+// __Host-cage_ui, at path /: a browser takes a __Host- cookie only from
+// this very host (Secure, no Domain, Path /), so a page of a sandbox
+// served under the same parent domain (3000-ID.example.com beside
+// cage.example.com) can neither set nor replace it: no session of a
+// sandbox owner's choosing in another user's browser (cookie tossing).
+// Over plain HTTP no browser offers that: cage_ui at /ui.
+func sessionCookie(r *http.Request) string {
+	if secure(r) {
+		return "__Host-" + cookieName
+	}
+	return cookieName
+}
+
+func cookiePath(r *http.Request) string {
+	if secure(r) {
+		return "/"
+	}
+	return "/ui"
+}
+
 func clearCookie(w http.ResponseWriter, r *http.Request) {
-	http.SetCookie(w, &http.Cookie{Name: cookieName, Value: "", Path: "/ui", HttpOnly: true, Secure: secure(r),
-		SameSite: http.SameSiteStrictMode, MaxAge: -1})
+	http.SetCookie(w, &http.Cookie{Name: sessionCookie(r), Value: "", Path: cookiePath(r), HttpOnly: true,
+		Secure: secure(r), SameSite: http.SameSiteStrictMode, MaxAge: -1})
 }
 
 type errorJSON struct {

@@ -310,3 +310,29 @@ func TestSessionsPerKeyBounded(t *testing.T) {
 		t.Fatalf("the key holds %d sessions, want %d", n, maxKeySessions)
 	}
 }
+
+// TestSessionCookieOverTLS: behind TLS (here a proxy saying so) the
+// session cookie is __Host-cage_ui at / (Secure, no Domain), which a
+// browser takes from no other host: a sandbox's page under the same parent
+// domain cannot set it. A cage_ui cookie such a page could set (cookie
+// tossing: a session of its owner's choosing) is not read there.
+func TestSessionCookieOverTLS(t *testing.T) {
+	s, _, _ := newTest(t)
+	tls := map[string]string{"Content-Type": "application/json", "Origin": "https://cage.test", "X-Forwarded-Proto": "https"}
+	w := do(s, "POST", "/ui/session", `{"key":"`+goodKey+`"}`, tls)
+	c := w.Result().Cookies()
+	if w.Code != 200 || len(c) != 1 || c[0].Name != "__Host-cage_ui" || c[0].Path != "/" || !c[0].Secure || c[0].Domain != "" ||
+		!c[0].HttpOnly || c[0].SameSite != http.SameSiteStrictMode {
+		t.Fatalf("sign-in over TLS: %d, cookies %+v; want one __Host-cage_ui, Path /, Secure, HttpOnly, Strict", w.Code, c)
+	}
+	get := func(cookie string) int {
+		return do(s, "GET", "/ui/session", "", map[string]string{"X-Forwarded-Proto": "https", "Cookie": cookie}).Code
+	}
+	if code := get("__Host-cage_ui=" + c[0].Value); code != 200 {
+		t.Errorf("the session's own cookie: %d", code)
+	}
+	// The same session id, as a page of another host could set it.
+	if code := get("cage_ui=" + c[0].Value); code != http.StatusUnauthorized {
+		t.Errorf("a cage_ui cookie over TLS: %d, want 401 (not read)", code)
+	}
+}
