@@ -81,8 +81,9 @@ func TestInterpToken(t *testing.T) {
 // TestSandboxNeverSeesCageHeaders: what the proxy routes and checks by
 // (the sandbox id and port, the traffic token) and another node's
 // signature on traffic it forwarded here in cluster mode never reach the
-// server in the sandbox, on an exposed port as on the agent's; the
-// client's own headers do. A node signature seen by a sandbox could be
+// server in the sandbox, on an exposed port as on the agent's, nor does
+// the dashboard's session cookie (a browser sends it to the proxy's port
+// of the dashboard's host too); the client's own headers and cookies do. A node signature seen by a sandbox could be
 // replayed to the cluster's internal routes.
 func TestSandboxNeverSeesCageHeaders(t *testing.T) {
 	a := newFakeAgent(t)
@@ -105,6 +106,8 @@ func TestSandboxNeverSeesCageHeaders(t *testing.T) {
 		req.Header.Set(TrafficHeader, "traffic")
 		req.Header.Set(NodeAuthHeader, "node=a,t=1796282761,sig=738399c9")
 		req.Header.Set("X-Client-Own", "kept")
+		req.Header.Add("Cookie", "a=1; cage_ui=s1; __Host-cage_ui=s2")
+		req.Header.Add("Cookie", " cage_ui =s3;b=2")
 		resp, err := http.DefaultClient.Do(req)
 		if err != nil {
 			t.Fatal(err)
@@ -125,6 +128,9 @@ func TestSandboxNeverSeesCageHeaders(t *testing.T) {
 		}
 		if h.Get("X-Client-Own") != "kept" {
 			t.Errorf("request %d: the client's own header was dropped", i)
+		}
+		if c := h.Values("Cookie"); len(c) != 1 || c[0] != "a=1; b=2" {
+			t.Errorf("request %d: the sandbox saw cookies %q, want the client's own without the dashboard's", i, c)
 		}
 	}
 }

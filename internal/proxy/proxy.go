@@ -240,6 +240,7 @@ func (p *Proxy) serve(w http.ResponseWriter, r *http.Request) {
 			pr.Out.Header.Del("E2b-Sandbox-Port")
 			pr.Out.Header.Del(TrafficHeader)
 			pr.Out.Header.Del(NodeAuthHeader) // another node's, on traffic it forwarded here
+			dropUICookies(pr.Out.Header)
 			if port == InterpPort {
 				pr.Out.Header.Del("X-Access-Token") // checked here; code in the sandbox never sees it
 			}
@@ -298,6 +299,34 @@ func (p *Proxy) serve(w http.ResponseWriter, r *http.Request) {
 		}()
 	}
 	rp.ServeHTTP(w, r)
+}
+
+// uiCookies are the dashboard's session cookies (internal/ui). A browser
+// sends them to the proxy's port of the dashboard's host too (cookies do
+// not go by port), and a sandbox's page on the same site can make it send
+// a request there for its own sandbox; no sandbox sees them.
+var uiCookies = map[string]bool{"cage_ui": true, "__Host-cage_ui": true}
+
+// dropUICookies takes the dashboard's cookies out of h's Cookie headers.
+func dropUICookies(h http.Header) {
+	lines := h.Values("Cookie")
+	if len(lines) == 0 {
+		return
+	}
+	var kept []string
+	for _, line := range lines {
+		for _, c := range strings.Split(line, ";") {
+			c = strings.TrimSpace(c)
+			name, _, _ := strings.Cut(c, "=")
+			if c != "" && !uiCookies[strings.TrimSpace(name)] {
+				kept = append(kept, c)
+			}
+		}
+	}
+	h.Del("Cookie")
+	if len(kept) > 0 {
+		h.Set("Cookie", strings.Join(kept, "; "))
+	}
 }
 
 // keepOpen is a request body whose Close leaves it open (see drain).
