@@ -247,6 +247,15 @@ http.server.HTTPServer(("127.0.0.1", 8080), H).serve_forever()
 // check.) Nothing the sandbox sees opens the internal routes either.
 func nodeSignature(t *testing.T, c *clusterutil.Cluster, where *placements) {
 	var id, token string
+	// The sandboxes that land elsewhere stay until one lands on b: the
+	// scheduler prefers the least allocated node, and a node that had
+	// each one killed at once would stay that.
+	var elsewhere []string
+	defer func() {
+		for _, other := range elsewhere {
+			kill(t, c, "a", other)
+		}
+	}()
 	for i := 0; i < 12 && id == ""; i++ {
 		code, out := call(t, c, "a", "POST", "/sandboxes", c.Key, `{"templateID":"host","timeout":300}`)
 		var sb struct {
@@ -259,7 +268,7 @@ func nodeSignature(t *testing.T, c *clusterutil.Cluster, where *placements) {
 		if where.node(sb.SandboxID) == "b" {
 			id, token = sb.SandboxID, sb.EnvdAccessToken
 		} else {
-			kill(t, c, "a", sb.SandboxID)
+			elsewhere = append(elsewhere, sb.SandboxID)
 		}
 	}
 	if id == "" {
