@@ -2,6 +2,7 @@ package guest
 
 import (
 	"bufio"
+	"bytes"
 	"encoding/binary"
 	"encoding/json"
 	"errors"
@@ -30,10 +31,13 @@ import (
 // namespace, on the agent port its init opened. It returns only on error
 // (the guest is then powered off).
 func guestAgent(port *os.File) error {
-	// Open files as on every other wall: the guest's kernel starts its
-	// processes at 1024 (hard 4096); its root may raise them. syscall's
-	// Setrlimit (see inside.LimitOpenFiles).
-	n := uint64(inside.MaxOpenFiles)
+	// Open files as on every other wall, soft and hard alike: the guest's
+	// kernel starts its processes at 1024 (hard 4096), and its root may
+	// raise them. To inside.MaxOpenFiles, or half the guest's own
+	// fs.file-max where that is less (it follows the guest's RAM: some
+	// 58,000 in 256 MiB), so that one process meets EMFILE before the
+	// guest runs out. syscall's Setrlimit (see inside.LimitOpenFiles).
+	n := guestOpenFiles()
 	if err := syscall.Setrlimit(syscall.RLIMIT_NOFILE, &syscall.Rlimit{Cur: n, Max: n}); err != nil {
 		return fmt.Errorf("open files limit: %w", err)
 	}
@@ -97,6 +101,18 @@ func guestAgent(port *os.File) error {
 			return err
 		}
 	}
+}
+
+// guestOpenFiles is the guest's limit of open files per process (see
+// guestAgent).
+func guestOpenFiles() uint64 {
+	n := uint64(inside.MaxOpenFiles)
+	if b, err := os.ReadFile("/proc/sys/fs/file-max"); err == nil {
+		if fileMax, err := strconv.ParseUint(string(bytes.TrimSpace(b)), 10, 64); err == nil && fileMax/2 < n {
+			n = max(fileMax/2, 1024)
+		}
+	}
+	return n
 }
 
 // writeNames puts the hostname into /run/cage/hostname and hosts, which
