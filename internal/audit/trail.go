@@ -161,6 +161,11 @@ func (t *Trail) Record(ev Event) {
 		ev.Time = time.Now()
 	}
 	boundDetail(ev.Detail)
+	// A sandbox id and a route come from a request's path: any caller's.
+	if len(ev.SandboxID) > 64 {
+		ev.SandboxID = ev.SandboxID[:64]
+	}
+	ev.Route = clipString(ev.Route)
 	if family(ev.Kind) == "api" || family(ev.Kind) == "proxy" {
 		if !t.allow(ev.KeyID, ev.Time) {
 			t.count(lostKey(ev))

@@ -92,7 +92,8 @@ type Manager struct {
 	createSlots chan struct{} // a token per create in progress
 	waiting     atomic.Int64  // creates waiting for a slot
 
-	transitions sync.Map // sandbox id -> *sync.Mutex (see transition)
+	transMu     sync.Mutex
+	transitions map[string]*transitionLock // by sandbox id (see transition)
 
 	// volMu: a create or resume that mounts volumes (read) against a
 	// volume's creation or deletion (write).
@@ -145,7 +146,7 @@ func New(cfg Config) *Manager {
 	if cfg.PausedRetention <= 0 {
 		cfg.PausedRetention = DefaultPausedRetention
 	}
-	return &Manager{cfg: cfg, log: cfg.Log, live: map[string]*entry{}, createSlots: make(chan struct{}, cfg.MaxCreating)}
+	return &Manager{cfg: cfg, log: cfg.Log, live: map[string]*entry{}, transitions: map[string]*transitionLock{}, createSlots: make(chan struct{}, cfg.MaxCreating)}
 }
 
 // CreateRequest is what a client asks for.
@@ -492,6 +493,9 @@ func (m *Manager) discard(sb wall.Sandbox, why string) {
 
 // Get returns a sandbox that keyID may see ("" sees all).
 func (m *Manager) Get(keyID, id string) (*store.Sandbox, error) {
+	if !ids.Valid(id) { // no sandbox has such an id: not looked up
+		return nil, fmt.Errorf("%w: sandbox %q", ErrNotFound, id[:min(len(id), 64)])
+	}
 	rec, err := m.cfg.Store.GetSandbox(id)
 	if errors.Is(err, store.ErrNotFound) || (err == nil && keyID != "" && rec.KeyID != keyID) {
 		return nil, fmt.Errorf("%w: sandbox %q", ErrNotFound, id)
@@ -516,7 +520,11 @@ func (m *Manager) List(f store.ListFilter) ([]*store.Sandbox, string, error) {
 
 // Kill destroys a sandbox now, paused or not.
 func (m *Manager) Kill(keyID, id string) error {
-	defer m.transition(id)()
+	unlock, err := m.lockOwned(keyID, id)
+	if err != nil {
+		return err
+	}
+	defer unlock()
 	rec, err := m.Get(keyID, id)
 	if err != nil {
 		return err

@@ -18,7 +18,7 @@ func newMetricsManager(t *testing.T) (*Manager, *store.Sandbox) {
 	}
 	t.Cleanup(func() { st.Close() })
 	start := time.Now().Add(-30 * time.Hour)
-	rec := &store.Sandbox{ID: "metrics0", KeyID: "k", State: store.StateRunning, CPUs: 2, Memory: 256 << 20,
+	rec := &store.Sandbox{ID: "00000000000000000e70", KeyID: "k", State: store.StateRunning, CPUs: 2, Memory: 256 << 20,
 		StartedAt: start, EndAt: start.Add(48 * time.Hour), NetSlot: -1}
 	if err := st.InsertSandbox(rec); err != nil {
 		t.Fatal(err)

@@ -42,12 +42,43 @@ const (
 const DefaultPausedRetention = 30 * 24 * time.Hour
 
 // transition serializes the lifecycle changes of one sandbox (pause,
-// resume, kill, snapshot) without holding the manager's lock.
+// resume, kill, snapshot) without holding the manager's lock. A lock
+// lives as long as someone holds or waits for it: the ids are the
+// callers' (before, one entry per id ever named stayed for good, any
+// tenant's request for any id, 64 KiB each, made one).
 func (m *Manager) transition(id string) func() {
-	v, _ := m.transitions.LoadOrStore(id, &sync.Mutex{})
-	mu := v.(*sync.Mutex)
-	mu.Lock()
-	return mu.Unlock
+	m.transMu.Lock()
+	l := m.transitions[id]
+	if l == nil {
+		l = &transitionLock{}
+		m.transitions[id] = l
+	}
+	l.refs++
+	m.transMu.Unlock()
+	l.Lock()
+	return func() {
+		l.Unlock()
+		m.transMu.Lock()
+		if l.refs--; l.refs == 0 {
+			delete(m.transitions, id)
+		}
+		m.transMu.Unlock()
+	}
+}
+
+type transitionLock struct {
+	sync.Mutex
+	refs int // holders and waiters (guarded by Manager.transMu)
+}
+
+// lockOwned takes sandbox id's transition lock once keyID is seen to own
+// it: a malformed id or another tenant's sandbox is ErrNotFound, with no
+// lock taken or waited for.
+func (m *Manager) lockOwned(keyID, id string) (func(), error) {
+	if _, err := m.Get(keyID, id); err != nil {
+		return nil, err
+	}
+	return m.transition(id), nil
 }
 
 func (m *Manager) savedFiles(id string) string {
@@ -57,7 +88,11 @@ func (m *Manager) savedFiles(id string) string {
 // Pause pauses a running sandbox, keeping its memory or only its files.
 // Pausing a paused sandbox is ErrConflict.
 func (m *Manager) Pause(ctx context.Context, keyID, id string, keepMemory bool) error {
-	defer m.transition(id)()
+	unlock, err := m.lockOwned(keyID, id)
+	if err != nil {
+		return err
+	}
+	defer unlock()
 	rec, err := m.Get(keyID, id)
 	if err != nil {
 		return err
@@ -190,7 +225,11 @@ func (m *Manager) Resume(ctx context.Context, keyID, id string, d time.Duration,
 	if err := m.checkTimeout(d); err != nil {
 		return nil, false, err
 	}
-	defer m.transition(id)()
+	unlock, err := m.lockOwned(keyID, id)
+	if err != nil {
+		return nil, false, err
+	}
+	defer unlock()
 	rec, err := m.Get(keyID, id)
 	if err != nil {
 		return nil, false, err

@@ -75,7 +75,11 @@ func (m *Manager) Snapshot(ctx context.Context, keyID, id, name string) (*store.
 	if name != "" && !snapshotName().MatchString(name) {
 		return nil, fmt.Errorf("%w: snapshot name %q: want letters, digits, - and _ (at most 64)", ErrInvalid, name)
 	}
-	defer m.transition(id)()
+	unlock, err := m.lockOwned(keyID, id)
+	if err != nil {
+		return nil, err
+	}
+	defer unlock()
 	rec, err := m.Get(keyID, id)
 	if err != nil {
 		return nil, err
