@@ -227,13 +227,17 @@ func (r *Root) List(p string, depth int) ([]Entry, error) {
 // listAt appends the entries of the directory fd (p in the volume) and,
 // while depth allows, of its subdirectories.
 func listAt(fd int, p string, depth int, out *[]Entry) error {
-	names, err := readNames(fd)
+	tooMany := fmt.Errorf("%w: more than %d entries under the path; list with a smaller depth", ErrTooLarge, MaxListEntries)
+	names, more, err := readNames(fd, MaxListEntries-len(*out))
 	if err != nil {
 		return pathErr("list", p, err)
 	}
+	if more {
+		return tooMany
+	}
 	for _, n := range names {
 		if len(*out) >= MaxListEntries {
-			return fmt.Errorf("%w: more than %d entries under the path; list with a smaller depth", ErrTooLarge, MaxListEntries)
+			return tooMany
 		}
 		child := path.Join(p, n)
 		e, err := statAt(fd, n, child)
@@ -260,16 +264,44 @@ func listAt(fd int, p string, depth int, out *[]Entry) error {
 	return nil
 }
 
-// readNames lists a directory descriptor's names (a duplicate is read, so
-// fd stays usable).
-func readNames(fd int) ([]string, error) {
+// readNames lists a directory descriptor's names, at most max of them (a
+// duplicate is read, so fd stays usable); more says there were others. A
+// sandbox may fill a directory with millions of hard links (no inodes
+// needed): the host reads no more than it keeps.
+func readNames(fd, max int) (names []string, more bool, err error) {
+	err = eachNames(fd, func(batch []string) bool {
+		names = append(names, batch...)
+		if len(names) > max {
+			names, more = names[:max], true
+			return false
+		}
+		return true
+	})
+	return names, more, err
+}
+
+// eachNames calls fn with a directory descriptor's names, a batch at a
+// time, until they end or fn says stop (a duplicate is read, so fd stays
+// usable).
+func eachNames(fd int, fn func([]string) bool) error {
 	dup, err := unix.Openat2(fd, ".", &unix.OpenHow{Flags: unix.O_RDONLY | unix.O_DIRECTORY | unix.O_CLOEXEC, Resolve: beneath})
 	if err != nil {
-		return nil, err
+		return err
 	}
 	d := os.NewFile(uintptr(dup), "dir")
 	defer d.Close()
-	return d.Readdirnames(-1)
+	for {
+		batch, err := d.Readdirnames(1024)
+		if len(batch) > 0 && !fn(batch) {
+			return nil
+		}
+		if errors.Is(err, io.EOF) {
+			return nil
+		}
+		if err != nil {
+			return err
+		}
+	}
 }
 
 // MakeDir makes the directory p with meta (default: owned by UserID,
@@ -564,7 +596,7 @@ func removeAt(dir int, name string, depth int) error {
 	}
 	defer unix.Close(fd)
 	for pass := 0; ; pass++ {
-		names, err := readNames(fd)
+		names, _, err := readNames(fd, 1)
 		if err != nil {
 			return err
 		}
@@ -574,10 +606,21 @@ func removeAt(dir int, name string, depth int) error {
 		if pass == 3 {
 			return fmt.Errorf("%w: a directory under it keeps filling while it is removed", ErrExists)
 		}
-		for _, n := range names {
-			if err := removeAt(fd, n, depth+1); err != nil && !errors.Is(err, unix.ENOENT) {
-				return err
+		// A batch at a time: the directory may hold millions of names.
+		var rmErr error
+		if err := eachNames(fd, func(batch []string) bool {
+			for _, n := range batch {
+				if err := removeAt(fd, n, depth+1); err != nil && !errors.Is(err, unix.ENOENT) {
+					rmErr = err
+					return false
+				}
 			}
+			return true
+		}); err != nil {
+			return err
+		}
+		if rmErr != nil {
+			return rmErr
 		}
 	}
 	return unix.Unlinkat(dir, name, unix.AT_REMOVEDIR)

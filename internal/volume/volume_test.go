@@ -5,6 +5,7 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"runtime"
 	"strconv"
 	"strings"
 	"testing"
@@ -286,5 +287,50 @@ func TestVolumeDeepTree(t *testing.T) {
 	}
 	if err := r.Remove("/wide"); err != nil {
 		t.Errorf("remove a wide directory: %v", err)
+	}
+}
+
+// TestVolumeHugeDirectory: a sandbox may fill a directory with hundreds of
+// thousands of hard links (no inode each). A listing of it is refused
+// after the host has read little more than MaxListEntries names, and a
+// removal takes it away a batch at a time. (Before, each listing read
+// every name first: 81 MiB for 200,000, and 1.2 GB of daemon memory for
+// eight listings at once of 480,000.)
+func TestVolumeHugeDirectory(t *testing.T) {
+	_, r, dir := newVolume(t, 512<<20)
+	big := filepath.Join(dir, "big")
+	if err := os.Mkdir(big, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	pad := strings.Repeat("x", 200)
+	const n = 150_000
+	var target string
+	for i := range n {
+		if i%60_000 == 0 { // ext4 allows 65,000 links a file
+			target = filepath.Join(dir, "target"+strconv.Itoa(i))
+			if err := os.WriteFile(target, nil, 0o644); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if err := os.Link(target, filepath.Join(big, pad+strconv.Itoa(i))); err != nil {
+			t.Fatalf("link %d: %v", i, err)
+		}
+	}
+	var before, after runtime.MemStats
+	runtime.GC()
+	runtime.ReadMemStats(&before)
+	_, err := r.List("/big", 1)
+	runtime.ReadMemStats(&after)
+	if !errors.Is(err, ErrTooLarge) {
+		t.Errorf("a listing of %d names: %v, want ErrTooLarge", n, err)
+	}
+	if got := after.TotalAlloc - before.TotalAlloc; got > 16<<20 {
+		t.Errorf("a refused listing of %d names allocated %d MiB", n, got>>20)
+	}
+	if err := r.Remove("/big"); err != nil {
+		t.Fatalf("remove the directory of %d names: %v", n, err)
+	}
+	if _, err := os.Stat(big); !os.IsNotExist(err) {
+		t.Errorf("after its removal: %v", err)
 	}
 }
