@@ -13,6 +13,7 @@ import (
 	"net/http/httptest"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -321,5 +322,49 @@ func TestErrorText(t *testing.T) {
 	n, err := c.Write([]byte("abcdef"))
 	if n != 6 || err != nil || c.String() != "abcd" || c.dropped != 2 {
 		t.Fatalf("capped: %d %v %q dropped %d", n, err, c.String(), c.dropped)
+	}
+}
+
+// TestWaitingRunsHoldNoBody: of the runs in flight, only twice max_workers
+// have their body read; the rest wait with it unread (it may be 16 MiB
+// each: 200 waiting held 3.2 GiB), and all are served in turn.
+func TestWaitingRunsHoldNoBody(t *testing.T) {
+	release := make(chan struct{})
+	var entered atomic.Int64
+	s, err := New(Config{Key: testKey, MaxRequests: 10, MaxWorkers: 1}, nil, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s.run = func(ctx context.Context, req runRequest, _ string) (*Result, error) {
+		entered.Add(1) // the body has been read
+		s.workers <- struct{}{}
+		defer func() { <-s.workers }()
+		<-release
+		return &Result{Stdout: "ok"}, nil
+	}
+	ts := httptest.NewServer(s.Handler())
+	defer ts.Close()
+	code := strings.Repeat("x", 1<<20)
+	results := make(chan answer, 10)
+	for range 10 {
+		go func() {
+			results <- do(t, ts, http.MethodPost, "/v1/sandbox/run", testKey, "application/json",
+				strings.NewReader(`{"language":"python3","code":"`+code+`"}`))
+		}()
+	}
+	for deadline := time.Now().Add(10 * time.Second); s.inflight.Load() < 10; time.Sleep(5 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("ten runs never were in flight")
+		}
+	}
+	time.Sleep(100 * time.Millisecond)
+	if n := entered.Load(); n > 2 {
+		t.Errorf("%d runs had their body read with one worker, want at most 2", n)
+	}
+	close(release)
+	for range 10 {
+		if a := <-results; a.status != 200 || a.env.Code != 0 {
+			t.Fatalf("a run: %d %.200s", a.status, a.body)
+		}
 	}
 }
