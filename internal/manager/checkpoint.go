@@ -151,9 +151,16 @@ func (m *Manager) resumeCheckpoint(ctx context.Context, rec *store.Sandbox, d ti
 		cp, _ = e.sb.(wall.Checkpointable)
 	}
 	if keepMemory && cp != nil {
+		// A restore starts the sandbox again: a create's slot, let go
+		// before a resume from the saved files takes its own.
+		release, err := m.createSlot(ctx)
+		if err != nil {
+			return err
+		}
 		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), checkpointOps)
-		err := cp.Restore(rctx, m.checkpointDir(rec.ID))
+		err = cp.Restore(rctx, m.checkpointDir(rec.ID))
 		cancel()
+		release()
 		if err == nil {
 			return m.restored(rec, e, d)
 		}

@@ -302,6 +302,14 @@ func (m *Manager) resumeFiles(ctx context.Context, rec *store.Sandbox, d time.Du
 		return err
 	}
 	defer m.admitted()
+	// A resume starts a sandbox as a create does, and waits for the same
+	// slots (before, resumes did not: a tenant could resume its paused
+	// sandboxes all at once, past the host's bound on starts).
+	release, err := m.createSlot(ctx)
+	if err != nil {
+		return err
+	}
+	defer release()
 	policy, err := DecodePolicy(rec.Network)
 	if err != nil {
 		return err
