@@ -122,23 +122,24 @@ func (s *Server) newContext(ctx context.Context, lang, cwd string) (*codeContext
 	if fi, err := os.Stat(cwd); err != nil || !fi.IsDir() {
 		return nil, fmt.Errorf("%w: cwd %q is not a directory in this sandbox", errBadRequest, truncate(cwd, 200))
 	}
+	// A place is reserved before the kernel starts: creates at once may
+	// not start more kernels than the limit (before, 200 at once ran 200
+	// kernels, the surplus closed only after they had started).
 	s.mu.Lock()
-	n := len(s.contexts)
-	s.mu.Unlock()
-	if n >= s.cfg.MaxContexts {
-		return nil, fmt.Errorf("%w: %d contexts exist, this code interpreter's limit; remove one first (removeCodeContext)", errLimit, n)
+	if n := len(s.contexts) + s.starting; n >= s.cfg.MaxContexts {
+		s.mu.Unlock()
+		return nil, fmt.Errorf("%w: %d contexts exist or are starting, this code interpreter's limit; remove one first (removeCodeContext)", errLimit, n)
 	}
+	s.starting++
+	s.mu.Unlock()
 	k, err := l.Start(ctx, cwd)
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.starting--
 	if err != nil {
 		return nil, fmt.Errorf("start a %s context: %w", lang, err)
 	}
 	c := &codeContext{ID: jupyter.NewID(), Language: lang, Cwd: cwd, kernel: k, turn: make(chan struct{}, 1)}
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if len(s.contexts) >= s.cfg.MaxContexts {
-		_ = k.Close()
-		return nil, fmt.Errorf("%w: %d contexts exist, this code interpreter's limit; remove one first (removeCodeContext)", errLimit, len(s.contexts))
-	}
 	s.contexts[c.ID] = c
 	return c, nil
 }

@@ -60,6 +60,7 @@ type Server struct {
 	contexts map[string]*codeContext
 	defaults map[string]*codeContext // a language's default context
 	creating map[string]*sync.Mutex  // held while a language's default is made
+	starting int                     // contexts whose kernel is starting (newContext)
 }
 
 // New returns a server; call Prestart, then serve Handler.
