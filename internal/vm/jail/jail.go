@@ -203,5 +203,15 @@ func bindRO(src, dst string, extra uintptr) error {
 	if err := unix.Mount("", dst, "", flags, ""); err != nil {
 		return fmt.Errorf("bind %s read-only: %w", src, err)
 	}
+	// The remount covers the top mount only: the host's mounts under src
+	// (a writable /usr/local, say) are made read-only (and nosuid, nodev
+	// where asked) too.
+	attr := &unix.MountAttr{Attr_set: unix.MOUNT_ATTR_RDONLY | unix.MOUNT_ATTR_NOSUID}
+	if extra&unix.MS_NODEV != 0 {
+		attr.Attr_set |= unix.MOUNT_ATTR_NODEV
+	}
+	if err := unix.MountSetattr(unix.AT_FDCWD, dst, unix.AT_RECURSIVE, attr); err != nil {
+		return fmt.Errorf("bind %s read-only, under it too: %w", src, err)
+	}
 	return nil
 }

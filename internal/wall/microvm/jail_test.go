@@ -17,7 +17,8 @@ import (
 // TestQEMUJail: a guest that escapes into QEMU finds nothing of the host.
 // QEMU's network namespace is its own and holds only lo (its NIC is a tap
 // descriptor); its mount namespace is its own, its root a read-only tmpfs
-// with /usr (QEMU, its libraries and firmware), the links or binds of the
+// with /usr (QEMU, its libraries and firmware; read-only, mounts under it
+// too), the links or binds of the
 // top-level library directories, a /dev of harmless nodes and its own
 // /proc; no /root, /home, /run, /etc, /var, no run or data directory of
 // cage's; its PID namespace shows QEMU alone; it runs as its own uid with
@@ -85,8 +86,8 @@ func TestQEMUJail(t *testing.T) {
 		if !ok || strings.Contains(line, runDir) || strings.Contains(line, "/root") || strings.Contains(line, "/home") {
 			t.Errorf("QEMU's mount namespace shows %q", line)
 		}
-		if mp == "/" && !strings.Contains(" "+f[5]+",", " ro,") {
-			t.Errorf("QEMU's root is not read-only: %q", line)
+		if (mp == "/" || mp == "/usr" || strings.HasPrefix(mp, "/usr/")) && !strings.HasPrefix(f[5]+",", "ro,") {
+			t.Errorf("QEMU's %s is not read-only: %q", mp, line)
 		}
 	}
 	for _, p := range []string{"/root", "/home", "/etc", "/run", "/var", "/tmp", runDir} {
