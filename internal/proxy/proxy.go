@@ -494,8 +494,9 @@ const maxAnswerHead = 64 << 10
 // maxInFlightPerSandbox bounds the requests the proxy relays to one
 // sandbox at once (open WebSockets and streams included): each holds a
 // connection through the agent, its buffers and goroutines, and HTTP/2
-// lets one client connection carry hundreds. Beyond it: 429.
-const maxInFlightPerSandbox = 1024
+// lets one client connection carry hundreds. Beyond it: 429. (A
+// variable for the tests, which hold a smaller number open.)
+var maxInFlightPerSandbox = 1024
 
 // enter counts a request to sandbox id in, unless it has
 // maxInFlightPerSandbox already.

@@ -362,6 +362,8 @@ func TestSandboxAnswerHeadBounded(t *testing.T) {
 // HTTP/2 client connection made the proxy open 240 connections to the
 // sandbox); once they end, requests go through again.
 func TestInFlightPerSandbox(t *testing.T) {
+	defer func(n int) { maxInFlightPerSandbox = n }(maxInFlightPerSandbox)
+	maxInFlightPerSandbox = 128 // some 4 descriptors each in this process
 	a := newFakeAgent(t)
 	srv := httptest.NewServer(New(sandboxes{sb{a}}, "", nil))
 	defer srv.Close()
