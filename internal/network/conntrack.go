@@ -1,6 +1,7 @@
 package network
 
 import (
+	"fmt"
 	"net/netip"
 	"slices"
 	"time"
@@ -81,4 +82,35 @@ func (sb *Sandbox) allowsLocked(dst netip.Addr, proto uint8, port uint16, now ti
 		}
 	}
 	return !sb.inY[dst]
+}
+
+// forgetFlows deletes every tracked connection of address ip, whichever
+// end it is: a slot's address passes to the next sandbox given the slot,
+// and the host's rules accept what belongs to an established connection
+// before they ask whose it is, so a connection the last holder left (a UDP
+// flow its far end keeps alive, an idle TCP one for days) would otherwise
+// be the next holder's, in and out, whatever its policy. A dump
+// interrupted by the table changing is tried again.
+func forgetFlows(ip netip.Addr) error {
+	f := addrFilter{ip}
+	_, err := netlink.ConntrackDeleteFilters(netlink.ConntrackTable, unix.AF_INET, f)
+	if err != nil {
+		_, err = netlink.ConntrackDeleteFilters(netlink.ConntrackTable, unix.AF_INET, f)
+	}
+	if err != nil {
+		return fmt.Errorf("forget the connections of %s: %w", ip, err)
+	}
+	return nil
+}
+
+type addrFilter struct{ ip netip.Addr }
+
+// MatchConntrackFlow says whether ip is an end of the flow, either way.
+func (f addrFilter) MatchConntrackFlow(flow *netlink.ConntrackFlow) bool {
+	for _, b := range [][]byte{flow.Forward.SrcIP, flow.Forward.DstIP, flow.Reverse.SrcIP, flow.Reverse.DstIP} {
+		if a, ok := netip.AddrFromSlice(b); ok && a.Unmap() == f.ip {
+			return true
+		}
+	}
+	return false
 }

@@ -208,6 +208,12 @@ func (h *Host) Attach(id string, slot int, nsFD int, p Policy) (*Sandbox, error)
 		_ = h.nft.remove(slot)
 		return nil, err
 	}
+	// The slot's last holder may have died without its Close (a cage run
+	// killed, a daemon crashed): what it left tracked is never this one's.
+	if err := forgetFlows(sb.IP); err != nil {
+		_ = h.nft.remove(slot)
+		return nil, err
+	}
 	if err := attachLink(slot, nsFD, sb.IP, h.gateway); err != nil {
 		_ = h.nft.remove(slot)
 		return nil, err
@@ -269,6 +275,7 @@ func (h *Host) GC(held func(slot int) bool) []int {
 		}
 		_ = removeLink(s)
 		_ = h.nft.remove(s)
+		_ = forgetFlows(h.IP(s))
 		removed = append(removed, s)
 	}
 	if n := h.nft.sweep(); n > 0 {

@@ -122,10 +122,16 @@ func fromSandboxRules() [][]expr.Any {
 // to the resolver's port, as dnsin has it for the sandbox), at most
 // dnsPackets a second per sandbox and protocol (the rest is dropped here,
 // so that a flood costs the resolver nothing), and replies; then a logged
-// refusal. A connection some other table redirected to the host is refused
+// refusal. Nothing passes whose interface and source address are not one
+// sandbox's. A connection some other table redirected to the host is refused
 // like any other.
 func toHostRules() [][]expr.Any {
-	var rs [][]expr.Any
+	// From a sandbox's own interface and address only, before anything is
+	// accepted: a packet from another's address (which a sandbox's code
+	// cannot send, but a compromised guest kernel could) never rides that
+	// sandbox's established flow to the resolver, nor any flow of the
+	// host's own.
+	rs := [][]expr.Any{cat(notSandbox(), verdict(expr.VerdictDrop))}
 	for _, proto := range []byte{unix.IPPROTO_UDP, unix.IPPROTO_TCP} {
 		ours := cat(l4proto(proto), ctStatus(ipsDstNAT), ctOrigDport(53), idLookup(setDNSIn, true))
 		flood := []expr.Any{

@@ -279,7 +279,8 @@ func (sb *Sandbox) expire(now time.Time) error {
 	return nil
 }
 
-// Close removes the sandbox's rules and interface.
+// Close removes the sandbox's rules and interface, and forgets its tracked
+// connections (see forgetFlows) before its slot can be another's.
 func (sb *Sandbox) Close() error {
 	sb.mu.Lock()
 	if sb.closed {
@@ -295,7 +296,9 @@ func (sb *Sandbox) Close() error {
 		delete(h.byIP, sb.IP)
 	}
 	h.mu.Unlock()
-	return errors.Join(removeLink(sb.Slot), h.nft.remove(sb.Slot))
+	// The interface and the rules first: nothing new is tracked for the
+	// address once they are gone.
+	return errors.Join(removeLink(sb.Slot), h.nft.remove(sb.Slot), forgetFlows(sb.IP))
 }
 
 // start writes the sandbox's objects for its first policy: its denied
