@@ -81,7 +81,8 @@ func (sb *Sandbox) allowsLocked(dst netip.Addr, proto uint8, port uint16, now ti
 			return false
 		}
 	}
-	return !sb.inY[dst]
+	_, in := sb.inY[dst]
+	return !in
 }
 
 // forgetFlows deletes every tracked connection of address ip, whichever

@@ -8,6 +8,7 @@ import (
 	"net"
 	"net/netip"
 	"os"
+	"slices"
 	"strings"
 	"syscall"
 	"time"
@@ -178,7 +179,7 @@ func (r *resolver) allowed(sb *Sandbox, gen uint64, q *dns.Msg, name string, rec
 	}
 	addrs, ttl := answerAddrs(ans)
 	if err := sb.commit(gen, name, addrs, ttl); err != nil {
-		if !errors.Is(err, errStale) && !errors.Is(err, errGone) {
+		if !errors.Is(err, errStale) && !errors.Is(err, errGone) && !errors.Is(err, errFull) {
 			r.h.log.Warn("resolver: allow the answer's addresses", "sandbox", sb.ID, "err", err)
 		}
 		rec.Detail = "not answered: " + err.Error()
@@ -187,6 +188,7 @@ func (r *resolver) allowed(sb *Sandbox, gen uint64, q *dns.Msg, name string, rec
 	}
 	rec.Detail = joinAddrs(addrs)
 	r.h.record(rec)
+	keepAddrs(ans, addrs)
 	ans.Id = q.Id
 	ans.Question = q.Question // as the sandbox spelt it
 	return ans
@@ -200,10 +202,14 @@ func (r *resolver) denied(sb *Sandbox, gen uint64, q *dns.Msg, name string, rec 
 	if q.Question[0].Qtype == dns.TypeA {
 		if ans, err := r.ask(context.Background(), upstreamQuestion(q, name)); err == nil {
 			addrs, ttl := answerAddrs(ans)
-			if err := sb.commit(gen, name, addrs, ttl); err != nil && !errors.Is(err, errStale) && !errors.Is(err, errGone) {
+			err := sb.commit(gen, name, addrs, ttl)
+			if err != nil && !errors.Is(err, errStale) && !errors.Is(err, errGone) && !errors.Is(err, errFull) {
 				r.h.log.Warn("resolver: deny the answer's addresses", "sandbox", sb.ID, "err", err)
 			}
 			rec.Detail = "denied addresses: " + joinAddrs(addrs)
+			if errors.Is(err, errFull) {
+				rec.Detail = "denied (its addresses not added: " + err.Error() + "): " + joinAddrs(addrs)
+			}
 		}
 	}
 	r.h.record(rec)
@@ -245,20 +251,38 @@ func upstreamQuestion(q *dns.Msg, name string) *dns.Msg {
 	return out
 }
 
-// answerAddrs are the IPv4 addresses of an answer and their TTL (the
-// shortest), clamped.
+// maxAnswerAddrs bounds the addresses taken from one answer (the sandbox
+// gets those alone): a name's servers may answer with thousands, which the
+// host would otherwise put in the shared sets, one element each.
+const maxAnswerAddrs = 32
+
+// answerAddrs are the IPv4 addresses of an answer, at most maxAnswerAddrs
+// of them (the first, each once), and their TTL (the shortest), clamped.
 func answerAddrs(ans *dns.Msg) ([]netip.Addr, time.Duration) {
 	var addrs []netip.Addr
 	ttl := maxLearnTTL
 	for _, rr := range ans.Answer {
-		if a, ok := rr.(*dns.A); ok {
-			if ip, ok := netip.AddrFromSlice(a.A.To4()); ok {
+		if a, ok := rr.(*dns.A); ok && len(addrs) < maxAnswerAddrs {
+			if ip, ok := netip.AddrFromSlice(a.A.To4()); ok && !slices.Contains(addrs, ip) {
 				addrs = append(addrs, ip)
 				ttl = min(ttl, time.Duration(a.Hdr.Ttl)*time.Second)
 			}
 		}
 	}
 	return addrs, clampTTL(ttl)
+}
+
+// keepAddrs leaves in ans's answer only the A records of addrs (other
+// records, CNAMEs among them, stay).
+func keepAddrs(ans *dns.Msg, addrs []netip.Addr) {
+	ans.Answer = slices.DeleteFunc(ans.Answer, func(rr dns.RR) bool {
+		a, ok := rr.(*dns.A)
+		if !ok {
+			return false
+		}
+		ip, ok := netip.AddrFromSlice(a.A.To4())
+		return !ok || !slices.Contains(addrs, ip)
+	})
 }
 
 func joinAddrs(addrs []netip.Addr) string {

@@ -2,6 +2,7 @@ package network
 
 import (
 	"errors"
+	"fmt"
 	"maps"
 	"net/netip"
 	"slices"
@@ -29,9 +30,14 @@ type Sandbox struct {
 	// address until its TTL ends.
 	learned map[string]map[netip.Addr]time.Time
 	// denied: names the policy denies (internet mode) and the addresses
-	// they resolved to, until their TTL ends; inY is what the y set holds.
+	// they resolved to, until their TTL ends; inY is what the y set holds,
+	// each address with how many denied names hold it.
 	denied map[string]map[netip.Addr]time.Time
-	inY    map[netip.Addr]bool
+	inY    map[netip.Addr]int
+	// elems is how many elements of the shared sets the learned and
+	// denied addresses take (an address learned for a name with ports
+	// takes one per port), held under maxSandboxElems.
+	elems  int
 	closed bool
 
 	queries limiter // DNS questions a second
@@ -43,9 +49,20 @@ var errStale = errors.New("the sandbox's policy changed while the answer was on 
 // errGone says the sandbox's network was closed.
 var errGone = errors.New("the sandbox's network is gone")
 
+// maxSandboxElems bounds the set elements one sandbox's DNS answers hold
+// at once (learned and denied addresses until their TTL, an hour at most):
+// each answer's addresses are bounded too (maxAnswerAddrs), but a sandbox
+// asks for new names of a wildcard its tenant allows or denies as fast as
+// it may ask (100 a second), and an attacker's own servers answer each
+// with as many addresses as fit. Beyond it, an answer is not given.
+const maxSandboxElems = 4096
+
+// errFull says an answer would take the sandbox past maxSandboxElems.
+var errFull = fmt.Errorf("the sandbox holds %d addresses of DNS answers, its limit", maxSandboxElems)
+
 func newSandbox(h *Host, id string, slot int, p Policy) *Sandbox {
 	return &Sandbox{ID: id, Slot: slot, IP: h.IP(slot), h: h, policy: p,
-		learned: map[string]map[netip.Addr]time.Time{}, denied: map[string]map[netip.Addr]time.Time{}, inY: map[netip.Addr]bool{}}
+		learned: map[string]map[netip.Addr]time.Time{}, denied: map[string]map[netip.Addr]time.Time{}, inY: map[netip.Addr]int{}}
 }
 
 // Policy is the sandbox's current policy.
@@ -114,18 +131,17 @@ func (sb *Sandbox) setPolicy(p Policy, cut bool) error {
 		maps.Copy(denied[name], addrs)
 	}
 	st := setState{learned: learnedElements(p, learned, now)}
-	inY := map[netip.Addr]bool{}
-	for _, addrs := range denied {
-		for a := range addrs {
-			inY[a] = true
-		}
-	}
+	inY := refCount(denied)
 	st.denied = slices.Collect(maps.Keys(inY))
+	elems := len(inY)
+	for _, l := range st.learned {
+		elems += max(1, len(l.ports))
+	}
 	if err := sb.h.nft.apply(sb.h.rules(sb, p), st); err != nil {
 		return err
 	}
 	sb.gen++
-	sb.policy, sb.learned, sb.denied, sb.inY = p, learned, denied, inY
+	sb.policy, sb.learned, sb.denied, sb.inY, sb.elems = p, learned, denied, inY, elems
 	if !cut {
 		return nil
 	}
@@ -140,6 +156,17 @@ func (sb *Sandbox) setPolicy(p Policy, cut bool) error {
 		sb.h.log.Error("network: the new policy is in force, but cutting the connections it refuses failed", "sandbox", sb.ID, "err", err)
 	}
 	return nil
+}
+
+// refCount is each address of the denied names with how many hold it.
+func refCount(denied map[string]map[netip.Addr]time.Time) map[netip.Addr]int {
+	out := map[netip.Addr]int{}
+	for _, addrs := range denied {
+		for a := range addrs {
+			out[a]++
+		}
+	}
+	return out
 }
 
 // live is the addresses of m whose time has not passed.
@@ -191,10 +218,20 @@ func (sb *Sandbox) commit(gen uint64, name string, addrs []netip.Addr, ttl time.
 	if !ok || !sb.policy.learns(name) {
 		return nil
 	}
+	m := sb.learned[name]
+	fresh := 0
+	for _, a := range addrs {
+		if _, ok := m[a]; !ok {
+			fresh++
+		}
+	}
+	grow := fresh * max(1, len(ports))
+	if sb.elems+grow > maxSandboxElems {
+		return errFull
+	}
 	if err := sb.h.nft.learn(sb.Slot, learnedFor(addrs, ports, ttl)); err != nil {
 		return err
 	}
-	m := sb.learned[name]
 	if m == nil {
 		m = map[netip.Addr]time.Time{}
 		sb.learned[name] = m
@@ -202,6 +239,7 @@ func (sb *Sandbox) commit(gen uint64, name string, addrs []netip.Addr, ttl time.
 	for _, a := range addrs {
 		m[a] = until
 	}
+	sb.elems += grow
 	return nil
 }
 
@@ -215,24 +253,30 @@ func learnedFor(addrs []netip.Addr, ports []uint16, ttl time.Duration) []learned
 
 // denyLocked adds a denied name's addresses to the denied set until until.
 func (sb *Sandbox) denyLocked(name string, addrs []netip.Addr, until time.Time) error {
+	m := sb.denied[name]
 	var add []netip.Addr
 	for _, a := range addrs {
-		if !sb.inY[a] {
+		if _, in := sb.inY[a]; !in && !slices.Contains(add, a) {
 			add = append(add, a)
 		}
+	}
+	// A name the policy denies by its exact name is bounded by the policy
+	// (its entries, maxAnswerAddrs each) and is always denied in full.
+	if sb.elems+len(add) > maxSandboxElems && !slices.Contains(sb.policy.exactDenyNames(), name) {
+		return errFull
 	}
 	if err := sb.h.nft.deny(sb.Slot, add, nil); err != nil {
 		return err
 	}
-	for _, a := range add {
-		sb.inY[a] = true
-	}
-	m := sb.denied[name]
+	sb.elems += len(add)
 	if m == nil {
 		m = map[netip.Addr]time.Time{}
 		sb.denied[name] = m
 	}
 	for _, a := range addrs {
+		if _, held := m[a]; !held {
+			sb.inY[a]++
+		}
 		if until.After(m[a]) {
 			m[a] = until
 		}
@@ -249,24 +293,34 @@ func (sb *Sandbox) expire(now time.Time) error {
 	if sb.closed {
 		return nil
 	}
-	for _, table := range []map[string]map[netip.Addr]time.Time{sb.learned, sb.denied} {
-		for name, addrs := range table {
-			maps.DeleteFunc(addrs, func(_ netip.Addr, until time.Time) bool { return !until.After(now) })
-			if len(addrs) == 0 {
-				delete(table, name)
-			}
+	for name, addrs := range sb.learned {
+		n := len(addrs)
+		maps.DeleteFunc(addrs, func(_ netip.Addr, until time.Time) bool { return !until.After(now) })
+		if gone := n - len(addrs); gone > 0 {
+			_, ports := sb.policy.NamePorts(name)
+			sb.elems -= gone * max(1, len(ports))
+		}
+		if len(addrs) == 0 {
+			delete(sb.learned, name)
 		}
 	}
-	var del []netip.Addr
-	for a := range sb.inY {
-		still := false
-		for _, addrs := range sb.denied {
-			if _, ok := addrs[a]; ok {
-				still = true
-				break
+	for name, addrs := range sb.denied {
+		maps.DeleteFunc(addrs, func(a netip.Addr, until time.Time) bool {
+			if until.After(now) {
+				return false
 			}
+			sb.inY[a]--
+			return true
+		})
+		if len(addrs) == 0 {
+			delete(sb.denied, name)
 		}
-		if !still {
+	}
+	// An address no denied name holds leaves the set (one whose removal
+	// failed stays in inY, at zero, and is tried again next time).
+	var del []netip.Addr
+	for a, n := range sb.inY {
+		if n <= 0 {
 			del = append(del, a)
 		}
 	}
@@ -276,6 +330,7 @@ func (sb *Sandbox) expire(now time.Time) error {
 	for _, a := range del {
 		delete(sb.inY, a)
 	}
+	sb.elems = max(0, sb.elems-len(del))
 	return nil
 }
 
@@ -311,11 +366,12 @@ func (sb *Sandbox) start() error {
 	for name, addrs := range fresh {
 		sb.denied[name] = addrs
 		for a := range addrs {
-			if !sb.inY[a] {
-				sb.inY[a] = true
+			if sb.inY[a] == 0 {
 				st.denied = append(st.denied, a)
 			}
+			sb.inY[a]++
 		}
 	}
+	sb.elems = len(sb.inY)
 	return sb.h.nft.apply(sb.h.rules(sb, sb.policy), st)
 }
