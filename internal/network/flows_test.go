@@ -1,6 +1,7 @@
 package network
 
 import (
+	"errors"
 	"fmt"
 	"net"
 	"os"
@@ -197,5 +198,60 @@ func TestSpoofedPacketsRideNoFlow(t *testing.T) {
 			t.Errorf("the upstream was asked %q for B's spoofed question", name)
 			break
 		}
+	}
+}
+
+// Attack: one sandbox opens more UDP flows than the host should track
+// for it (each answered, so each stays tracked), to fill the host's
+// conntrack table, which the host and every sandbox share: a full table
+// drops every new connection. Expected: the host tracks at most maxFlows
+// of the sandbox's connections (the rest are refused at once), and
+// another sandbox still connects.
+func TestFlowsPerSandboxBounded(t *testing.T) {
+	w := testutil.NewWorld(t)
+	h := newHost(t, w, nil)
+	a := attach(t, h, Policy{Mode: Internet})
+	b := attach(t, h, Policy{Mode: Internet})
+	udpEcho(t, w, 7200)
+	const tries = maxFlows + 500
+	answered, refused := 0, 0
+	err := testutil.InNS(a.ns, func() error {
+		conns := make([]*net.UDPConn, 0, tries)
+		defer func() {
+			for _, c := range conns {
+				c.Close()
+			}
+		}()
+		for range tries {
+			c, err := net.DialUDP("udp4", nil, &net.UDPAddr{IP: testutil.PublicHost.AsSlice(), Port: 7200})
+			if err != nil {
+				return err
+			}
+			conns = append(conns, c)
+			_, _ = c.Write([]byte("x"))
+		}
+		time.Sleep(time.Second)
+		buf := make([]byte, 64)
+		for _, c := range conns {
+			_ = c.SetReadDeadline(time.Now().Add(20 * time.Millisecond))
+			if _, err := c.Read(buf); err == nil {
+				answered++
+			} else if !errors.Is(err, os.ErrDeadlineExceeded) {
+				refused++
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// (How many of the rest saw the refusal depends on the host's ICMP
+	// rate limit.)
+	t.Logf("%d flows answered, %d refused at once, of %d", answered, refused, tries)
+	if answered > maxFlows || answered < maxFlows*9/10 {
+		t.Errorf("%d of the sandbox's %d flows were answered; want at most %d (and most of those)", answered, tries, maxFlows)
+	}
+	if _, err := b.get(testutil.PublicHost.String() + ":80"); err != nil {
+		t.Errorf("another sandbox, while the first holds its flows: %v", err)
 	}
 }

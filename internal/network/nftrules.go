@@ -89,6 +89,13 @@ func fromSandboxRules() [][]expr.Any {
 	add(nfproto(unix.NFPROTO_IPV4, false), drop)
 	add(notSandbox(), drop)
 	add(ctState(expr.CtStateBitESTABLISHED|expr.CtStateBitRELATED), accept)
+	// A new connection past the sandbox's tracked ones (maxFlows), counted
+	// by its source address: refused.
+	add(ctState(expr.CtStateBitNEW), []expr.Any{
+		load(r6, expr.PayloadBaseNetworkHeader, 12, 4),
+		&expr.Dynset{SrcRegKey: r6, SetName: setFlows, Operation: unix.NFT_DYNSET_OP_ADD,
+			Exprs: []expr.Any{&expr.Connlimit{Count: maxFlows, Flags: expr.NFT_CONNLIMIT_F_INV}}},
+	}, refused)
 	// DNS and DNS over TLS/QUIC to anyone but the gateway (which dstnat
 	// has redirected to the resolver before this): denied.
 	for _, proto := range []byte{unix.IPPROTO_UDP, unix.IPPROTO_TCP} {

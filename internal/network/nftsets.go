@@ -70,7 +70,16 @@ const (
 	setLimA     = "lima"     // meter: allowed connections logged per source
 	setLimD     = "limd"     // meter: refusals logged per source
 	setDNSLim   = "dnslim"   // meter: DNS packets per source and protocol
+	setFlows    = "flows"    // meter: tracked connections per source
 )
+
+// maxFlows bounds the connections one sandbox has tracked by the host at
+// once (closed TCP connections are not counted): the host's conntrack
+// table, and its limit (net.netfilter.nf_conntrack_max), are shared by
+// the host and every sandbox, and one that is full drops every new
+// connection, the daemon's own included. A sandbox past it is refused new
+// connections until some of its own end.
+const maxFlows = 4096
 
 // meterTimeout is how long a meter remembers a source it has not seen
 // (each packet renews it: a flood never finds its bucket full again).
@@ -106,6 +115,7 @@ func (n *nft) makeSets() {
 		setLimA:     set(setLimA, nftables.Set{KeyType: nftables.TypeIPAddr, Dynamic: true, HasTimeout: true, Size: meterSize}),
 		setLimD:     set(setLimD, nftables.Set{KeyType: nftables.TypeIPAddr, Dynamic: true, HasTimeout: true, Size: meterSize}),
 		setDNSLim:   set(setDNSLim, nftables.Set{KeyType: typeAddrProto, Dynamic: true, HasTimeout: true, Size: meterSize}),
+		setFlows:    set(setFlows, nftables.Set{KeyType: nftables.TypeIPAddr, Dynamic: true, Size: meterSize}),
 	}
 }
 
