@@ -1,6 +1,7 @@
 package network
 
 import (
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"net/netip"
@@ -275,5 +276,57 @@ func BenchmarkApplyManyAlive(b *testing.B) {
 				})
 			})
 		}
+	}
+}
+
+// TestManyElementsInOneBatch: thousands of elements added and deleted in
+// one batch (a policy change of a sandbox holding thousands of learned or
+// denied addresses; a sweep) all arrive. A set message's element list is
+// one netlink attribute with a 16-bit length: one list of 2,000 elements
+// with timeouts wrapped, and the kernel added 510 of them while the batch
+// reported success (a policy change could so drop denied addresses).
+func TestManyElementsInOneBatch(t *testing.T) {
+	w := testutil.NewWorld(t)
+	n := newHost(t, w, nil).nft
+	for _, c := range []struct {
+		set     string
+		timeout time.Duration
+	}{{setNames, time.Hour}, {setDNames, 0}, {setNamesP, time.Hour}} {
+		id, err := newID(1, 1)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var els []elem
+		for i := range 6000 {
+			a := netip.AddrFrom4([4]byte(binary.BigEndian.AppendUint32(nil, 0x0b000000+uint32(i))))
+			key := idAddr(id, a)
+			if c.set == setNamesP {
+				key = append(key, 0, 80, 0, 0)
+			}
+			els = append(els, elem{c.set, nftables.SetElement{Key: key, Timeout: c.timeout}})
+		}
+		count := func() int {
+			list, err := n.conn.GetSetElements(n.sets[c.set])
+			if err != nil {
+				t.Fatal(err)
+			}
+			return len(slices.DeleteFunc(list, func(e nftables.SetElement) bool { return sbxID(e.Key[:16]) != id }))
+		}
+		n.mu.Lock()
+		err = n.addElems(n.conn, els)
+		if err == nil {
+			err = n.conn.Flush()
+		}
+		if got := count(); err != nil || got != len(els) {
+			t.Errorf("set %s: %d elements added in one batch: %d there (%v)", c.set, len(els), got, err)
+		}
+		err = n.delElems(n.conn, els)
+		if err == nil {
+			err = n.conn.Flush()
+		}
+		if got := count(); err != nil || got != 0 {
+			t.Errorf("set %s: %d elements deleted in one batch: %d left (%v)", c.set, len(els), got, err)
+		}
+		n.mu.Unlock()
 	}
 }

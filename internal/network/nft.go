@@ -314,7 +314,23 @@ func groupSocket(c *netlink.Conn) error {
 	if err := c.SetOption(netlink.CapAcknowledge, true); err != nil {
 		return err
 	}
-	return c.SetReadBuffer(4 << 20)
+	if err := c.SetReadBuffer(4 << 20); err != nil {
+		return err
+	}
+	// A batch is one sendmsg, refused (EMSGSIZE) past the send buffer:
+	// a policy change of a sandbox holding thousands of learned and denied
+	// addresses is a few hundred KiB. Past net.core.wmem_max as root
+	// (SO_SNDBUFFORCE), else as far as it allows.
+	if raw, err := c.SyscallConn(); err == nil {
+		var serr error
+		if err := raw.Control(func(fd uintptr) {
+			serr = unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_SNDBUFFORCE, 4<<20)
+		}); err == nil && serr == nil {
+			return nil
+		}
+	}
+	_ = c.SetWriteBuffer(4 << 20)
+	return nil
 }
 
 // A sandbox's DNS packets to the resolver, a second and at once, per

@@ -5,6 +5,7 @@ import (
 	"encoding/binary"
 	"hash/fnv"
 	"net/netip"
+	"slices"
 	"time"
 
 	"github.com/google/nftables"
@@ -227,10 +228,19 @@ func dnameElems(id sbxID, addrs []netip.Addr) []elem {
 
 // addElems and delElems queue elements' addition or removal on c, one
 // message per set.
+// elemsPerMessage bounds the elements of one set message: its element
+// list is one netlink attribute, whose length is 16 bits, and a longer
+// one wraps (the kernel then saw the first 510 of 2,000 elements with
+// timeouts, or 2,048 of 4,000 deletions, and the batch reported success).
+// A batch of several messages is still one transaction.
+const elemsPerMessage = 256
+
 func (n *nft) addElems(c *nftables.Conn, els []elem) error {
 	for _, g := range groupBySet(els) {
-		if err := c.SetAddElements(n.sets[g.set], g.els); err != nil {
-			return err
+		for part := range slices.Chunk(g.els, elemsPerMessage) {
+			if err := c.SetAddElements(n.sets[g.set], part); err != nil {
+				return err
+			}
 		}
 	}
 	return nil
@@ -242,8 +252,10 @@ func (n *nft) delElems(c *nftables.Conn, els []elem) error {
 		keys = append(keys, elem{e.set, nftables.SetElement{Key: e.el.Key, KeyEnd: e.el.KeyEnd}})
 	}
 	for _, g := range groupBySet(keys) {
-		if err := c.SetDeleteElements(n.sets[g.set], g.els); err != nil {
-			return err
+		for part := range slices.Chunk(g.els, elemsPerMessage) {
+			if err := c.SetDeleteElements(n.sets[g.set], part); err != nil {
+				return err
+			}
 		}
 	}
 	return nil
