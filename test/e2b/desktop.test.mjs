@@ -68,10 +68,18 @@ const sleep = (ms) => new Promise((r) => setTimeout(r, ms))
 /** Polls getApplicationWindows(cls) until a window is there. */
 async function windowOf(sbx, cls) {
   let ids = []
-  await waitFor(async () => {
-    ids = await sbx.getApplicationWindows(cls).catch(() => [])
-    return ids.length > 0
-  }, 60_000 * SLOW, () => `a window of class ${cls}`)
+  try {
+    await waitFor(async () => {
+      ids = await sbx.getApplicationWindows(cls).catch(() => [])
+      return ids.length > 0
+    }, 60_000 * SLOW, () => `a window of class ${cls}`)
+  } catch (err) {
+    // What the sandbox was doing: which processes ran, for how long, and
+    // where they waited.
+    const ps = await sbx.commands.run('ps -eo pid,ppid,etime,time,stat,wchan:24,rss,args | cut -c1-220', { timeout: 30_000 })
+      .then((r) => r.stdout, (e) => `ps failed: ${errText(e)}`)
+    throw new Error(`${err.message}; the sandbox's processes:\n${ps}`)
+  }
   return ids[ids.length - 1]
 }
 
@@ -223,9 +231,12 @@ addEventListener('click', () => { c++; show() })
 addEventListener('keydown', (e) => { if (e.key === 'A' && e.shiftKey) k = 'shift+A'; show() })
 </script></body></html>`
       await sbx.files.write('/home/user/page.html', page)
+      const opened = Date.now()
       await sbx.open('/home/user/page.html')
       const win = await windowOf(sbx, 'firefox')
+      console.log(`# Firefox's window in ${Date.now() - opened} ms`)
       await titleWhere(sbx, win, (s) => s.startsWith('cage page'), 'the page in Firefox')
+      console.log(`# the page's title in ${Date.now() - opened} ms`)
       await sleep(500 * SLOW)
       await sbx.leftClick(W / 2, H / 2)
       await titleWhere(sbx, win, (s) => /c[1-9]/.test(s), 'a click')
@@ -263,6 +274,7 @@ addEventListener('keydown', (e) => { if (e.key === 'A' && e.shiftKey) k = 'shift
       await sbx.moveMouse(550, 340)
       await sbx.mouseRelease('left')
       const title = await titleWhere(sbx, win, (s) => / d50,40 /.test(s), 'mousePress, a move and mouseRelease')
+      console.log(`# every input reached the page ${Date.now() - opened} ms after open()`)
       assert.match(title, /Firefox/)
       assert.equal(await sbx.getCurrentWindowId(), win, 'the browser has the focus')
     })
