@@ -2,6 +2,7 @@ package imgstore
 
 import (
 	"bufio"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io/fs"
@@ -100,9 +101,14 @@ func (s *Store) gcLocked(only map[string]bool) ([]string, error) {
 		}
 	}
 	// Mounts keep layers too: an Import that replaced a template leaves the
-	// old layers unreferenced while sandboxes still run on them.
-	mounted, err := mountedLayers()
+	// old layers unreferenced while sandboxes still run on them. A sandbox's
+	// root names no layer path (its layers are given by descriptor, or as
+	// idmapped copies), but its source names the template's image ID.
+	mounted, sources, err := mountedLayers()
 	if err != nil {
+		return nil, fmt.Errorf("gc: %w", err)
+	}
+	if err := s.keepMounted(sources, mounted, usedConfigs); err != nil {
 		return nil, fmt.Errorf("gc: %w", err)
 	}
 	consider := func(h string) bool { return !usedLayers[h] && !mounted[h] && (only == nil || only[h]) }
@@ -226,8 +232,10 @@ func MountSource(t *Template) string {
 	if len(id) > 12 {
 		id = id[:12]
 	}
-	return "cage-template:" + t.Name + "@" + id
+	return mountSourcePrefix + t.Name + "@" + id
 }
+
+const mountSourcePrefix = "cage-template:"
 
 // InUse returns the mount points of the mounts whose source is
 // MountSource(t). It returns nil if /proc/self/mountinfo cannot be read
@@ -262,23 +270,74 @@ func inUse(t *Template) ([]string, error) {
 var layerRefRE = sync.OnceValue(func() *regexp.Regexp { return regexp.MustCompile(`layers/([0-9a-f]{64})(?:[/:, ]|$)`) })
 
 // mountedLayers returns the layers (by hex) that some mount of this mount
-// namespace uses. It may name layers of another store: keeping those here
-// costs nothing.
-func mountedLayers() (map[string]bool, error) {
+// namespace names by path, and the image IDs (their first 12 hex digits,
+// as MountSource has them) of the templates mounts were made from. It may
+// name layers and templates of another store: keeping those here costs
+// nothing.
+func mountedLayers() (layers, templates map[string]bool, err error) {
 	f, err := os.Open("/proc/self/mountinfo")
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	defer f.Close()
-	mounted := map[string]bool{}
+	layers, templates = map[string]bool{}, map[string]bool{}
 	sc := bufio.NewScanner(f)
 	sc.Buffer(make([]byte, 64<<10), 1<<20)
 	for sc.Scan() {
-		for _, m := range layerRefRE().FindAllStringSubmatch(unescapeMountinfo(sc.Text()), -1) {
-			mounted[m[1]] = true
+		line := sc.Text()
+		for _, m := range layerRefRE().FindAllStringSubmatch(unescapeMountinfo(line), -1) {
+			layers[m[1]] = true
+		}
+		if _, source, ok := parseMountinfo(line); ok && strings.HasPrefix(source, mountSourcePrefix) {
+			if i := strings.LastIndexByte(source, '@'); i >= 0 && idPrefixRE().MatchString(source[i+1:]) {
+				templates[source[i+1:]] = true
+			}
 		}
 	}
-	return mounted, sc.Err()
+	return layers, templates, sc.Err()
+}
+
+// idPrefixRE is the image ID's part of a MountSource.
+var idPrefixRE = sync.OnceValue(func() *regexp.Regexp { return regexp.MustCompile(`^[0-9a-f]{12}$`) })
+
+// keepMounted adds to layers the layers of every image config whose ID
+// begins with one of ids (templates some mount was made from, replaced or
+// not), read from the config's rootfs, and keeps those configs (used): a
+// mounted template's layers stay while it is mounted. A config that
+// cannot be read keeps GC from going on.
+func (s *Store) keepMounted(ids, layers, used map[string]bool) error {
+	if len(ids) == 0 {
+		return nil
+	}
+	entries, err := os.ReadDir(s.path(configsDir))
+	if err != nil {
+		return err
+	}
+	for _, e := range entries {
+		h, ok := strings.CutSuffix(e.Name(), ".json")
+		if !ok || !hexRE().MatchString(h) || !ids[h[:12]] {
+			continue
+		}
+		b, err := os.ReadFile(s.path(configsDir, e.Name()))
+		if err != nil {
+			return fmt.Errorf("the config of mounted template %s: %w", h[:12], err)
+		}
+		var c struct {
+			RootFS struct {
+				DiffIDs []string `json:"diff_ids"`
+			} `json:"rootfs"`
+		}
+		if err := json.Unmarshal(b, &c); err != nil {
+			return fmt.Errorf("the config of mounted template %s: %w", h[:12], err)
+		}
+		for _, d := range c.RootFS.DiffIDs {
+			if lh, err := digestHex(d); err == nil {
+				layers[lh] = true
+			}
+		}
+		used[h] = true
+	}
+	return nil
 }
 
 // parseMountinfo returns the mount point and the source of a line of
