@@ -3,9 +3,11 @@ package inside
 import (
 	"errors"
 	"fmt"
+	"io"
 	"io/fs"
 	"os"
 	"strings"
+	"syscall"
 )
 
 // An image template's root is its overlay, writable; what cage needs in it
@@ -143,12 +145,18 @@ func ensureAccounts(r *os.Root, userName string, uid, gid, owner int) error {
 	return nil
 }
 
+// maxAccountsFile bounds an image's passwd and group, which the OCI walls
+// read in the daemon: a sparse file of gigabytes costs an image nothing
+// to carry.
+const maxAccountsFile = 1 << 20
+
 // addEntries appends the lines of want whose name (first field) file does
-// not have yet. A file that is not a regular file is replaced.
+// not have yet. A file that is not a regular file is replaced; one larger
+// than maxAccountsFile is refused.
 func addEntries(r *os.Root, file string, want []string, owner int) error {
 	var have string
 	if fi, err := r.Lstat(file); err == nil && fi.Mode().IsRegular() {
-		b, err := r.ReadFile(file)
+		b, err := readSmall(r, file, maxAccountsFile)
 		if err != nil {
 			return err
 		}
@@ -192,4 +200,29 @@ func addEntries(r *os.Root, file string, want []string, owner int) error {
 		err = cerr
 	}
 	return err
+}
+
+// readSmall reads the regular file name under r, refusing one larger than
+// limit (by its size, and by what is read: it may grow meanwhile).
+func readSmall(r *os.Root, name string, limit int64) ([]byte, error) {
+	f, err := r.OpenFile(name, os.O_RDONLY|syscall.O_NOFOLLOW|syscall.O_NONBLOCK, 0)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	fi, err := f.Stat()
+	if err != nil {
+		return nil, err
+	}
+	if !fi.Mode().IsRegular() {
+		return nil, fmt.Errorf("the image's /%s is not a regular file", name)
+	}
+	b, err := io.ReadAll(io.LimitReader(f, limit+1))
+	if err != nil {
+		return nil, err
+	}
+	if fi.Size() > limit || int64(len(b)) > limit {
+		return nil, fmt.Errorf("the image's /%s is larger than %d KiB", name, limit>>10)
+	}
+	return b, nil
 }
