@@ -377,7 +377,7 @@ func (b *Builder) run(ctx context.Context, held *imgstore.Held, st *state, in In
 	}
 	tarFile.Close()
 	defer os.Remove(tarFile.Name())
-	n, err := captureAfter(ctx, sb, filepath.Join(b.Host.RunDir, "sandboxes", sb.ID()), "disk/upper", tarFile.Name())
+	n, err := captureAfter(ctx, sb, filepath.Join(b.Host.RunDir, "sandboxes", sb.ID()), "disk/upper", disk, tarFile.Name())
 	if err != nil {
 		return "", err
 	}

@@ -25,7 +25,7 @@ import (
 // the capture is done, when no process of the step is left to change them
 // under the reader (a FIFO swapped in for a file would block it; a file
 // growing without end would never be read to its end).
-func captureAfter(ctx context.Context, sb wall.Sandbox, stateDir, rel, out string) (int, error) {
+func captureAfter(ctx context.Context, sb wall.Sandbox, stateDir, rel string, maxBytes int64, out string) (int, error) {
 	sd, err := os.Open(stateDir)
 	if err != nil {
 		return 0, err
@@ -52,7 +52,7 @@ func captureAfter(ctx context.Context, sb wall.Sandbox, stateDir, rel, out strin
 		return 0, err
 	}
 	defer root.Close()
-	return capture(ctx, root, int(st.Uid), out)
+	return capture(ctx, root, int(st.Uid), maxBytes, out)
 }
 
 // Bounds of a capture. The step wrote the tree, and the host pays for
@@ -77,11 +77,14 @@ var errCaptureBounds = errors.New("the step's changes are past what a layer may 
 // its sandbox (root), as an OCI layer tar at out: overlay whiteouts (0:0
 // character devices) become .wh. entries, opaque directories .wh..wh..opq,
 // owners are the sandbox's (host id - idBase), and cage's own files in the
-// sandbox are left out. The sandbox wrote everything here: it is read
+// sandbox are left out. The files' bytes, a sparse file's holes included
+// (a layer carries them whole), are at most maxBytes: the step's disk,
+// which a sparse file of terabytes takes none of. The sandbox wrote
+// everything here: it is read
 // through an os.Root, so a symlink it planted never leads the host out, and
 // every file and directory is opened without following, without blocking
 // (a FIFO opens at once) and checked to be what Lstat saw, else refused.
-func capture(ctx context.Context, root *os.Root, idBase int, out string) (entries int, err error) {
+func capture(ctx context.Context, root *os.Root, idBase int, maxBytes int64, out string) (entries int, err error) {
 	f, err := os.OpenFile(out, os.O_CREATE|os.O_TRUNC|os.O_WRONLY, 0o600)
 	if err != nil {
 		return 0, err
@@ -92,7 +95,7 @@ func capture(ctx context.Context, root *os.Root, idBase int, out string) (entrie
 		}
 	}()
 	tw := tar.NewWriter(f)
-	c := &capturer{root: root, tw: tw, base: idBase, links: map[[2]uint64]string{}}
+	c := &capturer{root: root, tw: tw, base: idBase, links: map[[2]uint64]string{}, left: maxBytes}
 	var walked, names int
 	err = fs.WalkDir(root.FS(), ".", func(p string, d fs.DirEntry, err error) error {
 		if err != nil {
@@ -172,6 +175,7 @@ type capturer struct {
 	base  int
 	links map[[2]uint64]string // dev, inode -> first name
 	n     int
+	left  int64 // bytes the layer's files may still hold
 }
 
 func (c *capturer) id(host uint32, p string) (int, error) {
@@ -252,6 +256,9 @@ func (c *capturer) entry(p string) error {
 			return err
 		}
 		defer file.Close()
+		if c.left -= fi.Size(); c.left < 0 {
+			return fmt.Errorf("%w: its files hold more bytes than the step's disk (a sparse file counts whole, as a layer carries it): %.80s", errCaptureBounds, p)
+		}
 		setXattrs(h, userXattrs(int(file.Fd())))
 		h.Typeflag, h.Size = tar.TypeReg, fi.Size()
 		return c.write(h, io.LimitReader(file, fi.Size()))

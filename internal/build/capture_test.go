@@ -36,7 +36,7 @@ func captureGuarded(t *testing.T, dir string) (int, error) {
 	}
 	done := make(chan res, 1)
 	go func() {
-		n, err := capture(context.Background(), root, 0, filepath.Join(t.TempDir(), "layer.tar"))
+		n, err := capture(context.Background(), root, 0, 1<<30, filepath.Join(t.TempDir(), "layer.tar"))
 		done <- res{n, err}
 	}()
 	select {
@@ -98,8 +98,48 @@ func TestCaptureBounds(t *testing.T) {
 	defer root.Close()
 	ctx, cancel := context.WithCancel(context.Background())
 	cancel()
-	if _, err := capture(ctx, root, 0, filepath.Join(t.TempDir(), "layer.tar")); !errors.Is(err, context.Canceled) {
+	if _, err := capture(ctx, root, 0, 1<<30, filepath.Join(t.TempDir(), "layer.tar")); !errors.Is(err, context.Canceled) {
 		t.Errorf("a cancelled capture: %v; want context.Canceled", err)
+	}
+}
+
+// Attack: a RUN step makes a sparse file of a terabyte (truncate -s 1T),
+// which takes none of its disk; the capture wrote its every byte, zeros,
+// into the layer tar in the host's temporary directory, until that (a
+// tmpfs: the host's memory) was full. Expected: the capture is refused as
+// soon as the files' bytes pass the step's disk, having written no more;
+// files within it are captured.
+func TestCaptureSparseFileBounded(t *testing.T) {
+	dir := t.TempDir()
+	f, err := os.Create(filepath.Join(dir, "huge"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := f.Truncate(1 << 40); err != nil {
+		t.Fatal(err)
+	}
+	f.Close()
+	if err := os.WriteFile(filepath.Join(dir, "small"), bytes.Repeat([]byte("x"), 4096), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	root, err := os.OpenRoot(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer root.Close()
+	out := filepath.Join(t.TempDir(), "layer.tar")
+	_, err = capture(context.Background(), root, 0, 64<<20, out)
+	if !errors.Is(err, errCaptureBounds) || !strings.Contains(err.Error(), "more bytes than the step's disk") {
+		t.Errorf("a sparse file of 1 TiB with a disk of 64 MiB: %v; want refused", err)
+	}
+	if fi, err := os.Stat(out); err == nil && fi.Size() > 64<<20 {
+		t.Errorf("the layer tar grew to %d bytes", fi.Size())
+	}
+	if err := os.Remove(filepath.Join(dir, "huge")); err != nil {
+		t.Fatal(err)
+	}
+	if n, err := capture(context.Background(), root, 0, 64<<20, out); err != nil || n != 1 {
+		t.Errorf("a 4 KiB file with a disk of 64 MiB: %d entries, %v; want it captured", n, err)
 	}
 }
 
