@@ -12,6 +12,7 @@ import (
 	"path"
 	"strconv"
 	"strings"
+	"syscall"
 
 	"github.com/cagehq/cage/internal/imgstore"
 )
@@ -67,7 +68,7 @@ func (b *Builder) copy(ctx context.Context, held *imgstore.Held, st *state, in I
 	for _, f := range files {
 		fmt.Fprintf(h, "%s\x00%s\x00%o\x00%s\x00", f.src, f.dst, f.mode, f.link)
 		if f.mode.IsRegular() {
-			r, err := root.Open(f.src)
+			r, err := openRegular(root, f.src)
 			if err != nil {
 				return "", err
 			}
@@ -144,6 +145,9 @@ func collect(root *os.Root, src, dest string, destIsDir bool) ([]copied, error) 
 	if err != nil {
 		return nil, fmt.Errorf("%s: not in the build context: %v", src, unwrapPath(err))
 	}
+	if fi.Mode()&(fs.ModeDevice|fs.ModeNamedPipe|fs.ModeSocket) != 0 {
+		return nil, fmt.Errorf("%s: not a file, directory or symbolic link", src)
+	}
 	if !fi.IsDir() {
 		dst := dest
 		if destIsDir {
@@ -205,7 +209,7 @@ func writeCopied(tw *tar.Writer, root *os.Root, f copied, uid, gid int) error {
 		h.Typeflag, h.Linkname = tar.TypeSymlink, f.link
 		return tw.WriteHeader(h)
 	}
-	r, err := root.Open(f.src)
+	r, err := openRegular(root, f.src)
 	if err != nil {
 		return err
 	}
@@ -223,4 +227,22 @@ func writeCopied(tw *tar.Writer, root *os.Root, f copied, uid, gid int) error {
 		err = fmt.Errorf("%s changed while it was copied", f.src)
 	}
 	return err
+}
+
+// openRegular opens a regular file of the build context, never following
+// a link and never waiting (a FIFO put in a file's place since the context
+// was listed opens at once, and is refused).
+func openRegular(root *os.Root, name string) (*os.File, error) {
+	f, err := root.OpenFile(name, os.O_RDONLY|syscall.O_NOFOLLOW|syscall.O_NONBLOCK, 0)
+	if err != nil {
+		return nil, err
+	}
+	if fi, err := f.Stat(); err != nil || !fi.Mode().IsRegular() {
+		f.Close()
+		if err == nil {
+			err = fmt.Errorf("%s: not a regular file", name)
+		}
+		return nil, err
+	}
+	return f, nil
 }
