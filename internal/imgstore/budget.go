@@ -19,6 +19,24 @@ type budget struct {
 	read     int64 // uncompressed bytes read, tar headers included
 	written  int64 // bytes of regular files as written out
 	files    int
+	walked   int // names resolved to open entries' directories
+}
+
+// maxWalk bounds the names an import resolves to open the directories its
+// entries go in (a path costs one per name; entries come grouped by
+// directory, so real layers pay little): a small archive whose entries
+// alternate between two chains of thousands of directories made the host
+// resolve millions of names per entry, hours of its time. The largest
+// import allowed (2,000,000 files some 8 deep) stays far inside.
+const maxWalk = 64 << 20
+
+// walk charges the resolution of a path of n names.
+func (b *budget) walk(n int) error {
+	b.walked += n
+	if b.walked > maxWalk {
+		return invalidf("image's entries alternate between directories too deep to unpack (more than %d names to resolve)", maxWalk)
+	}
+	return nil
 }
 
 func newBudget(o Options) *budget {

@@ -209,12 +209,29 @@ func (u *unpacker) parentFD(dir string) (int, error) {
 	if u.parent != nil && u.parentName == dir {
 		return int(u.parent.Fd()), nil
 	}
-	if err := u.closeParent(); err != nil {
+	var f *os.File
+	if u.parent != nil && dir != "." && path.Dir(dir) == u.parentName {
+		// One level down from the open one (knownDir checks a path top
+		// down): one name to resolve, not the whole path again.
+		fd, err := unix.Openat(int(u.parent.Fd()), path.Base(dir), unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+		if err != nil {
+			return -1, fmt.Errorf("%s: %s: %w", u.label, dir, err)
+		}
+		f = os.NewFile(uintptr(fd), dir)
+	} else if err := u.budget.walk(strings.Count(dir, "/") + 1); err != nil {
 		return -1, err
 	}
-	f, err := u.root.OpenFile(dir, os.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW, 0)
-	if err != nil {
-		return -1, fmt.Errorf("%s: %w", u.label, err)
+	if err := u.closeParent(); err != nil {
+		if f != nil {
+			f.Close()
+		}
+		return -1, err
+	}
+	if f == nil {
+		var err error
+		if f, err = u.root.OpenFile(dir, os.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW, 0); err != nil {
+			return -1, fmt.Errorf("%s: %w", u.label, err)
+		}
 	}
 	var st unix.Stat_t
 	if err := unix.Fstat(int(f.Fd()), &st); err != nil {

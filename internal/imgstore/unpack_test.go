@@ -4,6 +4,7 @@ import (
 	"archive/tar"
 	"bytes"
 	"context"
+	"fmt"
 	"io"
 	"io/fs"
 	"os"
@@ -238,5 +239,56 @@ func checkXattrs(t *testing.T, p string, isDir bool) {
 		default:
 			t.Errorf("%s: xattr %s kept", p, x)
 		}
+	}
+}
+
+// Attack: a layer whose entries alternate between the bottoms of two
+// chains of 1,000 directories (a/a/.../f0, b/b/.../f1, ...): each entry
+// left the chain the unpacker had checked, and each of the 1,000
+// directories it then checked was opened from the layer's root, a path of
+// up to 1,000 names (some 7 s of the host's time per entry at a depth of
+// 2,000; a 156 KiB gzipped archive, hours). Expected: the layer unpacks
+// whole, resolving some depth's worth of names per entry, not its square;
+// and an import that would resolve more than maxWalk names is refused.
+func TestDeepAlternatingChains(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root (owners)")
+	}
+	const depth, entries = 1000, 40
+	var buf bytes.Buffer
+	tw := tar.NewWriter(&buf)
+	for i := range entries {
+		dir := strings.Repeat(string(rune('a'+i%2))+"/", depth)
+		if err := tw.WriteHeader(&tar.Header{Name: fmt.Sprintf("%sf%d", dir, i), Typeflag: tar.TypeReg, Mode: 0o644, Format: tar.FormatPAX}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := tw.Close(); err != nil {
+		t.Fatal(err)
+	}
+	unpack := func(b *budget) error {
+		root, err := os.OpenRoot(t.TempDir())
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer root.Close()
+		cr := &countingReader{ctx: context.Background(), r: bytes.NewReader(buf.Bytes()), b: b}
+		rec := &recorder{r: cr, rw: newRecipeWriter(io.Discard)}
+		return newUnpacker(root, "layer", b, rec).run(tar.NewReader(rec))
+	}
+	b := &budget{maxBytes: 1 << 30, maxFiles: 1 << 20}
+	if err := unpack(b); err != nil {
+		t.Fatal(err)
+	}
+	if b.files != 2*depth+entries {
+		t.Errorf("%d entries made; want %d", b.files, 2*depth+entries)
+	}
+	if b.walked > 4*depth*entries {
+		t.Errorf("%d names resolved from the root for %d entries %d deep; want at most %d", b.walked, entries, depth, 4*depth*entries)
+	}
+	t.Logf("%d names resolved from the root", b.walked)
+	small := &budget{maxBytes: 1 << 30, maxFiles: 1 << 20, walked: maxWalk - 10}
+	if err := unpack(small); err == nil || !strings.Contains(err.Error(), "too deep to unpack") {
+		t.Errorf("an import past maxWalk: %v; want refused", err)
 	}
 }
