@@ -175,8 +175,16 @@ func (t *tools) execute(ctx context.Context, sb *sandbox, in codeIn) (io.ReadClo
 	return nil, fmt.Errorf("the code interpreter refused the run: %s (HTTP %d)", clip(text, 500), resp.StatusCode)
 }
 
-// codeHTTP reaches the proxy; runs last as long as their timeout_s.
-var codeHTTP = &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 16, IdleConnTimeout: 90 * time.Second}}
+// codeHTTP reaches the proxy; runs last as long as their timeout_s. What
+// answers is the sandbox's port 49999, which its own code may serve: a
+// redirect is never followed (it had the daemon, or the machine of `cage
+// mcp`, send the code and the sandbox's tokens to an address the sandbox
+// chose, from the host's network, and return the answer); it is an error
+// like any other answer but 200.
+var codeHTTP = &http.Client{
+	Transport:     &http.Transport{MaxIdleConnsPerHost: 16, IdleConnTimeout: 90 * time.Second},
+	CheckRedirect: func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse },
+}
 
 // codeRun gathers one run's stream of NDJSON lines.
 type codeRun struct {

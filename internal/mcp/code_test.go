@@ -1,12 +1,20 @@
 package mcp
 
 import (
+	"context"
+	"encoding/json"
+	"fmt"
 	"io"
+	"net/http"
+	"net/http/httptest"
 	"runtime"
 	"strings"
+	"sync/atomic"
 	"testing"
 
 	sdk "github.com/modelcontextprotocol/go-sdk/mcp"
+
+	"github.com/cagehq/cage/internal/client"
 )
 
 // repeated is a stream of the same NDJSON line, n times, then the end.
@@ -70,4 +78,55 @@ func TestRunCodeResultsBounded(t *testing.T) {
 		t.Errorf("the answer does not say results were left out: %+v", res.Content[0])
 	}
 	runtime.KeepAlive(r)
+}
+
+// Attack: the server on a sandbox's port 49999 (its own code may serve
+// it) answers run_code's POST /execute with a redirect to a service only
+// the host reaches (cloud metadata, a loopback port). Expected: the
+// redirect is not followed: the service sees nothing (neither the code
+// nor the sandbox's tokens), and the tool's error says what the sandbox
+// answered.
+func TestRunCodeFollowsNoRedirect(t *testing.T) {
+	var reached atomic.Int64
+	hostOnly := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		reached.Add(1)
+		http.Error(w, "host-only secret", http.StatusForbidden)
+	}))
+	defer hostOnly.Close()
+	api := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "application/json")
+		_ = json.NewEncoder(w).Encode(map[string]any{"sandboxID": "sbx1", "templateID": "base", "state": "running",
+			"envdAccessToken": "envd-token", "trafficAccessToken": "traffic-token"})
+	}))
+	defer api.Close()
+	for _, code := range []int{http.StatusTemporaryRedirect, http.StatusFound, http.StatusPermanentRedirect} {
+		proxy := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			w.Header().Set("Location", hostOnly.URL+"/latest/meta-data/")
+			w.WriteHeader(code)
+		}))
+		s := NewServer(Config{Client: client.New(api.URL, proxy.URL, "e2b_test")})
+		st, ct := sdk.NewInMemoryTransports()
+		ctx := context.Background()
+		ss, err := s.Connect(ctx, st, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		cs, err := sdk.NewClient(&sdk.Implementation{Name: "test", Version: "1"}, nil).Connect(ctx, ct, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		res, err := cs.CallTool(ctx, &sdk.CallToolParams{Name: "run_code", Arguments: map[string]any{"sandbox_id": "sbx1", "code": "print(1)"}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if text := resultText(res); !res.IsError || !strings.Contains(text, fmt.Sprintf("HTTP %d", code)) || strings.Contains(text, "secret") {
+			t.Errorf("a %d from the sandbox: %q (error %v); want an error naming it", code, text, res.IsError)
+		}
+		cs.Close()
+		ss.Close()
+		proxy.Close()
+	}
+	if n := reached.Load(); n != 0 {
+		t.Errorf("the host-only service was reached %d times through the sandbox's redirects", n)
+	}
 }
