@@ -1,10 +1,14 @@
 package mcp
 
 import (
+	"bufio"
+	"bytes"
 	"context"
 	"crypto/sha256"
 	"encoding/json"
+	"errors"
 	"fmt"
+	"io"
 	"log/slog"
 	"net/http"
 	"strings"
@@ -82,11 +86,87 @@ func Handler(cfg HTTPConfig) http.Handler {
 			return
 		}
 		keyID = id
+		if r.Method == http.MethodPost {
+			batch, err := peekBatch(r)
+			if err != nil {
+				httpError(w, http.StatusBadRequest, "reading the request: "+err.Error())
+				return
+			}
+			if batch {
+				httpError(w, http.StatusBadRequest, "JSON-RPC batches are not served (MCP 2025-06-18 dropped them): send one message a request")
+				return
+			}
+		}
+		if !inFlight.take(id) {
+			httpError(w, http.StatusTooManyRequests, fmt.Sprintf("this key has %d requests on /mcp in flight, the most it may: wait for one to end", maxInFlightPerKey))
+			return
+		}
+		defer inFlight.give(id)
 		sc := cfg.Server(r, key)
 		sc.Schemas, sc.Agents = schemas, agents
 		ctx := context.WithValue(r.Context(), serverKey{}, servers.get(sc))
 		h.ServeHTTP(w, r.WithContext(ctx))
 	})
+}
+
+// What one request may make the daemon hold is bounded by its one call
+// (a tool's answer is bounded): a JSON-RPC batch of many calls had every
+// answer built in memory before any was written (one request of 7 KB
+// with 48 file reads: 100 MB of answer, 389 MiB of heap), so batches are
+// refused; and a key has at most maxInFlightPerKey requests in flight.
+const maxInFlightPerKey = 16
+
+var inFlight = &keyCounts{m: map[string]int{}}
+
+type keyCounts struct {
+	mu sync.Mutex
+	m  map[string]int
+}
+
+func (k *keyCounts) take(id string) bool {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	if k.m[id] >= maxInFlightPerKey {
+		return false
+	}
+	k.m[id]++
+	return true
+}
+
+func (k *keyCounts) give(id string) {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	if k.m[id]--; k.m[id] <= 0 {
+		delete(k.m, id)
+	}
+}
+
+// peekBatch says whether the body is a JSON array (a batch), reading only
+// the white space before its first byte and leaving the body whole.
+func peekBatch(r *http.Request) (bool, error) {
+	br := bufio.NewReader(r.Body)
+	var head []byte
+	for {
+		c, err := br.ReadByte()
+		if err == io.EOF {
+			break
+		}
+		if err != nil {
+			return false, err
+		}
+		head = append(head, c)
+		if c != ' ' && c != '\t' && c != '\n' && c != '\r' {
+			break
+		}
+		if len(head) > 4096 {
+			return false, errors.New("more than 4 KiB of white space before the message")
+		}
+	}
+	r.Body = struct {
+		io.Reader
+		io.Closer
+	}{io.MultiReader(bytes.NewReader(head), br), r.Body}
+	return len(head) > 0 && head[len(head)-1] == '[', nil
 }
 
 // serverCache keeps a server per key (and addresses): making one costs

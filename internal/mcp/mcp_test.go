@@ -10,6 +10,7 @@ import (
 	"strings"
 	"sync/atomic"
 	"testing"
+	"time"
 	"unicode/utf8"
 
 	sdk "github.com/modelcontextprotocol/go-sdk/mcp"
@@ -304,5 +305,78 @@ func TestEncodeRead(t *testing.T) {
 	_, out, _ = encodeRead("auto", []byte("ab\xc3"), readOut{Size: 10, Truncated: true})
 	if out.Encoding != "utf8" || out.Content != "ab" || out.Bytes != 2 {
 		t.Errorf("a rune cut by max_bytes: %+v", out)
+	}
+}
+
+// Attack: a key holder sends one small request on /mcp carrying a JSON-RPC
+// batch of many calls (each file_read up to 8 MiB, answered in one JSON
+// body built whole in memory: 48 reads made 100 MB of answer, 389 MiB of
+// heap), or many requests at once. Expected: a batch is refused (400,
+// whatever white space comes first) and a single message still served; a
+// key's 17th request in flight gets 429 while another key's is served.
+func TestHTTPBatchesAndFloodsBounded(t *testing.T) {
+	release := make(chan struct{})
+	var waiting atomic.Int64
+	api := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		waiting.Add(1)
+		<-release
+		w.Header().Set("Content-Type", "application/json")
+		_, _ = w.Write([]byte("[]"))
+	}))
+	defer api.Close()
+	h := Handler(HTTPConfig{
+		Verify: func(key string) (string, error) { return "id_" + key, nil },
+		Server: func(r *http.Request, key string) Config { return Config{Client: client.New(api.URL, api.URL, key)} },
+	})
+	post := func(key, body string) *httptest.ResponseRecorder {
+		req := httptest.NewRequest(http.MethodPost, "/mcp", strings.NewReader(body))
+		req.Header.Set("Content-Type", "application/json")
+		req.Header.Set("Accept", "application/json, text/event-stream")
+		req.Header.Set("Authorization", "Bearer "+key)
+		w := httptest.NewRecorder()
+		h.ServeHTTP(w, req)
+		return w
+	}
+	initialize := `{"jsonrpc":"2.0","id":1,"method":"initialize","params":{"protocolVersion":"2025-06-18","capabilities":{},"clientInfo":{"name":"t","version":"1"}}}`
+	if w := post("e2b_a", " \n\t["+initialize+","+initialize+"]"); w.Code != 400 || !strings.Contains(w.Body.String(), "batches are not served") {
+		t.Errorf("a batch: %d %s; want 400", w.Code, w.Body)
+	}
+	if w := post("e2b_a", " \n"+initialize); w.Code != 200 || !strings.Contains(w.Body.String(), `"serverInfo"`) {
+		t.Errorf("one message after white space: %d %s; want 200", w.Code, w.Body)
+	}
+	list := `{"jsonrpc":"2.0","id":2,"method":"tools/call","params":{"name":"sandbox_list","arguments":{}}}`
+	done := make(chan int, maxInFlightPerKey)
+	for range maxInFlightPerKey {
+		go func() { done <- post("e2b_a", list).Code }()
+	}
+	for waiting.Load() < maxInFlightPerKey {
+		time.Sleep(10 * time.Millisecond)
+	}
+	past := make(chan *httptest.ResponseRecorder, 1)
+	go func() { past <- post("e2b_a", list) }()
+	select {
+	case w := <-past:
+		if w.Code != http.StatusTooManyRequests {
+			t.Errorf("the key's request past %d in flight: %d %s; want 429", maxInFlightPerKey, w.Code, w.Body)
+		}
+	case <-time.After(30 * time.Second):
+		t.Errorf("the key's request past %d in flight was taken in (it waits with the others); want 429", maxInFlightPerKey)
+	}
+	other := make(chan int, 1)
+	go func() { other <- post("e2b_b", list).Code }()
+	for waiting.Load() < maxInFlightPerKey+1 {
+		time.Sleep(10 * time.Millisecond)
+	}
+	close(release)
+	for range maxInFlightPerKey {
+		if code := <-done; code != 200 {
+			t.Errorf("a request in flight: %d; want 200", code)
+		}
+	}
+	if code := <-other; code != 200 {
+		t.Errorf("another key's request while the first was at its bound: %d; want 200", code)
+	}
+	if w := post("e2b_a", list); w.Code != 200 {
+		t.Errorf("the key's request once the others ended: %d %s; want 200", w.Code, w.Body)
 	}
 }
