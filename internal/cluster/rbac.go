@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 
+	admissionv1 "k8s.io/api/admissionregistration/v1"
 	corev1 "k8s.io/api/core/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -44,6 +45,60 @@ func Roles(ns string) (*rbacv1.ClusterRole, []*rbacv1.Role) {
 		{APIGroups: []string{"coordination.k8s.io"}, Resources: []string{"leases"}, Verbs: rw},
 	}}
 	return cr, []*rbacv1.Role{leases, inNS}
+}
+
+// NodeUserPrefix begins every cage node's user name: cage:node:NAME, for
+// the node NAME (its Node object and its Lease), as kubelets are
+// system:node:NAME.
+const NodeUserPrefix = "cage:node:"
+
+// Policy is the admission policy that narrows what RBAC cannot: RBAC gives
+// group cage:nodes every Node and every Lease of kube-node-lease (a node
+// registers its own, and the lifecycle's leader taints others), and so
+// one node's credentials could rewrite another node's addresses (and have
+// every front send that node's clients, their API keys and tokens, to
+// it), or taint, rewrite or delete the Nodes and Leases of kubelets in a
+// shared cluster. Under it, a request of group cage:nodes:
+//   - changes only Nodes labelled cage.dev/node=true (before and after);
+//   - creates, deletes, relabels or re-annotates only its own Node (user
+//     cage:node:NAME for the Node NAME): another's it may only taint and
+//     mark (spec and status);
+//   - writes only its own Lease in kube-node-lease.
+func Policy() (*admissionv1.ValidatingAdmissionPolicy, *admissionv1.ValidatingAdmissionPolicyBinding) {
+	fail := admissionv1.Fail
+	ops := []admissionv1.OperationType{admissionv1.Create, admissionv1.Update, admissionv1.Delete}
+	rule := func(group string, resources ...string) admissionv1.NamedRuleWithOperations {
+		return admissionv1.NamedRuleWithOperations{RuleWithOperations: admissionv1.RuleWithOperations{Operations: ops,
+			Rule: admissionv1.Rule{APIGroups: []string{group}, APIVersions: []string{"v1"}, Resources: resources}}}
+	}
+	const (
+		it       = "(request.operation == 'DELETE' ? oldObject : object)"
+		isNode   = "request.resource.resource == 'nodes'"
+		isLease  = "request.resource.resource == 'leases'"
+		own      = "request.userInfo.username == '" + NodeUserPrefix + "' + " + it + ".metadata.name"
+		labelled = "(has(%[1]s.metadata.labels) && '" + NodeLabel + "' in %[1]s.metadata.labels && %[1]s.metadata.labels['" + NodeLabel + "'] == 'true')"
+	)
+	cageNode := fmt.Sprintf(labelled, it) + " && (request.operation != 'UPDATE' || " + fmt.Sprintf(labelled, "oldObject") + ")"
+	sameMeta := "request.operation == 'UPDATE' && " +
+		"(has(object.metadata.labels) ? object.metadata.labels : {}) == (has(oldObject.metadata.labels) ? oldObject.metadata.labels : {}) && " +
+		"(has(object.metadata.annotations) ? object.metadata.annotations : {}) == (has(oldObject.metadata.annotations) ? oldObject.metadata.annotations : {})"
+	p := &admissionv1.ValidatingAdmissionPolicy{ObjectMeta: meta(RoleName, ""), Spec: admissionv1.ValidatingAdmissionPolicySpec{
+		FailurePolicy: &fail,
+		MatchConstraints: &admissionv1.MatchResources{ResourceRules: []admissionv1.NamedRuleWithOperations{
+			rule("", "nodes", "nodes/status"), rule("coordination.k8s.io", "leases")}},
+		MatchConditions: []admissionv1.MatchCondition{{Name: "cage-nodes", Expression: "'" + NodesGroup + "' in request.userInfo.groups"}},
+		Validations: []admissionv1.Validation{
+			{Expression: "!(" + isNode + ") || (" + cageNode + ")",
+				Message: "a cage node may change only cage Nodes (label " + NodeLabel + "=true)"},
+			{Expression: "!(" + isNode + ") || " + own + " || (" + sameMeta + ")",
+				Message: "a cage node may create, delete, relabel or re-annotate only its own Node (user " + NodeUserPrefix + "NAME); another's it may only taint and mark"},
+			{Expression: "!(" + isLease + ") || request.namespace != '" + NodeLeaseNamespace + "' || " + own,
+				Message: "a cage node may write only its own Lease in " + NodeLeaseNamespace},
+		},
+	}}
+	b := &admissionv1.ValidatingAdmissionPolicyBinding{ObjectMeta: meta(RoleName, ""), Spec: admissionv1.ValidatingAdmissionPolicyBindingSpec{
+		PolicyName: RoleName, ValidationActions: []admissionv1.ValidationAction{admissionv1.Deny}}}
+	return p, b
 }
 
 func meta(name, ns string) metav1.ObjectMeta {
@@ -99,6 +154,37 @@ func ApplyRBAC(ctx context.Context, c *kube.Client, namespace ...string) error {
 			return fmt.Errorf("rbac: rolebinding %s/%s: %w", r.Namespace, r.Name, err)
 		}
 	}
+	p, pb := Policy()
+	adm := c.AdmissionregistrationV1()
+	if err := upsert(ctx, func() error {
+		_, err := adm.ValidatingAdmissionPolicies().Create(ctx, p, metav1.CreateOptions{})
+		return err
+	},
+		func() error {
+			cur, err := adm.ValidatingAdmissionPolicies().Get(ctx, p.Name, metav1.GetOptions{})
+			if err != nil {
+				return err
+			}
+			p.ResourceVersion = cur.ResourceVersion
+			_, err = adm.ValidatingAdmissionPolicies().Update(ctx, p, metav1.UpdateOptions{})
+			return err
+		}); err != nil {
+		return fmt.Errorf("rbac: validating admission policy %s: %w", p.Name, err)
+	}
+	if err := upsert(ctx, func() error {
+		_, err := adm.ValidatingAdmissionPolicyBindings().Create(ctx, pb, metav1.CreateOptions{})
+		return err
+	}, func() error {
+		cur, err := adm.ValidatingAdmissionPolicyBindings().Get(ctx, pb.Name, metav1.GetOptions{})
+		if err != nil {
+			return err
+		}
+		pb.ResourceVersion = cur.ResourceVersion
+		_, err = adm.ValidatingAdmissionPolicyBindings().Update(ctx, pb, metav1.UpdateOptions{})
+		return err
+	}); err != nil {
+		return fmt.Errorf("rbac: validating admission policy binding %s: %w", pb.Name, err)
+	}
 	return nil
 }
 
@@ -123,6 +209,10 @@ func RBACYAML(ns string) ([]byte, error) {
 		objs = append(objs, r, &rbacv1.RoleBinding{TypeMeta: metav1.TypeMeta{APIVersion: "rbac.authorization.k8s.io/v1", Kind: "RoleBinding"},
 			ObjectMeta: meta(RoleName, r.Namespace), Subjects: subjects(), RoleRef: rbacv1.RoleRef{APIGroup: rbacv1.GroupName, Kind: "Role", Name: RoleName}})
 	}
+	p, pb := Policy()
+	p.TypeMeta = metav1.TypeMeta{APIVersion: "admissionregistration.k8s.io/v1", Kind: "ValidatingAdmissionPolicy"}
+	pb.TypeMeta = metav1.TypeMeta{APIVersion: "admissionregistration.k8s.io/v1", Kind: "ValidatingAdmissionPolicyBinding"}
+	objs = append(objs, p, pb)
 	var out []byte
 	for i, o := range objs {
 		b, err := yaml.Marshal(o)

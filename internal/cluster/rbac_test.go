@@ -1,9 +1,20 @@
 package cluster
 
 import (
+	"context"
+	"encoding/json"
 	"slices"
 	"strings"
 	"testing"
+	"time"
+
+	coordinationv1 "k8s.io/api/coordination/v1"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+
+	"github.com/cagehq/cage/internal/kube"
+	"github.com/cagehq/cage/internal/testutil/kubeplane"
 )
 
 // TestRolesLeastPrivilege: the nodes' rights name their resources (no
@@ -48,5 +59,112 @@ func TestRolesLeastPrivilege(t *testing.T) {
 		if !strings.Contains(string(y), want) {
 			t.Errorf("RBACYAML lacks %q:\n%s", want, y)
 		}
+	}
+}
+
+// Attack: one cage node's credentials (root in its daemon after a sandbox
+// escape) used against the rest of the cluster. RBAC gives group
+// cage:nodes every Node and every Lease of kube-node-lease: node "evil"
+// rewrote node b's cage.dev/api and cage.dev/proxy (every front then sent
+// b's clients, their API keys and tokens, to it) and tainted, rewrote the
+// Lease of, and deleted a Node that is not cage's. Expected (the
+// admission policy ApplyRBAC installs): all of that refused with the
+// policy's reason; what cage's own nodes need still allowed: its own
+// Node and Lease, and taints and conditions on another cage Node (the
+// lifecycle's leader).
+func TestNodePolicy(t *testing.T) {
+	p := kubeplane.Start(t, kubeplane.Options{Nodes: []string{"evil"}})
+	ctx := context.Background()
+	load := func(user string) *kube.Client {
+		cfg, err := kube.LoadKubeconfig(p.MustKubeconfig(t, user))
+		if err != nil {
+			t.Fatal(err)
+		}
+		c, err := kube.New(cfg, kube.Options{QPS: 100, Burst: 100})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return c
+	}
+	admin, evil := load(kubeplane.Admin), load(kubeplane.NodeUser("evil"))
+	if err := ApplyRBAC(ctx, admin); err != nil {
+		t.Fatal(err)
+	}
+	if err := ApplyRBAC(ctx, admin); err != nil { // again: an update
+		t.Fatalf("ApplyRBAC over itself: %v", err)
+	}
+	// The API server takes a policy in a moment after it is made: until
+	// evil's change of a Node that is not cage's is refused.
+	probe := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: "probe"}}
+	if _, err := admin.CoreV1().Nodes().Create(ctx, probe, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(100 * time.Millisecond) {
+		b, _ := json.Marshal(map[string]any{"metadata": map[string]any{"labels": map[string]string{"x": "y"}}})
+		_, err := evil.CoreV1().Nodes().Patch(ctx, "probe", types.MergePatchType, b, metav1.PatchOptions{})
+		if err != nil {
+			break
+		}
+		if time.Now().After(deadline) {
+			pol, _ := admin.AdmissionregistrationV1().ValidatingAdmissionPolicies().Get(ctx, RoleName, metav1.GetOptions{})
+			t.Fatalf("the policy is not in force after 30 s; its status: %+v", pol.Status)
+		}
+	}
+	nodes := func(c *kube.Client) kube.Resource[corev1.Node, corev1.NodeList] { return c.CoreV1().Nodes() }
+	mk := func(name string, labels map[string]string) {
+		if _, err := nodes(admin).Create(ctx, &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: name, Labels: labels}}, metav1.CreateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	mk("b", map[string]string{NodeLabel: "true"})
+	mk("worker-1", nil)
+	lease := func(c *kube.Client, name string) error {
+		l := &coordinationv1.Lease{ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: NodeLeaseNamespace}}
+		_, err := c.CoordinationV1().Leases(NodeLeaseNamespace).Create(ctx, l, metav1.CreateOptions{})
+		return err
+	}
+	if err := lease(admin, "worker-1"); err != nil {
+		t.Fatal(err)
+	}
+	patch := func(c *kube.Client, node string, v any) error {
+		b, _ := json.Marshal(v)
+		_, err := nodes(c).Patch(ctx, node, types.MergePatchType, b, metav1.PatchOptions{})
+		return err
+	}
+	annos := map[string]any{"metadata": map[string]any{"annotations": map[string]string{AnnoAPI: "http://127.0.0.1:1", AnnoProxy: "http://127.0.0.1:1"}}}
+	taint := map[string]any{"spec": map[string]any{"taints": []map[string]string{{"key": TaintUnreachable, "effect": "NoSchedule"}}}}
+	refused := func(what string, err error, reason string) {
+		t.Helper()
+		if err == nil || !strings.Contains(err.Error(), reason) {
+			t.Errorf("%s: %v; want refused (%q)", what, err, reason)
+		}
+	}
+	allowed := func(what string, err error) {
+		t.Helper()
+		if err != nil {
+			t.Errorf("%s: %v; want allowed", what, err)
+		}
+	}
+	refused("evil rewrites cage node b's addresses", patch(evil, "b", annos), "only its own Node")
+	refused("evil relabels cage node b", patch(evil, "b", map[string]any{"metadata": map[string]any{"labels": map[string]string{NodeLabel: "false"}}}), "")
+	allowed("evil taints cage node b (the lifecycle's leader)", patch(evil, "b", taint))
+	refused("evil taints worker-1 (not cage's)", patch(evil, "worker-1", taint), "only cage Nodes")
+	refused("evil labels worker-1 a cage node", patch(evil, "worker-1", map[string]any{"metadata": map[string]any{"labels": map[string]string{NodeLabel: "true"}}}), "only cage Nodes")
+	refused("evil deletes worker-1", nodes(evil).Delete(ctx, "worker-1", metav1.DeleteOptions{}), "only cage Nodes")
+	refused("evil deletes cage node b", nodes(evil).Delete(ctx, "b", metav1.DeleteOptions{}), "only its own Node")
+	refused("evil creates a Node named c", func() error {
+		_, err := nodes(evil).Create(ctx, &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: "c", Labels: map[string]string{NodeLabel: "true"}}}, metav1.CreateOptions{})
+		return err
+	}(), "only its own Node")
+	allowed("evil registers its own Node", func() error {
+		_, err := nodes(evil).Create(ctx, &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: "evil", Labels: map[string]string{NodeLabel: "true"}}}, metav1.CreateOptions{})
+		return err
+	}())
+	allowed("evil sets its own addresses", patch(evil, "evil", annos))
+	refused("evil deletes worker-1's Lease", evil.CoordinationV1().Leases(NodeLeaseNamespace).Delete(ctx, "worker-1", metav1.DeleteOptions{}), "only its own Lease")
+	refused("evil creates a Lease for b", lease(evil, "b"), "only its own Lease")
+	allowed("evil creates its own Lease", lease(evil, "evil"))
+	if n, err := nodes(admin).Get(ctx, "b", metav1.GetOptions{}); err != nil || n.Annotations[AnnoAPI] != "" || n.Labels[NodeLabel] != "true" {
+		t.Errorf("node b after: %v %v", n, err)
 	}
 }

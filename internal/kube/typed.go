@@ -7,6 +7,7 @@ import (
 	"net/url"
 	"strconv"
 
+	admissionv1 "k8s.io/api/admissionregistration/v1"
 	coordinationv1 "k8s.io/api/coordination/v1"
 	corev1 "k8s.io/api/core/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
@@ -160,10 +161,28 @@ func (c *Client) CoordinationV1() Coordination { return Coordination{c} }
 // RbacV1 is the RBAC group.
 func (c *Client) RbacV1() RBAC { return RBAC{c} }
 
+// Admission is admissionregistration.k8s.io/v1's (AdmissionregistrationV1()).
+type Admission struct{ c *Client }
+
+// AdmissionregistrationV1 is the admission registration group.
+func (c *Client) AdmissionregistrationV1() Admission { return Admission{c} }
+
+// ValidatingAdmissionPolicies of the cluster.
+func (g Admission) ValidatingAdmissionPolicies() Resource[admissionv1.ValidatingAdmissionPolicy, admissionv1.ValidatingAdmissionPolicyList] {
+	return Resource[admissionv1.ValidatingAdmissionPolicy, admissionv1.ValidatingAdmissionPolicyList]{g.c, admission, "", "validatingadmissionpolicies"}
+}
+
+// ValidatingAdmissionPolicyBindings of the cluster.
+func (g Admission) ValidatingAdmissionPolicyBindings() Resource[admissionv1.ValidatingAdmissionPolicyBinding, admissionv1.ValidatingAdmissionPolicyBindingList] {
+	return Resource[admissionv1.ValidatingAdmissionPolicyBinding, admissionv1.ValidatingAdmissionPolicyBindingList]{g.c, admission, "", "validatingadmissionpolicybindings"}
+}
+
 const (
 	core  = "/api/v1"
 	coord = "/apis/coordination.k8s.io/v1"
 	rbac  = "/apis/rbac.authorization.k8s.io/v1"
+
+	admission = "/apis/admissionregistration.k8s.io/v1"
 )
 
 // Pods in namespace ns.
