@@ -156,33 +156,10 @@ func ApplyRBAC(ctx context.Context, c *kube.Client, namespace ...string) error {
 	}
 	p, pb := Policy()
 	adm := c.AdmissionregistrationV1()
-	if err := upsert(ctx, func() error {
-		_, err := adm.ValidatingAdmissionPolicies().Create(ctx, p, metav1.CreateOptions{})
-		return err
-	},
-		func() error {
-			cur, err := adm.ValidatingAdmissionPolicies().Get(ctx, p.Name, metav1.GetOptions{})
-			if err != nil {
-				return err
-			}
-			p.ResourceVersion = cur.ResourceVersion
-			_, err = adm.ValidatingAdmissionPolicies().Update(ctx, p, metav1.UpdateOptions{})
-			return err
-		}); err != nil {
+	if err := upsertVersioned(ctx, adm.ValidatingAdmissionPolicies(), p); err != nil {
 		return fmt.Errorf("rbac: validating admission policy %s: %w", p.Name, err)
 	}
-	if err := upsert(ctx, func() error {
-		_, err := adm.ValidatingAdmissionPolicyBindings().Create(ctx, pb, metav1.CreateOptions{})
-		return err
-	}, func() error {
-		cur, err := adm.ValidatingAdmissionPolicyBindings().Get(ctx, pb.Name, metav1.GetOptions{})
-		if err != nil {
-			return err
-		}
-		pb.ResourceVersion = cur.ResourceVersion
-		_, err = adm.ValidatingAdmissionPolicyBindings().Update(ctx, pb, metav1.UpdateOptions{})
-		return err
-	}); err != nil {
+	if err := upsertVersioned(ctx, adm.ValidatingAdmissionPolicyBindings(), pb); err != nil {
 		return fmt.Errorf("rbac: validating admission policy binding %s: %w", pb.Name, err)
 	}
 	return nil
@@ -195,6 +172,23 @@ func upsert(ctx context.Context, create, update func() error) error {
 		err = update()
 	}
 	return err
+}
+
+// upsertVersioned creates obj in r, or updates the one that exists (whose
+// resource version an update of these resources must name).
+func upsertVersioned[T, L any, P interface {
+	*T
+	metav1.Object
+}](ctx context.Context, r kube.Resource[T, L], obj P) error {
+	return upsert(ctx, func() error { _, err := r.Create(ctx, obj, metav1.CreateOptions{}); return err }, func() error {
+		cur, err := r.Get(ctx, obj.GetName(), metav1.GetOptions{})
+		if err != nil {
+			return err
+		}
+		obj.SetResourceVersion(P(cur).GetResourceVersion())
+		_, err = r.Update(ctx, obj, metav1.UpdateOptions{})
+		return err
+	})
 }
 
 // RBACYAML is Roles' roles and bindings as YAML documents, for operators
