@@ -358,6 +358,12 @@ func (m *Manager) timedOut(id string) {
 	rec, err := m.cfg.Store.GetSandbox(id)
 	if err == nil && rec.AutoPause && rec.State == store.StateRunning {
 		unlock := m.transition(id)
+		// Read again under the lock: a pause, resume or kill may have
+		// ended while this waited, and what it stored is what stands.
+		if rec, err = m.cfg.Store.GetSandbox(id); err != nil || rec.State != store.StateRunning {
+			unlock()
+			return
+		}
 		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 		err = m.pause(ctx, rec, rec.AutoPauseMemory)
 		cancel()
@@ -398,8 +404,18 @@ func (m *Manager) expirePaused() {
 		if rec.State != store.StatePaused || time.Since(rec.PausedAt) < m.cfg.PausedRetention {
 			continue
 		}
-		m.log.Info("paused sandbox expired", "sandbox", rec.ID, "paused", rec.PausedAt)
 		unlock := m.transition(rec.ID)
+		// Read again under the lock: a resume that held it meanwhile made
+		// the sandbox run (and tracked it), and removing it from what was
+		// read before deleted a running sandbox's record, leaving it
+		// beyond its owner, its quota and Kill.
+		cur, err := m.cfg.Store.GetSandbox(rec.ID)
+		if err != nil || cur.State != store.StatePaused || cur.PauseKind != rec.PauseKind || time.Since(cur.PausedAt) < m.cfg.PausedRetention {
+			unlock()
+			continue
+		}
+		rec = cur
+		m.log.Info("paused sandbox expired", "sandbox", rec.ID, "paused", rec.PausedAt)
 		if rec.PauseKind == PauseFiles {
 			_ = m.killPaused(rec, "kept paused past the retention")
 		} else {
