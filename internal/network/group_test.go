@@ -246,7 +246,7 @@ func BenchmarkApplyManyAlive(b *testing.B) {
 	})
 	for _, want := range []int{0, 300, 1000} {
 		for ; alive < want; alive++ {
-			if err := h.nft.apply(rules(first+alive), setState{}); err != nil {
+			if _, err := h.nft.apply(rules(first+alive), setState{}); err != nil {
 				b.Fatal(err)
 			}
 		}
@@ -264,7 +264,7 @@ func BenchmarkApplyManyAlive(b *testing.B) {
 						s := next
 						next++
 						mu.Unlock()
-						if err := h.nft.apply(rules(s), setState{}); err != nil {
+						if _, err := h.nft.apply(rules(s), setState{}); err != nil {
 							b.Error(err)
 							return
 						}

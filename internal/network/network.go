@@ -204,15 +204,21 @@ func (h *Host) Attach(id string, slot int, nsFD int, p Policy) (*Sandbox, error)
 		return nil, fmt.Errorf("sandbox slot %d out of range", slot)
 	}
 	sb := newSandbox(h, id, slot, p)
-	if err := sb.start(); err != nil {
+	leftover, err := sb.start()
+	if err != nil {
 		_ = h.nft.remove(slot)
 		return nil, err
 	}
-	// The slot's last holder may have died without its Close (a cage run
-	// killed, a daemon crashed): what it left tracked is never this one's.
-	if err := forgetFlows(sb.IP); err != nil {
-		_ = h.nft.remove(slot)
-		return nil, err
+	// The slot's last holder died without its Close (a cage run killed, a
+	// daemon crashed), and no GC has removed its rules: what it left
+	// tracked is never this one's. (A Close and a GC forget it; walking
+	// the host's connection table costs some 10 ms, so not on every
+	// create.)
+	if leftover {
+		if err := forgetFlows(sb.IP); err != nil {
+			_ = h.nft.remove(slot)
+			return nil, err
+		}
 	}
 	if err := attachLink(slot, nsFD, sb.IP, h.gateway); err != nil {
 		_ = h.nft.remove(slot)
@@ -231,7 +237,7 @@ func (h *Host) Adopt(id string, slot int, p Policy) (*Sandbox, error) {
 		return nil, err
 	}
 	sb := newSandbox(h, id, slot, p)
-	if err := sb.start(); err != nil {
+	if _, err := sb.start(); err != nil {
 		return nil, err
 	}
 	h.register(sb)

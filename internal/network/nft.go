@@ -151,11 +151,13 @@ type learnedAddr struct {
 // together (group commit): each commit costs a fixed part (a netlink round
 // trip, the kernel's transaction), which a burst of creates pays once. Each
 // apply stays whole in the one batch; if the batch fails, each apply is
-// committed again alone, so one sandbox's failure is its own.
-func (n *nft) apply(s *sandboxRules, st setState) error {
+// committed again alone, so one sandbox's failure is its own. leftover
+// says the slot's entry was another's, which this apply replaced (its
+// owner died without removing it).
+func (n *nft) apply(s *sandboxRules, st setState) (leftover bool, err error) {
 	id, err := newID(profileOf(s.denied), s.group)
 	if err != nil {
-		return err
+		return false, err
 	}
 	next := &applied{id: id, key: sbxKey(s.ifname(), s.ip), static: staticElements(s, id), dnames: map[netip.Addr]bool{}}
 	for _, a := range st.denied {
@@ -164,10 +166,11 @@ func (n *nft) apply(s *sandboxRules, st setState) error {
 	fresh := slices.Concat(next.static, learnedElems(id, st.learned), dnameElems(id, st.denied))
 	j := &nftJob{slot: s.slot, done: make(chan error, 1)}
 	j.build = func(c *nftables.Conn) error { return n.buildApply(c, next, fresh, n.state[s.slot], false) }
-	j.retry = func(c *nftables.Conn) error { return n.buildApply(c, next, fresh, nil, true) }
+	j.retry = func(c *nftables.Conn) error { leftover = true; return n.buildApply(c, next, fresh, nil, true) }
 	j.committed = func() { n.state[s.slot] = next }
 	n.enqueue(j)
-	return <-j.done
+	err = <-j.done
+	return leftover, err
 }
 
 // buildApply queues a generation's elements and its sbx entry: added (a

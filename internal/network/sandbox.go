@@ -137,7 +137,7 @@ func (sb *Sandbox) setPolicy(p Policy, cut bool) error {
 	for _, l := range st.learned {
 		elems += max(1, len(l.ports))
 	}
-	if err := sb.h.nft.apply(sb.h.rules(sb, p), st); err != nil {
+	if _, err := sb.h.nft.apply(sb.h.rules(sb, p), st); err != nil {
 		return err
 	}
 	sb.gen++
@@ -357,8 +357,9 @@ func (sb *Sandbox) Close() error {
 }
 
 // start writes the sandbox's objects for its first policy: its denied
-// names' addresses are resolved first.
-func (sb *Sandbox) start() error {
+// names' addresses are resolved first. leftover says the slot's rules were
+// a dead owner's (see nft.apply).
+func (sb *Sandbox) start() (leftover bool, err error) {
 	fresh := sb.h.resolveDenied(sb.policy)
 	sb.mu.Lock()
 	defer sb.mu.Unlock()
