@@ -65,8 +65,9 @@ export function decodePNG(buf) {
 const near = (a, b, tol = 24) => a.every((v, i) => Math.abs(v - b[i]) <= tol)
 const sleep = (ms) => new Promise((r) => setTimeout(r, ms))
 
-/** Polls getApplicationWindows(cls) until a window is there. */
-async function windowOf(sbx, cls) {
+/** Polls getApplicationWindows(cls) until a window is there (open: what
+ * open() was given, run again in the foreground if none comes). */
+async function windowOf(sbx, cls, open) {
   let ids = []
   try {
     await waitFor(async () => {
@@ -76,9 +77,11 @@ async function windowOf(sbx, cls) {
   } catch (err) {
     // What the sandbox was doing: which processes ran, for how long, and
     // where they waited.
-    const ps = await sbx.commands.run('ps -eo pid,ppid,etime,time,stat,wchan:24,rss,args | cut -c1-220', { timeout: 30_000 })
-      .then((r) => r.stdout, (e) => `ps failed: ${errText(e)}`)
-    throw new Error(`${err.message}; the sandbox's processes:\n${ps}`)
+    const run = (cmd) => sbx.commands.run(cmd, { timeoutMs: 40_000 })
+      .then((r) => `${r.stdout}${r.stderr}`, (e) => `${errText(e)} ${e.stdout ?? ''}${e.stderr ?? ''}`)
+    const ps = await run('ps -eo pid,ppid,etime,time,stat,wchan:24,rss,args | cut -c1-220')
+    const again = open ? await run(`XDG_UTILS_DEBUG_LEVEL=3 timeout 30 xdg-open ${open} 2>&1; echo "xdg-open: $?"; sleep 5; ps -eo pid,etime,args | grep -iE '[f]irefox|[e]xo' | cut -c1-160; ls -la ~/.mozilla/firefox-esr 2>&1 | head`) : ''
+    throw new Error(`${err.message}; the sandbox's processes:\n${ps}${again ? `\nxdg-open again, in the foreground:\n${again}` : ''}`)
   }
   return ids[ids.length - 1]
 }
@@ -233,7 +236,7 @@ addEventListener('keydown', (e) => { if (e.key === 'A' && e.shiftKey) k = 'shift
       await sbx.files.write('/home/user/page.html', page)
       const opened = Date.now()
       await sbx.open('/home/user/page.html')
-      const win = await windowOf(sbx, 'firefox')
+      const win = await windowOf(sbx, 'firefox', '/home/user/page.html')
       console.log(`# Firefox's window in ${Date.now() - opened} ms`)
       await titleWhere(sbx, win, (s) => s.startsWith('cage page'), 'the page in Firefox')
       console.log(`# the page's title in ${Date.now() - opened} ms`)
