@@ -20,14 +20,7 @@ import (
 // returns its socket (to push from) and the last peer it heard.
 func udpEcho(t *testing.T, w *testutil.World, port int) (net.PacketConn, func() net.Addr) {
 	t.Helper()
-	var pc net.PacketConn
-	if err := testutil.InNS(w.Public, func() (err error) {
-		pc, err = net.ListenPacket("udp4", fmt.Sprintf("%s:%d", testutil.PublicHost, port))
-		return
-	}); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { pc.Close() })
+	pc := listenOutside(t, w, port)
 	var last atomic.Value
 	go func() {
 		b := make([]byte, 512)

@@ -20,9 +20,9 @@ import (
 // Tests of the shared layout: every sandbox's elements sit in the same
 // sets, so that what one sandbox may reach must never leak to another.
 
-// udpProbe listens for datagrams at PublicHost:port in the outside world
-// and reports the payloads it got.
-func udpProbe(t *testing.T, w *testutil.World, port int) func() []string {
+// listenOutside is a UDP socket at PublicHost:port in the outside world,
+// closed when the test ends.
+func listenOutside(t *testing.T, w *testutil.World, port int) net.PacketConn {
 	t.Helper()
 	var pc net.PacketConn
 	if err := testutil.InNS(w.Public, func() (err error) {
@@ -32,6 +32,14 @@ func udpProbe(t *testing.T, w *testutil.World, port int) func() []string {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { pc.Close() })
+	return pc
+}
+
+// udpProbe listens for datagrams at PublicHost:port in the outside world
+// and reports the payloads it got.
+func udpProbe(t *testing.T, w *testutil.World, port int) func() []string {
+	t.Helper()
+	pc := listenOutside(t, w, port)
 	got := make(chan string, 64)
 	go func() {
 		b := make([]byte, 512)
