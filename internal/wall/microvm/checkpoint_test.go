@@ -60,7 +60,7 @@ func TestCheckpointRestore(t *testing.T) {
 		}
 		return n
 	}
-	run(`sh -c 'i=0; while :; do i=$((i+1)); echo $i > /tmp/count; sleep 0.2; done' </dev/null >/dev/null 2>&1 &
+	run(`sh -c 'i=0; while :; do i=$((i+1)); echo $i > /tmp/count.new; mv /tmp/count.new /tmp/count; sleep 0.2; done' </dev/null >/dev/null 2>&1 &
 echo kept > /home/user/kept
 for i in 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20; do [ -s /tmp/count ] && exit 0; sleep 0.5; done; exit 1`)
 	for cycle := 1; cycle <= 2; cycle++ {

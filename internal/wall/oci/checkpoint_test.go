@@ -18,8 +18,9 @@ import (
 	"github.com/cagehq/cage/internal/wall"
 )
 
-// counterScript starts a process that counts in /tmp/count, five a second.
-const counterScript = `nohup sh -c 'i=0; while :; do i=$((i+1)); echo $i > /tmp/count; sleep 0.2; done' >/dev/null 2>&1 &
+// counterScript starts a process that counts in /tmp/count, five a second;
+// it renames each count into place, so a reader never finds the file empty.
+const counterScript = `nohup sh -c 'i=0; while :; do i=$((i+1)); echo $i > /tmp/count.new; mv /tmp/count.new /tmp/count; sleep 0.2; done' >/dev/null 2>&1 &
 echo kept > /home/user/kept; sleep 1`
 
 // sh runs a shell command in sb and returns its output.
