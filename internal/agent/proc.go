@@ -130,21 +130,10 @@ const (
 	outPTY
 )
 
-// pump copies one output stream until EOF, or until drainBy closes and the
-// stream has been quiet: a grandchild that keeps the pipe open must not keep
-// the command from ending.
+// pump copies one output stream until EOF, or until the process has exited
+// and drainGrace has passed: a grandchild that keeps the pipe open must not
+// keep the command from ending. wg is done when the output is complete.
 func (p *proc) pump(f *os.File, kind int, wg *sync.WaitGroup, exitedAt <-chan struct{}) {
-	defer wg.Done()
-	defer func() {
-		if kind == outPTY {
-			// A PTY master reads EIO whenever no process holds the
-			// terminal open, which coreutils programs cause as they exit
-			// (they close stdout first). Closing the master then would hang
-			// the terminal up and kill them with SIGHUP: wait for the exit.
-			<-exitedAt
-		}
-		f.Close()
-	}()
 	buf := make([]byte, 32<<10)
 	go func() {
 		<-exitedAt
@@ -155,8 +144,40 @@ func (p *proc) pump(f *os.File, kind int, wg *sync.WaitGroup, exitedAt <-chan st
 		if n > 0 {
 			p.output(kind, buf[:n])
 		}
-		if err != nil {
-			return // EOF, EIO from a PTY whose last holder closed, or the deadline
+		if err == nil {
+			continue
+		}
+		if kind == outPTY {
+			// A PTY master reads EIO whenever no process holds the
+			// terminal open, which coreutils programs cause as they exit
+			// (they close stdout first). Closing the master then would hang
+			// the terminal up and kill them with SIGHUP: wait for the exit.
+			<-exitedAt
+		} else if errors.Is(err, os.ErrDeadlineExceeded) {
+			// A background child (a daemon the command started, a
+			// browser xdg-open started) still holds the pipe. The end
+			// goes out now and later output is dropped, but the pipe is
+			// read on until its last holder closes it: closed, the
+			// child's next write would kill it (SIGPIPE); unread, the
+			// child would block once the pipe's buffer filled.
+			wg.Done()
+			discardUntilEOF(f)
+			f.Close()
+			return
+		}
+		f.Close()
+		wg.Done()
+		return
+	}
+}
+
+// discardUntilEOF reads f until it ends.
+func discardUntilEOF(f *os.File) {
+	_ = f.SetReadDeadline(time.Time{})
+	buf := make([]byte, 4<<10)
+	for {
+		if _, err := f.Read(buf); err != nil {
+			return
 		}
 	}
 }
