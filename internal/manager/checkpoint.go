@@ -244,18 +244,14 @@ func (m *Manager) adoptCheckpointed(rec *store.Sandbox, dir string) (wall.Sandbo
 	defer cancel()
 	// The slot is held meanwhile: the network's first setup (in Begin)
 	// removes the interfaces and rules of every slot nobody holds.
-	var hold *os.File
+	var hold *state.IDRange
 	if rec.NetSlot >= 0 {
-		ids, err := state.ReserveSlot(rec.NetSlot)
-		if err != nil {
+		if hold, err = state.ReserveSlot(rec.NetSlot); err != nil {
 			return nil, err
 		}
-		hold = ids.Lock
 	}
 	p, err := m.cfg.Host.Begin(ctx, &opts)
-	if hold != nil {
-		hold.Close() // the wall takes the slot next
-	}
+	hold.Close() // the wall takes the slot next
 	if err != nil {
 		return nil, err
 	}

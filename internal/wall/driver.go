@@ -73,8 +73,9 @@ type Adoption struct {
 	StartTime uint64 // the agent's start time, against pid reuse
 	Token     string
 	// Slot is the sandbox's network slot when it has a network (-1: none
-	// recorded), which an adopting process holds again where nothing
-	// inside the sandbox does (a sandbox restored from a checkpoint).
+	// recorded), whose host lock an adopting process takes again (and
+	// the sandbox's own lock where nothing inside the sandbox holds it: a
+	// sandbox restored from a checkpoint); see state.IDRange.
 	Slot int
 }
 

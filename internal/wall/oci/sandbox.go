@@ -432,7 +432,7 @@ func (sb *Sandbox) run(ctx context.Context, cfg job, key []byte) error {
 	for _, v := range cfg.Volumes {
 		spec.Volumes = append(spec.Volumes, v.Path)
 	}
-	files := []*os.File{specR, oom, pids, sb.ids.Lock}
+	files := []*os.File{specR, oom, pids, sb.ids.Held}
 	var lifeR *os.File
 	if cfg.DieWithCaller {
 		// Our end stays open (close-on-exec) for as long as this process
@@ -456,7 +456,7 @@ func (sb *Sandbox) run(ctx context.Context, cfg job, key []byte) error {
 		spec.Channel, spec.ChannelKey = sockInside, key
 		spec.OOMFD, spec.PidsFD, spec.LockFD = 0, 1, 4
 		stdin, stdout = oom, pids
-		files = append([]*os.File{specR, sb.ids.Lock}, files[4:]...)
+		files = append([]*os.File{specR, sb.ids.Held}, files[4:]...)
 		if lifeR != nil {
 			spec.LifelineFD = 2 + len(files)
 		}
@@ -668,11 +668,14 @@ func adopt(cfg Config, a wall.Adoption) (*Sandbox, error) {
 			unix.Close(sb.pidfd)
 			return nil, fmt.Errorf("sandbox %s: %w", a.ID, err)
 		}
-		// One restored from a checkpoint holds no lock on its slot (see
-		// checkpoint.go): hold it as its creator did. (Held: the
-		// container holds it.)
-		if a.Slot >= 0 {
-			sb.ids, _ = state.ReserveSlot(a.Slot)
+	}
+	// The host's lock of its slot died with its creator: take it again
+	// (and the sandbox's own, which one restored from a checkpoint does
+	// not hold; see checkpoint.go). Taken by another meanwhile only if the
+	// sandbox let go of its own: it is adopted all the same.
+	if a.Slot >= 0 {
+		if sb.ids, err = state.AdoptSlot(a.Slot); err != nil {
+			sb.log.Warn("adopted without its slot's lock", "slot", a.Slot, "err", err)
 		}
 	}
 	sb.procDone = make(chan struct{})

@@ -37,6 +37,12 @@ func adopt(cfg Config, a wall.Adoption) (*Sandbox, error) {
 		unix.Close(pidfd)
 		return nil, fmt.Errorf("sandbox %s: %w", a.ID, err)
 	}
+	// The host's lock of its slot died with its creator: take it again.
+	if a.Slot >= 0 {
+		if sb.ids, err = state.AdoptSlot(a.Slot); err != nil {
+			sb.log.Warn("adopted without its slot's lock", "slot", a.Slot, "err", err)
+		}
+	}
 	go sb.watchPidfd()
 	return sb, nil
 }

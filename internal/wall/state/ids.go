@@ -28,9 +28,20 @@ const (
 // an flock on a file under the run directory, so it holds across processes
 // (several `cage run` at once, or a daemon) and is released by the kernel
 // if its holder dies.
+//
+// A slot has two lock files, both of which a reservation wins: the host's
+// (N), which never leaves the process that reserved it, and the sandbox's
+// (N.held), locked on an open file of its own, read-only, which the
+// sandbox's process inherits so that the range stays reserved while the
+// sandbox lives (a daemon's restart, a killed `cage run`). flock's locks
+// belong to an open file, not to a process: a sandbox handed the host's
+// own could unlock it (or write to it), and a second sandbox would get the
+// range of one that still runs. Unlocking its own only loses the sandbox
+// its claim once the host's holder is gone.
 type IDRange struct {
 	Base int
-	Lock *os.File // flock'ed while reserved; pass it to whatever must hold the range
+	Lock *os.File // the host's lock: never handed to a sandbox
+	Held *os.File // the sandbox's lock: pass it to whatever must hold the range
 }
 
 // IDLockDir holds the uid-range locks. It is one directory for the whole
@@ -38,27 +49,68 @@ type IDRange struct {
 // sandboxes ever get the same range.
 var IDLockDir = "/run/cage/ids"
 
-func ReserveIDs() (*IDRange, error) {
-	dir := IDLockDir
-	if err := os.MkdirAll(filepath.Dir(dir), 0o711); err != nil {
-		return nil, err
+// heldSuffix names a slot's second lock file (see IDRange).
+const heldSuffix = ".held"
+
+func lockDir() error {
+	if err := os.MkdirAll(filepath.Dir(IDLockDir), 0o711); err != nil {
+		return err
 	}
-	if err := os.MkdirAll(dir, 0o700); err != nil {
+	return os.MkdirAll(IDLockDir, 0o700)
+}
+
+// lockFile opens (creating) path with flags and takes an exclusive flock
+// on it without waiting. busy says another holds it. A lock won on a file
+// unlinked meanwhile (its holder released it) is tried again.
+func lockFile(path string, flags int) (f *os.File, busy bool, err error) {
+	for try := 0; ; try++ {
+		f, err = os.OpenFile(path, os.O_CREATE|flags|syscall.O_CLOEXEC, 0o600)
+		if err != nil {
+			return nil, false, err
+		}
+		err = syscall.Flock(int(f.Fd()), syscall.LOCK_EX|syscall.LOCK_NB)
+		if err == nil && sameFile(f) {
+			return f, false, nil
+		}
+		f.Close()
+		if err != nil {
+			if errors.Is(err, syscall.EWOULDBLOCK) {
+				return nil, true, nil
+			}
+			return nil, false, err
+		}
+		if try == 3 {
+			return nil, true, nil
+		}
+	}
+}
+
+// reserve wins slot n's two locks, or neither (busy: another holds one).
+func reserve(n int) (r *IDRange, busy bool, err error) {
+	name := filepath.Join(IDLockDir, strconv.Itoa(n))
+	host, busy, err := lockFile(name, os.O_RDWR)
+	if host == nil {
+		return nil, busy, err
+	}
+	held, busy, err := lockFile(name+heldSuffix, os.O_RDONLY)
+	if held == nil {
+		host.Close()
+		return nil, busy, err
+	}
+	return &IDRange{Base: idBase + n*idRangeSize, Lock: host, Held: held}, false, nil
+}
+
+func ReserveIDs() (*IDRange, error) {
+	if err := lockDir(); err != nil {
 		return nil, err
 	}
 	start := rand.IntN(idSlots)
 	for i := 0; i < idSlots; i++ {
-		n := (start + i) % idSlots
-		f, err := os.OpenFile(filepath.Join(dir, strconv.Itoa(n)), os.O_CREATE|os.O_RDWR|syscall.O_CLOEXEC, 0o600)
-		if err != nil {
-			return nil, err
+		r, busy, err := reserve((start + i) % idSlots)
+		if r != nil {
+			return r, nil
 		}
-		err = syscall.Flock(int(f.Fd()), syscall.LOCK_EX|syscall.LOCK_NB)
-		if err == nil && sameFile(f) {
-			return &IDRange{Base: idBase + n*idRangeSize, Lock: f}, nil
-		}
-		f.Close()
-		if err != nil && !errors.Is(err, syscall.EWOULDBLOCK) {
+		if !busy {
 			return nil, err
 		}
 	}
@@ -72,32 +124,67 @@ func ReserveSlot(n int) (*IDRange, error) {
 	if n < 0 || n >= idSlots {
 		return nil, fmt.Errorf("slot %d out of range", n)
 	}
-	if err := os.MkdirAll(IDLockDir, 0o700); err != nil {
+	if err := lockDir(); err != nil {
 		return nil, err
 	}
-	f, err := os.OpenFile(filepath.Join(IDLockDir, strconv.Itoa(n)), os.O_CREATE|os.O_RDWR|syscall.O_CLOEXEC, 0o600)
-	if err != nil {
-		return nil, err
-	}
-	if err := syscall.Flock(int(f.Fd()), syscall.LOCK_EX|syscall.LOCK_NB); err != nil {
-		f.Close()
+	r, busy, err := reserve(n)
+	if busy {
 		return nil, fmt.Errorf("slot %d is held by another sandbox", n)
 	}
-	if !sameFile(f) {
-		f.Close()
-		return nil, fmt.Errorf("slot %d was released meanwhile; try again", n)
-	}
-	return &IDRange{Base: idBase + n*idRangeSize, Lock: f}, nil
+	return r, err
 }
 
-// release frees the range and removes its lock file.
-func (s *IDRange) Release() {
-	if s == nil || s.Lock == nil {
+// AdoptSlot takes the host's lock of slot n again for a sandbox that
+// outlived its host process and holds the slot's own lock (see IDRange),
+// and its own lock too where the sandbox does not hold it (one restored
+// from a checkpoint). It fails when another holds the host's lock.
+func AdoptSlot(n int) (*IDRange, error) {
+	if n < 0 || n >= idSlots {
+		return nil, fmt.Errorf("slot %d out of range", n)
+	}
+	if err := lockDir(); err != nil {
+		return nil, err
+	}
+	name := filepath.Join(IDLockDir, strconv.Itoa(n))
+	host, busy, err := lockFile(name, os.O_RDWR)
+	if host == nil {
+		if busy {
+			return nil, fmt.Errorf("slot %d is held by another sandbox", n)
+		}
+		return nil, err
+	}
+	r := &IDRange{Base: idBase + n*idRangeSize, Lock: host}
+	r.Held, _, _ = lockFile(name+heldSuffix, os.O_RDONLY)
+	return r, nil
+}
+
+// Close lets go of the range's locks without releasing the range's files
+// (a holder that hands the slot on to the next, see manager's restore).
+func (s *IDRange) Close() {
+	if s == nil {
 		return
 	}
-	_ = os.Remove(s.Lock.Name())
-	s.Lock.Close()
-	s.Lock = nil
+	for _, f := range []**os.File{&s.Held, &s.Lock} {
+		if *f != nil {
+			(*f).Close()
+			*f = nil
+		}
+	}
+}
+
+// release frees the range and removes its lock files: the sandbox's
+// first, while the host's still keeps the slot.
+func (s *IDRange) Release() {
+	if s == nil {
+		return
+	}
+	for _, f := range []**os.File{&s.Held, &s.Lock} {
+		if *f != nil {
+			_ = os.Remove((*f).Name())
+			(*f).Close()
+			*f = nil
+		}
+	}
 }
 
 // idMaps maps the sandbox's ids 0..65535 to the slot's host range.
@@ -112,17 +199,24 @@ func (s *IDRange) HostID(id int) int { return s.Base + id }
 // network gives each slot its own address and interface).
 func (s *IDRange) Slot() int { return (s.Base - idBase) / idRangeSize }
 
-// SlotHeld reports whether a live sandbox holds slot n.
+// SlotHeld reports whether a live sandbox holds slot n: its host's lock
+// or its own.
 func SlotHeld(n int) bool {
-	f, err := os.OpenFile(filepath.Join(IDLockDir, strconv.Itoa(n)), os.O_RDWR|syscall.O_CLOEXEC, 0)
-	if err != nil {
-		return false
+	name := filepath.Join(IDLockDir, strconv.Itoa(n))
+	for _, p := range []string{name, name + heldSuffix} {
+		f, err := os.OpenFile(p, os.O_RDONLY|syscall.O_CLOEXEC, 0)
+		if err != nil {
+			continue
+		}
+		err = syscall.Flock(int(f.Fd()), syscall.LOCK_EX|syscall.LOCK_NB)
+		if err == nil {
+			_ = syscall.Flock(int(f.Fd()), syscall.LOCK_UN)
+		}
+		f.Close()
+		if err != nil {
+			return true
+		}
 	}
-	defer f.Close()
-	if err := syscall.Flock(int(f.Fd()), syscall.LOCK_EX|syscall.LOCK_NB); err != nil {
-		return true
-	}
-	_ = syscall.Flock(int(f.Fd()), syscall.LOCK_UN)
 	return false
 }
 
@@ -143,7 +237,7 @@ func gcIDLocks() {
 		return
 	}
 	for _, e := range ents {
-		f, err := os.OpenFile(filepath.Join(IDLockDir, e.Name()), os.O_RDWR|syscall.O_CLOEXEC, 0)
+		f, err := os.OpenFile(filepath.Join(IDLockDir, e.Name()), os.O_RDONLY|syscall.O_CLOEXEC, 0)
 		if err != nil {
 			continue
 		}
