@@ -1,12 +1,14 @@
 package conformance
 
 import (
+	"context"
 	"fmt"
 	"os"
 	"path/filepath"
 	"strconv"
 	"strings"
 	"testing"
+	"time"
 
 	"golang.org/x/sys/unix"
 
@@ -86,4 +88,35 @@ func lockFDs(pid int) map[int]string {
 		}
 	}
 	return out
+}
+
+// TestCreateWithALiveID: a create given the id of a sandbox that runs
+// (a pool's member, a `cage run`, a cluster's pod name: none is in the
+// daemon's store) fails, and leaves that sandbox, its directory and its
+// processes alone.
+func TestCreateWithALiveID(t *testing.T) {
+	forEachWall(t, func(t *testing.T, w wall) {
+		b := w.newBox(t, sandbox.Options{})
+		h := processHost(t)
+		o := sandbox.Options{ID: b.sb.ID(), Wall: w.name}
+		if w.name == "microvm" {
+			requireBase(t, h)
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+		defer cancel()
+		sb, err := h.Create(ctx, o)
+		if err == nil {
+			sb.Destroy()
+			t.Fatalf("a second sandbox was created with the id %s", b.sb.ID())
+		}
+		t.Logf("create with a live id: %v", err)
+		if got := b.mustSh("echo alive"); got != "alive\n" {
+			t.Errorf("the live sandbox after the failed create: %q", got)
+		}
+		select {
+		case <-b.sb.Exited():
+			t.Error("the live sandbox reads as gone after the failed create")
+		default:
+		}
+	})
 }

@@ -311,7 +311,10 @@ func Create(ctx context.Context, cfg Config) (sb *Sandbox, err error) {
 	}
 	sb = newSandbox(cfg)
 	defer func() {
-		if err != nil {
+		if errors.Is(err, state.ErrInUse) {
+			sb.ids.Release() // the directory and all in it are another's
+			sb = nil
+		} else if err != nil {
 			_ = sb.Destroy()
 			sb = nil
 		}
@@ -495,7 +498,7 @@ func (sb *Sandbox) setUp() error {
 			return err
 		}
 	}
-	if err := os.Mkdir(sb.dir, 0o711); err != nil {
+	if err := state.MakeDir(sb.dir, 0o711); err != nil {
 		return err
 	}
 	var err error

@@ -203,7 +203,10 @@ func create(ctx context.Context, cfg job) (sb *Sandbox, err error) {
 		dir: filepath.Join(cfg.RunDir, "sandboxes", cfg.ID), root: filepath.Join(cfg.RunDir, cfg.Runtime.Wall),
 		log: cfg.Log.With("sandbox", cfg.ID, "wall", cfg.Runtime.Wall)}
 	defer func() {
-		if err != nil {
+		if errors.Is(err, state.ErrInUse) {
+			sb.ids.Release() // the directory and all in it are another's
+			sb = nil
+		} else if err != nil {
 			_ = sb.Destroy()
 			sb = nil
 		}
@@ -220,7 +223,7 @@ func create(ctx context.Context, cfg job) (sb *Sandbox, err error) {
 	// The container's root user traverses it to the bundle (as its
 	// group); no other host user may: the sandbox's disk and an image
 	// root are mounted in it.
-	if err := os.Mkdir(sb.dir, 0o710); err != nil {
+	if err := state.MakeDir(sb.dir, 0o710); err != nil {
 		return sb, err
 	}
 	if err := os.Chown(sb.dir, 0, sb.ids.HostID(0)); err != nil {

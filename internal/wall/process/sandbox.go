@@ -127,7 +127,10 @@ func prepare(ctx context.Context, cfg job) (sb *Sandbox, err error) {
 		log: cfg.Log.With("sandbox", cfg.ID)}
 	sb.sock = filepath.Join(sb.dir, "agent.sock")
 	defer func() {
-		if err != nil {
+		if errors.Is(err, state.ErrInUse) {
+			sb.ids.Release() // the directory and all in it are another's
+			sb = nil
+		} else if err != nil {
 			_ = sb.Destroy()
 			sb = nil
 		}
@@ -322,7 +325,7 @@ func (sb *Sandbox) makeDirs() (string, error) {
 	// The sandbox's root user traverses it to its root (as its group);
 	// no other host user may: an image template's overlay is mounted in
 	// it, whose files are the sandbox's.
-	if err := os.Mkdir(sb.dir, 0o710); err != nil {
+	if err := state.MakeDir(sb.dir, 0o710); err != nil {
 		return "", err
 	}
 	if err := os.Chown(sb.dir, 0, sb.ids.HostID(0)); err != nil {

@@ -19,6 +19,23 @@ import (
 
 const ownerLockName = "owner.lock"
 
+// ErrInUse is a create's for an id whose state directory exists: a live
+// sandbox's (or one GC has not removed yet), which the failed create must
+// leave alone.
+var ErrInUse = errors.New("a sandbox with this id exists on the host")
+
+// MakeDir makes a sandbox's state directory, the claim of its id on the
+// host: ErrInUse when it exists.
+func MakeDir(dir string, perm os.FileMode) error {
+	if err := os.Mkdir(dir, perm); err != nil {
+		if errors.Is(err, os.ErrExist) {
+			return fmt.Errorf("sandbox %s: %w", filepath.Base(dir), ErrInUse)
+		}
+		return err
+	}
+	return nil
+}
+
 func LockOwner(dir string) (*os.File, error) {
 	f, err := os.OpenFile(filepath.Join(dir, ownerLockName), os.O_CREATE|os.O_RDWR|syscall.O_CLOEXEC|syscall.O_NOFOLLOW, 0o600)
 	if err != nil {
