@@ -83,9 +83,9 @@ type Proxy struct {
 
 	mu         sync.Mutex
 	transports map[wall.Sandbox]*http.Transport
-	inFlight   map[string]int // requests being relayed, by sandbox
-	warnedAt   time.Time      // the last warning logged (see warn)
-	unwarned   int            // warnings not logged since
+	inFlight   map[flightKey]int // requests being relayed, by sandbox and class
+	warnedAt   time.Time         // the last warning logged (see warn)
+	unwarned   int               // warnings not logged since
 
 	// Observe, when set, is given every authorized request before it is
 	// forwarded (the audit trail): it may replace r.Body, and returns
@@ -113,7 +113,7 @@ func New(sandboxes Sandboxes, domain string, log *slog.Logger) *Proxy {
 		log = slog.New(slog.DiscardHandler)
 	}
 	p := &Proxy{sandboxes: sandboxes, domain: DomainHost(domain), log: log, transports: map[wall.Sandbox]*http.Transport{},
-		inFlight: map[string]int{}}
+		inFlight: map[flightKey]int{}}
 	return p
 }
 
@@ -207,12 +207,17 @@ func (p *Proxy) serve(w http.ResponseWriter, r *http.Request) {
 			}
 		}
 	}
-	if !p.enter(id) {
+	release, ok := p.enter(flightKey{id, credentialed(r, access, port)})
+	if !ok {
 		writeJSON(w, http.StatusTooManyRequests, sandboxError{id,
 			"Too many requests to this sandbox at once (" + strconv.Itoa(maxInFlightPerSandbox) + ")", http.StatusTooManyRequests})
 		return
 	}
-	defer p.leave(id)
+	defer release()
+	if port == EnvdPort && r.URL.Path == "/health" {
+		// Open to anyone: nothing of a body reaches the agent.
+		r.Body, r.ContentLength, r.TransferEncoding = http.NoBody, 0, nil
+	}
 	// Only a request that carries a credential wakes a paused sandbox (an
 	// anonymous /health does not), as on E2B; public ports are anyone's.
 	mayResume := port != EnvdPort || r.URL.Path == "/files" ||
@@ -293,6 +298,7 @@ func (p *Proxy) serve(w http.ResponseWriter, r *http.Request) {
 		r.Body = keepOpen{body}
 		defer func() {
 			if status == 0 || status >= 400 {
+				release() // the sandbox is done with it; the drain is the client's
 				drain(w, body)
 			}
 			_ = body.Close()
@@ -341,10 +347,12 @@ const (
 	drainTime  = 10 * time.Second
 )
 
-// drain reads what is left of a request body: at most drainLimit bytes,
-// for at most drainTime.
+// drain sends the answer written so far, then reads what is left of a
+// request body: at most drainLimit bytes, for at most drainTime.
 func drain(w http.ResponseWriter, body io.Reader) {
-	_ = http.NewResponseController(w).SetReadDeadline(time.Now().Add(drainTime))
+	rc := http.NewResponseController(w)
+	_ = rc.Flush()
+	_ = rc.SetReadDeadline(time.Now().Add(drainTime))
 	_, _ = io.CopyN(io.Discard, body, drainLimit)
 }
 
@@ -492,22 +500,52 @@ const maxIdlePerSandbox = 64
 const maxAnswerHead = 64 << 10
 
 // maxInFlightPerSandbox bounds the requests the proxy relays to one
-// sandbox at once (open WebSockets and streams included): each holds a
+// sandbox at once, of each class (see flightKey; open WebSockets and
+// streams included): each holds a
 // connection through the agent, its buffers and goroutines, and HTTP/2
 // lets one client connection carry hundreds. Beyond it: 429. (A
 // variable for the tests, which hold a smaller number open.)
 var maxInFlightPerSandbox = 1024
 
-// enter counts a request to sandbox id in, unless it has
-// maxInFlightPerSandbox already.
-func (p *Proxy) enter(id string) bool {
+// flightKey counts a sandbox's requests in flight: those that carry its
+// own credential (its access token, a signed /files URL, its traffic
+// token) apart from the rest (anyone's, to a public port or the open
+// /health), so that anonymous clients, however many, never fill the
+// owner's budget.
+type flightKey struct {
+	id    string
+	owner bool
+}
+
+// credentialed says whether r, checked already, carries the sandbox's own
+// credential for port.
+func credentialed(r *http.Request, a Access, port int) bool {
+	token := r.Header.Get("X-Access-Token")
+	tokenOK := token != "" && subtle.ConstantTimeCompare([]byte(token), []byte(a.Token)) == 1
+	switch port {
+	case EnvdPort:
+		// Past envdUnauthorized, a /files request without a token had
+		// a valid signature.
+		return tokenOK || (r.URL.Path == "/files" && token == "")
+	case InterpPort:
+		return tokenOK
+	}
+	traffic := r.Header.Get(TrafficHeader)
+	return traffic != "" && subtle.ConstantTimeCompare([]byte(traffic), []byte(a.Traffic)) == 1
+}
+
+// enter counts a request in, unless its sandbox has maxInFlightPerSandbox
+// of its class already; release (which may be called more than once)
+// counts it out.
+func (p *Proxy) enter(k flightKey) (release func(), ok bool) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	if p.inFlight[id] >= maxInFlightPerSandbox {
-		return false
+	if p.inFlight[k] >= maxInFlightPerSandbox {
+		return nil, false
 	}
-	p.inFlight[id]++
-	return true
+	p.inFlight[k]++
+	var once sync.Once
+	return func() { once.Do(func() { p.leave(k) }) }, true
 }
 
 // warn logs a request the sandbox did not answer: at most one a second,
@@ -527,10 +565,10 @@ func (p *Proxy) warn(id string, port int, err error) {
 	p.log.Warn("proxy to sandbox", "sandbox", id, "port", port, "err", err, "not_logged_before", skipped)
 }
 
-func (p *Proxy) leave(id string) {
+func (p *Proxy) leave(k flightKey) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	if p.inFlight[id]--; p.inFlight[id] <= 0 {
-		delete(p.inFlight, id)
+	if p.inFlight[k]--; p.inFlight[k] <= 0 {
+		delete(p.inFlight, k)
 	}
 }

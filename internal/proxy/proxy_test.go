@@ -34,6 +34,8 @@ type fakeAgent struct {
 	l         net.Listener
 	exited    chan struct{}
 	release   chan struct{} // closed: /hold answers
+	holdOpen  atomic.Bool   // set: the open /health waits as /hold does
+	bodyHeads atomic.Int64  // requests that came with a body
 }
 
 func newFakeAgent(t *testing.T) *fakeAgent {
@@ -45,7 +47,14 @@ func newFakeAgent(t *testing.T) *fakeAgent {
 	a.l = l
 	a.srv = &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		a.requests.Add(1)
-		if r.URL.Path == "/hold" { // answers once the test lets go
+		if r.ContentLength != 0 || len(r.TransferEncoding) > 0 {
+			a.bodyHeads.Add(1)
+		}
+		if r.Method == http.MethodConnect { // every port in the sandbox is closed
+			http.Error(w, "port is not open", http.StatusBadGateway)
+			return
+		}
+		if r.URL.Path == "/hold" || (r.URL.Path == "/health" && a.holdOpen.Load()) { // answers once the test lets go
 			w.WriteHeader(http.StatusOK)
 			http.NewResponseController(w).Flush()
 			<-a.release
