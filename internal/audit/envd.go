@@ -113,6 +113,8 @@ type envdCall struct {
 	pid                          uint32
 	startLogged, endLogged       bool
 	detail                       map[string]any
+	connectPid                   uint32 // the process a Connect asked for
+	connectDecoded               bool
 }
 
 func (c *envdCall) event(kind, source string, status int, detail map[string]any) Event {
@@ -126,13 +128,30 @@ func (c *envdCall) response(resp *http.Response) {
 	if resp == nil {
 		return
 	}
+	// What the entry needs of the request is decoded now (the agent has
+	// read it: it answers a call once it has its message) and the bytes
+	// are let go: a stream may stay open for hours.
+	switch c.kind {
+	case KindProcessStart:
+		c.detail = c.startDetail()
+	case KindProcessEnd:
+		var sel pb.ConnectRequest
+		if decodeCaptured(c.req, codecOf(c.r.Header), &sel) == nil {
+			c.connectPid, c.connectDecoded = sel.GetProcess().GetPid(), true
+		}
+	case KindCodeRun:
+		c.detail = c.codeDetail()
+	case KindFileWrite, KindFileRead, KindEnvdCall:
+	default:
+		c.detail = c.unaryDetail()
+	}
+	if c.req != nil {
+		c.req.release()
+	}
 	switch c.kind {
 	case KindProcessStart, KindProcessEnd:
 		if resp.StatusCode != http.StatusOK {
 			return
-		}
-		if c.kind == KindProcessStart {
-			c.detail = c.startDetail()
 		}
 		rc := codecOf(resp.Header)
 		c.scan = &scanner{rc: resp.Body, on: func(flags byte, msg []byte) { c.onMessage(rc, flags, msg) }}
@@ -177,9 +196,17 @@ func (c *envdCall) done() {
 	case KindEnvdCall:
 		c.t.Record(c.event(KindEnvdCall, SourceHost, status, map[string]any{"method": c.r.Method, "path": c.r.URL.Path}))
 	case KindCodeRun:
-		c.t.Record(c.event(KindCodeRun, SourceHost, status, c.codeDetail()))
+		d := c.detail
+		if d == nil {
+			d = c.codeDetail()
+		}
+		c.t.Record(c.event(KindCodeRun, SourceHost, status, d))
 	default:
-		c.t.Record(c.event(c.kind, SourceHost, status, c.unaryDetail()))
+		d := c.detail
+		if d == nil {
+			d = c.unaryDetail()
+		}
+		c.t.Record(c.event(c.kind, SourceHost, status, d))
 	}
 }
 
@@ -321,11 +348,8 @@ func (c *envdCall) recordEnd(end *pb.ProcessEvent_EndEvent) {
 	if seen {
 		return
 	}
-	if c.kind == KindProcessEnd {
-		var sel pb.ConnectRequest
-		if decodeCaptured(c.req, codecOf(c.r.Header), &sel) == nil {
-			pid = sel.GetProcess().GetPid()
-		}
+	if c.kind == KindProcessEnd && c.connectDecoded {
+		pid = c.connectPid
 	}
 	if !c.t.endOnce(c.sandbox, pid, c.kind == KindProcessStart) {
 		return

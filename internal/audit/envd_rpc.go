@@ -124,10 +124,11 @@ type capture struct {
 	rc    io.ReadCloser
 	limit int
 
-	mu   sync.Mutex
-	buf  []byte
-	over bool
-	n    int64
+	mu       sync.Mutex
+	buf      []byte
+	over     bool
+	released bool
+	n        int64
 }
 
 func newCapture(rc io.ReadCloser, limit int) *capture { return &capture{rc: rc, limit: limit} }
@@ -149,6 +150,15 @@ func (c *capture) Read(p []byte) (int, error) {
 
 func (c *capture) Close() error { return c.rc.Close() }
 
+// release lets go of what was captured (decoded already, or no longer
+// needed): a stream may stay open for hours, and its request's bytes with
+// it. Later bytes are counted, not kept.
+func (c *capture) release() {
+	c.mu.Lock()
+	c.buf, c.over, c.released = nil, true, true
+	c.mu.Unlock()
+}
+
 // bytes is what was captured, and whether the body was larger than the
 // bound, and how many bytes passed in all.
 func (c *capture) bytes() ([]byte, bool, int64) {
@@ -160,6 +170,9 @@ func (c *capture) bytes() ([]byte, bool, int64) {
 // decodeCaptured decodes the captured request, or says why it cannot.
 func decodeCaptured(c *capture, cd codec, m proto.Message) error {
 	b, over, n := c.bytes()
+	if c.released {
+		return errors.New("request not kept")
+	}
 	if over {
 		return fmt.Errorf("request of %d bytes or more: %w", n, errTooLarge)
 	}

@@ -72,9 +72,15 @@ func (fakeAgent) Move(context.Context, *connect.Request[fspb.MoveRequest]) (*con
 // done when the request is over).
 func setup(t *testing.T) (*Trail, string) {
 	t.Helper()
+	return setupWith(t, fakeAgent{})
+}
+
+// setupWith is setup with process as the agent's process service.
+func setupWith(t *testing.T, process processconnect.ProcessHandler) (*Trail, string) {
+	t.Helper()
 	tr := startTrail(t, Limits{})
 	mux := http.NewServeMux()
-	mux.Handle(processconnect.NewProcessHandler(fakeAgent{}))
+	mux.Handle(processconnect.NewProcessHandler(process))
 	mux.Handle(filesystemconnect.NewFilesystemHandler(fakeAgent{}))
 	mux.HandleFunc("/files", func(w http.ResponseWriter, r *http.Request) {
 		if r.Method == http.MethodGet {
