@@ -35,6 +35,34 @@ type session struct {
 	who           Identity
 	created, seen time.Time
 	streams       atomic.Int32 // event streams open (holdStream)
+	verified      atomic.Int64 // when its key was last found valid (UnixNano)
+}
+
+// keyRecheck is how often a session's key is checked again: a revoked
+// key ends its sessions, their streams and terminals, within about this.
+// (A variable for the tests.)
+var keyRecheck = 2 * time.Second
+
+// keyValid says whether ss's key still signs in, checking it again once
+// keyRecheck has passed since the last check; a key that no longer does
+// (revoked) ends the session with its terminals. A check that cannot be
+// made now (the store busy) leaves the session as it is.
+func (s *Server) keyValid(ss *session) bool {
+	now := s.now()
+	if now.Sub(time.Unix(0, ss.verified.Load())) < keyRecheck {
+		return true
+	}
+	if _, err := s.cfg.Verify(ss.key); err != nil {
+		if errors.Is(err, ErrBadKey) {
+			s.sessions.remove(ss.id)
+			s.terms.closeSession(ss.id)
+			return false
+		}
+		s.log.Warn("ui: check a session's key", "err", err)
+		return true
+	}
+	ss.verified.Store(now.UnixNano())
+	return true
 }
 
 // maxStreams bounds a session's open event streams and terminals: each
@@ -73,6 +101,7 @@ func randomID() string {
 func (ss *sessions) create(key string, who Identity) *session {
 	now := ss.now()
 	s := &session{id: randomID(), csrf: randomID(), key: key, who: who, created: now, seen: now}
+	s.verified.Store(now.UnixNano())
 	ss.mu.Lock()
 	defer ss.mu.Unlock()
 	var mine []*session
@@ -197,9 +226,9 @@ func (s *Server) authed(next http.HandlerFunc) http.Handler {
 			return
 		}
 		ss, ok := s.sessions.get(c.Value, true)
-		if !ok {
+		if !ok || !s.keyValid(ss) {
 			clearCookie(w, r)
-			writeError(w, http.StatusUnauthorized, "session expired or signed out: sign in again")
+			writeError(w, http.StatusUnauthorized, "session expired, signed out or its key revoked: sign in again")
 			return
 		}
 		if err := sameOrigin(r); err != nil {

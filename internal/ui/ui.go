@@ -110,14 +110,29 @@ type Server struct {
 // own Shutdown does not wait on them (http.Server.RegisterOnShutdown).
 func (s *Server) Shutdown() { s.stopOnce.Do(func() { close(s.done) }) }
 
-// streamContext is r's context, also ended at Shutdown.
+// streamContext is r's context, also ended at Shutdown and when r's
+// session ends or its key is revoked.
 func (s *Server) streamContext(r *http.Request) (context.Context, context.CancelFunc) {
 	ctx, cancel := context.WithCancel(r.Context())
+	ss := sessionOf(r)
 	go func() {
-		select {
-		case <-s.done:
-			cancel()
-		case <-ctx.Done():
+		t := time.NewTicker(keyRecheck)
+		defer t.Stop()
+		for {
+			select {
+			case <-s.done:
+				cancel()
+				return
+			case <-ctx.Done():
+				return
+			case <-t.C:
+				// A session that ended or whose key was revoked ends
+				// its streams and terminals too.
+				if ss != nil && (!s.alive(r) || !s.keyValid(ss)) {
+					cancel()
+					return
+				}
+			}
 		}
 	}()
 	return ctx, cancel

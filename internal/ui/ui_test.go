@@ -8,6 +8,7 @@ import (
 	"net/http/httptest"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 )
@@ -334,5 +335,43 @@ func TestSessionCookieOverTLS(t *testing.T) {
 	// The same session id, as a page of another host could set it.
 	if code := get("cage_ui=" + c[0].Value); code != http.StatusUnauthorized {
 		t.Errorf("a cage_ui cookie over TLS: %d, want 401 (not read)", code)
+	}
+}
+
+// TestRevokedKeyEndsItsSession: a key revoked while its dashboard session
+// is signed in ends the session within moments: its open streams (a
+// terminal's among them) end, and its next request is refused.
+func TestRevokedKeyEndsItsSession(t *testing.T) {
+	defer func(d time.Duration) { keyRecheck = d }(keyRecheck)
+	keyRecheck = 50 * time.Millisecond
+	var revoked atomic.Bool
+	s := New(Config{API: &fakeAPI{}, Proxy: "http://127.0.0.1:1",
+		Verify: func(key string) (Identity, error) {
+			if key != goodKey || revoked.Load() {
+				return Identity{}, ErrBadKey
+			}
+			return Identity{KeyID: "key_1", Name: "k"}, nil
+		}})
+	srv := httptest.NewServer(s)
+	defer srv.Close()
+	cookie, csrf := signIn(t, s)
+	req, _ := http.NewRequest("GET", srv.URL+"/ui/events/sandboxes", nil)
+	req.Header.Set("Cookie", cookie)
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil || resp.StatusCode != http.StatusOK {
+		t.Fatalf("open a stream: %v %v", err, resp)
+	}
+	defer resp.Body.Close()
+	revoked.Store(true)
+	ended := make(chan error, 1)
+	go func() { _, err := io.Copy(io.Discard, resp.Body); ended <- err }()
+	select {
+	case <-ended:
+	case <-time.After(20 * time.Second):
+		t.Fatal("a stream of a session whose key was revoked is still open 20 s later")
+	}
+	w := do(s, "POST", "/ui/term/sb1/t1/input", `{"data":"eA=="}`, map[string]string{"Cookie": cookie, csrfHeader: csrf, "Origin": "http://cage.test"})
+	if w.Code != http.StatusUnauthorized {
+		t.Errorf("a terminal's input after the key's revocation: %d, want 401", w.Code)
 	}
 }
