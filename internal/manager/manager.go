@@ -358,7 +358,17 @@ func DecodePolicy(s string) (network.Policy, error) {
 }
 
 // SetNetwork replaces the network policy of a running sandbox.
+//
+// It holds the sandbox's transition lock and reads the record under it: a
+// pause or resume between its read and its write would otherwise be
+// undone by the record it writes back (a sandbox recorded paused while it
+// ran, out of its team's quota; one destroyed by a pause recorded running).
 func (m *Manager) SetNetwork(keyID, id string, p network.Policy) (*store.Sandbox, error) {
+	unlock, err := m.lockOwned(keyID, id)
+	if err != nil {
+		return nil, err
+	}
+	defer unlock()
 	rec, err := m.Get(keyID, id)
 	if err != nil {
 		return nil, err
@@ -547,6 +557,18 @@ func (m *Manager) SetTimeout(keyID, id string, d time.Duration) (*store.Sandbox,
 	if err := m.checkTimeout(d); err != nil {
 		return nil, err
 	}
+	// Under the transition lock: a timer re-armed in the midst of a
+	// pause would end the sandbox it paused.
+	unlock, err := m.lockOwned(keyID, id)
+	if err != nil {
+		return nil, err
+	}
+	defer unlock()
+	return m.setTimeout(keyID, id, d)
+}
+
+// setTimeout is SetTimeout with the sandbox's transition lock held.
+func (m *Manager) setTimeout(keyID, id string, d time.Duration) (*store.Sandbox, error) {
 	rec, err := m.Get(keyID, id)
 	if err != nil {
 		return nil, err
@@ -563,6 +585,9 @@ func (m *Manager) SetTimeout(keyID, id string, d time.Duration) (*store.Sandbox,
 	}
 	m.mu.Unlock()
 	if err := m.cfg.Store.SetEndAt(id, rec.EndAt); err != nil {
+		if errors.Is(err, store.ErrNotFound) {
+			return nil, fmt.Errorf("%w: sandbox %q", ErrNotFound, id)
+		}
 		return nil, err
 	}
 	m.changed(id, ChangeEnd)

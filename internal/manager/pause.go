@@ -236,7 +236,7 @@ func (m *Manager) Resume(ctx context.Context, keyID, id string, d time.Duration,
 	}
 	if rec.State != store.StatePaused {
 		if time.Until(rec.EndAt) < d {
-			rec, err = m.SetTimeout(keyID, id, d)
+			rec, err = m.setTimeout(keyID, id, d)
 		}
 		return rec, false, err
 	}

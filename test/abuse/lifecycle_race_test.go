@@ -1,0 +1,100 @@
+package abuse
+
+import (
+	"encoding/json"
+	"net/http"
+	"os"
+	"path/filepath"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/cagehq/cage/api/types"
+	"github.com/cagehq/cage/internal/testutil/cageserve"
+)
+
+// stateOf is a sandbox's state as the API reports it.
+func stateOf(t *testing.T, d *cageserve.Daemon, key, id string) types.SandboxDetail {
+	t.Helper()
+	st, out, err := d.Do("GET", "/sandboxes/"+id, key, nil)
+	if err != nil || st != http.StatusOK {
+		t.Fatalf("GET %s: %d %v %s", id, st, err, out)
+	}
+	var sd types.SandboxDetail
+	if err := json.Unmarshal(out, &sd); err != nil {
+		t.Fatal(err)
+	}
+	return sd
+}
+
+// TestNetworkUpdateRacingTheLifecycle: a network update sent with a pause
+// or a resume never undoes it (it wrote back the whole record it had read
+// before: found by review, 2026-12-03). After a pause and a resume that
+// both succeeded, the sandbox is running and counts against its team's
+// quota (recorded paused, it ran outside it: a second sandbox of a team
+// capped at one); after a pause that succeeded, it is paused (a sandbox
+// paused with its files, destroyed, was recorded running: kill answered
+// 404, its archive stayed on disk for good). Each round's two requests
+// are sent at once, the second a little later each round.
+func TestNetworkUpdateRacingTheLifecycle(t *testing.T) {
+	d := cageserve.Start(t)
+	newTeam(t, d, "racer", "--sandboxes", "1")
+	k := d.NewKeyIn(t, "k", "racer")
+	policies := []map[string]any{
+		{"allowOut": []string{"a.example.com"}, "denyOut": []string{"0.0.0.0/0"}},
+		{"allowInternetAccess": true},
+	}
+	both := func(a, b func() int, delay time.Duration) (int, int) {
+		var wg sync.WaitGroup
+		var sa, sb int
+		wg.Add(2)
+		go func() { defer wg.Done(); sa = a() }()
+		go func() { defer wg.Done(); time.Sleep(delay); sb = b() }()
+		wg.Wait()
+		return sa, sb
+	}
+	body := map[string]any{"templateID": "host", "timeout": 600}
+	s := d.Create(t, k, body)
+	path := "/sandboxes/" + s.SandboxID
+	for i := range 20 {
+		if st, _, out := call(t, d, "POST", path+"/pause", k, map[string]any{}); st != http.StatusNoContent {
+			t.Fatalf("round %d: pause: %d %s", i, st, out)
+		}
+		net, con := both(
+			func() int { st, _, _ := d.Do("PUT", path+"/network", k, policies[i%2]); return st },
+			func() int { st, _, _ := d.Do("POST", "/v2"+path+"/connect", k, map[string]any{"timeout": 600}); return st },
+			time.Duration(i%10)*time.Millisecond)
+		if con != http.StatusCreated && con != http.StatusOK {
+			t.Fatalf("round %d: the resume: %d", i, con)
+		}
+		if sd := stateOf(t, d, k, s.SandboxID); sd.State != "running" {
+			t.Fatalf("round %d: resumed (%d, the network update %d), yet recorded %q", i, con, net, sd.State)
+		}
+		if st, _, _ := call(t, d, "POST", "/v2/sandboxes", k, body); st != http.StatusTooManyRequests {
+			t.Fatalf("round %d: a second sandbox of a team capped at one: %d, want 429", i, st)
+		}
+	}
+	d.Kill(k, s.SandboxID)
+
+	for i := range 20 {
+		s := d.Create(t, k, body)
+		path := "/sandboxes/" + s.SandboxID
+		memory := i%2 == 1
+		pause, net := both(
+			func() int { st, _, _ := d.Do("POST", path+"/pause", k, map[string]any{"memory": memory}); return st },
+			func() int { st, _, _ := d.Do("PUT", path+"/network", k, policies[i%2]); return st },
+			time.Duration(i%8)*2*time.Millisecond)
+		if pause != http.StatusNoContent {
+			t.Fatalf("round %d: pause (memory %v): %d", i, memory, pause)
+		}
+		if sd := stateOf(t, d, k, s.SandboxID); sd.State != "paused" {
+			t.Fatalf("round %d: paused (memory %v; the network update %d), yet recorded %q", i, memory, net, sd.State)
+		}
+		if st, _, out := call(t, d, "DELETE", path, k, nil); st != http.StatusNoContent {
+			t.Fatalf("round %d: kill of the paused sandbox: %d %s", i, st, out)
+		}
+		if _, err := os.Stat(filepath.Join(d.Data, "paused", s.SandboxID+".tar")); err == nil {
+			t.Fatalf("round %d: its archive is left after the kill", i)
+		}
+	}
+}
