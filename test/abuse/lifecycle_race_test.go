@@ -62,7 +62,10 @@ func TestNetworkUpdateRacingTheLifecycle(t *testing.T) {
 		}
 		net, con := both(
 			func() int { st, _, _ := d.Do("PUT", path+"/network", k, policies[i%2]); return st },
-			func() int { st, _, _ := d.Do("POST", "/v2"+path+"/connect", k, map[string]any{"timeout": 600}); return st },
+			func() int {
+				st, _, _ := d.Do("POST", "/v2"+path+"/connect", k, map[string]any{"timeout": 600})
+				return st
+			},
 			time.Duration(i%10)*time.Millisecond)
 		if con != http.StatusCreated && con != http.StatusOK {
 			t.Fatalf("round %d: the resume: %d", i, con)
