@@ -58,6 +58,12 @@ func burstOf(rate float64) float64 { return max(1, 2*rate) }
 // take takes a token from bucket key (rate a second, burst twice that);
 // when there is none it says how long until there is.
 func (l *limiter) take(key string, rate float64, now time.Time) (bool, time.Duration) {
+	return l.takeN(key, rate, 1, now)
+}
+
+// takeN takes n tokens at once, or none (n beyond the burst never fits:
+// the wait is then what n tokens would take from an empty bucket).
+func (l *limiter) takeN(key string, rate float64, n int, now time.Time) (bool, time.Duration) {
 	if rate <= 0 {
 		return true, 0
 	}
@@ -82,11 +88,12 @@ func (l *limiter) take(key string, rate float64, now time.Time) (bool, time.Dura
 	}
 	b.tokens = min(burst, b.tokens+now.Sub(b.last).Seconds()*rate)
 	b.last = now
-	if b.tokens >= 1 {
-		b.tokens--
+	need := float64(n)
+	if b.tokens >= need {
+		b.tokens -= need
 		return true, 0
 	}
-	return false, time.Duration((1 - b.tokens) / rate * float64(time.Second))
+	return false, time.Duration((need - b.tokens) / rate * float64(time.Second))
 }
 
 // ratesOf is the rates of key k: its team's where set, else the server's.
@@ -139,12 +146,24 @@ func (s *server) allowRequest(w http.ResponseWriter, k *store.APIKey) bool {
 
 // allowCreate takes one of the calling key's create tokens, or answers 429.
 func (s *server) allowCreate(w http.ResponseWriter, r *http.Request) bool {
+	return s.allowCreates(w, r, 1)
+}
+
+// allowCreates takes n of the calling key's create tokens (a fork of n
+// sandboxes), or answers 429: n creates cost n, however they are asked for.
+func (s *server) allowCreates(w http.ResponseWriter, r *http.Request, n int) bool {
 	k := callerOf(r)
 	if k == nil || s.forwarded(r) {
 		return true
 	}
 	rate := s.ratesOf(k).Creates
-	ok, wait := s.limits.take("c:"+k.ID, rate, time.Now())
+	if rate > 0 && float64(n) > burstOf(rate) {
+		s.cfg.Metrics.RateLimited("creates")
+		writeError(w, http.StatusTooManyRequests, fmt.Sprintf("rate limit: key %s may make %s creates a second in bursts of %s; a fork of %d is more than a burst",
+			k.ID, strconv.FormatFloat(rate, 'f', -1, 64), strconv.FormatFloat(burstOf(rate), 'f', -1, 64), n))
+		return false
+	}
+	ok, wait := s.limits.takeN("c:"+k.ID, rate, n, time.Now())
 	if !ok {
 		s.rateLimited(w, "creates", k.ID, rate, wait)
 	}

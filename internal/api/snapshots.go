@@ -76,9 +76,6 @@ func (s *server) fork(w http.ResponseWriter, r *http.Request) {
 		s.fail(w, r, fmt.Errorf("%w: fork is not available in cluster mode yet", manager.ErrConflict))
 		return
 	}
-	if !s.allowCreate(w, r) {
-		return
-	}
 	var body types.SandboxForkRequest
 	if err := decode(r, &body, true); err != nil {
 		s.fail(w, r, err)
@@ -93,6 +90,11 @@ func (s *server) fork(w http.ResponseWriter, r *http.Request) {
 	}
 	if body.Timeout < 0 {
 		s.fail(w, r, fmt.Errorf("%w: timeout must be at least 1 second", errBadRequest))
+		return
+	}
+	// Each sandbox of a fork is a create: a fork of n costs n of the
+	// key's create tokens (a count out of range is the manager's 400).
+	if count >= 1 && count <= manager.MaxFork && !s.allowCreates(w, r, count) {
 		return
 	}
 	forks, err := s.cfg.Manager.Fork(r.Context(), keyID(r), r.PathValue("sandboxID"), count, timeout)

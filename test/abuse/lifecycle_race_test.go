@@ -5,6 +5,7 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -99,5 +100,22 @@ func TestNetworkUpdateRacingTheLifecycle(t *testing.T) {
 		if _, err := os.Stat(filepath.Join(d.Data, "paused", s.SandboxID+".tar")); err == nil {
 			t.Fatalf("round %d: its archive is left after the kill", i)
 		}
+	}
+}
+
+// TestForkPaysItsCreates: a fork of n sandboxes costs n of the key's
+// create tokens; more than a burst is refused outright, whatever the
+// bucket holds (a fork of 12 once cost one token).
+func TestForkPaysItsCreates(t *testing.T) {
+	d := cageserve.Start(t)
+	newTeam(t, d, "slow", "--creates", "0.1") // bursts of 1
+	k := d.NewKeyIn(t, "k", "slow")
+	s := d.Create(t, k, map[string]any{"templateID": "host", "timeout": 300})
+	st, _, out := call(t, d, "POST", "/sandboxes/"+s.SandboxID+"/fork", k, map[string]any{"count": 2, "timeout": 60})
+	if st != http.StatusTooManyRequests || !strings.Contains(out, "a fork of 2 is more than a burst") {
+		t.Fatalf("a fork of 2 by a key with bursts of 1: %d %s", st, out)
+	}
+	if st, _, out := call(t, d, "GET", "/sandboxes", k, nil); st != http.StatusOK || strings.Count(out, `"sandboxID"`) != 1 {
+		t.Fatalf("the key's sandboxes after the refused fork: %d %s", st, out)
 	}
 }
