@@ -207,6 +207,36 @@ func (m *Manager) checkID(id string) error {
 	return nil
 }
 
+// Bounds of a sandbox's metadata and of its environment, each: they are
+// kept in its record, listed and sent back whole.
+const (
+	maxStringsEntries = 256
+	maxStringsKey     = 256
+	maxStringsValue   = 16 << 10
+	maxStringsBytes   = 64 << 10
+)
+
+// checkStrings refuses a metadata or environment map beyond its bounds.
+func checkStrings(field string, m map[string]string) error {
+	if len(m) > maxStringsEntries {
+		return fmt.Errorf("%w: %s: %d entries, at most %d", ErrInvalid, field, len(m), maxStringsEntries)
+	}
+	total := 0
+	for k, v := range m {
+		if len(k) > maxStringsKey {
+			return fmt.Errorf("%w: %s: a name of %d bytes, at most %d", ErrInvalid, field, len(k), maxStringsKey)
+		}
+		if len(v) > maxStringsValue {
+			return fmt.Errorf("%w: %s: the value of %.64q is %d bytes, at most %d", ErrInvalid, field, k, len(v), maxStringsValue)
+		}
+		total += len(k) + len(v)
+	}
+	if total > maxStringsBytes {
+		return fmt.Errorf("%w: %s: %d bytes in all, at most %d", ErrInvalid, field, total, maxStringsBytes)
+	}
+	return nil
+}
+
 func (m *Manager) checkTimeout(d time.Duration) error {
 	if d <= 0 {
 		return fmt.Errorf("%w: timeout must be at least 1 second", ErrInvalid)
@@ -237,6 +267,12 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (rec *store.San
 		req.Template = m.cfg.DefaultTemplate
 	}
 	if err := m.checkID(req.ID); err != nil {
+		return nil, err
+	}
+	if err := checkStrings("metadata", req.Metadata); err != nil {
+		return nil, err
+	}
+	if err := checkStrings("envVars", req.Env); err != nil {
 		return nil, err
 	}
 	snap, err := m.fromSnapshot(&req)
@@ -609,8 +645,12 @@ func (m *Manager) tracked(id string) (wall.Sandbox, bool) {
 // Lookup tells the traffic proxy how to authorize traffic to a sandbox:
 // its access and traffic tokens and whether its ports are public. A paused
 // sandbox is found only where traffic resumes it.
+//
+// It reads only those columns: anyone may send requests naming a sandbox,
+// and decoding the whole record (its metadata and environment) on each
+// made them cheap to send and dear to answer.
 func (m *Manager) Lookup(id string) (proxy.Access, bool) {
-	rec, err := m.cfg.Store.GetSandbox(id)
+	rec, err := m.cfg.Store.GetSandboxAccess(id)
 	if err != nil || rec.State == store.StateCreating {
 		return proxy.Access{}, false
 	}

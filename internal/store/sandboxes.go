@@ -220,6 +220,41 @@ func (s *Store) GetSandbox(id string) (*Sandbox, error) {
 	return sb, nil
 }
 
+// SandboxAccess is what the traffic proxy reads of a sandbox's record on
+// every request, anyone's: none of its metadata or environment.
+type SandboxAccess struct {
+	KeyID, State              string
+	AccessToken, TrafficToken string
+	PublicTraffic, AutoResume bool
+	HTTPSPorts                []int
+}
+
+const getAccessSQL = "SELECT key_id, state, access_token, traffic_token, public_traffic, auto_resume, https_ports FROM sandboxes WHERE id = ?"
+
+// GetSandboxAccess reads what the proxy needs of sandbox id, or returns
+// ErrNotFound.
+func (s *Store) GetSandboxAccess(id string) (*SandboxAccess, error) {
+	st, err := s.prepared(getAccessSQL)
+	if err != nil {
+		return nil, fmt.Errorf("store: get sandbox %s: %w", id, err)
+	}
+	var a SandboxAccess
+	var public, resume int64
+	var https string
+	err = st.QueryRowContext(context.Background(), id).Scan(&a.KeyID, &a.State, &a.AccessToken, &a.TrafficToken, &public, &resume, &https)
+	if errors.Is(err, sql.ErrNoRows) {
+		return nil, fmt.Errorf("store: sandbox %s: %w", id, ErrNotFound)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("store: get sandbox %s: %w", id, err)
+	}
+	a.PublicTraffic, a.AutoResume = public != 0, resume != 0
+	if a.HTTPSPorts, err = decodePorts(https); err != nil {
+		return nil, fmt.Errorf("store: sandbox %s: https ports: %w", id, err)
+	}
+	return &a, nil
+}
+
 // UpdateSandbox overwrites every column of the sandbox with sb's ID, or
 // returns ErrNotFound.
 func (s *Store) UpdateSandbox(sb *Sandbox) error {

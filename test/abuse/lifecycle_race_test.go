@@ -5,6 +5,7 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -117,5 +118,46 @@ func TestForkPaysItsCreates(t *testing.T) {
 	}
 	if st, _, out := call(t, d, "GET", "/sandboxes", k, nil); st != http.StatusOK || strings.Count(out, `"sandboxID"`) != 1 {
 		t.Fatalf("the key's sandboxes after the refused fork: %d %s", st, out)
+	}
+}
+
+// TestRecordStringsBounded: a sandbox's metadata and environment are
+// bounded (256 entries, names of 256 bytes, values of 16 KiB, 64 KiB in
+// all, each), with a one-line 400 naming the bound: they are in its
+// record, listed and sent back whole (0.5 MB of each once made every
+// request anyone sent to the sandbox through the proxy 27 times dearer).
+func TestRecordStringsBounded(t *testing.T) {
+	d := cageserve.Start(t)
+	k := d.NewKey(t, "k")
+	many := map[string]string{}
+	for i := range 257 {
+		many["k"+strconv.Itoa(i)] = "v"
+	}
+	wide := map[string]string{}
+	for i := range 5 {
+		wide["k"+strconv.Itoa(i)] = strings.Repeat("v", 15<<10)
+	}
+	for _, c := range []struct {
+		name string
+		body map[string]any
+		want string
+	}{
+		{"257 metadata entries", map[string]any{"metadata": many}, "metadata: 257 entries, at most 256"},
+		{"a long name", map[string]any{"envVars": map[string]string{strings.Repeat("N", 257): "v"}}, "envVars: a name of 257 bytes"},
+		{"a long value", map[string]any{"metadata": map[string]string{"m": strings.Repeat("v", 16<<10+1)}}, "is 16385 bytes, at most 16384"},
+		{"75 KiB in all", map[string]any{"envVars": wide}, "envVars: 76810 bytes in all, at most 65536"},
+	} {
+		c.body["templateID"] = "host"
+		st, _, out := call(t, d, "POST", "/sandboxes", k, c.body)
+		if st != http.StatusBadRequest || !strings.Contains(out, c.want) || strings.Count(out, "\n") > 1 {
+			t.Errorf("%s: %d %s; want 400 saying %q", c.name, st, out, c.want)
+		}
+	}
+	if st, _, out := call(t, d, "GET", "/sandboxes", k, nil); st != http.StatusOK || strings.Contains(out, "sandboxID") {
+		t.Errorf("sandboxes after the refused creates: %d %s", st, out)
+	}
+	ok := map[string]any{"templateID": "host", "metadata": map[string]string{"m": strings.Repeat("v", 16<<10)}}
+	if st, _, out := call(t, d, "POST", "/sandboxes", k, ok); st != http.StatusCreated {
+		t.Errorf("a value of 16 KiB: %d %s", st, out)
 	}
 }
