@@ -21,6 +21,7 @@ import (
 
 	"github.com/cagehq/cage/api/types"
 	"github.com/cagehq/cage/internal/audit"
+	"github.com/cagehq/cage/internal/imgstore"
 	"github.com/cagehq/cage/internal/manager"
 	"github.com/cagehq/cage/internal/metrics"
 	"github.com/cagehq/cage/internal/sandbox"
@@ -199,7 +200,7 @@ func (s *server) failure(r *http.Request, err error) (int, string) {
 		return http.StatusRequestEntityTooLarge, fmt.Sprintf("request body larger than %d bytes", maxBody)
 	case errors.Is(err, manager.ErrNotFound), errors.Is(err, sandbox.ErrNotFound):
 		return http.StatusNotFound, err.Error()
-	case errors.Is(err, sandbox.ErrInvalid), errors.Is(err, errBadRequest):
+	case errors.Is(err, sandbox.ErrInvalid), errors.Is(err, errBadRequest), errors.Is(err, imgstore.ErrInvalid):
 		return http.StatusBadRequest, err.Error()
 	case errors.Is(err, manager.ErrConflict):
 		return http.StatusConflict, err.Error()
@@ -216,11 +217,18 @@ func (s *server) failure(r *http.Request, err error) (int, string) {
 	// The detail (host paths, SQL) is the operator's, in the log; the
 	// client gets an id to quote.
 	id := requestID()
-	s.log.Error("request failed", "route", r.Method+" "+r.URL.Path, "request", id, "err", err)
+	msg := err.Error()
+	if len(msg) > maxLoggedError { // it may quote what the client sent
+		msg = msg[:maxLoggedError] + "…(cut)"
+	}
+	s.log.Error("request failed", "route", r.Method+" "+r.URL.Path, "request", id, "err", msg)
 	return http.StatusInternalServerError, "internal error (request " + id + "; the server's log has the detail)"
 }
 
 var errBadRequest = errors.New("bad request")
+
+// maxLoggedError bounds the error a failed request logs.
+const maxLoggedError = 4 << 10
 
 // requestID names one failed request in the log and in its answer.
 func requestID() string {

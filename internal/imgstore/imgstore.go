@@ -208,7 +208,7 @@ func CheckName(name string) error { return checkName(name) }
 // built-in template and cannot be stored.
 func checkName(name string) error {
 	if !nameRE().MatchString(name) || strings.Contains(name, "..") {
-		return invalidf("template name %q is not allowed (want [a-z0-9][a-z0-9._-]{0,62}, no \"..\")", name)
+		return invalidf("template name %.64q is not allowed (want [a-z0-9][a-z0-9._-]{0,62}, no \"..\")", name)
 	}
 	if name == "host" {
 		return invalidf("template name \"host\" is reserved for the built-in template")

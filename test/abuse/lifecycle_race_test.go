@@ -161,3 +161,16 @@ func TestRecordStringsBounded(t *testing.T) {
 		t.Errorf("a value of 16 KiB: %d %s", st, out)
 	}
 }
+
+// TestMalformedTemplateName: a template name that cannot be one is a
+// one-line 400 that quotes at most 64 characters of it (it was a 500, with
+// the whole name, up to the 1 MiB body, in the daemon's log at ERROR).
+func TestMalformedTemplateName(t *testing.T) {
+	d := cageserve.Start(t)
+	for _, name := range []string{"MyTemplate", "x/y", "a..b", strings.Repeat("a", 900_000)} {
+		st, _, out := call(t, d, "POST", "/v2/sandboxes", d.Key, map[string]any{"templateID": name})
+		if st != http.StatusBadRequest || len(out) > 512 || strings.Count(out, "\n") > 1 {
+			t.Errorf("templateID of %d bytes (%.12s): %d %.200s; want a short 400", len(name), name, st, out)
+		}
+	}
+}
