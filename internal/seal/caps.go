@@ -139,7 +139,10 @@ func dropPrivileges(agentUID int) error {
 	}
 	// Dumpable, so that /proc/1 belongs to the agent's uid rather than to
 	// sandbox root; nothing else runs as that uid, so /proc/1/{mem,environ,
-	// fd,oom_score_adj} stay closed to every process of the sandbox.
+	// fd,oom_score_adj} stay closed to every process of the sandbox (but
+	// while a command's fork changes its ids, which makes the memory it
+	// shares with the agent undumpable until the agent sets it back after
+	// the exec: docs/SECURITY.md, the spawner's window).
 	if err := unix.Prctl(unix.PR_SET_DUMPABLE, 1, 0, 0, 0); err != nil {
 		return fmt.Errorf("set dumpable: %w", err)
 	}
