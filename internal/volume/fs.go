@@ -366,7 +366,7 @@ func statDir(dir int, name, p string) (Entry, error) {
 // mkdirAll makes the directories of p that are missing, each owned by
 // UserID, 0755, following nothing.
 func (r *Root) mkdirAll(p string) error {
-	cur, err := unix.Dup(r.fd())
+	cur, err := unix.FcntlInt(uintptr(r.fd()), unix.F_DUPFD_CLOEXEC, 0) // a fork meanwhile (QEMU's jail) must not inherit it
 	if err != nil {
 		return err
 	}

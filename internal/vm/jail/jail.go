@@ -60,6 +60,19 @@ func Main(args []string) error {
 	// The parent-death signal and the exec below belong to this thread.
 	runtime.LockOSThread()
 	unix.CloseOnExec(spec.Lifeline)
+	// QEMU gets the descriptors it was given (the lifeline is the last
+	// of them), nothing a fork of the host's happened to inherit (a
+	// descriptor made without close-on-exec somewhere in the daemon, as
+	// a volume's root once was): the rest close at the exec.
+	if err := unix.CloseRange(uint(spec.Lifeline)+1, ^uint(0), unix.CLOSE_RANGE_CLOEXEC); err != nil {
+		return fmt.Errorf("jail: close-on-exec: %w", err)
+	}
+	// A session keyring of its own, empty: QEMU would otherwise possess
+	// the daemon's (read its keys, add and revoke them, and pass keys to
+	// every other VM through it).
+	if _, _, e := unix.RawSyscall(unix.SYS_KEYCTL, unix.KEYCTL_JOIN_SESSION_KEYRING, 0, 0); e != 0 {
+		return fmt.Errorf("jail: a session keyring of its own: %w", e)
+	}
 	if err := buildJail(spec.KVM); err != nil {
 		return fmt.Errorf("jail: %w", err)
 	}

@@ -291,7 +291,7 @@ func mountVolumes(root string, paths []string) error {
 // mkdirsBeneath opens the directory p under dirfd, making what is missing
 // (0755), following no symlink.
 func mkdirsBeneath(dirfd int, p string) (int, error) {
-	cur, err := unix.Dup(dirfd)
+	cur, err := unix.FcntlInt(uintptr(dirfd), unix.F_DUPFD_CLOEXEC, 0)
 	if err != nil {
 		return -1, err
 	}
