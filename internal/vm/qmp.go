@@ -18,9 +18,45 @@ import (
 // anywhere between them.
 type qmp struct {
 	conn   *net.UnixConn
-	dec    *json.Decoder
-	events []qmpEvent // events read while waiting for replies, oldest first
+	r      *bufio.Reader
+	events []qmpEvent // events read while waiting for replies, oldest first (at most maxQMPEvents)
 	stop   func() bool
+}
+
+// Bounds of what the host reads of QEMU, which a guest that escaped into
+// it controls: a message is a line of at most maxQMPLine bytes (an
+// endless one took 1.5 GiB of the daemon's heap), and at most
+// maxQMPEvents events wait for their reader (the oldest go).
+const (
+	maxQMPLine   = 1 << 20
+	maxQMPEvents = 256
+)
+
+// next reads one message (a line) into v.
+func (q *qmp) next(v any) error {
+	var line []byte
+	for {
+		b, err := q.r.ReadSlice('\n')
+		if len(line)+len(b) > maxQMPLine {
+			return fmt.Errorf("a message longer than %d bytes", maxQMPLine)
+		}
+		line = append(line, b...)
+		if err == nil {
+			break
+		}
+		if !errors.Is(err, bufio.ErrBufferFull) {
+			return err
+		}
+	}
+	return json.Unmarshal(line, v)
+}
+
+// keep queues an event for a later reader.
+func (q *qmp) keep(e qmpEvent) {
+	if len(q.events) >= maxQMPEvents {
+		q.events = q.events[1:]
+	}
+	q.events = append(q.events, e)
 }
 
 type qmpEvent struct {
@@ -46,10 +82,10 @@ func newQMP(ctx context.Context, c net.Conn) (*qmp, error) {
 		c.Close()
 		return nil, errors.New("qmp: not a unix socket")
 	}
-	q := &qmp{conn: uc, dec: json.NewDecoder(bufio.NewReader(uc))}
+	q := &qmp{conn: uc, r: bufio.NewReaderSize(uc, 64<<10)}
 	q.stop = context.AfterFunc(ctx, func() { uc.SetDeadline(time.Now()) })
 	var greeting map[string]json.RawMessage
-	if err := q.dec.Decode(&greeting); err != nil {
+	if err := q.next(&greeting); err != nil {
 		q.Close()
 		return nil, q.ctxErr(ctx, err)
 	}
@@ -100,12 +136,12 @@ func (q *qmp) send(name string, args any, f *os.File) error {
 func (q *qmp) reply(name string) (json.RawMessage, error) {
 	for {
 		var m qmpMessage
-		if err := q.dec.Decode(&m); err != nil {
+		if err := q.next(&m); err != nil {
 			return nil, err
 		}
 		switch {
 		case m.Event != "":
-			q.events = append(q.events, qmpEvent{m.Event, m.Data})
+			q.keep(qmpEvent{m.Event, m.Data})
 		case m.Error != nil:
 			return nil, &qmpError{name, m.Error.Desc}
 		default:
@@ -183,11 +219,11 @@ func (q *qmp) waitMigration(ctx context.Context) error {
 			}
 		}
 		var m qmpMessage
-		if err := q.dec.Decode(&m); err != nil {
+		if err := q.next(&m); err != nil {
 			return q.ctxErr(ctx, err)
 		}
 		if m.Event != "" {
-			q.events = append(q.events, qmpEvent{m.Event, m.Data})
+			q.keep(qmpEvent{m.Event, m.Data})
 		}
 	}
 }

@@ -30,17 +30,39 @@ const (
 // (a ping is answered by the agent's session loop, not by a command).
 var stallAfter = 10 * time.Second
 
+// reportEvery bounds a session's stall reports however its pings go: a
+// guest that answers each ping just after stallAfter made one every few
+// seconds, each a QMP session and a log line. (A variable for the tests.)
+var reportEvery = 10 * time.Minute
+
+// Bounds of what a stall report logs of the guest's console and of QEMU's
+// view of its queues: both are the guest's (or a compromised QEMU's) to
+// write.
+const (
+	maxReportConsole = 256
+	maxReportQueues  = 4 << 10
+)
+
+// clip keeps the last n bytes of s.
+func clip(s string, n int) string {
+	if len(s) <= n {
+		return s
+	}
+	return "…" + s[len(s)-n:]
+}
+
 // nudge pings the guest's agent every nudgeEvery while sess has a stream
 // open, until sess ends. A ping that goes unanswered does not end the
 // session (yamux's keepalive would): only traffic matters here. One that
 // stays unanswered for stallAfter calls stalled (when not nil) with the
-// streams open then, once until a ping is answered again: the report of a
-// hang, taken while it lasts.
+// streams open then, once until a ping is answered again and at most once
+// every reportEvery: the report of a hang, taken while it lasts.
 func nudge(sess *yamux.Session, stalled func(d time.Duration, streams int)) {
 	t := time.NewTicker(nudgeEvery)
 	defer t.Stop()
 	var out atomic.Int32
 	var reported atomic.Bool
+	var lastReport atomic.Int64 // UnixNano
 	for {
 		select {
 		case <-sess.CloseChan():
@@ -66,7 +88,10 @@ func nudge(sess *yamux.Session, stalled func(d time.Duration, streams int)) {
 			case <-time.After(stallAfter):
 			}
 			if stalled != nil && reported.CompareAndSwap(false, true) {
-				stalled(stallAfter, sess.NumStreams())
+				now := time.Now().UnixNano()
+				if last := lastReport.Load(); (last == 0 || now-last >= int64(reportEvery)) && lastReport.CompareAndSwap(last, now) {
+					stalled(stallAfter, sess.NumStreams())
+				}
 			}
 			if err := <-answered; err == nil {
 				reported.Store(false)
@@ -88,5 +113,5 @@ func (sb *Sandbox) reportStall(d time.Duration, streams int) {
 		queues = "not known: " + err.Error()
 	}
 	logger(sb.cfg).Warn("microvm: the guest has not answered the host's ping", "sandbox", sb.id, "for", d,
-		"streams", streams, "virtio", queues, "console", sb.v.ConsoleLastLine())
+		"streams", streams, "virtio", clip(queues, maxReportQueues), "console", clip(sb.v.ConsoleLastLine(), maxReportConsole))
 }

@@ -6,6 +6,7 @@ import (
 	"io"
 	"log/slog"
 	"net"
+	"os"
 	"path/filepath"
 	"strings"
 	"sync"
@@ -143,6 +144,72 @@ func TestNudgeStall(t *testing.T) {
 	}
 	if sess.IsClosed() {
 		t.Error("the session ended over unanswered pings")
+	}
+}
+
+// slowConn hands on what it reads d late: a guest that answers every
+// ping late.
+type slowConn struct {
+	net.Conn
+	d time.Duration
+}
+
+func (c slowConn) Read(b []byte) (int, error) {
+	n, err := c.Conn.Read(b)
+	time.Sleep(c.d)
+	return n, err
+}
+
+// TestNudgeStallReportsBounded: a guest that answers each ping just after
+// stallAfter is reported at most once every reportEvery (it made a report,
+// a QMP session and a log line, every few seconds; found by review,
+// 2026-12-03), and a report keeps a bounded tail of what the guest wrote.
+func TestNudgeStallReportsBounded(t *testing.T) {
+	defer func(d, e time.Duration) { stallAfter, reportEvery = d, e }(stallAfter, reportEvery)
+	stallAfter, reportEvery = 300*time.Millisecond, 5*time.Second
+	// A socket pair: the host's writes do not wait for the slow reader.
+	fds, err := syscall.Socketpair(syscall.AF_UNIX, syscall.SOCK_STREAM|syscall.SOCK_CLOEXEC, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	hostEnd, err := net.FileConn(os.NewFile(uintptr(fds[0]), "host"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	guestEnd, err := net.FileConn(os.NewFile(uintptr(fds[1]), "guest"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	guest, err := yamux.Server(slowConn{guestEnd, stallAfter + 100*time.Millisecond}, channel.SessionConfig())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer guest.Close()
+	go func() {
+		for {
+			s, err := guest.Accept()
+			if err != nil {
+				return
+			}
+			go func() { _, _ = io.Copy(io.Discard, s) }()
+		}
+	}()
+	sess, err := channel.Client(hostEnd)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer sess.Close()
+	var reports atomic.Int32
+	go nudge(sess, func(time.Duration, int) { reports.Add(1) })
+	if _, err := sess.Open(); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(8 * time.Second)
+	if n := reports.Load(); n < 1 || n > 2 {
+		t.Errorf("%d stall reports in 8 s of late answers, want 1 or 2 (one every %v)", n, reportEvery)
+	}
+	if got := clip(strings.Repeat("\x01", 1<<16), maxReportConsole); len(got) > maxReportConsole+len("…") {
+		t.Errorf("a console line of 64 KiB kept %d bytes", len(got))
 	}
 }
 
