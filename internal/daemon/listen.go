@@ -6,6 +6,8 @@ import (
 	"net/netip"
 	"sync"
 	"time"
+
+	"github.com/cagehq/cage/internal/proxy"
 )
 
 // Bounds of the daemon's two listeners, against clients that hold
@@ -98,15 +100,27 @@ func (c *limitedConn) Close() error {
 
 // newServer is an http.Server with the daemon's bounds; api servers also
 // bound the time to read a whole request.
+//
+// Each write of an answer must get through within a bound (the proxy sets
+// its own; the others get proxy.WriteProgress): a client that reads
+// nothing holds a handler for that long, not for good. HTTP/2 (the
+// proxy's) is held to 100 streams a connection, frames of 64 KiB and
+// 256 KiB of unread body a stream, 1 MiB a connection: an HTTP/1
+// connection costs some 10 KiB, and the connection caps were sized for
+// that (a 1 MiB frame once made a connection's read buffer 1 MiB for its
+// life).
 func newServer(h http.Handler, api bool) *http.Server {
 	var protos http.Protocols
 	protos.SetHTTP1(true)
 	if !api {
 		protos.SetUnencryptedHTTP2(true)
+	} else {
+		h = proxy.WriteProgress(h)
 	}
 	s := &http.Server{Handler: h, Protocols: &protos, ReadHeaderTimeout: HeaderTimeout, IdleTimeout: IdleTimeout,
 		MaxHeaderBytes: maxHeaderBytes,
-		HTTP2:          &http.HTTP2Config{MaxConcurrentStreams: 250, MaxReadFrameSize: 1 << 20}}
+		HTTP2: &http.HTTP2Config{MaxConcurrentStreams: 100, MaxReadFrameSize: 64 << 10,
+			MaxReceiveBufferPerStream: 256 << 10, MaxReceiveBufferPerConnection: 1 << 20}}
 	if api {
 		s.ReadTimeout = apiReadTimeout
 	}

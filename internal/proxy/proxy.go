@@ -21,6 +21,7 @@
 package proxy
 
 import (
+	"bufio"
 	"context"
 	"crypto/subtle"
 	"encoding/json"
@@ -173,6 +174,13 @@ type sandboxError struct {
 }
 
 func (p *Proxy) serve(w http.ResponseWriter, r *http.Request) {
+	// The proxy's own answers (refusals, errors) get answerWrite to reach
+	// the client; what is relayed gets relayWrite for each write (see
+	// progressWriter). Without a bound, a client that lets nothing be sent
+	// (an HTTP/2 stream window of 0, a TCP one never read) held each of its
+	// requests, refused or not, and its handler for good.
+	rc := http.NewResponseController(w)
+	_ = rc.SetWriteDeadline(time.Now().Add(answerWrite))
 	id, port, ok := p.route(r)
 	if !ok {
 		writeJSON(w, http.StatusBadRequest, map[string]any{"code": 400,
@@ -180,7 +188,7 @@ func (p *Proxy) serve(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	access, ok := p.sandboxes.Lookup(id)
-	if !ok && p.Forward != nil && p.Forward(w, r, id) {
+	if !ok && p.Forward != nil && p.Forward(&progressWriter{ResponseWriter: w, rc: rc}, r, id) {
 		return
 	}
 	if !ok {
@@ -304,7 +312,62 @@ func (p *Proxy) serve(w http.ResponseWriter, r *http.Request) {
 			_ = body.Close()
 		}()
 	}
-	rp.ServeHTTP(w, r)
+	rp.ServeHTTP(&progressWriter{ResponseWriter: w, rc: rc}, r)
+}
+
+// Write deadlines of the proxy's answers: its own, whole; a relayed one's,
+// each write's (a stream or a WebSocket may stay idle as long as it likes,
+// but each write must get through within relayWrite). Variables for the
+// tests.
+var (
+	answerWrite = 10 * time.Second
+	relayWrite  = 30 * time.Second
+)
+
+// progressWriter gives each write of a relayed answer relayWrite to get
+// through, and clears the deadline for a connection that is hijacked (an
+// upgrade: the tunnel's copies have their own).
+type progressWriter struct {
+	http.ResponseWriter
+	rc *http.ResponseController
+}
+
+func (w *progressWriter) arm() { _ = w.rc.SetWriteDeadline(time.Now().Add(relayWrite)) }
+
+func (w *progressWriter) WriteHeader(code int) {
+	w.arm()
+	w.ResponseWriter.WriteHeader(code)
+}
+
+func (w *progressWriter) Write(b []byte) (int, error) {
+	w.arm()
+	return w.ResponseWriter.Write(b)
+}
+
+func (w *progressWriter) FlushError() error {
+	w.arm()
+	return w.rc.Flush()
+}
+
+func (w *progressWriter) Hijack() (net.Conn, *bufio.ReadWriter, error) {
+	_ = w.rc.SetWriteDeadline(time.Time{})
+	return w.rc.Hijack()
+}
+
+func (w *progressWriter) Unwrap() http.ResponseWriter { return w.ResponseWriter }
+
+// WriteProgress gives each write of h's answers relayWrite to get
+// through (the daemon's API, dashboard and MCP listeners, whose answers
+// may be large or streamed): a client that never reads holds a handler
+// and what it built for at most that long after it stops reading.
+func WriteProgress(h http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		rc := http.NewResponseController(w)
+		// An HTTP/1 connection keeps the deadline an earlier request on
+		// it left: this one starts with none.
+		_ = rc.SetWriteDeadline(time.Time{})
+		h.ServeHTTP(&progressWriter{ResponseWriter: w, rc: rc}, r)
+	})
 }
 
 // uiCookies are the dashboard's session cookies (internal/ui). A browser
