@@ -82,3 +82,54 @@ func MountProc(root string) error {
 	}
 	return nil
 }
+
+// OverlayMount mounts at dst a read-only overlay of its own over the
+// directory src (empty, an empty directory, the second layer an overlay
+// without an upper one needs): the same files as a bind, but inodes of
+// its own, so that an inotify watch on them sees only the opens made
+// through this mount. The layers are given as detached mounts, so that
+// mountinfo names no path of the host's. An error wrapping EINVAL is a
+// kernel that cannot (layers by descriptor came with Linux 6.13): the
+// caller binds instead.
+func OverlayMount(src, empty, dst string, attrs uint64) error {
+	var lowers []int
+	defer func() {
+		for _, fd := range lowers {
+			unix.Close(fd)
+		}
+	}()
+	for _, p := range []string{src, empty} {
+		// A detached clone of the layer's mount: mountinfo then shows the
+		// layer as "/" of it, not as its path on the host.
+		fd, err := unix.OpenTree(unix.AT_FDCWD, p, unix.OPEN_TREE_CLONE|unix.OPEN_TREE_CLOEXEC)
+		if err != nil {
+			return fmt.Errorf("overlay of %s: open_tree: %w", src, err)
+		}
+		lowers = append(lowers, fd)
+	}
+	fsfd, err := unix.Fsopen("overlay", unix.FSOPEN_CLOEXEC)
+	if err != nil {
+		return fmt.Errorf("overlay of %s: fsopen: %w", src, err)
+	}
+	defer unix.Close(fsfd)
+	if err := unix.FsconfigSetString(fsfd, "source", "cage"); err != nil {
+		return fmt.Errorf("overlay of %s: %w", src, err)
+	}
+	for _, fd := range lowers { // "lowerdir+" appends below: top first
+		if err := unix.FsconfigSetFd(fsfd, "lowerdir+", fd); err != nil {
+			return fmt.Errorf("overlay of %s: a layer by descriptor: %w", src, err)
+		}
+	}
+	if err := unix.FsconfigCreate(fsfd); err != nil {
+		return fmt.Errorf("overlay of %s: %w", src, err)
+	}
+	mfd, err := unix.Fsmount(fsfd, unix.FSMOUNT_CLOEXEC, int(attrs|unix.MOUNT_ATTR_RDONLY))
+	if err != nil {
+		return fmt.Errorf("overlay of %s: fsmount: %w", src, err)
+	}
+	defer unix.Close(mfd)
+	if err := unix.MoveMount(mfd, "", unix.AT_FDCWD, dst, unix.MOVE_MOUNT_F_EMPTY_PATH); err != nil {
+		return fmt.Errorf("overlay of %s on %s: %w", src, dst, err)
+	}
+	return nil
+}

@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
-	"strings"
 	"syscall"
 
 	specs "github.com/opencontainers/runtime-spec/specs-go"
@@ -105,19 +104,6 @@ func (b *bundleConfig) hostRoot() ([]specs.Mount, error) {
 			return nil, err
 		}
 	}
-	// Under runc a template's directories come as read-only overlays of
-	// their own over the host's (an empty directory beside the root the
-	// second, required, layer): the container's inodes are then its own,
-	// and an inotify watch in it sees its own opens only, not the host's
-	// or another sandbox's of the same files (a bind shares the inodes).
-	// gVisor's sentry is a kernel of its own: its watches see its own.
-	empty := ""
-	if b.userns {
-		empty = filepath.Join(filepath.Dir(rootfs), "lower-empty")
-		if err := os.Mkdir(empty, 0o555); err != nil && !os.IsExist(err) {
-			return nil, err
-		}
-	}
 	var mounts []specs.Mount
 	for _, m := range b.template.Mounts {
 		switch m.Kind {
@@ -125,14 +111,7 @@ func (b *bundleConfig) hostRoot() ([]specs.Mount, error) {
 			if err := os.Symlink(m.Target, filepath.Join(rootfs, m.Dest)); err != nil && !os.IsExist(err) {
 				return nil, err
 			}
-		case inside.Dir:
-			if empty != "" && !strings.ContainsAny(m.Source+empty, ",:\\") {
-				mounts = append(mounts, specs.Mount{Destination: m.Dest, Type: "overlay", Source: "overlay",
-					Options: []string{"ro", "nosuid", "nodev", "lowerdir=" + m.Source + ":" + empty}})
-				continue
-			}
-			mounts = append(mounts, bind(m.Dest, m.Source, "rbind", "ro", "nosuid", "nodev"))
-		case inside.File:
+		case inside.Dir, inside.File:
 			mounts = append(mounts, bind(m.Dest, m.Source, "rbind", "ro", "nosuid", "nodev"))
 		}
 	}

@@ -307,17 +307,6 @@ func templateBinds(t *testing.T, b *bundleConfig) []specs.Mount {
 		if m.Kind == inside.Symlink {
 			continue // made in the root (see checkHostRoot)
 		}
-		if m.Kind == inside.Dir && b.userns {
-			// Under runc a directory is an overlay of its own (inodes
-			// not shared: see hostRoot), over an empty layer.
-			empty := filepath.Join(filepath.Dir(b.rootfs), "lower-empty")
-			if fi, err := os.Stat(empty); err != nil || !fi.IsDir() {
-				t.Errorf("no empty layer for the overlays: %v", err)
-			}
-			out = append(out, specs.Mount{Destination: m.Dest, Type: "overlay", Source: "overlay",
-				Options: []string{"ro", "nosuid", "nodev", "lowerdir=" + m.Source + ":" + empty}})
-			continue
-		}
 		out = append(out, specs.Mount{Destination: m.Dest, Type: "bind", Source: m.Source,
 			Options: []string{"rbind", "ro", "nosuid", "nodev"}})
 	}

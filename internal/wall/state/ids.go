@@ -94,6 +94,10 @@ func reserve(n int) (r *IDRange, busy bool, err error) {
 	}
 	held, busy, err := lockFile(name+heldSuffix, os.O_RDONLY)
 	if held == nil {
+		// A sandbox whose host process is gone still holds the slot:
+		// the host's file, made here, goes again (while still locked, so
+		// that nobody takes a lock on it meanwhile that would count).
+		_ = os.Remove(name)
 		host.Close()
 		return nil, busy, err
 	}

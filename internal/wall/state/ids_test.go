@@ -2,6 +2,8 @@ package state
 
 import (
 	"os"
+	"path/filepath"
+	"strconv"
 	"syscall"
 	"testing"
 )
@@ -48,6 +50,9 @@ func TestSlotLocks(t *testing.T) {
 	r.Lock = nil
 	if _, err := ReserveSlot(n); err == nil {
 		t.Fatal("slot reserved while its sandbox still holds its own lock")
+	}
+	if _, err := os.Stat(filepath.Join(IDLockDir, strconv.Itoa(n))); err == nil {
+		t.Error("a reservation that lost the sandbox's lock left the host's lock file behind")
 	}
 	gcIDLocks() // must not remove what a live sandbox holds
 	a, err := AdoptSlot(n)

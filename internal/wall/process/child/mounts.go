@@ -139,13 +139,13 @@ func placeMount(root string, m inside.Mount, empty string) error {
 	default:
 		return fmt.Errorf("template entry %s: unknown kind %q", m.Dest, m.Kind)
 	}
-	if m.Kind == inside.Dir && !strings.ContainsAny(m.Source+empty, ",:\\") {
-		err := unix.Mount("overlay", dst, "overlay", unix.MS_RDONLY|unix.MS_NOSUID|unix.MS_NODEV, "lowerdir="+m.Source+":"+empty)
+	if m.Kind == inside.Dir {
+		err := inside.OverlayMount(m.Source, empty, dst, unix.MOUNT_ATTR_NOSUID|unix.MOUNT_ATTR_NODEV)
 		if err == nil {
 			return nil
 		}
 		if !errors.Is(err, unix.EINVAL) && !errors.Is(err, unix.EPERM) && !errors.Is(err, unix.ENODEV) {
-			return fmt.Errorf("template entry %s: overlay of %s: %w", m.Dest, m.Source, err)
+			return fmt.Errorf("template entry %s: %w", m.Dest, err)
 		}
 	}
 	return inside.BindMount(m.Source, dst, unix.MOUNT_ATTR_RDONLY|unix.MOUNT_ATTR_NOSUID|unix.MOUNT_ATTR_NODEV)
