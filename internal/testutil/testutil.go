@@ -16,6 +16,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/cagehq/cage/internal/cgroups"
 )
 
 // RequireRoot skips a test that needs root.
@@ -158,6 +160,16 @@ func RunDir(t testing.TB) string {
 // RemoveRunDir unmounts what cage mounted under dir (template caches) and
 // removes it.
 func RemoveRunDir(dir string) {
+	// A daemon a test stopped leaves its sandboxes running (for a restart
+	// to adopt): their processes and cgroups go with the directory, or
+	// they would run on with nothing left to end them.
+	if ents, err := os.ReadDir(filepath.Join(dir, "sandboxes")); err == nil && len(ents) > 0 {
+		if m, err := cgroups.Detect("cage"); err == nil {
+			for _, e := range ents {
+				_ = m.Open(e.Name()).Destroy()
+			}
+		}
+	}
 	data, _ := os.ReadFile("/proc/self/mountinfo")
 	for _, line := range strings.Split(string(data), "\n") {
 		f := strings.Fields(line)
