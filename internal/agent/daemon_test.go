@@ -3,7 +3,6 @@ package agent
 import (
 	"context"
 	"fmt"
-	"net"
 	"os"
 	"path/filepath"
 	"strings"
@@ -21,31 +20,8 @@ import (
 // those writes neither kill it (SIGPIPE) nor block it once a pipe's
 // buffer would have filled.
 func TestBackgroundChildOutlivesItsCommand(t *testing.T) {
+	c := startLocalAgent(t)
 	dir := t.TempDir()
-	passwd := filepath.Join(dir, "passwd")
-	home := filepath.Join(dir, "home")
-	if err := os.Mkdir(home, 0o755); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.WriteFile(passwd, []byte(fmt.Sprintf("user:x:%d:%d::%s:/bin/sh\n", os.Getuid(), os.Getgid(), home)), 0o644); err != nil {
-		t.Fatal(err)
-	}
-	s, err := New(Config{Root: dir, Passwd: passwd, Group: passwd, Token: "t"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	sock := filepath.Join(dir, "agent.sock")
-	l, err := net.Listen("unix", sock)
-	if err != nil {
-		t.Fatal(err)
-	}
-	go s.Serve(l)
-	defer s.Shutdown(context.Background())
-	c := agentclient.New(func(ctx context.Context) (net.Conn, error) {
-		var d net.Dialer
-		return d.DialContext(ctx, "unix", sock)
-	}, "t")
-	defer c.Close()
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 

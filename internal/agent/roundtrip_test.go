@@ -16,29 +16,7 @@ import (
 // `true` -> its end event, over HTTP/2 on a unix socket, with the client
 // cage uses (agentclient), both in this process.
 func BenchmarkStartTrue(b *testing.B) {
-	dir := b.TempDir()
-	passwd := filepath.Join(dir, "passwd")
-	home := filepath.Join(dir, "home")
-	_ = os.Mkdir(home, 0o755)
-	if err := os.WriteFile(passwd, []byte(fmt.Sprintf("user:x:%d:%d::%s:/bin/sh\n", os.Getuid(), os.Getgid(), home)), 0o644); err != nil {
-		b.Fatal(err)
-	}
-	s, err := New(Config{Root: dir, Passwd: passwd, Group: passwd, Token: "t"})
-	if err != nil {
-		b.Fatal(err)
-	}
-	sock := filepath.Join(dir, "agent.sock")
-	l, err := net.Listen("unix", sock)
-	if err != nil {
-		b.Fatal(err)
-	}
-	go s.Serve(l)
-	defer s.Shutdown(context.Background())
-	c := agentclient.New(func(ctx context.Context) (net.Conn, error) {
-		var d net.Dialer
-		return d.DialContext(ctx, "unix", sock)
-	}, "t")
-	defer c.Close()
+	c := startLocalAgent(b)
 	ctx := context.Background()
 	run := func() {
 		end, err := c.Run(ctx, agentclient.RunOptions{Cmd: "true", Stdout: io.Discard, Stderr: io.Discard})
@@ -52,4 +30,38 @@ func BenchmarkStartTrue(b *testing.B) {
 	for range b.N {
 		run()
 	}
+}
+
+// startLocalAgent serves an agent in this process on a unix socket (the
+// test's own user its sandbox user) and returns cage's client of it.
+func startLocalAgent(tb testing.TB) *agentclient.Client {
+	tb.Helper()
+	dir := tb.TempDir()
+	passwd := filepath.Join(dir, "passwd")
+	home := filepath.Join(dir, "home")
+	if err := os.Mkdir(home, 0o755); err != nil {
+		tb.Fatal(err)
+	}
+	if err := os.WriteFile(passwd, []byte(fmt.Sprintf("user:x:%d:%d::%s:/bin/sh\n", os.Getuid(), os.Getgid(), home)), 0o644); err != nil {
+		tb.Fatal(err)
+	}
+	s, err := New(Config{Root: dir, Passwd: passwd, Group: passwd, Token: "t"})
+	if err != nil {
+		tb.Fatal(err)
+	}
+	sock := filepath.Join(dir, "agent.sock")
+	l, err := net.Listen("unix", sock)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	go s.Serve(l)
+	c := agentclient.New(func(ctx context.Context) (net.Conn, error) {
+		var d net.Dialer
+		return d.DialContext(ctx, "unix", sock)
+	}, "t")
+	tb.Cleanup(func() {
+		c.Close()
+		s.Shutdown(context.Background())
+	})
+	return c
 }
