@@ -6,6 +6,7 @@ import (
 	"math"
 	"net/http"
 	"strconv"
+	"strings"
 	"sync"
 	"time"
 
@@ -97,19 +98,23 @@ func (l *limiter) takeN(key string, rate float64, n int, now time.Time) (bool, t
 }
 
 // ratesOf is the rates of key k: its team's where set, else the server's.
-func (s *server) ratesOf(k *store.APIKey) Rates {
+func (s *server) ratesOf(k *store.APIKey) Rates { return s.teamRatesOf(k.TeamID) }
+
+// teamRatesOf is a team's rates where it sets them, else the server's (""
+// is no team).
+func (s *server) teamRatesOf(team string) Rates {
 	r := s.cfg.Rates
-	if k.TeamID == "" {
+	if team == "" {
 		return r
 	}
 	l := &s.limits
 	now := time.Now()
 	l.mu.Lock()
-	c, ok := l.teams[k.TeamID]
+	c, ok := l.teams[team]
 	l.mu.Unlock()
 	if !ok || now.Sub(c.at) > teamRatesTTL {
 		c = teamRates{r: r, at: now}
-		if t, err := s.cfg.Store.GetTeam(k.TeamID); err == nil {
+		if t, err := s.cfg.Store.GetTeam(team); err == nil {
 			if t.Limits.Requests > 0 {
 				c.r.Requests = t.Limits.Requests
 			}
@@ -121,7 +126,7 @@ func (s *server) ratesOf(k *store.APIKey) Rates {
 		if l.teams == nil {
 			l.teams = map[string]teamRates{}
 		}
-		l.teams[k.TeamID] = c
+		l.teams[team] = c
 		l.mu.Unlock()
 	}
 	return c.r
@@ -170,11 +175,38 @@ func (s *server) allowCreates(w http.ResponseWriter, r *http.Request, n int) boo
 	return ok
 }
 
-func (s *server) rateLimited(w http.ResponseWriter, what, key string, rate float64, wait time.Duration) {
-	secs := int(math.Ceil(wait.Seconds()))
-	if secs < 1 {
-		secs = 1
+// allowContent takes one of a volume owner's content tokens, or answers
+// 429 in the content API's shape. The content routes take the volume's
+// token, not a key, so they have a bucket of their own per owner (a key,
+// or a team for all its keys' volumes) at the owner's request rate: a
+// volume's token holder cannot make the host's disk work for it without
+// bound, whatever key or volume it uses.
+func (s *server) allowContent(w http.ResponseWriter, r *http.Request, owner string) bool {
+	if s.forwarded(r) {
+		return true
 	}
+	team := ""
+	if strings.HasPrefix(owner, store.TeamPrefix) {
+		team = owner
+	}
+	rate := s.teamRatesOf(team).Requests
+	ok, wait := s.limits.take("v:"+owner, rate, time.Now())
+	if !ok {
+		secs := retryAfter(wait)
+		s.cfg.Metrics.RateLimited("content")
+		w.Header().Set("Retry-After", strconv.Itoa(secs))
+		writeContentError(w, http.StatusTooManyRequests, "rate_limited", fmt.Sprintf(
+			"rate limit: the volumes of %s may take %s content requests a second (bursts of %s); retry after %d s",
+			owner, strconv.FormatFloat(rate, 'f', -1, 64), strconv.FormatFloat(burstOf(rate), 'f', -1, 64), secs))
+	}
+	return ok
+}
+
+// retryAfter is a wait in whole seconds, at least one.
+func retryAfter(wait time.Duration) int { return max(1, int(math.Ceil(wait.Seconds()))) }
+
+func (s *server) rateLimited(w http.ResponseWriter, what, key string, rate float64, wait time.Duration) {
+	secs := retryAfter(wait)
 	s.cfg.Metrics.RateLimited(what)
 	w.Header().Set("Retry-After", strconv.Itoa(secs))
 	writeError(w, http.StatusTooManyRequests, fmt.Sprintf("rate limit: key %s may make %s %s a second (bursts of %s); retry after %d s",

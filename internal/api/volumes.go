@@ -133,9 +133,19 @@ func (s *server) volumeToken(h contentHandler) http.Handler {
 			return
 		}
 		defer root.Close()
-		if v, err := s.cfg.Store.GetVolume("", r.PathValue("volumeID")); err == nil {
-			key, team := audit.SplitOwner(v.KeyID)
-			noteKey(r, key, team) // the audit trail's: the volume's owner
+		v, err := s.cfg.Store.GetVolume("", r.PathValue("volumeID"))
+		if errors.Is(err, store.ErrNotFound) {
+			writeContentError(w, http.StatusNotFound, "not_found", "no such volume") // deleted meanwhile
+			return
+		}
+		if err != nil {
+			s.contentFail(w, r, err)
+			return
+		}
+		key, team := audit.SplitOwner(v.KeyID)
+		noteKey(r, key, team) // the audit trail's: the volume's owner
+		if !s.allowContent(w, r, v.KeyID) {
+			return
 		}
 		_ = http.NewResponseController(w).SetReadDeadline(time.Now().Add(time.Hour))
 		h(w, r, root)

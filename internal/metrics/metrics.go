@@ -143,8 +143,8 @@ func (m *Metrics) APICall(route string, status int, d time.Duration) {
 	m.apiSeconds.observe(d.Seconds(), route)
 }
 
-// RateLimited counts a call refused by a key's rate: "requests" or
-// "creates".
+// RateLimited counts a call refused by a rate: a key's "requests" or
+// "creates", or "content" (a volume owner's content requests).
 func (m *Metrics) RateLimited(limit string) {
 	if m != nil {
 		m.rateLimited.add(1, limit)

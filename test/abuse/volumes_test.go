@@ -7,6 +7,7 @@ import (
 	"sort"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/cagehq/cage/api/types"
 	"github.com/cagehq/cage/internal/apispec"
@@ -129,4 +130,71 @@ func contentDo(t *testing.T, d *cageserve.Daemon, method, path, token string, bo
 	defer resp.Body.Close()
 	b, _ := io.ReadAll(resp.Body)
 	return resp.StatusCode, b
+}
+
+// TestVolumeContentRate: the content routes take a volume's token, not a
+// key, so they get a bucket per volume owner at the owner's request rate:
+// a team at 5 requests a second gets a burst of 10 content requests over
+// all its volumes, then 429 in the content API's shape with Retry-After
+// (before an upload's body is read), and is served again after it. Its
+// keys' API requests and another owner's volumes are not held by it.
+func TestVolumeContentRate(t *testing.T) {
+	d := cageserve.Start(t)
+	admin := d.NewKeyIn(t, "ops", "admin")
+	st, _, out := call(t, d, "POST", "/admin/teams", admin, map[string]any{"name": "slowvol",
+		"rateLimits": map[string]any{"requestsPerSecond": 5}})
+	if st != http.StatusCreated {
+		t.Fatalf("POST /admin/teams: %d %s", st, out)
+	}
+	key := d.NewKeyIn(t, "v1", "slowvol")
+	v1, v2 := newVolume(t, d, key, "one"), newVolume(t, d, key, "two")
+	other := newVolume(t, d, d.Key, "elsewhere")
+
+	ok, limited, retry := 0, 0, ""
+	for i := range 14 {
+		v := v1
+		if i%2 == 1 {
+			v = v2 // one bucket for all the team's volumes
+		}
+		req, _ := http.NewRequest("GET", "http://"+d.API+"/volumecontent/"+v.VolumeID+"/dir?path=/", nil)
+		req.Header.Set("Authorization", "Bearer "+v.Token)
+		resp, err := d.HTTP.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		b, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		switch resp.StatusCode {
+		case http.StatusOK:
+			ok++
+		case http.StatusTooManyRequests:
+			limited++
+			retry = resp.Header.Get("Retry-After")
+			var e types.VolumeContentError
+			if json.Unmarshal(b, &e) != nil || e.Code != "rate_limited" || !strings.Contains(e.Message, "rate limit") {
+				t.Errorf("429 body: %s", b)
+			}
+		default:
+			t.Fatalf("GET dir: %d %s", resp.StatusCode, b)
+		}
+	}
+	if ok < 10 || ok > 11 || limited < 3 || retry != "1" {
+		t.Errorf("14 content requests at once at 5/s: %d served, %d refused (Retry-After %q); want 10 or 11 served, then 429 with Retry-After 1", ok, limited, retry)
+	}
+	// Refused before the body is read: an upload of 8 MiB is answered at
+	// once, and nothing is written.
+	if st, b := contentDo(t, d, "PUT", "/volumecontent/"+v1.VolumeID+"/file?path=/big", v1.Token, strings.NewReader(strings.Repeat("x", 8<<20))); st != http.StatusTooManyRequests {
+		t.Errorf("an upload over the rate: %d %s; want 429", st, b)
+	}
+	// Not the team's keys' API requests, nor another owner's volumes.
+	if st, _, body := call(t, d, "GET", "/v2/sandboxes", key, nil); st != http.StatusOK {
+		t.Errorf("the team's key's API request while its volumes are limited: %d %s", st, body)
+	}
+	if st, b := contentDo(t, d, "GET", "/volumecontent/"+other.VolumeID+"/dir?path=/", other.Token, nil); st != http.StatusOK {
+		t.Errorf("another owner's volume while the team's are limited: %d %s", st, b)
+	}
+	time.Sleep(time.Second)
+	if st, b := contentDo(t, d, "GET", "/volumecontent/"+v1.VolumeID+"/file?path=/big", v1.Token, nil); st != http.StatusNotFound {
+		t.Errorf("after Retry-After, the refused upload's file: %d %s; want 404 (served, never written)", st, b)
+	}
 }
