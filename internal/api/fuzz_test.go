@@ -23,6 +23,7 @@ func FuzzCreateBody(f *testing.F) {
 		`{"templateID":"host","timeout":18446744074,"memoryMB":1125899906842624}`,
 		`{"templateID":"host","timeout":-1}`,
 		`{"templateID":"x","cpuCount":1e308,"pids":9223372036854775807}`,
+		`{"templateID":"x","cpuCount":-1000}`,
 		`{"templateID":"x","network":{"allowOut":["0.0.0.0/0","a.b:443"],"denyOut":["10.0.0.0/8"]}}`,
 		`{"templateID":"x","network":{"mode":"allowlist","allowOut":["*.github.com"]},"allow_internet_access":false}`,
 		`{"templateID":"x","envVars":{"A=B":"c","":"d"},"metadata":{"k":"v"}}`,
@@ -55,7 +56,7 @@ func FuzzCreateBody(f *testing.F) {
 		if body.Timeout != nil && *body.Timeout > 0 && *body.Timeout < 1<<31 && req.Timeout != time.Duration(*body.Timeout)*time.Second {
 			t.Fatalf("timeout %d s became %v", *body.Timeout, req.Timeout)
 		}
-		if req.Memory < 0 || req.Disk < 0 || req.Pids < 0 {
+		if req.Memory < 0 || req.Disk < 0 || req.Pids < 0 || !(req.CPUs >= 0) {
 			t.Fatalf("negative limit passed: %+v", req)
 		}
 		if body.MemoryMB<<20 != req.Memory || body.DiskSizeMB<<20 != req.Disk {

@@ -2,6 +2,7 @@ package api
 
 import (
 	"fmt"
+	"math"
 	"net/http"
 	"net/url"
 	"strconv"
@@ -119,6 +120,9 @@ func (s *server) createRequest(body types.NewSandbox, v2 bool) (manager.CreateRe
 		if v < 0 {
 			return manager.CreateRequest{}, fmt.Errorf("%w: limits must be positive", errBadRequest)
 		}
+	}
+	if !(body.CPUCount >= 0) || math.IsInf(body.CPUCount, 0) {
+		return manager.CreateRequest{}, fmt.Errorf("%w: cpuCount must be positive", errBadRequest)
 	}
 	memory, err := bytesOfMiB("memoryMB", body.MemoryMB)
 	if err != nil {

@@ -294,6 +294,13 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (rec *store.San
 		Memory: req.Memory, Disk: req.Disk, Pids: req.Pids, Net: req.Net, Max: m.cfg.Max,
 	}
 	m.cfg.Host.TemplateDefaults(&opts) // what the template asks for where the create names nothing (desktop: memory)
+	// The limits are checked before they count against the team's quota:
+	// a negative or malformed one reserved would lower the team's usage
+	// for every create beside it until this one failed.
+	checked := opts // Validate fills in defaults; opts keeps what was asked
+	if err := checked.Validate(); err != nil {
+		return nil, err
+	}
 	if req.quota, err = m.reserve(req.KeyID, createNeed(&opts)); err != nil {
 		return nil, err
 	}

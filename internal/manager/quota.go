@@ -3,6 +3,7 @@ package manager
 import (
 	"errors"
 	"fmt"
+	"math"
 	"strings"
 	"sync"
 
@@ -93,6 +94,11 @@ func (r *reservation) record(fn func() error) error {
 // and reserves it; nil (and no error) when owner has no team or the team
 // no quota that need touches.
 func (m *Manager) reserve(owner string, need store.Usage) (*reservation, error) {
+	if need.Sandboxes < 0 || !(need.CPUs >= 0) || math.IsInf(need.CPUs, 0) || need.Memory < 0 || need.Disk < 0 || need.Paused < 0 {
+		// Never reserved: it would lower the owner's usage for every
+		// request beside it.
+		return nil, fmt.Errorf("%w: negative or malformed limits (%+v)", ErrInvalid, need)
+	}
 	if !strings.HasPrefix(owner, store.TeamPrefix) {
 		return nil, nil
 	}

@@ -3,6 +3,7 @@ package manager
 import (
 	"errors"
 	"fmt"
+	"math"
 	"strings"
 	"sync"
 	"testing"
@@ -149,5 +150,35 @@ func TestQuotaPausedAndResume(t *testing.T) {
 	q.release() // twice is once
 	if len(m.quotas.held) != 0 {
 		t.Errorf("reservations left: %v", m.quotas.held)
+	}
+}
+
+// Attack: a create with a negative vCPU count (found by review: the API
+// let it through and the manager reserved it before the sandbox's checks
+// refused it) lowers the team's usage while it waits (on the volume lock,
+// for one), so creates beside it pass a full quota. Expected: a negative
+// or malformed need is refused (ErrInvalid) and never reserved; the quota
+// still holds.
+func TestQuotaNegativeNeedNeverReserved(t *testing.T) {
+	m, st, team := quotaManager(t, store.TeamLimits{CPUs: 1})
+	if err := createAs(m, st, team.ID, "first", sandbox.Options{CPUs: 1}); err != nil {
+		t.Fatal(err)
+	}
+	for _, need := range []store.Usage{
+		{Sandboxes: 1, CPUs: -1000}, {Sandboxes: 1, CPUs: math.NaN()}, {Sandboxes: 1, CPUs: math.Inf(-1)},
+		{Sandboxes: 1, CPUs: 1, Memory: -1 << 30}, {Sandboxes: -1, CPUs: 1},
+	} {
+		q, err := m.reserve(team.ID, need)
+		if !errors.Is(err, ErrInvalid) {
+			t.Errorf("reserve %+v: %v, want ErrInvalid", need, err)
+		}
+		defer q.release() // held, as by a create waiting on a lock
+	}
+	// While those would be held: the quota of 1 vCPU is still full.
+	if err := createAs(m, st, team.ID, "second", sandbox.Options{CPUs: 1}); !errors.Is(err, ErrQuota) {
+		t.Errorf("a second 1-vCPU create over a quota of 1: %v, want ErrQuota", err)
+	}
+	if len(m.quotas.held) != 0 {
+		t.Errorf("reservations held: %v", m.quotas.held)
 	}
 }

@@ -3,6 +3,7 @@ package sandbox
 import (
 	"errors"
 	"fmt"
+	"math"
 
 	"github.com/cagehq/cage/internal/network"
 	"github.com/cagehq/cage/internal/template"
@@ -83,8 +84,8 @@ func (o *Options) Validate() error {
 	switch {
 	case o.Memory < MinMemory:
 		return fmt.Errorf("%w: memory %s is too small (at least %s)", ErrInvalid, units.FormatSize(o.Memory), units.FormatSize(MinMemory))
-	case o.CPUs < MinCPUs:
-		return fmt.Errorf("%w: cpus %g is too small (at least %g)", ErrInvalid, o.CPUs, MinCPUs)
+	case !(o.CPUs >= MinCPUs) || math.IsInf(o.CPUs, 0): // NaN too
+		return fmt.Errorf("%w: cpus %g is out of range (at least %g)", ErrInvalid, o.CPUs, MinCPUs)
 	case o.Pids < MinPids:
 		return fmt.Errorf("%w: pids %d is too small (at least %d)", ErrInvalid, o.Pids, MinPids)
 	case o.Disk < MinDisk:
