@@ -87,7 +87,7 @@ type Trail struct {
 
 	mu      sync.Mutex
 	buckets map[string]*bucket // API-call entries per key; "" is anonymous
-	lost    map[string]int64   // entries not queued, per sandbox or "key:ID" or "anon"
+	lost    map[string]int64   // entries not queued, per sandbox or "key:ID", "team:ID" or "anon"
 	lostN   atomic.Int64
 
 	w writerState // the writer goroutine's own
@@ -167,7 +167,14 @@ func (t *Trail) Record(ev Event) {
 	}
 	ev.Route = clipString(ev.Route)
 	if family(ev.Kind) == "api" || family(ev.Kind) == "proxy" {
-		if !t.allow(ev.KeyID, ev.Time) {
+		// By owner: a key, else a team (a team's volume, reached with the
+		// volume's token, names no key); the shared anonymous bucket is for
+		// entries with no owner at all, which anyone can fill.
+		owner := ev.KeyID
+		if owner == "" {
+			owner = ev.TeamID
+		}
+		if !t.allow(owner, ev.Time) {
 			t.count(lostKey(ev))
 			return
 		}
@@ -197,6 +204,8 @@ func lostKey(ev Event) string {
 		return ev.SandboxID
 	case ev.KeyID != "":
 		return "key:" + ev.KeyID
+	case ev.TeamID != "":
+		return "team:" + ev.TeamID
 	}
 	return "anon"
 }
@@ -208,7 +217,8 @@ func (t *Trail) count(k string) {
 	t.lostN.Add(1)
 }
 
-// allow takes a token from the key's bucket (anonymous: the shared one).
+// allow takes a token from the owner's bucket (a key's or a team's; ""
+// anonymous: the shared one).
 func (t *Trail) allow(key string, now time.Time) bool {
 	rate, burst := t.lim.KeyRate, t.lim.KeyBurst
 	if key == "" {

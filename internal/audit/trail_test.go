@@ -124,6 +124,43 @@ func TestTrailAnonymousRate(t *testing.T) {
 	}
 }
 
+// Attack (found by review): a team's volume, reached with the volume's
+// token, names a team and no key; its entries drew on the anonymous
+// bucket, so anyone's unauthenticated flood kept the team's volume writes
+// out of its trail. Expected: they have the team's own bucket; what the
+// team loses is reported to the team.
+func TestTrailTeamEntriesNotAnonymous(t *testing.T) {
+	tr := startTrail(t, Limits{AnonRate: 1, AnonBurst: 5, KeyRate: 1, KeyBurst: 20})
+	for i := 0; i < 50; i++ {
+		tr.Record(Event{Kind: KindAPICall, Status: 401}) // the flood
+	}
+	for i := 0; i < 25; i++ {
+		tr.Record(Event{Kind: KindAPICall, TeamID: "team_a", Route: "PUT /volumecontent/{volumeID}/file", Status: 201})
+	}
+	tr.Flush()
+	es, _ := tr.DB().Query(Filter{All: true, Kinds: []string{KindAPICall}})
+	team := 0
+	for _, e := range es {
+		if e.TeamID == "team_a" {
+			team++
+		}
+	}
+	if team < 20 || team > 21 {
+		t.Fatalf("%d of the team's 25 entries kept after an anonymous flood; want its own burst of 20", team)
+	}
+	tr.Close() // reports the counts
+	d, _ := tr.DB().Query(Filter{All: true, Kinds: []string{KindDropped}})
+	teamDropped := false
+	for _, e := range d {
+		if e.TeamID == "team_a" && e.KeyID == "" {
+			teamDropped = true
+		}
+	}
+	if !teamDropped {
+		t.Fatalf("no dropped entry for the team: %v", d)
+	}
+}
+
 // Many producers at once: every entry written, the chain whole.
 func TestTrailConcurrent(t *testing.T) {
 	tr := startTrail(t, Limits{PerSandbox: 1 << 30})

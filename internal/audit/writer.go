@@ -9,7 +9,7 @@ import (
 type writerState struct {
 	kept    map[string]int64     // per sandbox, as the counts table has them (loaded when first seen)
 	capped  map[string]bool      // sandboxes whose audit.capped entry is written
-	pending map[string]int64     // not kept since the last report: per sandbox, "key:ID" or "anon"
+	pending map[string]int64     // not kept since the last report: per sandbox, "key:ID", "team:ID" or "anon"
 	owners  map[string]string    // sandbox -> its key
 	seen    map[string]time.Time // sandbox -> when last seen, to forget the idle
 	batch   []Event
@@ -91,7 +91,7 @@ func (t *Trail) writeBatch(report bool) {
 	t.mu.Unlock()
 	for k, n := range lost {
 		w.pending[k] += n
-		if !strings.HasPrefix(k, "key:") && k != "anon" {
+		if !strings.HasPrefix(k, "key:") && !strings.HasPrefix(k, "team:") && k != "anon" {
 			tallyOf(k, w.owners[k]).dropped += n
 		}
 	}
@@ -178,6 +178,9 @@ func (t *Trail) report(rows []row, now time.Time) []row {
 		case strings.HasPrefix(k, "key:"):
 			rows = append(rows, newRow(Event{Kind: KindDropped, KeyID: strings.TrimPrefix(k, "key:"), Detail: map[string]any{
 				"not_kept": n, "why": "API calls over the key's rate, or the queue full"}}, now))
+		case strings.HasPrefix(k, "team:"):
+			rows = append(rows, newRow(Event{Kind: KindDropped, TeamID: strings.TrimPrefix(k, "team:"), Detail: map[string]any{
+				"not_kept": n, "why": "calls on the team's volumes over their rate, or the queue full"}}, now))
 		default:
 			rows = append(rows, t.droppedRow(k, w.owners[k], n, now))
 		}
