@@ -160,6 +160,14 @@ func TestRoutes(t *testing.T) {
 		string(a.body) != `{"code":0,"message":"success","data":{}}` {
 		t.Fatalf("update: %d %s", a.status, a.body)
 	}
+	// The dependency routes read a language's name, not a run's body: 8
+	// KiB is refused before it is held (it was read up to max_body, 16
+	// MiB, by any number of requests at once).
+	pad := `{"language":"python3","pad":"` + strings.Repeat("x", 8<<10) + `"}`
+	if a := do(t, ts, http.MethodPost, "/v1/sandbox/dependencies/update", testKey, "application/json", strings.NewReader(pad)); a.status != http.StatusRequestEntityTooLarge ||
+		!strings.Contains(a.env.Message, "larger than 4096 bytes") {
+		t.Fatalf("update with an 8 KiB body: %d %s; want 413", a.status, a.body)
+	}
 	if a := do(t, ts, http.MethodGet, "/v1/sandbox/run", testKey, "", nil); a.status != http.StatusMethodNotAllowed {
 		t.Fatalf("GET run: %d %s", a.status, a.body)
 	}
