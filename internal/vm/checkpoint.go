@@ -55,9 +55,26 @@ func (v *VM) Checkpoint(ctx context.Context, f *os.File) error {
 		err = v.qemuGone(ctx, err)
 		_, _ = q.call(context.Background(), "migrate_cancel", nil)
 		_, _ = q.call(context.Background(), "cont", nil)
+		if v.atFileBound(f) {
+			err = fmt.Errorf("%w: QEMU wrote %d MiB of state, the most a VM of %d MiB may", ErrFileBound, v.cfg.fileBytes()>>20, v.cfg.memoryMB())
+		}
 		return fmt.Errorf("checkpoint: %w", err)
 	}
 	return nil
+}
+
+// ErrFileBound: QEMU wrote a file up to its bound (Config.FileBytes),
+// which an honest QEMU never reaches.
+var ErrFileBound = errors.New("file size bound reached")
+
+// atFileBound reports whether f, written by a jailed QEMU, reached the
+// bound of its files.
+func (v *VM) atFileBound(f *os.File) bool {
+	if v.cfg.Credential == nil {
+		return false
+	}
+	st, err := f.Stat()
+	return err == nil && st.Size() >= v.cfg.fileBytes()
 }
 
 // Cont lets a stopped VM run again (after a checkpoint that is not used).

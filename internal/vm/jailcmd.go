@@ -11,14 +11,15 @@ import (
 
 // jailCommand is the command that runs QEMU (bin, args) jailed as cred,
 // with files as its descriptors 3 and up, and the read end of a lifeline
-// after them. The caller closes lifeR once the command has started, and
-// holds lifeW for as long as QEMU may run.
-func jailCommand(jailer, bin string, args []string, cred *syscall.Credential, kvm bool, files []*os.File) (cmd *exec.Cmd, lifeR, lifeW *os.File, err error) {
+// after them; no regular file it writes grows past fileBytes. The caller
+// closes lifeR once the command has started, and holds lifeW for as long
+// as QEMU may run.
+func jailCommand(jailer, bin string, args []string, cred *syscall.Credential, kvm bool, fileBytes int64, files []*os.File) (cmd *exec.Cmd, lifeR, lifeW *os.File, err error) {
 	if lifeR, lifeW, err = os.Pipe(); err != nil {
 		return nil, nil, nil, err
 	}
 	spec, err := json.Marshal(jail.Spec{UID: cred.Uid, GID: cred.Gid, Groups: cred.Groups, KVM: kvm,
-		Lifeline: 3 + len(files)})
+		Lifeline: 3 + len(files), FileBytes: fileBytes})
 	if err != nil {
 		lifeR.Close()
 		lifeW.Close()

@@ -71,6 +71,11 @@ type Config struct {
 	// /proc/self/fd/N), so that QEMU needs no path to it.
 	Credential *syscall.Credential
 	Jailer     string
+	// FileBytes bounds, in the jail, every regular file QEMU writes
+	// (RLIMIT_FSIZE): its snapshot's RAM file and state, a checkpoint.
+	// 0 is FileBound of the VM's RAM. A write past it fails (EFBIG): a
+	// checkpoint past it fails and the VM runs on.
+	FileBytes int64
 	// Jail, when set, runs once QEMU exists and before the guest runs
 	// (QEMU starts paused): to put it into its cgroup.
 	Jail func(pid int) error
@@ -84,6 +89,33 @@ type Config struct {
 	tapFD    int               // the tap's descriptor number in QEMU
 	qmpFD    int               // QMP's listening socket in QEMU
 	agentFD  int               // the agent port's listening socket in QEMU
+}
+
+// FileBound is the most an honest QEMU writes into one file for a VM of
+// memMB of RAM: a checkpoint, the largest, is the RAM (a page's header of
+// 8 bytes for every 4 KiB sent; zero pages as a header and a byte), the
+// firmware's and ACPI tables' RAM (some MiB at most) and the devices'
+// and CPUs' state (tens of KiB); a snapshot's RAM file is the RAM. The
+// margin is a sixty-fourth of the RAM and 64 MiB.
+func FileBound(memMB int) int64 {
+	ram := int64(memMB) << 20
+	return ram + ram/64 + 64<<20
+}
+
+// fileBytes is cfg.FileBytes, or FileBound of its RAM.
+func (cfg Config) fileBytes() int64 {
+	if cfg.FileBytes > 0 {
+		return cfg.FileBytes
+	}
+	return FileBound(cfg.memoryMB())
+}
+
+// memoryMB is the VM's RAM in MiB.
+func (cfg Config) memoryMB() int {
+	if cfg.MemoryMB <= 0 {
+		return 256
+	}
+	return cfg.MemoryMB
 }
 
 // memFDKey names Config.MemoryFD among the files passed to QEMU.
@@ -328,7 +360,7 @@ func launch(cfg Config) (*VM, error) {
 	v := &VM{cfg: cfg, stderr: &tail{max: 4096}, console: &tail{max: ConsoleBytes}, done: make(chan struct{})}
 	if cfg.Credential != nil {
 		var lifeR *os.File
-		v.cmd, lifeR, v.lifeline, err = jailCommand(cfg.Jailer, bin, cfg.Args(), cfg.Credential, cfg.Accel == "kvm", files)
+		v.cmd, lifeR, v.lifeline, err = jailCommand(cfg.Jailer, bin, cfg.Args(), cfg.Credential, cfg.Accel == "kvm", cfg.fileBytes(), files)
 		if err != nil {
 			return nil, err
 		}

@@ -8,6 +8,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"os/signal"
 	"path/filepath"
 	"runtime"
 	"syscall"
@@ -40,6 +41,12 @@ type Spec struct {
 	Groups   []uint32 `json:"groups"`
 	KVM      bool     `json:"kvm,omitempty"`
 	Lifeline int      `json:"lifeline"` // read end of a pipe the host holds the other end of
+	// FileBytes bounds every regular file QEMU writes (RLIMIT_FSIZE, soft
+	// and hard): the files it is handed (a snapshot's RAM and state, a
+	// checkpoint) are the only ones it can write, and the largest an
+	// honest QEMU writes is its VM's RAM and a margin (vm.FileBound).
+	// Required: a jail without it is refused.
+	FileBytes int64 `json:"file_bytes"`
 }
 
 // Flags are the namespaces QEMU gets.
@@ -57,6 +64,9 @@ func Main(args []string) error {
 	if err := json.Unmarshal([]byte(args[0]), &spec); err != nil {
 		return fmt.Errorf("jail spec: %w", err)
 	}
+	if spec.FileBytes <= 0 {
+		return errors.New("jail spec: no bound on the files QEMU writes")
+	}
 	// The parent-death signal and the exec below belong to this thread.
 	runtime.LockOSThread()
 	unix.CloseOnExec(spec.Lifeline)
@@ -72,6 +82,9 @@ func Main(args []string) error {
 	// every other VM through it).
 	if _, _, e := unix.RawSyscall(unix.SYS_KEYCTL, unix.KEYCTL_JOIN_SESSION_KEYRING, 0, 0); e != 0 {
 		return fmt.Errorf("jail: a session keyring of its own: %w", e)
+	}
+	if err := boundFiles(spec.FileBytes); err != nil {
+		return fmt.Errorf("jail: %w", err)
 	}
 	if err := buildJail(spec.KVM); err != nil {
 		return fmt.Errorf("jail: %w", err)
@@ -99,6 +112,21 @@ func Main(args []string) error {
 		return fmt.Errorf("jail: %w", err)
 	}
 	return syscall.Exec(args[1], args[1:], []string{})
+}
+
+// boundFiles holds every regular file QEMU writes to n bytes: a write or
+// a truncate past it fails with EFBIG. The kernel also sends SIGXFSZ,
+// which would end QEMU; it is ignored here, and an ignored signal stays
+// ignored across the exec, so an honest QEMU sees the error (a checkpoint
+// past its bound fails as a full disk does, and the VM runs on) rather
+// than dying. QEMU, an unprivileged uid, cannot raise the hard limit.
+func boundFiles(n int64) error {
+	lim := unix.Rlimit{Cur: uint64(n), Max: uint64(n)}
+	if err := unix.Setrlimit(unix.RLIMIT_FSIZE, &lim); err != nil {
+		return fmt.Errorf("bound the files QEMU writes: %w", err)
+	}
+	signal.Ignore(unix.SIGXFSZ)
+	return nil
 }
 
 func intIDs(ids []uint32) []int {

@@ -74,7 +74,7 @@ func TestJailInheritsNothing(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer lw.Close()
-	spec, _ := json.Marshal(jail.Spec{UID: 60000, GID: 60000, Groups: []uint32{}, Lifeline: 3})
+	spec, _ := json.Marshal(jail.Spec{UID: 60000, GID: 60000, Groups: []uint32{}, Lifeline: 3, FileBytes: 1 << 20})
 	cmd := exec.Command(agent, jail.Arg, string(spec), "/usr/bin/python3", "-c", probe)
 	cmd.Args[0] = "cage-agent"
 	cmd.Dir, cmd.Env = "/", []string{}
@@ -94,5 +94,94 @@ func TestJailInheritsNothing(t *testing.T) {
 	}
 	if !strings.Contains(got, "session ") || !strings.Contains(got, "not found") {
 		t.Errorf("the probe said: %s", got)
+	}
+}
+
+// hostileWriter runs in QEMU's place: it writes 2 MiB into the file it is
+// handed (descriptor 3), then tries to grow it to 1 GiB by truncate and
+// by fallocate, and to raise its own limit; it says how each went, and
+// that it is still alive.
+const hostileWriter = `
+import errno, os, resource
+fd, chunk, wrote, err = 3, b"x" * 65536, 0, "none"
+try:
+    while wrote < 2 << 20:
+        wrote += os.write(fd, chunk)
+except OSError as e:
+    err = errno.errorcode[e.errno]
+print("wrote", wrote, "error", err)
+for name, grow in (("truncate", lambda: os.ftruncate(fd, 1 << 30)), ("fallocate", lambda: os.posix_fallocate(fd, 0, 1 << 30))):
+    try:
+        grow()
+        print(name, "grew")
+    except OSError as e:
+        print(name, errno.errorcode[e.errno])
+try:
+    resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    print("raised")
+except (OSError, ValueError):
+    print("not raised")
+print("alive")
+`
+
+// TestJailBoundsFiles: no file QEMU writes through a descriptor it is
+// handed (a checkpoint's state) grows past the jail's bound. Hostile case:
+// a "QEMU" writes 2 MiB into a file bounded at 1 MiB, truncates and
+// fallocates it to 1 GiB and tries to lift its limit. Expected: its
+// writes stop at 1 MiB with EFBIG, the rest fail with EFBIG (the limit
+// with EPERM), the file holds 1 MiB, and the process lives on (SIGXFSZ
+// ignored) to report it. Before, nothing bounded it: a compromised QEMU
+// could fill the host's disk through a checkpoint (found by review,
+// 2026-12-03). A jail without a bound is refused.
+func TestJailBoundsFiles(t *testing.T) {
+	testutil.RequireRoot(t)
+	if _, err := os.Stat("/usr/bin/python3"); err != nil {
+		t.Skip("no /usr/bin/python3 for the probe")
+	}
+	agent := filepath.Join(testutil.Binaries(t), "cage-agent")
+	run := func(fileBytes int64) (string, int64, error) {
+		t.Helper()
+		state, err := os.CreateTemp(t.TempDir(), "state")
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer state.Close()
+		if err := state.Chmod(0o666); err != nil {
+			t.Fatal(err)
+		}
+		lr, lw, err := os.Pipe()
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer lw.Close()
+		spec, _ := json.Marshal(jail.Spec{UID: 60000, GID: 60000, Groups: []uint32{}, Lifeline: 4, FileBytes: fileBytes})
+		cmd := exec.Command(agent, jail.Arg, string(spec), "/usr/bin/python3", "-c", hostileWriter)
+		cmd.Args[0] = "cage-agent"
+		cmd.Dir, cmd.Env = "/", []string{}
+		cmd.ExtraFiles = []*os.File{state, lr}
+		cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL, Cloneflags: jail.Flags}
+		out, err := cmd.CombinedOutput()
+		lr.Close()
+		st, serr := state.Stat()
+		if serr != nil {
+			t.Fatal(serr)
+		}
+		return string(out), st.Size(), err
+	}
+	out, size, err := run(1 << 20)
+	if err != nil {
+		t.Fatalf("jail: %v: %s", err, out)
+	}
+	t.Logf("bounded at 1 MiB: %q, file %d bytes", out, size)
+	for _, want := range []string{"wrote 1048576 error EFBIG\n", "truncate EFBIG\n", "fallocate EFBIG\n", "not raised\n", "alive\n"} {
+		if !strings.Contains(out, want) {
+			t.Errorf("the hostile writer did not report %q: %s", want, out)
+		}
+	}
+	if size != 1<<20 {
+		t.Errorf("the file holds %d bytes, not the bound's 1 MiB", size)
+	}
+	if out, _, err := run(0); err == nil || !strings.Contains(out, "no bound") {
+		t.Errorf("a jail without a file bound ran QEMU: %v: %s", err, out)
 	}
 }

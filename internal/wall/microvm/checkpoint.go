@@ -55,7 +55,10 @@ type checkpointMeta struct {
 // see greetAgain).
 const leaveGrace = 100 * time.Millisecond
 
-// Checkpoint saves the running VM into dir and stops it.
+// Checkpoint saves the running VM into dir and stops it. On error dir
+// holds nothing of the checkpoint: a state QEMU wrote half of (the disk
+// filled, or it reached the bound of QEMU's files, vm.FileBound) is
+// removed.
 func (sb *Sandbox) Checkpoint(ctx context.Context, dir string) error {
 	sb.mu.Lock()
 	if sb.stopping || sb.v == nil {
@@ -80,6 +83,8 @@ func (sb *Sandbox) Checkpoint(ctx context.Context, dir string) error {
 		}
 	}
 	if err != nil {
+		_ = os.Remove(filepath.Join(dir, checkpointState))
+		_ = os.Remove(filepath.Join(dir, checkpointShape))
 		// The VM runs again (vm.Checkpoint sent cont): a host again.
 		if aerr := sb.attach(ctx); aerr != nil {
 			sb.v.Stop()

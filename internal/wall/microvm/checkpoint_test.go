@@ -3,6 +3,7 @@ package microvm
 import (
 	"bytes"
 	"context"
+	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -15,6 +16,7 @@ import (
 
 	"github.com/cagehq/cage/internal/agentclient"
 	"github.com/cagehq/cage/internal/testutil"
+	"github.com/cagehq/cage/internal/vm"
 	"github.com/cagehq/cage/internal/wall"
 )
 
@@ -52,6 +54,12 @@ func TestCheckpointRestore(t *testing.T) {
 		}
 		return out.String()
 	}
+	// Its snapshot was made (its RAM file written) and it runs under the
+	// bound of QEMU's files, which its checkpoints below must fit.
+	want := strconv.FormatInt(vm.FileBound(256), 10)
+	if soft, hard := qemuFileLimit(t, sb.v.Pid()); soft != want || hard != want {
+		t.Errorf("QEMU's file size limit is %s (hard %s), not vm.FileBound's %s", soft, hard, want)
+	}
 	count := func() int {
 		t.Helper()
 		n, err := strconv.Atoi(strings.TrimSpace(run("cat /tmp/count")))
@@ -74,7 +82,7 @@ for i in 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20; do [ -s /tmp/count 
 			t.Fatalf("cycle %d: checkpoint: %v", cycle, err)
 		}
 		fi, _ := os.Stat(filepath.Join(dir, checkpointState))
-		t.Logf("cycle %d: checkpoint %v, %d MiB", cycle, time.Since(start).Round(time.Millisecond), fi.Size()>>20)
+		t.Logf("cycle %d: checkpoint %v, %d MiB (its bound %d MiB)", cycle, time.Since(start).Round(time.Millisecond), fi.Size()>>20, vm.FileBound(256)>>20)
 		select {
 		case <-sb.v.Exited():
 		default:
@@ -155,5 +163,118 @@ for i in 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20; do [ -s /tmp/count 
 	}
 	if _, err := os.Stat(sb.dir); err == nil {
 		t.Error("a failed restore left the sandbox's directory")
+	}
+}
+
+// qemuFileLimit is the soft and hard RLIMIT_FSIZE of process pid.
+func qemuFileLimit(t *testing.T, pid int) (soft, hard string) {
+	t.Helper()
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/limits", pid))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, l := range strings.Split(string(b), "\n") {
+		if f := strings.Fields(strings.TrimPrefix(l, "Max file size")); strings.HasPrefix(l, "Max file size") && len(f) >= 2 {
+			return f[0], f[1]
+		}
+	}
+	t.Fatalf("no file size limit in /proc/%d/limits", pid)
+	return "", ""
+}
+
+// sigIgnored reports whether process pid ignores sig.
+func sigIgnored(t *testing.T, pid int, sig unix.Signal) bool {
+	t.Helper()
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, l := range strings.Split(string(b), "\n") {
+		if hexMask, ok := strings.CutPrefix(l, "SigIgn:"); ok {
+			mask, err := strconv.ParseUint(strings.TrimSpace(hexMask), 16, 64)
+			if err != nil {
+				t.Fatal(err)
+			}
+			return mask&(1<<(uint(sig)-1)) != 0
+		}
+	}
+	t.Fatalf("no SigIgn in /proc/%d/status", pid)
+	return false
+}
+
+// TestCheckpointBounded: QEMU's jail bounds the files it writes
+// (RLIMIT_FSIZE), so a checkpoint is at most its bound on the host's disk.
+// Hostile case: a QEMU that writes more state than its bound, played by
+// an honest QEMU given a bound of 8 MiB, less than its guest's memory in
+// use. Expected: the checkpoint fails with one line saying the bound was
+// reached (vm.ErrFileBound), leaves no state behind, and the sandbox runs
+// on (QEMU ignores SIGXFSZ: its write fails, it does not die). Before, a
+// compromised QEMU could fill the host's disk through the descriptor
+// (found by review, 2026-12-03).
+func TestCheckpointBounded(t *testing.T) {
+	k := needVM(t)
+	bin := testutil.Binaries(t)
+	tmpl := testTemplate(t)
+	runDir := testutil.RunDir(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	const bound = 8 << 20
+	sb, err := Create(ctx, Config{Spec: wall.Spec{ID: "cccccccc00000000000004", Template: tmpl, DiskBytes: 16 << 20, Token: "secret"},
+		RunDir: runDir, AgentPath: filepath.Join(bin, "cage-agent"), Kernel: k, MemoryMB: 256, CPUs: 1, coldBoot: true, fileBytes: bound})
+	if err != nil {
+		t.Fatalf("create: %v", err)
+	}
+	defer func() {
+		if err := sb.Destroy(); err != nil {
+			t.Errorf("destroy: %v", err)
+		}
+	}()
+	if soft, hard := qemuFileLimit(t, sb.v.Pid()); soft != "8388608" || hard != "8388608" {
+		t.Errorf("QEMU's file size limit is %s (hard %s), not its bound", soft, hard)
+	}
+	// Whichever of its threads writes (its migration thread blocks every
+	// signal, its main thread does not), it is not killed.
+	if !sigIgnored(t, sb.v.Pid(), unix.SIGXFSZ) {
+		t.Error("QEMU does not ignore SIGXFSZ: a write past its bound would end it")
+	}
+	run := func(script string) string {
+		t.Helper()
+		c := agentclient.New(sb.Dial, sb.Token())
+		defer c.Close()
+		var out bytes.Buffer
+		end, err := c.Run(ctx, agentclient.RunOptions{Cmd: "/bin/sh", Args: []string{"-c", script}, Stdout: &out, Stderr: &out})
+		if err != nil || end.GetExitCode() != 0 {
+			t.Fatalf("%q: %v %v %q", script, err, end, out.String())
+		}
+		return out.String()
+	}
+	run("echo kept > /home/user/kept")
+	dir := filepath.Join(t.TempDir(), "ckpt")
+	if err := os.Mkdir(dir, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	err = sb.Checkpoint(ctx, dir)
+	if err == nil {
+		t.Fatal("a checkpoint past its bound succeeded")
+	}
+	t.Logf("a checkpoint past its bound: %v", err)
+	if !errors.Is(err, vm.ErrFileBound) || strings.Contains(err.Error(), "\n") {
+		t.Errorf("the error is not one line saying the bound was reached: %q", err)
+	}
+	if errors.Is(err, wall.ErrStopped) {
+		t.Errorf("the failed checkpoint stopped the sandbox: %v", err)
+	}
+	if ents, _ := os.ReadDir(dir); len(ents) != 0 {
+		t.Errorf("the failed checkpoint left %d files in its directory", len(ents))
+	}
+	select {
+	case <-sb.v.Exited():
+		t.Fatalf("QEMU ended at its bound: %v", sb.v.Wait())
+	case <-sb.Exited():
+		t.Fatal("the sandbox ended at its checkpoint's bound")
+	default:
+	}
+	if got := run("cat /home/user/kept; echo on"); got != "kept\non\n" {
+		t.Errorf("after the failed checkpoint the sandbox says %q", got)
 	}
 }

@@ -65,9 +65,10 @@ type Config struct {
 	CPUs     int
 	Log      *slog.Logger // slog.Default() when nil
 
-	coldBoot   bool // boot, do not restore (tests compare the two)
-	prepare    bool // stop once the guest waits for its spec (prepare.go)
-	background bool // restore at background priority (a pool's; prepare.go)
+	coldBoot   bool  // boot, do not restore (tests compare the two)
+	prepare    bool  // stop once the guest waits for its spec (prepare.go)
+	background bool  // restore at background priority (a pool's; prepare.go)
+	fileBytes  int64 // QEMU's bound on the files it writes (0: vm.FileBound; tests lower it)
 }
 
 func logger(cfg Config) *slog.Logger {
@@ -476,7 +477,7 @@ func (sb *Sandbox) vmConfig() error {
 	memMB, cpus := vmSize(cfg)
 	sb.vcfg = vm.Config{Kernel: cfg.Kernel, Initramfs: initrd, MemoryMB: memMB, CPUs: cpus, Accel: cfg.Accel,
 		Dir: filepath.Join(sb.dir, "vm"), Disks: []string{disk}, Credential: credential(sb.ids, cfg.Accel),
-		Jailer: cfg.AgentPath, Append: guestArgsFor(cfg.Accel)}
+		Jailer: cfg.AgentPath, Append: guestArgsFor(cfg.Accel), FileBytes: cfg.fileBytes}
 	if cfg.Net != nil && cfg.NetPolicy.Networked() {
 		sb.vcfg.MAC = network.GuestMAC
 	}
