@@ -53,6 +53,8 @@ type Config struct {
 	// MemoryFD, when set, is the RAM a VM is restored from, in place of
 	// MemoryFile: a descriptor QEMU inherits (a sealed memfd, which QEMU
 	// may open for writing as QEMU 7.2 insists but can never write to).
+	// QEMU holds a descriptor of its own once Restore returns: the caller
+	// may then close it.
 	MemoryFD *os.File
 	// NamedRAM, with neither MemoryFile nor MemoryFD, puts the RAM in an
 	// anonymous memory backend named as the file-backed one is: the RAM

@@ -336,14 +336,19 @@ func Create(ctx context.Context, cfg Config) (sb *Sandbox, err error) {
 	if !cfg.coldBoot {
 		snap, serr := cachedSnapshot(ctx, cache, vcfg)
 		var mem *os.File
+		var release func()
 		if serr == nil {
-			mem, serr = snap.memory()
+			mem, release, serr = snap.memory(cfg.Template)
 		}
 		if serr == nil {
 			rc := vcfg
 			rc.MemoryFD = mem
 			rc.Background = cfg.background
-			if sb.v, err = vm.Restore(ctx, rc, snap.state()); err != nil {
+			sb.v, err = vm.Restore(ctx, rc, snap.state())
+			// QEMU has its own descriptor of the memory now (or will
+			// never have one): the host's hold on it ends.
+			release()
+			if err != nil {
 				return sb, err
 			}
 			sb.restored = true

@@ -122,96 +122,6 @@ type snapshot struct{ dir string }
 
 func (s snapshot) state() string { return filepath.Join(s.dir, snapState) }
 
-// memories holds, per snapshot directory, its RAM loaded into a sealed
-// memfd (*os.File): every VM this process restores from the snapshot maps
-// it private, so they share its pages. QEMU 7.2 opens a memory file for
-// writing even to map it private; a memfd sealed against writes, growing
-// and shrinking is one it may open so but can never change, so no VM can
-// plant anything in the RAM the next ones start from.
-var memories sync.Map
-
-// memory returns the snapshot's RAM as a sealed memfd, loaded once per
-// process.
-func (s snapshot) memory() (*os.File, error) {
-	if f, ok := memories.Load(s.dir); ok {
-		return f.(*os.File), nil
-	}
-	mu, _ := snapshotLocks.LoadOrStore("memory "+s.dir, new(sync.Mutex))
-	mu.(*sync.Mutex).Lock()
-	defer mu.(*sync.Mutex).Unlock()
-	if f, ok := memories.Load(s.dir); ok {
-		return f.(*os.File), nil
-	}
-	f, err := loadSealed(filepath.Join(s.dir, snapMemory))
-	if err != nil {
-		return nil, fmt.Errorf("load the snapshot's memory: %w", err)
-	}
-	memories.Store(s.dir, f)
-	return f, nil
-}
-
-// loadSealed copies file p into a memfd, holes left as holes, and seals it.
-func loadSealed(p string) (*os.File, error) {
-	src, err := os.Open(p)
-	if err != nil {
-		return nil, err
-	}
-	defer src.Close()
-	st, err := src.Stat()
-	if err != nil {
-		return nil, err
-	}
-	fd, err := unix.MemfdCreate("cage-snapshot", unix.MFD_CLOEXEC|unix.MFD_ALLOW_SEALING)
-	if err != nil {
-		return nil, err
-	}
-	dst := os.NewFile(uintptr(fd), "cage-snapshot")
-	if err := copySparse(dst, src, st.Size()); err != nil {
-		dst.Close()
-		return nil, err
-	}
-	seals := unix.F_SEAL_SHRINK | unix.F_SEAL_GROW | unix.F_SEAL_WRITE | unix.F_SEAL_SEAL
-	if _, err := unix.FcntlInt(dst.Fd(), unix.F_ADD_SEALS, seals); err != nil {
-		dst.Close()
-		return nil, fmt.Errorf("seal: %w", err)
-	}
-	return dst, nil
-}
-
-// copySparse copies size bytes of src into dst, skipping src's holes.
-func copySparse(dst, src *os.File, size int64) error {
-	if err := dst.Truncate(size); err != nil {
-		return err
-	}
-	buf := make([]byte, 1<<20)
-	for off := int64(0); off < size; {
-		data, err := unix.Seek(int(src.Fd()), off, unix.SEEK_DATA)
-		if errors.Is(err, unix.ENXIO) {
-			return nil // only a hole is left
-		}
-		if err != nil {
-			return err
-		}
-		hole, err := unix.Seek(int(src.Fd()), data, unix.SEEK_HOLE)
-		if err != nil {
-			return err
-		}
-		for off = data; off < hole; {
-			n, err := src.ReadAt(buf[:min(int64(len(buf)), hole-off)], off)
-			if n > 0 {
-				if _, werr := dst.WriteAt(buf[:n], off); werr != nil {
-					return werr
-				}
-				off += int64(n)
-			}
-			if err != nil && !(errors.Is(err, io.EOF) && off >= hole) {
-				return err
-			}
-		}
-	}
-	return nil
-}
-
 // snapshotLocks keeps one process from building a snapshot twice at once.
 var snapshotLocks sync.Map // key -> *sync.Mutex
 
@@ -263,8 +173,9 @@ func cachedSnapshot(ctx context.Context, cache string, c vm.Config) (snapshot, e
 
 // removeSuperseded removes the snapshots in dir of VMs like sh's (same
 // image, size, NIC and accelerator) made with another kernel, initramfs
-// (agent) or QEMU: no VM will be restored from them again. A process
-// restoring from one as it goes falls back to a cold boot.
+// (agent) or QEMU: no VM will be restored from them again, and their
+// memory is let go (memory.go). A process restoring from one as it goes
+// falls back to a cold boot.
 func removeSuperseded(dir, key string, sh shape) {
 	ents, _ := os.ReadDir(dir)
 	for _, e := range ents {
@@ -282,6 +193,7 @@ func removeSuperseded(dir, key string, sh shape) {
 		if slices.Equal(old.Disks, sh.Disks) && old.MemoryMB == sh.MemoryMB && old.CPUs == sh.CPUs &&
 			old.NIC == sh.NIC && old.Accel == sh.Accel {
 			_ = os.RemoveAll(filepath.Join(dir, e.Name()))
+			forgetSnapshot(filepath.Join(dir, e.Name()))
 		}
 	}
 }
