@@ -1,6 +1,7 @@
 package inside
 
 import (
+	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -132,4 +133,49 @@ func OverlayMount(src, empty, dst string, attrs uint64) error {
 		return fmt.Errorf("overlay of %s on %s: %w", src, dst, err)
 	}
 	return nil
+}
+
+// EmptyLower mounts a tiny tmpfs of its own on at (a directory it makes)
+// holding an empty directory, the second layer OverlayMount's overlays
+// take, and returns that directory and what detaches the tmpfs again and
+// removes at: an overlay keeps its layers, so done follows the last
+// overlay made, and nothing else ever sees the tmpfs. The caller's mount
+// namespace is one whose mounts reach no other (a sandbox's, or a
+// runtime's own; see the runc wall).
+func EmptyLower(at string) (dir string, done func(), err error) {
+	if err := os.Mkdir(at, 0o700); err != nil {
+		return "", nil, err
+	}
+	if err := unix.Mount("tmpfs", at, "tmpfs", unix.MS_NOSUID|unix.MS_NODEV|unix.MS_NOEXEC, "size=4k,nr_inodes=4,mode=700"); err != nil {
+		_ = os.Remove(at)
+		return "", nil, fmt.Errorf("mount the overlays' empty layer: %w", err)
+	}
+	dir = filepath.Join(at, "empty")
+	if err := os.Mkdir(dir, 0o555); err != nil {
+		_ = unix.Unmount(at, unix.MNT_DETACH)
+		_ = os.Remove(at)
+		return "", nil, err
+	}
+	return dir, func() {
+		_ = unix.Unmount(at, unix.MNT_DETACH)
+		_ = os.Remove(at)
+	}, nil
+}
+
+// ReadOnlyDir mounts at dst a template's directory src, read-only with
+// attrs: a read-only overlay of its own (OverlayMount, empty from
+// EmptyLower its second layer), whose inodes are its own, so that an
+// inotify watch in the sandbox sees its own opens only, not the host's or
+// another sandbox's of the same files (a bind shares the inodes: a watch
+// on /usr/bin saw which programs the host and the other sandboxes ran). A
+// kernel that cannot mount one so (before Linux 6.13) gets the bind.
+func ReadOnlyDir(src, empty, dst string, attrs uint64) error {
+	err := OverlayMount(src, empty, dst, attrs)
+	if err == nil {
+		return nil
+	}
+	if !errors.Is(err, unix.EINVAL) && !errors.Is(err, unix.EPERM) && !errors.Is(err, unix.ENODEV) {
+		return err
+	}
+	return BindMount(src, dst, attrs|unix.MOUNT_ATTR_RDONLY)
 }

@@ -38,7 +38,7 @@ func buildRoot(spec *InitSpec) error {
 			return fmt.Errorf("mount root tmpfs: %w", err)
 		}
 		trace.Mark("root: mounts")
-		empty, done, err := emptyLower(root)
+		empty, done, err := inside.EmptyLower(filepath.Join(root, ".cage-lower"))
 		if err != nil {
 			return err
 		}
@@ -87,37 +87,9 @@ func buildRoot(spec *InitSpec) error {
 	return nil
 }
 
-// emptyLower makes an empty directory on a tmpfs of its own for the
-// template's overlays (see placeMount), and returns what detaches it: an
-// overlay keeps its layers, and the sandbox never sees it.
-func emptyLower(root string) (dir string, done func(), err error) {
-	at := filepath.Join(root, ".cage-lower")
-	if err := os.Mkdir(at, 0o700); err != nil {
-		return "", nil, err
-	}
-	if err := unix.Mount("tmpfs", at, "tmpfs", unix.MS_NOSUID|unix.MS_NODEV|unix.MS_NOEXEC, "size=4k,nr_inodes=4,mode=700"); err != nil {
-		_ = os.Remove(at)
-		return "", nil, fmt.Errorf("mount the overlays' empty layer: %w", err)
-	}
-	dir = filepath.Join(at, "empty")
-	if err := os.Mkdir(dir, 0o555); err != nil {
-		_ = unix.Unmount(at, unix.MNT_DETACH)
-		_ = os.Remove(at)
-		return "", nil, err
-	}
-	return dir, func() {
-		_ = unix.Unmount(at, unix.MNT_DETACH)
-		_ = os.Remove(at)
-	}, nil
-}
-
-// placeMount brings one template entry into the new root. A directory
-// comes as a read-only overlay of its own over the host's (empty the
-// second, required, layer): the sandbox's inodes are then its own, and an
-// inotify watch in it sees its own opens only, not the host's or another
-// sandbox's of the same files (a bind shares the inodes: a watch on
-// /usr/bin saw which programs the host and the other sandboxes ran). A
-// kernel that cannot mount one there gets the bind.
+// placeMount brings one template entry into the new root: a directory
+// as a read-only overlay of its own over the host's (inside.ReadOnlyDir,
+// empty its second layer), a file as a read-only bind.
 func placeMount(root string, m inside.Mount, empty string) error {
 	dst := filepath.Join(root, m.Dest)
 	if err := os.MkdirAll(filepath.Dir(dst), 0o755); err != nil {
@@ -140,13 +112,10 @@ func placeMount(root string, m inside.Mount, empty string) error {
 		return fmt.Errorf("template entry %s: unknown kind %q", m.Dest, m.Kind)
 	}
 	if m.Kind == inside.Dir {
-		err := inside.OverlayMount(m.Source, empty, dst, unix.MOUNT_ATTR_NOSUID|unix.MOUNT_ATTR_NODEV)
-		if err == nil {
-			return nil
-		}
-		if !errors.Is(err, unix.EINVAL) && !errors.Is(err, unix.EPERM) && !errors.Is(err, unix.ENODEV) {
+		if err := inside.ReadOnlyDir(m.Source, empty, dst, unix.MOUNT_ATTR_NOSUID|unix.MOUNT_ATTR_NODEV); err != nil {
 			return fmt.Errorf("template entry %s: %w", m.Dest, err)
 		}
+		return nil
 	}
 	return inside.BindMount(m.Source, dst, unix.MOUNT_ATTR_RDONLY|unix.MOUNT_ATTR_NOSUID|unix.MOUNT_ATTR_NODEV)
 }
