@@ -84,24 +84,42 @@ const backgroundNice = 15
 
 // runAt runs cmd with it and its descendants at nice (0: as this
 // process): it is started from a thread of its own at that priority, which
-// it inherits, and which ends then (never used again).
+// it inherits (see onOwnThread).
 func runAt(cmd *exec.Cmd, nice int) error {
 	if nice == 0 {
 		return cmd.Run()
 	}
-	errc := make(chan error, 1)
-	go func() {
-		runtime.LockOSThread() // not unlocked: the thread ends with this goroutine
-		if err := unix.Setpriority(unix.PRIO_PROCESS, unix.Gettid(), nice); err != nil {
-			errc <- err
-			return
+	var err error
+	onOwnThread(func() {
+		if err = unix.Setpriority(unix.PRIO_PROCESS, unix.Gettid(), nice); err == nil {
+			err = cmd.Start()
 		}
-		errc <- cmd.Start()
-	}()
-	if err := <-errc; err != nil {
+	})
+	if err != nil {
 		return err
 	}
 	return cmd.Wait()
+}
+
+// onOwnThread runs fn on a thread of its own, which ends when fn returns:
+// fn may change the thread for good (its priority, its namespaces). Never
+// on the process's main thread, which Go keeps when a goroutine locked to
+// it ends, and whose state /proc/<pid> shows (its mountinfo): a goroutine
+// that finds itself there holds it while another runs fn (a thread held so
+// runs no other goroutine), then lets it go untouched.
+func onOwnThread(fn func()) {
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		runtime.LockOSThread()
+		if unix.Gettid() == unix.Getpid() {
+			defer runtime.UnlockOSThread()
+			onOwnThread(fn)
+			return
+		}
+		fn() // not unlocked: the thread ends with this goroutine
+	}()
+	<-done
 }
 
 // renice takes backgroundNice off every thread of every process in the
