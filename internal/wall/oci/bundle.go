@@ -64,11 +64,15 @@ type bundleConfig struct {
 	netns      string   // a network namespace to join ("" = a new one, loopback only)
 	resolvConf string
 	image      bool          // rootfs is an image template's overlay, writable
+	layers     string        // the host template under runc: its directories' mount points (see layers.go)
 	volumes    []specs.Mount // binds of the volumes' copies (see volumes.go)
 }
 
 // hostRoot fills the sandbox's own root tmpfs for the host template: the
 // template's read-only binds and the directories the container mounts on.
+// Under runc a directory's bind is of its overlay, mounted on its mount
+// point in b.layers as runc starts (see layers.go); under gVisor, of the
+// host's.
 func (b *bundleConfig) hostRoot() ([]specs.Mount, error) {
 	rootfs := b.rootfs
 	dirs := []string{"usr", "etc", "tmp", "home", "root", "var/tmp", "proc", "dev", "run", "mnt", "opt", "srv"}
@@ -104,15 +108,24 @@ func (b *bundleConfig) hostRoot() ([]specs.Mount, error) {
 			return nil, err
 		}
 	}
+	if b.layers != "" {
+		if err := makeLayerPoints(b.layers, b.template.Mounts); err != nil {
+			return nil, err
+		}
+	}
 	var mounts []specs.Mount
-	for _, m := range b.template.Mounts {
+	for i, m := range b.template.Mounts {
 		switch m.Kind {
 		case inside.Symlink:
 			if err := os.Symlink(m.Target, filepath.Join(rootfs, m.Dest)); err != nil && !os.IsExist(err) {
 				return nil, err
 			}
 		case inside.Dir, inside.File:
-			mounts = append(mounts, bind(m.Dest, m.Source, "rbind", "ro", "nosuid", "nodev"))
+			src := m.Source
+			if m.Kind == inside.Dir && b.layers != "" {
+				src = layerPath(b.layers, i)
+			}
+			mounts = append(mounts, bind(m.Dest, src, "rbind", "ro", "nosuid", "nodev"))
 		}
 	}
 	return mounts, nil

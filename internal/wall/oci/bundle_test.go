@@ -6,6 +6,7 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"syscall"
 	"testing"
 
@@ -40,6 +41,9 @@ func newBundle(t *testing.T, wall string, tmpl *template.Template, netns string)
 		netns: netns, image: tmpl.Image != nil}
 	if b.userns {
 		b.usernsPath = testUserNS
+		if !b.image {
+			b.layers = filepath.Join(dir, layersDir)
+		}
 	}
 	if netns != "" {
 		b.resolvConf = "nameserver 10.200.0.1\n"
@@ -299,15 +303,24 @@ func checkMounts(t *testing.T, spec *specs.Spec, want []specs.Mount) {
 }
 
 // templateBinds are the host template's read-only binds, in its order;
-// its symlinks are made in the root instead.
+// its symlinks are made in the root instead. Under runc a directory's
+// bind is of its mount point in the layers directory, where runc's mount
+// namespace has its overlay (see layers.go); under gVisor, of the host's.
 func templateBinds(t *testing.T, b *bundleConfig) []specs.Mount {
 	t.Helper()
 	var out []specs.Mount
-	for _, m := range b.template.Mounts {
+	for i, m := range b.template.Mounts {
 		if m.Kind == inside.Symlink {
 			continue // made in the root (see checkHostRoot)
 		}
-		out = append(out, specs.Mount{Destination: m.Dest, Type: "bind", Source: m.Source,
+		src := m.Source
+		if m.Kind == inside.Dir && b.userns {
+			src = filepath.Join(b.layers, strconv.Itoa(i))
+			if fi, err := os.Stat(src); err != nil || !fi.IsDir() {
+				t.Errorf("no mount point for %s's overlay: %v", m.Dest, err)
+			}
+		}
+		out = append(out, specs.Mount{Destination: m.Dest, Type: "bind", Source: src,
 			Options: []string{"rbind", "ro", "nosuid", "nodev"}})
 	}
 	if !slices.ContainsFunc(out, func(m specs.Mount) bool { return m.Destination == "/etc" }) ||

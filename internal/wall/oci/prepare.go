@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"runtime"
 	"strconv"
 	"strings"
@@ -84,21 +85,41 @@ const backgroundNice = 15
 
 // runAt runs cmd with it and its descendants at nice (0: as this
 // process): it is started from a thread of its own at that priority, which
-// it inherits (see onOwnThread).
-func runAt(cmd *exec.Cmd, nice int) error {
-	if nice == 0 {
+// it inherits (see onOwnThread). setup, when not nil, runs first on that
+// thread, in a mount namespace the thread unshares for itself (a copy of
+// this process's, whose mounts propagate to no other: slave), which cmd
+// inherits: what setup mounts there is cmd's and its children's alone,
+// and goes when they leave it (see layers.go).
+func runAt(cmd *exec.Cmd, nice int, setup func() error) error {
+	if nice == 0 && setup == nil {
 		return cmd.Run()
 	}
 	var err error
-	onOwnThread(func() {
-		if err = unix.Setpriority(unix.PRIO_PROCESS, unix.Gettid(), nice); err == nil {
-			err = cmd.Start()
-		}
-	})
+	onOwnThread(func() { err = startAt(cmd, nice, setup) })
 	if err != nil {
 		return err
 	}
 	return cmd.Wait()
+}
+
+func startAt(cmd *exec.Cmd, nice int, setup func() error) error {
+	if nice != 0 {
+		if err := unix.Setpriority(unix.PRIO_PROCESS, unix.Gettid(), nice); err != nil {
+			return err
+		}
+	}
+	if setup != nil {
+		if err := unix.Unshare(unix.CLONE_NEWNS); err != nil {
+			return fmt.Errorf("a mount namespace for %s: %w", filepath.Base(cmd.Path), err)
+		}
+		if err := unix.Mount("", "/", "", unix.MS_REC|unix.MS_SLAVE, ""); err != nil {
+			return fmt.Errorf("a mount namespace for %s: %w", filepath.Base(cmd.Path), err)
+		}
+		if err := setup(); err != nil {
+			return err
+		}
+	}
+	return cmd.Start()
 }
 
 // onOwnThread runs fn on a thread of its own, which ends when fn returns:

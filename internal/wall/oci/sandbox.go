@@ -302,6 +302,11 @@ func create(ctx context.Context, cfg job) (sb *Sandbox, err error) {
 	if cfg.bare != nil {
 		b.args = cfg.bare
 	}
+	var setup func() error // on runc's side, before it starts (see runAt)
+	if b.userns && !b.image {
+		b.layers = filepath.Join(sb.dir, layersDir)
+		setup = func() error { return mountLayers(b.layers, cfg.Template.Mounts) }
+	}
 	var key []byte
 	if cfg.Runtime.gvisor() && cfg.bare == nil {
 		b.sockDir = filepath.Join(sb.dir, chanDir)
@@ -318,9 +323,9 @@ func create(ctx context.Context, cfg job) (sb *Sandbox, err error) {
 		return sb, err
 	}
 	if cfg.bare != nil {
-		return sb, sb.runBare(ctx, cfg)
+		return sb, sb.runBare(ctx, cfg, setup)
 	}
-	return sb, sb.run(ctx, cfg, key)
+	return sb, sb.run(ctx, cfg, key, setup)
 }
 
 // runBareJob runs cfg.bare as the container's process (see Driver.RunBare).
@@ -334,14 +339,14 @@ func runBareJob(ctx context.Context, cfg job) error {
 	return err
 }
 
-func (sb *Sandbox) runBare(ctx context.Context, cfg job) error {
+func (sb *Sandbox) runBare(ctx context.Context, cfg job, setup func() error) error {
 	args := append(append([]string{}, cfg.Runtime.Flags...), "--root", sb.root, "run", "--bundle",
 		filepath.Join(sb.dir, "bundle"), sb.id)
 	cmd := exec.CommandContext(ctx, cfg.Runtime.Binary, args...)
 	cmd.Stdout = cfg.bareOut
 	var stderr strings.Builder
 	cmd.Stderr = &stderr
-	if err := cmd.Run(); err != nil {
+	if err := runAt(cmd, 0, setup); err != nil {
 		return fmt.Errorf("%s run: %v: %s", filepath.Base(cfg.Runtime.Binary), err, strings.TrimSpace(stderr.String()))
 	}
 	return nil
@@ -390,8 +395,9 @@ func (sb *Sandbox) makeDisk(cfg job) error {
 }
 
 // run starts the container with the agent's spec on fd 3 and waits for
-// the runtime to have started it (detached).
-func (sb *Sandbox) run(ctx context.Context, cfg job, key []byte) error {
+// the runtime to have started it (detached); setup, when not nil, runs
+// first in the runtime's own mount namespace (see runAt).
+func (sb *Sandbox) run(ctx context.Context, cfg job, key []byte, setup func() error) error {
 	specR, specW, err := os.Pipe()
 	if err != nil {
 		return err
@@ -518,7 +524,7 @@ func (sb *Sandbox) run(ctx context.Context, cfg job, key []byte) error {
 	if cfg.prepare && cfg.background {
 		nice = backgroundNice
 	}
-	err = runAt(cmd, nice)
+	err = runAt(cmd, nice, setup)
 	errW.Close()
 	if err != nil {
 		time.Sleep(50 * time.Millisecond) // let the drain catch the runtime's last words
