@@ -228,6 +228,9 @@ func Run(ctx context.Context, cfg Config, log *slog.Logger, ready func(apiAddr, 
 		return err
 	}
 	defer lock.Close()
+	// Before anything reads the pid space (sandbox.HostMaxima): the
+	// kernel's host-wide limits must not be one tenant's to use up.
+	sandbox.RaiseHostLimits(log)
 	st, err := store.Open(cfg.Data)
 	if err != nil {
 		return err

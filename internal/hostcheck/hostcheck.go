@@ -36,7 +36,7 @@ func Host() []Check {
 	} else {
 		out = append(out, Check{"cgroups", true, cg.Mode.String()}, favorDynmods())
 	}
-	out = append(out, landlock(), mountAPI())
+	out = append(out, landlock(), mountAPI(), hostLimits())
 	agent, err := sandbox.FindAgent()
 	return append(out, Check{"cage-agent", err == nil, ifElse(err == nil, agent, fmt.Sprint(err))})
 }
@@ -93,4 +93,13 @@ func favorDynmods() Check {
 		}
 	}
 	return Check{"cgroup migration", true, "no favordynmods: a runtime's first cgroup move after a pause waits ~10 ms for an RCU grace period (the process wall avoids it; mount cgroup2 with -o favordynmods for the others)"}
+}
+
+// hostLimits: the kernel's host-wide limits that every sandbox draws from
+// (cage serve raises them at its start).
+func hostLimits() Check {
+	if low := sandbox.LowHostLimits(); len(low) > 0 {
+		return Check{"host limits", false, "below what many sandboxes hold together (cage serve raises them): " + strings.Join(low, ", ")}
+	}
+	return Check{"host limits", true, "pid_max, threads-max, file-max and pty.max fit many sandboxes"}
 }

@@ -36,11 +36,13 @@ func BuildDev(root string, shmBytes int64) error {
 			return err
 		}
 	}
+	// A devpts of its own, holding at most MaxPtys: the kernel's count of
+	// ptys (kernel.pty.max) is the host's, shared by every instance.
 	pts := filepath.Join(dev, "pts")
 	if err := os.Mkdir(pts, 0o755); err != nil {
 		return err
 	}
-	if err := unix.Mount("devpts", pts, "devpts", unix.MS_NOSUID|unix.MS_NOEXEC, "newinstance,ptmxmode=0666,mode=0620,gid=5"); err != nil {
+	if err := unix.Mount("devpts", pts, "devpts", unix.MS_NOSUID|unix.MS_NOEXEC, "newinstance,ptmxmode=0666,mode=0620,gid=5,max="+strconv.Itoa(MaxPtys)); err != nil {
 		return fmt.Errorf("mount /dev/pts: %w", err)
 	}
 	shm := filepath.Join(dev, "shm")
@@ -62,3 +64,8 @@ func BuildDev(root string, shmBytes int64) error {
 	}
 	return nil
 }
+
+// MaxPtys is how many ptys a sandbox's devpts holds at most (its
+// terminals, E2B's PTY sessions): kernel.pty.max is shared by every
+// sandbox and the host (see sandbox.HostLimits).
+const MaxPtys = 256

@@ -2,6 +2,7 @@ package conformance
 
 import (
 	"context"
+	"fmt"
 	"io"
 	"strings"
 	"testing"
@@ -11,6 +12,7 @@ import (
 
 	pb "github.com/cagehq/cage/api/gen/process"
 	"github.com/cagehq/cage/internal/agentclient"
+	"github.com/cagehq/cage/internal/inside"
 	"github.com/cagehq/cage/internal/sandbox"
 	"github.com/cagehq/cage/internal/testutil"
 )
@@ -123,5 +125,66 @@ func TestPTY(t *testing.T) {
 		if r.err != nil || r.code() != 0 {
 			t.Errorf("sleep: %v %+v", r.err, r.end)
 		}
+	})
+}
+
+// ptyHoarder opens as many ptys as it can (at most 5,000), says how many
+// and why it stopped, and holds them until /tmp/stop (at most 60 s).
+const ptyHoarder = `
+import os, sys, time
+held = []
+why = "cap"
+try:
+    while len(held) < 5000:
+        held.append(os.openpty())
+except OSError as e:
+    why = str(e.errno)
+print(len(held), why, flush=True)
+open("/tmp/held", "w").write("%d %s" % (len(held), why))
+deadline = time.time() + 60
+while not os.path.exists("/tmp/stop") and time.time() < deadline:
+    time.sleep(0.05)
+`
+
+// Attack: a sandbox opens every pty it can and holds them. The kernel's
+// count of ptys (kernel.pty.max) is the host's, shared by every devpts
+// instance: found by review, 2026-12-03, one sandbox could take them all,
+// and then no other sandbox could open a terminal (E2B's PTY sessions).
+// Expected: each sandbox's devpts holds at most inside.MaxPtys (ENOSPC
+// past it) where the host's kernel serves it (process, runc); on every
+// wall another sandbox still opens one meanwhile.
+func TestPtysBoundedPerSandbox(t *testing.T) {
+	forEachWall(t, func(t *testing.T, w wall) {
+		a := w.newBox(t, sandbox.Options{})
+		b := w.newBox(t, sandbox.Options{})
+		if r := a.sh("command -v python3"); r.code() != 0 {
+			t.Skipf("no python3 on %s's default template", w.name)
+		}
+		a.mustSh("cat > /tmp/hoard.py <<'EOF'\n" + ptyHoarder + "EOF")
+		out := make(chan result, 1)
+		go func() { out <- a.sh("python3 /tmp/hoard.py") }()
+		var held string
+		for deadline := time.Now().Add(60 * time.Second); ; time.Sleep(50 * time.Millisecond) {
+			if r := a.sh("cat /tmp/held 2>/dev/null"); r.code() == 0 && r.stdout != "" {
+				held = strings.TrimSpace(r.stdout)
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatal("the hoarder never said how many ptys it holds")
+			}
+		}
+		if r := b.sh(`python3 -c 'import os; os.openpty(); print("ok")'`); r.code() != 0 || strings.TrimSpace(r.stdout) != "ok" {
+			t.Errorf("another sandbox opening a pty while the first holds %s: %v %q %q", held, r.err, r.stdout, r.stderr)
+		}
+		a.mustSh("touch /tmp/stop")
+		if r := <-out; r.code() != 0 {
+			t.Fatalf("the hoarder: %v %q %q", r.err, r.stdout, r.stderr)
+		}
+		if w.name == "process" || w.name == "runc" {
+			if want := fmt.Sprintf("%d 28", inside.MaxPtys); held != want { // ENOSPC
+				t.Errorf("the sandbox held %q ptys (count, errno); want %q: its devpts's own bound", held, want)
+			}
+		}
+		t.Logf("%s: the hoarder held %s", w.name, held)
 	})
 }

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/cagehq/cage/api/types"
+	"github.com/cagehq/cage/internal/sandbox"
 )
 
 // TestAPIRoutes drives every route of the control API end to end, each
@@ -20,6 +21,11 @@ func TestAPIRoutes(t *testing.T) {
 	// storage size and environment when asked for.
 	d := startDaemon(t, "--domain", "test.local", "--pool", "2")
 	key := d.key
+	// A running daemon's host has the kernel's host-wide limits (pids,
+	// threads, open files, ptys) above what its sandboxes hold together.
+	if low := sandbox.LowHostLimits(); len(low) > 0 {
+		t.Errorf("host limits a tenant could use up for all, with a daemon running: %v", low)
+	}
 	suite := "routes-" + strings.ReplaceAll(time.Now().Format("150405.000000"), ".", "")
 
 	// POST /v2/sandboxes with cage's limits, metadata and envVars.

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"strconv"
 	"syscall"
 
 	specs "github.com/opencontainers/runtime-spec/specs-go"
@@ -207,7 +208,7 @@ func (b *bundleConfig) mounts(mounts []specs.Mount) []specs.Mount {
 		specs.Mount{Destination: "/dev", Type: "tmpfs", Source: "tmpfs",
 			Options: []string{"nosuid", "strictatime", "mode=755", "size=65536k"}},
 		specs.Mount{Destination: "/dev/pts", Type: "devpts", Source: "devpts",
-			Options: []string{"nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620"}},
+			Options: []string{"nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620", "max=" + strconv.Itoa(inside.MaxPtys)}},
 		specs.Mount{Destination: "/dev/shm", Type: "tmpfs", Source: "shm",
 			Options: []string{"nosuid", "noexec", "nodev", "mode=1777", shm}},
 	)

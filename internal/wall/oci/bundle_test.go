@@ -335,7 +335,7 @@ func kernelMounts() []specs.Mount {
 		{Destination: "/proc", Type: "proc", Source: "proc", Options: []string{"nosuid", "noexec", "nodev"}},
 		{Destination: "/dev", Type: "tmpfs", Source: "tmpfs", Options: []string{"nosuid", "strictatime", "mode=755", "size=65536k"}},
 		{Destination: "/dev/pts", Type: "devpts", Source: "devpts",
-			Options: []string{"nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620"}},
+			Options: []string{"nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620", "max=256"}},
 		{Destination: "/dev/shm", Type: "tmpfs", Source: "shm",
 			Options: []string{"nosuid", "noexec", "nodev", "mode=1777", fmt.Sprintf("size=%d", testShm)}},
 	}
