@@ -302,6 +302,17 @@ func (cg *Cgroup) Apply(lim Limits) error {
 			}
 		}
 		_ = cg.write("memory", "memory.swappiness", "0")
+		// v1 charges TCP's buffers to no group unless the group has a TCP
+		// limit: a sandbox of 256 MiB queued 2.2 GiB of kernel memory in
+		// loopback connections, and brought the host's TCP (tcp_mem, shared
+		// by every socket of the host) to its limit (found by review,
+		// 2026-12-03). With one, they are the group's, up to its memory
+		// limit (v2 charges them to memory.max).
+		if exists(filepath.Join(cg.dirs["memory"], "memory.kmem.tcp.limit_in_bytes")) {
+			if err := cg.write("memory", "memory.kmem.tcp.limit_in_bytes", v); err != nil {
+				return err
+			}
+		}
 	}
 	if lim.CPUs > 0 {
 		if err := cg.write("cpu", "cpu.cfs_period_us", "100000"); err != nil {

@@ -130,6 +130,23 @@ except OSError as e:
 			},
 		},
 		{
+			name: "tcp_buffers",
+			expect: "300 loopback TCP connections with 4 MiB buffers filled, memory=128MiB: what the kernel queues for the sandbox stays within its memory " +
+				"(or the sandbox is the OOM killer's), never beyond (v1 charged TCP's buffers to no group: 256 MiB queued 2.2 GiB and filled the host's tcp_mem)",
+			opts: &sandbox.Options{Memory: 128 << 20},
+			argv: py(tcpFill),
+			check: func(t *testing.T, r result) {
+				if r.end.GetReason() == "oom" {
+					return // the kernel charged it to the sandbox, which had no more
+				}
+				var mib int
+				if _, err := fmt.Sscanf(r.stdout, "queued MiB %d", &mib); err != nil || mib > 160 {
+					t.Errorf("the sandbox queued %d MiB in TCP buffers with 128 MiB of memory (%v; %q %q)", mib, err, r.stdout, r.stderr)
+				}
+			},
+			on: map[string]wallOutcome{"gvisor": sentryMayDie("cat > /tmp/tcp.py <<'EOF'\n"+pyPrelude+tcpFill+"EOF\npython3 /tmp/tcp.py", 60*time.Second)},
+		},
+		{
 			name:   "output_flood",
 			expect: "1 GiB on stdout with max_output=16MiB: truncated, exactly 16MiB forwarded, the test process's RSS grows < 200MiB",
 			custom: outputFlood,
@@ -143,6 +160,28 @@ except OSError as e:
 		},
 	}
 }
+
+// tcpFill fills 300 loopback TCP connections' buffers (4 MiB each way)
+// and says how much the kernel queued.
+const tcpFill = `
+import socket
+srv = socket.socket(); srv.bind(("127.0.0.1", 0)); srv.listen(512)
+held, total = [], 0
+for i in range(300):
+    c = socket.socket(); c.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
+    try:
+        c.connect(srv.getsockname())
+    except OSError:
+        break
+    s, _ = srv.accept(); s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+    c.setblocking(False); held.append((c, s))
+    while True:
+        try:
+            total += c.send(b"x" * 65536)
+        except OSError:
+            break
+print("queued MiB", total >> 20)
+`
 
 func forkBomb(t *testing.T, e *hostileEnv, b *box, user string) {
 	done := make(chan result, 1)
