@@ -290,7 +290,7 @@ func sandboxFailure(sb wall.Sandbox, timedOut *atomic.Bool, timeout time.Duratio
 		return exitf(ExitInternal, "%v", sb.Err())
 	default:
 	}
-	if _, ok := err.(*connect.Error); !ok || connect.CodeOf(err) == connect.CodeUnavailable || connect.CodeOf(err) == connect.CodeUnknown {
+	if streamBroke(err) {
 		// The stream broke: most likely the sandbox died meanwhile.
 		select {
 		case <-sb.Exited():
@@ -302,6 +302,24 @@ func sandboxFailure(sb wall.Sandbox, timedOut *atomic.Bool, timeout time.Duratio
 		return e
 	}
 	return exitf(ExitInternal, "%v", err)
+}
+
+// streamBroke says whether err is the agent's stream breaking off (a
+// connection reset, a message cut short: the agent died) rather than an
+// answer of the agent's.
+func streamBroke(err error) bool {
+	var ce *connect.Error
+	if !errors.As(err, &ce) {
+		return true
+	}
+	switch ce.Code() {
+	case connect.CodeUnavailable, connect.CodeUnknown:
+		return true
+	case connect.CodeInvalidArgument:
+		// Connect's client says so of a message cut short.
+		return strings.HasPrefix(ce.Message(), "protocol error")
+	}
+	return false
 }
 
 // commandRefused maps the agent's refusal of a command (no such program, not

@@ -413,6 +413,32 @@ func TestOutOfMemory(t *testing.T) {
 	e.noLeftovers(r.ids...)
 }
 
+// TestOutOfMemoryInTheKernel: memory the workload holds in the kernel
+// (unix sockets' queued bytes) is the sandbox's, but no process's: the
+// OOM killer may then take the agent, the group's largest member. Cage
+// says the sandbox ran out of memory (it said "protocol error: incomplete
+// envelope", exit 64, a usage error), whichever the kernel killed, and
+// leaves nothing behind.
+func TestOutOfMemoryInTheKernel(t *testing.T) {
+	e := setup(t)
+	r := e.cage(nil, "run", "--memory", "64M", "--", "python3", "-c", `
+import socket
+held = []
+for i in range(3000):
+    a, b = socket.socketpair(); a.setblocking(False)
+    try:
+        while True: a.send(b"x" * 65536)
+    except BlockingIOError:
+        pass
+    held.append((a, b))
+print("HELD ALL")`)
+	if r.code == 0 || r.code == 64 || !strings.Contains(r.stderr, "out of memory") || strings.Contains(r.stdout, "HELD ALL") {
+		t.Errorf("unix sockets filled past memory=64M: %v; want an exit that is neither 0 nor 64 and a message saying out of memory", r)
+	}
+	oneLine(t, "kernel OOM", r.stderr, "out of memory")
+	e.noLeftovers(r.ids...)
+}
+
 func TestStdin(t *testing.T) {
 	e := setup(t)
 	r := e.cage(strings.NewReader("hi\n"), "run", "--", "cat")

@@ -508,7 +508,26 @@ func (sb *Sandbox) reap() {
 	if sb.waitErr == nil && !(ws.Signaled() && ws.Signal() == syscall.SIGKILL) {
 		sb.waitErr = fmt.Errorf("agent exited (%v)", describe(ws))
 	}
+	sb.explainOOM()
 	close(sb.exited)
+}
+
+// explainOOM says, of an agent killed with nothing else said, that the
+// kernel's OOM killer has been at work in the sandbox: it may choose the
+// agent, since the workload's memory (socket buffers, tmpfs files) is the
+// group's but no process's, and the agent is then its largest member.
+func (sb *Sandbox) explainOOM() {
+	if sb.waitErr != nil || sb.cg == nil {
+		return
+	}
+	f, err := os.Open(sb.cg.OOMEventsFile())
+	if err != nil {
+		return
+	}
+	defer f.Close()
+	if cgroups.Counter(f, "oom_kill") > 0 {
+		sb.waitErr = errors.New("out of memory: the sandbox reached its memory limit and the kernel killed its agent")
+	}
 }
 
 // spawn starts the agent through the spawner, which forks it from its own
@@ -538,6 +557,7 @@ func (sb *Sandbox) spawn(cfg job, exe string, argv []string, attr *syscall.ProcA
 			}
 		case <-time.After(5 * time.Second):
 		}
+		sb.explainOOM()
 		close(sb.exited)
 	}()
 	return nil
