@@ -1,7 +1,9 @@
 package agent
 
 import (
+	"os"
 	"runtime"
+	"strconv"
 	"syscall"
 
 	"golang.org/x/sys/unix"
@@ -54,6 +56,9 @@ func newSpawner(setup func() error) (*spawner, error) {
 				// restore it, or /proc/1 would belong to sandbox root.
 				_ = unix.Prctl(unix.PR_SET_DUMPABLE, 1, 0, 0, 0)
 			}
+			if err == nil {
+				preferAsOOMVictim(pid)
+			}
 			r.reply <- spawnResult{pid, err}
 		}
 	}()
@@ -68,4 +73,19 @@ func (s *spawner) forkExec(bin string, argv []string, attr *syscall.ProcAttr) (i
 	s.reqs <- spawnReq{bin: bin, argv: argv, attr: attr, reply: reply}
 	r := <-reply
 	return r.pid, r.err
+}
+
+// commandOOMScoreAdj is what every process the agent starts (and what
+// they start) adds to its OOM badness: half the group's memory. The
+// sandbox's memory group holds the agent and its commands, and memory
+// that a command holds in the kernel (socket buffers, tmpfs files) counts
+// to the group but to no process: the OOM killer then took the agent, the
+// group's largest member, and the whole sandbox with it. With this it
+// takes a command, which frees what it held. A command cannot lower it
+// (that takes CAP_SYS_RESOURCE in the host's namespace); in an OOM of the
+// host, sandboxes' commands go before the host's own processes.
+const commandOOMScoreAdj = "500"
+
+func preferAsOOMVictim(pid int) {
+	_ = os.WriteFile("/proc/"+strconv.Itoa(pid)+"/oom_score_adj", []byte(commandOOMScoreAdj), 0)
 }

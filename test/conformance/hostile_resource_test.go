@@ -147,6 +147,29 @@ except OSError as e:
 			on: map[string]wallOutcome{"gvisor": sentryMayDie("cat > /tmp/tcp.py <<'EOF'\n"+pyPrelude+tcpFill+"EOF\npython3 /tmp/tcp.py", 60*time.Second)},
 		},
 		{
+			name: "kernel_memory_oom",
+			expect: "unix sockets' queued bytes past memory=64MiB (the group's memory, no process's): the OOM killer takes the command (reason oom), " +
+				"not the agent, and the sandbox serves on (the agent, the group's largest member, was its victim, and the sandbox died with it)",
+			opts: &sandbox.Options{Memory: 64 << 20},
+			argv: py(unixFill),
+			check: func(t *testing.T, r result) {
+				if r.end.GetReason() != "oom" || r.code() == 0 || strings.Contains(r.stdout, "HELD ALL") {
+					t.Errorf(`want the command killed with reason "oom", got %+v err=%v stdout=%q`, r.end, r.err, r.stdout)
+				}
+			},
+			on: map[string]wallOutcome{
+				"gvisor": sentryMayDie("cat > /tmp/unix.py <<'EOF'\n"+pyPrelude+unixFill+"EOF\npython3 /tmp/unix.py", 60*time.Second),
+				"microvm": {
+					expect: "microvm: the guest's own kernel and memory: the command ends (oom, or its timeout while the guest reclaims under TCG) and the sandbox serves on",
+					check: func(t *testing.T, r result) {
+						if reason := r.end.GetReason(); (reason != "oom" && reason != "timeout") || strings.Contains(r.stdout, "HELD ALL") {
+							t.Errorf(`want the command ended by "oom" or its timeout, got %+v err=%v stdout=%q`, r.end, r.err, r.stdout)
+						}
+					},
+				},
+			},
+		},
+		{
 			name:   "output_flood",
 			expect: "1 GiB on stdout with max_output=16MiB: truncated, exactly 16MiB forwarded, the test process's RSS grows < 200MiB",
 			custom: outputFlood,
@@ -160,6 +183,20 @@ except OSError as e:
 		},
 	}
 }
+
+// unixFill queues bytes in unix socket pairs until the sandbox has no
+// memory left (3,000 pairs of about 200 KiB each).
+const unixFill = `
+held = []
+for i in range(3000):
+    a, b = socket.socketpair(); a.setblocking(False)
+    try:
+        while True: a.send(b"x" * 65536)
+    except BlockingIOError:
+        pass
+    held.append((a, b))
+print("HELD ALL")
+`
 
 // tcpFill fills 300 loopback TCP connections' buffers (4 MiB each way)
 // and says how much the kernel queued.
