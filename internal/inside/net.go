@@ -1,7 +1,10 @@
 package inside
 
 import (
+	"errors"
 	"fmt"
+	"os"
+	"strconv"
 
 	"golang.org/x/sys/unix"
 )
@@ -22,6 +25,25 @@ func LoopbackUp() error {
 	ifr.SetUint16(unix.IFF_UP | unix.IFF_LOOPBACK | unix.IFF_RUNNING)
 	if err := unix.IoctlIfreq(fd, unix.SIOCSIFFLAGS, ifr); err != nil {
 		return fmt.Errorf("loopback up: %w", err)
+	}
+	return nil
+}
+
+// OptMemMax is the sandbox's network namespace's net.core.optmem_max: the
+// most kernel memory one socket may hold for its options (multicast
+// groups, IP options, filters), which is charged to no cgroup. A new
+// namespace gets 128 KiB on this kernel; 20 KiB is what Linux gave before
+// 6.8. The options that could hold far more are denied outright
+// (seccomp: TCP MD5/AO keys, IPv6 flow labels).
+const OptMemMax = 20480
+
+// LimitSocketOptions sets the calling thread's network namespace's
+// optmem_max (OptMemMax). It runs before /proc/sys is made read-only; a
+// kernel without the per-namespace knob is left as it is.
+func LimitSocketOptions() error {
+	err := os.WriteFile("/proc/sys/net/core/optmem_max", []byte(strconv.Itoa(OptMemMax)), 0)
+	if err != nil && !errors.Is(err, os.ErrNotExist) {
+		return fmt.Errorf("net.core.optmem_max: %w", err)
 	}
 	return nil
 }

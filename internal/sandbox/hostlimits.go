@@ -1,6 +1,7 @@
 package sandbox
 
 import (
+	"errors"
 	"fmt"
 	"log/slog"
 	"os"
@@ -39,6 +40,14 @@ var HostLimits = []HostLimit{
 	{"kernel.threads-max", "/proc/sys/kernel/threads-max", 4194304}, // as many as there are pids
 	{"fs.file-max", "/proc/sys/fs/file-max", 1 << 62},               // each file is charged to its cgroup's memory
 	{"kernel.pty.max", "/proc/sys/kernel/pty/max", 1 << 20},         // the kernel's most: 4,096 sandboxes at inside.MaxPtys
+	// The neighbour tables hold every namespace's entries (two a
+	// networked sandbox, its veth's ends): at 1,024 a host of 512 busy
+	// sandboxes could resolve no new neighbour. The hard limit first:
+	// thresh2 may not exceed it.
+	{"net.ipv4.neigh.default.gc_thresh3", "/proc/sys/net/ipv4/neigh/default/gc_thresh3", 65536},
+	{"net.ipv4.neigh.default.gc_thresh2", "/proc/sys/net/ipv4/neigh/default/gc_thresh2", 32768},
+	{"net.ipv6.neigh.default.gc_thresh3", "/proc/sys/net/ipv6/neigh/default/gc_thresh3", 65536},
+	{"net.ipv6.neigh.default.gc_thresh2", "/proc/sys/net/ipv6/neigh/default/gc_thresh2", 32768},
 }
 
 // RaiseHostLimits raises each of HostLimits that is below its least value
@@ -49,6 +58,9 @@ var HostLimits = []HostLimit{
 func RaiseHostLimits(log *slog.Logger) {
 	for _, l := range HostLimits {
 		was, err := readSysctl(l.Path)
+		if errors.Is(err, os.ErrNotExist) {
+			continue // not on this kernel (IPv6 off)
+		}
 		if err != nil {
 			log.Warn("host limit unreadable", "sysctl", l.Sysctl, "err", err)
 			continue
@@ -68,7 +80,7 @@ func RaiseHostLimits(log *slog.Logger) {
 func LowHostLimits() []string {
 	var out []string
 	for _, l := range HostLimits {
-		if v, err := readSysctl(l.Path); err != nil || v < l.Min {
+		if v, err := readSysctl(l.Path); (err != nil && !errors.Is(err, os.ErrNotExist)) || (err == nil && v < l.Min) {
 			out = append(out, fmt.Sprintf("%s=%d (want %d)", l.Sysctl, v, l.Min))
 		}
 	}

@@ -2,6 +2,7 @@ package sandbox
 
 import (
 	"bytes"
+	"errors"
 	"log/slog"
 	"os"
 	"strings"
@@ -32,6 +33,9 @@ func TestRaiseHostLimits(t *testing.T) {
 	}
 	for _, l := range HostLimits {
 		v, err := readSysctl(l.Path)
+		if errors.Is(err, os.ErrNotExist) {
+			continue
+		}
 		if err != nil || v < l.Min {
 			t.Errorf("%s = %d (%v), want at least %d", l.Sysctl, v, err, l.Min)
 		}

@@ -194,7 +194,7 @@ func TestVerdictsMatchTable(t *testing.T) {
 			want = vAllow
 		case actENOSYS:
 			want = vENOSYS
-		case actClone, actSocket, actIoctl, actPersonality:
+		case actClone, actSocket, actIoctl, actPersonality, actSetsockopt:
 			continue // argument-dependent; see TestArgumentFilters
 		}
 		check(t, prog, fmt.Sprintf("nr %d", nr), x86(uintptr(nr)), want)
@@ -334,7 +334,8 @@ func TestArgumentFilters(t *testing.T) {
 		{unix.AF_INET6, unix.SOCK_STREAM | unix.SOCK_CLOEXEC, 0},
 		{unix.AF_NETLINK, unix.SOCK_RAW, unix.NETLINK_ROUTE},
 		{unix.AF_NETLINK, unix.SOCK_DGRAM | unix.SOCK_CLOEXEC, unix.NETLINK_ROUTE},
-		{unix.AF_UNIX, unix.SOCK_RAW, 0}, // SOCK_RAW matters only for IP
+		{unix.AF_NETLINK, unix.SOCK_RAW, unix.NETLINK_ROUTE | hi}, // the kernel reads an int
+		{unix.AF_UNIX, unix.SOCK_RAW, 0},                          // SOCK_RAW matters only for IP
 	}
 	for _, s := range okSocks {
 		check(t, prog, fmt.Sprintf("socket%v", s), x86(unix.SYS_SOCKET, s.family, s.typ, s.proto), vAllow)
@@ -352,6 +353,14 @@ func TestArgumentFilters(t *testing.T) {
 		{unix.AF_INET | hi, unix.SOCK_STREAM, 0}, // non-zero high word of family
 		{unix.AF_UNIX | hi, unix.SOCK_STREAM, 0},
 		{unix.AF_ALG | hi, unix.SOCK_SEQPACKET, 0},
+		// Netlink but ROUTE: queued messages no cgroup is charged for.
+		{unix.AF_NETLINK, unix.SOCK_RAW, unix.NETLINK_USERSOCK},
+		{unix.AF_NETLINK, unix.SOCK_DGRAM, unix.NETLINK_AUDIT},
+		{unix.AF_NETLINK, unix.SOCK_RAW | unix.SOCK_CLOEXEC, unix.NETLINK_KOBJECT_UEVENT},
+		{unix.AF_NETLINK, unix.SOCK_RAW, unix.NETLINK_NETFILTER},
+		{unix.AF_NETLINK, unix.SOCK_RAW, unix.NETLINK_GENERIC},
+		{unix.AF_NETLINK, unix.SOCK_RAW, unix.NETLINK_SOCK_DIAG},
+		{unix.AF_NETLINK, unix.SOCK_RAW, 31},
 	}
 	for _, s := range badSocks {
 		check(t, prog, fmt.Sprintf("socket%v", s), x86(unix.SYS_SOCKET, s.family, s.typ, s.proto), vEPERM)
@@ -364,6 +373,26 @@ func TestArgumentFilters(t *testing.T) {
 	}
 	for _, req := range []uint64{unix.TCGETS, unix.TIOCGWINSZ, unix.TIOCSWINSZ, unix.TIOCSCTTY, unix.TIOCSPGRP, unix.TIOCINQ, 0x5421 /* FIONBIO */, unix.TIOCSTI + 1} {
 		check(t, prog, fmt.Sprintf("ioctl(%#x)", req), x86(unix.SYS_IOCTL, 0, req), vAllow)
+	}
+
+	// setsockopt(fd, level, optname): TCP MD5 and AO keys and IPv6 flow
+	// labels (kernel memory no cgroup is charged for) are denied, whatever
+	// the high words; everything else passes, the same option numbers at
+	// other levels included.
+	type opt struct{ level, name uint64 }
+	for _, o := range []opt{
+		{unix.IPPROTO_TCP, unix.TCP_MD5SIG}, {unix.IPPROTO_TCP, unix.TCP_MD5SIG_EXT},
+		{unix.IPPROTO_TCP, 38}, {unix.IPPROTO_TCP, 40}, {unix.IPPROTO_TCP, 42},
+		{unix.IPPROTO_IPV6, 32}, {unix.IPPROTO_TCP | hi, unix.TCP_MD5SIG}, {unix.IPPROTO_IPV6, 32 | hi},
+	} {
+		check(t, prog, fmt.Sprintf("setsockopt%v", o), x86(unix.SYS_SETSOCKOPT, 3, o.level, o.name), vEPERM)
+	}
+	for _, o := range []opt{
+		{unix.SOL_SOCKET, unix.SO_REUSEADDR}, {unix.SOL_SOCKET, unix.SO_RCVBUF}, {unix.SOL_SOCKET, 14},
+		{unix.IPPROTO_TCP, unix.TCP_NODELAY}, {unix.IPPROTO_TCP, unix.TCP_KEEPIDLE}, {unix.IPPROTO_TCP, 37}, {unix.IPPROTO_TCP, 43},
+		{unix.IPPROTO_IPV6, unix.IPV6_V6ONLY}, {unix.IPPROTO_IP, 32}, {unix.IPPROTO_IP, unix.IP_TOS},
+	} {
+		check(t, prog, fmt.Sprintf("setsockopt%v", o), x86(unix.SYS_SETSOCKOPT, 3, o.level, o.name), vAllow)
 	}
 
 	// personality.

@@ -57,7 +57,30 @@ var (
 	}
 	// For AF_INET and AF_INET6, SOCK_RAW is denied.
 	sockTypeMask uint32 = 0xf // SOCK_TYPE_MASK: strips SOCK_NONBLOCK and SOCK_CLOEXEC
+	// For AF_NETLINK, only NETLINK_ROUTE (interfaces, addresses, routes:
+	// getifaddrs, ip). A netlink socket's queued messages are charged to
+	// no cgroup, up to its receive buffer (8 MiB), so every family is
+	// memory outside the sandbox's limit; the others (NETLINK_USERSOCK:
+	// 195 sockets queued 1.5 GiB from a 128 MiB sandbox, found by review
+	// 2026-12-03; audit, uevents, netfilter, ...) serve nothing a sandbox
+	// needs. ROUTE's own replies are a known gap (docs/SECURITY.md).
+	allowedNetlink uint32 = unix.NETLINK_ROUTE
 )
+
+// Denied setsockopt options, by level: each keeps kernel memory that is
+// charged to no cgroup (sock_kmalloc, bounded only per socket by
+// net.core.optmem_max): TCP MD5 signature keys (2,904 sockets held 2.8
+// million of them, 521 MiB, from a 128 MiB sandbox: found by review,
+// 2026-12-03) and TCP-AO keys, and IPv6 flow labels, which also come
+// from one pool of 4,096 for the whole host. Nothing a sandbox runs needs
+// them (BGP speakers sign their sessions with MD5).
+var deniedSockopts = map[uint32][]uint32{
+	unix.IPPROTO_TCP: {
+		unix.TCP_MD5SIG, unix.TCP_MD5SIG_EXT,
+		38, 39, 40, 41, 42, // TCP_AO_ADD_KEY, _DEL_KEY, _INFO, _GET_KEYS, _REPAIR
+	},
+	unix.IPPROTO_IPV6: {32}, // IPV6_FLOWLABEL_MGR
+}
 
 // Denied ioctl requests: both inject input into a terminal, which lets code
 // that shares a terminal with a more privileged process type commands into it.
@@ -79,6 +102,8 @@ const (
 	lSocketInet  label = "socket.inet"
 	lIoctl       label = "ioctl"
 	lPersonality label = "personality"
+	lSocketNL    label = "socket.netlink"
+	lSetsockopt  label = "setsockopt"
 )
 
 func actionLabel(a action) label {
@@ -95,6 +120,8 @@ func actionLabel(a action) label {
 		return lIoctl
 	case actPersonality:
 		return lPersonality
+	case actSetsockopt:
+		return lSetsockopt
 	}
 	return lDeny
 }
@@ -200,6 +227,7 @@ func program(denyErrno unix.Errno) ([]unix.SockFilter, error) {
 	emitSocket(a)
 	emitIoctl(a)
 	emitPersonality(a)
+	emitSetsockopt(a)
 
 	a.bind(lENOSYS)
 	a.ret(retENOSYS)
@@ -275,12 +303,48 @@ func emitSocket(a *asm) {
 	for _, f := range deniedFamilies {
 		a.jeq(f, lDeny, next)
 	}
+	a.jeq(unix.AF_NETLINK, lSocketNL, next)
 	a.jeq(unix.AF_INET, lSocketInet, next)
 	a.jeq(unix.AF_INET6, lSocketInet, lAllow)
 	a.bind(lSocketInet)
 	a.ldAbs(argLo(1))
 	a.and(sockTypeMask)
 	a.jeq(unix.SOCK_RAW, lDeny, lAllow)
+	// The protocol is a C int too: its low word is what the kernel reads.
+	a.bind(lSocketNL)
+	a.ldAbs(argLo(2))
+	a.jeq(allowedNetlink, lAllow, lDeny)
+}
+
+// emitSetsockopt: setsockopt(fd, level, optname, ...). level and optname
+// are C ints: only their low words are compared, as the kernel reads them.
+func emitSetsockopt(a *asm) {
+	a.bind(lSetsockopt)
+	levels := make([]uint32, 0, len(deniedSockopts))
+	for l := range deniedSockopts {
+		levels = append(levels, l)
+	}
+	sort.Slice(levels, func(i, j int) bool { return levels[i] < levels[j] })
+	a.ldAbs(argLo(1))
+	for i, l := range levels {
+		if i == len(levels)-1 {
+			a.jeq(l, label(fmt.Sprintf("setsockopt.%d", l)), lAllow)
+		} else {
+			a.jeq(l, label(fmt.Sprintf("setsockopt.%d", l)), next)
+		}
+	}
+	for _, l := range levels {
+		a.bind(label(fmt.Sprintf("setsockopt.%d", l)))
+		a.ldAbs(argLo(2))
+		opts := deniedSockopts[l]
+		for i, o := range opts {
+			if i == len(opts)-1 {
+				a.jeq(o, lDeny, lAllow)
+			} else {
+				a.jeq(o, lDeny, next)
+			}
+		}
+	}
 }
 
 // emitIoctl: ioctl(fd, request, ...). The kernel takes request as an

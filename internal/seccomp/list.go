@@ -24,6 +24,9 @@ const (
 	actIoctl
 	// actPersonality allows only the personality values Docker allows.
 	actPersonality
+	// actSetsockopt allows setsockopt except for the options listed in
+	// filter.go (deniedSockopts).
+	actSetsockopt
 )
 
 func (a action) String() string {
@@ -42,6 +45,8 @@ func (a action) String() string {
 		return "ioctl"
 	case actPersonality:
 		return "personality"
+	case actSetsockopt:
+		return "setsockopt"
 	}
 	return "action?"
 }
@@ -338,7 +343,7 @@ var allowed = []sc{
 	{unix.SYS_SYSINFO, "sysinfo"},
 	{unix.SYS_GETRANDOM, "getrandom"},
 
-	// Sockets (socket itself is in filtered).
+	// Sockets (socket and setsockopt are in filtered).
 	{unix.SYS_SOCKETPAIR, "socketpair"},
 	{unix.SYS_CONNECT, "connect"},
 	{unix.SYS_ACCEPT, "accept"},
@@ -348,7 +353,6 @@ var allowed = []sc{
 	{unix.SYS_SHUTDOWN, "shutdown"},
 	{unix.SYS_GETSOCKNAME, "getsockname"},
 	{unix.SYS_GETPEERNAME, "getpeername"},
-	{unix.SYS_SETSOCKOPT, "setsockopt"},
 	{unix.SYS_GETSOCKOPT, "getsockopt"},
 	{unix.SYS_SENDTO, "sendto"},
 	{unix.SYS_RECVFROM, "recvfrom"},
@@ -406,4 +410,5 @@ var filtered = []struct {
 	{sc{unix.SYS_SOCKET, "socket"}, actSocket},
 	{sc{unix.SYS_IOCTL, "ioctl"}, actIoctl},
 	{sc{unix.SYS_PERSONALITY, "personality"}, actPersonality},
+	{sc{unix.SYS_SETSOCKOPT, "setsockopt"}, actSetsockopt},
 }

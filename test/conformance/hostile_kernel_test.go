@@ -186,6 +186,46 @@ trysock("tcp", socket.AF_INET, socket.SOCK_STREAM, 0)
 				"raw_icmp_flags=PermissionError EPERM", "raw6=PermissionError EPERM", "raw_syscall=-1 EPERM", "tcp=OPENED"),
 		},
 		{
+			name: "uncharged_kernel_memory",
+			expect: "what keeps kernel memory no cgroup is charged for is refused: netlink sockets but NETLINK_ROUTE, TCP MD5 signature keys and IPv6 flow labels: EPERM " +
+				"(ROUTE and TCP_NODELAY still work); on the host kernel's walls (process, runc) each socket's option memory is 20 KiB (net.core.optmem_max)",
+			users: bothUsers,
+			argv: py(`
+trysock("netlink_route", 16, socket.SOCK_RAW, 0)
+trysock("netlink_usersock", 16, socket.SOCK_RAW, 2)
+trysock("netlink_uevent", 16, socket.SOCK_DGRAM, 15)
+def opt(name, s, level, optname, value):
+    try:
+        s.setsockopt(level, optname, value)
+        print("%s=SET" % name, flush=True)
+    except OSError as ex:
+        print("%s=%s %s" % (name, type(ex).__name__, errno.errorcode.get(ex.errno)), flush=True)
+t = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+opt("md5", t, 6, 14, bytes(216))
+opt("md5_ext", t, 6, 32, bytes(216))
+opt("nodelay", t, 6, 1, 1)
+try:
+    u = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)
+    opt("flowlabel", u, 41, 32, bytes(32))
+except OSError as ex:
+    print("flowlabel=no IPv6: " + type(ex).__name__, flush=True)
+try:
+    print("optmem=" + open("/proc/sys/net/core/optmem_max").read().strip())
+except OSError as ex:
+    print("optmem=" + type(ex).__name__)
+`),
+			check: exitsOK("netlink_route=OPENED", "netlink_usersock=PermissionError EPERM", "netlink_uevent=PermissionError EPERM",
+				"md5=PermissionError EPERM", "md5_ext=PermissionError EPERM", "nodelay=SET", "flowlabel=PermissionError EPERM"),
+			on: map[string]wallOutcome{
+				"process": {expect: "as above, and optmem_max 20480", check: exitsOK("netlink_usersock=PermissionError EPERM",
+					"md5=PermissionError EPERM", "md5_ext=PermissionError EPERM", "nodelay=SET", "flowlabel=PermissionError EPERM", "optmem=20480")},
+				"runc": {expect: "as above, and optmem_max 20480", check: exitsOK("netlink_usersock=PermissionError EPERM",
+					"md5=PermissionError EPERM", "md5_ext=PermissionError EPERM", "nodelay=SET", "flowlabel=PermissionError EPERM", "optmem=20480")},
+				"microvm": {expect: "as above; the guest kernel has no IPv6 (no flow labels to ask for)", check: exitsOK("netlink_route=OPENED",
+					"netlink_usersock=PermissionError EPERM", "md5=PermissionError EPERM", "md5_ext=PermissionError EPERM", "nodelay=SET", "flowlabel=")},
+			},
+		},
+		{
 			name:   "setuid_binaries",
 			expect: "a setuid copy of id made by root in /tmp runs as uid 1000 for user; the host's setuid binaries (su, mount, newgrp...) never give euid 0; NoNewPrivs is 1",
 			custom: setuidProbe,

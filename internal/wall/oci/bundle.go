@@ -277,6 +277,10 @@ func (b *bundleConfig) linux() *specs.Linux {
 		l.Namespaces = append(l.Namespaces, specs.LinuxNamespace{Type: specs.UserNamespace, Path: b.usernsPath})
 		m := []specs.LinuxIDMapping{{ContainerID: 0, HostID: b.idBase, Size: 65536}}
 		l.UIDMappings, l.GIDMappings = m, m
+		// runc, whose sockets are the host kernel's: each socket's option
+		// memory, charged to no cgroup, as the process wall bounds it
+		// (inside.OptMemMax; gVisor's sockets are its sentry's).
+		l.Sysctl = map[string]string{"net.core.optmem_max": strconv.Itoa(inside.OptMemMax)}
 	}
 	return l
 }

@@ -3,6 +3,7 @@ package oci
 import (
 	"encoding/json"
 	"fmt"
+	"maps"
 	"os"
 	"path/filepath"
 	"slices"
@@ -216,11 +217,20 @@ func checkCommon(t *testing.T, b *bundleConfig, spec *specs.Spec) {
 	if !slices.Equal(l.ReadonlyPaths, readonly) {
 		t.Errorf("read-only paths %q, want %q", l.ReadonlyPaths, readonly)
 	}
-	// Nothing cage does not set: no hooks, devices, sysctls, seccomp of the
+	// One sysctl under runc, whose sockets are the host kernel's: their
+	// option memory (inside.OptMemMax); none under gVisor.
+	wantSysctl := map[string]string(nil)
+	if b.userns {
+		wantSysctl = map[string]string{"net.core.optmem_max": "20480"}
+	}
+	if !maps.Equal(l.Sysctl, wantSysctl) {
+		t.Errorf("sysctl %v, want %v", l.Sysctl, wantSysctl)
+	}
+	// Nothing else cage does not set: no hooks, devices, seccomp of the
 	// runtime's (the agent installs its own), no annotations.
-	if spec.Hooks != nil || spec.Annotations != nil || l.Devices != nil || l.Sysctl != nil || l.Seccomp != nil {
-		t.Errorf("unexpected settings: hooks %+v annotations %v devices %v sysctl %v seccomp %v",
-			spec.Hooks, spec.Annotations, l.Devices, l.Sysctl, l.Seccomp)
+	if spec.Hooks != nil || spec.Annotations != nil || l.Devices != nil || l.Seccomp != nil {
+		t.Errorf("unexpected settings: hooks %+v annotations %v devices %v seccomp %v",
+			spec.Hooks, spec.Annotations, l.Devices, l.Seccomp)
 	}
 }
 
