@@ -107,6 +107,14 @@ func main() {
 		fail("sandbox setup", err)
 	}
 	srv.Configure(token, env, maxOutput)
+	if run := sb.OneShot(); run != nil {
+		// Made for one command (cage run): its end is the sandbox's, and
+		// the kernel ends whatever else runs in it as this PID 1 exits.
+		if err := srv.RunOnce(*run); err != nil {
+			fail("one-shot run", err)
+		}
+		return
+	}
 	if err := srv.Serve(sb.Listener); err != nil {
 		fail("serve", err)
 	}

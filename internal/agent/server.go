@@ -75,6 +75,9 @@ type Config struct {
 	// Volumes are where volumes are mounted: their files are the volume's,
 	// kept by the host, never archived with the sandbox's (archive.go).
 	Volumes []string
+	// OneShot: the agent runs one command (RunOnce) and serves nothing,
+	// so New makes no handlers.
+	OneShot bool
 	Log     *slog.Logger
 }
 
@@ -153,6 +156,13 @@ func New(cfg Config) (*Server, error) {
 	}
 	trace("agent: process service")
 	s.files = newFilesystemService(s)
+	if cfg.OneShot {
+		s.mux = http.NewServeMux() // serves nothing
+		if cfg.Threads <= 0 || !s.procs.init {
+			s.openGate.Do(func() { close(s.procs.spawner.gate) })
+		}
+		return s, nil
+	}
 
 	mux := http.NewServeMux()
 	// route (auth.go) checks the token before any handler runs; the

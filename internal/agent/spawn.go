@@ -21,6 +21,13 @@ import (
 // start launches the process a Start request describes and returns it with
 // a subscription that sees its output from the first byte.
 func (ps *processService) start(req *pb.StartRequest, user User) (*proc, *sub, error) {
+	return ps.startOn(req, user, nil)
+}
+
+// startOn is start on the given stdin, stdout and stderr (a one-shot
+// run's), which it closes once the process has them, or on its own
+// pipes (nil).
+func (ps *processService) startOn(req *pb.StartRequest, user User, given []*os.File) (*proc, *sub, error) {
 	cfg := req.GetProcess()
 	if cfg == nil {
 		return nil, nil, connect.NewError(connect.CodeInvalidArgument, errors.New("process config is required"))
@@ -44,8 +51,11 @@ func (ps *processService) start(req *pb.StartRequest, user User) (*proc, *sub, e
 	p := newProc(cfg, req.GetTag(), maxOut)
 	s := p.subscribe()
 
-	files, parentEnds, pumps, err := ps.stdio(p, req)
-	if err != nil {
+	var files []uintptr
+	var parentEnds, pumps []*os.File
+	if given != nil {
+		files, parentEnds = []uintptr{given[0].Fd(), given[1].Fd(), given[2].Fd()}, given
+	} else if files, parentEnds, pumps, err = ps.stdio(p, req); err != nil {
 		return nil, nil, err
 	}
 	attr := &syscall.ProcAttr{

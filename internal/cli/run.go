@@ -191,7 +191,11 @@ func runCommand(ctx context.Context, g *globals, f *runFlags, args []string, std
 		return err
 	}
 	trace.Mark("cage main")
-	go agent.WarmProtocol() // while the sandbox is made
+	usePTY := f.pty == "always" || (f.pty == "auto" && term.IsTerminal(int(os.Stdin.Fd())))
+	oneShot := !usePTY && len(p.copyIn) == 0
+	if !oneShot {
+		go agent.WarmProtocol() // while the sandbox is made
+	}
 	host, err := sandbox.NewHost(g.runDir, "", g.log)
 	if err != nil {
 		return err
@@ -207,48 +211,33 @@ func runCommand(ctx context.Context, g *globals, f *runFlags, args []string, std
 	if ctx == nil {
 		ctx = context.Background()
 	}
+	if oneShot {
+		err := runOnce(ctx, host, p, f, args, stdout, stderr)
+		if !errors.Is(err, sandbox.ErrNoOneShot) {
+			return err
+		}
+		// Its wall, or its template's start command, needs the agent's
+		// server: the usual way.
+		go agent.WarmProtocol()
+	}
 	sb, err := host.Create(ctx, p.opts)
 	if err != nil {
 		return err
 	}
-	if w := host.Warning(ctx, sb.Wall()); w != "" {
-		fmt.Fprintf(stderr, "cage: warning: %s\n", w)
-	}
-	// The leftovers of runs that were killed are collected while the command
-	// runs: GC leaves alone a state directory younger than its grace period
-	// or whose owner lock is held, so this sandbox is not touched. The caches
-	// GC prunes only when no sandbox is left are pruned after this one's
-	// destruction, before cage exits.
-	gcDone := make(chan struct{})
-	go func() { defer close(gcDone); trace.Mark("gc"); host.GC(); trace.Mark("gc done") }()
-	defer func() { <-gcDone; sandbox.PruneIfIdle(host.RunDir) }()
-	defer sb.Destroy()
-
-	// A closed stdout must not kill cage before it has destroyed the sandbox:
-	// writes then fail with EPIPE instead, and cage exits 141 as a shell would.
-	signal.Ignore(syscall.SIGPIPE)
-	defer signal.Reset(syscall.SIGPIPE)
-	var timedOut atomic.Bool
-	if p.timeout > 0 {
-		t := time.AfterFunc(p.timeout, func() {
-			timedOut.Store(true)
-			_ = sb.Destroy()
-		})
-		defer t.Stop()
-	}
+	timedOut, done := aroundRun(ctx, host, sb, p.timeout, stderr)
+	defer done()
 	client := agentclient.New(sb.Dial, sb.Token())
 	defer client.Close()
 
 	for _, c := range p.copyIn {
 		if err := copyIn(ctx, client, f.user, c[0], c[1]); err != nil {
-			return sandboxFailure(sb, &timedOut, p.timeout, fmt.Errorf("--copy-in %s: %w", c[0], err))
+			return sandboxFailure(sb, timedOut, p.timeout, fmt.Errorf("--copy-in %s: %w", c[0], err))
 		}
 	}
 	opts := agentclient.RunOptions{
 		Cmd: args[0], Args: args[1:], Cwd: f.workdir, User: f.user, Env: p.env,
 		Stdout: stdout, Stderr: stderr, MaxOutput: p.maxOut,
 	}
-	usePTY := f.pty == "always" || (f.pty == "auto" && term.IsTerminal(int(os.Stdin.Fd())))
 	var restore func()
 	var interrupted atomic.Bool
 	if usePTY {
@@ -274,9 +263,46 @@ func runCommand(ctx context.Context, g *globals, f *runFlags, args []string, std
 		return exitf(130, "interrupted; the sandbox was destroyed")
 	}
 	if err != nil {
-		return sandboxFailure(sb, &timedOut, p.timeout, err)
+		return sandboxFailure(sb, timedOut, p.timeout, err)
 	}
 	return exitFromEnd(end, args[0], p.opts.Memory, p.opts.Pids, stderr)
+}
+
+// aroundRun is what a run does around its command, either way: the
+// wall's warning, the GC of killed runs' leftovers, SIGPIPE, the timeout.
+// done destroys the sandbox and waits for the GC.
+func aroundRun(ctx context.Context, host *sandbox.Host, sb wall.Sandbox, timeout time.Duration, stderr io.Writer) (timedOut *atomic.Bool, done func()) {
+	if w := host.Warning(ctx, sb.Wall()); w != "" {
+		fmt.Fprintf(stderr, "cage: warning: %s\n", w)
+	}
+	// The leftovers of runs that were killed are collected while the command
+	// runs: GC leaves alone a state directory younger than its grace period
+	// or whose owner lock is held, so this sandbox is not touched. The caches
+	// GC prunes only when no sandbox is left are pruned after this one's
+	// destruction, before cage exits.
+	gcDone := make(chan struct{})
+	go func() { defer close(gcDone); trace.Mark("gc"); host.GC(); trace.Mark("gc done") }()
+
+	// A closed stdout must not kill cage before it has destroyed the sandbox:
+	// writes then fail with EPIPE instead, and cage exits 141 as a shell would.
+	signal.Ignore(syscall.SIGPIPE)
+	timedOut = &atomic.Bool{}
+	var t *time.Timer
+	if timeout > 0 {
+		t = time.AfterFunc(timeout, func() {
+			timedOut.Store(true)
+			_ = sb.Destroy()
+		})
+	}
+	return timedOut, func() {
+		if t != nil {
+			t.Stop()
+		}
+		signal.Reset(syscall.SIGPIPE)
+		_ = sb.Destroy()
+		<-gcDone
+		sandbox.PruneIfIdle(host.RunDir)
+	}
 }
 
 // sandboxFailure explains a failed run: the timeout, a sandbox that died, or

@@ -17,6 +17,10 @@ var (
 	ErrNotFound    = template.ErrNotFound
 	ErrPermission  = errors.New("permission denied")
 	ErrUnavailable = wall.ErrUnavailable
+	// ErrNoOneShot: the sandbox cannot be made for its one command
+	// (Options.Run): its wall cannot, or its template has a start command
+	// to run first. The caller makes it the usual way instead.
+	ErrNoOneShot = errors.New("this sandbox cannot run its command on the one-shot path")
 )
 
 // Defaults for a sandbox when the request names no limit.
@@ -60,6 +64,9 @@ type Options struct {
 	// Volumes are mounted in the sandbox (see CheckVolumePath); the
 	// caller opened them and closes them once it has started.
 	Volumes []wall.Volume
+	// Run makes the sandbox for one command (wall.Spec.Run: cage run):
+	// never from a pool; ErrNoOneShot where it cannot be.
+	Run *wall.Run
 }
 
 // Validate fills the limits' defaults and rejects limits that are

@@ -162,6 +162,11 @@ func (h *Host) Begin(ctx context.Context, o *Options) (*Pending, error) {
 	if err != nil {
 		return nil, err
 	}
+	if o.Run != nil {
+		if _, ok := d.(wall.OneShotRunner); !ok || hasStartCommand(tmpl) {
+			return nil, ErrNoOneShot
+		}
+	}
 	netHost, err := h.net.get(h, o.Net)
 	if err != nil {
 		return nil, err
@@ -170,8 +175,8 @@ func (h *Host) Begin(ctx context.Context, o *Options) (*Pending, error) {
 	p.spec = wall.Spec{Template: tmpl,
 		Limits:    cgroups.Limits{MemoryBytes: o.Memory, CPUs: o.CPUs, Pids: o.Pids + inside.AgentThreads},
 		DiskBytes: o.Disk, ShmBytes: o.Shm, Env: tmpl.EnvWith(o.Env), MaxOutput: o.MaxOutput,
-		DieWithCaller: o.DieWithCaller, Net: netHost, NetPolicy: o.Net, Volumes: o.Volumes}
-	if !o.DieWithCaller && o.ID == "" && len(o.Volumes) == 0 {
+		DieWithCaller: o.DieWithCaller, Net: netHost, NetPolicy: o.Net, Volumes: o.Volumes, Run: o.Run}
+	if !o.DieWithCaller && o.ID == "" && len(o.Volumes) == 0 && o.Run == nil {
 		p.prepared = h.pool.take(d.Name(), o, p.spec) // (prepared roots have no volumes)
 	}
 	id, token := o.ID, o.Token

@@ -49,6 +49,36 @@ type Spec struct {
 	// Volumes are mounted in the sandbox (E2B's volumeMounts) by drivers
 	// that are VolumeMounters; the registry refuses them on other walls.
 	Volumes []Volume
+	// Run, when set, is the one command the sandbox is made for (cage
+	// run): its agent starts it as soon as it is sealed, on descriptors
+	// the caller gave, and serves nothing. Only OneShotRunners take it;
+	// the registry refuses it elsewhere.
+	Run *Run
+}
+
+// Run is a one-shot sandbox's command and its descriptors: pipes the
+// caller made (never a file, socket or terminal of the host's: the
+// sandbox holds its ends). The caller closes them once the sandbox is
+// made.
+type Run struct {
+	Cmd  string
+	Args []string
+	Cwd  string // "" is the user's home
+	User string // "" is the sandbox's user
+	Env  map[string]string
+	// Stdin, Stdout and Stderr are the command's.
+	Stdin, Stdout, Stderr *os.File
+	// Control is read by the agent: each byte a signal for the command.
+	Control *os.File
+	// Status is where the agent writes how the command ended (one JSON
+	// line, agent.OneShotEnd) before it exits.
+	Status *os.File
+}
+
+// OneShotRunner is a driver whose sandboxes can be made for one command
+// (Spec.Run).
+type OneShotRunner interface {
+	RunsOnce()
 }
 
 // Volume is a volume a sandbox mounts: the host's mount of it, as a

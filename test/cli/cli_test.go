@@ -16,6 +16,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
 	"strconv"
 	"strings"
 	"sync"
@@ -453,6 +454,26 @@ func TestStdin(t *testing.T) {
 	r = e.cage(nil, "run", "--", "sh", "-c", "cat; echo done")
 	if r.code != 0 || r.stdout != "done\n" {
 		t.Errorf("stdin /dev/null: %v", r)
+	}
+	e.noLeftovers()
+}
+
+// TestMaxOutput: --max-output bounds what cage forwards, stdout and stderr
+// together; the rest is read and dropped, so a command that writes far
+// more still runs to its end (its exit code is cage's), and cage says the
+// output was cut. A background process still writing after the command
+// ended does not keep cage waiting.
+func TestMaxOutput(t *testing.T) {
+	e := setup(t)
+	r := e.cage(nil, "run", "--max-output", "1K", "--", "sh", "-c",
+		`head -c 3000000 /dev/zero | tr '\0' a; head -c 3000000 /dev/zero | tr '\0' b >&2; exit 5`)
+	if r.code != 5 || len(r.stdout)+strings.Count(r.stderr, "b") != 1024 || strings.Trim(r.stdout, "a") != "" ||
+		!strings.Contains(r.stderr, "cage: output truncated") {
+		t.Errorf("3 MB each way past --max-output 1K: exit %d, %d bytes out, stderr %.200q", r.code, len(r.stdout), r.stderr)
+	}
+	r = e.cage(nil, "run", "--", "sh", "-c", `(while :; do echo bg; sleep 0.01; done) & echo fg`)
+	if r.code != 0 || !strings.Contains(r.stdout, "fg\n") || r.took > time.Minute {
+		t.Errorf("a command leaving a writer behind: %v", r)
 	}
 	e.noLeftovers()
 }
@@ -982,6 +1003,55 @@ for fd in range(3, 300):
 	}
 	if strings.Contains(string(out), "inherited-secret") || !strings.HasPrefix(string(out), "[0, 1, 2, 3]\n") {
 		t.Errorf("the command saw descriptors beyond its own stdio (3 is the listing's): %q", out)
+	}
+	e.noLeftovers()
+}
+
+// TestOneShotStdioArePipes: cage run without a terminal makes the sandbox
+// for its command, which runs on pipes cage made and copies: with cage's
+// own stdin and stdout files of the host (world-writable even), the
+// command holds pipes, never those files, and reopening its descriptors
+// through /proc reaches no host file. Output and input still pass.
+func TestOneShotStdioArePipes(t *testing.T) {
+	e := setup(t)
+	dir := t.TempDir()
+	in, outPath := filepath.Join(dir, "in"), filepath.Join(dir, "out")
+	if err := os.WriteFile(in, []byte("host-input\n"), 0o666); err != nil {
+		t.Fatal(err)
+	}
+	stdin, err := os.Open(in)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer stdin.Close()
+	stdout, err := os.OpenFile(outPath, os.O_CREATE|os.O_WRONLY, 0o666)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer stdout.Close()
+	if err := os.Chmod(outPath, 0o666); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	cmd := e.command(ctx, "run", "--", "sh", "-c", `for fd in 0 1 2; do echo "$fd $(readlink /proc/self/fd/$fd)"; done
+echo reopened > /proc/self/fd/1
+read line; echo "read: $line"`)
+	cmd.Stdin, cmd.Stdout = stdin, stdout
+	var stderr strings.Builder
+	cmd.Stderr = &stderr
+	if err := cmd.Run(); err != nil {
+		t.Fatalf("cage: %v: %s", err, stderr.String())
+	}
+	out, err := os.ReadFile(outPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Reopening /proc/self/fd/1 reaches the pipe at most (root's on the
+	// host, so the sandbox's user may not open it): never the file, whose
+	// start the listing would then have been written over.
+	if !regexp.MustCompile(`^0 pipe:\[\d+\]\n1 pipe:\[\d+\]\n2 pipe:\[\d+\]\n(reopened\n)?read: host-input\n$`).Match(out) {
+		t.Errorf("the command's output, or its input, did not pass through cage's pipes: %q", out)
 	}
 	e.noLeftovers()
 }

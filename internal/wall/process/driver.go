@@ -45,6 +45,9 @@ func (d *Driver) Create(ctx context.Context, spec wall.Spec) (wall.Sandbox, erro
 	return sb, nil
 }
 
+// RunsOnce: the agent can start a spec's one command itself (wall.Run).
+func (d *Driver) RunsOnce() {}
+
 // Prepare makes a sandbox of spec's template, id and sizes that waits for
 // Start (see prepare); background prepares at low CPU priority.
 func (d *Driver) Prepare(ctx context.Context, spec wall.Spec, background bool) (wall.Prepared, error) {

@@ -78,6 +78,7 @@ type Sandbox struct {
 	disk, shm     int64          // the sizes it was built with
 	dieWithParent bool
 	workloadFD    int // the child's descriptor of its workload group's tasks file, 0 if none
+	runFD         int // a one-shot run's: the child's descriptor of the first of its pipes
 	pidfd         int // set for an agent that is not this process's child (adopted, or the spawner's)
 	net           *network.Sandbox
 
@@ -211,9 +212,18 @@ func prepare(ctx context.Context, cfg job) (sb *Sandbox, err error) {
 		Mounts: cfg.Template.Mounts, Image: image, Build: cfg.Template.Build, Volumes: volumes, DiskBytes: sb.disk, DiskInodes: inside.InodesFor(sb.disk),
 		ShmBytes: sb.shm, UserName: inside.UserName, UserUID: inside.UserUID, UserGID: inside.UserUID,
 		OOMEvents: sb.cg.OOMEventsFile(), PidsEvents: sb.cg.PidsEventsFile(), WorkloadTasks: sb.workloadFD,
-		Debug: trace.On(), DieWithParent: sb.dieWithParent,
+		Debug: trace.On(), DieWithParent: sb.dieWithParent, Run: runSpec(cfg.Spec.Run, sb.runFD),
 	})
 	return sb, err
+}
+
+// runSpec is what the child needs of a one-shot run: its pipes are its
+// descriptors from fd on.
+func runSpec(r *wall.Run, fd int) *child.RunSpec {
+	if r == nil {
+		return nil
+	}
+	return &child.RunSpec{Cmd: r.Cmd, Args: r.Args, Cwd: r.Cwd, User: r.User, Env: r.Env, FD: fd}
 }
 
 // send writes one spec document to the child.
@@ -422,6 +432,16 @@ func (sb *Sandbox) fork(cfg job, listener *os.File) (rootSock *os.File, err erro
 		defer tasks.Close()
 		sb.workloadFD = len(attr.Files)
 		attr.Files = append(attr.Files, tasks.Fd())
+	}
+	if r := cfg.Spec.Run; r != nil {
+		// A one-shot run's pipes, in child.RunSpec's order.
+		sb.runFD = len(attr.Files)
+		for _, f := range []*os.File{r.Stdin, r.Stdout, r.Stderr, r.Control, r.Status} {
+			if f == nil {
+				return nil, errors.New("a one-shot run needs all five of its pipes")
+			}
+			attr.Files = append(attr.Files, f.Fd())
+		}
 	}
 	sb.dieWithParent = cfg.DieWithCaller
 	if cfg.DieWithCaller {

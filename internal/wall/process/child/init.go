@@ -78,6 +78,7 @@ func Init() (*Child, error) {
 		setup, threads = inside.JoinWorkload(os.NewFile(uintptr(spec.WorkloadTasks), "workload tasks"), setup), 0
 	}
 	return &Child{Listener: l, spec: spec, specs: specs, specFile: specFile, Config: agent.Config{
+		OneShot:          spec.Run != nil,
 		DefaultUser:      spec.UserName,
 		Limits:           limits,
 		SpawnThreadSetup: setup,
@@ -148,6 +149,19 @@ func readDoc(dec *json.Decoder, v any) error {
 		return fmt.Errorf("read sandbox spec: %w", err)
 	}
 	return nil
+}
+
+// OneShot is the command the sandbox was made for (InitSpec.Run), nil
+// when it serves requests. Its descriptors are taken once.
+func (c *Child) OneShot() *agent.OneShot {
+	r := c.spec.Run
+	if r == nil || r.FD <= fdIDLock {
+		return nil
+	}
+	fd := func(i int, name string) *os.File { return os.NewFile(uintptr(r.FD+i), name) }
+	return &agent.OneShot{Cmd: r.Cmd, Args: r.Args, Cwd: r.Cwd, User: r.User, Env: r.Env,
+		Stdin: fd(0, "stdin"), Stdout: fd(1, "stdout"), Stderr: fd(2, "stderr"),
+		Control: fd(3, "control"), Status: fd(4, "status")}
 }
 
 // StartPending says whether the request's own settings (the start

@@ -50,6 +50,22 @@ type InitSpec struct {
 	// DieWithParent re-arms the parent-death signal after the agent changes
 	// its uid (which clears it).
 	DieWithParent bool `json:"die_with_parent"`
+	// Run, when set, is the one command the sandbox is made for (cage
+	// run): the agent starts it once sealed and started, and serves
+	// nothing.
+	Run *RunSpec `json:"run,omitempty"`
+}
+
+// RunSpec is a one-shot sandbox's command. Its pipes are the child's
+// descriptors FD to FD+4: stdin, stdout, stderr, the host's control pipe
+// (signals) and the status pipe (how the command ended).
+type RunSpec struct {
+	Cmd  string            `json:"cmd"`
+	Args []string          `json:"args,omitempty"`
+	Cwd  string            `json:"cwd,omitempty"`
+	User string            `json:"user,omitempty"`
+	Env  map[string]string `json:"env,omitempty"`
+	FD   int               `json:"fd"`
 }
 
 // StartSpec is the second document: one request's own settings. Its disk
