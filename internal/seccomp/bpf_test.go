@@ -367,11 +367,14 @@ func TestArgumentFilters(t *testing.T) {
 	}
 
 	// ioctl: the kernel reads the request as a 32-bit unsigned int, so high
-	// bits must not smuggle TIOCSTI past the filter.
-	for _, req := range []uint64{unix.TIOCSTI, unix.TIOCLINUX, unix.TIOCSTI | hi, unix.TIOCSTI | 0xffffffff00000000, unix.TIOCLINUX | hi} {
+	// bits must not smuggle TIOCSTI past the filter. TIOCSETD (a line
+	// discipline, a module the kernel may load for it) is denied too;
+	// TIOCGETD, which only reads it, passes.
+	for _, req := range []uint64{unix.TIOCSTI, unix.TIOCLINUX, unix.TIOCSTI | hi, unix.TIOCSTI | 0xffffffff00000000, unix.TIOCLINUX | hi,
+		unix.TIOCSETD, unix.TIOCSETD | hi} {
 		check(t, prog, fmt.Sprintf("ioctl(%#x)", req), x86(unix.SYS_IOCTL, 0, req), vEPERM)
 	}
-	for _, req := range []uint64{unix.TCGETS, unix.TIOCGWINSZ, unix.TIOCSWINSZ, unix.TIOCSCTTY, unix.TIOCSPGRP, unix.TIOCINQ, 0x5421 /* FIONBIO */, unix.TIOCSTI + 1} {
+	for _, req := range []uint64{unix.TCGETS, unix.TIOCGWINSZ, unix.TIOCSWINSZ, unix.TIOCSCTTY, unix.TIOCSPGRP, unix.TIOCINQ, 0x5421 /* FIONBIO */, unix.TIOCSTI + 1, unix.TIOCGETD} {
 		check(t, prog, fmt.Sprintf("ioctl(%#x)", req), x86(unix.SYS_IOCTL, 0, req), vAllow)
 	}
 

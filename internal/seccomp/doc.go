@@ -24,8 +24,8 @@
 //     gets ENOSYS, as on a kernel without it (its contexts count against
 //     one host-wide limit, fs.aio-max-nr, that one sandbox could take);
 //     socket denies AF_ALG, AF_VSOCK,
-//     AF_PACKET, AF_KEY and raw IP sockets; ioctl denies TIOCSTI and
-//     TIOCLINUX; personality allows only the values Docker allows
+//     AF_PACKET, AF_KEY and raw IP sockets; ioctl denies TIOCSTI,
+//     TIOCLINUX and TIOCSETD; personality allows only the values Docker allows
 //     (filter.go).
 //
 // Syscall numbers are matched by a binary search over runs of numbers that

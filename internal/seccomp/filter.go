@@ -82,9 +82,15 @@ var deniedSockopts = map[uint32][]uint32{
 	unix.IPPROTO_IPV6: {32}, // IPV6_FLOWLABEL_MGR
 }
 
-// Denied ioctl requests: both inject input into a terminal, which lets code
-// that shares a terminal with a more privileged process type commands into it.
-var deniedIoctls = []uint32{unix.TIOCSTI, unix.TIOCLINUX}
+// Denied ioctl requests: TIOCSTI and TIOCLINUX inject input into a
+// terminal, which lets code that shares a terminal with a more privileged
+// process type commands into it. TIOCSETD changes a terminal's line
+// discipline: on a host kernel with dev.tty.ldisc_autoload (the default)
+// any user's TIOCSETD loads the discipline's module (n_hdlc, slcan, ...,
+// kernel code with a history of races, CVE-2017-2636), and the ones
+// built in are reached from the sandbox's own ptys; no program a sandbox
+// runs sets one (ldattach, pppd, slattach need CAP_NET_ADMIN besides).
+var deniedIoctls = []uint32{unix.TIOCSTI, unix.TIOCLINUX, unix.TIOCSETD}
 
 // allowedPersonalities are the personality(2) arguments Docker allows:
 // PER_LINUX, PER_LINUX32, UNAME26, UNAME26|PER_LINUX32 and 0xffffffff (query

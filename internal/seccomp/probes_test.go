@@ -209,6 +209,7 @@ func probes(int80 bool) []probe {
 		{"ioctl(TIOCSTI)", wantDenied, func() outcome { return devNullIoctl(unix.TIOCSTI) }},
 		{"ioctl(TIOCSTI | 1<<32)", wantDenied, func() outcome { return devNullIoctl(unix.TIOCSTI | 1<<32) }},
 		{"ioctl(TIOCLINUX)", wantDenied, func() outcome { return devNullIoctl(unix.TIOCLINUX) }},
+		{"ioctl(TIOCSETD)", wantDenied, func() outcome { return devNullIoctl(unix.TIOCSETD) }},
 		{"personality(READ_IMPLIES_EXEC)", wantDenied, func() outcome { return sys(unix.SYS_PERSONALITY, 0x0400000) }},
 		{"personality(ADDR_NO_RANDOMIZE)", wantDenied, func() outcome { return sys(unix.SYS_PERSONALITY, 0x0040000) }},
 		{"x32 getpid", wantDenied, func() outcome { return sys(unix.SYS_GETPID | x32Bit) }},

@@ -284,7 +284,7 @@ print("fork_status=%d" % os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
 		},
 		{
 			name:   "tiocsti_on_own_pty",
-			expect: "TIOCSTI and TIOCLINUX on the command's own PTY (also with high bits set in the request): EPERM",
+			expect: "TIOCSTI, TIOCLINUX and TIOCSETD (a line discipline: N_NULL, built in) on the command's own PTY (also with high bits set in the request): EPERM; TIOCGETD reads N_TTY",
 			users:  bothUsers,
 			argv: py(`
 import fcntl, termios
@@ -296,11 +296,18 @@ except OSError as e:
 c = ctypes.c_char(b"x")
 print("tiocsti_high=" + sc(16, 0, 0x5412 | (1 << 32), ctypes.addressof(c)))
 print("tioclinux=" + sc(16, 0, 0x541C, ctypes.addressof(c)))
+ld = ctypes.c_int(27)  # N_NULL
+print("tiocsetd=" + sc(16, 0, 0x5423, ctypes.addressof(ld)))
+print("tiocsetd_high=" + sc(16, 0, 0x5423 | (1 << 32), ctypes.addressof(ld)))
+cur = ctypes.c_int(-1)
+sc(16, 0, 0x5424, ctypes.addressof(cur))
+print("tiocgetd=%d" % cur.value)
 `),
 			mods: func(*hostileEnv) []func(*agentclient.RunOptions) {
 				return []func(*agentclient.RunOptions){func(o *agentclient.RunOptions) { o.PTY = &pb.PTY_Size{Cols: 80, Rows: 24} }}
 			},
-			check: noneOf(exitsOK("isatty=True", "tiocsti=EPERM", "tiocsti_high=-1 EPERM", "tioclinux=-1 EPERM"), "INJECTED"),
+			check: noneOf(exitsOK("isatty=True", "tiocsti=EPERM", "tiocsti_high=-1 EPERM", "tioclinux=-1 EPERM",
+				"tiocsetd=-1 EPERM", "tiocsetd_high=-1 EPERM", "tiocgetd=0"), "INJECTED"),
 		},
 		{
 			name:   "signals_to_the_agent",
