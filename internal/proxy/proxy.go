@@ -241,6 +241,7 @@ func (p *Proxy) serve(w http.ResponseWriter, r *http.Request) {
 		observed, done = p.Observe(r, id, access.Owner, port)
 	}
 	status := 0 // the sandbox's answer's (0: none came)
+	pw := &progressWriter{ResponseWriter: w, rc: rc}
 	rp := &httputil.ReverseProxy{
 		Rewrite: func(pr *httputil.ProxyRequest) {
 			pr.Out.URL.Scheme, pr.Out.URL.Host = upstream(access, port, r.Host)
@@ -262,6 +263,12 @@ func (p *Proxy) serve(w http.ResponseWriter, r *http.Request) {
 		FlushInterval: -1,
 		ModifyResponse: func(resp *http.Response) error {
 			status = resp.StatusCode
+			if rwc, ok := resp.Body.(io.ReadWriteCloser); ok && resp.StatusCode == http.StatusSwitchingProtocols {
+				// An upgrade: both ends are watched for idleness from
+				// here (progressWriter.Hijack takes the client's).
+				pw.watch = newIdleWatch(upgradeIdle)
+				resp.Body = pw.watch.sandboxEnd(rwc)
+			}
 			if observed != nil {
 				observed(resp)
 			}
@@ -312,7 +319,10 @@ func (p *Proxy) serve(w http.ResponseWriter, r *http.Request) {
 			_ = body.Close()
 		}()
 	}
-	rp.ServeHTTP(&progressWriter{ResponseWriter: w, rc: rc}, r)
+	rp.ServeHTTP(pw, r)
+	if pw.watch != nil {
+		pw.watch.stop()
+	}
 }
 
 // Write deadlines of the proxy's answers: its own, whole; a relayed one's,
@@ -326,10 +336,11 @@ var (
 
 // progressWriter gives each write of a relayed answer relayWrite to get
 // through, and clears the deadline for a connection that is hijacked (an
-// upgrade: the tunnel's copies have their own).
+// upgrade: the tunnel is bounded by its idle time instead, upgradeIdle).
 type progressWriter struct {
 	http.ResponseWriter
-	rc *http.ResponseController
+	rc    *http.ResponseController
+	watch *idleWatch // an upgrade's, once the sandbox has switched protocols
 }
 
 func (w *progressWriter) arm() { _ = w.rc.SetWriteDeadline(time.Now().Add(relayWrite)) }
@@ -351,7 +362,11 @@ func (w *progressWriter) FlushError() error {
 
 func (w *progressWriter) Hijack() (net.Conn, *bufio.ReadWriter, error) {
 	_ = w.rc.SetWriteDeadline(time.Time{})
-	return w.rc.Hijack()
+	c, brw, err := w.rc.Hijack()
+	if err == nil && w.watch != nil {
+		c = w.watch.clientEnd(c)
+	}
+	return c, brw, err
 }
 
 func (w *progressWriter) Unwrap() http.ResponseWriter { return w.ResponseWriter }

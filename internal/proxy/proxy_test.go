@@ -60,6 +60,10 @@ func newFakeAgent(t *testing.T) *fakeAgent {
 			<-a.release
 			return
 		}
+		if r.URL.Path == "/upgrade" { // switches protocols, then as ?mode says
+			upgraded(w, r.URL.Query().Get("mode"))
+			return
+		}
 		if r.URL.Path == "/bighead" { // a head of 1 MiB
 			for i := range 256 {
 				w.Header().Set("X-Big-"+strconv.Itoa(i), strings.Repeat("v", 4096))
