@@ -9,6 +9,10 @@ import (
 	"path/filepath"
 	"testing"
 
+	"connectrpc.com/connect"
+	"google.golang.org/protobuf/proto"
+
+	fspb "github.com/cagehq/cage/api/gen/filesystem"
 	"github.com/cagehq/cage/internal/agentclient"
 )
 
@@ -64,4 +68,32 @@ func startLocalAgent(tb testing.TB) *agentclient.Client {
 		s.Shutdown(context.Background())
 	})
 	return c
+}
+
+// TestHostListDir: the host's own reading of a listing (agentclient's
+// ListDir, which keeps what it is asked for as the listing arrives) gets
+// what the generated client gets from this agent, and the agent's errors
+// with their codes. The agent's root holds passwd, home and its socket.
+func TestHostListDir(t *testing.T) {
+	c := startLocalAgent(t)
+	ctx := context.Background()
+	want, err := c.FS.ListDir(ctx, connect.NewRequest(&fspb.ListDirRequest{Path: "/"}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	l, err := c.ListDir(ctx, connect.NewRequest(&fspb.ListDirRequest{Path: "/"}), 100)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(l.Entries) != 3 || l.Total != 3 || l.Truncated || !proto.Equal(&fspb.ListDirResponse{Entries: l.Entries}, want.Msg) {
+		t.Errorf("got %d entries of %d (truncated %v), want the generated client's %d", len(l.Entries), l.Total, l.Truncated, len(want.Msg.GetEntries()))
+	}
+	l, err = c.ListDir(ctx, connect.NewRequest(&fspb.ListDirRequest{Path: "/"}), 2)
+	if err != nil || len(l.Entries) != 2 || l.Total != 3 || !l.Truncated || l.Entries[1].GetName() != "home" {
+		t.Errorf("keeping 2: %v, %+v", err, l)
+	}
+	_, err = c.ListDir(ctx, connect.NewRequest(&fspb.ListDirRequest{Path: "/none"}), 10)
+	if connect.CodeOf(err) != connect.CodeNotFound {
+		t.Errorf("a directory that is not there: %v, want not_found", err)
+	}
 }

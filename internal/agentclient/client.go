@@ -62,7 +62,7 @@ func newClient(dial DialFunc, token string, headers http.Header, local bool) *Cl
 		// 4 GiB messages).
 		MaxResponseHeaderBytes: 64 << 10,
 	}
-	opts := []connect.ClientOption{connect.WithReadMaxBytes(maxMessage)}
+	opts := []connect.ClientOption{connect.WithReadMaxBytes(maxMessage), connect.WithCodec(boundedCodec{})}
 	if local {
 		opts = append(opts, connect.WithAcceptCompression("gzip", nil, nil))
 	}
@@ -75,9 +75,12 @@ func newClient(dial DialFunc, token string, headers http.Header, local bool) *Cl
 	}
 }
 
-// maxMessage bounds one message from the agent: a directory's listing is
-// the largest (some 200 bytes an entry).
-const maxMessage = 64 << 20
+// maxMessage bounds one message from the agent (and what it inflates
+// to). An honest agent's are small (32 KiB of output, an entry, a list of
+// the processes it started) but for a directory's listing, which ListDir
+// reads as it comes, bounded by what it keeps; the items a message
+// decodes to are bounded too (boundedCodec).
+const maxMessage = 4 << 20
 
 // Close drops the client's connections.
 func (c *Client) Close() { c.h2.CloseIdleConnections() }

@@ -364,13 +364,12 @@ func (t *tools) listFiles(ctx context.Context, _ *sdk.CallToolRequest, in listFi
 	if in.User != "" {
 		req.Header().Set("Authorization", agentclient.UserHeader(in.User))
 	}
-	resp, err := sb.agent.FS.ListDir(ctx, req)
+	l, err := sb.agent.ListDir(ctx, req, limit)
 	if err != nil {
 		return nil, listFilesOut{}, t.failure(err)
 	}
-	all := resp.Msg.GetEntries()
-	out := listFilesOut{Path: in.Path, Entries: []entryOut{}, Total: len(all), Truncated: len(all) > limit}
-	for _, e := range all[:min(len(all), limit)] {
+	out := listFilesOut{Path: in.Path, Entries: []entryOut{}, Total: l.Total, Truncated: l.Truncated}
+	for _, e := range l.Entries {
 		out.Entries = append(out.Entries, entryOut{Name: e.GetName(), Path: e.GetPath(), Type: fileType(e.GetType()),
 			Size: e.GetSize(), Mode: fmt.Sprintf("%04o", e.GetMode()&0o7777), Owner: e.GetOwner(),
 			Modified: e.GetModifiedTime().AsTime().UTC(), SymlinkTarget: e.GetSymlinkTarget()})

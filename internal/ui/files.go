@@ -68,13 +68,15 @@ func (s *Server) fileList(w http.ResponseWriter, r *http.Request) {
 	defer ag.Close()
 	ctx, cancel := context.WithTimeout(r.Context(), 30*time.Second)
 	defer cancel()
-	resp, err := ag.FS.ListDir(ctx, connect.NewRequest(&fspb.ListDirRequest{Path: p, Depth: 1}))
+	// The agent's first maxListed entries (in name order) are kept; the
+	// rest of a large directory is counted and dropped as it arrives.
+	l, err := ag.ListDir(ctx, connect.NewRequest(&fspb.ListDirRequest{Path: p, Depth: 1}), maxListed)
 	if err != nil {
 		writeError(w, connectStatus(err), "list "+p+": "+connect.CodeOf(err).String()+": "+errMessage(err))
 		return
 	}
-	out := listing{Path: p, Entries: []entry{}}
-	for _, e := range resp.Msg.GetEntries() {
+	out := listing{Path: p, Entries: []entry{}, Truncated: l.Truncated}
+	for _, e := range l.Entries {
 		x := entry{Name: e.GetName(), Path: e.GetPath(), Size: e.GetSize(), Mode: e.GetPermissions(),
 			Modified: e.GetModifiedTime().AsTime(), Target: e.GetSymlinkTarget()}
 		switch e.GetType() {
@@ -100,9 +102,6 @@ func (s *Server) fileList(w http.ResponseWriter, r *http.Request) {
 		}
 		return a.Name < b.Name
 	})
-	if len(out.Entries) > maxListed {
-		out.Entries, out.Truncated = out.Entries[:maxListed], true
-	}
 	writeJSON(w, http.StatusOK, out)
 }
 
