@@ -43,7 +43,10 @@ func upgraded(w http.ResponseWriter, mode string) {
 // hold the proxy's connections and the sandbox's in-flight budget so.
 func TestUpgradeIdleTimeout(t *testing.T) {
 	defer func(d time.Duration) { upgradeIdle = d }(upgradeIdle)
-	upgradeIdle = 500 * time.Millisecond
+	// Long enough beside the writes and ticks that keep a connection busy
+	// (a tenth of it apart) for a loaded host's scheduling not to leave a
+	// gap of its length.
+	upgradeIdle = 1500 * time.Millisecond
 	a := newFakeAgent(t)
 	srv := httptest.NewServer(New(sandboxes{sb{a}}, "", nil))
 	defer srv.Close()
@@ -93,11 +96,11 @@ func TestUpgradeIdleTimeout(t *testing.T) {
 	t.Run("client talks", func(t *testing.T) {
 		c, br := open(t, "sink")
 		start := time.Now()
-		for time.Since(start) < 4*upgradeIdle {
+		for time.Since(start) < 2*upgradeIdle {
 			if _, err := c.Write([]byte{'x'}); err != nil {
 				t.Fatalf("writing after %v: %v", time.Since(start), err)
 			}
-			time.Sleep(upgradeIdle / 5)
+			time.Sleep(upgradeIdle / 10)
 		}
 		quiet := time.Now()
 		if d := closedAfter(t, c, br, quiet); d < upgradeIdle*8/10 {
@@ -108,7 +111,7 @@ func TestUpgradeIdleTimeout(t *testing.T) {
 		c, br := open(t, "tick")
 		start := time.Now()
 		_ = c.SetReadDeadline(time.Now().Add(10 * time.Second))
-		for time.Since(start) < 4*upgradeIdle {
+		for time.Since(start) < 2*upgradeIdle {
 			if _, err := br.ReadByte(); err != nil {
 				t.Fatalf("reading after %v: %v (the sandbox's bytes keep it open)", time.Since(start), err)
 			}
