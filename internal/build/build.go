@@ -44,6 +44,10 @@ type Builder struct {
 	TTY     bool      // Out is a terminal: draw a progress bar
 	Memory  int64     // each RUN sandbox's limits (defaults 2 GiB, 4 GiB)
 	Disk    int64
+	// StepTimeout bounds each RUN step, from its sandbox's create to its
+	// command's end (0: DefaultStepTimeout). A step past it is killed with
+	// its sandbox and fails the build (ErrStepTimeout).
+	StepTimeout time.Duration
 	// Mirror is the Debian mirror mmdebstrap uses for FROM debian:...
 	Mirror string
 	// NoDebootstrap makes FROM debian:... use the template only when it
@@ -56,11 +60,35 @@ type Builder struct {
 // a missing file): the Dockerfile's fault, not cage's.
 var ErrFailed = errors.New("build step failed")
 
-// stepError is an ErrFailed with a message of its own.
-type stepError struct{ msg string }
+// DefaultStepTimeout and MaxStepTimeout bound a RUN step's time: the
+// default when a build names none, and the most it may name.
+const (
+	DefaultStepTimeout = time.Hour
+	MaxStepTimeout     = 24 * time.Hour
+)
 
-func (e *stepError) Error() string        { return e.msg }
-func (e *stepError) Is(target error) bool { return target == ErrFailed }
+// ErrStepTimeout is a RUN step that ran past its time limit (an
+// ErrFailed: the Dockerfile's, or its limit's, fault).
+var ErrStepTimeout = errors.New("ran past its time limit")
+
+// CheckStepTimeout refuses a step time limit outside (0, MaxStepTimeout].
+func CheckStepTimeout(d time.Duration) error {
+	if d <= 0 || d > MaxStepTimeout {
+		return fmt.Errorf("a RUN step's time limit must be more than 0 and at most %s, not %s", MaxStepTimeout, d)
+	}
+	return nil
+}
+
+// stepError is an ErrFailed with a message of its own.
+type stepError struct {
+	msg     string
+	timeout bool
+}
+
+func (e *stepError) Error() string { return e.msg }
+func (e *stepError) Is(target error) bool {
+	return target == ErrFailed || target == ErrStepTimeout && e.timeout
+}
 
 func failf(format string, args ...any) error {
 	return &stepError{msg: fmt.Sprintf(format, args...)}
@@ -353,20 +381,47 @@ func (b *Builder) run(ctx context.Context, held *imgstore.Held, st *state, in In
 	for k, v := range st.vars {
 		envMap[k] = v
 	}
-	sb, err := b.Host.Create(ctx, sandbox.Options{Template: name, Memory: memory, Disk: disk, CPUs: float64(runtime.NumCPU()),
+	// The step's time runs from its sandbox's create to its command's
+	// end; past it (or when ctx ends: a cancelled build) the sandbox is
+	// destroyed at once, whatever its command or agent do, and the deferred
+	// Destroy is the same one (Destroy happens once).
+	limit := b.StepTimeout
+	if limit == 0 {
+		limit = DefaultStepTimeout
+	}
+	stepCtx, cancel := context.WithTimeout(ctx, limit)
+	defer cancel()
+	timedOut := func(err error) error {
+		if ctx.Err() == nil && errors.Is(stepCtx.Err(), context.DeadlineExceeded) {
+			return &stepError{timeout: true, msg: fmt.Sprintf("the RUN step %s of %s (its sandbox was destroyed)", ErrStepTimeout, limit)}
+		}
+		if ctx.Err() != nil {
+			return ctx.Err()
+		}
+		return err
+	}
+	sb, err := b.Host.Create(stepCtx, sandbox.Options{Template: name, Memory: memory, Disk: disk, CPUs: float64(runtime.NumCPU()),
 		Pids: 4096, Net: b.Net, Env: tmpl.EnvWith(envMap)})
 	if err != nil {
-		return "", err
+		return "", timedOut(err)
 	}
 	defer sb.Destroy()
+	stopKill := context.AfterFunc(stepCtx, func() { _ = sb.Destroy() })
+	defer stopKill()
 	c := agentclient.New(sb.Dial, sb.Token())
 	defer c.Close()
 	// WORKDIR is made as Docker makes it, in the step's layer.
 	script := `mkdir -p -- "$0" && cd -- "$0" && exec "$@"`
-	end, err := c.Run(ctx, agentclient.RunOptions{Cmd: "/bin/sh", Args: append([]string{"-c", script, wd}, argv...),
+	end, err := c.Run(stepCtx, agentclient.RunOptions{Cmd: "/bin/sh", Args: append([]string{"-c", script, wd}, argv...),
 		User: user, Stdout: b.Out, Stderr: b.Out})
+	if stepCtx.Err() != nil {
+		return "", timedOut(err)
+	}
 	if err != nil {
 		return "", err
+	}
+	if !stopKill() {
+		return "", timedOut(nil) // the limit came as the command ended
 	}
 	if end.GetExitCode() != 0 || end.GetReason() != "exited" {
 		return "", failf("exit code %d (%s)", end.GetExitCode(), end.GetReason())

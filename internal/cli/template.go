@@ -6,8 +6,10 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"os/signal"
 	"path/filepath"
 	"strings"
+	"syscall"
 	"text/tabwriter"
 	"time"
 
@@ -258,6 +260,7 @@ func newTemplateBuildCmd(g *globals, data *string) *cobra.Command {
 	var file, netMode, mirror string
 	var buildArgs []string
 	var noCache bool
+	stepTimeout := build.DefaultStepTimeout
 	cmd := &cobra.Command{
 		Use:   "build [flags] CONTEXT NAME",
 		Short: "Build a template from a Dockerfile (RUN steps run in cage sandboxes, cached per step)",
@@ -265,6 +268,9 @@ func newTemplateBuildCmd(g *globals, data *string) *cobra.Command {
 		RunE: func(cmd *cobra.Command, args []string) error {
 			if os.Geteuid() != 0 {
 				return exitf(ExitNoPerm, "cage template build needs root")
+			}
+			if err := build.CheckStepTimeout(stepTimeout); err != nil {
+				return exitf(ExitUsage, "--step-timeout: %v", err)
 			}
 			st, err := openTemplates(*data)
 			if err != nil {
@@ -280,7 +286,7 @@ func newTemplateBuildCmd(g *globals, data *string) *cobra.Command {
 				return exitf(ExitUsage, "CAGE_DNS: %v", err)
 			}
 			b := &build.Builder{Host: host, Context: args[0], Args: map[string]string{}, NoCache: noCache,
-				Out: cmd.ErrOrStderr(), Mirror: mirror}
+				Out: cmd.ErrOrStderr(), Mirror: mirror, StepTimeout: stepTimeout}
 			if f, ok := cmd.ErrOrStderr().(*os.File); ok {
 				b.TTY = term.IsTerminal(int(f.Fd()))
 			}
@@ -310,9 +316,15 @@ func newTemplateBuildCmd(g *globals, data *string) *cobra.Command {
 			}
 			defer df.Close()
 			abs, _ := filepath.Abs(file)
-			t, err := b.Build(ctxOf(cmd), df, args[1], "dockerfile:"+abs)
+			// An interrupt stops the build, which destroys its step's
+			// sandbox and removes what it staged on the way out.
+			ctx, stop := signal.NotifyContext(ctxOf(cmd), syscall.SIGINT, syscall.SIGTERM, syscall.SIGHUP)
+			defer stop()
+			t, err := b.Build(ctx, df, args[1], "dockerfile:"+abs)
 			switch {
 			case err == nil:
+			case ctx.Err() != nil && ctxOf(cmd).Err() == nil:
+				return exitf(128+int(syscall.SIGINT), "interrupted; the build stopped and its step's sandbox was destroyed")
 			case errors.Is(err, build.ErrFailed):
 				return exitf(1, "build failed: %v", err)
 			case errors.Is(err, build.ErrNoMmdebstrap):
@@ -328,6 +340,8 @@ func newTemplateBuildCmd(g *globals, data *string) *cobra.Command {
 	fl.StringVar(&netMode, "net", "none", "network of the RUN steps: none, or internet (the build says so at each step)")
 	fl.StringArrayVar(&buildArgs, "build-arg", nil, "NAME=VALUE for an ARG (repeatable)")
 	fl.BoolVar(&noCache, "no-cache", false, "run every step again")
+	fl.DurationVar(&stepTimeout, "step-timeout", build.DefaultStepTimeout,
+		"the most each RUN step may run (its sandbox is then destroyed and the build fails); at most "+build.MaxStepTimeout.String())
 	fl.StringVar(&mirror, "mirror", "", "Debian mirror for FROM debian:bookworm (default "+build.DefaultMirror+")")
 	return cmd
 }

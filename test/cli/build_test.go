@@ -1,12 +1,18 @@
 package clitest
 
 import (
+	"bufio"
+	"bytes"
+	"context"
+	"io"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"regexp"
 	"strings"
+	"syscall"
 	"testing"
+	"time"
 
 	"github.com/cagehq/cage/internal/testutil"
 )
@@ -239,4 +245,91 @@ LABEL cage.start="sleep 1000" cage.ready="false" cage.ready-timeout="1"
 		t.Errorf("a template that never gets ready: %v; want exit 125, one line", r)
 	}
 	e.noLeftovers(r.ids...)
+}
+
+// TestTemplateBuildStepTimeout: a RUN step that runs past the build's step
+// time limit (--step-timeout) is killed with its sandbox, and the build
+// fails with one line naming the limit, leaving no sandbox, layer file or
+// template behind. Before, a step ran as long as it liked.
+func TestTemplateBuildStepTimeout(t *testing.T) {
+	e := setup(t)
+	env, ctxDir := buildEnv(t, e)
+	tmp := t.TempDir()
+	env = append(env, "TMPDIR="+tmp)
+	must(t, os.WriteFile(filepath.Join(ctxDir, "Dockerfile"), []byte("FROM bb\nRUN echo step started; touch /made; sleep 1000\n"), 0o644))
+	r := e.cageEnv(nil, env, "template", "build", "--step-timeout", "2s", ctxDir, "slow")
+	last := strings.TrimSpace(r.stderr)
+	if i := strings.LastIndex(last, "\n"); i >= 0 {
+		last = last[i+1:]
+	}
+	if r.code != 1 || !strings.Contains(r.stderr, "step started") || !strings.HasPrefix(last, "cage: build failed") ||
+		!strings.Contains(last, "ran past its time limit of 2s") {
+		t.Errorf("a RUN step past --step-timeout 2s: %v; want exit 1 and a last line naming the limit", r)
+	}
+	if r.took > 60*time.Second {
+		t.Errorf("the step was stopped after %v, not at its limit", r.took)
+	}
+	e.noLeftovers(r.ids...)
+	if left, _ := os.ReadDir(tmp); len(left) != 0 {
+		t.Errorf("the timed-out build left %d files in its temporary directory: %v", len(left), left)
+	}
+	if r := e.cageEnv(nil, env, "template", "inspect", "slow"); r.code != exitNoTemplate {
+		t.Errorf("a timed-out build made its template: %v", r)
+	}
+	for _, bad := range []string{"0", "-1s", "soon", "1000h"} {
+		r := e.cageEnv(nil, env, "template", "build", "--step-timeout", bad, ctxDir, "slow")
+		if r.code != exitUsage || !strings.Contains(r.stderr, "--step-timeout") {
+			t.Errorf("--step-timeout %s: %v; want a usage error naming the flag", bad, r)
+		}
+	}
+}
+
+// TestTemplateBuildInterrupt: Ctrl-C during a RUN step stops the build,
+// destroys the step's sandbox and removes what the build had staged:
+// cage exits 130 with one line. Before, SIGINT killed cage where it stood
+// and the step's sandbox was left to whoever came next.
+func TestTemplateBuildInterrupt(t *testing.T) {
+	e := setup(t)
+	env, ctxDir := buildEnv(t, e)
+	tmp := t.TempDir()
+	must(t, os.WriteFile(filepath.Join(ctxDir, "Dockerfile"), []byte("FROM bb\nRUN echo step started; sleep 1000\n"), 0o644))
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	cmd := e.command(ctx, "template", "build", ctxDir, "interrupted")
+	cmd.Env = append(cmd.Env, env...)
+	cmd.Env = append(cmd.Env, "TMPDIR="+tmp)
+	stderr, err := cmd.StderrPipe()
+	must(t, err)
+	stop := e.watchIDs()
+	must(t, cmd.Start())
+	var out bytes.Buffer
+	sc := bufio.NewScanner(stderr)
+	for sc.Scan() {
+		out.WriteString(sc.Text() + "\n")
+		if sc.Text() == "step started" {
+			break
+		}
+	}
+	must(t, cmd.Process.Signal(os.Interrupt))
+	start := time.Now()
+	rest, _ := io.ReadAll(stderr)
+	out.Write(rest)
+	code := exitCodeOf(t, cmd.Wait())
+	took := time.Since(start)
+	ids := stop()
+	t.Logf("SIGINT during a RUN step: exit %d after %v, stderr %q", code, took.Round(time.Millisecond), out.String())
+	noPanic(t, out.String())
+	if code != 128+int(syscall.SIGINT) || !strings.HasSuffix(out.String(), "cage: interrupted; the build stopped and its step's sandbox was destroyed\n") {
+		t.Errorf("SIGINT during a RUN step: exit %d, stderr %q; want %d and one line saying so", code, out.String(), 128+int(syscall.SIGINT))
+	}
+	if took > 30*time.Second {
+		t.Errorf("the build took %v to stop", took)
+	}
+	if len(ids) == 0 {
+		t.Fatal("no step sandbox was seen: the test proves nothing")
+	}
+	e.noLeftovers(ids...)
+	if left, _ := os.ReadDir(tmp); len(left) != 0 {
+		t.Errorf("the interrupted build left %d files in its temporary directory: %v", len(left), left)
+	}
 }
