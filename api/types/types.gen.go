@@ -1083,7 +1083,10 @@ type TemplateBuild struct {
 	Network   TemplateBuildNetwork `json:"network"`
 	StartedAt time.Time            `json:"startedAt"`
 	State     TemplateBuildState   `json:"state"`
-	Template  string               `json:"template"`
+
+	// StepTimeout The most each RUN step may run, in seconds.
+	StepTimeout int    `json:"stepTimeout,omitempty,omitzero"`
+	Template    string `json:"template"`
 
 	// TemplateID The template made, once it succeeded.
 	TemplateID string `json:"templateID,omitempty,omitzero"`
@@ -1124,6 +1127,9 @@ type TemplateBuildRequest struct {
 
 	// Network The RUN steps' network (default none).
 	Network TemplateBuildRequestNetwork `json:"network,omitempty,omitzero"`
+
+	// StepTimeout The most each RUN step may run, in seconds (default 3600, at most 86400); past it the step's sandbox is destroyed and the build fails.
+	StepTimeout int `json:"stepTimeout,omitempty,omitzero"`
 }
 
 // TemplateBuildRequestNetwork The RUN steps' network (default none).

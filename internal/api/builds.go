@@ -42,15 +42,18 @@ const (
 type BuildJob struct {
 	ID, Template, Dockerfile string
 	Args                     map[string]string
-	Internet                 bool   // the RUN steps' network: the internet, or none
-	KeyID                    string // the admin key that asked
+	Internet                 bool          // the RUN steps' network: the internet, or none
+	KeyID                    string        // the admin key that asked
+	StepTimeout              time.Duration // the most each RUN step may run
 }
 
 // BuildFunc builds job into the template store, writing its log to out,
 // and returns the template's id;
 // an error wrapping build.ErrFailed is the Dockerfile's fault and is shown
 // to the key as it is. It runs until the build ends or the daemon stops
-// (ctx carries no deadline of the request's).
+// (ctx carries no deadline of the request's), or until ctx is cancelled
+// (DELETE of the build), when it stops its step's sandbox, removes what it
+// staged and returns.
 type BuildFunc func(ctx context.Context, job BuildJob, out io.Writer) (templateID string, err error)
 
 type builds struct {
@@ -72,6 +75,11 @@ type buildRun struct {
 	errMsg   string
 	finished time.Time
 	made     string // the template's id
+	// cancel stops the build; cancelledBy is the key that did, once it
+	// has (b.mu).
+	cancel      context.CancelFunc
+	cancelledBy string
+	done        chan struct{} // closed at the build's end
 }
 
 // Write appends to the log, keeping its tail.
@@ -112,7 +120,8 @@ func (b *buildRun) view(withLog bool) types.TemplateBuild {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	v := types.TemplateBuild{BuildID: b.job.ID, Template: b.job.Template, State: b.state, Network: b.network,
-		StartedAt: b.started, FinishedAt: b.finished, Error: b.errMsg, TemplateID: b.made}
+		StartedAt: b.started, FinishedAt: b.finished, Error: b.errMsg, TemplateID: b.made,
+		StepTimeout: int(b.job.StepTimeout / time.Second)}
 	if withLog {
 		l, start := b.window()
 		v.Log, v.LogOffset = string(l), start
@@ -159,6 +168,7 @@ func (s *server) buildRoutes(mux *http.ServeMux) {
 	mux.Handle("POST /admin/templates/{templateName}/builds", admin(s.startBuild))
 	mux.Handle("GET /admin/templates/builds", admin(s.listBuilds))
 	mux.Handle("GET /admin/templates/builds/{buildID}", admin(s.getBuild))
+	mux.Handle("DELETE /admin/templates/builds/{buildID}", admin(s.cancelBuild))
 	mux.Handle("GET /admin/templates/builds/{buildID}/log", admin(s.buildLog))
 }
 
@@ -188,6 +198,14 @@ func buildJob(w http.ResponseWriter, r *http.Request) (BuildJob, types.TemplateB
 	if len(body.BuildArgs) > maxBuildArgs {
 		return BuildJob{}, "", fmt.Errorf("%w: buildArgs: at most %d", errBadRequest, maxBuildArgs)
 	}
+	stepTimeout := build.DefaultStepTimeout
+	if body.StepTimeout != 0 {
+		// Checked before it is multiplied: seconds as nanoseconds wrap.
+		if body.StepTimeout < 1 || body.StepTimeout > int(build.MaxStepTimeout/time.Second) {
+			return BuildJob{}, "", fmt.Errorf("%w: stepTimeout %d: want 1 to %d seconds", errBadRequest, body.StepTimeout, int(build.MaxStepTimeout/time.Second))
+		}
+		stepTimeout = time.Duration(body.StepTimeout) * time.Second
+	}
 	for k := range body.BuildArgs {
 		if k == "" || strings.ContainsAny(k, "= \t\n$") {
 			return BuildJob{}, "", fmt.Errorf("%w: buildArgs: %q is not an ARG name", errBadRequest, k)
@@ -208,7 +226,7 @@ func buildJob(w http.ResponseWriter, r *http.Request) (BuildJob, types.TemplateB
 			errBadRequest, strings.Join(refused, ", "))
 	}
 	return BuildJob{ID: "build_" + ids.NewToken()[:16], Template: name, Dockerfile: body.Dockerfile, Args: body.BuildArgs,
-		Internet: network == types.TemplateBuildNetworkInternet, KeyID: callerOf(r).ID}, network, nil
+		Internet: network == types.TemplateBuildNetworkInternet, KeyID: callerOf(r).ID, StepTimeout: stepTimeout}, network, nil
 }
 
 // startBuild starts a build: 202 with its id, 409 while another runs.
@@ -227,10 +245,14 @@ func (s *server) startBuild(w http.ResponseWriter, r *http.Request) {
 		s.fail(w, r, err)
 		return
 	}
-	b := &buildRun{job: job, network: network, started: time.Now(), changed: make(chan struct{}), state: types.TemplateBuildStateBuilding}
+	b := &buildRun{job: job, network: network, started: time.Now(), changed: make(chan struct{}), state: types.TemplateBuildStateBuilding,
+		done: make(chan struct{})}
+	ctx, cancel := context.WithCancel(context.WithoutCancel(r.Context()))
+	b.cancel = cancel
 	s.builds.mu.Lock()
 	if cur := s.builds.running; cur != nil {
 		s.builds.mu.Unlock()
+		cancel()
 		writeError(w, http.StatusConflict, fmt.Sprintf("build %s (template %s) is running: one build at a time", cur.job.ID, cur.job.Template))
 		return
 	}
@@ -242,7 +264,7 @@ func (s *server) startBuild(w http.ResponseWriter, r *http.Request) {
 	s.builds.mu.Unlock()
 	s.adminEvent(r, "template.build", map[string]any{"buildID": job.ID, "template": job.Template, "network": string(network)})
 	k := callerOf(r)
-	go s.runBuild(context.WithoutCancel(r.Context()), b, k.ID, k.TeamID)
+	go s.runBuild(ctx, b, k.ID, k.TeamID)
 	writeJSON(w, http.StatusAccepted, b.view(false))
 }
 
@@ -253,11 +275,18 @@ func (s *server) runBuild(ctx context.Context, b *buildRun, keyID, teamID string
 		s.builds.mu.Lock()
 		s.builds.running = nil
 		s.builds.mu.Unlock()
+		b.cancel()
+		close(b.done)
 	}()
 	made, err := s.cfg.Build(ctx, b.job, b)
+	b.mu.Lock()
+	by := b.cancelledBy
+	b.mu.Unlock()
 	state, msg := types.TemplateBuildStateSucceeded, ""
 	switch {
 	case err == nil:
+	case by != "" && errors.Is(err, context.Canceled):
+		state, msg = types.TemplateBuildStateFailed, "cancelled by key "+by
 	case errors.Is(err, build.ErrFailed), errors.Is(err, build.ErrNoMmdebstrap), errors.Is(err, imgstore.ErrInvalid):
 		state, msg = types.TemplateBuildStateFailed, err.Error()
 	case errors.Is(err, context.Canceled):
@@ -284,6 +313,39 @@ func (s *server) build(id string) *buildRun {
 		}
 	}
 	return nil
+}
+
+// cancelBuild stops a running build and waits (at most maxLogWait) for it
+// to end: 200 with the build once ended, 202 while it still stops, 409
+// when it had ended already.
+func (s *server) cancelBuild(w http.ResponseWriter, r *http.Request) {
+	b := s.build(r.PathValue("buildID"))
+	if b == nil {
+		writeError(w, http.StatusNotFound, "no such build (the daemon keeps its last "+strconv.Itoa(keptBuilds)+")")
+		return
+	}
+	b.mu.Lock()
+	state := b.state
+	if state == types.TemplateBuildStateBuilding && b.cancelledBy == "" {
+		b.cancelledBy = callerOf(r).ID
+	}
+	b.mu.Unlock()
+	if state != types.TemplateBuildStateBuilding {
+		writeError(w, http.StatusConflict, fmt.Sprintf("build %s has ended (%s): nothing to cancel", b.job.ID, state))
+		return
+	}
+	s.adminEvent(r, "template.build.cancel", map[string]any{"buildID": b.job.ID, "template": b.job.Template})
+	b.cancel()
+	_ = http.NewResponseController(w).SetReadDeadline(time.Time{})
+	timer := time.NewTimer(maxLogWait)
+	defer timer.Stop()
+	select {
+	case <-b.done:
+		writeJSON(w, http.StatusOK, b.view(false))
+	case <-timer.C:
+		writeJSON(w, http.StatusAccepted, b.view(false))
+	case <-r.Context().Done():
+	}
 }
 
 func (s *server) listBuilds(w http.ResponseWriter, r *http.Request) {

@@ -33,7 +33,7 @@ func newBuilds(ctx context.Context, host *sandbox.Host) *builds {
 	return b
 }
 
-func (b *builds) build(_ context.Context, job api.BuildJob, out io.Writer) (string, error) {
+func (b *builds) build(jobCtx context.Context, job api.BuildJob, out io.Writer) (string, error) {
 	b.mu.Lock()
 	if b.done {
 		b.mu.Unlock()
@@ -42,16 +42,21 @@ func (b *builds) build(_ context.Context, job api.BuildJob, out io.Writer) (stri
 	b.wg.Add(1)
 	b.mu.Unlock()
 	defer b.wg.Done()
-	bd := &build.Builder{Host: b.host, Args: job.Args, Out: out, NoDebootstrap: true}
+	// The build ends with the daemon (b.ctx) or when it is cancelled
+	// (jobCtx: DELETE of the build).
+	ctx, cancel := context.WithCancel(b.ctx)
+	defer cancel()
+	defer context.AfterFunc(jobCtx, cancel)()
+	bd := &build.Builder{Host: b.host, Args: job.Args, Out: out, NoDebootstrap: true, StepTimeout: job.StepTimeout}
 	if bd.Args == nil {
 		bd.Args = map[string]string{}
 	}
 	if job.Internet {
 		bd.Net = network.Policy{Mode: network.Internet}
 	}
-	t, err := bd.Build(b.ctx, strings.NewReader(job.Dockerfile), job.Template, "api build "+job.ID+" by key "+job.KeyID)
+	t, err := bd.Build(ctx, strings.NewReader(job.Dockerfile), job.Template, "api build "+job.ID+" by key "+job.KeyID)
 	if err != nil {
-		if b.ctx.Err() != nil && !errors.Is(err, context.Canceled) {
+		if ctx.Err() != nil && !errors.Is(err, context.Canceled) {
 			err = errors.Join(err, context.Canceled)
 		}
 		return "", err

@@ -13,6 +13,7 @@ import (
 
 	"github.com/cagehq/cage/api/types"
 	"github.com/cagehq/cage/internal/imgstore"
+	"github.com/cagehq/cage/internal/testutil"
 )
 
 // adminKey makes an admin key for d on the host.
@@ -238,5 +239,106 @@ func TestTemplateBuild(t *testing.T) {
 		t.Fatal(err)
 	} else if _, err := s.Get(name + "-slow"); err == nil {
 		t.Errorf("a build ended by the daemon's stop made template %s-slow", name)
+	}
+}
+
+// TestTemplateBuildCancelAndStepTimeout: a build's RUN step past the
+// request's stepTimeout is stopped by the host, and the build fails
+// naming the limit; DELETE of a running build (admin keys only: a tenant
+// key 403, and the build runs on) stops it, answering the ended build,
+// failed and saying who cancelled it; a DELETE of an ended build is 409,
+// of an unknown one 404; a bad stepTimeout is 400. Each leaves no sandbox
+// on the host and no template. Before, a step ran as long as it liked and
+// nothing but the daemon's stop ended a build.
+func TestTemplateBuildCancelAndStepTimeout(t *testing.T) {
+	t.Parallel()
+	d := startDaemon(t)
+	admin := d.adminKey(t)
+	tarPath := testutil.WriteDockerArchive(t, testutil.TestImage(t), "cage-test:latest")
+	if r := d.cli(t, "", "template", "import", "--data", d.data, tarPath, "bb"); r.code != 0 {
+		t.Fatalf("import: %v", r)
+	}
+	noTemplate := func(name string) {
+		t.Helper()
+		if left := d.sandboxDirs(); len(left) != 0 {
+			t.Errorf("sandboxes left on the host after build of %s: %v", name, left)
+		}
+		if r := d.cli(t, "", "template", "inspect", "--data", d.data, name); r.code == 0 {
+			t.Errorf("build of %s made its template", name)
+		}
+	}
+	for _, bad := range []any{0.5, -1, 86401, 1 << 62, "60"} {
+		r := d.do(t, call{method: "POST", path: "/admin/templates/bad/builds", key: admin, invalid: true,
+			body: map[string]any{"dockerfile": "FROM bb\n", "stepTimeout": bad}})
+		if r.status != http.StatusBadRequest {
+			t.Errorf("stepTimeout %v: %v, want 400", bad, r)
+		}
+	}
+
+	// The step's limit.
+	b := startBuild(t, d, admin, "slow", map[string]any{"dockerfile": "FROM bb\nRUN echo sleeping && sleep 300\n", "stepTimeout": 2})
+	if b.StepTimeout != 2 {
+		t.Errorf("the build's step limit: %d, want 2", b.StepTimeout)
+	}
+	start := time.Now()
+	got, log := d.followBuild(t, admin, b.BuildID)
+	if got.State != types.TemplateBuildStateFailed || !strings.Contains(got.Error, "step 2/2") ||
+		!strings.Contains(got.Error, "ran past its time limit of 2s") || !strings.Contains(log, "sleeping\n") {
+		t.Errorf("a RUN past its 2 s: %+v; log:\n%s", got, log)
+	}
+	if took := time.Since(start); took > time.Minute {
+		t.Errorf("the step ran %v past a limit of 2 s", took)
+	}
+	noTemplate("slow")
+
+	// A cancel.
+	b = startBuild(t, d, admin, "cancelled", map[string]any{"dockerfile": "FROM bb\nRUN echo sleeping && sleep 300\n"})
+	if b.StepTimeout != 3600 {
+		t.Errorf("the default step limit: %d, want 3600", b.StepTimeout)
+	}
+	var off int64
+	for deadline := time.Now().Add(time.Minute); ; {
+		var l types.TemplateBuildLog
+		d.expect(t, http.StatusOK, call{method: "GET", path: fmt.Sprintf("/admin/templates/builds/%s/log?offset=%d&wait=5", b.BuildID, off), key: admin}).decode(t, &l)
+		off = l.Next
+		if strings.Contains(l.Text, "sleeping\n") {
+			break
+		}
+		if l.State != types.TemplateBuildLogStateBuilding || time.Now().After(deadline) {
+			t.Fatalf("the build's RUN did not start: %+v", l)
+		}
+	}
+	if len(d.sandboxDirs()) == 0 {
+		t.Error("no sandbox on the host while a RUN step runs")
+	}
+	route := "/admin/templates/builds/" + b.BuildID
+	d.expect(t, http.StatusForbidden, call{method: "DELETE", path: route, key: d.key})
+	d.expect(t, http.StatusUnauthorized, call{method: "DELETE", path: route})
+	var still types.TemplateBuild
+	d.expect(t, http.StatusOK, call{method: "GET", path: route, key: admin}).decode(t, &still)
+	if still.State != types.TemplateBuildStateBuilding {
+		t.Fatalf("a tenant's DELETE ended the build: %+v", still)
+	}
+	start = time.Now()
+	d.expect(t, http.StatusOK, call{method: "DELETE", path: route, key: admin}).decode(t, &got)
+	if got.State != types.TemplateBuildStateFailed || !strings.Contains(got.Error, "cancelled by key") || got.FinishedAt.IsZero() {
+		t.Errorf("the cancelled build: %+v", got)
+	}
+	if took := time.Since(start); took > 30*time.Second {
+		t.Errorf("the cancel took %v", took)
+	}
+	noTemplate("cancelled")
+	r := d.expect(t, http.StatusConflict, call{method: "DELETE", path: route, key: admin})
+	if !strings.Contains(string(r.body), "has ended") {
+		t.Errorf("a second DELETE: %v", r)
+	}
+	d.expect(t, http.StatusNotFound, call{method: "DELETE", path: "/admin/templates/builds/build_nosuch", key: admin})
+	// The next build runs (the one at a time was let go).
+	b = startBuild(t, d, admin, "after", map[string]any{"dockerfile": "FROM bb\nRUN echo made > /made\n"})
+	if got, log := d.followBuild(t, admin, b.BuildID); got.State != types.TemplateBuildStateSucceeded {
+		t.Errorf("a build after the cancel: %+v; log:\n%s", got, log)
+	}
+	if left := d.sandboxDirs(); len(left) != 0 {
+		t.Errorf("sandboxes left on the host: %v", left)
 	}
 }
