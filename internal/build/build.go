@@ -117,6 +117,9 @@ func (b *Builder) Build(ctx context.Context, r io.Reader, name, source string) (
 	st := &state{vars: map[string]string{}}
 	start := time.Now()
 	for i, in := range steps {
+		if err := ctx.Err(); err != nil {
+			return nil, err
+		}
 		b.header(i, len(steps), in)
 		t0 := time.Now()
 		note, err := b.step(ctx, &held, st, in)

@@ -72,7 +72,7 @@ func (b *Builder) copy(ctx context.Context, held *imgstore.Held, st *state, in I
 			if err != nil {
 				return "", err
 			}
-			_, err = io.Copy(h, r)
+			_, err = io.Copy(h, ctxReader{ctx, r})
 			r.Close()
 			if err != nil {
 				return "", err
@@ -90,7 +90,7 @@ func (b *Builder) copy(ctx context.Context, held *imgstore.Held, st *state, in I
 	defer os.Remove(tarFile.Name())
 	tw := tar.NewWriter(tarFile)
 	for _, f := range files {
-		if err := writeCopied(tw, root, f, uid, gid); err != nil {
+		if err := writeCopied(ctx, tw, root, f, uid, gid); err != nil {
 			tarFile.Close()
 			return "", err
 		}
@@ -199,7 +199,7 @@ func unwrapPath(err error) error {
 	return err
 }
 
-func writeCopied(tw *tar.Writer, root *os.Root, f copied, uid, gid int) error {
+func writeCopied(ctx context.Context, tw *tar.Writer, root *os.Root, f copied, uid, gid int) error {
 	h := &tar.Header{Name: strings.TrimPrefix(f.dst, "/"), Mode: int64(f.mode.Perm()), Uid: uid, Gid: gid, Format: tar.FormatPAX}
 	switch {
 	case f.mode.IsDir():
@@ -222,7 +222,7 @@ func writeCopied(tw *tar.Writer, root *os.Root, f copied, uid, gid int) error {
 	if err := tw.WriteHeader(h); err != nil {
 		return err
 	}
-	n, err := io.Copy(tw, io.LimitReader(r, fi.Size()))
+	n, err := io.Copy(tw, io.LimitReader(ctxReader{ctx, r}, fi.Size()))
 	if err == nil && n != fi.Size() {
 		err = fmt.Errorf("%s changed while it was copied", f.src)
 	}
@@ -245,4 +245,18 @@ func openRegular(root *os.Root, name string) (*os.File, error) {
 		return nil, err
 	}
 	return f, nil
+}
+
+// ctxReader stops reading once ctx ends: a COPY of a large context stops
+// when its build is cancelled, not when it has read every byte.
+type ctxReader struct {
+	ctx context.Context
+	r   io.Reader
+}
+
+func (c ctxReader) Read(p []byte) (int, error) {
+	if err := c.ctx.Err(); err != nil {
+		return 0, err
+	}
+	return c.r.Read(p)
 }

@@ -2,6 +2,8 @@ package build
 
 import (
 	"archive/tar"
+	"context"
+	"errors"
 	"io"
 	"os"
 	"path/filepath"
@@ -43,7 +45,7 @@ func TestCopyNeverOpensAFIFO(t *testing.T) {
 		t.Fatal(err)
 	}
 	done := make(chan error, 1)
-	go func() { done <- writeCopied(tar.NewWriter(io.Discard), root, files[0], 0, 0) }()
+	go func() { done <- writeCopied(context.Background(), tar.NewWriter(io.Discard), root, files[0], 0, 0) }()
 	select {
 	case err := <-done:
 		if err == nil || !strings.Contains(err.Error(), "not a regular file") {
@@ -56,3 +58,33 @@ func TestCopyNeverOpensAFIFO(t *testing.T) {
 		}
 	}
 }
+
+// A COPY stops reading when its build is cancelled (an interrupt of cage
+// template build, which no longer dies at once but cleans up): a large
+// file is not read to its end first.
+func TestCopyStopsWhenCancelled(t *testing.T) {
+	dir := t.TempDir()
+	if err := os.WriteFile(filepath.Join(dir, "big"), make([]byte, 1<<20), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	root, err := os.OpenRoot(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer root.Close()
+	files, err := collect(root, "big", "/big", false)
+	if err != nil || len(files) != 1 {
+		t.Fatalf("COPY big: %+v, %v", files, err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	var n countWriter
+	err = writeCopied(ctx, tar.NewWriter(&n), root, files[0], 0, 0)
+	if !errors.Is(err, context.Canceled) || n > 4096 {
+		t.Errorf("a cancelled COPY of 1 MiB: %v, %d bytes written; want context.Canceled before the file's bytes", err, n)
+	}
+}
+
+type countWriter int
+
+func (c *countWriter) Write(p []byte) (int, error) { *c += countWriter(len(p)); return len(p), nil }

@@ -320,6 +320,7 @@ func newTemplateBuildCmd(g *globals, data *string) *cobra.Command {
 			// sandbox and removes what it staged on the way out.
 			ctx, stop := signal.NotifyContext(ctxOf(cmd), syscall.SIGINT, syscall.SIGTERM, syscall.SIGHUP)
 			defer stop()
+			go func() { <-ctx.Done(); stop() }() // a second interrupt ends cage at once
 			t, err := b.Build(ctx, df, args[1], "dockerfile:"+abs)
 			switch {
 			case err == nil:
