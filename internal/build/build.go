@@ -404,7 +404,7 @@ func (b *Builder) run(ctx context.Context, held *imgstore.Held, st *state, in In
 		return err
 	}
 	sb, err := b.Host.Create(stepCtx, sandbox.Options{Template: name, Memory: memory, Disk: disk, CPUs: float64(runtime.NumCPU()),
-		Pids: 4096, Net: b.Net, Env: tmpl.EnvWith(envMap)})
+		Pids: 4096, Net: b.Net, Env: tmpl.EnvWith(envMap), BuildStep: true})
 	if err != nil {
 		return "", timedOut(err)
 	}

@@ -67,6 +67,12 @@ type Options struct {
 	// Run makes the sandbox for one command (wall.Spec.Run: cage run):
 	// never from a pool; ErrNoOneShot where it cannot be.
 	Run *wall.Run
+	// BuildStep is a template build's RUN step (internal/build): only
+	// such a create may name a build's template (one SetTemplate set with
+	// Build), and it may name nothing else. For any other create a
+	// build's template does not exist, so that no client who learns its
+	// name (the step sees it in its mountinfo) gets a sandbox of it.
+	BuildStep bool
 }
 
 // Validate fills the limits' defaults and rejects limits that are

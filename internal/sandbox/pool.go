@@ -230,7 +230,7 @@ func (p *pool) fill(ctx context.Context, h *Host) {
 // one beyond the configured size once no create has come for poolIdle.
 func (p *pool) sweep(h *Host) {
 	p.shrink()
-	tmpl, err := h.tmpl.lookup(h, p.template)
+	tmpl, err := h.tmpl.lookup(h, p.template, false)
 	if err != nil && !errors.Is(err, template.ErrNotFound) {
 		return // cannot tell now
 	}
@@ -307,7 +307,7 @@ func gone(sb wall.Sandbox) bool {
 // priority; for a template with a start command, it starts it too and
 // waits for its ready check.
 func (h *Host) prepare(ctx context.Context, p *pool) (wall.Prepared, error) {
-	tmpl, err := h.tmpl.lookup(h, p.template)
+	tmpl, err := h.tmpl.lookup(h, p.template, false)
 	if err != nil {
 		return nil, err
 	}

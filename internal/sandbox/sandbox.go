@@ -158,7 +158,7 @@ func (h *Host) Begin(ctx context.Context, o *Options) (*Pending, error) {
 	if err := o.Validate(); err != nil {
 		return nil, err
 	}
-	tmpl, err := h.tmpl.lookup(h, o.Template)
+	tmpl, err := h.tmpl.lookup(h, o.Template, o.BuildStep)
 	if err != nil {
 		return nil, err
 	}

@@ -1,6 +1,7 @@
 package sandbox
 
 import (
+	"fmt"
 	"path/filepath"
 	"sync"
 
@@ -14,18 +15,27 @@ type templates struct {
 	extra map[string]*template.Template
 }
 
-func (ts *templates) lookup(h *Host, name string) (*template.Template, error) {
+// A build's template (Build) is found only for a build step's create
+// (buildStep), which finds nothing else; for any other create it is as if
+// it did not exist.
+func (ts *templates) lookup(h *Host, name string, buildStep bool) (*template.Template, error) {
 	ts.mu.Lock()
 	t := ts.extra[name]
 	ts.mu.Unlock()
-	if t != nil {
+	switch {
+	case buildStep && (t == nil || !t.Build):
+		return nil, fmt.Errorf("%w: %q is not a template build's", ErrInvalid, name)
+	case t != nil && t.Build == buildStep:
 		return t, nil
 	}
 	return template.Lookup(name, filepath.Join(h.RunDir, "templates"), h.Templates)
 }
 
-// Template resolves a template name as a create would.
-func (h *Host) Template(name string) (*template.Template, error) { return h.tmpl.lookup(h, name) }
+// Template resolves a template name as a create would (not a build
+// step's).
+func (h *Host) Template(name string) (*template.Template, error) {
+	return h.tmpl.lookup(h, name, false)
+}
 
 // SetTemplate makes name resolve to t in this Host (nil: forget it): a
 // template build runs its steps from templates that exist only here.

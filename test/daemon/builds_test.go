@@ -342,3 +342,58 @@ func TestTemplateBuildCancelAndStepTimeout(t *testing.T) {
 		t.Errorf("sandboxes left on the host: %v", left)
 	}
 }
+
+// TestBuildStepTemplateIsTheBuildsOwn: a RUN step's sandbox is made from
+// an ephemeral template of the daemon's host (build-XXXXXXXXXXXX), whose
+// name the step reads in its own /proc/self/mountinfo. A tenant told that
+// name by a hostile step (RUN curl ... | sh) asks for a sandbox of it
+// while the step runs. Expected: the same 404 as for a template that
+// never existed. Before, it got a sandbox of the build's image so far,
+// as a build sandbox (root keeping CAP_SETUID, CAP_DAC_OVERRIDE... in
+// its namespace), outside any build.
+func TestBuildStepTemplateIsTheBuildsOwn(t *testing.T) {
+	t.Parallel()
+	d := startDaemon(t)
+	admin := d.adminKey(t)
+	tarPath := testutil.WriteDockerArchive(t, testutil.TestImage(t), "cage-test:latest")
+	if r := d.cli(t, "", "template", "import", "--data", d.data, tarPath, "bb"); r.code != 0 {
+		t.Fatalf("import: %v", r)
+	}
+	b := startBuild(t, d, admin, "leaky", map[string]any{"stepTimeout": 120,
+		"dockerfile": "FROM bb\nRUN echo \"name=$(grep -o 'cage-template:build-[0-9a-f]*' /proc/self/mountinfo | head -1 | cut -d: -f2)\" && sleep 300\n"})
+	var off int64
+	var name string
+	for deadline := time.Now().Add(time.Minute); name == ""; {
+		var l types.TemplateBuildLog
+		d.expect(t, http.StatusOK, call{method: "GET", path: fmt.Sprintf("/admin/templates/builds/%s/log?offset=%d&wait=5", b.BuildID, off), key: admin}).decode(t, &l)
+		off = l.Next
+		if _, rest, ok := strings.Cut(l.Text, "name=build-"); ok { // (the step's own line has name=$(...)
+			rest = "build-" + rest
+			name, _, _ = strings.Cut(rest, "\n")
+		}
+		if name == "" && (l.State != types.TemplateBuildLogStateBuilding || time.Now().After(deadline)) {
+			t.Fatalf("the step did not say its template's name: %+v", l)
+		}
+	}
+	if !strings.HasPrefix(name, "build-") {
+		t.Fatalf("the step's template is %q, want build-...", name)
+	}
+	ask := func(tmpl string) reply {
+		return d.do(t, call{method: "POST", path: "/v2/sandboxes", key: d.key, body: map[string]any{"templateID": tmpl, "timeout": 60}})
+	}
+	got, never := ask(name), ask("build-000000000000")
+	if got.status == http.StatusCreated {
+		var sb types.Sandbox
+		got.decode(t, &sb)
+		t.Errorf("a tenant made sandbox %s of the running step's template %s", sb.SandboxID, name)
+		d.kill(t, d.key, sb.SandboxID)
+	}
+	if got.status != never.status || strings.ReplaceAll(string(got.body), name, "build-000000000000") != string(never.body) {
+		t.Errorf("the step's template %s: %v; want the answer of a template that never existed: %v", name, got, never)
+	}
+	var ended types.TemplateBuild
+	d.expect(t, http.StatusOK, call{method: "DELETE", path: "/admin/templates/builds/" + b.BuildID, key: admin}).decode(t, &ended)
+	if left := d.sandboxDirs(); len(left) != 0 {
+		t.Errorf("sandboxes left on the host: %v", left)
+	}
+}
