@@ -8,6 +8,7 @@ import (
 	"net/http/httputil"
 	"time"
 
+	"github.com/cagehq/cage/internal/proxy"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 )
@@ -143,6 +144,10 @@ func (f *Front) ForwardTraffic(w http.ResponseWriter, r *http.Request, id string
 		Rewrite: func(pr *httputil.ProxyRequest) {
 			pr.Out.URL.Scheme, pr.Out.URL.Host = base.Scheme, base.Host
 			pr.Out.Host = r.Host // the owner routes by Host as this proxy did
+			// The owner sees this node's address: the client's, for its
+			// share of a sandbox's anonymous budget, goes with the
+			// signature (TrafficClient), never a client's own header.
+			pr.Out.Header.Set(proxy.ClientHeader, proxy.ClientOf(r))
 			Sign(pr.Out, f.cfg.NodeKey, f.cfg.NodeName, node, ForTraffic)
 		},
 		Transport:     f.cfg.HTTP.Transport,
@@ -162,6 +167,21 @@ func (f *Front) ForwardTraffic(w http.ResponseWriter, r *http.Request, id string
 	_ = http.NewResponseController(w).EnableFullDuplex()
 	rp.ServeHTTP(w, r)
 	return true
+}
+
+// TrafficClient is the proxy's Client in cluster mode: the client that
+// sandbox traffic another node forwarded here came from, as that node
+// named it (proxy.ClientHeader), where its node signature verifies; ""
+// for any other request (the proxy then goes by its address).
+func (f *Front) TrafficClient(r *http.Request) string {
+	c := r.Header.Get(proxy.ClientHeader)
+	if c == "" || r.Header.Get(AuthHeader) == "" {
+		return ""
+	}
+	if _, err := Verify(r, f.cfg.NodeKey, f.cfg.NodeName, ForTraffic); err != nil {
+		return ""
+	}
+	return c
 }
 
 // Forwarded says whether r is an API request another node of the cluster

@@ -160,3 +160,11 @@ func (p *clusterParts) forward() func(w http.ResponseWriter, r *http.Request, id
 	}
 	return p.front.ForwardTraffic
 }
+
+// trafficClient is the proxy's Client (nil off cluster mode).
+func (p *clusterParts) trafficClient() func(r *http.Request) string {
+	if p == nil {
+		return nil
+	}
+	return p.front.TrafficClient
+}

@@ -387,7 +387,7 @@ func Run(ctx context.Context, cfg Config, log *slog.Logger, ready func(apiAddr, 
 		apiSrv.RegisterOnShutdown(stopUI) // the dashboard's streams end, not waited on
 	}
 	px := proxy.New(mgr, cfg.Domain, log)
-	px.Forward = cl.forward()
+	px.Forward, px.Client = cl.forward(), cl.trafficClient()
 	if trail != nil {
 		px.Observe, px.Denied = trail.ObserveEnvd, trail.ProxyDenied
 	}

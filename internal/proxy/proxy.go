@@ -32,9 +32,11 @@ import (
 	"net"
 	"net/http"
 	"net/http/httputil"
+	"net/netip"
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/cagehq/cage/internal/agentclient"
@@ -85,6 +87,7 @@ type Proxy struct {
 	mu         sync.Mutex
 	transports map[wall.Sandbox]*http.Transport
 	inFlight   map[flightKey]int // requests being relayed, by sandbox and class
+	anonymous  map[clientKey]int // anonymous ones, by sandbox and client (see enter)
 	warnedAt   time.Time         // the last warning logged (see warn)
 	unwarned   int               // warnings not logged since
 
@@ -105,6 +108,36 @@ type Proxy struct {
 	// sandbox and reports whether it did (false: 502, as for any sandbox
 	// that does not exist).
 	Forward func(w http.ResponseWriter, r *http.Request, id string) bool
+	// Client, when set, names the client a request comes from (its
+	// share of a sandbox's anonymous budget: see enter); unset, or where
+	// it returns "", the request's own address (ClientOf). Cluster mode
+	// sets it: traffic a front forwarded here comes from the front's
+	// address, and names its client in ClientHeader, under the front's
+	// node signature.
+	Client func(r *http.Request) string
+}
+
+// ClientHeader names the client of traffic another node of the cluster
+// forwarded here (see Proxy.Client); it is believed only with that node's
+// signature, and no sandbox sees it.
+const ClientHeader = "X-Cage-Client"
+
+// ClientOf names the client a request comes from by its address: an IPv4
+// address, or an IPv6 address's /64 (one host's or one network's, which
+// its holder may spread over 2^64 addresses); "" where there is none (a
+// unix socket).
+func ClientOf(r *http.Request) string {
+	ap, err := netip.ParseAddrPort(r.RemoteAddr)
+	if err != nil {
+		return ""
+	}
+	a := ap.Addr().Unmap().WithZone("")
+	if a.Is6() {
+		if p, err := a.Prefix(64); err == nil {
+			return p.String()
+		}
+	}
+	return a.String()
 }
 
 // New returns a proxy; domain is the suffix of host-routed requests ("" to
@@ -114,7 +147,7 @@ func New(sandboxes Sandboxes, domain string, log *slog.Logger) *Proxy {
 		log = slog.New(slog.DiscardHandler)
 	}
 	p := &Proxy{sandboxes: sandboxes, domain: DomainHost(domain), log: log, transports: map[wall.Sandbox]*http.Transport{},
-		inFlight: map[flightKey]int{}}
+		inFlight: map[flightKey]int{}, anonymous: map[clientKey]int{}}
 	return p
 }
 
@@ -215,10 +248,19 @@ func (p *Proxy) serve(w http.ResponseWriter, r *http.Request) {
 			}
 		}
 	}
-	release, ok := p.enter(flightKey{id, credentialed(r, access, port)})
-	if !ok {
-		writeJSON(w, http.StatusTooManyRequests, sandboxError{id,
-			"Too many requests to this sandbox at once (" + strconv.Itoa(maxInFlightPerSandbox) + ")", http.StatusTooManyRequests})
+	owner := credentialed(r, access, port)
+	client := ""
+	if !owner {
+		if p.Client != nil {
+			client = p.Client(r)
+		}
+		if client == "" {
+			client = ClientOf(r)
+		}
+	}
+	release, why := p.enter(flightKey{id, owner}, client)
+	if why != "" {
+		writeJSON(w, http.StatusTooManyRequests, sandboxError{id, why, http.StatusTooManyRequests})
 		return
 	}
 	defer release()
@@ -242,6 +284,24 @@ func (p *Proxy) serve(w http.ResponseWriter, r *http.Request) {
 	}
 	status := 0 // the sandbox's answer's (0: none came)
 	pw := &progressWriter{ResponseWriter: w, rc: rc}
+	// An anonymous request through which no byte passes, either way, for
+	// relayIdle is ended (see relayIdle): its round trip and the copy of
+	// its answer are cancelled, and a read of its body waiting on the
+	// client fails.
+	var relay *idleWatch
+	var idled atomic.Bool // relay fired
+	if !owner {
+		ctx, cancel := context.WithCancel(r.Context())
+		defer cancel()
+		r = r.WithContext(ctx)
+		relay = newIdleWatch(relayIdle)
+		defer relay.stop()
+		relay.watch(closerFunc(func() error {
+			idled.Store(true)
+			cancel()
+			return rc.SetReadDeadline(time.Now())
+		}))
+	}
 	rp := &httputil.ReverseProxy{
 		Rewrite: func(pr *httputil.ProxyRequest) {
 			pr.Out.URL.Scheme, pr.Out.URL.Host = upstream(access, port, r.Host)
@@ -254,6 +314,7 @@ func (p *Proxy) serve(w http.ResponseWriter, r *http.Request) {
 			pr.Out.Header.Del("E2b-Sandbox-Port")
 			pr.Out.Header.Del(TrafficHeader)
 			pr.Out.Header.Del(NodeAuthHeader) // another node's, on traffic it forwarded here
+			pr.Out.Header.Del(ClientHeader)   // the same
 			dropUICookies(pr.Out.Header)
 			if port == InterpPort {
 				pr.Out.Header.Del("X-Access-Token") // checked here; code in the sandbox never sees it
@@ -266,8 +327,14 @@ func (p *Proxy) serve(w http.ResponseWriter, r *http.Request) {
 			if rwc, ok := resp.Body.(io.ReadWriteCloser); ok && resp.StatusCode == http.StatusSwitchingProtocols {
 				// An upgrade: both ends are watched for idleness from
 				// here (progressWriter.Hijack takes the client's).
+				if relay != nil {
+					relay.stop()
+				}
 				pw.watch = newIdleWatch(upgradeIdle)
 				resp.Body = pw.watch.sandboxEnd(rwc)
+			} else if relay != nil {
+				relay.touch()
+				resp.Body = &touchingBody{ReadCloser: resp.Body, w: relay}
 			}
 			if observed != nil {
 				observed(resp)
@@ -275,6 +342,12 @@ func (p *Proxy) serve(w http.ResponseWriter, r *http.Request) {
 			return nil
 		},
 		ErrorHandler: func(w http.ResponseWriter, r *http.Request, err error) {
+			if idled.Load() {
+				w.Header().Set("Connection", "close") // its body, if any, is not read on
+				writeJSON(w, http.StatusGatewayTimeout, sandboxError{id,
+					"Nothing passed either way for " + relayIdle.String() + ": the request was ended", http.StatusGatewayTimeout})
+				return
+			}
 			select {
 			case <-sb.Exited():
 				writeJSON(w, http.StatusBadGateway, sandboxError{id, "The sandbox was not found", http.StatusBadGateway})
@@ -311,10 +384,15 @@ func (p *Proxy) serve(w http.ResponseWriter, r *http.Request) {
 	body := r.Body
 	if body != nil && body != http.NoBody {
 		r.Body = keepOpen{body}
+		if relay != nil {
+			r.Body = keepOpen{&touchingBody{ReadCloser: body, w: relay}}
+		}
 		defer func() {
 			if status == 0 || status >= 400 {
 				release() // the sandbox is done with it; the drain is the client's
-				drain(w, body)
+				if !idled.Load() {
+					drain(w, body)
+				}
 			}
 			_ = body.Close()
 		}()
@@ -333,6 +411,18 @@ var (
 	answerWrite = 10 * time.Second
 	relayWrite  = 30 * time.Second
 )
+
+// relayIdle ends an anonymous request (one without the sandbox's
+// credential: see flightKey) through which no byte has passed, either way,
+// for this long: none of its body read from the client and none of its
+// answer from the sandbox (the answer's head counts). A stream that sends
+// (server-sent events, a download, a long poll's heartbeats) or an upload
+// that makes progress, however slowly, is not cut. Before, a client could
+// hold such a request, and its place in the sandbox's anonymous budget,
+// for good: a body announced and never sent, to a server that waits for
+// it. An upgraded connection has its own (upgradeIdle). A variable for
+// the tests.
+var relayIdle = 10 * time.Minute
 
 // progressWriter gives each write of a relayed answer relayWrite to get
 // through, and clears the deadline for a connection that is hijacked (an
@@ -612,18 +702,40 @@ func credentialed(r *http.Request, a Access, port int) bool {
 	return traffic != "" && subtle.ConstantTimeCompare([]byte(traffic), []byte(a.Traffic)) == 1
 }
 
+// maxAnonymousPerClient bounds the anonymous requests (see flightKey) one
+// client (ClientOf: an IPv4 address, an IPv6 /64) has in flight to one
+// sandbox at once: an eighth of the sandbox's anonymous budget, so that
+// one address cannot take all of it (found by review, 2026-12-03: 1024
+// requests from one address, each holding its body back a byte at a
+// time, made the sandbox's public ports answer 429 to everyone else; the
+// listener's conns_per_client, 4096, and HTTP/2's streams left that
+// open). A variable for the tests.
+var maxAnonymousPerClient = 128
+
+// clientKey counts a sandbox's anonymous requests by client.
+type clientKey struct{ id, client string }
+
 // enter counts a request in, unless its sandbox has maxInFlightPerSandbox
-// of its class already; release (which may be called more than once)
-// counts it out.
-func (p *Proxy) enter(k flightKey) (release func(), ok bool) {
+// of its class already, or, for an anonymous one, its client has
+// maxAnonymousPerClient of them; why says which (else ""). release (which
+// may be called more than once) counts it out.
+func (p *Proxy) enter(k flightKey, client string) (release func(), why string) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if p.inFlight[k] >= maxInFlightPerSandbox {
-		return nil, false
+		return nil, "Too many requests to this sandbox at once (" + strconv.Itoa(maxInFlightPerSandbox) + ")"
+	}
+	ck := clientKey{k.id, client}
+	if !k.owner && p.anonymous[ck] >= maxAnonymousPerClient {
+		return nil, "Too many requests to this sandbox at once from one client without its token (" +
+			strconv.Itoa(maxAnonymousPerClient) + ")"
 	}
 	p.inFlight[k]++
+	if !k.owner {
+		p.anonymous[ck]++
+	}
 	var once sync.Once
-	return func() { once.Do(func() { p.leave(k) }) }, true
+	return func() { once.Do(func() { p.leave(k, ck) }) }, ""
 }
 
 // warn logs a request the sandbox did not answer: at most one a second,
@@ -643,10 +755,15 @@ func (p *Proxy) warn(id string, port int, err error) {
 	p.log.Warn("proxy to sandbox", "sandbox", id, "port", port, "err", err, "not_logged_before", skipped)
 }
 
-func (p *Proxy) leave(k flightKey) {
+func (p *Proxy) leave(k flightKey, ck clientKey) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if p.inFlight[k]--; p.inFlight[k] <= 0 {
 		delete(p.inFlight, k)
+	}
+	if !k.owner {
+		if p.anonymous[ck]--; p.anonymous[ck] <= 0 {
+			delete(p.anonymous, ck)
+		}
 	}
 }

@@ -122,3 +122,22 @@ func (c *idleRWC) Read(p []byte) (int, error) {
 	}
 	return n, err
 }
+
+// closerFunc is a function as an io.Closer (an idle watch's action).
+type closerFunc func() error
+
+func (f closerFunc) Close() error { return f() }
+
+// touchingBody is a body whose bytes keep a watch from firing.
+type touchingBody struct {
+	io.ReadCloser
+	w *idleWatch
+}
+
+func (b *touchingBody) Read(p []byte) (int, error) {
+	n, err := b.ReadCloser.Read(p)
+	if n > 0 {
+		b.w.touch()
+	}
+	return n, err
+}
