@@ -54,6 +54,10 @@ const MaxOneShotEnd = 4 << 10
 // o.Status. The sandbox-wide environment is Configure's. An error is the
 // status pipe's: the host then learns nothing from the agent.
 func (s *Server) RunOnce(o OneShot) error {
+	// sudo is served as Serve serves it, and bound before the command
+	// exists: else the command could squat @cage/sudo and answer its own
+	// (or a root process's) sudo requests.
+	s.startSudo()
 	s.ReserveThreads()
 	stdio := []*os.File{o.Stdin, o.Stdout, o.Stderr}
 	end := OneShotEnd{}

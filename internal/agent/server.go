@@ -75,8 +75,8 @@ type Config struct {
 	// Volumes are where volumes are mounted: their files are the volume's,
 	// kept by the host, never archived with the sandbox's (archive.go).
 	Volumes []string
-	// OneShot: the agent runs one command (RunOnce) and serves nothing,
-	// so New makes no handlers.
+	// OneShot: the agent runs one command (RunOnce) and serves nothing
+	// over HTTP (sudo only), so New makes no handlers.
 	OneShot bool
 	Log     *slog.Logger
 }

@@ -51,8 +51,8 @@ type Spec struct {
 	Volumes []Volume
 	// Run, when set, is the one command the sandbox is made for (cage
 	// run): its agent starts it as soon as it is sealed, on descriptors
-	// the caller gave, and serves nothing. Only OneShotRunners take it;
-	// the registry refuses it elsewhere.
+	// the caller gave, and serves nothing over HTTP. Only
+	// OneShotRunners take it; the registry refuses it elsewhere.
 	Run *Run
 }
 

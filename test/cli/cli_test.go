@@ -1056,6 +1056,34 @@ read line; echo "read: $line"`)
 	e.noLeftovers()
 }
 
+// TestOneShotSudo: on cage run's one-shot path the agent serves sudo
+// (@cage/sudo) as on the usual one, bound before the command exists: root
+// (or the group sudo) gets a command run as another account, and the
+// command cannot bind the name itself. Before (a review, 2026-12-03), the
+// one-shot agent never bound it: sudo said "Connection refused", and any
+// user of the sandbox could take the name and answer sudo requests itself.
+func TestOneShotSudo(t *testing.T) {
+	e := setup(t)
+	client, err := os.ReadFile("../../templates/base/sudo")
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := e.cage(bytes.NewReader(client), "run", "--user", "root", "--", "python3", "-", "-u", "user", "id", "-un")
+	if r.code != 0 || r.stdout != "user\n" {
+		t.Errorf("sudo -u user id -un as root, one-shot: %v; want user", r)
+	}
+	r = e.cage(nil, "run", "--", "python3", "-c", `import socket
+s = socket.socket(socket.AF_UNIX)
+try:
+    s.bind("\0cage/sudo"); print("BOUND")
+except OSError as e:
+    print(e.errno)`)
+	if r.code != 0 || r.stdout != "98\n" {
+		t.Errorf("binding @cage/sudo from the command: %v; want EADDRINUSE (98)", r)
+	}
+	e.noLeftovers(r.ids...)
+}
+
 // TestHostUsersCannotReachSandboxFiles: the host mounts some of a
 // sandbox's files under its state directory (an image template's overlay
 // on the process wall, the OCI walls' disk and root): another user of the
