@@ -8,6 +8,7 @@ import (
 	"os"
 	"os/signal"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"syscall"
 	"time"
@@ -240,6 +241,8 @@ func runCommand(ctx context.Context, g *globals, f *runFlags, args []string, std
 	}
 	var restore func()
 	var interrupted atomic.Bool
+	gaveUp := make(chan struct{}) // closed at the second signal
+	var giveUp sync.Once
 	if usePTY {
 		restore = setupPTY(ctx, client, &opts)
 	} else {
@@ -247,11 +250,30 @@ func runCommand(ctx context.Context, g *globals, f *runFlags, args []string, std
 		stop := forwardSignals(ctx, client, &opts, func() {
 			interrupted.Store(true)
 			_ = sb.Destroy()
+			giveUp.Do(func() { close(gaveUp) })
 		})
 		defer stop()
 	}
 	trace.Mark("run")
-	end, err := client.Run(ctx, opts)
+	// Run returns once the output is written out, however slowly it is
+	// read, unless a second signal says to stop: a consumer of stdout
+	// that never reads must not keep cage from ending.
+	type ran struct {
+		end *pb.ProcessEvent_EndEvent
+		err error
+	}
+	result := make(chan ran, 1)
+	go func() {
+		end, err := client.Run(ctx, opts)
+		result <- ran{end, err}
+	}()
+	var end *pb.ProcessEvent_EndEvent
+	select {
+	case r := <-result:
+		end, err = r.end, r.err
+	case <-gaveUp:
+		return exitf(130, "interrupted; the sandbox was destroyed")
+	}
 	trace.Mark("ended")
 	if restore != nil {
 		restore()

@@ -81,9 +81,12 @@ func runOnce(ctx context.Context, host *sandbox.Host, p *parsed, f *runFlags, ar
 		pp.inW.Close()
 	}()
 	var interrupted atomic.Bool
+	gaveUp := make(chan struct{}) // closed at the second signal
+	var giveUp sync.Once
 	stop := forwardSignalsOnce(pp.ctlW, func() {
 		interrupted.Store(true)
 		_ = sb.Destroy()
+		giveUp.Do(func() { close(gaveUp) })
 	})
 	defer stop()
 
@@ -92,14 +95,21 @@ func runOnce(ctx context.Context, host *sandbox.Host, p *parsed, f *runFlags, ar
 	trace.Mark("ended")
 	// The agent exits after its report, and every process of the sandbox
 	// with it: the pipes then end. Past a second (a consumer of stdout
-	// slower than that), destroying it makes sure.
+	// slower than that), destroying it makes sure. What is left in the
+	// pipes is still copied out, however slowly it is read, unless a
+	// second signal says to stop: a consumer that never reads must not
+	// keep cage from ending.
 	drained := make(chan struct{})
 	go func() { pumps.Wait(); close(drained) }()
 	select {
 	case <-drained:
+	case <-gaveUp:
 	case <-time.After(time.Second):
 		_ = sb.Destroy()
-		<-drained
+		select {
+		case <-drained:
+		case <-gaveUp:
+		}
 	}
 	switch {
 	case broken.Load():

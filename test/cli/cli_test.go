@@ -798,6 +798,75 @@ func TestSecondInterruptDestroys(t *testing.T) {
 	e.noLeftovers()
 }
 
+// TestSecondInterruptStuckStdout: a consumer of cage's stdout that never
+// reads keeps cage's copy of the output waiting, but not past a second
+// signal: cage then ends (130) without writing the rest, on the one-shot
+// path and on the usual one (--copy-in). Before (a review, 2026-12-03),
+// cage waited for the write however many signals came: `cage run -- yes |
+// stuck` outlived every SIGTERM.
+func TestSecondInterruptStuckStdout(t *testing.T) {
+	e := setup(t)
+	for _, args := range [][]string{
+		{"run", "--", "sh", "-c", "echo READY >&2; exec yes"},
+		{"run", "--copy-in", t.TempDir() + ":/tmp/in", "--", "sh", "-c", "echo READY >&2; exec yes"},
+	} {
+		outR, outW, err := os.Pipe() // never read
+		if err != nil {
+			t.Fatal(err)
+		}
+		errR, errW, err := os.Pipe()
+		if err != nil {
+			t.Fatal(err)
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		cmd := e.command(ctx, args...)
+		cmd.Stdout, cmd.Stderr = outW, errW
+		start := time.Now()
+		if err := cmd.Start(); err != nil {
+			t.Fatal(err)
+		}
+		outW.Close()
+		errW.Close()
+		stderr := make(chan string, 1)
+		ready := make(chan struct{})
+		go func() {
+			var b strings.Builder
+			sc := bufio.NewScanner(errR)
+			for sc.Scan() {
+				b.WriteString(sc.Text() + "\n")
+				if sc.Text() == "READY" {
+					close(ready)
+				}
+			}
+			stderr <- b.String()
+		}()
+		select {
+		case <-ready:
+		case <-time.After(30 * time.Second):
+			t.Fatalf("%v: the command did not start", args)
+		}
+		time.Sleep(500 * time.Millisecond) // the output pipe fills
+		for range 2 {
+			if err := cmd.Process.Signal(syscall.SIGTERM); err != nil {
+				t.Fatal(err)
+			}
+			time.Sleep(time.Second)
+		}
+		err = cmd.Wait()
+		took := time.Since(start)
+		code := exitCodeOf(t, err)
+		text := <-stderr
+		t.Logf("%v, stdout never read, two SIGTERMs: exit %d after %v, stderr %q", args, code, took.Round(time.Millisecond), text)
+		if code != 130 || took > 20*time.Second || !strings.Contains(text, "interrupted") {
+			t.Errorf("%v, stdout never read: two SIGTERMs ended cage with %d after %v (stderr %q); want 130 at once", args, code, took, text)
+		}
+		cancel()
+		outR.Close()
+		errR.Close()
+	}
+	e.noLeftovers()
+}
+
 // When cage itself is killed (SIGKILL, no chance to clean up), the sandbox
 // dies with it: no process of it keeps running.
 func TestCageKilled(t *testing.T) {
