@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"os"
 	"syscall"
+	"unicode/utf8"
 
 	"connectrpc.com/connect"
 
@@ -50,6 +51,11 @@ type OneShotEnd struct {
 // MaxOneShotEnd bounds what the host reads of a OneShotEnd.
 const MaxOneShotEnd = 4 << 10
 
+// maxOneShotMessage bounds a OneShotEnd's Message, so that its line fits
+// in MaxOneShotEnd whatever it holds: JSON writes a byte as at most six
+// (\u00XX), and the other fields are short.
+const maxOneShotMessage = 512
+
 // RunOnce runs o's command to its end and writes how it ended to
 // o.Status. The sandbox-wide environment is Configure's. An error is the
 // status pipe's: the host then learns nothing from the agent.
@@ -78,7 +84,7 @@ func (s *Server) RunOnce(o OneShot) error {
 		for _, f := range stdio {
 			f.Close()
 		}
-		end.Refused, end.Message = connect.CodeOf(err).String(), connectMessage(err)
+		end.Refused, end.Message = connect.CodeOf(err).String(), shorten(connectMessage(err), maxOneShotMessage)
 	} else {
 		go forwardSignals(o.Control, p)
 		<-p.done
@@ -105,6 +111,18 @@ func forwardSignals(control *os.File, p *proc) {
 			return
 		}
 	}
+}
+
+// shorten cuts s to at most n bytes, at a rune's start, marked with "...".
+func shorten(s string, n int) string {
+	if len(s) <= n {
+		return s
+	}
+	cut := n - len("...")
+	for cut > 0 && !utf8.RuneStart(s[cut]) {
+		cut--
+	}
+	return s[:cut] + "..."
 }
 
 func connectMessage(err error) string {

@@ -154,3 +154,31 @@ func TestRunOnceSignals(t *testing.T) {
 		t.Errorf("report %+v, want death by SIGTERM", end)
 	}
 }
+
+// TestRunOnceLongMessage: a refusal's message quotes the command, which
+// may be long and all control bytes (six bytes each in JSON): the report
+// still fits the host's bound, one line, and says not_found. Before (a
+// review, 2026-12-03), a 4 KiB command name made a report the host could
+// not read: cage run said "agent exited (status 0)", exit 125, not 127.
+func TestRunOnceLongMessage(t *testing.T) {
+	s := oneShotServer(t)
+	for _, name := range []string{strings.Repeat("a", 5000), strings.Repeat("\x01", 5000), strings.Repeat("é", 3000)} {
+		r := startOneShot(t, s, OneShot{Cmd: name})
+		select {
+		case err := <-r.runErr:
+			if err != nil {
+				t.Fatalf("RunOnce: %v", err)
+			}
+		case <-time.After(30 * time.Second):
+			t.Fatal("the one-shot command did not end")
+		}
+		raw := <-r.statusRaw
+		if len(raw) > MaxOneShotEnd || strings.Count(raw, "\n") != 1 || !strings.HasSuffix(raw, "\n") {
+			t.Fatalf("a %d-byte command name: a report of %d bytes (the host reads %d), %q...", len(name), len(raw), MaxOneShotEnd, raw[:min(len(raw), 80)])
+		}
+		var end OneShotEnd
+		if err := json.Unmarshal([]byte(raw), &end); err != nil || end.Refused != "not_found" || !strings.HasSuffix(end.Message, "...") {
+			t.Errorf("a %d-byte command name: report %.100q (%v), want not_found with the message cut", len(name), raw, err)
+		}
+	}
+}

@@ -1153,6 +1153,23 @@ except OSError as e:
 	e.noLeftovers(r.ids...)
 }
 
+// TestLongCommandNotFound: a command that does not exist is 127 with one
+// line whatever its name's length, on the one-shot path as with --copy-in.
+// Before (a review, 2026-12-03), a 4 KiB name made the one-shot agent's
+// report longer than cage reads: "agent exited (status 0)", exit 125.
+func TestLongCommandNotFound(t *testing.T) {
+	e := setup(t)
+	name := strings.Repeat("a", 4100)
+	for _, args := range [][]string{{"run", "--", name}, {"run", "--copy-in", t.TempDir() + ":/tmp/in", "--", name}} {
+		r := e.cage(nil, args...)
+		if r.code != 127 || !strings.HasPrefix(r.stderr, "cage: aaaa") {
+			t.Errorf("%.40q: exit %d, stderr %.100q; want 127 and cage's line", args, r.code, r.stderr)
+		}
+		oneLine(t, "long name not found", r.stderr)
+	}
+	e.noLeftovers()
+}
+
 // TestHostUsersCannotReachSandboxFiles: the host mounts some of a
 // sandbox's files under its state directory (an image template's overlay
 // on the process wall, the OCI walls' disk and root): another user of the
