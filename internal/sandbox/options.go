@@ -18,8 +18,8 @@ var (
 	ErrPermission  = errors.New("permission denied")
 	ErrUnavailable = wall.ErrUnavailable
 	// ErrNoOneShot: the sandbox cannot be made for its one command
-	// (Options.Run): its wall cannot, or its template has a start command
-	// to run first. The caller makes it the usual way instead.
+	// (Options.Run): its wall cannot, its template has a start command
+	// to run first, or the command is larger than wall.MaxRunSize. The caller makes it the usual way instead.
 	ErrNoOneShot = errors.New("this sandbox cannot run its command on the one-shot path")
 )
 

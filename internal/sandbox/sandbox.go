@@ -163,7 +163,7 @@ func (h *Host) Begin(ctx context.Context, o *Options) (*Pending, error) {
 		return nil, err
 	}
 	if o.Run != nil {
-		if _, ok := d.(wall.OneShotRunner); !ok || hasStartCommand(tmpl) {
+		if _, ok := d.(wall.OneShotRunner); !ok || hasStartCommand(tmpl) || o.Run.Size() > wall.MaxRunSize {
 			return nil, ErrNoOneShot
 		}
 	}

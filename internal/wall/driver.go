@@ -2,6 +2,7 @@ package wall
 
 import (
 	"context"
+	"encoding/json"
 	"io"
 	"os"
 
@@ -73,6 +74,23 @@ type Run struct {
 	// Status is where the agent writes how the command ended (one JSON
 	// line, agent.OneShotEnd) before it exits.
 	Status *os.File
+}
+
+// MaxRunSize bounds a one-shot run's command as the sandbox's first
+// document holds it (Run.Size): that document is read to 1 MiB, with the
+// rest of the spec. A larger command (argv of several 128 KiB strings,
+// which the RPC path takes in a message of up to 16 MiB) goes that way.
+const MaxRunSize = 256 << 10
+
+// Size is how many bytes r's command, arguments, directory, user and
+// environment take in JSON.
+func (r *Run) Size() int {
+	b, _ := json.Marshal(struct {
+		Cmd, Cwd, User string
+		Args           []string
+		Env            map[string]string
+	}{r.Cmd, r.Cwd, r.User, r.Args, r.Env})
+	return len(b)
 }
 
 // OneShotRunner is a driver whose sandboxes can be made for one command

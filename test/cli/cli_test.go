@@ -1170,6 +1170,25 @@ func TestLongCommandNotFound(t *testing.T) {
 	e.noLeftovers()
 }
 
+// TestLargeCommand: a command whose arguments pass 1 MiB (ten of 120 KB,
+// under the kernel's 128 KiB a string) runs, as the RPC path always ran
+// it: the one-shot path would put it in the sandbox's first document,
+// read to 1 MiB, so past wall.MaxRunSize cage takes the RPC path. Before
+// (a review, 2026-12-03), "send the sandbox spec: broken pipe", exit 125.
+func TestLargeCommand(t *testing.T) {
+	e := setup(t)
+	arg := strings.Repeat("a", 120_000)
+	args := []string{"run", "--", "sh", "-c", `echo "$# ${#1}"`, "sh"}
+	for range 10 {
+		args = append(args, arg)
+	}
+	r := e.cage(nil, args...)
+	if r.code != 0 || r.stdout != "10 120000\n" {
+		t.Errorf("ten arguments of 120 KB: exit %d, stdout %q, stderr %.200q", r.code, r.stdout, r.stderr)
+	}
+	e.noLeftovers(r.ids...)
+}
+
 // TestHostUsersCannotReachSandboxFiles: the host mounts some of a
 // sandbox's files under its state directory (an image template's overlay
 // on the process wall, the OCI walls' disk and root): another user of the
