@@ -32,6 +32,7 @@ func argHi(i uint32) uint32 { return 20 + 8*i }
 const (
 	retAllow  = unix.SECCOMP_RET_ALLOW
 	retENOSYS = unix.SECCOMP_RET_ERRNO | uint32(unix.ENOSYS)
+	retNoProt = unix.SECCOMP_RET_ERRNO | uint32(unix.EPROTONOSUPPORT)
 )
 
 // x32Bit is __X32_SYSCALL_BIT: x86_64 syscall numbers with it set use the x32
@@ -63,7 +64,11 @@ var (
 	// memory outside the sandbox's limit; the others (NETLINK_USERSOCK:
 	// 195 sockets queued 1.5 GiB from a 128 MiB sandbox, found by review
 	// 2026-12-03; audit, uevents, netfilter, ...) serve nothing a sandbox
-	// needs. ROUTE's own replies are a known gap (docs/SECURITY.md).
+	// needs. ROUTE's own replies are a known gap (docs/SECURITY.md). The
+	// others fail with EPROTONOSUPPORT, as on a kernel built without
+	// them, not EPERM: libaudit's users (shadow's useradd, groupadd,
+	// passwd; adduser in packages' install scripts) go on without audit
+	// on that, but abort on EPERM ("Cannot open audit interface").
 	allowedNetlink uint32 = unix.NETLINK_ROUTE
 )
 
@@ -103,6 +108,7 @@ const (
 	lAllow       label = "allow"
 	lDeny        label = "deny"
 	lENOSYS      label = "enosys"
+	lNoProtocol  label = "eprotonosupport"
 	lClone       label = "clone"
 	lSocket      label = "socket"
 	lSocketInet  label = "socket.inet"
@@ -237,6 +243,8 @@ func program(denyErrno unix.Errno) ([]unix.SockFilter, error) {
 
 	a.bind(lENOSYS)
 	a.ret(retENOSYS)
+	a.bind(lNoProtocol)
+	a.ret(retNoProt)
 	a.bind(lAllow)
 	a.ret(retAllow)
 	a.bind(lDeny)
@@ -319,7 +327,7 @@ func emitSocket(a *asm) {
 	// The protocol is a C int too: its low word is what the kernel reads.
 	a.bind(lSocketNL)
 	a.ldAbs(argLo(2))
-	a.jeq(allowedNetlink, lAllow, lDeny)
+	a.jeq(allowedNetlink, lAllow, lNoProtocol)
 }
 
 // emitSetsockopt: setsockopt(fd, level, optname, ...). level and optname

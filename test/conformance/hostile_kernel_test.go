@@ -27,7 +27,7 @@ CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWNET, CLONE_NEWPID, SIGCHLD = 0x20000, 0x100
 // uncharged is what the uncharged_kernel_memory row wants on every wall,
 // and more.
 func uncharged(more ...string) []string {
-	return append([]string{"netlink_usersock=PermissionError EPERM", "md5=PermissionError EPERM",
+	return append([]string{"netlink_usersock=OSError EPROTONOSUPPORT", "netlink_audit=OSError EPROTONOSUPPORT", "md5=PermissionError EPERM",
 		"md5_ext=PermissionError EPERM", "nodelay=SET"}, more...)
 }
 
@@ -194,13 +194,15 @@ trysock("tcp", socket.AF_INET, socket.SOCK_STREAM, 0)
 		},
 		{
 			name: "uncharged_kernel_memory",
-			expect: "what keeps kernel memory no cgroup is charged for is refused: netlink sockets but NETLINK_ROUTE, TCP MD5 signature keys and IPv6 flow labels: EPERM " +
+			expect: "what keeps kernel memory no cgroup is charged for is refused: netlink sockets but NETLINK_ROUTE (EPROTONOSUPPORT, as on a kernel without them: " +
+				"audit's users such as useradd go on without it), TCP MD5 signature keys and IPv6 flow labels (EPERM) " +
 				"(ROUTE and TCP_NODELAY still work); on the host kernel's walls (process, runc) each socket's option memory is 20 KiB (net.core.optmem_max)",
 			users: bothUsers,
 			argv: py(`
 trysock("netlink_route", 16, socket.SOCK_RAW, 0)
 trysock("netlink_usersock", 16, socket.SOCK_RAW, 2)
 trysock("netlink_uevent", 16, socket.SOCK_DGRAM, 15)
+trysock("netlink_audit", 16, socket.SOCK_RAW, 9)
 def opt(name, s, level, optname, value):
     try:
         s.setsockopt(level, optname, value)
@@ -221,7 +223,7 @@ try:
 except OSError as ex:
     print("optmem=" + type(ex).__name__)
 `),
-			check: exitsOK(uncharged("netlink_route=OPENED", "netlink_uevent=PermissionError EPERM", "flowlabel=PermissionError EPERM")...),
+			check: exitsOK(uncharged("netlink_route=OPENED", "netlink_uevent=OSError EPROTONOSUPPORT", "flowlabel=PermissionError EPERM")...),
 			on: map[string]wallOutcome{
 				"process": {expect: "as above, and optmem_max 20480", check: exitsOK(uncharged("flowlabel=PermissionError EPERM", "optmem=20480")...)},
 				"runc":    {expect: "as above, and optmem_max 20480", check: exitsOK(uncharged("flowlabel=PermissionError EPERM", "optmem=20480")...)},
