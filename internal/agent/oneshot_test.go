@@ -2,7 +2,6 @@ package agent
 
 import (
 	"encoding/json"
-	"fmt"
 	"io"
 	"os"
 	"path/filepath"
@@ -23,15 +22,7 @@ type oneShotRun struct {
 
 func oneShotServer(tb testing.TB) *Server {
 	tb.Helper()
-	dir := tb.TempDir()
-	passwd := filepath.Join(dir, "passwd")
-	home := filepath.Join(dir, "home")
-	if err := os.Mkdir(home, 0o755); err != nil {
-		tb.Fatal(err)
-	}
-	if err := os.WriteFile(passwd, []byte(fmt.Sprintf("user:x:%d:%d::%s:/bin/sh\n", os.Getuid(), os.Getgid(), home)), 0o644); err != nil {
-		tb.Fatal(err)
-	}
+	dir, passwd := localUser(tb)
 	s, err := New(Config{Root: dir, Passwd: passwd, Group: passwd, OneShot: true})
 	if err != nil {
 		tb.Fatal(err)

@@ -36,12 +36,12 @@ func BenchmarkStartTrue(b *testing.B) {
 	}
 }
 
-// startLocalAgent serves an agent in this process on a unix socket (the
-// test's own user its sandbox user) and returns cage's client of it.
-func startLocalAgent(tb testing.TB) *agentclient.Client {
+// localUser makes a root directory whose account file names the test's
+// own user "user", with a home in it; it returns both.
+func localUser(tb testing.TB) (dir, passwd string) {
 	tb.Helper()
-	dir := tb.TempDir()
-	passwd := filepath.Join(dir, "passwd")
+	dir = tb.TempDir()
+	passwd = filepath.Join(dir, "passwd")
 	home := filepath.Join(dir, "home")
 	if err := os.Mkdir(home, 0o755); err != nil {
 		tb.Fatal(err)
@@ -49,6 +49,14 @@ func startLocalAgent(tb testing.TB) *agentclient.Client {
 	if err := os.WriteFile(passwd, []byte(fmt.Sprintf("user:x:%d:%d::%s:/bin/sh\n", os.Getuid(), os.Getgid(), home)), 0o644); err != nil {
 		tb.Fatal(err)
 	}
+	return dir, passwd
+}
+
+// startLocalAgent serves an agent in this process on a unix socket (the
+// test's own user its sandbox user) and returns cage's client of it.
+func startLocalAgent(tb testing.TB) *agentclient.Client {
+	tb.Helper()
+	dir, passwd := localUser(tb)
 	s, err := New(Config{Root: dir, Passwd: passwd, Group: passwd, Token: "t"})
 	if err != nil {
 		tb.Fatal(err)
