@@ -432,10 +432,24 @@ func signalNumber(status string) int {
 // forwardSignals passes the first SIGINT/SIGTERM/SIGHUP to the command as
 // SIGTERM; a second one (or one before the command started) calls second.
 func forwardSignals(ctx context.Context, c *agentclient.Client, opts *agentclient.RunOptions, second func()) func() {
-	ch := make(chan os.Signal, 2)
-	signal.Notify(ch, syscall.SIGINT, syscall.SIGTERM, syscall.SIGHUP)
 	var pid atomic.Uint32
 	opts.OnStart = func(p uint32) { pid.Store(p) }
+	return onInterrupts(func() bool {
+		if pid.Load() == 0 {
+			return false
+		}
+		sel := &pb.ProcessSelector{Selector: &pb.ProcessSelector_Pid{Pid: pid.Load()}}
+		_, _ = c.Process.SendSignal(ctx, connect.NewRequest(&pb.SendSignalRequest{Process: sel, Signal: pb.Signal_SIGNAL_SIGTERM}))
+		return true
+	}, second)
+}
+
+// onInterrupts calls first at the first SIGINT/SIGTERM/SIGHUP, and second
+// at each later one, or at the first when first could not pass it on
+// (returned false). The returned func stops listening.
+func onInterrupts(first func() bool, second func()) func() {
+	ch := make(chan os.Signal, 2)
+	signal.Notify(ch, syscall.SIGINT, syscall.SIGTERM, syscall.SIGHUP)
 	done := make(chan struct{})
 	go func() {
 		n := 0
@@ -443,12 +457,9 @@ func forwardSignals(ctx context.Context, c *agentclient.Client, opts *agentclien
 			select {
 			case <-ch:
 				n++
-				if n > 1 || pid.Load() == 0 {
+				if n > 1 || !first() {
 					second()
-					continue
 				}
-				sel := &pb.ProcessSelector{Selector: &pb.ProcessSelector_Pid{Pid: pid.Load()}}
-				_, _ = c.Process.SendSignal(ctx, connect.NewRequest(&pb.SendSignalRequest{Process: sel, Signal: pb.Signal_SIGNAL_SIGTERM}))
 			case <-done:
 				return
 			}

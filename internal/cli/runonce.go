@@ -8,7 +8,6 @@ import (
 	"fmt"
 	"io"
 	"os"
-	"os/signal"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -223,24 +222,8 @@ func (c *cappedOutput) copy(w io.Writer, r io.Reader) error {
 // forwardSignalsOnce passes the first SIGINT/SIGTERM/SIGHUP to the command
 // as SIGTERM, through the agent's control pipe; a second one calls second.
 func forwardSignalsOnce(control *os.File, second func()) func() {
-	ch := make(chan os.Signal, 2)
-	signal.Notify(ch, syscall.SIGINT, syscall.SIGTERM, syscall.SIGHUP)
-	done := make(chan struct{})
-	go func() {
-		n := 0
-		for {
-			select {
-			case <-ch:
-				n++
-				if n > 1 {
-					second()
-					continue
-				}
-				_, _ = control.Write([]byte{byte(syscall.SIGTERM)})
-			case <-done:
-				return
-			}
-		}
-	}()
-	return func() { signal.Stop(ch); close(done) }
+	return onInterrupts(func() bool {
+		_, _ = control.Write([]byte{byte(syscall.SIGTERM)})
+		return true
+	}, second)
 }
