@@ -273,6 +273,17 @@ func runCommand(ctx context.Context, g *globals, f *runFlags, args []string, std
 		end, err = r.end, r.err
 	case <-gaveUp:
 		return exitf(130, "interrupted; the sandbox was destroyed")
+	case <-timedOut.expired:
+		// The sandbox is gone; what it wrote is still being written
+		// out, for a second more at most: the timeout bounds the run.
+		select {
+		case r := <-result:
+			end, err = r.end, r.err
+		case <-gaveUp:
+			return exitf(130, "interrupted; the sandbox was destroyed")
+		case <-time.After(time.Second):
+			return sandboxFailure(sb, timedOut, p.timeout, errors.New("timed out"))
+		}
 	}
 	trace.Mark("ended")
 	if restore != nil {
@@ -290,10 +301,19 @@ func runCommand(ctx context.Context, g *globals, f *runFlags, args []string, std
 	return exitFromEnd(end, args[0], p.opts.Memory, p.opts.Pids, stderr)
 }
 
+// runTimeout is a run's --timeout: whether it fired, and a channel
+// closed when it did (nil without a timeout: never).
+type runTimeout struct {
+	fired   atomic.Bool
+	expired chan struct{}
+}
+
+func (t *runTimeout) Load() bool { return t.fired.Load() }
+
 // aroundRun is what a run does around its command, either way: the
 // wall's warning, the GC of killed runs' leftovers, SIGPIPE, the timeout.
 // done destroys the sandbox and waits for the GC.
-func aroundRun(ctx context.Context, host *sandbox.Host, sb wall.Sandbox, timeout time.Duration, stderr io.Writer) (timedOut *atomic.Bool, done func()) {
+func aroundRun(ctx context.Context, host *sandbox.Host, sb wall.Sandbox, timeout time.Duration, stderr io.Writer) (timedOut *runTimeout, done func()) {
 	if w := host.Warning(ctx, sb.Wall()); w != "" {
 		fmt.Fprintf(stderr, "cage: warning: %s\n", w)
 	}
@@ -308,12 +328,14 @@ func aroundRun(ctx context.Context, host *sandbox.Host, sb wall.Sandbox, timeout
 	// A closed stdout must not kill cage before it has destroyed the sandbox:
 	// writes then fail with EPIPE instead, and cage exits 141 as a shell would.
 	signal.Ignore(syscall.SIGPIPE)
-	timedOut = &atomic.Bool{}
+	timedOut = &runTimeout{}
 	var t *time.Timer
 	if timeout > 0 {
+		timedOut.expired = make(chan struct{})
 		t = time.AfterFunc(timeout, func() {
-			timedOut.Store(true)
+			timedOut.fired.Store(true)
 			_ = sb.Destroy()
+			close(timedOut.expired)
 		})
 	}
 	return timedOut, func() {
@@ -329,7 +351,7 @@ func aroundRun(ctx context.Context, host *sandbox.Host, sb wall.Sandbox, timeout
 
 // sandboxFailure explains a failed run: the timeout, a sandbox that died, or
 // the command that could not start.
-func sandboxFailure(sb wall.Sandbox, timedOut *atomic.Bool, timeout time.Duration, err error) error {
+func sandboxFailure(sb wall.Sandbox, timedOut *runTimeout, timeout time.Duration, err error) error {
 	if timedOut.Load() {
 		return exitf(ExitTimeout, "timed out after %v; the sandbox was destroyed", timeout)
 	}

@@ -96,8 +96,8 @@ func runOnce(ctx context.Context, host *sandbox.Host, p *parsed, f *runFlags, ar
 	// with it: the pipes then end. Past a second (a consumer of stdout
 	// slower than that), destroying it makes sure. What is left in the
 	// pipes is still copied out, however slowly it is read, unless a
-	// second signal says to stop: a consumer that never reads must not
-	// keep cage from ending.
+	// second signal says to stop or the timeout has fired: a consumer
+	// that never reads must not keep cage from ending.
 	drained := make(chan struct{})
 	go func() { pumps.Wait(); close(drained) }()
 	select {
@@ -108,6 +108,14 @@ func runOnce(ctx context.Context, host *sandbox.Host, p *parsed, f *runFlags, ar
 		select {
 		case <-drained:
 		case <-gaveUp:
+		case <-timedOut.expired:
+			// Past the timeout, which bounds the whole run: a second
+			// more for a slow reader, then no longer.
+			select {
+			case <-drained:
+			case <-gaveUp:
+			case <-time.After(time.Second):
+			}
 		}
 	}
 	switch {

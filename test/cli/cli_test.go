@@ -867,6 +867,41 @@ func TestSecondInterruptStuckStdout(t *testing.T) {
 	e.noLeftovers()
 }
 
+// --timeout bounds the whole run, also when cage's stdout is never read:
+// once it fires, cage waits a little for the output to be written out,
+// then exits 124 (it waited for the reader until a second signal before).
+func TestTimeoutStuckStdout(t *testing.T) {
+	e := setup(t)
+	for _, args := range [][]string{
+		{"run", "--timeout", "3s", "--", "sh", "-c", "exec yes"},
+		{"run", "--timeout", "3s", "--copy-in", t.TempDir() + ":/tmp/in", "--", "sh", "-c", "exec yes"},
+	} {
+		outR, outW, err := os.Pipe() // never read
+		if err != nil {
+			t.Fatal(err)
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+		cmd := e.command(ctx, args...)
+		var stderr strings.Builder
+		cmd.Stdout, cmd.Stderr = outW, &stderr
+		start := time.Now()
+		if err := cmd.Start(); err != nil {
+			t.Fatal(err)
+		}
+		outW.Close()
+		err = cmd.Wait()
+		took := time.Since(start)
+		code := exitCodeOf(t, err)
+		t.Logf("%v, stdout never read: exit %d after %v, stderr %q", args, code, took.Round(time.Millisecond), stderr.String())
+		if code != 124 || ctx.Err() != nil || !strings.Contains(stderr.String(), "timed out") {
+			t.Errorf("%v, stdout never read: exit %d after %v (stderr %q); want 124 soon after the 3 s timeout", args, code, took, stderr.String())
+		}
+		cancel()
+		outR.Close()
+	}
+	e.noLeftovers()
+}
+
 // When cage itself is killed (SIGKILL, no chance to clean up), the sandbox
 // dies with it: no process of it keeps running.
 func TestCageKilled(t *testing.T) {
