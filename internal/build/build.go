@@ -429,12 +429,11 @@ func (b *Builder) run(ctx context.Context, held *imgstore.Held, st *state, in In
 	if end.GetExitCode() != 0 || end.GetReason() != "exited" {
 		return "", failf("exit code %d (%s)", end.GetExitCode(), end.GetReason())
 	}
-	tarFile, err := os.CreateTemp("", "cage-layer-*.tar")
+	tarFile, err := b.Host.Templates.Staging()
 	if err != nil {
 		return "", err
 	}
-	tarFile.Close()
-	defer os.Remove(tarFile.Name())
+	defer tarFile.Close()
 	n, err := captureAfter(ctx, sb, filepath.Join(b.Host.RunDir, "sandboxes", sb.ID()), "disk/upper", disk, tarFile.Name())
 	if err != nil {
 		return "", err

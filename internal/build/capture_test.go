@@ -291,3 +291,54 @@ func checkLayerTar(t *testing.T, s *imgstore.Store, tm *imgstore.Template) {
 		}
 	}
 }
+
+// A build's layers are staged in the template store, never in the host's
+// $TMPDIR (often a tmpfs: a RUN step's changes, as large as its disk,
+// would be held in the host's memory). With $TMPDIR missing, a build
+// with a COPY and a RUN step still succeeds.
+func TestBuildLayersNotInTmpdir(t *testing.T) {
+	testutil.RequireRoot(t)
+	testutil.RequireKernelFeature(t, testutil.UserNamespaces)
+	testutil.RequireKernelFeature(t, testutil.MountAPI)
+	testutil.RequireKernelFeature(t, testutil.Cgroups)
+	host, err := sandbox.NewHost(testutil.RunDir(t), filepath.Join(testutil.Binaries(t), "cage-agent"), slog.New(slog.DiscardHandler))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer host.Close()
+	if host.Templates, err = imgstore.Open(filepath.Join(t.TempDir(), "templates")); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	if _, err := host.Templates.Import(ctx, testutil.WriteDockerArchive(t, testutil.TestImage(t), "cage-test:latest"), "bb", imgstore.Options{}); err != nil {
+		t.Fatal(err)
+	}
+	bctx := t.TempDir()
+	if err := os.WriteFile(filepath.Join(bctx, "in"), []byte("copied\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	t.Setenv("TMPDIR", filepath.Join(t.TempDir(), "missing"))
+	var out bytes.Buffer
+	b := &Builder{Host: host, Context: bctx, Out: &out}
+	tm, err := b.Build(ctx, strings.NewReader("FROM bb\nCOPY in /in\nRUN echo ran > /ran\n"), "staged", "test")
+	if err != nil {
+		t.Fatalf("build with $TMPDIR missing: %v\n%s", err, out.String())
+	}
+	dirs, err := host.Templates.LayerDirs(tm)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(dirs) < 3 {
+		t.Fatalf("layers %q; want the base's, COPY's and RUN's", dirs)
+	}
+	for _, c := range []struct{ dir, file, want string }{{dirs[len(dirs)-2], "in", "copied\n"}, {dirs[len(dirs)-1], "ran", "ran\n"}} {
+		if got, err := os.ReadFile(filepath.Join(c.dir, c.file)); err != nil || string(got) != c.want {
+			t.Errorf("layer's /%s: %q, %v; want %q", c.file, got, err, c.want)
+		}
+	}
+	left, _ := filepath.Glob(filepath.Join(host.Templates.Dir(), "layers", ".tmp-*"))
+	if len(left) != 0 {
+		t.Errorf("staging files left in the store: %q", left)
+	}
+}

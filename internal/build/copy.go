@@ -83,23 +83,18 @@ func (b *Builder) copy(ctx context.Context, held *imgstore.Held, st *state, in I
 	if b.cached(held, st, key) {
 		return "cached", nil
 	}
-	tarFile, err := os.CreateTemp("", "cage-copy-*.tar")
+	tarFile, err := b.Host.Templates.Staging()
 	if err != nil {
 		return "", err
 	}
-	defer os.Remove(tarFile.Name())
+	defer tarFile.Close()
 	tw := tar.NewWriter(tarFile)
 	for _, f := range files {
 		if err := writeCopied(ctx, tw, root, f, uid, gid); err != nil {
-			tarFile.Close()
 			return "", err
 		}
 	}
 	if err := tw.Close(); err != nil {
-		tarFile.Close()
-		return "", err
-	}
-	if err := tarFile.Close(); err != nil {
 		return "", err
 	}
 	d, err := b.addLayer(ctx, held, st, tarFile.Name(), key)

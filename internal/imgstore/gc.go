@@ -176,6 +176,37 @@ func (s *Store) removeLayer(hx string) (bool, error) {
 	return true, err
 }
 
+// Staging makes a file in the store's layers directory for a build to
+// write a layer's tar into before AddLayer reads it: on the store's disk,
+// not in the host's $TMPDIR (often a tmpfs, where a RUN step's changes,
+// as large as its disk, would be held in memory). The file is locked
+// while it is open, so GC leaves it alone, and removes it once its
+// owner has died without removing it. Close removes it.
+func (s *Store) Staging() (*StagingFile, error) {
+	p := s.path(layersDir, tmpPrefix+randomName()+".tar")
+	f, err := os.OpenFile(p, os.O_RDWR|os.O_CREATE|os.O_EXCL|unix.O_NOFOLLOW, 0o600)
+	if err != nil {
+		return nil, fmt.Errorf("template store: %w", err)
+	}
+	if err := unix.Flock(int(f.Fd()), unix.LOCK_EX); err != nil {
+		f.Close()
+		os.Remove(p)
+		return nil, fmt.Errorf("template store: %w", err)
+	}
+	return &StagingFile{File: f}, nil
+}
+
+// StagingFile is a locked file in the store (Staging).
+type StagingFile struct {
+	*os.File
+}
+
+// Close removes the file, then closes it (its lock goes with it).
+func (f *StagingFile) Close() error {
+	err := removeFile(f.Name())
+	return errors.Join(err, f.File.Close())
+}
+
 // removeUnlocked removes a leftover .tmp-* entry unless its owner (an
 // import in progress) still holds its lock.
 func removeUnlocked(p string) error {

@@ -9,6 +9,7 @@
 //	layers/<hex>.json         {"diffID","size","files","tarSize"}
 //	layers/<hex>.tarmeta      what Export needs to rebuild the layer's tar byte for byte
 //	layers/.tmp-<random>/     a layer being unpacked (root/ and tarmeta), renamed when complete
+//	layers/.tmp-<random>.tar  a build's layer tar before it is added (Staging), locked while in use
 //	configs/<hex>.json        an image's config, byte for byte, named by the image ID
 //	templates/<name>.json     a Template
 //

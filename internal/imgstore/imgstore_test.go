@@ -5,6 +5,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"io/fs"
 	"os"
 	"path/filepath"
 	"reflect"
@@ -581,5 +582,47 @@ func TestPlatformFromIndex(t *testing.T) {
 	tm, err = s.Pull(ctx, ref, "multi", Options{Insecure: true})
 	if err != nil || !reflect.DeepEqual(tm.Config.Cmd, []string{"amd64"}) {
 		t.Errorf("Pull of an index = %+v, %v; want the amd64 image", tm, err)
+	}
+}
+
+// A build's staging file (a layer's tar before AddLayer reads it) is in
+// the store, kept by GC while its owner has it open, removed by Close,
+// and removed by GC once its owner is gone without removing it.
+func TestStagingFile(t *testing.T) {
+	requireRoot(t)
+	s := openStore(t)
+	f, err := s.Staging()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if filepath.Dir(f.Name()) != filepath.Join(s.Dir(), "layers") {
+		t.Errorf("staging file %s; want it in the store's layers", f.Name())
+	}
+	if _, err := f.WriteString("tar"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.GC(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat(f.Name()); err != nil {
+		t.Errorf("GC removed a staging file in use: %v", err)
+	}
+	if err := f.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat(f.Name()); !errors.Is(err, fs.ErrNotExist) {
+		t.Errorf("staging file after Close: %v; want it removed", err)
+	}
+	// An owner that died: its file is there, its lock gone.
+	left, err := s.Staging()
+	if err != nil {
+		t.Fatal(err)
+	}
+	left.File.Close()
+	if _, err := s.GC(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat(left.Name()); !errors.Is(err, fs.ErrNotExist) {
+		t.Errorf("a dead build's staging file after GC: %v; want it removed", err)
 	}
 }
