@@ -6,6 +6,7 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"sort"
 	"sync"
 	"time"
 
@@ -33,9 +34,14 @@ import (
 //     rebuilt it, or its cache was removed): restoring the old RAM with a
 //     new state file would start a guest from two different boots;
 //   - none of the templates restored from it is its image any more (each
-//     was removed or imported again).
+//     was removed or imported again);
+//   - no restore has taken it for memIdle, or maxMemories others were
+//     taken since (evict): each shape of VM (its RAM class, vCPUs, NIC,
+//     template) has a snapshot of its own, and a tenant choosing limits
+//     may make many; one not kept in memory is loaded from its file
+//     again at its next restore.
 //
-// sweepMemories checks the last two at every restore and, while any
+// sweepMemories checks the last three at every restore and, while any
 // memfd is held, every sweepEvery.
 
 // memEntry is one snapshot's RAM in memory.
@@ -43,6 +49,7 @@ type memEntry struct {
 	f       *os.File
 	file    [2]uint64 // the memory file it was loaded from: device, inode
 	refs    int       // restores holding f
+	used    time.Time // when a restore last took it
 	dropped bool      // superseded: f is closed when refs is 0
 	image   string    // the template image of its disk (imgstore's ID)
 	// names are the templates restored from it, each with how to read it
@@ -60,6 +67,14 @@ var memories = struct {
 // sweepEvery is how often, at most, a dropped template's snapshot memory
 // lingers when no VM is restored.
 const sweepEvery = time.Minute
+
+// memIdle and maxMemories bound the snapshot memories kept: one no
+// restore has taken for memIdle is let go, and past maxMemories the
+// least recently taken (a pool's refills take theirs).
+var (
+	memIdle     = 10 * time.Minute
+	maxMemories = 8
+)
 
 // memory returns the snapshot's RAM as a sealed memfd, loaded once per
 // process, for a restore of template t, and the release of the restore's
@@ -117,6 +132,7 @@ func holdMemory(dir string, t *template.Template) (*os.File, func()) {
 // locked.
 func (e *memEntry) hold(t *template.Template) (*os.File, func()) {
 	e.refs++
+	e.used = time.Now()
 	if t != nil && t.Image != nil && t.Image.Store != nil && t.Image.Info.ID == e.image {
 		name, store := t.Image.Info.Name, t.Image.Store
 		e.names[name] = func() (string, error) {
@@ -221,7 +237,34 @@ func sweepMemories() bool {
 			dropMemory(c.dir)
 		}
 	}
+	evict(time.Now())
 	return len(memories.m) > 0
+}
+
+// evict drops the memories no restore has taken for memIdle and, past
+// maxMemories, the least recently taken. A restore holding one keeps its
+// memfd until it lets go, and a running VM the pages it maps. memories
+// is locked.
+func evict(now time.Time) {
+	type taken struct {
+		dir  string
+		used time.Time
+	}
+	var kept []taken
+	for dir, e := range memories.m {
+		if now.Sub(e.used) >= memIdle {
+			dropMemory(dir)
+			continue
+		}
+		kept = append(kept, taken{dir, e.used})
+	}
+	if len(kept) <= maxMemories {
+		return
+	}
+	sort.Slice(kept, func(i, j int) bool { return kept[i].used.Before(kept[j].used) })
+	for _, k := range kept[:len(kept)-maxMemories] {
+		dropMemory(k.dir)
+	}
 }
 
 // sweepLoop sweeps every sweepEvery while any memory is held.

@@ -7,6 +7,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"testing"
+	"time"
 
 	"golang.org/x/sys/unix"
 
@@ -162,5 +163,78 @@ func TestSnapshotMemoryReleased(t *testing.T) {
 		if got := memfdOpen(t, inos[name]); got != want {
 			t.Errorf("template %s: its snapshot's memory open: %v, want %v", name, got, want)
 		}
+	}
+}
+
+// TestSnapshotMemoryEvicted: a tenant choosing limits picks the VM's
+// shape (RAM class, vCPUs), and each shape's snapshot memory (some 100 MB)
+// stayed in the daemon for as long as its snapshot was current (found by
+// review, 2026-12-03). Expected: past maxMemories, the least recently
+// restored are let go (a restore holding one keeps it until it lets go);
+// one not restored for memIdle is let go; a memory let go is loaded from
+// its file again at its next restore.
+func TestSnapshotMemoryEvicted(t *testing.T) {
+	saved := maxMemories
+	maxMemories = 3
+	defer func() { maxMemories = saved }()
+	cache := t.TempDir()
+	base := shape{Kernel: "k", Version: "1", Initramfs: "i", Disks: []string{"d"}, CPUs: 1, Accel: "tcg", QEMU: "q"}
+	var snaps []snapshot
+	var inos []uint64
+	var held func()
+	for i := range 5 {
+		sh := base
+		sh.MemoryMB = 256 + 64*i
+		s := fakeSnapshot(t, cache, sh, byte('a'+i))
+		f, release, err := s.memory(nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		snaps, inos = append(snaps, s), append(inos, inode(t, f))
+		if i == 0 {
+			held = release // a restore of the first still in flight
+		} else {
+			release()
+		}
+		time.Sleep(2 * time.Millisecond) // distinct times of use
+	}
+	sweepMemories()
+	// The two least recently restored are let go; the one a restore
+	// holds stays open until it lets go.
+	for i, want := range []bool{true, false, true, true, true} {
+		if got := memfdOpen(t, inos[i]); got != want {
+			t.Errorf("shape %d of 5 (3 kept): memory open %v, want %v", i, got, want)
+		}
+	}
+	held()
+	if memfdOpen(t, inos[0]) {
+		t.Error("an evicted memory stays open after its restore let go")
+	}
+	// Let go, it is loaded again (its file is still the snapshot's).
+	f, release, err := snaps[1].memory(nil)
+	if err != nil {
+		t.Fatalf("restore of an evicted snapshot: %v", err)
+	}
+	buf := make([]byte, 2)
+	if _, err := f.ReadAt(buf, 0); err != nil || string(buf) != "bb" {
+		t.Errorf("an evicted snapshot's memory, loaded again: %q, %v", buf, err)
+	}
+	release()
+	// Idle for memIdle: let go.
+	savedIdle := memIdle
+	memIdle = time.Millisecond
+	defer func() { memIdle = savedIdle }()
+	time.Sleep(5 * time.Millisecond)
+	sweepMemories()
+	for i := range inos {
+		if memfdOpen(t, inos[i]) {
+			t.Errorf("shape %d: memory open after memIdle without a restore", i)
+		}
+	}
+	memories.Lock()
+	left := len(memories.m)
+	memories.Unlock()
+	if left != 0 {
+		t.Errorf("%d memories kept after memIdle; want none", left)
 	}
 }
