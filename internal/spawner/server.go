@@ -168,7 +168,7 @@ func (s *server) fork(req *Request, files []int) (int, error) {
 	}
 	start := func(cgroupFD int) (int, error) {
 		attr.Sys.UseCgroupFD, attr.Sys.CgroupFD = cgroupFD >= 0, cgroupFD
-		fork := func() (int, error) { return syscall.ForkExec(req.Path, req.Argv, attr) }
+		fork := func() (int, error) { return CloneExec(req.Path, req.Argv, attr) }
 		var pid int
 		var err error
 		if uid, gid, ok := ownerOf(req); ok {

@@ -460,7 +460,7 @@ func (sb *Sandbox) fork(cfg job, listener *os.File) (rootSock *os.File, err erro
 			// The sandbox's user namespace is its root's host uid's, not
 			// root's (spawner.ForkOwned).
 			return spawner.ForkOwned(sb.ids.HostID(0), sb.ids.HostID(0), func() (int, error) {
-				return syscall.ForkExec(exe, argv, attr)
+				return spawner.CloneExec(exe, argv, attr)
 			})
 		})
 		if pid > 0 {
