@@ -95,9 +95,11 @@ type Manager struct {
 	transMu     sync.Mutex
 	transitions map[string]*transitionLock // by sandbox id (see transition)
 
-	// volMu: a create or resume that mounts volumes (read) against a
-	// volume's creation or deletion (write).
-	volMu sync.RWMutex
+	// volMu guards volLocks: each owner's lock of a create or resume
+	// that mounts its volumes (read) against its volumes' creation or
+	// deletion (write) (volumes.go, volumeLock).
+	volMu    sync.Mutex
+	volLocks map[string]*volumeLock
 	// metrics: each sandbox's samples (metrics.go).
 	metrics metricsTable
 	// quotas: the teams' reservations in progress (quota.go).
@@ -146,7 +148,7 @@ func New(cfg Config) *Manager {
 	if cfg.PausedRetention <= 0 {
 		cfg.PausedRetention = DefaultPausedRetention
 	}
-	return &Manager{cfg: cfg, log: cfg.Log, live: map[string]*entry{}, transitions: map[string]*transitionLock{}, createSlots: make(chan struct{}, cfg.MaxCreating)}
+	return &Manager{cfg: cfg, log: cfg.Log, live: map[string]*entry{}, transitions: map[string]*transitionLock{}, volLocks: map[string]*volumeLock{}, createSlots: make(chan struct{}, cfg.MaxCreating)}
 }
 
 // CreateRequest is what a client asks for.
@@ -306,8 +308,9 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (rec *store.San
 	}
 	defer req.quota.release()
 	if len(req.Volumes) > 0 {
-		m.volMu.RLock() // until the record names them: no volume is deleted meanwhile
-		defer m.volMu.RUnlock()
+		// Until the record names them, no volume of the owner's is
+		// deleted (only its owner's calls name a volume).
+		defer m.lockVolumes(req.KeyID, false)()
 		if req.mounts, opts.Volumes, err = m.openMounts(req.KeyID, req.Volumes); err != nil {
 			return nil, err
 		}

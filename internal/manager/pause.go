@@ -316,8 +316,7 @@ func (m *Manager) resumeFiles(ctx context.Context, rec *store.Sandbox, d time.Du
 	}
 	opts := sandbox.Options{ID: rec.ID, Token: rec.AccessToken, Wall: rec.Wall, Template: rec.TemplateID, Env: rec.EnvVars,
 		CPUs: rec.CPUs, Memory: rec.Memory, Disk: rec.Disk, Pids: rec.Pids, Net: policy, Max: m.cfg.Max}
-	m.volMu.RLock()
-	defer m.volMu.RUnlock()
+	defer m.lockVolumes(rec.KeyID, false)()
 	if opts.Volumes, err = m.reopenMounts(rec); err != nil {
 		return err
 	}

@@ -42,6 +42,52 @@ type VolumeMount struct {
 	Name, Path string
 }
 
+// volumeLock is one owner's lock of its volumes: a create or resume that
+// mounts them (read) against their creation and deletion (write). It is
+// the owner's alone, since only the owner's calls name its volumes:
+// before (found by review, 2026-12-03), one lock for the whole daemon,
+// held by a create for its whole start (a restore of hundreds of MiB, a
+// VM's boot), made every tenant's volume create and delete wait for
+// another tenant's creates, and every create with a volume behind those.
+type volumeLock struct {
+	sync.RWMutex
+	refs int // holders and waiters (guarded by Manager.volMu)
+}
+
+// lockVolumes takes owner's volume lock (write: to create or delete one
+// of its volumes; read: to mount them) and returns its unlock. A lock
+// lives as long as someone holds or waits for it.
+func (m *Manager) lockVolumes(owner string, write bool) (unlock func()) {
+	m.volMu.Lock()
+	if m.volLocks == nil {
+		m.volLocks = map[string]*volumeLock{}
+	}
+	l := m.volLocks[owner]
+	if l == nil {
+		l = &volumeLock{}
+		m.volLocks[owner] = l
+	}
+	l.refs++
+	m.volMu.Unlock()
+	if write {
+		l.Lock()
+	} else {
+		l.RLock()
+	}
+	return func() {
+		if write {
+			l.Unlock()
+		} else {
+			l.RUnlock()
+		}
+		m.volMu.Lock()
+		if l.refs--; l.refs == 0 {
+			delete(m.volLocks, owner)
+		}
+		m.volMu.Unlock()
+	}
+}
+
 func (m *Manager) volumes() (*volume.Manager, error) {
 	if m.cfg.Volumes == nil {
 		return nil, fmt.Errorf("%w: this server keeps no volumes", sandbox.ErrUnavailable)
@@ -59,8 +105,7 @@ func (m *Manager) CreateVolume(keyID, name string) (*store.Volume, error) {
 	if !volumeName().MatchString(name) {
 		return nil, fmt.Errorf("%w: volume name %.140q: want letters, digits, - and _ (1 to 128)", ErrInvalid, name)
 	}
-	m.volMu.Lock()
-	defer m.volMu.Unlock()
+	defer m.lockVolumes(keyID, true)()
 	if _, err := m.cfg.Store.VolumeByName(keyID, name); err == nil {
 		return nil, fmt.Errorf("%w: a volume is named %q already", ErrInvalid, name)
 	}
@@ -110,8 +155,7 @@ func (m *Manager) DeleteVolume(keyID, id string) error {
 	if err != nil {
 		return err
 	}
-	m.volMu.Lock()
-	defer m.volMu.Unlock()
+	defer m.lockVolumes(keyID, true)()
 	if _, err := m.Volume(keyID, id); err != nil {
 		return err
 	}
@@ -154,7 +198,8 @@ func (m *Manager) OpenVolume(id, token string) (*volume.Root, error) {
 }
 
 // openMounts resolves a create's volume mounts (names of keyID's volumes)
-// and opens them; the caller closes the roots. The caller holds volMu.
+// and opens them; the caller closes the roots. The caller holds keyID's
+// volume lock (lockVolumes).
 func (m *Manager) openMounts(keyID string, req []VolumeMount) ([]store.VolumeMount, []wall.Volume, error) {
 	if len(req) == 0 {
 		return nil, nil, nil
