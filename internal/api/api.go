@@ -17,6 +17,7 @@ import (
 	"math"
 	"net/http"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/cagehq/cage/api/types"
@@ -212,17 +213,62 @@ func (s *server) failure(r *http.Request, err error) (int, string) {
 	case errors.Is(err, errForbidden):
 		return http.StatusForbidden, err.Error()
 	case errors.Is(err, sandbox.ErrUnavailable), errors.Is(err, sandbox.ErrPermission):
-		return http.StatusServiceUnavailable, err.Error()
+		msg, cut := withoutHostPaths(err.Error())
+		if cut {
+			id := requestID()
+			s.log.Error("request failed", "route", r.Method+" "+r.URL.Path, "request", id, "err", logged(err))
+			msg += " (request " + id + "; the server's log has the detail)"
+		}
+		return http.StatusServiceUnavailable, msg
 	}
 	// The detail (host paths, SQL) is the operator's, in the log; the
 	// client gets an id to quote.
 	id := requestID()
+	s.log.Error("request failed", "route", r.Method+" "+r.URL.Path, "request", id, "err", logged(err))
+	return http.StatusInternalServerError, "internal error (request " + id + "; the server's log has the detail)"
+}
+
+// logged is an error's text for the log, bounded: it may quote what the
+// client sent.
+func logged(err error) string {
 	msg := err.Error()
-	if len(msg) > maxLoggedError { // it may quote what the client sent
+	if len(msg) > maxLoggedError {
 		msg = msg[:maxLoggedError] + "…(cut)"
 	}
-	s.log.Error("request failed", "route", r.Method+" "+r.URL.Path, "request", id, "err", msg)
-	return http.StatusInternalServerError, "internal error (request " + id + "; the server's log has the detail)"
+	return msg
+}
+
+// withoutHostPaths is what a client is told of a host's unavailability:
+// the message up to the clause that names a path on the host (the
+// operator's: the daemon's data and run directories, cgroups, a guest
+// kernel's directory, with the free space there), and whether it was cut.
+// A tenant asking for a wall the host lacks, or pausing when the disk is
+// low, read them (found by review, 2026-12-03).
+func withoutHostPaths(msg string) (string, bool) {
+	at := -1
+	for i := 0; i < len(msg); i++ {
+		if msg[i] != '/' {
+			continue
+		}
+		if i == 0 || !(isWordByte(msg[i-1])) {
+			at = i
+			break
+		}
+	}
+	if at < 0 {
+		return msg, false
+	}
+	end := max(strings.LastIndex(msg[:at], ": "), strings.LastIndex(msg[:at], " ("))
+	if end < 0 {
+		return "unavailable on this host", true
+	}
+	return msg[:end], true
+}
+
+// isWordByte says whether c may come before a '/' that is not a path's
+// root (scripts/kernel.sh, 0/3).
+func isWordByte(c byte) bool {
+	return c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || c == '.' || c == '-' || c == '_'
 }
 
 var errBadRequest = errors.New("bad request")
