@@ -68,8 +68,21 @@ type server struct {
 	builds builds
 }
 
+// Server is the API's HTTP handler. Its AllowRequest is the key's
+// request rate for the daemon's other doors that take API keys (/mcp).
+type Server struct {
+	http.Handler
+	s *server
+}
+
+// AllowRequest takes one of key k's request tokens, as every API request
+// does, or answers 429 with Retry-After and returns false.
+func (h *Server) AllowRequest(w http.ResponseWriter, k *store.APIKey) bool {
+	return h.s.allowRequest(w, k)
+}
+
 // Handler returns the API's HTTP handler.
-func Handler(cfg Config) http.Handler {
+func Handler(cfg Config) *Server {
 	if cfg.Log == nil {
 		cfg.Log = slog.New(slog.DiscardHandler)
 	}
@@ -111,7 +124,7 @@ func Handler(cfg Config) http.Handler {
 	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
 		writeError(w, http.StatusNotFound, "no such route: "+r.Method+" "+r.URL.Path)
 	})
-	return recoverer(s.log, s.audited(mux))
+	return &Server{Handler: recoverer(s.log, s.audited(mux)), s: s}
 }
 
 type ctxKey struct{}

@@ -8,6 +8,7 @@ import (
 	"strconv"
 	"strings"
 
+	"github.com/cagehq/cage/internal/api"
 	"github.com/cagehq/cage/internal/audit"
 	"github.com/cagehq/cage/internal/client"
 	"github.com/cagehq/cage/internal/mcp"
@@ -22,7 +23,7 @@ import (
 // Each request to /mcp goes into the audit trail as an API call (its
 // client, the key's id or none, the status); the tools' own calls are the
 // API's and the proxy's, recorded there.
-func withMCP(apiHandler http.Handler, st *store.Store, trail *audit.Trail, apiAddr, proxyAddr net.Addr, log *slog.Logger) http.Handler {
+func withMCP(apiHandler *api.Server, st *store.Store, trail *audit.Trail, apiAddr, proxyAddr net.Addr, log *slog.Logger) http.Handler {
 	api, proxy := dialURL(apiAddr), dialURL(proxyAddr)
 	h := mcp.Handler(mcp.HTTPConfig{
 		Log: log,
@@ -46,6 +47,20 @@ func withMCP(apiHandler http.Handler, st *store.Store, trail *audit.Trail, apiAd
 				team = k.TeamID // a team's key: the team reads the entry
 			}
 			trail.Record(audit.Event{Kind: audit.KindAPICall, KeyID: keyID, TeamID: team, Route: r.Method + " /mcp", Status: status, Client: client})
+		},
+		// A request to /mcp is one of the key's requests, as an API call
+		// is: before (found by review, 2026-12-03), /mcp took none of
+		// the key's rate, and a key could send requests without bound
+		// (16 at a time), each a millisecond of the daemon's CPU where
+		// its Host named a new proxy address.
+		Admit: func(w http.ResponseWriter, r *http.Request, keyID string) bool {
+			k, err := st.GetKey(keyID)
+			if err != nil {
+				log.Error("/mcp: read the key", "key", keyID, "err", err)
+				http.Error(w, "internal error (the server's log has the detail)", http.StatusInternalServerError)
+				return false
+			}
+			return apiHandler.AllowRequest(w, k)
 		},
 		Server: func(r *http.Request, key string) mcp.Config {
 			return mcp.Config{Client: client.New(api, proxy, key), ProxyURL: publicURL(proxyAddr, r)}

@@ -29,6 +29,10 @@ type HTTPConfig struct {
 	// Record, when set, is told of every answered request: the key's id
 	// ("" when refused) and the status.
 	Record func(r *http.Request, keyID string, status int)
+	// Admit, when set, takes one of the key's request tokens (the API's
+	// rate, as for any request the key makes) before the body is read, or
+	// answers (429) and returns false.
+	Admit func(w http.ResponseWriter, r *http.Request, keyID string) bool
 	// Server is the server configuration for one request made with a key
 	// Verify accepted (its Client carries that key).
 	Server func(r *http.Request, key string) Config
@@ -86,6 +90,9 @@ func Handler(cfg HTTPConfig) http.Handler {
 			return
 		}
 		keyID = id
+		if cfg.Admit != nil && !cfg.Admit(w, r, id) {
+			return
+		}
 		if r.Method == http.MethodPost {
 			batch, err := peekBatch(r)
 			if err != nil {
