@@ -242,8 +242,11 @@ func (p *entryPrinter) print(e types.AuditEntry) {
 	if e.Status != 0 {
 		status = strconv.Itoa(e.Status)
 	}
-	fmt.Fprintf(p.tw, "%d\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n", e.Seq, e.Time.Local().Format("2006-01-02 15:04:05.000"), e.Kind,
-		e.Source, dash(e.KeyID), dash(e.SandboxID), status, summary(e))
+	// Routes, user names and details are what clients and sandboxes sent
+	// (anyone's path to the proxy): escaped, they cannot drive the
+	// terminal or forge a row.
+	fmt.Fprintf(p.tw, "%d\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n", e.Seq, e.Time.Local().Format("2006-01-02 15:04:05.000"), termSafe(e.Kind),
+		termSafe(string(e.Source)), termSafe(dash(e.KeyID)), termSafe(dash(e.SandboxID)), status, termSafe(summary(e)))
 }
 
 func (p *entryPrinter) flush() error {

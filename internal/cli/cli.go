@@ -110,7 +110,8 @@ func Main(args []string, stdout, stderr io.Writer) (code int) {
 	}
 	code, msg := exitCode(err)
 	if msg != "" {
-		fmt.Fprintln(stderr, "cage: "+msg)
+		// A message may quote what a sandbox's agent or a client wrote.
+		fmt.Fprintln(stderr, "cage: "+termSafeLines(msg))
 	}
 	return code
 }

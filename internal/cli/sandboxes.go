@@ -222,7 +222,7 @@ func newLsCmd(d *daemonFlags) *cobra.Command {
 			tw := tabwriter.NewWriter(cmd.OutOrStdout(), 0, 4, 2, ' ', 0)
 			fmt.Fprintln(tw, "ID\tTEMPLATE\tWALL\tSTARTED\tENDS IN\tCPUS\tMEMORY")
 			for _, s := range list {
-				fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%g\t%dMiB\n", s.SandboxID, s.TemplateID, s.Wall,
+				fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%g\t%dMiB\n", termSafe(s.SandboxID), termSafe(s.TemplateID), termSafe(string(s.Wall)),
 					s.StartedAt.Local().Format("15:04:05"), time.Until(s.EndAt).Round(time.Second), s.CPUCount, s.MemoryMB)
 			}
 			return tw.Flush()
@@ -251,11 +251,11 @@ func newInspectCmd(d *daemonFlags) *cobra.Command {
 			}
 			w := cmd.OutOrStdout()
 			fmt.Fprintf(w, "id:        %s\ntemplate:  %s\nwall:      %s\nstate:     %s\nstarted:   %s\nends:      %s (in %s)\n",
-				sb.SandboxID, sb.TemplateID, sb.Wall, sb.State, sb.StartedAt.Local().Format(time.RFC3339),
+				termSafe(sb.SandboxID), termSafe(sb.TemplateID), termSafe(string(sb.Wall)), termSafe(string(sb.State)), sb.StartedAt.Local().Format(time.RFC3339),
 				sb.EndAt.Local().Format(time.RFC3339), time.Until(sb.EndAt).Round(time.Second))
 			fmt.Fprintf(w, "limits:    %g cpus, %d MiB memory, %d MiB disk, %d pids\n", sb.CPUCount, sb.MemoryMB, sb.DiskSizeMB, sb.Pids)
 			for k, v := range sb.Metadata {
-				fmt.Fprintf(w, "metadata:  %s=%s\n", k, v)
+				fmt.Fprintf(w, "metadata:  %s=%s\n", termSafe(k), termSafe(v))
 			}
 			return nil
 		},
@@ -275,7 +275,7 @@ func newRmCmd(d *daemonFlags) *cobra.Command {
 			var first error
 			for _, id := range args {
 				if err := c.Kill(ctx(cmd), id); err != nil {
-					fmt.Fprintf(cmd.ErrOrStderr(), "cage: %s: %v\n", id, err)
+					fmt.Fprintf(cmd.ErrOrStderr(), "cage: %s: %s\n", termSafe(id), termSafeLines(err.Error()))
 					if first == nil {
 						first = apiFailure(err)
 					}

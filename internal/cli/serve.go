@@ -293,7 +293,7 @@ func newKeysCmd(g *globals) *cobra.Command {
 				if team == "" {
 					team = "-"
 				}
-				fmt.Fprintf(tw, "%s\t%s\te2b_%s…\t%s\t%s\t%s\n", k.ID, k.Name, k.Prefix, team, k.CreatedAt.Format(time.RFC3339), status)
+				fmt.Fprintf(tw, "%s\t%s\te2b_%s…\t%s\t%s\t%s\n", k.ID, termSafe(k.Name), k.Prefix, termSafe(team), k.CreatedAt.Format(time.RFC3339), status)
 			}
 			return tw.Flush()
 		},

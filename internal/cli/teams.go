@@ -267,7 +267,7 @@ func listTeams(w io.Writer, st *store.Store, asJSON bool) error {
 	}
 	for _, t := range out {
 		l, u := t.Limits, t.Usage
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n", t.ID, t.Name,
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n", t.ID, termSafe(t.Name),
 			q(fmt.Sprint(u.Sandboxes), fmt.Sprint(l.Sandboxes), l.Sandboxes > 0),
 			q(strconv.FormatFloat(u.CPUs, 'f', -1, 64), strconv.FormatFloat(l.CPUs, 'f', -1, 64), l.CPUs > 0),
 			q(units.FormatSize(u.Memory), units.FormatSize(l.Memory), l.Memory > 0),

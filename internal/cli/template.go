@@ -104,8 +104,8 @@ func newTemplateCmd(g *globals) *cobra.Command {
 			fmt.Fprintln(tw, "NAME\tID\tLAYERS\tSIZE\tCREATED\tSOURCE")
 			fmt.Fprintln(tw, "host\t-\t-\t-\t-\tbuilt in: this host's /usr and a minimal /etc, read-only")
 			for _, t := range list {
-				fmt.Fprintf(tw, "%s\t%s\t%d\t%s\t%s\t%s\n", t.Name, shortID(t.ID), len(t.Layers), units.HumanSize(t.Size),
-					t.Created.Format(time.RFC3339), t.Source)
+				fmt.Fprintf(tw, "%s\t%s\t%d\t%s\t%s\t%s\n", termSafe(t.Name), termSafe(shortID(t.ID)), len(t.Layers), units.HumanSize(t.Size),
+					t.Created.Format(time.RFC3339), termSafe(t.Source))
 			}
 			return tw.Flush()
 		}),
