@@ -8,6 +8,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"runtime"
+	"slices"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -78,6 +79,52 @@ func TestRunCodeResultsBounded(t *testing.T) {
 		t.Errorf("the answer does not say results were left out: %+v", res.Content[0])
 	}
 	runtime.KeepAlive(r)
+}
+
+// TestRunCodeLinesNotDecodedIntoTrees: a result line of 24 MiB whose json
+// (or extra) is a list of millions of tiny values is read without
+// building a tree of them. Before, each such line took 380 MiB of heap
+// while it was read (1 GiB allocated), and four run_code calls at once
+// took a daemon from 35 MiB to 2.4 GiB; what is kept is unchanged: the
+// JSON's form is named, the JSON itself is over 64 KiB and left out.
+func TestRunCodeLinesNotDecodedIntoTrees(t *testing.T) {
+	n := (maxLineSize - 64) / 2
+	list := "[" + strings.Repeat("0,", n-1) + "0]"
+	keys := "{" + strings.Repeat(`"k":0,`, n/4) + `"last":[1]}`
+	stream := io.MultiReader(
+		strings.NewReader(`{"type":"result","json":`+list+"}\n"),
+		strings.NewReader(`{"type":"result","text":"t","extra":`+keys+"}\n"),
+		strings.NewReader(`{"type":"result","json":{"small": [1, 2]},"extra":{"text/x-a":1,"text/x-b":[2]}}`+"\n"),
+		strings.NewReader(`{"type":"end_of_execution"}`+"\n"))
+	var before, after runtime.MemStats
+	runtime.GC()
+	runtime.ReadMemStats(&before)
+	r := &codeRun{stdout: newCapture(1 << 10), stderr: newCapture(1 << 10)}
+	if err := r.read(stream); err != nil {
+		t.Fatal(err)
+	}
+	runtime.ReadMemStats(&after)
+	if alloc := after.TotalAlloc - before.TotalAlloc; alloc > 128<<20 {
+		t.Errorf("reading 2 lines of 24 MiB allocated %d MiB", alloc>>20)
+	}
+	if len(r.results) != 3 {
+		t.Fatalf("%d results, want 3", len(r.results))
+	}
+	if f := r.results[0].Formats; len(f) != 1 || f[0] != "json" || r.results[0].JSON != nil {
+		t.Errorf("the big JSON: formats %v, kept %v", f, r.results[0].JSON != nil)
+	}
+	if f := r.results[1].Formats; !slices.Contains(f, "k") || !slices.Contains(f, "text") {
+		t.Errorf("extra's forms: %v", f)
+	}
+	if j, _ := json.Marshal(r.results[2].JSON); string(j) != `{"small":[1,2]}` {
+		t.Errorf("a small JSON kept as %s", j)
+	}
+	if f := r.results[2].Formats; strings.Join(f, ",") != "json,text/x-a,text/x-b" {
+		t.Errorf("forms %v", f)
+	}
+	if !slices.Contains(r.dropped, "a result's JSON over 64 KiB") {
+		t.Errorf("dropped: %v", r.dropped)
+	}
 }
 
 // Attack: the server on a sandbox's port 49999 (its own code may serve
