@@ -2,13 +2,16 @@ package oci
 
 import (
 	"encoding/json"
+	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
 	"strconv"
+	"strings"
 	"syscall"
 
 	specs "github.com/opencontainers/runtime-spec/specs-go"
+	"golang.org/x/sys/unix"
 
 	"github.com/cagehq/cage/internal/inside"
 	"github.com/cagehq/cage/internal/template"
@@ -153,6 +156,13 @@ func (b *bundleConfig) imageRoot() error {
 			return err
 		}
 	}
+	// The volumes' mount points, made here so that the runtime follows
+	// no link of the image's to them (see volumePoint).
+	for _, v := range b.volumes {
+		if err := volumePoint(b.rootfs, v.Destination, hostID(0)); err != nil {
+			return fmt.Errorf("volume at %s: %w", v.Destination, err)
+		}
+	}
 	// Mount points of the agent and its socket directory.
 	_ = r.RemoveAll(agentInside[1:])
 	if err := r.WriteFile(agentInside[1:], nil, 0o755); err != nil {
@@ -163,6 +173,47 @@ func (b *bundleConfig) imageRoot() error {
 		if err := r.Mkdir(sockInside[1:], 0o755); err != nil {
 			return err
 		}
+	}
+	return nil
+}
+
+// volumePoint makes the directory p under an image's root, and what is
+// missing above it (0755, the sandbox root's), following no symlink: a
+// component that is one (or not a directory) fails the create, as on the
+// process wall. runc resolves a mount's destination in the root and
+// follows the image's symlinks there; an image with /mnt -> / and a
+// volume at /mnt/dev (lexically no system tree) had runc bind the volume,
+// whose content other running sandboxes write, over the container's /dev,
+// then make its device nodes there and mask /proc's files with that
+// /dev/null: runc before 1.2.8 opened whatever another sandbox left as
+// null (CVE-2025-31133's setting; here the sandbox's user namespace made
+// its open of core_pattern fail, permission denied). /proc and /dev are
+// the image root's real directories (inside.PrepareImageRoot).
+func volumePoint(root, p string, owner int) error {
+	cur, err := unix.Open(root, unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return err
+	}
+	defer func() { unix.Close(cur) }()
+	for _, c := range strings.Split(strings.Trim(p, "/"), "/") {
+		if c == "" || c == "." || c == ".." {
+			return fmt.Errorf("component %q", c)
+		}
+		switch err := unix.Mkdirat(cur, c, 0o755); {
+		case err == nil:
+			if err := unix.Fchownat(cur, c, owner, owner, unix.AT_SYMLINK_NOFOLLOW); err != nil {
+				return err
+			}
+		case !errors.Is(err, unix.EEXIST):
+			return err
+		}
+		next, err := unix.Openat2(cur, c, &unix.OpenHow{Flags: unix.O_PATH | unix.O_DIRECTORY | unix.O_NOFOLLOW | unix.O_CLOEXEC,
+			Resolve: unix.RESOLVE_BENEATH | unix.RESOLVE_NO_SYMLINKS | unix.RESOLVE_NO_MAGICLINKS | unix.RESOLVE_NO_XDEV})
+		if err != nil {
+			return fmt.Errorf("%s in the image is a symlink or not a directory: %w", c, err)
+		}
+		unix.Close(cur)
+		cur = next
 	}
 	return nil
 }

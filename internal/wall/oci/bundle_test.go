@@ -405,3 +405,50 @@ func fileUID(t *testing.T, path string) int {
 	}
 	return int(fi.Sys().(*syscall.Stat_t).Uid)
 }
+
+// TestBundleImageVolumeNoSymlink: an image's symlink never leads a
+// volume's mount point elsewhere: with /mnt -> / in the image, a volume at
+// /mnt/dev (lexically no system tree) would have runc bind the volume,
+// which other sandboxes write, over the container's /dev, where runc makes
+// the /dev/null it masks /proc's files with (CVE-2025-31133's setting).
+// The create fails instead, as on the process wall; a volume's missing
+// mount point is made a real directory, the sandbox root's.
+func TestBundleImageVolumeNoSymlink(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("the image root is chowned to the sandbox's ids: needs root")
+	}
+	for _, wall := range []string{"runc", "gvisor"} {
+		t.Run(wall, func(t *testing.T) {
+			for _, link := range []struct{ name, target, vol string }{
+				{"mnt", "/", "/mnt/dev"}, {"mnt", "/proc", "/mnt/sys"}, {"data", "mnt", "/data/x"},
+			} {
+				b := newBundle(t, wall, &template.Template{Name: "img", Image: &template.Image{}}, "")
+				if err := os.Symlink(link.target, filepath.Join(b.rootfs, link.name)); err != nil {
+					t.Fatal(err)
+				}
+				b.volumes = []specs.Mount{bind(link.vol, t.TempDir(), "rbind", "rw", "nosuid", "nodev")}
+				if err := b.write(); err == nil {
+					t.Errorf("/%s -> %s, a volume at %s: the bundle was written, want an error", link.name, link.target, link.vol)
+				} else {
+					t.Logf("/%s -> %s, a volume at %s: %v", link.name, link.target, link.vol, err)
+				}
+			}
+			b := newBundle(t, wall, &template.Template{Name: "img", Image: &template.Image{}}, "")
+			b.volumes = []specs.Mount{bind("/data/deep/vol", t.TempDir(), "rbind", "rw", "nosuid", "nodev")}
+			writeBundle(t, b)
+			owner := 0
+			if wall == "runc" {
+				owner = testIDBase
+			}
+			for _, p := range []string{"data", "data/deep", "data/deep/vol"} {
+				fi, err := os.Lstat(filepath.Join(b.rootfs, p))
+				if err != nil || !fi.IsDir() {
+					t.Fatalf("/%s: %v, want a directory", p, err)
+				}
+				if uid := fileUID(t, filepath.Join(b.rootfs, p)); uid != owner {
+					t.Errorf("/%s is uid %d on the host, want %d", p, uid, owner)
+				}
+			}
+		})
+	}
+}
