@@ -1,6 +1,7 @@
 // Package hostcheck holds what `cage doctor` and the dashboard's host page
 // say of the host without starting a sandbox: the kernel, root, user
-// namespaces, cgroups, landlock, the mount API and the agent binary.
+// namespaces, cgroups, landlock, the mount API, the agent binary and the
+// runc the runc wall runs.
 package hostcheck
 
 import (
@@ -38,7 +39,11 @@ func Host() []Check {
 	}
 	out = append(out, landlock(), mountAPI(), hostLimits())
 	agent, err := sandbox.FindAgent()
-	return append(out, Check{"cage-agent", err == nil, ifElse(err == nil, agent, fmt.Sprint(err))})
+	out = append(out, Check{"cage-agent", err == nil, ifElse(err == nil, agent, fmt.Sprint(err))})
+	if c, ok := Runc(); ok {
+		out = append(out, c)
+	}
+	return out
 }
 
 func ifElse(c bool, a, b string) string {
