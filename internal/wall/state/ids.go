@@ -8,6 +8,8 @@ import (
 	"path/filepath"
 	"strconv"
 	"syscall"
+
+	"golang.org/x/sys/unix"
 )
 
 // Package state is the host-side state every wall shares: reserved uid
@@ -38,6 +40,14 @@ const (
 // own could unlock it (or write to it), and a second sandbox would get the
 // range of one that still runs. Unlocking its own only loses the sandbox
 // its claim once the host's holder is gone.
+//
+// The sandbox's file is immutable while a reservation holds it (see
+// immutable): gVisor's sentry runs as root of a user namespace that maps
+// every host id, with CAP_FOWNER, and did for root inside what it asked
+// of the descriptor it was passed: futimens set the host file's times
+// (found by review, 2026-12-03: its mtime read 1970-01-01 00:00:01).
+// fchmod, fchown, writes, a truncate and a reopen through /proc/self/fd
+// never reached the host's file.
 type IDRange struct {
 	Base int
 	Lock *os.File // the host's lock: never handed to a sandbox
@@ -93,6 +103,9 @@ func reserve(n int) (r *IDRange, busy bool, err error) {
 		return nil, busy, err
 	}
 	held, busy, err := lockFile(name+heldSuffix, os.O_RDONLY)
+	if held != nil {
+		immutable(held, true)
+	}
 	if held == nil {
 		// A sandbox whose host process is gone still holds the slot:
 		// the host's file, made here, goes again (while still locked, so
@@ -158,7 +171,9 @@ func AdoptSlot(n int) (*IDRange, error) {
 		return nil, err
 	}
 	r := &IDRange{Base: idBase + n*idRangeSize, Lock: host}
-	r.Held, _, _ = lockFile(name+heldSuffix, os.O_RDONLY)
+	if r.Held, _, _ = lockFile(name+heldSuffix, os.O_RDONLY); r.Held != nil {
+		immutable(r.Held, true)
+	}
 	return r, nil
 }
 
@@ -184,6 +199,7 @@ func (s *IDRange) Release() {
 	}
 	for _, f := range []**os.File{&s.Held, &s.Lock} {
 		if *f != nil {
+			immutable(*f, false)
 			_ = os.Remove((*f).Name())
 			(*f).Close()
 			*f = nil
@@ -246,8 +262,30 @@ func gcIDLocks() {
 			continue
 		}
 		if syscall.Flock(int(f.Fd()), syscall.LOCK_EX|syscall.LOCK_NB) == nil && sameFile(f) {
+			immutable(f, false)
 			_ = os.Remove(f.Name())
 		}
 		f.Close()
+	}
+}
+
+// immutable sets or clears a lock file's immutable attribute (FS_IMMUTABLE_FL,
+// which root holds CAP_LINUX_IMMUTABLE to change): set, no one may change
+// its times, mode, owner or content, nor remove it, while flock still
+// works. Best effort: a file system without attributes keeps the file as
+// it is.
+func immutable(f *os.File, on bool) {
+	const immutableFlag = 0x10 // FS_IMMUTABLE_FL, linux/fs.h
+	fd := int(f.Fd())
+	flags, err := unix.IoctlGetUint32(fd, unix.FS_IOC_GETFLAGS)
+	if err != nil {
+		return
+	}
+	want := flags &^ immutableFlag
+	if on {
+		want |= immutableFlag
+	}
+	if want != flags {
+		_ = unix.IoctlSetPointerInt(fd, unix.FS_IOC_SETFLAGS, int(want))
 	}
 }

@@ -6,6 +6,8 @@ import (
 	"strconv"
 	"syscall"
 	"testing"
+
+	"golang.org/x/sys/unix"
 )
 
 // TestSlotLocks: a slot is reserved while its host's lock or the
@@ -72,5 +74,71 @@ func TestSlotLocks(t *testing.T) {
 	}
 	if ents, _ := os.ReadDir(IDLockDir); len(ents) != 0 {
 		t.Errorf("lock files left after every release: %d", len(ents))
+	}
+}
+
+// TestHeldLockImmutable: the sandbox's lock file is immutable while a
+// reservation holds it (no one changes its times, mode, owner or content
+// through a descriptor of it: gVisor's sentry did, for root inside,
+// futimens), flock still works on it, and a release or a GC removes it.
+func TestHeldLockImmutable(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("the immutable attribute needs root")
+	}
+	old := IDLockDir
+	IDLockDir = t.TempDir()
+	defer func() { IDLockDir = old }()
+	t.Cleanup(func() { // a failed test leaves no file TempDir cannot remove
+		ents, _ := os.ReadDir(IDLockDir)
+		for _, e := range ents {
+			if f, err := os.Open(filepath.Join(IDLockDir, e.Name())); err == nil {
+				immutable(f, false)
+				f.Close()
+			}
+		}
+	})
+	r, err := ReserveIDs()
+	if err != nil {
+		t.Fatal(err)
+	}
+	flags, err := unix.IoctlGetUint32(int(r.Held.Fd()), unix.FS_IOC_GETFLAGS)
+	if err != nil {
+		t.Skipf("%s has no file attributes: %v", IDLockDir, err)
+	}
+	if flags&0x10 == 0 {
+		t.Fatalf("the sandbox's lock file has attributes %#x, want FS_IMMUTABLE_FL", flags)
+	}
+	fd := int(r.Held.Fd())
+	for what, err := range map[string]error{
+		"futimens": unix.UtimesNanoAt(fd, "", []unix.Timespec{{Sec: 1}, {Sec: 1}}, unix.AT_EMPTY_PATH),
+		"fchmod":   unix.Fchmod(fd, 0o4777),
+		"fchown":   unix.Fchown(fd, 1234, 1234),
+		"unlink":   os.Remove(r.Held.Name()),
+	} {
+		if err == nil {
+			t.Errorf("%s of the sandbox's lock file succeeded (as root)", what)
+		}
+	}
+	if err := syscall.Flock(fd, syscall.LOCK_UN); err != nil {
+		t.Errorf("flock: %v", err)
+	}
+	if err := syscall.Flock(fd, syscall.LOCK_EX|syscall.LOCK_NB); err != nil {
+		t.Errorf("flock: %v", err)
+	}
+	held := r.Held.Name()
+	r.Release()
+	if _, err := os.Lstat(held); !os.IsNotExist(err) {
+		t.Errorf("after the release the sandbox's lock file is still there (%v)", err)
+	}
+	// A holder that died leaves the files, immutable: GC removes them.
+	r, err = ReserveIDs()
+	if err != nil {
+		t.Fatal(err)
+	}
+	held = r.Held.Name()
+	r.Close()
+	gcIDLocks()
+	if _, err := os.Lstat(held); !os.IsNotExist(err) {
+		t.Errorf("after GC a dead holder's lock file is still there (%v)", err)
 	}
 }
