@@ -2,7 +2,7 @@ package oci
 
 import (
 	"fmt"
-	"os/exec"
+	"os"
 	"syscall"
 
 	"golang.org/x/sys/unix"
@@ -35,32 +35,44 @@ func ownedNamespaces(base int, holder string, network bool) (userns, netns int, 
 	if network {
 		flags |= syscall.CLONE_NEWNET
 	}
-	cmd := exec.Command(holder, "hold")
-	cmd.SysProcAttr = &syscall.SysProcAttr{Cloneflags: flags, UidMappings: m, GidMappings: m,
-		GidMappingsEnableSetgroups: true, Pdeathsig: syscall.SIGKILL}
-	in, err := cmd.StdinPipe()
+	// The holder lives until its stdin ends. It starts by
+	// spawner.CloneExec, which shares the daemon's memory until its exec
+	// instead of copying it (exec.Cmd's fork copied the daemon's page
+	// tables and made it fault on its own memory afterwards).
+	in, out, err := os.Pipe()
 	if err != nil {
 		return -1, -1, err
 	}
-	defer in.Close()
-	if _, err := spawner.ForkOwned(base, base, func() (int, error) {
-		if err := cmd.Start(); err != nil {
-			return 0, err
-		}
-		return cmd.Process.Pid, nil
-	}); err != nil {
-		if cmd.Process != nil {
-			_ = cmd.Process.Kill()
-			_ = cmd.Wait()
-		}
+	defer out.Close()
+	devnull, err := os.Open(os.DevNull)
+	if err != nil {
+		in.Close()
+		return -1, -1, err
+	}
+	defer devnull.Close()
+	attr := &syscall.ProcAttr{
+		Files: []uintptr{in.Fd(), devnull.Fd(), devnull.Fd()},
+		Sys: &syscall.SysProcAttr{Cloneflags: flags, UidMappings: m, GidMappings: m,
+			GidMappingsEnableSetgroups: true, Pdeathsig: syscall.SIGKILL},
+	}
+	pid, err := spawner.ForkOwned(base, base, func() (int, error) {
+		return spawner.CloneExec(holder, []string{holder, "hold"}, attr)
+	})
+	in.Close()
+	if err != nil {
 		return -1, -1, fmt.Errorf("the sandbox's namespaces: %w", err)
 	}
 	defer func() {
-		in.Close() // the holder exits; the descriptors keep the namespaces
-		_ = cmd.Wait()
+		out.Close() // the holder exits; the descriptors keep the namespaces
+		var ws unix.WaitStatus
+		for {
+			if _, err := unix.Wait4(pid, &ws, 0, nil); err != unix.EINTR {
+				break
+			}
+		}
 	}()
 	open := func(ns string) (int, error) {
-		return unix.Open(fmt.Sprintf("/proc/%d/ns/%s", cmd.Process.Pid, ns), unix.O_RDONLY|unix.O_CLOEXEC, 0)
+		return unix.Open(fmt.Sprintf("/proc/%d/ns/%s", pid, ns), unix.O_RDONLY|unix.O_CLOEXEC, 0)
 	}
 	if userns, err = open("user"); err != nil {
 		return -1, -1, fmt.Errorf("the sandbox's user namespace: %w", err)
