@@ -178,6 +178,11 @@ type CreateRequest struct {
 
 	mounts []store.VolumeMount // Volumes resolved (Create)
 	quota  *reservation        // the team's quota, reserved (Create)
+	// started lets go of what only the start needs, once the sandbox
+	// runs: the host's create slot and the volume lock (the record names
+	// the volumes by then). What comes after, a snapshot's restore, is
+	// the sandbox's own work at its own pace (Create).
+	started func()
 }
 
 // wallLabel is the wall a create asked for, as a metric's label: the
@@ -289,7 +294,9 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (rec *store.San
 	if err != nil {
 		return nil, err
 	}
+	release = sync.OnceFunc(release)
 	defer release()
+	unlockVolumes := func() {}
 
 	opts := sandbox.Options{ID: req.ID,
 		Wall: req.Wall, Template: req.Template, Env: req.Env, CPUs: req.CPUs,
@@ -310,12 +317,14 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (rec *store.San
 	if len(req.Volumes) > 0 {
 		// Until the record names them, no volume of the owner's is
 		// deleted (only its owner's calls name a volume).
-		defer m.lockVolumes(req.KeyID, false)()
+		unlockVolumes = sync.OnceFunc(m.lockVolumes(req.KeyID, false))
+		defer unlockVolumes()
 		if req.mounts, opts.Volumes, err = m.openMounts(req.KeyID, req.Volumes); err != nil {
 			return nil, err
 		}
 		defer closeVolumes(opts.Volumes)
 	}
+	req.started = func() { release(); unlockVolumes() }
 	var sb wall.Sandbox
 	for attempt := 0; ; attempt++ {
 		var err error
@@ -358,6 +367,14 @@ func (m *Manager) start(ctx context.Context, req CreateRequest, opts *sandbox.Op
 		return nil, nil, err
 	}
 	sb, err := p.Start(ctx)
+	if err == nil && req.started != nil {
+		// A snapshot's restore takes as long as its files make it (a
+		// tree thousands of directories deep took the agent minutes):
+		// it must not hold the host's create slots, which every tenant's
+		// creates wait for, or the volume lock, which every volume's
+		// create and delete wait for.
+		req.started()
+	}
 	if err == nil && snap != nil {
 		c := agentclient.New(sb.Dial, sb.Token())
 		if err = m.restoreSnapshot(ctx, snap, c); err != nil {

@@ -309,6 +309,7 @@ func (m *Manager) resumeFiles(ctx context.Context, rec *store.Sandbox, d time.Du
 	if err != nil {
 		return err
 	}
+	release = sync.OnceFunc(release)
 	defer release()
 	policy, err := DecodePolicy(rec.Network)
 	if err != nil {
@@ -316,7 +317,8 @@ func (m *Manager) resumeFiles(ctx context.Context, rec *store.Sandbox, d time.Du
 	}
 	opts := sandbox.Options{ID: rec.ID, Token: rec.AccessToken, Wall: rec.Wall, Template: rec.TemplateID, Env: rec.EnvVars,
 		CPUs: rec.CPUs, Memory: rec.Memory, Disk: rec.Disk, Pids: rec.Pids, Net: policy, Max: m.cfg.Max}
-	defer m.lockVolumes(rec.KeyID, false)()
+	unlockVolumes := sync.OnceFunc(m.lockVolumes(rec.KeyID, false))
+	defer unlockVolumes()
 	if opts.Volumes, err = m.reopenMounts(rec); err != nil {
 		return err
 	}
@@ -329,6 +331,14 @@ func (m *Manager) resumeFiles(ctx context.Context, rec *store.Sandbox, d time.Du
 	if err != nil {
 		return err
 	}
+	// Started: the restore is the sandbox's own work, as long as its files
+	// make it (a tree thousands of directories deep took its agent
+	// minutes). It holds neither the host's create slots, which every
+	// tenant's creates wait for, nor the volume lock, which every volume's
+	// create and delete wait for (the paused record names its volumes, so
+	// none of them is deleted meanwhile).
+	release()
+	unlockVolumes()
 	c := agentclient.New(sb.Dial, sb.Token())
 	err = c.Restore(ctx, saved)
 	c.Close()
