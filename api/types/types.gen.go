@@ -1029,7 +1029,7 @@ type TeamQuotas struct {
 	// Cpus vCPUs of those.
 	Cpus float64 `json:"cpus,omitempty,omitzero"`
 
-	// DiskMB Disk sizes of every sandbox of the team, paused ones included, in MiB.
+	// DiskMB Disk sizes of every sandbox of the team, paused ones included, and the bytes of its snapshots, in MiB.
 	DiskMB int64 `json:"diskMB,omitempty,omitzero"`
 
 	// MemoryMB Memory limits of those and of sandboxes paused with their memory (frozen), in MiB.

@@ -179,7 +179,12 @@ func archiveLimit(disk int64) int64 { return disk + disk/4 + 16<<20 }
 // processes halted meanwhile) into path. Nothing is left on failure, and
 // the sandbox goes on as before.
 func (m *Manager) saveFiles(ctx context.Context, sb wall.Sandbox, disk int64, path string) error {
-	limit := archiveLimit(disk)
+	return m.saveFilesUpTo(ctx, sb, archiveLimit(disk), path)
+}
+
+// saveFilesUpTo is saveFiles with the archive bounded to limit bytes
+// (agentclient.ErrTooLarge past it).
+func (m *Manager) saveFilesUpTo(ctx context.Context, sb wall.Sandbox, limit int64, path string) error {
 	if err := os.MkdirAll(filepath.Dir(path), 0o700); err != nil {
 		return err
 	}

@@ -141,6 +141,55 @@ func (m *Manager) reserve(owner string, need store.Usage) (*reservation, error) 
 	return &reservation{m: m, owner: owner, need: need}, nil
 }
 
+// reserveDisk reserves for owner's team at most max bytes of its disk
+// quota, fewer when it has less left, and returns what it reserved (max,
+// and no reservation, where the owner has no disk quota). A team with
+// nothing left is a *QuotaError. What a snapshot's archive may take: its
+// bytes are known only once it is written.
+func (m *Manager) reserveDisk(owner string, max int64) (*reservation, int64, error) {
+	if max < 0 {
+		return nil, 0, fmt.Errorf("%w: negative disk (%d)", ErrInvalid, max)
+	}
+	if !strings.HasPrefix(owner, store.TeamPrefix) {
+		return nil, max, nil
+	}
+	team, err := m.cfg.Store.GetTeam(owner)
+	if errors.Is(err, store.ErrNotFound) {
+		return nil, 0, fmt.Errorf("%w: the key's team is gone", ErrNotFound)
+	}
+	if err != nil {
+		return nil, 0, err
+	}
+	if team.Limits.Disk == 0 {
+		return nil, max, nil
+	}
+	b := &m.quotas
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	u, err := m.cfg.Store.Usage(owner, PauseMemory)
+	if err != nil {
+		return nil, 0, err
+	}
+	h := b.held[owner]
+	left := team.Limits.Disk - u.Disk - h.Disk
+	if left <= 0 {
+		return nil, 0, snapshotOverQuota(team, u.Disk+h.Disk)
+	}
+	got := min(max, left)
+	if b.held == nil {
+		b.held = map[string]store.Usage{}
+	}
+	h.Disk += got
+	b.held[owner] = h
+	return &reservation{m: m, owner: owner, need: store.Usage{Disk: got}}, got, nil
+}
+
+// snapshotOverQuota is a snapshot that does not fit its team's disk quota.
+func snapshotOverQuota(t *store.Team, used int64) error {
+	return &QuotaError{Quota: "disk", Msg: fmt.Sprintf("team %q's quota of %s disk is reached (%s in use, its snapshots' files included); delete one of its snapshots or kill one of its sandboxes first",
+		t.Name, mib(t.Limits.Disk), mib(used))}
+}
+
 // overQuota names the first quota that need would cross.
 func overQuota(t *store.Team, u, need store.Usage) error {
 	q := t.Limits

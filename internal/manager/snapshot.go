@@ -101,13 +101,25 @@ func (m *Manager) Snapshot(ctx context.Context, keyID, id, name string) (*store.
 		Spec: store.SnapshotSpec{CPUs: rec.CPUs, Memory: rec.Memory, Disk: rec.Disk, Pids: rec.Pids, EnvVars: rec.EnvVars, Network: rec.Network,
 			HTTPSPorts: rec.HTTPSPorts}}
 	path := m.snapshotFile(sn.ID)
-	if err := m.saveFiles(ctx, sb, rec.Disk, path); err != nil {
+	// Its archive takes its bytes of the team's disk quota: at most what
+	// the quota has left, held while it is written and given back as its
+	// record (which counts its size) is made.
+	limit := archiveLimit(rec.Disk)
+	q, got, err := m.reserveDisk(rec.KeyID, limit)
+	if err != nil {
+		return nil, err
+	}
+	defer q.release()
+	if err := m.saveFilesUpTo(ctx, sb, got, path); err != nil {
+		if got < limit && errors.Is(err, agentclient.ErrTooLarge) {
+			return nil, &QuotaError{Quota: "disk", Msg: fmt.Sprintf("sandbox %s's files are more than the %d MiB its team's disk quota has left; delete one of its snapshots or kill one of its sandboxes first", id, got>>20)}
+		}
 		return nil, fmt.Errorf("snapshot sandbox %s: %w", id, err)
 	}
 	if fi, err := os.Stat(path); err == nil {
 		sn.Size = fi.Size()
 	}
-	if err := m.cfg.Store.InsertSnapshot(sn); err != nil {
+	if err := q.record(func() error { return m.cfg.Store.InsertSnapshot(sn) }); err != nil {
 		_ = os.Remove(path)
 		if errors.Is(err, store.ErrConflict) {
 			return nil, fmt.Errorf("%w: a snapshot is named %q already", ErrConflict, name)

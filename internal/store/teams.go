@@ -36,7 +36,8 @@ type TeamLimits struct {
 	// running or being made; CPUs the vCPUs of those; Memory the memory
 	// limits of those and of sandboxes paused with their memory (frozen:
 	// the host still holds it); Disk the disk sizes of all the team's
-	// sandboxes, paused ones included; Paused the paused sandboxes.
+	// sandboxes, paused ones included, and the bytes of its snapshots;
+	// Paused the paused sandboxes.
 	Sandboxes int64   `json:"sandboxes,omitempty"`
 	CPUs      float64 `json:"cpus,omitempty"`
 	Memory    int64   `json:"memory,omitempty"` // bytes
@@ -202,14 +203,24 @@ type Usage struct {
 	Sandboxes int64   // running or being made
 	CPUs      float64 // of those
 	Memory    int64   // bytes: of those, and of sandboxes paused with their memory
-	Disk      int64   // bytes: of every sandbox, paused ones included
+	Disk      int64   // bytes: of every sandbox, paused ones included, and of the owner's snapshots (Usage)
 	Paused    int64
 }
 
-// Usage sums what owner's sandboxes hold; memoryKinds are the pause kinds
-// that keep a paused sandbox's memory on the host.
+// Usage sums what owner's sandboxes hold, and in Disk its snapshots'
+// archives too; memoryKinds are the pause kinds that keep a paused
+// sandbox's memory on the host.
 func (s *Store) Usage(owner string, memoryKinds ...string) (Usage, error) {
-	return s.usage("key_id = ?", owner, memoryKinds)
+	u, err := s.usage("key_id = ?", owner, memoryKinds)
+	if err != nil {
+		return u, err
+	}
+	var snaps int64
+	if err := s.db.QueryRowContext(context.Background(), "SELECT COALESCE(SUM(size), 0) FROM snapshots WHERE key_id = ?", owner).Scan(&snaps); err != nil {
+		return u, fmt.Errorf("store: snapshots of %s: %w", owner, err)
+	}
+	u.Disk += snaps
+	return u, nil
 }
 
 // TotalUsage sums what every sandbox holds (the host's committed share).
