@@ -2,9 +2,11 @@ package manager
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
+	"strings"
 	"time"
 
 	"github.com/cagehq/cage/internal/audit"
@@ -68,6 +70,7 @@ func (m *Manager) Recover() error {
 		m.event(rec.ID, rec.KeyID, audit.KindRemoved, map[string]any{"reason": "state " + rec.State + " at daemon start"})
 	}
 	m.removeStaleCheckpoints()
+	m.removeOrphanArchives()
 	m.sweep()
 	return nil
 }
@@ -169,6 +172,39 @@ func (m *Manager) removePartial() {
 		parts, _ := filepath.Glob(filepath.Join(dir, "*.part"))
 		for _, p := range parts {
 			_ = os.Remove(p)
+		}
+	}
+}
+
+// removeOrphanArchives removes the archives no record names: a crash
+// between an archive's rename and its record (a snapshot's insert, a
+// pause's update), or a sandbox paused mid-crash and then lost, left them
+// in the data directory for good, up to a sandbox's disk and a quarter
+// each, counted in no quota.
+func (m *Manager) removeOrphanArchives() {
+	for _, kind := range []string{"paused", "snapshots"} {
+		dir := filepath.Join(m.cfg.Data, kind)
+		ents, _ := os.ReadDir(dir)
+		for _, e := range ents {
+			id, ok := strings.CutSuffix(e.Name(), ".tar")
+			if !ok {
+				continue
+			}
+			if kind == "paused" {
+				if rec, err := m.cfg.Store.GetSandbox(id); err == nil && rec.State == store.StatePaused {
+					continue
+				} else if err != nil && !errors.Is(err, store.ErrNotFound) {
+					continue // the store failed: nothing is known
+				}
+			} else {
+				if sn, err := m.cfg.Store.GetSnapshot("", id); err == nil && sn.ID == id {
+					continue
+				} else if err != nil && !errors.Is(err, store.ErrNotFound) {
+					continue
+				}
+			}
+			m.log.Info("removing an archive no record names", "kind", kind, "name", e.Name())
+			_ = os.Remove(filepath.Join(dir, e.Name()))
 		}
 	}
 }
