@@ -34,7 +34,7 @@ func (f *teamFlags) register(cmd *cobra.Command) {
 	fl.Int64Var(&f.sandboxes, "sandboxes", 0, "quota: sandboxes running at once (0: none)")
 	fl.Float64Var(&f.cpus, "cpus", 0, "quota: vCPUs of the running sandboxes (0: none)")
 	fl.StringVar(&f.memory, "memory", "", "quota: memory of the running and frozen sandboxes, e.g. 16G (0: none)")
-	fl.StringVar(&f.disk, "disk", "", "quota: disk sizes of all its sandboxes, paused included, e.g. 100G (0: none)")
+	fl.StringVar(&f.disk, "disk", "", "quota: disk sizes of all its sandboxes, paused included, and its snapshots' files, e.g. 100G (0: none)")
 	fl.Int64Var(&f.paused, "paused", 0, "quota: paused sandboxes (0: none)")
 	fl.Float64Var(&f.requests, "requests", 0, "each of its keys' API requests a second (0: the server's, limits.key_requests)")
 	fl.Float64Var(&f.creates, "creates", 0, "each of its keys' creates a second (0: the server's, limits.key_creates)")
