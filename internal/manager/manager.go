@@ -96,7 +96,8 @@ type Manager struct {
 	transitions map[string]*transitionLock // by sandbox id (see transition)
 
 	// volMu guards volLocks: each owner's lock of a create or resume
-	// that mounts its volumes (read) against its volumes' creation or
+	// that mounts its volumes (read, until its sandbox has started: a
+	// restore after that holds it not) against its volumes' creation or
 	// deletion (write) (volumes.go, volumeLock).
 	volMu    sync.Mutex
 	volLocks map[string]*volumeLock
