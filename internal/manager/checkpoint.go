@@ -153,7 +153,7 @@ func (m *Manager) resumeCheckpoint(ctx context.Context, rec *store.Sandbox, d ti
 	if keepMemory && cp != nil {
 		// A restore starts the sandbox again: a create's slot, let go
 		// before a resume from the saved files takes its own.
-		release, err := m.createSlot(ctx)
+		release, err := m.createSlot(ctx, rec.KeyID)
 		if err != nil {
 			return err
 		}

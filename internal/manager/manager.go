@@ -89,8 +89,7 @@ type Manager struct {
 
 	rec atomic.Pointer[recorder] // network records (records.go)
 
-	createSlots chan struct{} // a token per create in progress
-	waiting     atomic.Int64  // creates waiting for a slot
+	slots *createSlots // creates in progress and waiting (createslots.go)
 
 	transMu     sync.Mutex
 	transitions map[string]*transitionLock // by sandbox id (see transition)
@@ -149,7 +148,7 @@ func New(cfg Config) *Manager {
 	if cfg.PausedRetention <= 0 {
 		cfg.PausedRetention = DefaultPausedRetention
 	}
-	return &Manager{cfg: cfg, log: cfg.Log, live: map[string]*entry{}, transitions: map[string]*transitionLock{}, volLocks: map[string]*volumeLock{}, createSlots: make(chan struct{}, cfg.MaxCreating)}
+	return &Manager{cfg: cfg, log: cfg.Log, live: map[string]*entry{}, transitions: map[string]*transitionLock{}, volLocks: map[string]*volumeLock{}, slots: newCreateSlots(cfg.MaxCreating)}
 }
 
 // CreateRequest is what a client asks for.
@@ -287,18 +286,6 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (rec *store.San
 	if err != nil {
 		return nil, err
 	}
-	if err := m.admit(); err != nil {
-		return nil, err
-	}
-	defer m.admitted()
-	release, err := m.createSlot(ctx)
-	if err != nil {
-		return nil, err
-	}
-	release = sync.OnceFunc(release)
-	defer release()
-	unlockVolumes := func() {}
-
 	opts := sandbox.Options{ID: req.ID,
 		Wall: req.Wall, Template: req.Template, Env: req.Env, CPUs: req.CPUs,
 		Memory: req.Memory, Disk: req.Disk, Pids: req.Pids, Net: req.Net, Max: m.cfg.Max,
@@ -311,10 +298,24 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (rec *store.San
 	if err := checked.Validate(); err != nil {
 		return nil, err
 	}
+	// The team's quota is reserved before the server's bounds are taken
+	// (max_sandboxes, a create slot, a waiting place): a create its quota
+	// refuses holds none of them, even for a moment.
 	if req.quota, err = m.reserve(req.KeyID, createNeed(&opts)); err != nil {
 		return nil, err
 	}
 	defer req.quota.release()
+	if err := m.admit(); err != nil {
+		return nil, err
+	}
+	defer m.admitted()
+	release, err := m.createSlot(ctx, req.KeyID)
+	if err != nil {
+		return nil, err
+	}
+	release = sync.OnceFunc(release)
+	defer release()
+	unlockVolumes := func() {}
 	if len(req.Volumes) > 0 {
 		// Until the record names them, no volume of the owner's is
 		// deleted (only its owner's calls name a volume).
@@ -460,34 +461,6 @@ func (m *Manager) SetNetwork(keyID, id string, p network.Policy) (*store.Sandbox
 	}
 	m.event(id, rec.KeyID, audit.KindNetwork, map[string]any{"network": rec.Network})
 	return rec, nil
-}
-
-// waitFactor is how many creates may wait for a slot, per slot: a waiting
-// create costs a goroutine and its request, and a burst of a few dozen
-// (an SDK's users start 20 at once) must queue on a 2-core host rather
-// than fail.
-const waitFactor = 8
-
-// createSlot waits for one of the MaxCreating slots of creates in
-// progress; with waitFactor times as many already waiting, it refuses at
-// once.
-func (m *Manager) createSlot(ctx context.Context) (release func(), err error) {
-	select {
-	case m.createSlots <- struct{}{}:
-		return func() { <-m.createSlots }, nil
-	default:
-	}
-	if m.waiting.Add(1) > int64(waitFactor*m.cfg.MaxCreating) {
-		m.waiting.Add(-1)
-		return nil, fmt.Errorf("%w: %d creates are in progress and %d wait; try again", ErrLimit, m.cfg.MaxCreating, waitFactor*m.cfg.MaxCreating)
-	}
-	defer m.waiting.Add(-1)
-	select {
-	case m.createSlots <- struct{}{}:
-		return func() { <-m.createSlots }, nil
-	case <-ctx.Done():
-		return nil, ctx.Err()
-	}
 }
 
 func (m *Manager) admit() error {

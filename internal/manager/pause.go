@@ -310,7 +310,7 @@ func (m *Manager) resumeFiles(ctx context.Context, rec *store.Sandbox, d time.Du
 	// A resume starts a sandbox as a create does, and waits for the same
 	// slots (before, resumes did not: a tenant could resume its paused
 	// sandboxes all at once, past the host's bound on starts).
-	release, err := m.createSlot(ctx)
+	release, err := m.createSlot(ctx, rec.KeyID)
 	if err != nil {
 		return err
 	}

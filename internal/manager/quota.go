@@ -253,5 +253,6 @@ func (m *Manager) Load() (live, maxLive, creating, maxCreating int) {
 	m.mu.Lock()
 	live = len(m.live) + m.creating
 	m.mu.Unlock()
-	return live, m.cfg.MaxSandboxes, len(m.createSlots), m.cfg.MaxCreating
+	creating, _ = m.slots.load()
+	return live, m.cfg.MaxSandboxes, creating, m.cfg.MaxCreating
 }

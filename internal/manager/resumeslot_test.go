@@ -26,7 +26,7 @@ func TestResumeTakesACreateSlot(t *testing.T) {
 	if err := os.WriteFile(m.savedFiles(rec.ID), nil, 0o600); err != nil {
 		t.Fatal(err)
 	}
-	release, err := m.createSlot(context.Background())
+	release, err := m.createSlot(context.Background(), rec.KeyID)
 	if err != nil {
 		t.Fatal(err)
 	}
