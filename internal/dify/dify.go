@@ -73,7 +73,7 @@ type Config struct {
 	Network     *network.Policy
 	MaxRequests int   // runs in flight; beyond, 503
 	MaxWorkers  int   // runs with a sandbox at once (default 4 per CPU)
-	MaxOutput   int64 // bytes of stdout, and of stderr, kept per run
+	MaxOutput   int64 // bytes of stdout, and of stderr, kept per run, as the answer holds them (JSON)
 	MaxBody     int64 // bytes of a request body
 	// Audit is the audit trail (nil: none): every call under /v1/sandbox/
 	// (api.call, refused ones the operator's), and each run (process.code:

@@ -7,6 +7,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"math/rand/v2"
 	"mime/multipart"
 	"net"
 	"net/http"
@@ -16,6 +17,7 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+	"unicode/utf8"
 
 	"github.com/cagehq/cage/internal/network"
 )
@@ -373,6 +375,38 @@ func TestWaitingRunsHoldNoBody(t *testing.T) {
 	for range 10 {
 		if a := <-results; a.status != 200 || a.env.Code != 0 {
 			t.Fatalf("a run: %d %.200s", a.status, a.body)
+		}
+	}
+}
+
+// TestFitJSON: fitJSON's prefix and tailJSON's suffix take at most their
+// budget in json.Marshal's output, cut between runes, and are as long as
+// that allows, whatever bytes the code wrote (control bytes and '<' are 6
+// bytes escaped, invalid UTF-8 6, a rune of four bytes 4).
+func TestFitJSON(t *testing.T) {
+	parts := []string{"a", "\x01", "<", "\n", "\"", "é", "✓", "𝄞", "\xff", "\xe2\x82", "\u2028", "&"}
+	rng := rand.New(rand.NewPCG(1, 2))
+	size := func(s string) int64 { b, _ := json.Marshal(s); return int64(len(b)) - 2 }
+	for range 2000 {
+		var b strings.Builder
+		for range rng.IntN(40) {
+			b.WriteString(parts[rng.IntN(len(parts))])
+		}
+		s, max := b.String(), int64(rng.IntN(80))
+		head, cut := fitJSON(s, max)
+		if !strings.HasPrefix(s, head) || size(head) > max || cut != (head != s) {
+			t.Fatalf("fitJSON(%q, %d) = %q (%d bytes as JSON), %v", s, max, head, size(head), cut)
+		}
+		tail, cut := tailJSON(s, max)
+		if !strings.HasSuffix(s, tail) || size(tail) > max || cut != (tail != s) {
+			t.Fatalf("tailJSON(%q, %d) = %q (%d bytes as JSON), %v", s, max, tail, size(tail), cut)
+		}
+		if cut && len(tail) < len(s) {
+			// one more rune would not fit
+			_, n := utf8.DecodeLastRuneInString(s[:len(s)-len(tail)])
+			if size(s[len(s)-len(tail)-n:]) <= max {
+				t.Fatalf("tailJSON(%q, %d) = %q: one more rune fits", s, max, tail)
+			}
 		}
 	}
 }

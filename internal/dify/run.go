@@ -9,6 +9,7 @@ import (
 	"net/http"
 	"strings"
 	"time"
+	"unicode/utf8"
 
 	"github.com/cagehq/cage/internal/agentclient"
 	"github.com/cagehq/cage/internal/audit"
@@ -128,7 +129,11 @@ func (s *Server) runIn(ctx context.Context, sb wall.Sandbox, req runRequest) (*R
 	if ctx.Err() != nil {
 		return nil, ctx.Err() // the caller went away
 	}
-	res := &Result{Stdout: stdout.String(), Stderr: stderr.String(), outcome: "ok"}
+	// Each stream is bounded as it is sent, escaped in JSON (a control
+	// byte is 6 bytes there), not only as the code wrote it.
+	out, cutOut := fitJSON(stdout.String(), s.cfg.MaxOutput)
+	errOut, cutErr := fitJSON(stderr.String(), s.cfg.MaxOutput)
+	res := &Result{Stdout: out, Stderr: errOut, outcome: "ok"}
 	var lines []string
 	switch {
 	case err != nil && rctx.Err() != nil, end.GetReason() == "timeout":
@@ -143,14 +148,70 @@ func (s *Server) runIn(ctx context.Context, sb wall.Sandbox, req runRequest) (*R
 		res.ExitCode = int(end.GetExitCode())
 		lines = append(lines, s.endLines(end, res)...)
 	}
-	if stdout.dropped > 0 || stderr.dropped > 0 || end.GetTruncated() {
+	if stdout.dropped > 0 || stderr.dropped > 0 || cutOut || cutErr || end.GetTruncated() {
 		lines = append(lines, fmt.Sprintf("error: output truncated at %s per stream", units.FormatSize(s.cfg.MaxOutput)))
 		if res.outcome == "ok" {
 			res.outcome = "truncated"
 		}
 	}
-	res.Error = errorText(res.ExitCode, lines, res.Stderr)
+	// error repeats stderr (dify-sandbox's format) after a failure: only
+	// its end, where a traceback ends, so that the answer holds at most
+	// 2 × max_output and this much more.
+	tail := stderr.String()
+	if res.ExitCode != 0 {
+		var cut bool
+		if tail, cut = tailJSON(tail, min(maxErrorStderr, s.cfg.MaxOutput)); cut {
+			lines = append(lines, fmt.Sprintf("error: stderr shortened to its last %s here", units.FormatSize(min(maxErrorStderr, s.cfg.MaxOutput))))
+		}
+	}
+	res.Error = errorText(res.ExitCode, lines, tail)
 	return res, nil
+}
+
+// maxErrorStderr bounds the copy of stderr in a failed run's error, as
+// JSON (at most max_output).
+const maxErrorStderr = 64 << 10
+
+// jsonCost is how many bytes the rune r, of size bytes in the string,
+// takes in encoding/json's output (HTML-escaped, as json.Marshal writes).
+func jsonCost(r rune, size int) int64 {
+	switch {
+	case r == utf8.RuneError && size == 1:
+		return 6 // \ufffd
+	case r == '"' || r == '\\' || r == '\n' || r == '\r' || r == '\t':
+		return 2
+	case r < 0x20 || r == '<' || r == '>' || r == '&' || r == '\u2028' || r == '\u2029':
+		return 6
+	}
+	return int64(size)
+}
+
+// fitJSON is the longest prefix of s, cut between runes, that takes at
+// most max bytes in JSON (quotes aside), and whether it is shorter than s.
+func fitJSON(s string, max int64) (string, bool) {
+	var n int64
+	for i := 0; i < len(s); {
+		r, size := utf8.DecodeRuneInString(s[i:])
+		if n += jsonCost(r, size); n > max {
+			return s[:i], true
+		}
+		i += size
+	}
+	return s, false
+}
+
+// tailJSON is the longest suffix of s, cut between runes, that takes at
+// most max bytes in JSON, and whether it is shorter than s.
+func tailJSON(s string, max int64) (string, bool) {
+	var n int64
+	for i := len(s); i > 0; {
+		r, size := utf8.DecodeLastRuneInString(s[:i])
+		if n += jsonCost(r, size); n > max {
+			return s[i:], true
+		}
+		i -= size
+	}
+	return s, false
 }
 
 // endLines explains how the process ended, from the agent's end event.
