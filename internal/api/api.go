@@ -226,7 +226,7 @@ func (s *server) failure(r *http.Request, err error) (int, string) {
 	case errors.Is(err, errForbidden):
 		return http.StatusForbidden, err.Error()
 	case errors.Is(err, sandbox.ErrUnavailable), errors.Is(err, sandbox.ErrPermission):
-		msg, cut := withoutHostPaths(err.Error())
+		msg, cut := WithoutHostPaths(err.Error())
 		if cut {
 			id := requestID()
 			s.log.Error("request failed", "route", r.Method+" "+r.URL.Path, "request", id, "err", logged(err))
@@ -251,13 +251,13 @@ func logged(err error) string {
 	return msg
 }
 
-// withoutHostPaths is what a client is told of a host's unavailability:
+// WithoutHostPaths is what a client is told of a host's unavailability:
 // the message up to the clause that names a path on the host (the
 // operator's: the daemon's data and run directories, cgroups, a guest
 // kernel's directory, with the free space there), and whether it was cut.
 // A tenant asking for a wall the host lacks, or pausing when the disk is
 // low, read them (found by review, 2026-12-03).
-func withoutHostPaths(msg string) (string, bool) {
+func WithoutHostPaths(msg string) (string, bool) {
 	at := -1
 	for i := 0; i < len(msg); i++ {
 		if msg[i] != '/' {
@@ -290,6 +290,10 @@ var errBadRequest = errors.New("bad request")
 const maxLoggedError = 4 << 10
 
 // requestID names one failed request in the log and in its answer.
+// RequestID is a new id for a failure whose detail goes to the log only,
+// for the client to quote.
+func RequestID() string { return requestID() }
+
 func requestID() string {
 	b := make([]byte, 8)
 	_, _ = rand.Read(b)

@@ -5,6 +5,8 @@ import (
 	"errors"
 	"net/http"
 	"time"
+
+	"github.com/cagehq/cage/internal/api"
 )
 
 // current checks the session's key again (a key revoked since sign-in
@@ -37,7 +39,12 @@ func (s *Server) templates(w http.ResponseWriter, r *http.Request) {
 	}
 	ts, err := s.cfg.Templates()
 	if err != nil {
-		writeError(w, http.StatusInternalServerError, "template store: "+err.Error())
+		// Every key reads this page: the store's paths on the host are
+		// the operator's, in the log.
+		msg, _ := api.WithoutHostPaths(err.Error())
+		id := api.RequestID()
+		s.log.Error("ui: list the template store", "request", id, "err", err)
+		writeError(w, http.StatusInternalServerError, "cannot list the template store: "+msg+" (request "+id+"; the server's log has the detail)")
 		return
 	}
 	if ts == nil {

@@ -4,13 +4,18 @@ import (
 	"context"
 	"encoding/json"
 	"io"
+	"log/slog"
 	"net/http"
 	"net/http/httptest"
+	"os"
+	"path/filepath"
 	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/cagehq/cage/internal/imgstore"
 )
 
 // These tests hold the session layer to its rules without a daemon (the
@@ -373,5 +378,45 @@ func TestRevokedKeyEndsItsSession(t *testing.T) {
 	w := do(s, "POST", "/ui/term/sb1/t1/input", `{"data":"eA=="}`, map[string]string{"Cookie": cookie, csrfHeader: csrf, "Origin": "http://cage.test"})
 	if w.Code != http.StatusUnauthorized {
 		t.Errorf("a terminal's input after the key's revocation: %d, want 401", w.Code)
+	}
+}
+
+// TestTemplatesErrorNamesNoHostPath: when the template store cannot be
+// listed (here a corrupt record), /ui/templates, which every key may read,
+// says what failed without the store's path on the host; the path goes to
+// the log under the request id the page shows (found by review,
+// 2026-12-03: "template store: " and the raw error, path and all).
+func TestTemplatesErrorNamesNoHostPath(t *testing.T) {
+	dir := filepath.Join(t.TempDir(), "srv-ops-templates")
+	st, err := imgstore.Open(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(dir, "templates", "broken.json"), []byte("{not json"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := st.List(); err == nil || !strings.Contains(err.Error(), dir) {
+		t.Fatalf("the store's error %v: the test wants one naming its path", err)
+	}
+	var log strings.Builder
+	s, _, _ := newTest(t)
+	s.log = slog.New(slog.NewTextHandler(&log, nil))
+	s.cfg.Templates = func() ([]Template, error) {
+		_, err := st.List()
+		return nil, err
+	}
+	cookie, _ := signIn(t, s)
+	w := do(s, "GET", "/ui/templates", "", map[string]string{"Cookie": cookie})
+	var e errorJSON
+	if w.Code != http.StatusInternalServerError || json.Unmarshal(w.Body.Bytes(), &e) != nil {
+		t.Fatalf("/ui/templates with a corrupt store: %d %s", w.Code, w.Body)
+	}
+	if strings.Contains(e.Message, "srv-ops") || !strings.HasPrefix(e.Message, `cannot list the template store: template "broken" (request `) {
+		t.Errorf("the page is told %q: want what failed, without the host's path", e.Message)
+	}
+	_, id, ok := strings.Cut(e.Message, "(request ")
+	id, _, _ = strings.Cut(id, ";")
+	if !ok || id == "" || !strings.Contains(log.String(), id) || !strings.Contains(log.String(), dir) {
+		t.Errorf("the log %q does not hold the path under the request id of %q", log.String(), e.Message)
 	}
 }
