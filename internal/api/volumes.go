@@ -118,7 +118,9 @@ type contentHandler func(w http.ResponseWriter, r *http.Request, root *volume.Ro
 // volumeToken opens the route's volume with the request's bearer token
 // before anything of the request's body is read; then (an upload may be
 // long) the listener's one-minute bound on reading a request gives way to
-// an hour, as E2B's SDK allows its file operations.
+// an hour, as E2B's SDK allows its file operations, as long as the body
+// keeps coming: one through which no byte arrives for contentIdle is
+// ended (see idleBody).
 func (s *server) volumeToken(h contentHandler) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		auth := r.Header.Get("Authorization")
@@ -147,9 +149,46 @@ func (s *server) volumeToken(h contentHandler) http.Handler {
 		if !s.allowContent(w, r, v.KeyID) {
 			return
 		}
-		_ = http.NewResponseController(w).SetReadDeadline(time.Now().Add(time.Hour))
+		rc := http.NewResponseController(w)
+		whole := time.Now().Add(contentWhole)
+		if r.Body != nil && r.Body != http.NoBody {
+			r.Body = &idleBody{ReadCloser: r.Body, rc: rc, whole: whole}
+			_ = rc.SetReadDeadline(earlier(whole, time.Now().Add(contentIdle)))
+		} else {
+			_ = rc.SetReadDeadline(whole)
+		}
 		h(w, r, root)
 	})
+}
+
+// contentWhole bounds a content request's whole body; contentIdle the
+// time between two of its reads that bring bytes. Found by review,
+// 2026-12-03: a token holder got the hour for each request whether its
+// body moved or not, so it could keep its address's 4,096 connections
+// for an hour with nothing sent.
+var (
+	contentWhole = time.Hour
+	contentIdle  = time.Minute
+)
+
+// idleBody moves the connection's read deadline contentIdle ahead each
+// time a read brings bytes (never past whole), and to whole once the body
+// is read, so that the answer's writing is not cut.
+type idleBody struct {
+	io.ReadCloser
+	rc    *http.ResponseController
+	whole time.Time
+}
+
+func (b *idleBody) Read(p []byte) (int, error) {
+	n, err := b.ReadCloser.Read(p)
+	switch {
+	case err != nil:
+		_ = b.rc.SetReadDeadline(b.whole)
+	case n > 0:
+		_ = b.rc.SetReadDeadline(earlier(b.whole, time.Now().Add(contentIdle)))
+	}
+	return n, err
 }
 
 func writeContentError(w http.ResponseWriter, status int, code, msg string) {
@@ -348,4 +387,11 @@ func (s *server) writeFile(w http.ResponseWriter, r *http.Request, root *volume.
 		return
 	}
 	writeJSON(w, http.StatusCreated, entryJSON(e))
+}
+
+func earlier(a, b time.Time) time.Time {
+	if a.Before(b) {
+		return a
+	}
+	return b
 }
