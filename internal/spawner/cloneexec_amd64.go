@@ -34,13 +34,16 @@ func CloneExec(path string, argv []string, attr *syscall.ProcAttr) (int, error) 
 	}
 	pid, err := cloneExec(path, argv, attr)
 	if errors.Is(err, errNoClone3) {
-		return syscall.ForkExec(path, argv, attr) // a kernel before 5.3
+		// A kernel before 5.3, or one that refuses this clone3 (its
+		// arguments' size, CLONE_VM with these namespaces): Go's fork,
+		// which says what it finds.
+		return syscall.ForkExec(path, argv, attr)
 	}
 	return pid, err
 }
 
-// errNoClone3 is clone3's ENOSYS.
-var errNoClone3 = fmt.Errorf("clone3: %w", syscall.ENOSYS)
+// errNoClone3 is clone3 refused as such (ENOSYS, EINVAL, E2BIG).
+var errNoClone3 = errors.New("clone3 refused")
 
 // cloneExecCan reports whether cloneExec does all that attr asks.
 func cloneExecCan(attr *syscall.ProcAttr) bool {
@@ -244,8 +247,9 @@ func cloneExec(path string, argv []string, attr *syscall.ProcAttr) (pid int, err
 	_ = unix.PthreadSigmask(unix.SIG_SETMASK, &old, nil)
 	syscall.ForkLock.Unlock()
 	locked = false
-	if errno == uintptr(syscall.ENOSYS) {
-		return 0, errNoClone3
+	switch syscall.Errno(errno) {
+	case syscall.ENOSYS, syscall.EINVAL, syscall.E2BIG:
+		return 0, fmt.Errorf("%w: %w", errNoClone3, syscall.Errno(errno))
 	}
 	if errno != 0 {
 		return 0, syscall.Errno(errno)
