@@ -48,6 +48,37 @@ func load(reg uint32, base expr.PayloadBase, offset, n uint32) *expr.Payload {
 	return &expr.Payload{DestRegister: reg, Base: base, Offset: offset, Len: n}
 }
 
+// connEnd matches a packet whose tracked connection has, as its original
+// source (end 0) or destination (end 1), the address of the sandbox on the
+// packet's interface: the connection is that sandbox's own. Conntrack
+// accepts an ICMP error about any tracked connection as related to it,
+// whoever sends it, so a sandbox that can forge ICMP (root in a microVM's
+// guest, a compromised guest kernel) could otherwise ride another
+// sandbox's or the host's connection past its own policy.
+func connEnd(end int) []expr.Any {
+	key := expr.CtKeySRC
+	if end == 1 {
+		key = expr.CtKeyDST
+	}
+	return []expr.Any{
+		&expr.Meta{Key: expr.MetaKeyIIFNAME, Register: r0},
+		// 16 bytes in an inet table (r4..r7); an IPv4 address fills r4.
+		&expr.Ct{Register: r4, Key: key, Direction: 0},
+		&expr.Lookup{SourceRegister: r0, SetName: setSbx},
+	}
+}
+
+// ownConnAccept accepts a packet of an established connection, or one
+// related to it, when the connection is the sending sandbox's own
+// (connEnd); the caller decides what becomes of the others.
+func ownConnAccept() [][]expr.Any {
+	est := ctState(expr.CtStateBitESTABLISHED | expr.CtStateBitRELATED)
+	return [][]expr.Any{
+		cat(est, connEnd(0), verdict(expr.VerdictAccept)),
+		cat(est, connEnd(1), verdict(expr.VerdictAccept)),
+	}
+}
+
 // idLookup matches "id . ip daddr [. th dport]" in set.
 func idLookup(set string, port bool) []expr.Any {
 	e := cat(loadID(), []expr.Any{load(r4, expr.PayloadBaseNetworkHeader, 16, 4)})
@@ -88,7 +119,12 @@ func fromSandboxRules() [][]expr.Any {
 	// IPv4 only, from a sandbox's own interface and address only.
 	add(nfproto(unix.NFPROTO_IPV4, false), drop)
 	add(notSandbox(), drop)
-	add(ctState(expr.CtStateBitESTABLISHED|expr.CtStateBitRELATED), accept)
+	// Its own connections' packets; a packet of, or related to, any other
+	// tracked connection (an ICMP error naming another sandbox's flow) is
+	// dropped whatever the policy: it would leave under that connection's
+	// NAT, as that connection's.
+	rs = append(rs, ownConnAccept()...)
+	add(ctState(expr.CtStateBitESTABLISHED|expr.CtStateBitRELATED), drop)
 	// A new connection past the sandbox's tracked ones (maxFlows), counted
 	// by its source address: refused.
 	add(ctState(expr.CtStateBitNEW), []expr.Any{
@@ -149,7 +185,10 @@ func toHostRules() [][]expr.Any {
 		}
 		rs = append(rs, cat(ours, flood, verdict(expr.VerdictDrop)), cat(ours, verdict(expr.VerdictAccept)))
 	}
-	rs = append(rs, cat(ctState(expr.CtStateBitESTABLISHED|expr.CtStateBitRELATED), verdict(expr.VerdictAccept)))
+	// Replies and ICMP errors of the sandbox's own connections only: an
+	// ICMP error naming one of the host's connections (its resolver's
+	// questions upstream) is refused.
+	rs = append(rs, ownConnAccept()...)
 	return append(rs, logTo(setLogD), reject())
 }
 
