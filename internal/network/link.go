@@ -81,6 +81,20 @@ func attachLink(slot, nsFD int, ip, gw netip.Addr) (err error) {
 	if err := os.WriteFile("/proc/sys/net/ipv6/conf/"+name+"/disable_ipv6", []byte("1"), 0); err != nil && !errors.Is(err, os.ErrNotExist) {
 		return fmt.Errorf("disable IPv6 on %s: %w", name, err)
 	}
+	// ARP on the host end: answer only for the gateway (the address on this
+	// link; arp_ignore 1), and only a sender the host routes to over this
+	// link (arp_filter 1: the sandbox's own address). The host adds a
+	// neighbour entry for the sender of each request it answers, and the
+	// ARP table is one for every namespace of the host: a sandbox sending
+	// requests from forged senders (root in a microVM's guest) had the
+	// host learn each, and could fill the table (gc_thresh3) for the host
+	// and every sandbox; and its requests for the host's other addresses
+	// were answered, naming them (found by review, 2026-12-03).
+	for knob, v := range map[string]string{"arp_ignore": "1", "arp_filter": "1"} {
+		if err := os.WriteFile("/proc/sys/net/ipv4/conf/"+name+"/"+knob, []byte(v), 0); err != nil {
+			return fmt.Errorf("%s on %s: %w", knob, name, err)
+		}
+	}
 	// LinkAdd learnt the host end's index.
 	if veth.Index == 0 {
 		return fmt.Errorf("create veth %s: its index is unknown", name)
