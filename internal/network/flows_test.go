@@ -215,7 +215,10 @@ func TestFlowsPerSandboxBounded(t *testing.T) {
 				c.Close()
 			}
 		}()
-		for range tries {
+		for i := range tries {
+			if i > 0 && i%512 == 0 {
+				time.Sleep(time.Second / 2) // within the rate of new connections
+			}
 			c, err := net.DialUDP("udp4", nil, &net.UDPAddr{IP: testutil.PublicHost.AsSlice(), Port: 7200})
 			if err != nil {
 				return err

@@ -81,6 +81,7 @@ func (n *nft) ensureBase(turnedOn bool, group uint16, denied []span) error {
 			return err
 		}
 	}
+	n.addClosedTimeout()
 	guard := guardExists
 	if turnedOn && !guardExists {
 		g := c.AddChain(&nftables.Chain{Name: guardChain, Table: n.table})
@@ -95,6 +96,17 @@ func (n *nft) ensureBase(turnedOn bool, group uint16, denied []span) error {
 		return fmt.Errorf("nftables: create table %s: %w", tableName, err)
 	}
 	return nil
+}
+
+// addClosedTimeout queues the ct timeout object ctClosed (an existing
+// one is left as it is: the kernel cannot update it). The library fills in
+// the kernel's defaults for the states not named (the caller holds mu).
+func (n *nft) addClosedTimeout() {
+	n.conn.AddObj(&nftables.NamedObj{Table: n.table, Name: ctClosed, Type: nftables.ObjTypeCtTimeout,
+		Obj: &expr.CtTimeout{L3Proto: unix.NFPROTO_IPV4, L4Proto: unix.IPPROTO_TCP, Policy: expr.CtStatePolicyTimeout{
+			expr.CtStateTCPTIMEWAIT: closedTimeout,
+			expr.CtStateTCPCLOSE:    closedTimeout,
+		}}})
 }
 
 // addChains queues the base chains (forward, input, dstnat, srcnat) and

@@ -3,6 +3,7 @@ package network
 import (
 	"fmt"
 
+	"github.com/google/nftables"
 	"github.com/google/nftables/expr"
 	"golang.org/x/sys/unix"
 )
@@ -100,6 +101,33 @@ func logTo(m string) []expr.Any {
 	return cat(loadID(), []expr.Any{&expr.Lookup{SourceRegister: r1, SetName: m, DestRegister: 0, IsDestRegSet: true}})
 }
 
+// pastFlows matches a new connection of a source that has maxFlows
+// tracked already (ct count: closed TCP connections left out), and counts
+// it otherwise.
+func pastFlows() []expr.Any {
+	return []expr.Any{
+		load(r6, expr.PayloadBaseNetworkHeader, 12, 4),
+		&expr.Dynset{SrcRegKey: r6, SetName: setFlows, Operation: unix.NFT_DYNSET_OP_ADD,
+			Exprs: []expr.Any{&expr.Connlimit{Count: maxFlows, Flags: expr.NFT_CONNLIMIT_F_INV}}},
+	}
+}
+
+// newPastRate matches a new connection of a source past newRate a second
+// (burst newBurst).
+func newPastRate() []expr.Any {
+	return []expr.Any{
+		load(r6, expr.PayloadBaseNetworkHeader, 12, 4),
+		&expr.Dynset{SrcRegKey: r6, SetName: setNewRate, Operation: unix.NFT_DYNSET_OP_UPDATE, Timeout: meterTimeout,
+			Exprs: []expr.Any{&expr.Limit{Type: expr.LimitTypePkts, Rate: newRate, Unit: expr.LimitTimeSecond, Burst: newBurst, Over: true}}},
+	}
+}
+
+// closedSoon gives a new TCP connection the ct timeout ctClosed (not a
+// verdict: the rule falls through).
+func closedSoon() []expr.Any {
+	return cat(l4proto(unix.IPPROTO_TCP), []expr.Any{&expr.Objref{Type: int(nftables.ObjTypeCtTimeout), Name: ctClosed}})
+}
+
 // fromSandboxRules is the fromsbx chain: what a sandbox may send elsewhere.
 func fromSandboxRules() [][]expr.Any {
 	var rs [][]expr.Any
@@ -126,12 +154,11 @@ func fromSandboxRules() [][]expr.Any {
 	rs = append(rs, ownConnAccept()...)
 	add(ctState(expr.CtStateBitESTABLISHED|expr.CtStateBitRELATED), drop)
 	// A new connection past the sandbox's tracked ones (maxFlows), counted
-	// by its source address: refused.
-	add(ctState(expr.CtStateBitNEW), []expr.Any{
-		load(r6, expr.PayloadBaseNetworkHeader, 12, 4),
-		&expr.Dynset{SrcRegKey: r6, SetName: setFlows, Operation: unix.NFT_DYNSET_OP_ADD,
-			Exprs: []expr.Any{&expr.Connlimit{Count: maxFlows, Flags: expr.NFT_CONNLIMIT_F_INV}}},
-	}, refused)
+	// by its source address, or past its rate of new ones: refused. Its
+	// TCP connections, once closed, leave the table soon (ctClosed).
+	add(ctState(expr.CtStateBitNEW), newPastRate(), refused)
+	add(ctState(expr.CtStateBitNEW), pastFlows(), refused)
+	add(ctState(expr.CtStateBitNEW), closedSoon())
 	// DNS and DNS over TLS/QUIC to anyone but the gateway (which dstnat
 	// has redirected to the resolver before this): denied.
 	for _, proto := range []byte{unix.IPPROTO_UDP, unix.IPPROTO_TCP} {
@@ -183,7 +210,13 @@ func toHostRules() [][]expr.Any {
 			&expr.Dynset{SrcRegKey: r6, SetName: setDNSLim, Operation: unix.NFT_DYNSET_OP_UPDATE, Timeout: meterTimeout,
 				Exprs: []expr.Any{&expr.Limit{Type: expr.LimitTypePkts, Rate: dnsPackets, Unit: expr.LimitTimeSecond, Burst: dnsBurst, Over: true}}},
 		}
-		rs = append(rs, cat(ours, flood, verdict(expr.VerdictDrop)), cat(ours, verdict(expr.VerdictAccept)))
+		// Its connections to the resolver count among its tracked ones
+		// (a UDP question is one for 30 s, a closed TCP one for
+		// closedTimeout).
+		rs = append(rs, cat(ours, flood, verdict(expr.VerdictDrop)),
+			cat(ours, ctState(expr.CtStateBitNEW), pastFlows(), verdict(expr.VerdictDrop)),
+			cat(ours, ctState(expr.CtStateBitNEW), closedSoon()),
+			cat(ours, verdict(expr.VerdictAccept)))
 	}
 	// Replies and ICMP errors of the sandbox's own connections only: an
 	// ICMP error naming one of the host's connections (its resolver's

@@ -72,6 +72,7 @@ const (
 	setLimD     = "limd"     // meter: refusals logged per source
 	setDNSLim   = "dnslim"   // meter: DNS packets per source and protocol
 	setFlows    = "flows"    // meter: tracked connections per source
+	setNewRate  = "newrate"  // meter: new connections a second per source
 )
 
 // maxFlows bounds the connections one sandbox has tracked by the host at
@@ -81,6 +82,23 @@ const (
 // connection, the daemon's own included. A sandbox past it is refused new
 // connections until some of its own end.
 const maxFlows = 4096
+
+// A closed TCP connection (TIME_WAIT, CLOSE) stays tracked but is not
+// counted (nftables' ct count leaves it out): a sandbox's closed ones leave
+// the table after closedTimeout (the kernel's defaults are two minutes and
+// ten seconds), and a sandbox opens at most newRate connections a second
+// (burst newBurst), so that it holds at most maxFlows open and
+// newBurst + newRate*closedTimeout closed ones (4,096 more) at once.
+const (
+	closedTimeout = 2 // seconds
+	newRate       = 1024
+	newBurst      = 2048
+)
+
+// ctClosed is the shared table's ct timeout object for a sandbox's TCP
+// connections (closedTimeout in TIME_WAIT and CLOSE, the kernel's
+// defaults otherwise).
+const ctClosed = "sbxtcp"
 
 // meterTimeout is how long a meter remembers a source it has not seen
 // (each packet renews it: a flood never finds its bucket full again).
@@ -117,6 +135,7 @@ func (n *nft) makeSets() {
 		setLimD:     set(setLimD, nftables.Set{KeyType: nftables.TypeIPAddr, Dynamic: true, HasTimeout: true, Size: meterSize}),
 		setDNSLim:   set(setDNSLim, nftables.Set{KeyType: typeAddrProto, Dynamic: true, HasTimeout: true, Size: meterSize}),
 		setFlows:    set(setFlows, nftables.Set{KeyType: nftables.TypeIPAddr, Dynamic: true, Size: meterSize}),
+		setNewRate:  set(setNewRate, nftables.Set{KeyType: nftables.TypeIPAddr, Dynamic: true, HasTimeout: true, Size: meterSize}),
 	}
 }
 
