@@ -147,6 +147,10 @@ func fromSandboxRules() [][]expr.Any {
 	// IPv4 only, from a sandbox's own interface and address only.
 	add(nfproto(unix.NFPROTO_IPV4, false), drop)
 	add(notSandbox(), drop)
+	// What conntrack finds invalid (no connection: a TCP segment with SYN
+	// and FIN, an ICMP error about nothing tracked) has nothing to
+	// masquerade it: it would leave with the sandbox's own address.
+	add(ctState(expr.CtStateBitINVALID), drop)
 	// Its own connections' packets; a packet of, or related to, any other
 	// tracked connection (an ICMP error naming another sandbox's flow) is
 	// dropped whatever the policy: it would leave under that connection's
