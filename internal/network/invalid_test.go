@@ -6,6 +6,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/google/nftables"
+	"github.com/google/nftables/expr"
 	"github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
 
@@ -99,5 +101,34 @@ func TestInvalidPacketsStayIn(t *testing.T) {
 	}
 	if control == 0 {
 		t.Error("control: the sandbox's plain SYN did not get out")
+	}
+}
+
+// Attack: the host's admin exempts some traffic from connection tracking
+// (a raw-table notrack rule, as some do for DNS or bulk ports); a sandbox
+// with internet sends to such a port. Expected: its untracked packets,
+// which nothing can masquerade, do not leave with its own address.
+func TestUntrackedPacketsStayIn(t *testing.T) {
+	w := testutil.NewWorld(t)
+	h := newHost(t, w, nil)
+	a := attach(t, h, Policy{Mode: Internet})
+	const port = 7501
+	c, err := nftables.New()
+	if err != nil {
+		t.Fatal(err)
+	}
+	raw := c.AddTable(&nftables.Table{Family: nftables.TableFamilyIPv4, Name: "admin_raw"})
+	ch := c.AddChain(&nftables.Chain{Name: "pre", Table: raw, Type: nftables.ChainTypeFilter,
+		Hooknum: nftables.ChainHookPrerouting, Priority: nftables.ChainPriorityRaw})
+	c.AddRule(&nftables.Rule{Table: raw, Chain: ch, Exprs: cat(l4proto(unix.IPPROTO_UDP), dport(port), []expr.Any{&expr.Notrack{}})})
+	if err := c.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.DelTable(raw); _ = c.Flush() })
+	pc := listenOutside(t, w, port)
+	a.send(t, a.net.IP, port, "untracked")
+	_ = pc.SetReadDeadline(time.Now().Add(time.Second))
+	if n, from, err := pc.ReadFrom(make([]byte, 64)); err == nil {
+		t.Errorf("an untracked datagram of the sandbox's got out (%d bytes from %v)", n, from)
 	}
 }

@@ -148,9 +148,10 @@ func fromSandboxRules() [][]expr.Any {
 	add(nfproto(unix.NFPROTO_IPV4, false), drop)
 	add(notSandbox(), drop)
 	// What conntrack finds invalid (no connection: a TCP segment with SYN
-	// and FIN, an ICMP error about nothing tracked) has nothing to
-	// masquerade it: it would leave with the sandbox's own address.
-	add(ctState(expr.CtStateBitINVALID), drop)
+	// and FIN, an ICMP error about nothing tracked), or does not track (a
+	// notrack rule of the host's admin), has nothing to masquerade it: it
+	// would leave with the sandbox's own address, uncounted.
+	add(ctState(expr.CtStateBitINVALID|expr.CtStateBitUNTRACKED), drop)
 	// Its own connections' packets; a packet of, or related to, any other
 	// tracked connection (an ICMP error naming another sandbox's flow) is
 	// dropped whatever the policy: it would leave under that connection's
