@@ -283,3 +283,27 @@ func TestDNSFloodBoundedBeforeTheResolver(t *testing.T) {
 		t.Errorf("the resolver saw %d of %d questions; want 1 to %d", seen, sent, bound)
 	}
 }
+
+// cage doctor's probe of the kernel's connection bounds (nft_connlimit,
+// conntrack timeout policies) finds them on a kernel that has them (this
+// suite's rules need both) and leaves no table behind.
+func TestRuleFeaturesProbe(t *testing.T) {
+	testutil.RequireRoot(t)
+	f := ruleFeatures()
+	if !f.OK {
+		t.Errorf("doctor's connection bounds: %+v; want ok on a kernel the network tests pass on", f)
+	}
+	c, err := nftables.New()
+	if err != nil {
+		t.Fatal(err)
+	}
+	tables, err := c.ListTablesOfFamily(nftables.TableFamilyINet)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, tb := range tables {
+		if strings.HasPrefix(tb.Name, "cage_probe") {
+			t.Errorf("the probe left table inet %s", tb.Name)
+		}
+	}
+}

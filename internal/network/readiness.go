@@ -6,6 +6,8 @@ import (
 	"strings"
 
 	"github.com/google/nftables"
+	"github.com/google/nftables/expr"
+	"golang.org/x/sys/unix"
 )
 
 // Finding is one fact about the host's readiness for sandbox networks.
@@ -35,6 +37,7 @@ func Readiness(upstreams []string) []Finding {
 		}
 		out = append(out, Finding{"nftables", true, info})
 	}
+	out = append(out, ruleFeatures())
 	out = append(out, forwarding())
 	if _, err := os.Stat("/sys/module/veth"); err != nil {
 		if _, err := os.Stat("/sys/class/net"); err != nil {
@@ -76,4 +79,30 @@ func forwarding() Finding {
 			"for the host to route for something else too (Docker, libvirt started later): nft flush chain inet cage guard"}
 	}
 	return Finding{"ip forwarding", true, "on, and it was on before cage: the host routes between its interfaces as its own firewall says; cage's rules govern only what sandboxes send"}
+}
+
+// ruleFeatures says whether the kernel has what a sandbox's rules use
+// beyond plain nf_tables: a connection count (nft_connlimit) and
+// conntrack timeout policies (CONFIG_NF_CONNTRACK_TIMEOUT). One batch
+// makes a table holding both and removes it again: the kernel checks each
+// message and commits nothing that stays.
+func ruleFeatures() Finding {
+	const name = "connection bounds"
+	c, err := nftables.New()
+	if err != nil {
+		return Finding{name, false, "netlink: " + err.Error()}
+	}
+	t := c.AddTable(&nftables.Table{Name: fmt.Sprintf("cage_probe_%d", os.Getpid()), Family: nftables.TableFamilyINet})
+	c.AddObj(&nftables.NamedObj{Table: t, Name: "probe", Type: nftables.ObjTypeCtTimeout,
+		Obj: &expr.CtTimeout{L3Proto: unix.NFPROTO_IPV4, L4Proto: unix.IPPROTO_TCP,
+			Policy: expr.CtStatePolicyTimeout{expr.CtStateTCPCLOSE: closedTimeout}}})
+	ch := c.AddChain(&nftables.Chain{Name: "probe", Table: t})
+	c.AddRule(&nftables.Rule{Table: t, Chain: ch, Exprs: []expr.Any{
+		&expr.Connlimit{Count: maxFlows, Flags: expr.NFT_CONNLIMIT_F_INV}, &expr.Verdict{Kind: expr.VerdictDrop}}})
+	c.DelTable(t)
+	if err := c.Flush(); err != nil {
+		return Finding{name, false, fmt.Sprintf("the kernel refused a connection count or a conntrack timeout policy (%v): "+
+			"sandbox networks need nft_connlimit and CONFIG_NF_CONNTRACK_TIMEOUT; without them a networked sandbox does not start", err)}
+	}
+	return Finding{name, true, "nft_connlimit and conntrack timeout policies work"}
 }
