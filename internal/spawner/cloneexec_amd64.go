@@ -208,9 +208,14 @@ func cloneExec(path string, argv []string, attr *syscall.ProcAttr) (pid int, err
 	if dirp != nil {
 		add("chdir", unix.SYS_CHDIR, uintptr(unsafe.Pointer(dirp)))
 	}
-	// The caller's signal handlers are its own: back to the defaults
-	// (execve keeps what is ignored, and the mask), then unblocked.
+	// The caller's signal handlers are its own: back to the defaults,
+	// then unblocked. What the caller ignores stays ignored, as
+	// syscall.ForkExec leaves it (execve keeps it, and the mask).
 	for sig := 1; sig <= 64; sig++ {
+		var cur kernelSigaction
+		if _, _, e := unix.RawSyscall6(unix.SYS_RT_SIGACTION, uintptr(sig), 0, uintptr(unsafe.Pointer(&cur)), 8, 0, 0); e == 0 && cur.handler == 1 { // SIG_IGN
+			continue
+		}
 		if sig != int(unix.SIGKILL) && sig != int(unix.SIGSTOP) {
 			add("signal "+strconv.Itoa(sig), unix.SYS_RT_SIGACTION, uintptr(sig), uintptr(unsafe.Pointer(&dfl)), 0, 8)
 		}
