@@ -207,23 +207,7 @@ func TestCaptureSwappedFile(t *testing.T) {
 // neither hangs nor fails, and the layer holds the files as they were left.
 // A context deadline guards against a hang; it measures nothing.
 func TestBuildStepLeavesFIFOSwapper(t *testing.T) {
-	testutil.RequireRoot(t)
-	testutil.RequireKernelFeature(t, testutil.UserNamespaces)
-	testutil.RequireKernelFeature(t, testutil.MountAPI)
-	testutil.RequireKernelFeature(t, testutil.Cgroups)
-	host, err := sandbox.NewHost(testutil.RunDir(t), filepath.Join(testutil.Binaries(t), "cage-agent"), slog.New(slog.DiscardHandler))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer host.Close()
-	if host.Templates, err = imgstore.Open(filepath.Join(t.TempDir(), "templates")); err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
-	defer cancel()
-	if _, err := host.Templates.Import(ctx, testutil.WriteDockerArchive(t, testutil.TestImage(t), "cage-test:latest"), "bb", imgstore.Options{}); err != nil {
-		t.Fatal(err)
-	}
+	host, ctx := buildHost(t)
 	// Files 250 directories deep (a long walk from the layer's top to each,
 	// which widens the window between a reader's Lstat and its open; a
 	// layer holds paths at most 256 deep, see TestCaptureBounds), and
@@ -297,23 +281,7 @@ func checkLayerTar(t *testing.T, s *imgstore.Store, tm *imgstore.Template) {
 // would be held in the host's memory). With $TMPDIR missing, a build
 // with a COPY and a RUN step still succeeds.
 func TestBuildLayersNotInTmpdir(t *testing.T) {
-	testutil.RequireRoot(t)
-	testutil.RequireKernelFeature(t, testutil.UserNamespaces)
-	testutil.RequireKernelFeature(t, testutil.MountAPI)
-	testutil.RequireKernelFeature(t, testutil.Cgroups)
-	host, err := sandbox.NewHost(testutil.RunDir(t), filepath.Join(testutil.Binaries(t), "cage-agent"), slog.New(slog.DiscardHandler))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer host.Close()
-	if host.Templates, err = imgstore.Open(filepath.Join(t.TempDir(), "templates")); err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
-	defer cancel()
-	if _, err := host.Templates.Import(ctx, testutil.WriteDockerArchive(t, testutil.TestImage(t), "cage-test:latest"), "bb", imgstore.Options{}); err != nil {
-		t.Fatal(err)
-	}
+	host, ctx := buildHost(t)
 	bctx := t.TempDir()
 	if err := os.WriteFile(filepath.Join(bctx, "in"), []byte("copied\n"), 0o644); err != nil {
 		t.Fatal(err)
@@ -341,4 +309,28 @@ func TestBuildLayersNotInTmpdir(t *testing.T) {
 	if len(left) != 0 {
 		t.Errorf("staging files left in the store: %q", left)
 	}
+}
+
+// buildHost is a host with a template store holding the test image as
+// "bb", and a context that guards the test against a hang (3 minutes).
+func buildHost(t *testing.T) (*sandbox.Host, context.Context) {
+	t.Helper()
+	testutil.RequireRoot(t)
+	testutil.RequireKernelFeature(t, testutil.UserNamespaces)
+	testutil.RequireKernelFeature(t, testutil.MountAPI)
+	testutil.RequireKernelFeature(t, testutil.Cgroups)
+	host, err := sandbox.NewHost(testutil.RunDir(t), filepath.Join(testutil.Binaries(t), "cage-agent"), slog.New(slog.DiscardHandler))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { host.Close() })
+	if host.Templates, err = imgstore.Open(filepath.Join(t.TempDir(), "templates")); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	t.Cleanup(cancel)
+	if _, err := host.Templates.Import(ctx, testutil.WriteDockerArchive(t, testutil.TestImage(t), "cage-test:latest"), "bb", imgstore.Options{}); err != nil {
+		t.Fatal(err)
+	}
+	return host, ctx
 }
