@@ -266,15 +266,18 @@ func cloneExec(path string, argv []string, attr *syscall.ProcAttr) (pid int, err
 	}
 	toClose = nil
 
-	fail := func(err error) (int, error) {
-		_ = unix.Kill(pid, unix.SIGKILL)
-		syncW.Close()
+	reap := func() {
 		var ws unix.WaitStatus
 		for {
 			if _, e := unix.Wait4(pid, &ws, 0, nil); e != unix.EINTR {
-				break
+				return
 			}
 		}
+	}
+	fail := func(err error) (int, error) {
+		_ = unix.Kill(pid, unix.SIGKILL)
+		syncW.Close()
+		reap()
 		return 0, err
 	}
 	if err := writeMaps(pid, uidMap, gidMap, sys.GidMappings != nil && !sys.GidMappingsEnableSetgroups); err != nil {
@@ -305,12 +308,7 @@ func cloneExec(path string, argv []string, attr *syscall.ProcAttr) (pid int, err
 	}
 	idx := *(*uint64)(unsafe.Pointer(&rep[0]))
 	e := syscall.Errno(*(*uint64)(unsafe.Pointer(&rep[8])))
-	var ws unix.WaitStatus
-	for {
-		if _, werr := unix.Wait4(pid, &ws, 0, nil); werr != unix.EINTR {
-			break
-		}
-	}
+	reap()
 	if idx == uint64(len(ops)-1) {
 		return 0, e // exec's own error, as syscall.ForkExec gives it
 	}
