@@ -16,6 +16,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"syscall"
 	"time"
 
 	"github.com/cagehq/cage/internal/agentclient"
@@ -200,31 +201,94 @@ func BareToFirstOutput(ctx context.Context, h *sandbox.Host, wallName string, ru
 	return stats.Summarize(samples), nil
 }
 
-// RoundTrip times Start → end of `true` in one live sandbox.
-func RoundTrip(ctx context.Context, h *sandbox.Host, runs int) (stats.Stats, error) {
+// RoundTrip times Start → end of `true` in one live sandbox, and its peer
+// sample by sample: the same `true` forked, run and waited for by this
+// process, its output read through pipes as the agent reads it (the floor
+// the machine sets under any round trip: a fork, an exec of a dynamic
+// binary and an exit, whose page faults cost what the hypervisor says).
+func RoundTrip(ctx context.Context, h *sandbox.Host, runs int) (cage, peer stats.Stats, err error) {
+	trueBin, err := exec.LookPath("true")
+	if err != nil {
+		return cage, peer, fmt.Errorf("the peer's true: %w", err)
+	}
 	sb, err := h.Create(ctx, sandbox.Options{})
 	if err != nil {
-		return stats.Stats{}, err
+		return cage, peer, err
 	}
 	defer sb.Destroy()
 	c := agentclient.New(sb.Dial, sb.Token())
 	defer c.Close()
-	var samples []time.Duration
+	var samples, bare []time.Duration
 	for i := -5; i < runs; i++ {
 		start := time.Now()
 		end, err := c.Run(ctx, agentclient.RunOptions{Cmd: "true", Stdout: io.Discard, Stderr: io.Discard})
 		d := time.Since(start)
 		if err != nil {
-			return stats.Stats{}, err
+			return cage, peer, err
 		}
 		if end.GetExitCode() != 0 {
-			return stats.Stats{}, fmt.Errorf("true exited %d", end.GetExitCode())
+			return cage, peer, fmt.Errorf("true exited %d", end.GetExitCode())
+		}
+		b, err := bareTrue(trueBin)
+		if err != nil {
+			return cage, peer, err
 		}
 		if i >= 0 {
 			samples = append(samples, d)
+			bare = append(bare, b)
 		}
 	}
-	return stats.Summarize(samples), nil
+	return stats.Summarize(samples), stats.Summarize(bare), nil
+}
+
+// bareTrue forks and execs path with its stdout and stderr on pipes, reads
+// both to their end and waits for it: the least a round trip can be.
+func bareTrue(path string) (time.Duration, error) {
+	var p [2][2]int
+	for i := range p {
+		if err := syscall.Pipe2(p[i][:], syscall.O_CLOEXEC); err != nil {
+			return 0, err
+		}
+	}
+	defer func() {
+		for _, fds := range p {
+			syscall.Close(fds[0])
+		}
+	}()
+	start := time.Now()
+	pid, err := syscall.ForkExec(path, []string{"true"}, &syscall.ProcAttr{Files: []uintptr{^uintptr(0), uintptr(p[0][1]), uintptr(p[1][1])}})
+	syscall.Close(p[0][1])
+	syscall.Close(p[1][1])
+	if err != nil {
+		return 0, fmt.Errorf("the peer's true: %w", err)
+	}
+	var buf [512]byte
+	for _, fds := range p {
+		for {
+			n, err := syscall.Read(fds[0], buf[:])
+			if err == syscall.EINTR {
+				continue
+			}
+			if n <= 0 {
+				break
+			}
+		}
+	}
+	var ws syscall.WaitStatus
+	for {
+		_, err = syscall.Wait4(pid, &ws, 0, nil)
+		if err != syscall.EINTR {
+			break
+		}
+	}
+	d := time.Since(start)
+	if err != nil {
+		return 0, err
+	}
+	if !ws.Exited() || ws.ExitStatus() != 0 {
+		return 0, fmt.Errorf("the peer's true ended: %v", ws)
+	}
+	return d, nil
 }
 
 // Memory is the host memory that n idle sandboxes cost.

@@ -31,7 +31,8 @@ as JSON, for tracking.
   run        cage run -- true as a whole process, against bwrap --unshare-all (interleaved)
   create     in-process create -> first output of a command, cold and from a
              pool of 4 (full before each sample)
-  roundtrip  Start -> end of true in a live sandbox
+  roundtrip  Start -> end of true in a live sandbox, against the same true
+             forked, run and waited for bare by cage bench (interleaved)
   memory     host memory per idle sandbox with --idle sandboxes alive at once
   walls      each OCI wall (runc, gvisor): create -> first output against the
              runtime running the same command bare in an equivalent bundle
@@ -168,12 +169,12 @@ func (b *benchRun) measure(ctx context.Context, name string) error {
 	case "create":
 		return benchCreate(ctx, b.t, b.g, b.h, runs)
 	case "roundtrip":
-		s, err := bench.RoundTrip(ctx, b.h, max(runs, 200))
+		s, peer, err := bench.RoundTrip(ctx, b.h, max(runs, 200))
 		if err != nil {
 			b.t.Fail("roundtrip", "", err)
 			return nil
 		}
-		b.t.Set(bench.Row{ID: "roundtrip", Cage: bench.Latency(s),
+		b.t.Set(bench.Row{ID: "roundtrip", Cage: bench.Latency(s), Peer: bench.Latency(peer), Ratio: stats.Ratio(s, peer),
 			Status: bench.Judge(s.P50 <= 1500*time.Microsecond && s.P99 <= 5*time.Millisecond)})
 	case "serve":
 		return benchServe(ctx, b.t, runs, b.o.alive)
