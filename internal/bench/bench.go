@@ -16,6 +16,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"sync"
 	"syscall"
 	"time"
 
@@ -125,36 +126,142 @@ func WallToFirstOutputBlocks(ctx context.Context, h *sandbox.Host, wallName stri
 	var samples []time.Duration
 	var blocks []int
 	for i := -warm; i < runs; i++ {
-		start := time.Now()
-		sb, err := h.Create(ctx, sandbox.Options{Wall: wallName})
-		if err != nil {
-			return stats.Stats{}, nil, err
-		}
-		c := agentclient.New(sb.Dial, sb.Token())
-		fw := &firstWrite{start: start}
-		end, err := c.Run(ctx, agentclient.RunOptions{Cmd: "echo", Args: []string{"ready"}, Stdout: fw, Stderr: io.Discard})
-		c.Close()
-		if err == nil {
-			err = fw.check(end.GetExitCode())
-		}
-		n := 0
-		if bc, ok := sb.(blockCounter); ok && err == nil && i >= 0 {
-			n, _ = bc.TranslatedBlocks(ctx) // not known: no figure
-		}
-		if derr := sb.Destroy(); err == nil {
-			err = derr
-		}
+		d, n, err := firstOutputSample(ctx, h, wallName, i >= 0)
 		if err != nil {
 			return stats.Stats{}, nil, err
 		}
 		if i >= 0 {
-			samples = append(samples, fw.at)
+			samples = append(samples, d)
 			if n > 0 {
 				blocks = append(blocks, n)
 			}
 		}
 	}
 	return stats.Summarize(samples), blocks, nil
+}
+
+// firstOutputSample is one create -> first output of `echo ready` on the
+// wall, the sandbox destroyed after (not timed); with count, also the
+// blocks its emulator translated (0 where none or not known).
+func firstOutputSample(ctx context.Context, h *sandbox.Host, wallName string, count bool) (time.Duration, int, error) {
+	start := time.Now()
+	sb, err := h.Create(ctx, sandbox.Options{Wall: wallName})
+	if err != nil {
+		return 0, 0, err
+	}
+	c := agentclient.New(sb.Dial, sb.Token())
+	fw := &firstWrite{start: start}
+	end, err := c.Run(ctx, agentclient.RunOptions{Cmd: "echo", Args: []string{"ready"}, Stdout: fw, Stderr: io.Discard})
+	c.Close()
+	if err == nil {
+		err = fw.check(end.GetExitCode())
+	}
+	n := 0
+	if bc, ok := sb.(blockCounter); ok && err == nil && count {
+		n, _ = bc.TranslatedBlocks(ctx) // not known: no figure
+	}
+	if derr := sb.Destroy(); err == nil {
+		err = derr
+	}
+	return fw.at, n, err
+}
+
+// CreateToFirstOutputVs is CreateToFirstOutput with its peer, a sample of
+// which follows each of cage's (see Alternate).
+func CreateToFirstOutputVs(ctx context.Context, h *sandbox.Host, runs int, peer func() (time.Duration, error)) (cage, peers stats.Stats, err error) {
+	return Alternate(runs, 3, func() (time.Duration, error) {
+		d, _, err := firstOutputSample(ctx, h, "process", false)
+		return d, err
+	}, peer)
+}
+
+// Alternate takes runs samples of cage and of its peer, one of each in
+// turn after warm rounds of both, so that drift on a shared machine hits
+// them alike; a sample's error ends it.
+func Alternate(runs, warm int, cage, peer func() (time.Duration, error)) (stats.Stats, stats.Stats, error) {
+	var a, b []time.Duration
+	for i := -warm; i < runs; i++ {
+		x, err := cage()
+		if err != nil {
+			return stats.Stats{}, stats.Stats{}, err
+		}
+		y, err := peer()
+		if err != nil {
+			return stats.Stats{}, stats.Stats{}, fmt.Errorf("the peer: %w", err)
+		}
+		if i >= 0 {
+			a, b = append(a, x), append(b, y)
+		}
+	}
+	return stats.Summarize(a), stats.Summarize(b), nil
+}
+
+// FirstOutput runs argv and times its start to the first byte on its
+// stdout; it must then exit 0 (a peer that failed or printed nothing is
+// no sample).
+func FirstOutput(argv []string) (time.Duration, error) {
+	cmd := exec.Command(argv[0], argv[1:]...)
+	out, err := cmd.StdoutPipe()
+	if err != nil {
+		return 0, err
+	}
+	var stderr strings.Builder
+	cmd.Stderr = &stderr
+	start := time.Now()
+	if err := cmd.Start(); err != nil {
+		return 0, err
+	}
+	var buf [1]byte
+	n, rerr := out.Read(buf[:])
+	d := time.Since(start)
+	_, _ = io.Copy(io.Discard, out)
+	if err := cmd.Wait(); err != nil {
+		return 0, fmt.Errorf("%s: %v: %s", argv[0], err, bytesLine([]byte(stderr.String())))
+	}
+	if n == 0 {
+		return 0, fmt.Errorf("%s printed nothing: %v", argv[0], rerr)
+	}
+	return d, nil
+}
+
+// RunRate runs n copies of argv to completion, concurrency at a time, and
+// returns how many it finished a second.
+func RunRate(argv []string, n, concurrency int) (float64, error) {
+	var (
+		wg   sync.WaitGroup
+		mu   sync.Mutex
+		next int
+		ferr error
+	)
+	start := time.Now()
+	for w := 0; w < concurrency; w++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for {
+				mu.Lock()
+				if next >= n || ferr != nil {
+					mu.Unlock()
+					return
+				}
+				next++
+				mu.Unlock()
+				if out, err := exec.Command(argv[0], argv[1:]...).CombinedOutput(); err != nil {
+					mu.Lock()
+					if ferr == nil {
+						ferr = fmt.Errorf("%s: %v: %s", argv[0], err, bytesLine(out))
+					}
+					mu.Unlock()
+					return
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	if ferr != nil {
+		return 0, ferr
+	}
+	return float64(n) / time.Since(start).Seconds(), nil
 }
 
 type firstWrite struct {

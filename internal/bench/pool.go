@@ -43,6 +43,17 @@ func PooledToFirstOutput(ctx context.Context, h *sandbox.Host, wallName string, 
 	return stats.Summarize(samples), missed, nil
 }
 
+// PooledToFirstOutputVs is PooledToFirstOutput with a peer sample after
+// each of cage's (see Alternate).
+func PooledToFirstOutputVs(ctx context.Context, h *sandbox.Host, wallName string, runs, warm int, peer func() (time.Duration, error)) (cage, peers stats.Stats, missed int64, err error) {
+	cage, peers, err = Alternate(runs, warm, func() (time.Duration, error) {
+		d, m, err := pooledSample(ctx, h, wallName)
+		missed += m
+		return d, err
+	}, peer)
+	return cage, peers, missed, err
+}
+
 // maxPoolMisses bounds the tries of one pooled sample.
 const maxPoolMisses = 5
 

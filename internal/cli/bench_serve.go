@@ -100,8 +100,18 @@ func benchServe(ctx context.Context, t *bench.Table, runs, alive int) error {
 		t.Fail("serve.rate", "", err)
 		return nil
 	}
-	t.Set(bench.Row{ID: "serve.rate", What: fmt.Sprintf("API creates/s (process wall), the first %d, %d in flight", r.Window, r.Conns),
-		Cage: bench.Quantity(r.Empty, "creates/s"), Status: bench.Judge(r.Empty >= 200)})
+	rate := bench.Row{ID: "serve.rate", What: fmt.Sprintf("API creates/s (process wall), the first %d, %d in flight", r.Window, r.Conns),
+		Cage: bench.Quantity(r.Empty, "creates/s"), Status: bench.Judge(r.Empty >= 200), Note: "Firecracker: about 150/s per host (published)"}
+	// Its peer, right after: what this machine does with bare namespaced
+	// sandboxes at the same concurrency, each started, run and ended.
+	if bw, err := bench.BwrapArgv("true"); err != nil {
+		rate.Note += "; no peer: " + err.Error()
+	} else if pr, err := bench.RunRate(bw, r.Window, r.Conns); err != nil {
+		rate.Note += "; the peer: " + err.Error()
+	} else {
+		rate.Peer, rate.Ratio = bench.Quantity(pr, "runs/s"), r.Empty/pr
+	}
+	t.Set(rate)
 	flat := r.Full / r.Empty
 	t.Set(bench.Row{ID: "serve.rate.alive", What: fmt.Sprintf("API creates/s, the last %d of %d alive", r.Window, r.Alive),
 		Cage: bench.Quantity(r.Full, "creates/s"), PeerName: "the first " + strconv.Itoa(r.Window), Peer: bench.Quantity(r.Empty, "creates/s"),
