@@ -45,6 +45,7 @@ func (s *Server) buildEvents(w http.ResponseWriter, r *http.Request) {
 		var l types.TemplateBuildLog
 		err := s.call(ctx, r, http.MethodGet, fmt.Sprintf("%s/log?offset=%d&wait=%d", base, off, int(buildPoll/time.Second)), nil, &l)
 		if ctx.Err() != nil {
+			sessionEnded(ctx, ev)
 			return
 		}
 		if err != nil {

@@ -140,6 +140,7 @@ func (s *Server) stream(r *http.Request, ev *sse, tick time.Duration, next func(
 		}
 		name, v, err := next(ctx)
 		if ctx.Err() != nil {
+			sessionEnded(ctx, ev)
 			return
 		}
 		if err != nil {
@@ -161,6 +162,7 @@ func (s *Server) stream(r *http.Request, ev *sse, tick time.Duration, next func(
 		}
 		select {
 		case <-ctx.Done():
+			sessionEnded(ctx, ev)
 			return
 		case <-t.C:
 		}

@@ -182,6 +182,9 @@ func relay(ctx context.Context, t *terminal, stream *connect.ServerStreamForClie
 			return
 		}
 	}
+	if sessionEnded(ctx, ev) {
+		return
+	}
 	if err := stream.Err(); err != nil && ctx.Err() == nil {
 		_ = ev.send("error", errorJSON{Code: http.StatusBadGateway, Message: err.Error()})
 	}

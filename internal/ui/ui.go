@@ -21,6 +21,7 @@ package ui
 import (
 	"context"
 	"embed"
+	"errors"
 	"io/fs"
 	"log/slog"
 	"net/http"
@@ -113,7 +114,8 @@ func (s *Server) Shutdown() { s.stopOnce.Do(func() { close(s.done) }) }
 // streamContext is r's context, also ended at Shutdown and when r's
 // session ends or its key is revoked.
 func (s *Server) streamContext(r *http.Request) (context.Context, context.CancelFunc) {
-	ctx, cancel := context.WithCancel(r.Context())
+	ctx, cancelCause := context.WithCancelCause(r.Context())
+	cancel := func() { cancelCause(nil) }
 	ss := sessionOf(r)
 	go func() {
 		t := time.NewTicker(keyRecheck)
@@ -129,13 +131,29 @@ func (s *Server) streamContext(r *http.Request) (context.Context, context.Cancel
 				// A session that ended or whose key was revoked ends
 				// its streams and terminals too.
 				if ss != nil && (!s.alive(r) || !s.keyValid(ss)) {
-					cancel()
+					cancelCause(errSessionEnded)
 					return
 				}
 			}
 		}
 	}()
 	return ctx, cancel
+}
+
+// errSessionEnded is why a stream's context ends when its session did
+// (expired, signed out, its key revoked).
+var errSessionEnded = errors.New("session ended")
+
+// sessionEnded tells the page, when ctx ended with its session, to sign
+// in again, and reports whether it did: a stream ended by the session
+// check must say so, or the browser reconnects, is refused (401, which an
+// event source does not show the page) and the page waits for nothing.
+func sessionEnded(ctx context.Context, ev *sse) bool {
+	if !errors.Is(context.Cause(ctx), errSessionEnded) {
+		return false
+	}
+	_ = ev.send("expired", errorJSON{Code: http.StatusUnauthorized, Message: "session expired: sign in again"})
+	return true
 }
 
 // New returns the dashboard; mount it at /ui/ (Mount).

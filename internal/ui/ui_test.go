@@ -1,6 +1,7 @@
 package ui
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"io"
@@ -368,16 +369,62 @@ func TestRevokedKeyEndsItsSession(t *testing.T) {
 	}
 	defer resp.Body.Close()
 	revoked.Store(true)
-	ended := make(chan error, 1)
-	go func() { _, err := io.Copy(io.Discard, resp.Body); ended <- err }()
+	ended := make(chan []byte, 1)
+	go func() { b, _ := io.ReadAll(resp.Body); ended <- b }()
 	select {
-	case <-ended:
+	case b := <-ended:
+		// Told, not only cut: a cut stream the browser reconnects, is
+		// refused with a 401 its event source hides, and the page waits.
+		if !bytes.Contains(b, []byte("event: expired\n")) {
+			t.Errorf("the stream ended without telling the page the session ended: %q", b)
+		}
 	case <-time.After(20 * time.Second):
 		t.Fatal("a stream of a session whose key was revoked is still open 20 s later")
 	}
 	w := do(s, "POST", "/ui/term/sb1/t1/input", `{"data":"eA=="}`, map[string]string{"Cookie": cookie, csrfHeader: csrf, "Origin": "http://cage.test"})
 	if w.Code != http.StatusUnauthorized {
 		t.Errorf("a terminal's input after the key's revocation: %d, want 401", w.Code)
+	}
+}
+
+// TestExpiredSessionTellsItsStreams: a session that goes idle past
+// ui.session_idle while its page holds a stream (which does not keep it
+// alive) ends the stream with an "expired" event, whichever of the stream's
+// own tick and the session check finds it first (found in a full run: the
+// check cut the stream silently, the browser's reconnect was refused, and
+// the page never went back to sign-in).
+func TestExpiredSessionTellsItsStreams(t *testing.T) {
+	defer func(d time.Duration) { keyRecheck = d }(keyRecheck)
+	keyRecheck = 50 * time.Millisecond // well before the list's tick
+	s := New(Config{API: &fakeAPI{}, Proxy: "http://127.0.0.1:1", SessionIdle: 300 * time.Millisecond,
+		Verify: func(key string) (Identity, error) {
+			if key != goodKey {
+				return Identity{}, ErrBadKey
+			}
+			return Identity{KeyID: "key_1", Name: "k"}, nil
+		}})
+	srv := httptest.NewServer(s)
+	defer srv.Close()
+	cookie, _ := signIn(t, s)
+	req, _ := http.NewRequest("GET", srv.URL+"/ui/events/sandboxes", nil)
+	req.Header.Set("Cookie", cookie)
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil || resp.StatusCode != http.StatusOK {
+		t.Fatalf("open a stream: %v %v", err, resp)
+	}
+	defer resp.Body.Close()
+	ended := make(chan []byte, 1)
+	go func() { b, _ := io.ReadAll(resp.Body); ended <- b }()
+	select {
+	case b := <-ended:
+		if !bytes.Contains(b, []byte("event: expired\n")) {
+			t.Errorf("the stream of an expired session ended without saying so: %q", b)
+		}
+	case <-time.After(20 * time.Second):
+		t.Fatal("the stream of a session idle past its limit is still open 20 s later")
+	}
+	if code := do(s, "GET", "/ui/session", "", map[string]string{"Cookie": cookie}).Code; code != http.StatusUnauthorized {
+		t.Errorf("the session after its idle limit: %d, want 401", code)
 	}
 }
 

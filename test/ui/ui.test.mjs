@@ -445,6 +445,23 @@ test("an expired session (ui.session_idle 2s) goes back to sign-in", async () =>
   results.passed.push("expired session");
 });
 
+test("signed out in another tab: the tab holding the live list goes to sign-in", async () => {
+  const sctx = await browser.newContext();
+  const p = await sctx.newPage();
+  await signIn(p, URL0, KEY);
+  await p.locator("#sandbox-list table").waitFor();
+  // The same browser's other tab signs out (the same cookie): the list's
+  // stream is ended by the session check and must say why, or the page
+  // reconnects, is refused, and stays on a list that no longer moves.
+  const other = await sctx.newPage();
+  await other.goto(URL0 + "/ui/#/templates");
+  await other.locator("#signout").click();
+  await other.locator("form.signin").waitFor();
+  await p.locator("form.signin").waitFor({ timeout: 15000 });
+  await sctx.close();
+  results.passed.push("signed out in another tab");
+});
+
 test("no script error and no Content-Security-Policy violation on any page", () => {
   assert.deepEqual(cspViolations, [], "the CSP blocked something the dashboard needs");
   assert.deepEqual(pageErrors, [], "uncaught errors in the page");

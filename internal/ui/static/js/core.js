@@ -103,8 +103,17 @@ export function stream(url, handlers, owner) {
     if (ev.data) {
       es.close();
       const e = JSON.parse(ev.data);
-      if (handlers.failed) handlers.failed(e);
+      if (e.code === 401) signedOut("Your session expired: sign in again.");
+      else if (handlers.failed) handlers.failed(e);
       else flash(e.message, true);
+    } else if (es.readyState === EventSource.CLOSED) {
+      // Refused at its (re)connection, whose status an event source
+      // hides: a session gone while no stream was telling (a restarted
+      // daemon keeps no sessions) must still send the page to sign-in,
+      // not leave it on a list that no longer moves.
+      fetch("/ui/session", { credentials: "same-origin" }).then((r) => {
+        if (r.status === 401 && state.identity) signedOut("Your session expired: sign in again.");
+      }, () => {});
     }
   });
   state.streams.add(es);

@@ -1,6 +1,6 @@
 // term.js: a terminal (xterm.js, vendored) attached to a shell in a PTY in
 // the sandbox: output by server-sent events, keys and sizes by POSTs.
-import { h, clear, api, state, onLeave, sandboxPath } from "./core.js";
+import { h, clear, api, state, onLeave, sandboxPath, signedOut } from "./core.js";
 
 function fromBase64(s) {
   const bin = atob(s);
@@ -74,6 +74,7 @@ function attach(host, id, status) {
     tid = null;
     es.close();
   });
+  es.addEventListener("expired", () => { tid = null; es.close(); signedOut("Your session expired: sign in again."); });
   es.addEventListener("error", (ev) => {
     // No reconnect: a new stream would be a new shell.
     if (ev.data) status.textContent = JSON.parse(ev.data).message;
