@@ -25,9 +25,11 @@ var rw = []string{"get", "list", "watch", "create", "update", "patch", "delete"}
 // Roles are what cage nodes may do, granted to NodesGroup: on the cluster,
 // Nodes (their own registration and status, and the node lifecycle's
 // taints on others); in kube-node-lease, the Leases; in the namespace
-// ns, the sandbox pods, their status and events, the Secrets (the node
-// key, the keys) and the lifecycle's Lease. Nothing else: no other
-// namespace's pods or secrets, no bindings, no RBAC.
+// ns, the sandbox pods, their status and events, reading the Secrets of
+// the node key and the keys (and making the first, Policy allowing no
+// other create), and the lifecycle's Lease. Nothing else: no other
+// namespace's pods or secrets, no other Secret, no write of the keys, no
+// bindings, no RBAC.
 func Roles(ns string) (*rbacv1.ClusterRole, []*rbacv1.Role) {
 	cr := &rbacv1.ClusterRole{ObjectMeta: meta(RoleName, ""), Rules: []rbacv1.PolicyRule{
 		{APIGroups: []string{""}, Resources: []string{"nodes"}, Verbs: rw},
@@ -41,7 +43,14 @@ func Roles(ns string) (*rbacv1.ClusterRole, []*rbacv1.Role) {
 		{APIGroups: []string{""}, Resources: []string{"pods/status"}, Verbs: []string{"get", "update", "patch"}},
 		{APIGroups: []string{""}, Resources: []string{"events"}, Verbs: []string{"create", "update", "patch"}},
 		{APIGroups: []string{"events.k8s.io"}, Resources: []string{"events"}, Verbs: []string{"create", "update", "patch"}},
-		{APIGroups: []string{""}, Resources: []string{"secrets"}, Verbs: []string{"get", "list", "watch", "create", "update", "patch"}},
+		// The two Secrets a node reads (the keys by its informer's field
+		// selector, which RBAC authorizes by name), and a create, which
+		// RBAC cannot name: Policy lets a node make cage-cluster only.
+		// Nothing updates them: the keys are written with an
+		// administrator's kubeconfig (cage keys --kubeconfig).
+		{APIGroups: []string{""}, Resources: []string{"secrets"}, ResourceNames: []string{KeySecret, KeysSecret},
+			Verbs: []string{"get", "list", "watch"}},
+		{APIGroups: []string{""}, Resources: []string{"secrets"}, Verbs: []string{"create"}},
 		{APIGroups: []string{"coordination.k8s.io"}, Resources: []string{"leases"}, Verbs: rw},
 	}}
 	return cr, []*rbacv1.Role{leases, inNS}
@@ -63,7 +72,12 @@ const NodeUserPrefix = "cage:node:"
 //   - creates, deletes, relabels or re-annotates only its own Node (user
 //     cage:node:NAME for the Node NAME): another's it may only taint and
 //     mark (spec and status);
-//   - writes only its own Lease in kube-node-lease.
+//   - writes only its own Lease in kube-node-lease;
+//   - creates no Secret but cage-cluster (the node key, when there is
+//     none) and changes or deletes none: the keys Secret is written with
+//     an administrator's kubeconfig only. A node that could write it
+//     minted an admin key every node imported (found by review,
+//     2026-12-04).
 func Policy() (*admissionv1.ValidatingAdmissionPolicy, *admissionv1.ValidatingAdmissionPolicyBinding) {
 	fail := admissionv1.Fail
 	ops := []admissionv1.OperationType{admissionv1.Create, admissionv1.Update, admissionv1.Delete}
@@ -75,6 +89,7 @@ func Policy() (*admissionv1.ValidatingAdmissionPolicy, *admissionv1.ValidatingAd
 		it       = "(request.operation == 'DELETE' ? oldObject : object)"
 		isNode   = "request.resource.resource == 'nodes'"
 		isLease  = "request.resource.resource == 'leases'"
+		isSecret = "request.resource.resource == 'secrets'"
 		own      = "request.userInfo.username == '" + NodeUserPrefix + "' + " + it + ".metadata.name"
 		labelled = "(has(%[1]s.metadata.labels) && '" + NodeLabel + "' in %[1]s.metadata.labels && %[1]s.metadata.labels['" + NodeLabel + "'] == 'true')"
 	)
@@ -85,7 +100,7 @@ func Policy() (*admissionv1.ValidatingAdmissionPolicy, *admissionv1.ValidatingAd
 	p := &admissionv1.ValidatingAdmissionPolicy{ObjectMeta: meta(RoleName, ""), Spec: admissionv1.ValidatingAdmissionPolicySpec{
 		FailurePolicy: &fail,
 		MatchConstraints: &admissionv1.MatchResources{ResourceRules: []admissionv1.NamedRuleWithOperations{
-			rule("", "nodes", "nodes/status"), rule("coordination.k8s.io", "leases")}},
+			rule("", "nodes", "nodes/status"), rule("coordination.k8s.io", "leases"), rule("", "secrets")}},
 		MatchConditions: []admissionv1.MatchCondition{{Name: "cage-nodes", Expression: "'" + NodesGroup + "' in request.userInfo.groups"}},
 		Validations: []admissionv1.Validation{
 			{Expression: "!(" + isNode + ") || (" + cageNode + ")",
@@ -94,6 +109,8 @@ func Policy() (*admissionv1.ValidatingAdmissionPolicy, *admissionv1.ValidatingAd
 				Message: "a cage node may create, delete, relabel or re-annotate only its own Node (user " + NodeUserPrefix + "NAME); another's it may only taint and mark"},
 			{Expression: "!(" + isLease + ") || request.namespace != '" + NodeLeaseNamespace + "' || " + own,
 				Message: "a cage node may write only its own Lease in " + NodeLeaseNamespace},
+			{Expression: "!(" + isSecret + ") || (request.operation == 'CREATE' && object.metadata.name == '" + KeySecret + "')",
+				Message: "a cage node may create the Secret " + KeySecret + " only, and change or delete no Secret"},
 		},
 	}}
 	b := &admissionv1.ValidatingAdmissionPolicyBinding{ObjectMeta: meta(RoleName, ""), Spec: admissionv1.ValidatingAdmissionPolicyBindingSpec{

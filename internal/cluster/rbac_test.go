@@ -14,6 +14,7 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/cagehq/cage/internal/kube"
+	"github.com/cagehq/cage/internal/store"
 	"github.com/cagehq/cage/internal/testutil/kubeplane"
 )
 
@@ -167,4 +168,134 @@ func TestNodePolicy(t *testing.T) {
 	if n, err := nodes(admin).Get(ctx, "b", metav1.GetOptions{}); err != nil || n.Annotations[AnnoAPI] != "" || n.Labels[NodeLabel] != "true" {
 		t.Errorf("node b after: %v %v", n, err)
 	}
+}
+
+// Attack: one cage node's credentials (root in its daemon after a sandbox
+// escape) used to become an administrator of every node. The nodes' Role
+// let group cage:nodes create, update and patch any Secret of the
+// namespace: node "evil" wrote an admin key into cage-api-keys, which
+// every node imports (an admin key of each node: teams, keys, every
+// team's sandboxes, volumes and snapshots), replaced the node key of
+// cage-cluster (every node's signatures then fail: the cluster's
+// forwarding stops), and read or wrote any other Secret of the
+// namespace. Expected: all of that refused; what a node needs still
+// allowed: reading the two Secrets (the keys by their informer's field
+// selector) and making cage-cluster when there is none (NodeKey).
+func TestNodePolicySecrets(t *testing.T) {
+	p := kubeplane.Start(t, kubeplane.Options{Nodes: []string{"evil"}})
+	ctx := context.Background()
+	load := func(user string) *kube.Client {
+		cfg, err := kube.LoadKubeconfig(p.MustKubeconfig(t, user))
+		if err != nil {
+			t.Fatal(err)
+		}
+		c, err := kube.New(cfg, kube.Options{QPS: 100, Burst: 100})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return c
+	}
+	admin, evil := load(kubeplane.Admin), load(kubeplane.NodeUser("evil"))
+	const ns = DefaultNamespace
+	if err := ApplyRBAC(ctx, admin); err != nil {
+		t.Fatal(err)
+	}
+	// The policy is in force once evil's change of a Node that is not
+	// cage's is refused (the API server takes it in a moment).
+	probe := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: "probe"}}
+	if _, err := admin.CoreV1().Nodes().Create(ctx, probe, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(100 * time.Millisecond) {
+		b, _ := json.Marshal(map[string]any{"metadata": map[string]any{"labels": map[string]string{"x": "y"}}})
+		if _, err := evil.CoreV1().Nodes().Patch(ctx, "probe", types.MergePatchType, b, metav1.PatchOptions{}); err != nil {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the policy is not in force after 30 s")
+		}
+	}
+	secrets := func(c *kube.Client) kube.Resource[corev1.Secret, corev1.SecretList] { return c.CoreV1().Secrets(ns) }
+	refused := func(what string, err error) {
+		t.Helper()
+		if err == nil {
+			t.Errorf("%s: allowed; want refused", what)
+		}
+	}
+	// A create is RBAC's to allow (it cannot name what is made): the
+	// policy refuses it.
+	byPolicy := func(what string, err error) {
+		t.Helper()
+		if err == nil || !strings.Contains(err.Error(), "may create the Secret "+KeySecret+" only") {
+			t.Errorf("%s: %v; want refused by the policy", what, err)
+		}
+	}
+	allowed := func(what string, err error) {
+		t.Helper()
+		if err != nil {
+			t.Errorf("%s: %v; want allowed", what, err)
+		}
+	}
+	// No keys Secret yet: evil may not make one.
+	_, _, err := CreateKey(ctx, evil, ns, "evil", true)
+	byPolicy("evil creates cage-api-keys with an admin key", err)
+	// The operator's key (an administrator's kubeconfig), then evil's.
+	if _, _, err := CreateKey(ctx, admin, ns, "ci", false); err != nil {
+		t.Fatal(err)
+	}
+	_, _, err = CreateKey(ctx, evil, ns, "evil", true)
+	refused("evil adds an admin key to cage-api-keys", err)
+	refused("evil patches cage-api-keys", func() error {
+		b, _ := json.Marshal(map[string]any{"data": map[string]string{"x": "eyJ9"}})
+		_, err := secrets(evil).Patch(ctx, KeysSecret, types.MergePatchType, b, metav1.PatchOptions{})
+		return err
+	}())
+	keys, err := ListKeys(ctx, admin, ns)
+	if err != nil || len(keys) != 1 || keys[0].Admin {
+		t.Errorf("the cluster's keys after: %+v %v; want the operator's one", keys, err)
+	}
+	// The node key: evil makes it when there is none (the first node
+	// does), reads it, and may not change it.
+	key, err := NodeKey(ctx, evil, ns)
+	allowed("evil makes and reads cage-cluster (NodeKey)", err)
+	refused("evil replaces the node key", func() error {
+		s, err := secrets(admin).Get(ctx, KeySecret, metav1.GetOptions{})
+		if err != nil {
+			return nil // reported below
+		}
+		s.Data[KeySecretData] = make([]byte, KeyLen)
+		_, err = secrets(evil).Update(ctx, s, metav1.UpdateOptions{})
+		return err
+	}())
+	if again, err := NodeKey(ctx, admin, ns); err != nil || string(again) != string(key) {
+		t.Errorf("the node key changed, or is gone: %v", err)
+	}
+	// Other Secrets of the namespace are the operator's.
+	if _, err := secrets(admin).Create(ctx, &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Name: "db-password", Namespace: ns},
+		StringData: map[string]string{"password": "x"}}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	refused("evil reads another Secret of the namespace", func() error {
+		_, err := secrets(evil).Get(ctx, "db-password", metav1.GetOptions{})
+		return err
+	}())
+	refused("evil lists the namespace's Secrets", func() error {
+		_, err := secrets(evil).List(ctx, metav1.ListOptions{})
+		return err
+	}())
+	byPolicy("evil creates another Secret", func() error {
+		_, err := secrets(evil).Create(ctx, &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Name: "x", Namespace: ns}}, metav1.CreateOptions{})
+		return err
+	}())
+	// What a node reads: the keys, through SyncKeys's informer.
+	_, err = ListKeys(ctx, evil, ns)
+	allowed("evil reads cage-api-keys", err)
+	sctx, cancel := context.WithTimeout(ctx, 20*time.Second)
+	defer cancel()
+	st, err := store.Open(t.TempDir())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer st.Close()
+	allowed("evil syncs the keys (list and watch of cage-api-keys)", SyncKeys(sctx, evil, ns, st, nil))
 }
