@@ -63,6 +63,7 @@ type Node struct {
 	adopting  map[string]bool       // sandboxes made here without a pod, until the watch has theirs
 	deleted   map[string]types.UID  // pods this node deleted, until the watch has them gone
 	claimed   map[string]string     // claim pod -> the pooled sandbox it got (start?pool=1), until the claim is gone
+	endAt     map[string]time.Time  // pod name -> when report last wrote a change of its end alone
 	renewedOK bool                  // the last lease renewal succeeded (a failure, then a success: reconcile)
 }
 
@@ -86,7 +87,7 @@ func NewNode(cfg NodeConfig) (*Node, error) {
 
 func newNode(cfg NodeConfig, c *kube.Client) *Node {
 	n := &Node{cfg: cfg, client: c, log: cfg.Log.With("node", cfg.NodeName), mgr: cfg.Manager,
-		starts: map[string]*startCall{}, ended: map[string]string{}, reported: map[string]string{}, failed: map[string]error{}, adopting: map[string]bool{}, deleted: map[string]types.UID{}, claimed: map[string]string{}, renewedOK: true,
+		starts: map[string]*startCall{}, ended: map[string]string{}, reported: map[string]string{}, failed: map[string]error{}, adopting: map[string]bool{}, deleted: map[string]types.UID{}, claimed: map[string]string{}, endAt: map[string]time.Time{}, renewedOK: true,
 		queue: kube.NewQueue()}
 	n.pods = kube.NewInformer(c.CoreV1().Pods(cfg.Namespace), metav1.ListOptions{LabelSelector: LabelSandbox + "=true",
 		FieldSelector: fields.OneTermEqualSelector("spec.nodeName", cfg.NodeName).String()})

@@ -114,6 +114,7 @@ func TestNode(t *testing.T) {
 	t.Run("PodBecomesSandbox", e.testPodBecomesSandbox)
 	t.Run("KillDeletesPod", e.testKillDeletesPod)
 	t.Run("PauseState", e.testPauseState)
+	t.Run("TimeoutWritesBounded", e.testTimeoutWrites)
 	t.Run("CreateThroughAPI", e.testCreateThroughAPI)
 	t.Run("DifyGetsPods", e.testDifyGetsPods)
 	t.Run("PooledClaim", e.testPooledClaim)
@@ -327,6 +328,66 @@ func (e *nodeEnv) testCreateThroughAPI(t *testing.T) {
 	}
 	e.d.Kill(e.d.Key, sb.SandboxID)
 	e.gone(t, sb.SandboxID)
+}
+
+// testTimeoutWrites: attack: a tenant's timeout calls on its sandbox
+// fill the cluster's etcd. Each change of the sandbox's end was a write of
+// its whole pod (spec included), which etcd keeps until the API server
+// compacts: 300 calls were 42 writes, 8 MB of history with a large spec
+// (a review, 2026-12-04). Expected: the pod takes a change of its end
+// alone at most once per 5 s, and ends with the latest one.
+func (e *nodeEnv) testTimeoutWrites(t *testing.T) {
+	const every = 5 * time.Second // cluster's endEvery
+	sb := e.d.Create(t, e.d.Key, map[string]any{"templateID": "host", "timeout": 120})
+	id := sb.SandboxID
+	defer e.d.Kill(e.d.Key, id)
+	var p *corev1.Pod
+	waitFor(t, 30*time.Second, "pod "+id+" Running with its end", func() bool {
+		var err error
+		p, err = e.pod(id)
+		return err == nil && p.Status.Phase == corev1.PodRunning && p.Annotations[cluster.AnnoEnd] != ""
+	})
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	w, err := e.admin.CoreV1().Pods(cluster.DefaultNamespace).Watch(ctx, metav1.ListOptions{
+		FieldSelector: "metadata.name=" + id, ResourceVersion: p.ResourceVersion})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer w.Stop()
+	start := time.Now()
+	const calls = 100
+	for i := range calls {
+		status, body, err := e.d.Do(http.MethodPost, "/sandboxes/"+id+"/timeout", e.d.Key, map[string]any{"timeout": 200 + i})
+		if err != nil || status != http.StatusNoContent {
+			t.Fatalf("timeout: %d %s %v", status, body, err)
+		}
+	}
+	took := time.Since(start)
+	last := time.Now().Add((200 + calls - 1) * time.Second)
+	writes := 0
+	var end time.Time
+	for quiet := time.After(took + 3*every); ; {
+		select {
+		case ev, ok := <-w.ResultChan():
+			if !ok {
+				t.Fatalf("the watch ended: %v", w.Err())
+			}
+			if pod, isPod := ev.Object.(*corev1.Pod); isPod && ev.Type == kube.Modified {
+				writes++
+				end = cluster.EndOf(pod)
+			}
+			continue
+		case <-quiet:
+		}
+		break
+	}
+	if most := 2 + int(took/every); writes > most {
+		t.Errorf("%d timeout calls in %v were %d writes of the pod, want at most %d", calls, took.Round(time.Millisecond), writes, most)
+	}
+	if d := end.Sub(last); d < -3*time.Second || d > 3*time.Second {
+		t.Errorf("the pod's end is %v, want the last call's %v", end, last)
+	}
 }
 
 // testPauseState: pause and resume show in the pod's state annotation,

@@ -153,6 +153,7 @@ func (n *Node) syncGone(ctx context.Context, id string, pod *corev1.Pod, local b
 	delete(n.failed, id)
 	delete(n.adopting, id)
 	delete(n.deleted, id)
+	delete(n.endAt, id)
 	n.mu.Unlock()
 	return nil
 }

@@ -76,12 +76,24 @@ type Volume struct {
 	Path string `json:"path"`
 }
 
+// MaxSpecBytes bounds a sandbox pod's AnnoSpec (its create's spec as
+// JSON): etcd keeps every write of a pod whole until the API server
+// compacts (every 5 minutes), and a tenant's create and each change of
+// its sandbox (a timeout, a pause) write the pod again. The bounds of one
+// host (64 KiB of metadata and 64 KiB of environment, six bytes of JSON
+// each for a control character) made pods of 256 KiB: 40 creates grew
+// etcd by 32 MB, 300 timeout calls on one sandbox by 8 MB, and etcd's
+// 2 GiB quota (past which the whole Kubernetes cluster stops writing)
+// was a minute of one key's requests away (found by review, 2026-12-04).
+const MaxSpecBytes = 16 << 10
+
 // ErrSpec marks a pod whose spec annotation cannot be read: the node
 // reports it Failed with the error as its message.
 var ErrSpec = errors.New("malformed sandbox pod")
 
 // PodFor returns the pod of sandbox id (a name of ids.NewID's format)
-// created with req, in namespace ns. The scheduler places it on a Node
+// created with req, in namespace ns; a spec past MaxSpecBytes is an
+// ErrSpec error. The scheduler places it on a Node
 // labelled for req.Wall (so req.Wall must be the registry's name for it,
 // not ""), counting req's cpus and memory (or the defaults).
 func PodFor(id string, req manager.CreateRequest, ns string) (*corev1.Pod, error) {
@@ -102,9 +114,16 @@ func PodFor(id string, req manager.CreateRequest, ns string) (*corev1.Pod, error
 	for _, v := range req.Volumes {
 		s.Volumes = append(s.Volumes, Volume{Name: v.Name, Path: v.Path})
 	}
-	spec, err := json.Marshal(s)
-	if err != nil {
+	var buf bytes.Buffer
+	enc := json.NewEncoder(&buf)
+	enc.SetEscapeHTML(false) // "<" is one byte of the bound, not six
+	if err := enc.Encode(s); err != nil {
 		return nil, err
+	}
+	spec := bytes.TrimSuffix(buf.Bytes(), []byte("\n"))
+	if len(spec) > MaxSpecBytes {
+		return nil, fmt.Errorf("%w: the sandbox's metadata, environment and network policy are %d bytes in the cluster's pod, at most %d in cluster mode",
+			ErrSpec, len(spec), MaxSpecBytes)
 	}
 	labels := map[string]string{LabelManagedBy: "cage", LabelSandbox: "true",
 		LabelWall: req.Wall, LabelKey: req.KeyID}

@@ -2,8 +2,10 @@ package cluster
 
 import (
 	"errors"
+	"fmt"
 	"net/netip"
 	"reflect"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -192,5 +194,42 @@ func TestEnd(t *testing.T) {
 	pod.Annotations[AnnoEnd] = "soon"
 	if got := EndOf(pod); !got.IsZero() {
 		t.Errorf("EndOf(malformed) = %v", got)
+	}
+}
+
+// Attack: a tenant's creates in cluster mode fill the cluster's etcd. A
+// pod carries its create's metadata, environment and network policy in
+// cage.dev/spec, and etcd keeps each write of it whole until the API
+// server compacts: with one host's bounds (64 KiB each, a control
+// character or "<" six bytes of JSON) a pod was 256 KiB, and 40 creates
+// grew etcd by 32 MB (the review's run). Expected: a spec past
+// MaxSpecBytes is refused before any pod is made (the front's create
+// answers 400), and "<" costs one byte of it.
+func TestPodForSpecBounded(t *testing.T) {
+	big := strings.Repeat("<", 10<<10)
+	for name, r := range map[string]manager.CreateRequest{
+		"the review's metadata": {Metadata: map[string]string{"a": big, "b": big, "c": big, "d": big}},
+		"environment":           {Env: map[string]string{"BLOB": strings.Repeat("x", MaxSpecBytes)}},
+		"control characters":    {Metadata: map[string]string{"m": strings.Repeat("\x01", 3<<10)}},
+		"network policy": {Net: network.Policy{Mode: network.Allowlist,
+			Allow: slices.Repeat([]network.Rule{{Name: strings.Repeat("a", 60) + ".example.com", Port: 443}}, 256)}},
+	} {
+		r.Wall, r.Template = "runc", "base"
+		_, err := PodFor(testID, r, "cage")
+		if !errors.Is(err, ErrSpec) || !strings.Contains(err.Error(), fmt.Sprintf("at most %d", MaxSpecBytes)) {
+			t.Errorf("%s: %v; want refused naming the bound", name, err)
+		}
+	}
+	md := map[string]string{"html": strings.Repeat("<&>", 4<<10)} // 12 KiB
+	pod, err := PodFor(testID, manager.CreateRequest{Wall: "runc", Template: "base", Metadata: md}, "cage")
+	if err != nil {
+		t.Fatalf("12 KiB of metadata: %v", err)
+	}
+	if n := len(pod.Annotations[AnnoSpec]); n > 13<<10 {
+		t.Errorf("spec of 12 KiB of \"<&>\" is %d bytes", n)
+	}
+	back, err := RequestFrom(pod)
+	if err != nil || back.Metadata["html"] != md["html"] {
+		t.Errorf("round trip: %v", err)
 	}
 }
