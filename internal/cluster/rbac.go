@@ -118,6 +118,56 @@ func Policy() (*admissionv1.ValidatingAdmissionPolicy, *admissionv1.ValidatingAd
 	return p, b
 }
 
+// KubeletPolicyName names the policy that keeps kubelets out of cage's
+// labels and annotations; KubeletGroup is their group.
+const (
+	KubeletPolicyName = "cage-kubelet"
+	KubeletGroup      = "system:nodes"
+)
+
+// KubeletPolicy is the admission policy that keeps the kubelets of a
+// shared cluster's other nodes from passing their Node off as a cage
+// node. A kubelet may change its own Node's labels and annotations (the
+// NodeRestriction plugin reserves only kubernetes.io and k8s.io ones): one
+// that labelled its Node cage.dev/node=true and cage.dev/wall-W=true and
+// annotated it with a cage.dev/api address of its choosing was, to every
+// front, a live cage node (its Lease is the kubelet's own): the scheduler
+// gave it sandbox pods (their create's env included), fronts sent it
+// their starts and forwarded it clients' requests with their API keys
+// (found by review, 2026-12-04). Under it, a request of group
+// system:nodes neither makes, changes nor removes a label or annotation
+// under cage.dev/ on a Node.
+func KubeletPolicy() (*admissionv1.ValidatingAdmissionPolicy, *admissionv1.ValidatingAdmissionPolicyBinding) {
+	fail := admissionv1.Fail
+	const (
+		newObj = "(has(object.metadata.%[1]s) ? object.metadata.%[1]s : {})"
+		oldObj = "(oldObject == null ? {} : has(oldObject.metadata.%[1]s) ? oldObject.metadata.%[1]s : {})"
+		same   = "variables.new%[1]s.all(k, !k.startsWith('cage.dev/') || (k in variables.old%[1]s && variables.old%[1]s[k] == variables.new%[1]s[k])) && " +
+			"variables.old%[1]s.all(k, !k.startsWith('cage.dev/') || k in variables.new%[1]s)"
+	)
+	var vars []admissionv1.Variable
+	for _, f := range []string{"labels", "annotations"} {
+		vars = append(vars, admissionv1.Variable{Name: "new" + f, Expression: fmt.Sprintf(newObj, f)},
+			admissionv1.Variable{Name: "old" + f, Expression: fmt.Sprintf(oldObj, f)})
+	}
+	p := &admissionv1.ValidatingAdmissionPolicy{ObjectMeta: meta(KubeletPolicyName, ""), Spec: admissionv1.ValidatingAdmissionPolicySpec{
+		FailurePolicy: &fail,
+		MatchConstraints: &admissionv1.MatchResources{ResourceRules: []admissionv1.NamedRuleWithOperations{{
+			RuleWithOperations: admissionv1.RuleWithOperations{
+				Operations: []admissionv1.OperationType{admissionv1.Create, admissionv1.Update},
+				Rule:       admissionv1.Rule{APIGroups: []string{""}, APIVersions: []string{"v1"}, Resources: []string{"nodes", "nodes/status"}}}}}},
+		MatchConditions: []admissionv1.MatchCondition{{Name: "kubelets", Expression: "'" + KubeletGroup + "' in request.userInfo.groups"}},
+		Variables:       vars,
+		Validations: []admissionv1.Validation{
+			{Expression: fmt.Sprintf(same, "labels"), Message: "a kubelet may not set, change or remove cage.dev/ labels of a Node"},
+			{Expression: fmt.Sprintf(same, "annotations"), Message: "a kubelet may not set, change or remove cage.dev/ annotations of a Node"},
+		},
+	}}
+	b := &admissionv1.ValidatingAdmissionPolicyBinding{ObjectMeta: meta(KubeletPolicyName, ""), Spec: admissionv1.ValidatingAdmissionPolicyBindingSpec{
+		PolicyName: KubeletPolicyName, ValidationActions: []admissionv1.ValidationAction{admissionv1.Deny}}}
+	return p, b
+}
+
 func meta(name, ns string) metav1.ObjectMeta {
 	return metav1.ObjectMeta{Name: name, Namespace: ns, Labels: map[string]string{LabelManagedBy: "cage"}}
 }
@@ -171,13 +221,15 @@ func ApplyRBAC(ctx context.Context, c *kube.Client, namespace ...string) error {
 			return fmt.Errorf("rbac: rolebinding %s/%s: %w", r.Namespace, r.Name, err)
 		}
 	}
-	p, pb := Policy()
 	adm := c.AdmissionregistrationV1()
-	if err := upsertVersioned(ctx, adm.ValidatingAdmissionPolicies(), p); err != nil {
-		return fmt.Errorf("rbac: validating admission policy %s: %w", p.Name, err)
-	}
-	if err := upsertVersioned(ctx, adm.ValidatingAdmissionPolicyBindings(), pb); err != nil {
-		return fmt.Errorf("rbac: validating admission policy binding %s: %w", pb.Name, err)
+	for _, policy := range []func() (*admissionv1.ValidatingAdmissionPolicy, *admissionv1.ValidatingAdmissionPolicyBinding){Policy, KubeletPolicy} {
+		p, pb := policy()
+		if err := upsertVersioned(ctx, adm.ValidatingAdmissionPolicies(), p); err != nil {
+			return fmt.Errorf("rbac: validating admission policy %s: %w", p.Name, err)
+		}
+		if err := upsertVersioned(ctx, adm.ValidatingAdmissionPolicyBindings(), pb); err != nil {
+			return fmt.Errorf("rbac: validating admission policy binding %s: %w", pb.Name, err)
+		}
 	}
 	return nil
 }
@@ -220,10 +272,12 @@ func RBACYAML(ns string) ([]byte, error) {
 		objs = append(objs, r, &rbacv1.RoleBinding{TypeMeta: metav1.TypeMeta{APIVersion: "rbac.authorization.k8s.io/v1", Kind: "RoleBinding"},
 			ObjectMeta: meta(RoleName, r.Namespace), Subjects: subjects(), RoleRef: rbacv1.RoleRef{APIGroup: rbacv1.GroupName, Kind: "Role", Name: RoleName}})
 	}
-	p, pb := Policy()
-	p.TypeMeta = metav1.TypeMeta{APIVersion: "admissionregistration.k8s.io/v1", Kind: "ValidatingAdmissionPolicy"}
-	pb.TypeMeta = metav1.TypeMeta{APIVersion: "admissionregistration.k8s.io/v1", Kind: "ValidatingAdmissionPolicyBinding"}
-	objs = append(objs, p, pb)
+	for _, policy := range []func() (*admissionv1.ValidatingAdmissionPolicy, *admissionv1.ValidatingAdmissionPolicyBinding){Policy, KubeletPolicy} {
+		p, pb := policy()
+		p.TypeMeta = metav1.TypeMeta{APIVersion: "admissionregistration.k8s.io/v1", Kind: "ValidatingAdmissionPolicy"}
+		pb.TypeMeta = metav1.TypeMeta{APIVersion: "admissionregistration.k8s.io/v1", Kind: "ValidatingAdmissionPolicyBinding"}
+		objs = append(objs, p, pb)
+	}
 	var out []byte
 	for i, o := range objs {
 		b, err := yaml.Marshal(o)

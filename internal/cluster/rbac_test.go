@@ -10,6 +10,7 @@ import (
 
 	coordinationv1 "k8s.io/api/coordination/v1"
 	corev1 "k8s.io/api/core/v1"
+	rbacv1 "k8s.io/api/rbac/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 
@@ -56,7 +57,7 @@ func TestRolesLeastPrivilege(t *testing.T) {
 		t.Fatal(err)
 	}
 	for _, want := range []string{"kind: ClusterRole\n", "kind: ClusterRoleBinding\n", "kind: Role\n", "kind: RoleBinding\n",
-		"name: " + NodesGroup, "namespace: ns1", "namespace: " + NodeLeaseNamespace} {
+		"name: " + NodesGroup, "namespace: ns1", "namespace: " + NodeLeaseNamespace, "name: " + KubeletPolicyName} {
 		if !strings.Contains(string(y), want) {
 			t.Errorf("RBACYAML lacks %q:\n%s", want, y)
 		}
@@ -298,4 +299,116 @@ func TestNodePolicySecrets(t *testing.T) {
 	}
 	defer st.Close()
 	allowed("evil syncs the keys (list and watch of cage-api-keys)", SyncKeys(sctx, evil, ns, st, nil))
+}
+
+// Attack: the kubelet of an ordinary node of a shared cluster (root on
+// that node after a container escape) passes its Node off as a cage node:
+// it labels it cage.dev/node=true and cage.dev/wall-process=true and
+// annotates it with a cage.dev/api address of its own. Its Lease is the
+// kubelet's, so every front took it for a live cage node: kube-scheduler
+// gave it sandbox pods (their env included), fronts sent it starts and
+// forwarded it clients' requests with their API keys. Kubelets may change
+// their own Node's labels and annotations (NodeRestriction reserves only
+// kubernetes.io and k8s.io ones; this plane, RBAC only, is granted what
+// the Node authorizer would). Expected: every make, change or removal of
+// a cage.dev/ label or annotation by group system:nodes refused; the
+// kubelet's other changes of its Node, and its status, allowed.
+func TestKubeletPolicy(t *testing.T) {
+	p := kubeplane.Start(t, kubeplane.Options{Kubelets: []string{"worker-1"}})
+	ctx := context.Background()
+	load := func(user string) *kube.Client {
+		cfg, err := kube.LoadKubeconfig(p.MustKubeconfig(t, user))
+		if err != nil {
+			t.Fatal(err)
+		}
+		c, err := kube.New(cfg, kube.Options{QPS: 100, Burst: 100})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return c
+	}
+	admin, kubelet := load(kubeplane.Admin), load(kubeplane.KubeletUser("worker-1"))
+	if err := ApplyRBAC(ctx, admin); err != nil {
+		t.Fatal(err)
+	}
+	rb := admin.RbacV1()
+	if _, err := rb.ClusterRoles().Create(ctx, &rbacv1.ClusterRole{ObjectMeta: metav1.ObjectMeta{Name: "kubelet"},
+		Rules: []rbacv1.PolicyRule{{APIGroups: []string{""}, Resources: []string{"nodes", "nodes/status"},
+			Verbs: []string{"get", "create", "update", "patch"}}}}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := rb.ClusterRoleBindings().Create(ctx, &rbacv1.ClusterRoleBinding{ObjectMeta: metav1.ObjectMeta{Name: "kubelet"},
+		Subjects: []rbacv1.Subject{{Kind: rbacv1.GroupKind, APIGroup: rbacv1.GroupName, Name: kubeplane.KubeletGroup}},
+		RoleRef:  rbacv1.RoleRef{APIGroup: rbacv1.GroupName, Kind: "ClusterRole", Name: "kubelet"}}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	nodes := kubelet.CoreV1().Nodes()
+	patch := func(v any) error {
+		b, _ := json.Marshal(v)
+		_, err := nodes.Patch(ctx, "worker-1", types.MergePatchType, b, metav1.PatchOptions{})
+		return err
+	}
+	labels := func(l map[string]any) map[string]any { return map[string]any{"metadata": map[string]any{"labels": l}} }
+	// The kubelet registers its Node (RBAC takes a moment to authorize it).
+	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(100 * time.Millisecond) {
+		_, err := nodes.Create(ctx, &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: "worker-1",
+			Labels: map[string]string{"kubernetes.io/hostname": "worker-1"}}}, metav1.CreateOptions{})
+		if err == nil {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the kubelet registers its Node: %v", err)
+		}
+	}
+	// The policy is in force once this is refused (in a moment).
+	cage := labels(map[string]any{NodeLabel: "true", WallLabelPrefix + "process": "true"})
+	for deadline := time.Now().Add(30 * time.Second); patch(cage) == nil; time.Sleep(100 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("the kubelet labelled its Node a cage node: allowed after 30 s; want refused")
+		}
+		if err := patch(labels(map[string]any{NodeLabel: nil, WallLabelPrefix + "process": nil})); err != nil {
+			t.Fatalf("take the labels back: %v", err)
+		}
+	}
+	refused := func(what string, err error) {
+		t.Helper()
+		if err == nil || !strings.Contains(err.Error(), "a kubelet may not") {
+			t.Errorf("%s: %v; want refused by the policy", what, err)
+		}
+	}
+	allowed := func(what string, err error) {
+		t.Helper()
+		if err != nil {
+			t.Errorf("%s: %v; want allowed", what, err)
+		}
+	}
+	refused("the kubelet labels its Node a cage node", patch(cage))
+	refused("the kubelet sets its Node's cage.dev/api", patch(map[string]any{"metadata": map[string]any{
+		"annotations": map[string]string{AnnoAPI: "http://10.0.0.9:3000", AnnoProxy: "http://10.0.0.9:3001"}}}))
+	refused("a kubelet registers a Node labelled for cage", func() error {
+		_, err := nodes.Create(ctx, &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: "worker-2",
+			Labels: map[string]string{NodeLabel: "true"}}}, metav1.CreateOptions{})
+		return err
+	}())
+	allowed("the kubelet labels its Node otherwise", patch(labels(map[string]any{"pool": "general"})))
+	allowed("the kubelet annotates its Node otherwise", patch(map[string]any{"metadata": map[string]any{
+		"annotations": map[string]string{"node.alpha.kubernetes.io/ttl": "0"}}}))
+	allowed("the kubelet reports its status", func() error {
+		n, err := nodes.Get(ctx, "worker-1", metav1.GetOptions{})
+		if err != nil {
+			return err
+		}
+		n.Status.Conditions = []corev1.NodeCondition{{Type: corev1.NodeReady, Status: corev1.ConditionTrue,
+			LastHeartbeatTime: metav1.Now(), LastTransitionTime: metav1.Now()}}
+		_, err = nodes.UpdateStatus(ctx, n, metav1.UpdateOptions{})
+		return err
+	}())
+	// An administrator still may (a cage node registers its own Node
+	// under group cage:nodes, TestNodePolicy).
+	b, _ := json.Marshal(cage)
+	if _, err := admin.CoreV1().Nodes().Patch(ctx, "worker-1", types.MergePatchType, b, metav1.PatchOptions{}); err != nil {
+		t.Errorf("an administrator labels worker-1 for cage: %v", err)
+	}
+	refused("the kubelet removes a cage.dev/ label", patch(labels(map[string]any{NodeLabel: nil})))
+	allowed("the kubelet labels its cage-labelled Node otherwise", patch(labels(map[string]any{"pool": "cage"})))
 }

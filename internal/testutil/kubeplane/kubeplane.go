@@ -51,6 +51,13 @@ const NodeGroup = "cage:nodes"
 // NodeUser is the user name a node authenticates as.
 func NodeUser(node string) string { return "cage:node:" + node }
 
+// KubeletGroup is the group of every kubelet; KubeletUser(name) the user
+// name of node name's kubelet.
+const KubeletGroup = "system:nodes"
+
+// KubeletUser is the user name node's kubelet authenticates as.
+func KubeletUser(node string) string { return "system:node:" + node }
+
 // Options shape a plane. The zero value is a plane on loopback.
 type Options struct {
 	// BindIP is the apiserver's address (default 127.0.0.1); give
@@ -58,6 +65,11 @@ type Options struct {
 	BindIP net.IP
 	// Nodes are the node names that get a token (user cage:node:NAME).
 	Nodes []string
+	// Kubelets are names of ordinary nodes of a shared cluster that get
+	// a token as their kubelet's (user system:node:NAME, group
+	// system:nodes). The plane authorizes with RBAC only: a test grants
+	// them what the Node authorizer would.
+	Kubelets []string
 	// Dir keeps the plane's files (certificates, tokens, etcd's data, the
 	// logs); Start uses a test temporary directory when it is empty.
 	Dir string
@@ -165,7 +177,7 @@ func Launch(o Options) (p *Plane, err error) {
 	pool.AppendCertsFromPEM(pk.caPEM)
 	p.http = &http.Client{Timeout: 10 * time.Second,
 		Transport: &http.Transport{TLSClientConfig: &tls.Config{RootCAs: pool}}}
-	tokenFile, err := p.writeTokens(o.Nodes)
+	tokenFile, err := p.writeTokens(o.Nodes, o.Kubelets)
 	if err != nil {
 		return nil, err
 	}
@@ -188,7 +200,7 @@ func Launch(o Options) (p *Plane, err error) {
 }
 
 // writeTokens writes the static token file: one random token per user.
-func (p *Plane) writeTokens(nodes []string) (string, error) {
+func (p *Plane) writeTokens(nodes, kubelets []string) (string, error) {
 	var b strings.Builder
 	add := func(user, groups string) {
 		tok := randHex(24)
@@ -202,6 +214,12 @@ func (p *Plane) writeTokens(nodes []string) (string, error) {
 			return "", fmt.Errorf("kubeplane: bad node name %q", n)
 		}
 		add(NodeUser(n), NodeGroup)
+	}
+	for _, n := range kubelets {
+		if n == "" || strings.ContainsAny(n, ",\"\n") {
+			return "", fmt.Errorf("kubeplane: bad kubelet name %q", n)
+		}
+		add(KubeletUser(n), KubeletGroup)
 	}
 	f := filepath.Join(p.Dir, "tokens.csv")
 	return f, os.WriteFile(f, []byte(b.String()), 0o600)
