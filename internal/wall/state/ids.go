@@ -122,14 +122,24 @@ func ReserveIDs() (*IDRange, error) {
 		return nil, err
 	}
 	start := rand.IntN(idSlots)
+	taken := 0
 	for i := 0; i < idSlots; i++ {
-		r, busy, err := reserve((start + i) % idSlots)
+		n := (start + i) % idSlots
+		if slotTaken(n) {
+			taken++
+			continue
+		}
+		r, busy, err := reserve(n)
 		if r != nil {
 			return r, nil
 		}
 		if !busy {
 			return nil, err
 		}
+	}
+	if taken > 0 {
+		return nil, fmt.Errorf("all %d sandbox uid ranges are in use (%d of them hold ids of the host's users: %s, %s, %s, %s)",
+			idSlots, taken, hostIDFiles.subuid, hostIDFiles.subgid, hostIDFiles.passwd, hostIDFiles.group)
 	}
 	return nil, fmt.Errorf("all %d sandbox uid ranges are in use", idSlots)
 }
@@ -140,6 +150,10 @@ func ReserveIDs() (*IDRange, error) {
 func ReserveSlot(n int) (*IDRange, error) {
 	if n < 0 || n >= idSlots {
 		return nil, fmt.Errorf("slot %d out of range", n)
+	}
+	if slotTaken(n) {
+		return nil, fmt.Errorf("slot %d's host ids are now a host user's (%s, %s, %s, %s)", n,
+			hostIDFiles.subuid, hostIDFiles.subgid, hostIDFiles.passwd, hostIDFiles.group)
 	}
 	if err := lockDir(); err != nil {
 		return nil, err
