@@ -201,7 +201,12 @@ func newTemplateCmd(g *globals) *cobra.Command {
 			}
 			w := cmd.OutOrStdout()
 			if out != "" && out != "-" {
-				f, err := os.OpenFile(out+".partial", os.O_CREATE|os.O_TRUNC|os.O_WRONLY, 0o644)
+				// A new file of its own beside out (O_EXCL, a name no one
+				// can guess), renamed over out: the destination's
+				// directory may be another user's to write (/tmp), and a
+				// fixed name there (out.partial) was opened through the
+				// link such a user planted, root's file overwritten.
+				f, err := os.CreateTemp(filepath.Dir(out), "."+filepath.Base(out)+".partial-*")
 				if err != nil {
 					return exitf(ExitUsage, "%v", err)
 				}
@@ -210,7 +215,11 @@ func newTemplateCmd(g *globals) *cobra.Command {
 					os.Remove(f.Name())
 					return err
 				}
-				if err := f.Close(); err != nil {
+				err = f.Chmod(0o644 &^ umask())
+				if cerr := f.Close(); err == nil {
+					err = cerr
+				}
+				if err != nil {
 					os.Remove(f.Name())
 					return err
 				}

@@ -96,3 +96,47 @@ func layers(inspect string) string {
 	j := strings.Index(inspect[i:], "]")
 	return inspect[i : i+j]
 }
+
+// TestTemplateExportPlantedLinks: `cage template export -o FILE`, run by
+// root, writes into a directory another user may write (/tmp, a shared
+// one), where that user planted links at FILE and at the name a
+// half-written export used to have (FILE.partial). Neither link is
+// followed: the files they point at are untouched, and FILE is the export.
+// Found by review, 2026-12-03: a user's /tmp/out.tar.partial -> a root
+// file had root's export overwrite that file with the tarball.
+func TestTemplateExportPlantedLinks(t *testing.T) {
+	e := setup(t)
+	env := []string{"CAGE_DATA=" + t.TempDir()}
+	tarPath := testutil.WriteDockerArchive(t, testutil.TestImage(t), "cage-test:latest")
+	if r := e.cageEnv(nil, env, "template", "import", tarPath, "bb"); r.code != 0 {
+		t.Fatalf("template import: %v", r)
+	}
+	shared, victims := t.TempDir(), t.TempDir()
+	if err := os.Chmod(shared, 0o1777); err != nil {
+		t.Fatal(err)
+	}
+	out := filepath.Join(shared, "bb.tar")
+	for _, name := range []string{out, out + ".partial"} {
+		victim := filepath.Join(victims, filepath.Base(name))
+		if err := os.WriteFile(victim, []byte("root's own\n"), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.Symlink(victim, name); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if r := e.cageEnv(nil, env, "template", "export", "bb", "-o", out); r.code != 0 {
+		t.Fatalf("template export: %v", r)
+	}
+	for _, name := range []string{out, out + ".partial"} {
+		if b, err := os.ReadFile(filepath.Join(victims, filepath.Base(name))); err != nil || string(b) != "root's own\n" {
+			t.Errorf("the file %s's link pointed at: %d bytes, %v; want it untouched", filepath.Base(name), len(b), err)
+		}
+	}
+	if fi, err := os.Lstat(out); err != nil || !fi.Mode().IsRegular() || fi.Size() < 1<<20 {
+		t.Fatalf("export wrote %v, %v; want a regular file", fi, err)
+	}
+	if left, _ := filepath.Glob(filepath.Join(shared, ".bb.tar.partial-*")); len(left) != 0 {
+		t.Errorf("left behind: %v", left)
+	}
+}
