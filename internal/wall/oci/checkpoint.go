@@ -149,6 +149,9 @@ func (sb *Sandbox) Restore(ctx context.Context, dir string) error {
 	defer pids.Close()
 	pidFile := filepath.Join(sb.dir, "pid")
 	_ = os.Remove(pidFile)
+	if err := runtimeRoot(sb.root); err != nil {
+		return err
+	}
 	args := sb.rt.flags(sb.netns != "")
 	args = append(args, "--root", sb.root, "restore", "--image-path", dir, "--bundle", filepath.Join(sb.dir, "bundle"),
 		"--detach", "--pid-file", pidFile, sb.id)

@@ -19,6 +19,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"syscall"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -96,6 +97,31 @@ func (sb *Sandbox) SetNetwork(n *network.Sandbox) {
 }
 
 func fileExists(p string) bool { _, err := os.Stat(p); return err == nil }
+
+// runtimeRoot makes the runtime's state directory (--root) root's alone,
+// 0700, before the runtime makes it itself: runsc makes it 0711 and its
+// sandboxes' control sockets in it with the daemon's umask, and a socket
+// any host user may connect to runs commands as root in the sandbox
+// (containerManager.ExecuteAsync). Found by review, 2026-12-03: a daemon
+// started under umask 000 left RUN/gvisor/runsc-ID.sock 0777 in a 0711
+// directory. A directory left 0711 by an older cage is made 0700.
+func runtimeRoot(dir string) error {
+	if err := os.Mkdir(dir, 0o700); err != nil && !errors.Is(err, os.ErrExist) {
+		return err
+	}
+	fi, err := os.Lstat(dir)
+	if err != nil {
+		return err
+	}
+	st, ok := fi.Sys().(*syscall.Stat_t)
+	if !fi.IsDir() || !ok || st.Uid != 0 {
+		return fmt.Errorf("%s: the runtime's state directory is not a directory of root's", dir)
+	}
+	if fi.Mode().Perm() != 0o700 {
+		return os.Chmod(dir, 0o700)
+	}
+	return nil
+}
 
 // Config is what an OCI wall needs of the host.
 type Config struct {
@@ -212,6 +238,9 @@ func create(ctx context.Context, cfg job) (sb *Sandbox, err error) {
 		}
 	}()
 	if err := os.MkdirAll(cfg.RunDir, 0o711); err != nil {
+		return sb, err
+	}
+	if err := runtimeRoot(sb.root); err != nil {
 		return sb, err
 	}
 	if sb.ids, err = state.ReserveIDs(); err != nil {
