@@ -78,8 +78,19 @@ func fillEtc(dir, srcRoot string, entries []string) error {
 	return nil
 }
 
+// copyRules names what copyTree copies, in the copy's fingerprint: a copy
+// an older cage made under other rules (one holding the host's private
+// keys) is never used again.
+const copyRules = "readable by others"
+
 // copyTree copies files, directories and symlinks (nothing else) with their
-// permission bits; owners become root.
+// permission bits; owners become root. Only what every host user may read
+// is copied: a file others may not read, a directory others may not
+// enter (and all below it) is left out. The copy's owners are no
+// sandbox's on the process wall and runc, but gVisor's root inside holds
+// every file's rights (its kernel maps no ids), and read the host's
+// /etc/ssl/private/*.key (0640 root:ssl-cert on the host, then root's)
+// until a review, 2026-12-03.
 func copyTree(src, dst string) error {
 	return filepath.WalkDir(src, func(p string, d fs.DirEntry, err error) error {
 		if err != nil {
@@ -90,6 +101,12 @@ func copyTree(src, dst string) error {
 		fi, err := d.Info()
 		if err != nil {
 			return err
+		}
+		switch {
+		case fi.IsDir() && fi.Mode().Perm()&0o001 == 0:
+			return filepath.SkipDir
+		case fi.Mode().IsRegular() && fi.Mode().Perm()&0o004 == 0:
+			return nil
 		}
 		switch {
 		case fi.Mode()&fs.ModeSymlink != 0:
@@ -151,7 +168,7 @@ func fingerprint(cacheDir, srcRoot string, entries []string) (string, error) {
 	}
 	h := sha256.New()
 	io.WriteString(h, strings.Join(lines, "\n"))
-	io.WriteString(h, fmt.Sprint(generatedEtc, etcLinks))
+	io.WriteString(h, fmt.Sprint(generatedEtc, etcLinks, copyRules))
 	sum := hex.EncodeToString(h.Sum(nil))[:16]
 	saveManifest(manifest, key, sum, lines)
 	return sum, nil
@@ -200,7 +217,7 @@ func walkStates(srcRoot string, entries []string) ([]string, error) {
 // fingerprint adds to their states.
 func manifestKey(srcRoot string, entries []string) string {
 	h := sha256.New()
-	fmt.Fprintf(h, "%q %q %v %v", srcRoot, entries, generatedEtc, etcLinks)
+	fmt.Fprintf(h, "%q %q %v %v %s", srcRoot, entries, generatedEtc, etcLinks, copyRules)
 	return hex.EncodeToString(h.Sum(nil))
 }
 

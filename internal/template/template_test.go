@@ -69,7 +69,7 @@ func TestEtcCacheFollowsTheHost(t *testing.T) {
 	}
 	must(os.WriteFile(filepath.Join(src, "conf"), []byte("one"), 0o644))
 	must(os.MkdirAll(filepath.Join(src, "dir", "sub"), 0o755))
-	must(os.WriteFile(filepath.Join(src, "dir", "sub", "f"), []byte("x"), 0o600))
+	must(os.WriteFile(filepath.Join(src, "dir", "sub", "f"), []byte("x"), 0o444))
 	must(os.Symlink("sub/f", filepath.Join(src, "dir", "link")))
 	entries := []string{"conf", "dir", "absent"}
 
@@ -83,7 +83,7 @@ func TestEtcCacheFollowsTheHost(t *testing.T) {
 	if got, _ := os.ReadFile(filepath.Join(a, "dir", "sub", "f")); string(got) != "x" {
 		t.Errorf("nested file: %q", got)
 	}
-	if fi, _ := os.Stat(filepath.Join(a, "dir", "sub", "f")); fi == nil || fi.Mode().Perm() != 0o600 {
+	if fi, _ := os.Stat(filepath.Join(a, "dir", "sub", "f")); fi == nil || fi.Mode().Perm() != 0o444 {
 		t.Errorf("mode not kept: %v", fi)
 	}
 	if l, _ := os.Readlink(filepath.Join(a, "dir", "link")); l != "sub/f" {
@@ -103,6 +103,41 @@ func TestEtcCacheFollowsTheHost(t *testing.T) {
 	}
 	if _, err := os.Stat(filepath.Join(a, "conf")); err != nil {
 		t.Errorf("the old copy must stay for sandboxes still using it: %v", err)
+	}
+}
+
+// TestEtcCopiesOnlyWhatOthersRead: the host template's /etc holds only
+// what every host user may read of the listed entries. gVisor's root
+// inside holds every file's rights (its kernel maps no ids), so a file
+// the copy kept root's alone was its to read: found by review,
+// 2026-12-03, `cage run --wall gvisor --user root` printed the host's
+// /etc/ssl/private/ssl-cert-snakeoil.key.
+func TestEtcCopiesOnlyWhatOthersRead(t *testing.T) {
+	src, cache := t.TempDir(), cacheDir(t)
+	must := func(err error) {
+		t.Helper()
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	must(os.MkdirAll(filepath.Join(src, "ssl", "certs"), 0o755))
+	must(os.WriteFile(filepath.Join(src, "ssl", "certs", "ca.pem"), []byte("public"), 0o644))
+	must(os.Mkdir(filepath.Join(src, "ssl", "private"), 0o710))
+	must(os.WriteFile(filepath.Join(src, "ssl", "private", "host.key"), []byte("PRIVATE"), 0o640))
+	must(os.WriteFile(filepath.Join(src, "ssl", "secret.conf"), []byte("PRIVATE"), 0o600))
+	must(os.Mkdir(filepath.Join(src, "listable"), 0o755))
+	must(os.Mkdir(filepath.Join(src, "listable", "closed"), 0o750))
+	must(os.WriteFile(filepath.Join(src, "listable", "closed", "f"), []byte("PRIVATE"), 0o644))
+	must(os.WriteFile(filepath.Join(src, "token"), []byte("PRIVATE"), 0o640))
+	dir, err := etcCache(cache, src, []string{"ssl", "listable", "token"})
+	must(err)
+	if b, err := os.ReadFile(filepath.Join(dir, "ssl", "certs", "ca.pem")); err != nil || string(b) != "public" {
+		t.Errorf("a file every user reads is not in the copy: %q, %v", b, err)
+	}
+	for _, p := range []string{"ssl/private", "ssl/secret.conf", "listable/closed", "token"} {
+		if _, err := os.Lstat(filepath.Join(dir, p)); err == nil {
+			t.Errorf("%s is in the copy, though only root (or its group) may read it on the host", p)
+		}
 	}
 }
 
