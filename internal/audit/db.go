@@ -8,11 +8,12 @@ import (
 	"fmt"
 	"net/url"
 	"os"
-	"path/filepath"
 	"strings"
 	"time"
 
 	_ "modernc.org/sqlite" // registers the "sqlite" database/sql driver
+
+	"github.com/cagehq/cage/internal/store"
 )
 
 // FileName is the trail's database inside the data directory.
@@ -64,22 +65,7 @@ var migrations = []string{
 
 // Open opens (creating it 0600 if needed) the trail database in dataDir.
 func Open(dataDir string) (*DB, error) {
-	dir, err := filepath.Abs(dataDir)
-	if err != nil {
-		return nil, fmt.Errorf("audit: %w", err)
-	}
-	if err := os.MkdirAll(dir, 0o700); err != nil {
-		return nil, fmt.Errorf("audit: %w", err)
-	}
-	path := filepath.Join(dir, FileName)
-	f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE, 0o600)
-	if err != nil {
-		return nil, fmt.Errorf("audit: %w", err)
-	}
-	err = f.Chmod(0o600)
-	if cerr := f.Close(); err == nil {
-		err = cerr
-	}
+	path, err := store.OpenDBFile(dataDir, FileName)
 	if err != nil {
 		return nil, fmt.Errorf("audit: %w", err)
 	}

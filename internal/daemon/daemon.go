@@ -223,6 +223,9 @@ func Run(ctx context.Context, cfg Config, log *slog.Logger, ready func(apiAddr, 
 	if err := os.MkdirAll(cfg.Data, 0o700); err != nil {
 		return err
 	}
+	if err := store.CheckDataDir(cfg.Data); err != nil {
+		return err
+	}
 	lock, err := lockData(cfg.Data)
 	if err != nil {
 		return err

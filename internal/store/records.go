@@ -6,7 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"os"
-	"path/filepath"
 	"strings"
 	"time"
 )
@@ -71,22 +70,7 @@ CREATE TABLE IF NOT EXISTS record_counts (
 // OpenRecords opens (creating it if needed, mode 0600) the records
 // database in dataDir.
 func OpenRecords(dataDir string) (*Records, error) {
-	dir, err := filepath.Abs(dataDir)
-	if err != nil {
-		return nil, fmt.Errorf("records: %w", err)
-	}
-	if err := os.MkdirAll(dir, 0o700); err != nil {
-		return nil, fmt.Errorf("records: %w", err)
-	}
-	path := filepath.Join(dir, RecordsFileName)
-	f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE, 0o600)
-	if err != nil {
-		return nil, fmt.Errorf("records: %w", err)
-	}
-	err = f.Chmod(0o600)
-	if cerr := f.Close(); err == nil {
-		err = cerr
-	}
+	path, err := OpenDBFile(dataDir, RecordsFileName)
 	if err != nil {
 		return nil, fmt.Errorf("records: %w", err)
 	}

@@ -24,8 +24,6 @@ import (
 	"errors"
 	"fmt"
 	"net/url"
-	"os"
-	"path/filepath"
 	"strings"
 	"sync"
 	"time"
@@ -194,23 +192,8 @@ func Open(dataDir string) (*Store, error) {
 	if dataDir == "" {
 		return nil, errors.New("store: empty data directory")
 	}
-	dir, err := filepath.Abs(dataDir)
-	if err != nil {
-		return nil, fmt.Errorf("store: %w", err)
-	}
-	if err := os.MkdirAll(dir, 0o700); err != nil {
-		return nil, fmt.Errorf("store: %w", err)
-	}
-	path := filepath.Join(dir, FileName)
 	// Create the file ourselves so it gets 0600 whatever SQLite's default.
-	f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE, 0o600)
-	if err != nil {
-		return nil, fmt.Errorf("store: %w", err)
-	}
-	err = f.Chmod(0o600)
-	if cerr := f.Close(); err == nil {
-		err = cerr
-	}
+	path, err := OpenDBFile(dataDir, FileName)
 	if err != nil {
 		return nil, fmt.Errorf("store: %w", err)
 	}
