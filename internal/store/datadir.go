@@ -49,9 +49,19 @@ func OpenDBFile(dataDir, name string) (string, error) {
 }
 
 // CheckDataDir says what is wrong with dir as a data directory: not this
-// process's user's, or writable by its group or others.
+// process's user's, or writable by its group or others; or a directory
+// above it that another user could rename it out of (one not root's or
+// this user's, or writable by others without the sticky bit, as /tmp has).
 func CheckDataDir(dir string) error {
-	fi, err := os.Stat(dir)
+	real, err := filepath.EvalSymlinks(dir)
+	if err != nil {
+		return err
+	}
+	real, err = filepath.Abs(real)
+	if err != nil {
+		return err
+	}
+	fi, err := os.Stat(real)
 	if err != nil {
 		return err
 	}
@@ -64,5 +74,20 @@ func CheckDataDir(dir string) error {
 	case fi.Mode().Perm()&0o022 != 0:
 		return fmt.Errorf("data directory %s is writable by others (mode %04o): any of them could replace the keys in it; chmod 700 it", dir, fi.Mode().Perm())
 	}
-	return nil
+	for p := filepath.Dir(real); ; p = filepath.Dir(p) {
+		fi, err := os.Stat(p)
+		if err != nil {
+			return err
+		}
+		st, ok := fi.Sys().(*syscall.Stat_t)
+		if !ok || (st.Uid != 0 && int(st.Uid) != os.Geteuid()) {
+			return fmt.Errorf("data directory %s is in %s, of uid %d's: its owner could put another in its place", dir, p, st.Uid)
+		}
+		if fi.Mode().Perm()&0o022 != 0 && fi.Mode()&os.ModeSticky == 0 {
+			return fmt.Errorf("data directory %s is in %s, which others may write (mode %04o): any of them could put another in its place", dir, p, fi.Mode().Perm())
+		}
+		if p == "/" {
+			return nil
+		}
+	}
 }

@@ -70,6 +70,34 @@ func TestDataDirOnlyItsOwners(t *testing.T) {
 	if _, err := os.Lstat(target); err == nil {
 		t.Error("the link was followed: its target was made")
 	}
+	// Root's, 0700, but in a directory another user owns, or others may
+	// write without the sticky bit: refused (they could rename it away).
+	for _, mode := range []os.FileMode{0o755, 0o777} {
+		parent := t.TempDir()
+		if mode == 0o755 {
+			if err := os.Chown(parent, 1234, 1234); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if err := os.Chmod(parent, mode); err != nil {
+			t.Fatal(err)
+		}
+		inside := filepath.Join(parent, "data")
+		if err := os.Mkdir(inside, 0o700); err != nil {
+			t.Fatal(err)
+		}
+		if err := open(inside); err == nil {
+			t.Errorf("a data directory in a directory of mode %04o (owner uid 1234: %v) taken", mode, mode == 0o755)
+		}
+	}
+	// In a sticky directory others may write (/tmp): taken.
+	sticky := t.TempDir()
+	if err := os.Chmod(sticky, os.ModeSticky|0o777); err != nil {
+		t.Fatal(err)
+	}
+	if err := open(filepath.Join(sticky, "data")); err != nil {
+		t.Errorf("a data directory in a sticky directory: %v", err)
+	}
 	// As it should be: taken.
 	if err := open(t.TempDir()); err != nil {
 		t.Errorf("a data directory of root's, 0700: %v", err)

@@ -112,7 +112,7 @@ func TestTemplateExportPlantedLinks(t *testing.T) {
 		t.Fatalf("template import: %v", r)
 	}
 	shared, victims := t.TempDir(), t.TempDir()
-	if err := os.Chmod(shared, 0o1777); err != nil {
+	if err := os.Chmod(shared, 0o777); err != nil {
 		t.Fatal(err)
 	}
 	out := filepath.Join(shared, "bb.tar")
