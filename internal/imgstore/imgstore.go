@@ -43,6 +43,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/cagehq/cage/internal/store"
 )
 
 // Errors a caller can tell apart with errors.Is.
@@ -142,6 +144,12 @@ func Open(dir string) (*Store, error) {
 	// The layers may hold setuid-root files: keep everyone but root out,
 	// also when the directory existed before.
 	if err := os.Chmod(abs, 0o700); err != nil {
+		return nil, fmt.Errorf("template store: %w", err)
+	}
+	// And no other user may own it, or a directory above it they could
+	// rename it out of: they could change the layers every sandbox of a
+	// template runs, and hold links where root unpacks and removes.
+	if err := store.CheckDataDir(abs); err != nil {
 		return nil, fmt.Errorf("template store: %w", err)
 	}
 	for _, sub := range []string{layersDir, configsDir, templatesDir} {
