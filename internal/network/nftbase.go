@@ -109,7 +109,7 @@ func (n *nft) addClosedTimeout() {
 		}}})
 }
 
-// addChains queues the base chains (forward, input, dstnat, srcnat) and
+// addChains queues the base chains (forward, input, output, dstnat, srcnat) and
 // the regular ones, the owner's log chains included (the caller holds mu).
 func (n *nft) addChains(group uint16) (base, regular map[string]*nftables.Chain) {
 	c := n.conn
@@ -123,6 +123,7 @@ func (n *nft) addChains(group uint16) (base, regular map[string]*nftables.Chain)
 	}{
 		{"forward", nftables.ChainTypeFilter, nftables.ChainHookForward, nftables.ChainPriorityFilter},
 		{"input", nftables.ChainTypeFilter, nftables.ChainHookInput, nftables.ChainPriorityFilter},
+		{"output", nftables.ChainTypeFilter, nftables.ChainHookOutput, nftables.ChainPriorityFilter},
 		{"dstnat", nftables.ChainTypeNAT, nftables.ChainHookPrerouting, nftables.ChainPriorityNATDest},
 		{"srcnat", nftables.ChainTypeNAT, nftables.ChainHookPostrouting, nftables.ChainPriorityNATSource},
 	} {
@@ -269,6 +270,20 @@ func (n *nft) baseRules(base, regular map[string]*nftables.Chain, guard bool) {
 	for _, r := range toHostRules() {
 		rule(regular[toHostChain], r...)
 	}
+	// output: the host's other users reach no sandbox. What the host
+	// sends a sandbox is its answers (DNS replies, ICMP errors) and what
+	// root sends; a connection a host user's process opens to a sandbox's
+	// address is dropped: a sandbox's servers are reached through the
+	// proxy, with its credentials. (Found by review, 2026-12-03: any host
+	// user's curl reached a sandbox's server at its address, past the
+	// traffic token and the audit trail.) A packet of no socket (the
+	// kernel's own) has no owner to match and passes.
+	out := base["output"]
+	rule(out, cat(ifnamePrefix(expr.MetaKeyOIFNAME, true), ctState(expr.CtStateBitESTABLISHED|expr.CtStateBitRELATED), verdict(expr.VerdictAccept))...)
+	rule(out, cat(ifnamePrefix(expr.MetaKeyOIFNAME, true), []expr.Any{
+		&expr.Meta{Key: expr.MetaKeySKUID, Register: 1},
+		&expr.Cmp{Op: expr.CmpOpNeq, Register: 1, Data: []byte{0, 0, 0, 0}},
+	}, verdict(expr.VerdictDrop))...)
 	// dstnat: DNS to the gateway goes to the owner's resolver.
 	for _, r := range dnatRules() {
 		rule(dnat, r...)

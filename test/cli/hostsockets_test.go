@@ -3,12 +3,15 @@ package clitest
 import (
 	"errors"
 	"io/fs"
+	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
 	"runtime"
 	"syscall"
 	"testing"
+	"time"
 
 	"golang.org/x/sys/unix"
 
@@ -62,10 +65,28 @@ func TestHostUsersCannotConnectToSandboxSockets(t *testing.T) {
 	}
 }
 
-// connectAsNobody connects to the unix socket at path from a thread whose
-// ids are all 65534 and which holds no group and no capability (the
-// thread is thrown away after).
+// connectAsNobody connects to the unix socket at path as a host user.
 func connectAsNobody(path string) error {
+	return asNobody(func() error {
+		var err error
+		for _, typ := range []int{unix.SOCK_STREAM, unix.SOCK_SEQPACKET, unix.SOCK_DGRAM} {
+			fd, serr := unix.Socket(unix.AF_UNIX, typ|unix.SOCK_CLOEXEC, 0)
+			if serr != nil {
+				return serr
+			}
+			err = unix.Connect(fd, &unix.SockaddrUnix{Name: path})
+			unix.Close(fd)
+			if !errors.Is(err, unix.EPROTOTYPE) {
+				break
+			}
+		}
+		return err
+	})
+}
+
+// asNobody runs fn on a thread whose ids are all 65534 and which holds no
+// group and no capability (the thread is thrown away after).
+func asNobody(fn func() error) error {
 	done := make(chan error, 1)
 	go func() {
 		runtime.LockOSThread() // never unlocked: the thread goes with the goroutine
@@ -75,20 +96,61 @@ func connectAsNobody(path string) error {
 				return
 			}
 		}
-		var err error
-		for _, typ := range []int{unix.SOCK_STREAM, unix.SOCK_SEQPACKET, unix.SOCK_DGRAM} {
-			fd, serr := unix.Socket(unix.AF_UNIX, typ|unix.SOCK_CLOEXEC, 0)
-			if serr != nil {
-				done <- serr
-				return
-			}
-			err = unix.Connect(fd, &unix.SockaddrUnix{Name: path})
-			unix.Close(fd)
-			if !errors.Is(err, unix.EPROTOTYPE) {
-				break
-			}
-		}
-		done <- err
+		done <- fn()
 	}()
 	return <-done
+}
+
+// TestHostUsersCannotReachSandboxAddress: a host user's process reaches
+// no sandbox at its address (its servers are reached through the proxy,
+// with its credentials); root's still does. Found by review, 2026-12-03:
+// an unprivileged user's curl got 200 from a networked sandbox's server at
+// 10.209.x.y:8080, past the traffic token and the audit trail.
+func TestHostUsersCannotReachSandboxAddress(t *testing.T) {
+	for _, wall := range []string{"process", "runc"} {
+		t.Run(wall, func(t *testing.T) {
+			e := setup(t)
+			if wall == "runc" {
+				if _, err := exec.LookPath("runc"); err != nil {
+					testutil.SkipWall(t, wall, "runc not installed")
+				}
+			}
+			l := e.startCageEnv(nil, "run", "--wall", wall, "--net", "internet", "--", "sh", "-c",
+				`echo READY; ip -4 -o addr show dev eth0; exec python3 -c 'import socket,time
+s=socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind(("0.0.0.0", 8080)); s.listen(16)
+while True: c,_=s.accept(); c.close()'`)
+			defer func() {
+				_ = l.cmd.Process.Signal(os.Interrupt)
+				l.wait(t)
+			}()
+			var addr string
+			for deadline := time.Now().Add(10 * time.Second); addr == "" && time.Now().Before(deadline); time.Sleep(50 * time.Millisecond) {
+				if m := regexp.MustCompile(`inet (\d+\.\d+\.\d+\.\d+)/`).FindStringSubmatch(l.output()); m != nil {
+					addr = m[1] + ":8080"
+				}
+			}
+			if addr == "" {
+				t.Fatalf("no address in %q", l.output())
+			}
+			dial := func() error {
+				c, err := net.DialTimeout("tcp4", addr, 2*time.Second)
+				if err == nil {
+					c.Close()
+				}
+				return err
+			}
+			var err error
+			for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(100 * time.Millisecond) {
+				if err = dial(); err == nil {
+					break
+				}
+			}
+			if err != nil {
+				t.Fatalf("root could not reach the sandbox's server at %s either: %v (this test would prove nothing)", addr, err)
+			}
+			if err := asNobody(dial); err == nil {
+				t.Errorf("a host user (uid 65534) connected to the sandbox's server at %s", addr)
+			}
+		})
+	}
 }
