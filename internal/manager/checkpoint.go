@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"sync"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -101,7 +102,7 @@ func (m *Manager) pauseCheckpoint(ctx context.Context, rec *store.Sandbox, e *en
 	rec.AgentPID, rec.AgentStart = 0, 0
 	if err := m.cfg.Store.UpdateSandbox(rec); err != nil {
 		// Not recorded: run it again.
-		if rerr := cp.Restore(ctx, dir); rerr != nil {
+		if rerr := cp.Restore(ctx, dir, nil); rerr != nil {
 			m.log.Warn("restore after a checkpoint not recorded", "sandbox", rec.ID, "err", rerr)
 		}
 		_ = os.RemoveAll(dir)
@@ -152,13 +153,17 @@ func (m *Manager) resumeCheckpoint(ctx context.Context, rec *store.Sandbox, d ti
 	}
 	if keepMemory && cp != nil {
 		// A restore starts the sandbox again: a create's slot, let go
-		// before a resume from the saved files takes its own.
+		// once the runtime runs it (its agent's coming back is the
+		// sandbox's own doing, as long as a compromised agent or guest
+		// makes it, up to checkpointOps) or before a resume from the
+		// saved files takes its own.
 		release, err := m.createSlot(ctx, rec.KeyID)
 		if err != nil {
 			return err
 		}
+		release = sync.OnceFunc(release)
 		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), checkpointOps)
-		err = cp.Restore(rctx, m.checkpointDir(rec.ID))
+		err = cp.Restore(rctx, m.checkpointDir(rec.ID), release)
 		cancel()
 		release()
 		if err == nil {

@@ -157,9 +157,13 @@ type Checkpointable interface {
 	Checkpoint(ctx context.Context, dir string) error
 	// Restore starts a checkpointed sandbox again from dir, with the same
 	// id, token and network; its processes go on where they stood and
-	// Dial reaches its agent. On error the sandbox stays stopped (the
-	// caller destroys it).
-	Restore(ctx context.Context, dir string) error
+	// Dial reaches its agent. started, when not nil, is called once the
+	// runtime has the sandbox running again and before its agent is
+	// waited for: from then on the wait is the sandbox's (a compromised
+	// agent or guest answers when it chooses, up to ctx), and a caller
+	// lets go there of what other sandboxes wait for. On error the
+	// sandbox stays stopped (the caller destroys it).
+	Restore(ctx context.Context, dir string, started func()) error
 }
 
 // Preparer is a driver that can make sandboxes ahead of their request (a

@@ -117,8 +117,9 @@ func (sb *Sandbox) checkpointFiles(dir string) (*os.File, error) {
 	return os.OpenFile(filepath.Join(dir, checkpointState), os.O_WRONLY|os.O_CREATE|os.O_EXCL|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0o600)
 }
 
-// Restore starts the checkpointed sandbox again from dir.
-func (sb *Sandbox) Restore(ctx context.Context, dir string) (err error) {
+// Restore starts the checkpointed sandbox again from dir; started is
+// called once QEMU runs the guest again, before its agent is greeted.
+func (sb *Sandbox) Restore(ctx context.Context, dir string, started func()) (err error) {
 	sb.mu.Lock()
 	stopped := sb.stopping && sb.owner == nil
 	sb.mu.Unlock()
@@ -164,6 +165,11 @@ func (sb *Sandbox) Restore(ctx context.Context, dir string) (err error) {
 		return fmt.Errorf("restore sandbox %s: %w", sb.id, err)
 	}
 	sb.v = v
+	if started != nil {
+		started()
+	}
+	// The guest's agent answers when the guest lets it: a guest of the
+	// sandbox's own making, up to ctx.
 	if err := sb.attach(ctx); err != nil {
 		return fmt.Errorf("restore sandbox %s: %w", sb.id, err)
 	}
@@ -223,10 +229,14 @@ func greetAgain(ctx context.Context, v *vm.VM) (*yamux.Session, error) {
 	if dl, ok := ctx.Deadline(); ok {
 		_ = conn.SetReadDeadline(dl)
 	}
+	// A guest that keeps silent is waited for until ctx ends, its
+	// cancellation included.
+	stop := context.AfterFunc(ctx, func() { _ = conn.SetReadDeadline(time.Now()) })
 	br := bufio.NewReader(conn)
 	for skipped := 0; ; {
 		line, err := readLineMax(br, helloWindow+len(guest.Hello))
 		if err != nil {
+			stop()
 			conn.Close()
 			return nil, fmt.Errorf("the guest did not come back: %w (%s)", err, consoleTail(v))
 		}
@@ -234,9 +244,14 @@ func greetAgain(ctx context.Context, v *vm.VM) (*yamux.Session, error) {
 			break
 		}
 		if skipped += len(line); skipped > helloWindow {
+			stop()
 			conn.Close()
 			return nil, errors.New("the guest did not come back: no hello")
 		}
+	}
+	if !stop() {
+		conn.Close()
+		return nil, fmt.Errorf("the guest did not come back: %w", context.Cause(ctx))
 	}
 	_ = conn.SetReadDeadline(time.Time{})
 	sess, err := channel.Client(struct {

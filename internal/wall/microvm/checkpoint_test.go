@@ -97,7 +97,7 @@ for i in 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20; do [ -s /tmp/count 
 		case <-time.After(2 * time.Second): // and the guest's clock falls behind meanwhile
 		}
 		start = time.Now()
-		if err := sb.Restore(ctx, dir); err != nil {
+		if err := sb.Restore(ctx, dir, nil); err != nil {
 			t.Fatalf("cycle %d: restore: %v", cycle, err)
 		}
 		t.Logf("cycle %d: restore %v", cycle, time.Since(start).Round(time.Millisecond))
@@ -151,7 +151,7 @@ for i in 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20; do [ -s /tmp/count 
 	if err := os.Truncate(filepath.Join(dir, checkpointState), 4096); err != nil {
 		t.Fatal(err)
 	}
-	if err := sb.Restore(ctx, dir); err == nil {
+	if err := sb.Restore(ctx, dir, nil); err == nil {
 		t.Fatal("restore from a truncated state succeeded")
 	} else {
 		t.Logf("restore from a truncated state: %v", err)
@@ -276,5 +276,77 @@ func TestCheckpointBounded(t *testing.T) {
 	}
 	if got := run("cat /home/user/kept; echo on"); got != "kept\non\n" {
 		t.Errorf("after the failed checkpoint the sandbox says %q", got)
+	}
+}
+
+// TestRestoreStartedBeforeItsGuest: a restore's wait for the guest's agent
+// is the sandbox's (a guest of the sandbox's making answers when it
+// chooses, or never): Restore calls started once QEMU runs the guest
+// again, before that wait, so its caller lets go of the host's create
+// slot there. Here the guest is stopped (QEMU, SIGSTOP) as started is
+// called: the restore still waits, and it ends with its context, leaving
+// nothing running. (Before, the daemon held a create slot, which every
+// tenant's creates wait for, until the guest answered or checkpointOps'
+// five minutes ran out.)
+func TestRestoreStartedBeforeItsGuest(t *testing.T) {
+	k := needVM(t)
+	bin := testutil.Binaries(t)
+	tmpl := testTemplate(t)
+	runDir := testutil.RunDir(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	sb, err := Create(ctx, Config{Spec: wall.Spec{ID: "cccccccc00000000000009", Template: tmpl, DiskBytes: 16 << 20, Token: "secret"},
+		RunDir: runDir, AgentPath: filepath.Join(bin, "cage-agent"), Kernel: k, MemoryMB: 256, CPUs: 1})
+	if err != nil {
+		t.Fatalf("create: %v", err)
+	}
+	defer func() {
+		if err := sb.Destroy(); err != nil {
+			t.Errorf("destroy: %v", err)
+		}
+	}()
+	dir := filepath.Join(t.TempDir(), "ckpt")
+	if err := os.Mkdir(dir, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	if err := sb.Checkpoint(ctx, dir); err != nil {
+		t.Fatalf("checkpoint: %v", err)
+	}
+	started := make(chan struct{})
+	rctx, rcancel := context.WithCancel(ctx)
+	defer rcancel()
+	done := make(chan error, 1)
+	go func() {
+		done <- sb.Restore(rctx, dir, func() {
+			_ = unix.Kill(sb.v.Pid(), unix.SIGSTOP)
+			close(started)
+		})
+	}()
+	select {
+	case <-started:
+	case err := <-done:
+		t.Fatalf("the restore ended (%v) before it said the guest was started", err)
+	case <-time.After(2 * time.Minute):
+		t.Fatal("no start after two minutes")
+	}
+	select {
+	case err := <-done:
+		t.Fatalf("the restore ended (%v) though its guest was stopped", err)
+	case <-time.After(2 * time.Second):
+	}
+	rcancel()
+	select {
+	case err := <-done:
+		t.Logf("a restore whose guest never answered: %v", err)
+		if err == nil {
+			t.Error("a restore whose guest never answered succeeded")
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("the restore did not end with its context")
+	}
+	select {
+	case <-sb.v.Exited():
+	case <-time.After(10 * time.Second):
+		t.Error("QEMU runs on after a failed restore")
 	}
 }

@@ -123,8 +123,9 @@ func (sb *Sandbox) holdsLock() bool {
 	return false
 }
 
-// Restore starts the checkpointed sandbox again from dir.
-func (sb *Sandbox) Restore(ctx context.Context, dir string) error {
+// Restore starts the checkpointed sandbox again from dir; started is
+// called once runsc has it running, before the agent is waited for.
+func (sb *Sandbox) Restore(ctx context.Context, dir string, started func()) error {
 	if sb.pidfd >= 0 {
 		return fmt.Errorf("sandbox %s is running", sb.id)
 	}
@@ -180,6 +181,9 @@ func (sb *Sandbox) Restore(ctx context.Context, dir string) error {
 	sb.mu.Unlock()
 	if err := sb.started(pidFile); err != nil {
 		return err
+	}
+	if started != nil {
+		started()
 	}
 	// The agent connects to the channel again: wait for it.
 	c, err := sb.Dial(ctx)

@@ -16,6 +16,7 @@ import (
 	"github.com/cagehq/cage/internal/sandbox"
 	"github.com/cagehq/cage/internal/testutil"
 	"github.com/cagehq/cage/internal/wall"
+	"github.com/cagehq/cage/internal/wall/oci"
 )
 
 // counterScript starts a process that counts in /tmp/count, five a second;
@@ -95,7 +96,7 @@ func TestCheckpointRestore(t *testing.T) {
 			t.Fatalf("cycle %d: a checkpointed sandbox reads as gone", cycle)
 		case <-time.After(300 * time.Millisecond):
 		}
-		if err := cp.Restore(ctx, dir); err != nil {
+		if err := cp.Restore(ctx, dir, nil); err != nil {
 			t.Fatalf("cycle %d: restore: %v", cycle, err)
 		}
 		after := count(t, sb)
@@ -122,7 +123,7 @@ func TestCheckpointRestore(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	if err := cp.Restore(ctx, dir); err == nil {
+	if err := cp.Restore(ctx, dir, nil); err == nil {
 		t.Fatal("restore from a truncated image succeeded")
 	} else {
 		t.Logf("restore from a truncated image: %v", err)
@@ -170,5 +171,74 @@ func TestCheckpointDiskFull(t *testing.T) {
 	}
 	if n := len(sb.Cgroup().Procs()); n != 0 {
 		t.Errorf("%d processes left after a failed checkpoint and destroy", n)
+	}
+}
+
+// TestRestoreStartedBeforeItsAgent: a restore's wait for its agent is the
+// sandbox's (a compromised agent comes back when it chooses, or never):
+// Restore calls started once runsc runs the sandbox again, before that
+// wait, so its caller lets go of the host's create slot there. Here the
+// agent was stopped before the checkpoint: started is called while the
+// restore still waits, and the restore ends with its context. (Before,
+// the daemon held a create slot, which every tenant's creates wait for,
+// until the agent came back or checkpointOps' five minutes ran out.)
+func TestRestoreStartedBeforeItsAgent(t *testing.T) {
+	testutil.RequireRoot(t)
+	h := newHost(t, testutil.RunDir(t))
+	if err := h.WallMissing("gvisor"); err != nil {
+		testutil.SkipWall(t, "gvisor", "%v", err)
+	}
+	sb, err := h.Create(context.Background(), sandbox.Options{Wall: "gvisor"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() {
+		if err := sb.Destroy(); err != nil {
+			t.Errorf("destroy: %v", err)
+		}
+	}()
+	cp := sb.(wall.Checkpointable)
+	sh(t, sb, "true") // its agent serves
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	if err := oci.StopAgent(ctx, sb); err != nil {
+		t.Fatal(err)
+	}
+	dir := filepath.Join(t.TempDir(), "ckpt")
+	if err := os.Mkdir(dir, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	if err := cp.Checkpoint(ctx, dir); err != nil {
+		t.Fatalf("checkpoint: %v", err)
+	}
+	started := make(chan struct{})
+	rctx, rcancel := context.WithCancel(ctx)
+	defer rcancel()
+	done := make(chan error, 1)
+	go func() { done <- cp.Restore(rctx, dir, func() { close(started) }) }()
+	start := time.Now()
+	select {
+	case <-started:
+		t.Logf("started after %v", time.Since(start))
+	case err := <-done:
+		t.Fatalf("the restore ended (%v) before it said the sandbox was started", err)
+	case <-time.After(time.Minute):
+		t.Fatal("no start after a minute")
+	}
+	select {
+	case err := <-done:
+		t.Fatalf("the restore ended (%v) though its agent was stopped", err)
+	case <-time.After(2 * time.Second):
+	}
+	rcancel()
+	start = time.Now()
+	select {
+	case err := <-done:
+		t.Logf("the restore ended %v after its context: %v", time.Since(start), err)
+		if err == nil {
+			t.Error("a restore whose agent never came back succeeded")
+		}
+	case <-time.After(30 * time.Second):
+		t.Error("the restore did not end with its context")
 	}
 }
