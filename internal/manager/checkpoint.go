@@ -32,7 +32,10 @@ import (
 // the daemon stores it, removes it, and hands it to the same wall's
 // runtime for this one sandbox's restore; it never reads it, and no
 // request can name one.
-const PauseCheckpoint = "checkpoint"
+//
+// Its checkpoint, up to its memory, counts in its team's disk quota while
+// it is paused so (store.PauseCheckpoint).
+const PauseCheckpoint = store.PauseCheckpoint
 
 // checkpointOps bounds a checkpoint or a restore, whatever the request's
 // context does: one cut short halfway leaves a sandbox stopped.

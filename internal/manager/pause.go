@@ -110,7 +110,14 @@ func (m *Manager) pause(ctx context.Context, rec *store.Sandbox, keepMemory bool
 	if e == nil {
 		return fmt.Errorf("%w: sandbox %q", ErrNotFound, rec.ID)
 	}
-	q, err := m.reserve(rec.KeyID, store.Usage{Paused: 1})
+	cp := m.checkpointable(rec.Wall, e.sb)
+	need := store.Usage{Paused: 1}
+	if keepMemory && cp != nil {
+		// Its checkpoint, up to its memory, is written to the host's
+		// disk: it takes that much of its team's disk quota while paused.
+		need.Disk = rec.Memory
+	}
+	q, err := m.reserve(rec.KeyID, need)
 	if err != nil {
 		return err
 	}
@@ -120,7 +127,7 @@ func (m *Manager) pause(ctx context.Context, rec *store.Sandbox, keepMemory bool
 	if err := m.saveFiles(ctx, e.sb, rec.Disk, m.savedFiles(rec.ID)); err != nil {
 		return fmt.Errorf("pause sandbox %s: %w", rec.ID, err)
 	}
-	if cp := m.checkpointable(rec.Wall, e.sb); keepMemory && cp != nil {
+	if keepMemory && cp != nil {
 		if err := m.pauseCheckpoint(ctx, rec, e, cp); err != nil {
 			_ = os.Remove(m.savedFiles(rec.ID))
 			return fmt.Errorf("pause sandbox %s: %w", rec.ID, err)

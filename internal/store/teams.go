@@ -203,9 +203,14 @@ type Usage struct {
 	Sandboxes int64   // running or being made
 	CPUs      float64 // of those
 	Memory    int64   // bytes: of those, and of sandboxes paused with their memory
-	Disk      int64   // bytes: of every sandbox, paused ones included, and of the owner's snapshots (Usage)
+	Disk      int64   // bytes: of every sandbox, paused ones included, a checkpointed one's memory too, and of the owner's snapshots (Usage)
 	Paused    int64
 }
+
+// PauseCheckpoint is the pause kind whose memory is written to the host's
+// disk (a checkpoint, up to the sandbox's memory): such a paused sandbox
+// counts its memory in Disk beside its disk.
+const PauseCheckpoint = "checkpoint"
 
 // Usage sums what owner's sandboxes hold, and in Disk its snapshots'
 // archives too; memoryKinds are the pause kinds that keep a paused
@@ -239,12 +244,12 @@ func (s *Store) usage(where, owner string, memoryKinds []string) (Usage, error) 
 			args = append(args, k)
 		}
 	}
-	args = append(args, StatePaused, owner)
+	args = append(args, StatePaused, PauseCheckpoint, StatePaused, owner)
 	err := s.db.QueryRowContext(context.Background(), `SELECT
 		COALESCE(SUM(state IN (?, ?)), 0),
 		COALESCE(SUM(CASE WHEN state IN (?, ?) THEN cpus ELSE 0 END), 0),
 		COALESCE(SUM(CASE WHEN state IN (?, ?) OR (state = ? AND pause_kind IN (`+kinds+`)) THEN memory_mb ELSE 0 END), 0),
-		COALESCE(SUM(disk_mb), 0),
+		COALESCE(SUM(disk_mb + CASE WHEN state = ? AND pause_kind = ? THEN memory_mb ELSE 0 END), 0),
 		COALESCE(SUM(state = ?), 0)
 		FROM sandboxes WHERE `+where, args...).Scan(&u.Sandboxes, &u.CPUs, &mem, &disk, &u.Paused)
 	if err != nil {

@@ -104,6 +104,8 @@ func TestUsage(t *testing.T) {
 		{ID: "r2", KeyID: "team_a", State: StateCreating, CPUs: 0.5, Memory: 128 << 20, Disk: 50 << 20},
 		{ID: "p1", KeyID: "team_a", State: StatePaused, PauseKind: "memory", CPUs: 2, Memory: 512 << 20, Disk: 10 << 20},
 		{ID: "p2", KeyID: "team_a", State: StatePaused, PauseKind: "files", CPUs: 2, Memory: 1024 << 20, Disk: 20 << 20},
+		// A checkpoint holds its memory on the host's disk, not in RAM.
+		{ID: "p3", KeyID: "team_a", State: StatePaused, PauseKind: PauseCheckpoint, CPUs: 2, Memory: 300 << 20, Disk: 5 << 20},
 		{ID: "o1", KeyID: "key_b", State: StateRunning, CPUs: 4, Memory: 4096 << 20, Disk: 1 << 30},
 	} {
 		sb.StartedAt = now
@@ -115,7 +117,7 @@ func TestUsage(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	want := Usage{Sandboxes: 2, CPUs: 1.5, Memory: (256 + 128 + 512) << 20, Disk: 180 << 20, Paused: 2}
+	want := Usage{Sandboxes: 2, CPUs: 1.5, Memory: (256 + 128 + 512) << 20, Disk: (180 + 5 + 300) << 20, Paused: 3}
 	if u != want {
 		t.Errorf("usage %+v, want %+v", u, want)
 	}
@@ -123,7 +125,7 @@ func TestUsage(t *testing.T) {
 		t.Errorf("usage of nobody %+v", u)
 	}
 	cs, err := s.SandboxCounts()
-	if err != nil || len(cs) != 4 { // the two paused of team_a are one group
+	if err != nil || len(cs) != 4 { // the three paused of team_a are one group
 		t.Fatalf("counts %+v %v", cs, err)
 	}
 }
