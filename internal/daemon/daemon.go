@@ -18,6 +18,8 @@ import (
 	"syscall"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/cagehq/cage/internal/api"
 	"github.com/cagehq/cage/internal/imgstore"
 	"github.com/cagehq/cage/internal/manager"
@@ -93,6 +95,28 @@ type Limits struct {
 	// may set its own.
 	KeyRequests float64 `json:"key_requests"`
 	KeyCreates  float64 `json:"key_creates"`
+	// KeyDisk bounds what each key without a team keeps in the data
+	// directory (its paused sandboxes and its snapshots), e.g. "50G";
+	// "0": no bound. Default: a quarter of the data directory's file
+	// system. A team's disk quota bounds its keys instead.
+	KeyDisk string `json:"key_disk"`
+}
+
+// keyDisk reads the per-key bound on the host's disk (manager.KeyDisk):
+// a quarter of data's file system where none is set.
+func (l Limits) keyDisk(data string) (int64, error) {
+	if l.KeyDisk != "" {
+		n, err := units.ParseSize(l.KeyDisk)
+		if err != nil || n < 0 {
+			return 0, fmt.Errorf("limits.key_disk: %q is no size", l.KeyDisk)
+		}
+		return n, nil
+	}
+	var fs unix.Statfs_t
+	if err := unix.Statfs(data, &fs); err != nil {
+		return 0, fmt.Errorf("limits.key_disk: %w", err)
+	}
+	return int64(fs.Blocks) * fs.Bsize / 4, nil
 }
 
 // rates reads the per-key rates.
@@ -291,10 +315,14 @@ func Run(ctx context.Context, cfg Config, log *slog.Logger, ready func(apiAddr, 
 	if cfg.Cluster.Kubeconfig != "" {
 		changed = hook.changed
 	}
+	keyDisk, err := cfg.Limits.keyDisk(cfg.Data)
+	if err != nil {
+		return err
+	}
 	mgr := manager.New(manager.Config{Changed: changed, Store: st, Host: host, Log: log, MaxTimeout: time.Duration(cfg.MaxTimeout),
 		DefaultTemplate: cfg.DefaultTemplate, MaxSandboxes: cfg.MaxSandboxes, MaxCreating: cfg.Limits.Creating, Max: maxima,
 		Data: cfg.Data, PausedRetention: time.Duration(cfg.PausedRetention), Volumes: vols, MaxVolumes: cfg.Volumes.MaxPerKey,
-		Audit: trail, Metrics: mx})
+		KeyDisk: keyDisk, Audit: trail, Metrics: mx})
 	trail.SetOwner(mgr.Owner)
 	recLimits, err := cfg.Records.limits()
 	if err != nil {

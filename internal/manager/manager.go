@@ -62,6 +62,10 @@ type Config struct {
 	Volumes *volume.Manager
 	// MaxVolumes is how many volumes one key may have (0: DefaultMaxVolumes).
 	MaxVolumes int
+	// KeyDisk bounds what a key without a team keeps in the data
+	// directory: its paused sandboxes and snapshots (0: no bound; see
+	// keydisk.go).
+	KeyDisk int64
 	// Audit is the audit trail (nil: none).
 	Audit *audit.Trail
 	// Metrics counts creates, resumes, ends, limit hits and network

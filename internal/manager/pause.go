@@ -122,6 +122,13 @@ func (m *Manager) pause(ctx context.Context, rec *store.Sandbox, keepMemory bool
 		return err
 	}
 	defer q.release()
+	// A key without a team: its files and its checkpoint go to the host's
+	// disk, within the key's bound.
+	kq, _, err := m.reserveKeyDisk(rec.KeyID, rec.Disk+need.Disk, false)
+	if err != nil {
+		return err
+	}
+	defer kq.release()
 	// The files first, in every case: a frozen sandbox lost with the host
 	// resumes from them.
 	if err := m.saveFiles(ctx, e.sb, rec.Disk, m.savedFiles(rec.ID)); err != nil {

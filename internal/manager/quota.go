@@ -18,7 +18,8 @@ import (
 // is taken under the book's lock together with the check, and a create's
 // is given back in the same critical section that records the sandbox,
 // so two creates at once never both take the last place. A key without a
-// team has no quota (the server's own bounds hold).
+// team has no quota (the server's own bounds hold) but a bound on what it
+// keeps on the host's disk (keydisk.go).
 
 // ErrQuota is a team over one of its quotas (429, without Retry-After:
 // only a kill or a pause frees it). The error is a *QuotaError.
@@ -151,7 +152,7 @@ func (m *Manager) reserveDisk(owner string, max int64) (*reservation, int64, err
 		return nil, 0, fmt.Errorf("%w: negative disk (%d)", ErrInvalid, max)
 	}
 	if !strings.HasPrefix(owner, store.TeamPrefix) {
-		return nil, max, nil
+		return m.reserveKeyDisk(owner, max, true)
 	}
 	team, err := m.cfg.Store.GetTeam(owner)
 	if errors.Is(err, store.ErrNotFound) {

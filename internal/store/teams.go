@@ -228,6 +228,24 @@ func (s *Store) Usage(owner string, memoryKinds ...string) (Usage, error) {
 	return u, nil
 }
 
+// KeptOnDisk is what owner keeps in the host's data directory: its paused
+// sandboxes' files, counted at their disk sizes, a checkpointed one's
+// memory too, and its snapshots' archives (the bound of a key without a
+// team; see manager's KeyDisk).
+func (s *Store) KeptOnDisk(owner string) (int64, error) {
+	var mb, snaps int64
+	err := s.db.QueryRowContext(context.Background(), `SELECT
+		COALESCE(SUM(disk_mb + CASE WHEN pause_kind = ? THEN memory_mb ELSE 0 END), 0)
+		FROM sandboxes WHERE state = ? AND key_id = ?`, PauseCheckpoint, StatePaused, owner).Scan(&mb)
+	if err != nil {
+		return 0, fmt.Errorf("store: paused sandboxes of %s: %w", owner, err)
+	}
+	if err := s.db.QueryRowContext(context.Background(), "SELECT COALESCE(SUM(size), 0) FROM snapshots WHERE key_id = ?", owner).Scan(&snaps); err != nil {
+		return 0, fmt.Errorf("store: snapshots of %s: %w", owner, err)
+	}
+	return mb<<20 + snaps, nil
+}
+
 // TotalUsage sums what every sandbox holds (the host's committed share).
 func (s *Store) TotalUsage(memoryKinds ...string) (Usage, error) {
 	return s.usage("? = ''", "", memoryKinds)

@@ -121,6 +121,10 @@ func TestUsage(t *testing.T) {
 	if u != want {
 		t.Errorf("usage %+v, want %+v", u, want)
 	}
+	// On the host's disk: the paused sandboxes' disks and the checkpoint's memory.
+	if kept, err := s.KeptOnDisk("team_a"); err != nil || kept != (10+20+5+300)<<20 {
+		t.Errorf("kept on disk: %d MiB %v, want 335", kept>>20, err)
+	}
 	if u, _ := s.Usage("nobody"); u != (Usage{}) {
 		t.Errorf("usage of nobody %+v", u)
 	}
