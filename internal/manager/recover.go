@@ -104,6 +104,7 @@ func (m *Manager) Sweep(ctx context.Context, interval time.Duration) {
 		case <-t.C:
 			m.sweep()
 			m.expirePaused()
+			m.removeRevoked()
 		}
 	}
 }

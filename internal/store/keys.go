@@ -305,3 +305,30 @@ func (s *Store) VerifyKey(plaintext string) (*APIKey, error) {
 	}
 	return found, nil
 }
+
+// RevokedOwners lists the revoked keys without a team that still own a
+// sandbox, a snapshot or a volume: nobody can reach those any more (a
+// team's keys own nothing themselves; the team does).
+func (s *Store) RevokedOwners() ([]string, error) {
+	rows, err := s.db.QueryContext(context.Background(), `SELECT id FROM api_keys k
+		WHERE revoked_at IS NOT NULL AND team_id = '' AND (
+			EXISTS (SELECT 1 FROM sandboxes WHERE key_id = k.id) OR
+			EXISTS (SELECT 1 FROM snapshots WHERE key_id = k.id) OR
+			EXISTS (SELECT 1 FROM volumes WHERE key_id = k.id))`)
+	if err != nil {
+		return nil, fmt.Errorf("store: revoked owners: %w", err)
+	}
+	defer rows.Close()
+	var out []string
+	for rows.Next() {
+		var id string
+		if err := rows.Scan(&id); err != nil {
+			return nil, fmt.Errorf("store: revoked owners: %w", err)
+		}
+		out = append(out, id)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, fmt.Errorf("store: revoked owners: %w", err)
+	}
+	return out, nil
+}
