@@ -40,6 +40,9 @@ type FrontConfig struct {
 	// HTTP reaches other nodes (default: a client with no overall timeout,
 	// since forwarded streams last as long as they last).
 	HTTP *http.Client
+	// PerClient bounds one client address's forwards in flight to one
+	// node (the daemon's conns_per_client; 0: none; see peers.go).
+	PerClient int
 }
 
 // Front answers the E2B API for every sandbox of the cluster: creates
@@ -53,9 +56,10 @@ type Front struct {
 	nodes  *kube.Informer[corev1.Node, corev1.NodeList]                   // the cage Nodes
 	leases *kube.Informer[coordinationv1.Lease, coordinationv1.LeaseList] // the nodes' Leases
 
-	mu      sync.Mutex
-	waiters map[string]chan struct{} // pod name -> closed on its next change
-	gone    map[string]time.Time     // sandboxes killed through this front -> when (Killed)
+	mu       sync.Mutex
+	waiters  map[string]chan struct{} // pod name -> closed on its next change
+	gone     map[string]time.Time     // sandboxes killed through this front -> when (Killed)
+	forwards map[forwardKey]int       // forwards in flight (holdForward)
 }
 
 // NewFront returns a front; Start runs it.
@@ -77,7 +81,8 @@ func NewFront(cfg FrontConfig) *Front {
 		cfg.HTTP = &http.Client{Transport: &http.Transport{Proxy: nil, DialContext: d.DialContext,
 			MaxIdleConnsPerHost: 64, IdleConnTimeout: 90 * time.Second}}
 	}
-	f := &Front{cfg: cfg, log: cfg.Log, waiters: map[string]chan struct{}{}, gone: map[string]time.Time{}}
+	f := &Front{cfg: cfg, log: cfg.Log, waiters: map[string]chan struct{}{}, gone: map[string]time.Time{},
+		forwards: map[forwardKey]int{}}
 	f.pods = kube.NewInformer(cfg.Client.CoreV1().Pods(cfg.Namespace), metav1.ListOptions{LabelSelector: LabelSandbox + "=true"})
 	f.pods.AddHandlers(kube.Handlers[corev1.Pod]{Add: f.changed,
 		Update: func(_, p *corev1.Pod) { f.changed(p) }, Delete: f.changed})

@@ -87,6 +87,11 @@ func (f *Front) Forward(w http.ResponseWriter, r *http.Request, id, owner string
 		apiError(w, http.StatusServiceUnavailable, err.Error())
 		return true
 	}
+	held, ok := f.holdForward(w, r, node, apiError)
+	if !ok {
+		return true
+	}
+	defer held()
 	r, done := f.whileLive(r, id, node)
 	defer done()
 	rp := &httputil.ReverseProxy{
@@ -138,6 +143,11 @@ func (f *Front) ForwardTraffic(w http.ResponseWriter, r *http.Request, id string
 		proxyError(w, id, http.StatusServiceUnavailable, err.Error())
 		return true
 	}
+	held, ok := f.holdForward(w, r, node, func(w http.ResponseWriter, status int, msg string) { proxyError(w, id, status, msg) })
+	if !ok {
+		return true
+	}
+	defer held()
 	r, done := f.whileLive(r, id, node)
 	defer done()
 	rp := &httputil.ReverseProxy{

@@ -87,7 +87,7 @@ type clusterParts struct {
 // startCluster joins the cluster as a node and starts the front; nil when
 // cluster mode is off.
 func startCluster(ctx context.Context, cfg Config, hook *changeHook, mgr *manager.Manager, host *sandbox.Host,
-	st *store.Store, apiAddr, proxyAddr net.Addr, log *slog.Logger) (*clusterParts, error) {
+	st *store.Store, apiAddr, proxyAddr net.Addr, perClient int, log *slog.Logger) (*clusterParts, error) {
 	if cfg.Cluster.Kubeconfig == "" {
 		return nil, nil
 	}
@@ -112,7 +112,7 @@ func startCluster(ctx context.Context, cfg Config, hook *changeHook, mgr *manage
 		return nil, err
 	}
 	front := cluster.NewFront(cluster.FrontConfig{Client: node.Client(), Namespace: cc.Namespace, NodeName: cc.NodeName,
-		NodeKey: node.Key(), LeaseDuration: cc.LeaseDuration, Log: log})
+		NodeKey: node.Key(), LeaseDuration: cc.LeaseDuration, PerClient: perClient, Log: log})
 	if err := front.Start(ctx); err != nil { // ctx: the informers run as long as it does
 		return nil, err
 	}

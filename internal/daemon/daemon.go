@@ -396,11 +396,16 @@ func Run(ctx context.Context, cfg Config, log *slog.Logger, ready func(apiAddr, 
 			}
 		}()
 	}
-	cl, err := startCluster(ctx, cfg, hook, mgr, host, st, apiL.Addr(), proxyL.Addr(), log)
+	cl, err := startCluster(ctx, cfg, hook, mgr, host, st, apiL.Addr(), proxyL.Addr(), perClient, log)
 	if err != nil {
 		apiL.Close()
 		proxyL.Close()
 		return err
+	}
+	if cl != nil {
+		// Another node's forwards are many clients' (cluster/peers.go).
+		apiL.(*connLimiter).setPeer(cl.front.Peer)
+		proxyL.(*connLimiter).setPeer(cl.front.Peer)
 	}
 	tb := newBuilds(ctx, host)
 	defer tb.stop() // before the host closes

@@ -5,6 +5,7 @@ import (
 	"net/http"
 	"net/netip"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/cagehq/cage/internal/proxy"
@@ -31,6 +32,10 @@ const (
 type connLimiter struct {
 	net.Listener
 	perClient, total int
+	// peer, once set, names the addresses held to the bound on all
+	// connections only: the cluster's other nodes, whose forwards are
+	// many clients' (cluster.Front.Peer).
+	peer atomic.Pointer[func(netip.Addr) bool]
 
 	mu     sync.Mutex
 	open   int
@@ -48,8 +53,12 @@ func (l *connLimiter) Accept() (net.Conn, error) {
 			return nil, err
 		}
 		addr := clientAddr(c)
+		peer := false
+		if p := l.peer.Load(); p != nil {
+			peer = (*p)(addr)
+		}
 		l.mu.Lock()
-		ok := l.open < l.total && l.client[addr] < l.perClient
+		ok := l.open < l.total && (l.client[addr] < l.perClient || peer)
 		if ok {
 			l.open++
 			l.client[addr]++
@@ -62,6 +71,10 @@ func (l *connLimiter) Accept() (net.Conn, error) {
 		return &limitedConn{Conn: c, release: func() { l.release(addr) }}, nil
 	}
 }
+
+// setPeer has the listener hold the addresses peer names to the bound
+// on all connections only.
+func (l *connLimiter) setPeer(peer func(netip.Addr) bool) { l.peer.Store(&peer) }
 
 func (l *connLimiter) release(addr netip.Addr) {
 	l.mu.Lock()

@@ -2,6 +2,7 @@ package daemon
 
 import (
 	"net"
+	"net/netip"
 	"testing"
 	"time"
 )
@@ -76,5 +77,52 @@ func TestConnLimiter(t *testing.T) {
 	}
 	for _, c := range append(hostile, other, again, extra) {
 		c.Close()
+	}
+}
+
+// TestConnLimiterPeer: in cluster mode another node's forwards are many
+// clients' and arrive from its one address; the listener holds a peer's
+// address to the bound on all connections only, others still to their
+// own (see cluster/peers.go).
+func TestConnLimiterPeer(t *testing.T) {
+	raw, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	l := limitConns(raw, 2, 5)
+	defer l.Close()
+	l.setPeer(func(a netip.Addr) bool { return a == netip.MustParseAddr("127.0.0.4") })
+	served := make(chan net.Conn, 16) // held open by the server
+	go func() {
+		for {
+			c, err := l.Accept()
+			if err != nil {
+				return
+			}
+			served <- c
+		}
+	}()
+	open := func(from string) (closed bool) {
+		d := net.Dialer{LocalAddr: &net.TCPAddr{IP: net.ParseIP(from)}}
+		c, err := d.Dial("tcp", raw.Addr().String())
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { c.Close() })
+		_ = c.SetReadDeadline(time.Now().Add(300 * time.Millisecond))
+		_, err = c.Read(make([]byte, 1))
+		ne, ok := err.(net.Error)
+		return !(ok && ne.Timeout())
+	}
+	for i := 0; i < 4; i++ {
+		if open("127.0.0.4") {
+			t.Errorf("the peer's connection %d (per-client cap 2) was closed", i+1)
+		}
+	}
+	if open("127.0.0.2") {
+		t.Error("another address's first connection (the 5th of 5) was closed")
+	}
+	if !open("127.0.0.4") {
+		t.Error("the peer's connection past the bound on all (5) stayed open")
 	}
 }
