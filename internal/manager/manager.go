@@ -571,6 +571,11 @@ func (m *Manager) List(f store.ListFilter) ([]*store.Sandbox, string, error) {
 
 // Kill destroys a sandbox now, paused or not.
 func (m *Manager) Kill(keyID, id string) error {
+	return m.kill(keyID, id, "killed by request")
+}
+
+// kill is Kill, for the reason why.
+func (m *Manager) kill(keyID, id, why string) error {
 	unlock, err := m.lockOwned(keyID, id)
 	if err != nil {
 		return err
@@ -581,7 +586,7 @@ func (m *Manager) Kill(keyID, id string) error {
 		return err
 	}
 	if rec.State == store.StatePaused && rec.PauseKind == PauseFiles {
-		return m.killPaused(rec, "killed by request")
+		return m.killPaused(rec, why)
 	}
 	m.mu.Lock()
 	_, ok := m.live[id]
@@ -589,7 +594,7 @@ func (m *Manager) Kill(keyID, id string) error {
 	if !ok {
 		return fmt.Errorf("%w: sandbox %q", ErrNotFound, id)
 	}
-	m.remove(id, "killed by request")
+	m.remove(id, why)
 	return nil
 }
 

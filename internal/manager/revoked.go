@@ -31,7 +31,7 @@ func (m *Manager) removeRevoked() {
 	if recs, err := m.cfg.Store.AllSandboxes(); err == nil {
 		for _, rec := range recs {
 			if gone[rec.KeyID] && rec.State != store.StateCreating {
-				if err := m.Kill(rec.KeyID, rec.ID); err != nil && !errors.Is(err, ErrNotFound) {
+				if err := m.kill(rec.KeyID, rec.ID, "its key was revoked"); err != nil && !errors.Is(err, ErrNotFound) {
 					m.log.Warn("remove a revoked key's sandbox", "sandbox", rec.ID, "key", rec.KeyID, "err", err)
 				}
 			}
