@@ -9,6 +9,7 @@ import (
 	"net/http/httptest"
 	"runtime"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -198,4 +199,63 @@ func protoMapEntry(k, v string) []byte {
 	e := append(append([]byte{0x0a}, varint(len(k))...), k...)
 	e = append(append(append(e, 0x12), varint(len(v))...), v...)
 	return append(append([]byte{0x5a}, varint(len(e))...), e...)
+}
+
+// TestUnreadStreamHoldsLittle: what an agent (or the proxy, for the
+// daemon's clients through it) may send on a stream the host does not
+// read is bounded by the windows the host grants, not by net/http's
+// 4 MiB a stream and 1 GiB a connection. Before: the dashboard's
+// terminal, whose browser read nothing, held 4 MiB of the daemon's heap
+// a terminal (7.5 MiB of RSS), a key's 512 terminals some 4 GiB.
+func TestUnreadStreamHoldsLittle(t *testing.T) {
+	for name, mk := range map[string]func(DialFunc, string) *Client{
+		"New": New,
+		"NewHostSide": func(d DialFunc, tok string) *Client {
+			return NewHostSide(d, tok, http.Header{"E2b-Sandbox-Id": {"x"}})
+		},
+	} {
+		t.Run(name, func(t *testing.T) {
+			var sent atomic.Int64
+			srv := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				rc := http.NewResponseController(w)
+				chunk := make([]byte, 16<<10)
+				for sent.Load() < 64<<20 {
+					if _, err := w.Write(chunk); err != nil || rc.Flush() != nil {
+						return
+					}
+					sent.Add(int64(len(chunk)))
+				}
+			}))
+			srv.Config.Protocols = new(http.Protocols)
+			srv.Config.Protocols.SetUnencryptedHTTP2(true)
+			srv.Start()
+			defer srv.Close()
+			c := mk(func(ctx context.Context) (net.Conn, error) {
+				var d net.Dialer
+				return d.DialContext(ctx, "tcp", strings.TrimPrefix(srv.URL, "http://"))
+			}, "tok")
+			defer c.Close()
+			// Four streams on the one connection, none read.
+			for range 4 {
+				resp, err := c.HTTP.Get(BaseURL + "/files?path=/dev/zero")
+				if err != nil {
+					t.Fatal(err)
+				}
+				defer resp.Body.Close()
+			}
+			var last int64 = -1
+			for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(200 * time.Millisecond) {
+				if n := sent.Load(); n == last {
+					break
+				} else {
+					last = n
+				}
+			}
+			if n := sent.Load(); n > 2*maxConnWindow {
+				t.Errorf("the agent sent %d KiB on four unread streams; want at most %d KiB", n>>10, 2*maxConnWindow>>10)
+			} else {
+				t.Logf("the agent sent %d KiB on four unread streams before it was held", n>>10)
+			}
+		})
+	}
 }

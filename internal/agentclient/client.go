@@ -35,7 +35,7 @@ type Client struct {
 // time, and a fresh agent's first compressor costs it about a megabyte of
 // memory to fault in and a millisecond of CPU per sandbox.
 func New(dial DialFunc, token string) *Client {
-	return newClient(dial, token, nil, true)
+	return newClient(dial, token, nil, true, true)
 }
 
 // NewWithHeaders is a client through the daemon's proxy, with headers added
@@ -43,10 +43,19 @@ func New(dial DialFunc, token string) *Client {
 // across a network, so it accepts gzip-compressed responses (the agent
 // compresses only messages worth it).
 func NewWithHeaders(dial DialFunc, token string, headers http.Header) *Client {
-	return newClient(dial, token, headers, false)
+	return newClient(dial, token, headers, false, false)
 }
 
-func newClient(dial DialFunc, token string, headers http.Header, local bool) *Client {
+// NewHostSide is NewWithHeaders for the daemon's own clients through its
+// proxy (the dashboard's terminals and files, /mcp): what each stream and
+// connection may hold unread is bounded as for New's (see
+// maxStreamWindow), where a client across a network (the CLI) keeps
+// net/http's larger windows, which its throughput needs.
+func NewHostSide(dial DialFunc, token string, headers http.Header) *Client {
+	return newClient(dial, token, headers, false, true)
+}
+
+func newClient(dial DialFunc, token string, headers http.Header, local, bounded bool) *Client {
 	var p http.Protocols
 	p.SetUnencryptedHTTP2(true)
 	tr := &http.Transport{
@@ -62,6 +71,17 @@ func newClient(dial DialFunc, token string, headers http.Header, local bool) *Cl
 		// 4 GiB messages).
 		MaxResponseHeaderBytes: 64 << 10,
 	}
+	if bounded {
+		// What the agent (or the proxy) may send ahead of what the host
+		// reads: net/http's client lets a stream hold 4 MiB and a
+		// connection 1 GiB. A reader that stops (the dashboard's
+		// terminal, whose browser reads nothing, for its write's 30 s;
+		// a hostile agent pushing on a stream the host no longer reads)
+		// held 4 MiB of the daemon's heap a stream, 7.5 MiB of its RSS,
+		// and a key's 512 terminals some 4 GiB (found by review,
+		// 2026-12-04).
+		tr.HTTP2 = &http.HTTP2Config{MaxReceiveBufferPerStream: maxStreamWindow, MaxReceiveBufferPerConnection: maxConnWindow}
+	}
 	opts := []connect.ClientOption{connect.WithReadMaxBytes(maxMessage), connect.WithCodec(boundedCodec{})}
 	if local {
 		opts = append(opts, connect.WithAcceptCompression("gzip", nil, nil))
@@ -74,6 +94,14 @@ func newClient(dial DialFunc, token string, headers http.Header, local bool) *Cl
 		h2:      tr,
 	}
 }
+
+// maxStreamWindow and maxConnWindow bound the HTTP/2 flow-control
+// windows the client grants: the bytes a stream, and all a connection's
+// streams, may have sent to it unread.
+const (
+	maxStreamWindow = 256 << 10
+	maxConnWindow   = 1 << 20
+)
 
 // maxMessage bounds one message from the agent (and what it inflates
 // to). An honest agent's are small (32 KiB of output, an entry, a list of

@@ -38,7 +38,10 @@ type Client struct {
 	API   string // e.g. http://127.0.0.1:3000
 	Proxy string // e.g. http://127.0.0.1:3001
 	Key   string
-	http  *http.Client
+	// HostSide marks the daemon's own client (the dashboard, /mcp): its
+	// agent clients hold less unread (agentclient.NewHostSide).
+	HostSide bool
+	http     *http.Client
 }
 
 // New returns a client.
@@ -195,5 +198,8 @@ func (c *Client) Agent(id, token string) (*agentclient.Client, error) {
 	h := http.Header{}
 	h.Set("E2b-Sandbox-Id", id)
 	h.Set("E2b-Sandbox-Port", "49983")
+	if c.HostSide {
+		return agentclient.NewHostSide(dial, token, h), nil
+	}
 	return agentclient.NewWithHeaders(dial, token, h), nil
 }

@@ -63,7 +63,9 @@ func withMCP(apiHandler *api.Server, st *store.Store, trail *audit.Trail, apiAdd
 			return apiHandler.AllowRequest(w, k)
 		},
 		Server: func(r *http.Request, key string) mcp.Config {
-			return mcp.Config{Client: client.New(api, proxy, key), ProxyURL: publicURL(proxyAddr, r)}
+			c := client.New(api, proxy, key)
+			c.HostSide = true
+			return mcp.Config{Client: c, ProxyURL: publicURL(proxyAddr, r)}
 		},
 	})
 	mux := http.NewServeMux()

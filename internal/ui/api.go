@@ -119,7 +119,9 @@ func (s *Server) agentOf(r *http.Request, id string) (*agentclient.Client, *type
 	if d.State != types.SandboxStateRunning {
 		return nil, &d, &apiError{status: http.StatusConflict, msg: "the sandbox is " + string(d.State) + ": resume it first"}
 	}
-	ag, err := client.New("", s.cfg.Proxy, "").Agent(id, d.EnvdAccessToken)
+	c := client.New("", s.cfg.Proxy, "")
+	c.HostSide = true // a browser that reads nothing holds little of the daemon's
+	ag, err := c.Agent(id, d.EnvdAccessToken)
 	if err != nil {
 		return nil, &d, err
 	}
