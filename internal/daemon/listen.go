@@ -52,10 +52,11 @@ func (l *connLimiter) Accept() (net.Conn, error) {
 		if err != nil {
 			return nil, err
 		}
-		addr := clientAddr(c)
+		from := remoteAddr(c)
+		addr := clientOf(from)
 		peer := false
 		if p := l.peer.Load(); p != nil {
-			peer = (*p)(addr)
+			peer = (*p)(from) // a node by its own address, not its /64
 		}
 		l.mu.Lock()
 		ok := l.open < l.total && (l.client[addr] < l.perClient || peer)
@@ -92,11 +93,29 @@ func (l *connLimiter) count() int {
 	return l.open
 }
 
-func clientAddr(c net.Conn) netip.Addr {
-	if ap, err := netip.ParseAddrPort(c.RemoteAddr().String()); err == nil {
-		return ap.Addr().Unmap()
+// clientOf is the client a connection from a counts against: its IPv4
+// address, or its IPv6 address's /64 (as proxy.ClientOf: one host's or one
+// network's, which its holder may spread over 2^64 addresses). Found by
+// review, 2026-12-04: counted by whole address, one IPv6 client took a
+// listener's 32,768 connections from as many addresses of its /64, and
+// every other client's were closed at once.
+// remoteAddr is the address a connection comes from (the zero Addr for a
+// unix socket).
+func remoteAddr(c net.Conn) netip.Addr {
+	ap, err := netip.ParseAddrPort(c.RemoteAddr().String())
+	if err != nil {
+		return netip.Addr{} // a unix socket: one client
 	}
-	return netip.Addr{} // a unix socket: one client
+	return ap.Addr().Unmap().WithZone("")
+}
+
+func clientOf(a netip.Addr) netip.Addr {
+	if a.Is6() {
+		if p, err := a.Prefix(64); err == nil {
+			return p.Addr()
+		}
+	}
+	return a
 }
 
 type limitedConn struct {

@@ -1,10 +1,18 @@
 package daemon
 
 import (
+	"fmt"
 	"net"
 	"net/netip"
+	"os"
+	"os/exec"
+	"runtime"
 	"testing"
 	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/cagehq/cage/internal/testutil"
 )
 
 // TestConnLimiter: a client address over its cap is closed at once, and
@@ -125,4 +133,90 @@ func TestConnLimiterPeer(t *testing.T) {
 	if !open("127.0.0.4") {
 		t.Error("the peer's connection past the bound on all (5) stayed open")
 	}
+}
+
+// TestConnLimiterIPv6Prefix: an IPv6 client is its /64, whose 2^64
+// addresses are one holder's: connections from many of them share one
+// cap, and another /64 is let in. Before: each address had a cap of its
+// own, so one client filled the listener's total and every other
+// client's connections were closed at once. Runs in a network namespace
+// of its own, whose loopback answers for a /64 of documentation addresses.
+func TestConnLimiterIPv6Prefix(t *testing.T) {
+	testutil.RequireRoot(t)
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		// This thread alone moves to the new namespace and dies with the
+		// goroutine (never unlocked); the sockets made here stay in it.
+		runtime.LockOSThread()
+		if err := unix.Unshare(unix.CLONE_NEWNET); err != nil {
+			t.Errorf("unshare: %v", err)
+			return
+		}
+		if out, err := exec.Command("sh", "-c", "ip link set lo up && for a in 2001:db8:1::1 2001:db8:1::2 2001:db8:1::3 2001:db8:1::ffff:1 2001:db8:2::1; do ip -6 addr add $a/128 dev lo nodad || exit; done").CombinedOutput(); err != nil {
+			// exec forks from this thread: the child is in the namespace.
+			t.Errorf("set up the namespace: %v: %s", err, out)
+			return
+		}
+		raw, err := net.Listen("tcp", "[::1]:0")
+		if err != nil {
+			t.Error(err)
+			return
+		}
+		l := limitConns(raw, 3, 100)
+		defer l.Close()
+		accepted := make(chan net.Conn, 16)
+		go func() {
+			for {
+				c, err := l.Accept()
+				if err != nil {
+					return
+				}
+				accepted <- c
+			}
+		}()
+		var conns []net.Conn
+		defer func() {
+			for _, c := range conns {
+				c.Close()
+			}
+		}()
+		dial := func(from string) net.Conn {
+			d := net.Dialer{LocalAddr: &net.TCPAddr{IP: net.ParseIP(from)}}
+			c, err := d.Dial("tcp", raw.Addr().String())
+			if err != nil {
+				t.Errorf("dial from %s: %v", from, err)
+				return nil
+			}
+			conns = append(conns, c)
+			return c
+		}
+		for i := 1; i <= 3; i++ {
+			if dial(fmt.Sprintf("2001:db8:1::%x", i)) == nil {
+				return
+			}
+			<-accepted
+		}
+		// A fourth address of the same /64: over its cap, closed at once.
+		extra := dial("2001:db8:1::ffff:1")
+		if extra == nil {
+			return
+		}
+		_ = extra.SetReadDeadline(time.Now().Add(2 * time.Second))
+		if _, err := extra.Read(make([]byte, 1)); err == nil || os.IsTimeout(err) {
+			t.Errorf("a 4th connection from the same /64 (cap 3) stayed open: %v", err)
+		}
+		if dial("2001:db8:2::1") == nil {
+			return
+		}
+		select {
+		case <-accepted:
+		case <-time.After(5 * time.Second):
+			t.Error("another /64 was not let in while the first is at its cap")
+		}
+		if n := l.count(); n != 4 {
+			t.Errorf("%d connections counted open, want 4", n)
+		}
+	}()
+	<-done
 }
