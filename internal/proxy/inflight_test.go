@@ -2,7 +2,9 @@ package proxy
 
 import (
 	"context"
+	"errors"
 	"fmt"
+	"io"
 	"net"
 	"net/http"
 	"net/http/httptest"
@@ -134,5 +136,133 @@ func TestOpenHealthCarriesNoBody(t *testing.T) {
 	}
 	if n, m := a.bodyBytes.Load(), a.bodyHeads.Load(); n != 0 || m != 0 {
 		t.Errorf("the agent got %d bytes of body (%d requests with one) from a client without a token", n, m)
+	}
+}
+
+// keyedSandboxes are sandboxes of one fake agent under several ids, each
+// of an API key (owners: id -> key), their ports public.
+type keyedSandboxes struct {
+	a      *fakeAgent
+	owners map[string]string
+}
+
+// named is the fake agent's sandbox under another id.
+type named struct {
+	sb
+	id string
+}
+
+func (n named) ID() string { return n.id }
+
+func (x keyedSandboxes) Lookup(id string) (Access, bool) {
+	key, ok := x.owners[id]
+	return Access{Token: "the-token", Traffic: "traffic", Public: true, Owner: key}, ok
+}
+
+func (x keyedSandboxes) Ready(_ context.Context, id string, _ bool) (wall.Sandbox, error) {
+	if _, ok := x.owners[id]; !ok {
+		return nil, errors.New("no such sandbox")
+	}
+	return named{sb{x.a}, id}, nil
+}
+
+// TestInFlightPerKeyAndClient: a key's credentialed requests to all its
+// sandboxes together, and a client's anonymous ones to all sandboxes
+// together, are bounded, and the bound of one key or client leaves
+// another's requests alone. Before (found by review, 2026-12-04): only
+// each sandbox's were, so a key held 1,024 requests for each of its
+// sandboxes (some 48 MiB of the daemon each, measured through the real
+// daemon: 1,000 Connect streams took it from 34 to 81 MiB) and an
+// anonymous client 128 for each public sandbox whose server holds them.
+func TestInFlightPerKeyAndClient(t *testing.T) {
+	defer func(a, b, c, d int) {
+		maxInFlightPerSandbox, maxAnonymousPerClient, maxInFlightPerKey, maxAnonymousPerClientAll = a, b, c, d
+	}(maxInFlightPerSandbox, maxAnonymousPerClient, maxInFlightPerKey, maxAnonymousPerClientAll)
+	maxInFlightPerSandbox, maxAnonymousPerClient, maxInFlightPerKey, maxAnonymousPerClientAll = 3, 3, 4, 4
+	a := newFakeAgent(t)
+	a.holdOpen.Store(true)
+	p := New(keyedSandboxes{a, map[string]string{"sbA1": "keyA", "sbA2": "keyA", "sbB": "keyB"}}, "", nil)
+	p.Client = func(r *http.Request) string { return r.Header.Get("X-Test-Client") }
+	srv := httptest.NewServer(p)
+	defer srv.Close()
+	c := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 32}}
+	defer c.CloseIdleConnections()
+	var held []*http.Response
+	defer func() {
+		a.letGo()
+		for _, r := range held {
+			r.Body.Close()
+		}
+	}()
+	// do sends a request that the agent holds (once answered 200, it
+	// stays in flight) and returns its status.
+	do := func(id, path, token, client string) int {
+		t.Helper()
+		req, _ := http.NewRequest(http.MethodGet, srv.URL+path, nil)
+		req.Header.Set("E2b-Sandbox-Id", id)
+		if token != "" {
+			req.Header.Set("X-Access-Token", token)
+		}
+		req.Header.Set("X-Test-Client", client)
+		resp, err := c.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if resp.StatusCode == http.StatusOK {
+			held = append(held, resp)
+		} else {
+			resp.Body.Close()
+		}
+		return resp.StatusCode
+	}
+	// keyA: three requests to one sandbox (its own bound), one to its
+	// other; a fifth to either is over the key's bound.
+	for range 3 {
+		if got := do("sbA1", "/hold", "the-token", ""); got != http.StatusOK {
+			t.Fatalf("keyA's request to sbA1: %d", got)
+		}
+	}
+	if got := do("sbA2", "/hold", "the-token", ""); got != http.StatusOK {
+		t.Fatalf("keyA's request to sbA2: %d", got)
+	}
+	if got := do("sbA2", "/hold", "the-token", ""); got != http.StatusTooManyRequests {
+		t.Errorf("keyA's fifth request (its bound 4): %d, want 429", got)
+	}
+	if got := do("sbB", "/hold", "the-token", ""); got != http.StatusOK {
+		t.Errorf("keyB's request while keyA is at its bound: %d, want 200", got)
+	}
+	// One anonymous client: three to one sandbox, one to another, the
+	// fifth refused; another client is let in.
+	for range 3 {
+		if got := do("sbA1", "/health", "", "c1"); got != http.StatusOK {
+			t.Fatalf("c1's anonymous request to sbA1: %d", got)
+		}
+	}
+	if got := do("sbB", "/health", "", "c1"); got != http.StatusOK {
+		t.Fatalf("c1's anonymous request to sbB: %d", got)
+	}
+	if got := do("sbA2", "/health", "", "c1"); got != http.StatusTooManyRequests {
+		t.Errorf("c1's fifth anonymous request (its bound 4): %d, want 429", got)
+	}
+	if got := do("sbA2", "/health", "", "c2"); got != http.StatusOK {
+		t.Errorf("c2's anonymous request while c1 is at its bound: %d, want 200", got)
+	}
+	// All let go: nothing left counted.
+	a.letGo()
+	for _, r := range held {
+		_, _ = io.Copy(io.Discard, r.Body)
+		r.Body.Close()
+	}
+	held = nil
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+		p.mu.Lock()
+		n := len(p.byKey) + len(p.byClient) + len(p.inFlight) + len(p.anonymous)
+		p.mu.Unlock()
+		if n == 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%d counts left after every request ended", n)
+		}
 	}
 }

@@ -88,6 +88,8 @@ type Proxy struct {
 	transports map[wall.Sandbox]*http.Transport
 	inFlight   map[flightKey]int // requests being relayed, by sandbox and class
 	anonymous  map[clientKey]int // anonymous ones, by sandbox and client (see enter)
+	byKey      map[string]int    // credentialed ones, by the sandboxes' API key, all its sandboxes
+	byClient   map[string]int    // anonymous ones, by client, all sandboxes
 	warnedAt   time.Time         // the last warning logged (see warn)
 	unwarned   int               // warnings not logged since
 
@@ -147,7 +149,7 @@ func New(sandboxes Sandboxes, domain string, log *slog.Logger) *Proxy {
 		log = slog.New(slog.DiscardHandler)
 	}
 	p := &Proxy{sandboxes: sandboxes, domain: DomainHost(domain), log: log, transports: map[wall.Sandbox]*http.Transport{},
-		inFlight: map[flightKey]int{}, anonymous: map[clientKey]int{}}
+		inFlight: map[flightKey]int{}, anonymous: map[clientKey]int{}, byKey: map[string]int{}, byClient: map[string]int{}}
 	return p
 }
 
@@ -258,7 +260,7 @@ func (p *Proxy) serve(w http.ResponseWriter, r *http.Request) {
 			client = ClientOf(r)
 		}
 	}
-	release, why := p.enter(flightKey{id, owner}, client)
+	release, why := p.enter(flightKey{id, owner}, access.Owner, client)
 	if why != "" {
 		writeJSON(w, http.StatusTooManyRequests, sandboxError{id, why, http.StatusTooManyRequests})
 		return
@@ -715,27 +717,54 @@ var maxAnonymousPerClient = 128
 // clientKey counts a sandbox's anonymous requests by client.
 type clientKey struct{ id, client string }
 
+// maxInFlightPerKey bounds the credentialed requests (see flightKey) in
+// flight to all the sandboxes of one API key together, and
+// maxAnonymousPerClientAll the anonymous ones of one client (ClientOf)
+// to all sandboxes together. Each costs the daemon some 48 KiB (its
+// handler, its connection through the agent, their buffers), outside any
+// sandbox's limits and its team's quotas; the per-sandbox bounds alone
+// let a key hold 1,024 for each of its sandboxes (48 MiB a sandbox, six
+// times what max_sandboxes sizes one at), and an anonymous client 128 for
+// each public sandbox whose server holds requests (found by review,
+// 2026-12-04). Variables for the tests.
+var (
+	maxInFlightPerKey        = 8192
+	maxAnonymousPerClientAll = 1024
+)
+
 // enter counts a request in, unless its sandbox has maxInFlightPerSandbox
-// of its class already, or, for an anonymous one, its client has
-// maxAnonymousPerClient of them; why says which (else ""). release (which
-// may be called more than once) counts it out.
-func (p *Proxy) enter(k flightKey, client string) (release func(), why string) {
+// of its class already; for a credentialed one, its sandbox's key
+// maxInFlightPerKey; for an anonymous one, its client
+// maxAnonymousPerClient to this sandbox or maxAnonymousPerClientAll to
+// all; why says which (else ""). release (which may be called more than
+// once) counts it out.
+func (p *Proxy) enter(k flightKey, key, client string) (release func(), why string) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if p.inFlight[k] >= maxInFlightPerSandbox {
 		return nil, "Too many requests to this sandbox at once (" + strconv.Itoa(maxInFlightPerSandbox) + ")"
 	}
 	ck := clientKey{k.id, client}
+	if k.owner && p.byKey[key] >= maxInFlightPerKey {
+		return nil, "Too many requests to this API key's sandboxes at once (" + strconv.Itoa(maxInFlightPerKey) + ")"
+	}
 	if !k.owner && p.anonymous[ck] >= maxAnonymousPerClient {
 		return nil, "Too many requests to this sandbox at once from one client without its token (" +
 			strconv.Itoa(maxAnonymousPerClient) + ")"
 	}
+	if !k.owner && p.byClient[client] >= maxAnonymousPerClientAll {
+		return nil, "Too many requests to sandboxes at once from one client without their tokens (" +
+			strconv.Itoa(maxAnonymousPerClientAll) + ")"
+	}
 	p.inFlight[k]++
-	if !k.owner {
+	if k.owner {
+		p.byKey[key]++
+	} else {
 		p.anonymous[ck]++
+		p.byClient[client]++
 	}
 	var once sync.Once
-	return func() { once.Do(func() { p.leave(k, ck) }) }, ""
+	return func() { once.Do(func() { p.leave(k, key, ck) }) }, ""
 }
 
 // warn logs a request the sandbox did not answer: at most one a second,
@@ -755,15 +784,22 @@ func (p *Proxy) warn(id string, port int, err error) {
 	p.log.Warn("proxy to sandbox", "sandbox", id, "port", port, "err", err, "not_logged_before", skipped)
 }
 
-func (p *Proxy) leave(k flightKey, ck clientKey) {
+func (p *Proxy) leave(k flightKey, key string, ck clientKey) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if p.inFlight[k]--; p.inFlight[k] <= 0 {
 		delete(p.inFlight, k)
 	}
-	if !k.owner {
-		if p.anonymous[ck]--; p.anonymous[ck] <= 0 {
-			delete(p.anonymous, ck)
+	if k.owner {
+		if p.byKey[key]--; p.byKey[key] <= 0 {
+			delete(p.byKey, key)
 		}
+		return
+	}
+	if p.anonymous[ck]--; p.anonymous[ck] <= 0 {
+		delete(p.anonymous, ck)
+	}
+	if p.byClient[ck.client]--; p.byClient[ck.client] <= 0 {
+		delete(p.byClient, ck.client)
 	}
 }
