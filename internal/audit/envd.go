@@ -61,6 +61,8 @@ func (t *Trail) ObserveEnvd(r *http.Request, sandbox, owner string, port int) (r
 	case KindEnvdCall:
 	default:
 		c.req = newCapture(r.Body, maxDecoded+5)
+		c.req.enveloped = c.kind != KindCodeRun && codecOf(r.Header).envelope
+		c.req.whole = c.decodeRequest
 		r.Body = c.req
 	}
 	return c.response, c.done
@@ -115,6 +117,7 @@ type envdCall struct {
 	detail                       map[string]any
 	connectPid                   uint32 // the process a Connect asked for
 	connectDecoded               bool
+	decodeOnce                   sync.Once
 }
 
 func (c *envdCall) event(kind, source string, status int, detail map[string]any) Event {
@@ -128,26 +131,9 @@ func (c *envdCall) response(resp *http.Response) {
 	if resp == nil {
 		return
 	}
-	// What the entry needs of the request is decoded now (the agent has
-	// read it: it answers a call once it has its message) and the bytes
-	// are let go: a stream may stay open for hours.
-	switch c.kind {
-	case KindProcessStart:
-		c.detail = c.startDetail()
-	case KindProcessEnd:
-		var sel pb.ConnectRequest
-		if decodeCaptured(c.req, codecOf(c.r.Header), &sel) == nil {
-			c.connectPid, c.connectDecoded = sel.GetProcess().GetPid(), true
-		}
-	case KindCodeRun:
-		c.detail = c.codeDetail()
-	case KindFileWrite, KindFileRead, KindEnvdCall:
-	default:
-		c.detail = c.unaryDetail()
-	}
-	if c.req != nil {
-		c.req.release()
-	}
+	// What the entry needs of the request is decoded by now (the agent
+	// has read it: it answers a call once it has its message).
+	c.decodeRequest()
 	switch c.kind {
 	case KindProcessStart, KindProcessEnd:
 		if resp.StatusCode != http.StatusOK {
@@ -162,8 +148,44 @@ func (c *envdCall) response(resp *http.Response) {
 	}
 }
 
+// decodeRequest decodes, once, what the entry needs of the request, and
+// lets go of its bytes: as soon as its message is whole (the capture
+// calls it), else at the agent's answer or the request's end. Found by
+// review, 2026-12-04: the bytes were kept until the answer, so requests
+// of 1 MiB to a server that reads them and never answers (code in the
+// sandbox listening on the interpreter's port) held up to 2 MiB of the
+// daemon each, 200 of them 376 MiB, one key's sandbox 1,024.
+func (c *envdCall) decodeRequest() {
+	c.decodeOnce.Do(func() {
+		if c.req == nil {
+			return
+		}
+		var d map[string]any
+		var pid uint32
+		var pidOK bool
+		switch c.kind {
+		case KindProcessStart:
+			d = c.startDetail()
+		case KindProcessEnd:
+			var sel pb.ConnectRequest
+			if decodeCaptured(c.req, codecOf(c.r.Header), &sel) == nil {
+				pid, pidOK = sel.GetProcess().GetPid(), true
+			}
+		case KindCodeRun:
+			d = c.codeDetail()
+		default:
+			d = c.unaryDetail()
+		}
+		c.req.release()
+		c.mu.Lock()
+		c.detail, c.connectPid, c.connectDecoded = d, pid, pidOK
+		c.mu.Unlock()
+	})
+}
+
 // done records the call once the request is over.
 func (c *envdCall) done() {
+	c.decodeRequest()
 	status := http.StatusBadGateway // the agent was not reached
 	if c.resp != nil {
 		status = c.resp.StatusCode

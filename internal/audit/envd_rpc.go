@@ -11,6 +11,7 @@ import (
 	"net/http"
 	"strings"
 	"sync"
+	"time"
 
 	"google.golang.org/protobuf/encoding/protojson"
 	"google.golang.org/protobuf/encoding/protowire"
@@ -123,19 +124,57 @@ func (c codec) decodeRequest(body []byte, m proto.Message) error {
 type capture struct {
 	rc    io.ReadCloser
 	limit int
+	// enveloped: the body's first message is whole once its 5-byte
+	// prefix and the length it names have passed (else at the body's
+	// end). whole, when set, is called once then, on the reading
+	// goroutine, without the lock held.
+	enveloped bool
+	whole     func()
 
 	mu       sync.Mutex
 	buf      []byte
 	over     bool
 	released bool
+	called   bool
+	expired  bool        // the message was not whole within wholeWithin
+	timer    *time.Timer // ends the wait for a message to be whole
 	n        int64
 }
 
-func newCapture(rc io.ReadCloser, limit int) *capture { return &capture{rc: rc, limit: limit} }
+// wholeWithin bounds the time a request's message, while the trail keeps
+// its bytes (at most maxDecoded), has to arrive whole, as the API gives a
+// body of 1 MiB a minute: past it the bytes are let go and the request
+// fails (errNotWhole), so that its message never reaches the agent
+// undecoded. Found by review, 2026-12-04: a client that sent 1 MiB of a
+// message and held back the rest held 2 MiB of the daemon for as long as
+// it liked (200 such requests, 400 MiB). A variable for the tests.
+var wholeWithin = time.Minute
+
+var errNotWhole = errors.New("audit: the request's message did not arrive within " + wholeWithin.String())
+
+func newCapture(rc io.ReadCloser, limit int) *capture {
+	c := &capture{rc: rc, limit: limit}
+	c.timer = time.AfterFunc(wholeWithin, c.expire)
+	return c
+}
+
+// expire lets go of a message not whole in time; the body's next read
+// fails.
+func (c *capture) expire() {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if !c.called {
+		c.expired, c.buf, c.over = true, nil, true
+	}
+}
 
 func (c *capture) Read(p []byte) (int, error) {
 	n, err := c.rc.Read(p)
 	c.mu.Lock()
+	if c.expired {
+		c.mu.Unlock()
+		return 0, errNotWhole
+	}
 	c.n += int64(n)
 	if !c.over {
 		if len(c.buf)+n <= c.limit {
@@ -144,8 +183,22 @@ func (c *capture) Read(p []byte) (int, error) {
 			c.over, c.buf = true, nil
 		}
 	}
+	call := false
+	if !c.called && (err == io.EOF || c.over || c.released || c.firstMessageIn()) {
+		c.called, call = true, c.whole != nil
+		c.timer.Stop()
+	}
 	c.mu.Unlock()
+	if call {
+		c.whole()
+	}
 	return n, err
+}
+
+// firstMessageIn says whether the captured bytes hold the first
+// enveloped message whole (c.mu held).
+func (c *capture) firstMessageIn() bool {
+	return c.enveloped && len(c.buf) >= 5 && uint64(len(c.buf)-5) >= uint64(binary.BigEndian.Uint32(c.buf[1:5]))
 }
 
 func (c *capture) Close() error { return c.rc.Close() }
@@ -156,6 +209,8 @@ func (c *capture) Close() error { return c.rc.Close() }
 func (c *capture) release() {
 	c.mu.Lock()
 	c.buf, c.over, c.released = nil, true, true
+	c.called = true // nothing kept to wait for
+	c.timer.Stop()
 	c.mu.Unlock()
 }
 
@@ -170,7 +225,10 @@ func (c *capture) bytes() ([]byte, bool, int64) {
 // decodeCaptured decodes the captured request, or says why it cannot.
 func decodeCaptured(c *capture, cd codec, m proto.Message) error {
 	b, over, n := c.bytes()
-	if c.released {
+	c.mu.Lock()
+	released := c.released
+	c.mu.Unlock()
+	if released {
 		return errors.New("request not kept")
 	}
 	if over {
