@@ -107,3 +107,46 @@ func TestRefusalsToAStalledClientEnd(t *testing.T) {
 		t.Logf("only %d goroutines were held a moment after the %d requests: the client did not stall them", held, n)
 	}
 }
+
+// TestQuietStreamOverHTTP2: over HTTP/2 a relayed answer may be slow to
+// start and a stream may stay quiet longer than a write's bound; only a
+// write that does not get through is bounded. Before (found by review,
+// 2026-12-04): HTTP/2 resets a stream when its write deadline passes,
+// written or not, so an answer whose head took longer than answerWrite
+// (10 s), or a stream quiet for relayWrite (30 s: a command that prints
+// nothing for half a minute, an idle dashboard terminal, a watch), was
+// reset on h2c clients (cage's own, through the proxy).
+func TestQuietStreamOverHTTP2(t *testing.T) {
+	defer func(a, r time.Duration) { answerWrite, relayWrite = a, r }(answerWrite, relayWrite)
+	answerWrite, relayWrite = 200*time.Millisecond, 300*time.Millisecond
+	for _, path := range []string{"/late", "/hold"} {
+		t.Run(path, func(t *testing.T) {
+			a := newFakeAgent(t)
+			var protos http.Protocols
+			protos.SetUnencryptedHTTP2(true)
+			srv := httptest.NewUnstartedServer(New(sandboxes{sb{a}}, "", nil))
+			srv.Config.Protocols = &protos
+			srv.Start()
+			defer srv.Close()
+			var cp http.Protocols
+			cp.SetUnencryptedHTTP2(true)
+			c := &http.Client{Transport: &http.Transport{Protocols: &cp}}
+			defer c.CloseIdleConnections()
+			go func() { time.Sleep(4 * relayWrite); a.letGo() }()
+			req, _ := http.NewRequest(http.MethodGet, srv.URL+path, nil)
+			req.Header.Set("E2b-Sandbox-Id", "sandbox1")
+			req.Header.Set("X-Access-Token", "the-token")
+			resp, err := c.Do(req)
+			if err != nil {
+				t.Fatalf("an answer whose head came after %v: %v", 4*relayWrite, err)
+			}
+			defer resp.Body.Close()
+			if resp.ProtoMajor != 2 {
+				t.Fatalf("HTTP/%d, want 2", resp.ProtoMajor)
+			}
+			if _, err := io.ReadAll(resp.Body); err != nil || resp.StatusCode != http.StatusOK {
+				t.Errorf("a stream quiet for %v: %d %v", 4*relayWrite, resp.StatusCode, err)
+			}
+		})
+	}
+}

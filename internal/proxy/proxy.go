@@ -216,6 +216,9 @@ func (p *Proxy) serve(w http.ResponseWriter, r *http.Request) {
 	// requests, refused or not, and its handler for good.
 	rc := http.NewResponseController(w)
 	_ = rc.SetWriteDeadline(time.Now().Add(answerWrite))
+	// What the server writes once the handler is done (the end of a
+	// chunked answer) is bounded too: a progressWriter leaves no deadline.
+	defer func() { _ = rc.SetWriteDeadline(time.Now().Add(answerWrite)) }()
 	id, port, ok := p.route(r)
 	if !ok {
 		writeJSON(w, http.StatusBadRequest, map[string]any{"code": 400,
@@ -223,8 +226,14 @@ func (p *Proxy) serve(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	access, ok := p.sandboxes.Lookup(id)
-	if !ok && p.Forward != nil && p.Forward(&progressWriter{ResponseWriter: w, rc: rc}, r, id) {
-		return
+	if !ok && p.Forward != nil {
+		// As for a relayed answer (below): each write is bounded, not
+		// the wait for the owner node's answer.
+		_ = rc.SetWriteDeadline(time.Time{})
+		if p.Forward(&progressWriter{ResponseWriter: w, rc: rc, clear: true}, r, id) {
+			return
+		}
+		_ = rc.SetWriteDeadline(time.Now().Add(answerWrite))
 	}
 	if !ok {
 		writeJSON(w, http.StatusBadGateway, sandboxError{id, "The sandbox was not found", http.StatusBadGateway})
@@ -285,7 +294,7 @@ func (p *Proxy) serve(w http.ResponseWriter, r *http.Request) {
 		observed, done = p.Observe(r, id, access.Owner, port)
 	}
 	status := 0 // the sandbox's answer's (0: none came)
-	pw := &progressWriter{ResponseWriter: w, rc: rc}
+	pw := &progressWriter{ResponseWriter: w, rc: rc, clear: true}
 	// An anonymous request through which no byte passes, either way, for
 	// relayIdle is ended (see relayIdle): its round trip and the copy of
 	// its answer are cancelled, and a read of its body waiting on the
@@ -399,6 +408,10 @@ func (p *Proxy) serve(w http.ResponseWriter, r *http.Request) {
 			_ = body.Close()
 		}()
 	}
+	// The relay's writes are bounded each (progressWriter), not the wait
+	// for the sandbox's answer: HTTP/2 resets a stream when its deadline
+	// passes, written or not.
+	_ = rc.SetWriteDeadline(time.Time{})
 	rp.ServeHTTP(pw, r)
 	if pw.watch != nil {
 		pw.watch.stop()
@@ -429,26 +442,44 @@ var relayIdle = 10 * time.Minute
 // progressWriter gives each write of a relayed answer relayWrite to get
 // through, and clears the deadline for a connection that is hijacked (an
 // upgrade: the tunnel is bounded by its idle time instead, upgradeIdle).
+//
+// With clear, the deadline is cleared again once each write is through:
+// HTTP/2 resets a stream when its write deadline passes, written or not,
+// so a stream quiet for relayWrite was reset (found by review,
+// 2026-12-04: a command silent for 30 s, an idle terminal of the
+// dashboard, through cage's own h2c clients). Whoever uses clear bounds
+// what the server writes after the handler (the end of a chunked answer)
+// with a deadline of its own.
 type progressWriter struct {
 	http.ResponseWriter
 	rc    *http.ResponseController
 	watch *idleWatch // an upgrade's, once the sandbox has switched protocols
+	clear bool
 }
 
 func (w *progressWriter) arm() { _ = w.rc.SetWriteDeadline(time.Now().Add(relayWrite)) }
 
+func (w *progressWriter) disarm() {
+	if w.clear {
+		_ = w.rc.SetWriteDeadline(time.Time{})
+	}
+}
+
 func (w *progressWriter) WriteHeader(code int) {
 	w.arm()
 	w.ResponseWriter.WriteHeader(code)
+	w.disarm()
 }
 
 func (w *progressWriter) Write(b []byte) (int, error) {
 	w.arm()
+	defer w.disarm()
 	return w.ResponseWriter.Write(b)
 }
 
 func (w *progressWriter) FlushError() error {
 	w.arm()
+	defer w.disarm()
 	return w.rc.Flush()
 }
 
@@ -473,7 +504,10 @@ func WriteProgress(h http.Handler) http.Handler {
 		// An HTTP/1 connection keeps the deadline an earlier request on
 		// it left: this one starts with none.
 		_ = rc.SetWriteDeadline(time.Time{})
-		h.ServeHTTP(&progressWriter{ResponseWriter: w, rc: rc}, r)
+		h.ServeHTTP(&progressWriter{ResponseWriter: w, rc: rc, clear: true}, r)
+		// What the server writes after the handler (all of a small
+		// answer, buffered until then) has its bound too.
+		_ = rc.SetWriteDeadline(time.Now().Add(relayWrite))
 	})
 }
 
@@ -521,6 +555,7 @@ const (
 // request body: at most drainLimit bytes, for at most drainTime.
 func drain(w http.ResponseWriter, body io.Reader) {
 	rc := http.NewResponseController(w)
+	_ = rc.SetWriteDeadline(time.Now().Add(answerWrite))
 	_ = rc.Flush()
 	_ = rc.SetReadDeadline(time.Now().Add(drainTime))
 	_, _ = io.CopyN(io.Discard, body, drainLimit)

@@ -60,6 +60,12 @@ func newFakeAgent(t *testing.T) *fakeAgent {
 			<-a.release
 			return
 		}
+		if r.URL.Path == "/late" { // answers once the test lets go, head and all
+			<-a.release
+			w.WriteHeader(http.StatusOK)
+			_, _ = io.WriteString(w, "late")
+			return
+		}
 		if r.URL.Path == "/upgrade" { // switches protocols, then as ?mode says
 			upgraded(w, r.URL.Query().Get("mode"))
 			return
