@@ -93,12 +93,6 @@ func (l *connLimiter) count() int {
 	return l.open
 }
 
-// clientOf is the client a connection from a counts against: its IPv4
-// address, or its IPv6 address's /64 (as proxy.ClientOf: one host's or one
-// network's, which its holder may spread over 2^64 addresses). Found by
-// review, 2026-12-04: counted by whole address, one IPv6 client took a
-// listener's 32,768 connections from as many addresses of its /64, and
-// every other client's were closed at once.
 // remoteAddr is the address a connection comes from (the zero Addr for a
 // unix socket).
 func remoteAddr(c net.Conn) netip.Addr {
@@ -109,6 +103,12 @@ func remoteAddr(c net.Conn) netip.Addr {
 	return ap.Addr().Unmap().WithZone("")
 }
 
+// clientOf is the client a connection from a counts against: its IPv4
+// address, or its IPv6 address's /64 (as proxy.ClientOf: one host's or one
+// network's, which its holder may spread over 2^64 addresses). Found by
+// review, 2026-12-04: counted by whole address, one IPv6 client took a
+// listener's 32,768 connections from as many addresses of its /64, and
+// every other client's were closed at once.
 func clientOf(a netip.Addr) netip.Addr {
 	if a.Is6() {
 		if p, err := a.Prefix(64); err == nil {
