@@ -227,13 +227,28 @@ func FirstOutput(argv []string) (time.Duration, error) {
 // RunRate runs n copies of argv to completion, concurrency at a time, and
 // returns how many it finished a second.
 func RunRate(argv []string, n, concurrency int) (float64, error) {
+	start := time.Now()
+	err := inTurn(n, concurrency, func(int) error {
+		if out, err := exec.Command(argv[0], argv[1:]...).CombinedOutput(); err != nil {
+			return fmt.Errorf("%s: %v: %s", argv[0], err, bytesLine(out))
+		}
+		return nil
+	})
+	if err != nil {
+		return 0, err
+	}
+	return float64(n) / time.Since(start).Seconds(), nil
+}
+
+// inTurn calls f n times (with 1..n), concurrency calls at a time, and
+// stops handing out calls at the first error, which it returns.
+func inTurn(n, concurrency int, f func(i int) error) error {
 	var (
 		wg   sync.WaitGroup
 		mu   sync.Mutex
 		next int
 		ferr error
 	)
-	start := time.Now()
 	for w := 0; w < concurrency; w++ {
 		wg.Add(1)
 		go func() {
@@ -245,11 +260,12 @@ func RunRate(argv []string, n, concurrency int) (float64, error) {
 					return
 				}
 				next++
+				i := next
 				mu.Unlock()
-				if out, err := exec.Command(argv[0], argv[1:]...).CombinedOutput(); err != nil {
+				if err := f(i); err != nil {
 					mu.Lock()
 					if ferr == nil {
-						ferr = fmt.Errorf("%s: %v: %s", argv[0], err, bytesLine(out))
+						ferr = err
 					}
 					mu.Unlock()
 					return
@@ -258,10 +274,7 @@ func RunRate(argv []string, n, concurrency int) (float64, error) {
 		}()
 	}
 	wg.Wait()
-	if ferr != nil {
-		return 0, ferr
-	}
-	return float64(n) / time.Since(start).Seconds(), nil
+	return ferr
 }
 
 type firstWrite struct {

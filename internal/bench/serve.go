@@ -260,36 +260,17 @@ func CreateMany(ctx context.Context, c *client.Client, n, concurrency int) (rate
 // createMany is CreateMany that also returns the sandboxes' ids.
 func createMany(ctx context.Context, c *client.Client, n, concurrency int) (rate float64, ids []string, err error) {
 	start := time.Now()
-	var wg sync.WaitGroup
 	var mu sync.Mutex
-	next := 0
-	for w := 0; w < concurrency; w++ {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			for {
-				mu.Lock()
-				if next >= n || err != nil {
-					mu.Unlock()
-					return
-				}
-				next++
-				mu.Unlock()
-				sb, cerr := c.Create(ctx, hostSandbox(600))
-				mu.Lock()
-				if cerr != nil {
-					if err == nil {
-						err = fmt.Errorf("create %d of %d: %w", next, n, cerr)
-					}
-					mu.Unlock()
-					return
-				}
-				ids = append(ids, sb.SandboxID)
-				mu.Unlock()
-			}
-		}()
-	}
-	wg.Wait()
+	err = inTurn(n, concurrency, func(i int) error {
+		sb, err := c.Create(ctx, hostSandbox(600))
+		if err != nil {
+			return fmt.Errorf("create %d of %d: %w", i, n, err)
+		}
+		mu.Lock()
+		ids = append(ids, sb.SandboxID)
+		mu.Unlock()
+		return nil
+	})
 	return float64(n) / time.Since(start).Seconds(), ids, err
 }
 
