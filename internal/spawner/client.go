@@ -77,6 +77,13 @@ func (c *Client) connection() (*conn, error) {
 
 // conn is one running spawner.
 type conn struct {
+	// fd is the daemon's end of the socket. Its reader closes it once the
+	// connection broke; a send or a shutdown holds fdMu for reading and
+	// finds fd -1 after that. They used the number unguarded: one that
+	// came after the close could reach what the number had become
+	// meanwhile (a shutdown of another connection; a request, with the
+	// host descriptors it carries, sent on another socket).
+	fdMu sync.RWMutex
 	fd   int
 	proc *os.Process
 
@@ -132,7 +139,11 @@ func (cn *conn) isDead() bool {
 }
 
 func (cn *conn) close() {
-	unix.Shutdown(cn.fd, unix.SHUT_RDWR)
+	cn.fdMu.RLock()
+	defer cn.fdMu.RUnlock()
+	if cn.fd >= 0 {
+		unix.Shutdown(cn.fd, unix.SHUT_RDWR)
+	}
 }
 
 func (cn *conn) spawn(req Request, files []uintptr) (*Child, error) {
@@ -155,7 +166,12 @@ func (cn *conn) spawn(req Request, files []uintptr) (*Child, error) {
 		fds[i] = int(f)
 	}
 	cn.out.Lock()
-	err := send(cn.fd, &req, fds)
+	cn.fdMu.RLock()
+	err := errClosed
+	if cn.fd >= 0 {
+		err = send(cn.fd, &req, fds)
+	}
+	cn.fdMu.RUnlock()
 	cn.out.Unlock()
 	if err != nil {
 		cn.mu.Lock()
@@ -191,7 +207,6 @@ func (cn *conn) read() {
 		cn.dispatch(r, files)
 	}
 	cn.mu.Lock()
-	defer cn.mu.Unlock()
 	cn.dead = fmt.Errorf("spawner: %w", err)
 	for id, ch := range cn.pending {
 		close(ch)
@@ -201,7 +216,13 @@ func (cn *conn) read() {
 		close(ch)
 		delete(cn.ends, pid)
 	}
+	cn.mu.Unlock()
+	// A send blocked on a live socket holds fdMu; the connection broke,
+	// so it returns.
+	cn.fdMu.Lock()
 	unix.Close(cn.fd)
+	cn.fd = -1
+	cn.fdMu.Unlock()
 }
 
 func (cn *conn) dispatch(r reply, files []int) {

@@ -352,3 +352,80 @@ func BenchmarkRecv(b *testing.B) {
 		}
 	}
 }
+
+// TestSpawnerDeadTouchesNoReusedNumber: once the spawner died, its
+// connection's descriptor is closed, and its number may be another
+// file's; neither Close nor a Spawn may act on that number. Before, Close
+// shut down whatever socket had taken it (a client's connection, an
+// agent's, QMP's), and a Spawn racing the death could send its request,
+// with the host descriptors it carries, on it. Here a socket pair is put
+// on the number as soon as the reader has closed it; then the client is
+// closed and asked to spawn on the dead connection. Expected: the pair
+// still carries a message both ways, and the spawn fails.
+func TestSpawnerDeadTouchesNoReusedNumber(t *testing.T) {
+	c := newClient(t)
+	devnull, _ := os.Open(os.DevNull)
+	defer devnull.Close()
+	files := []uintptr{devnull.Fd(), devnull.Fd(), devnull.Fd()}
+	ch, err := c.Spawn(Request{Path: "/bin/true", Argv: []string{"true"}, Dir: "/"}, files)
+	if err != nil {
+		t.Fatal(err)
+	}
+	unix.Close(ch.Pidfd)
+	c.mu.Lock()
+	cn := c.conn
+	c.mu.Unlock()
+	number := cn.fd
+	if err := cn.proc.Kill(); err != nil {
+		t.Fatal(err)
+	}
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(time.Millisecond) {
+		if _, err := unix.FcntlInt(uintptr(number), unix.F_GETFD, 0); err == unix.EBADF {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the dead spawner's descriptor was not closed in 10 s")
+		}
+	}
+	pair, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The lowest free numbers are taken, so either end may already be
+	// the number (the other end then lower, when a lower number was
+	// free); here is the end on the number and peer the other one.
+	here, peer := pair[0], pair[1]
+	if peer == number {
+		here, peer = peer, here
+	}
+	defer unix.Close(peer)
+	if here != number {
+		if err := unix.Dup3(here, number, unix.O_CLOEXEC); err != nil {
+			t.Fatal(err)
+		}
+		unix.Close(here)
+	}
+	defer unix.Close(number)
+
+	if _, err := cn.spawn(Request{Path: "/bin/true", Argv: []string{"true"}, Dir: "/"}, files); err == nil {
+		t.Error("a spawn on the dead connection succeeded")
+	}
+	c.Close()
+
+	// Whatever was sent on the number arrives at the pair's other end.
+	buf := make([]byte, 64<<10)
+	switch n, _, _, _, err := unix.Recvmsg(peer, buf, make([]byte, 256), unix.MSG_DONTWAIT); {
+	case err == nil && n == 0:
+		t.Error("the socket that took the dead spawner's number was shut down")
+	case err != unix.EAGAIN:
+		t.Errorf("the socket that took the dead spawner's number was sent %d bytes (%v): %.80q", n, err, buf[:max(n, 0)])
+	}
+	for _, e := range [][2]int{{number, peer}, {peer, number}} {
+		if _, err := unix.Write(e[0], []byte("x")); err != nil {
+			t.Fatalf("the socket that took the dead spawner's number was shut down: %v", err)
+		}
+		if n, err := unix.Read(e[1], buf); err != nil || n != 1 {
+			t.Fatalf("the socket that took the dead spawner's number: read %d, %v", n, err)
+		}
+	}
+}
