@@ -104,14 +104,42 @@ func Main(args []string) error {
 	if err := unix.Prctl(unix.PR_SET_PDEATHSIG, uintptr(unix.SIGKILL), 0, 0, 0); err != nil {
 		return fmt.Errorf("jail: %w", err)
 	}
-	fds := []unix.PollFd{{Fd: int32(spec.Lifeline), Events: unix.POLLIN}}
-	if n, err := unix.Poll(fds, 0); err != nil || n != 0 {
-		return errors.New("jail: the host went away")
+	if err := hostThere(spec.Lifeline); err != nil {
+		return fmt.Errorf("jail: %w", err)
 	}
 	if err := unix.Prctl(unix.PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0); err != nil {
 		return fmt.Errorf("jail: %w", err)
 	}
 	return syscall.Exec(args[1], args[1:], []string{})
+}
+
+// hostThere says whether the host still holds the write end of the
+// lifeline (read end fd): it never writes to it, so the pipe is neither
+// readable nor hung up while the host lives. A signal that arrives during
+// the poll (the Go runtime's own preemption signal, sent to a thread that
+// ran long, as under load) fails it with EINTR, which says nothing of the
+// host: it is asked again. It was read as the host's going, and a VM
+// failed to start now and then on a loaded host with "the host went
+// away".
+func hostThere(fd int) error {
+	fds := []unix.PollFd{{Fd: int32(fd), Events: unix.POLLIN}}
+	for {
+		n, err := unix.Poll(fds, 0)
+		switch {
+		case err == unix.EINTR:
+			continue
+		case err != nil:
+			return fmt.Errorf("poll the lifeline: %w", err)
+		case n == 0:
+			return nil
+		case fds[0].Revents&unix.POLLNVAL != 0:
+			return fmt.Errorf("the lifeline (descriptor %d) is not open", fd)
+		case fds[0].Revents&(unix.POLLHUP|unix.POLLERR) != 0:
+			return errors.New("the host went away")
+		default:
+			return errors.New("the host went away (its end of the lifeline was written to)")
+		}
+	}
 }
 
 // boundFiles holds every regular file QEMU writes to n bytes: a write or
