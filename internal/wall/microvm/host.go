@@ -705,6 +705,14 @@ func TemplateImage(dir string, t *template.Template) (string, error) {
 	if _, err := os.Stat(p); err == nil {
 		return p, os.Chmod(p, 0o644) // made by an older cage, 0600
 	}
+	// One build per image at a time in this process; the others wait
+	// and take its file.
+	mu, _ := snapshotLocks.LoadOrStore("image "+p, new(sync.Mutex))
+	mu.(*sync.Mutex).Lock()
+	defer mu.(*sync.Mutex).Unlock()
+	if _, err := os.Stat(p); err == nil {
+		return p, nil
+	}
 	if err := os.MkdirAll(filepath.Dir(p), 0o700); err != nil {
 		return "", err
 	}
@@ -738,8 +746,15 @@ func TemplateImage(dir string, t *template.Template) (string, error) {
 	// Size: the files plus a third, at least 64 MiB; inodes: one per file
 	// and some.
 	size := max(64<<20, t.Image.Info.Size*4/3+32<<20)
-	tmp := p + ".tmp"
-	_ = os.Remove(tmp)
+	// A name of its own: two creates (in this process or another sharing
+	// the cache) building the same image at once each write their own
+	// file, and the second rename replaces the first with equal bytes.
+	f, err := os.CreateTemp(filepath.Dir(p), ".image-*.ext4")
+	if err != nil {
+		return "", err
+	}
+	tmp := f.Name()
+	f.Close()
 	out, err := exec.Command("mke2fs", "-q", "-t", "ext4", "-O", "^has_journal", "-m", "0", "-E", "root_owner=0:0",
 		"-d", merged, tmp, strconv.FormatInt(size/1024, 10)+"k").CombinedOutput()
 	if err != nil {
@@ -747,7 +762,12 @@ func TemplateImage(dir string, t *template.Template) (string, error) {
 		return "", fmt.Errorf("mke2fs: %v: %s", err, strings.TrimSpace(string(out)))
 	}
 	if err := os.Chmod(tmp, 0o644); err != nil { // as Initramfs's
+		_ = os.Remove(tmp)
 		return "", err
 	}
-	return p, os.Rename(tmp, p)
+	if err := os.Rename(tmp, p); err != nil {
+		_ = os.Remove(tmp)
+		return "", err
+	}
+	return p, nil
 }
