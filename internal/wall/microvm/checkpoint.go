@@ -96,7 +96,12 @@ func (sb *Sandbox) Checkpoint(ctx context.Context, dir string) error {
 		return fmt.Errorf("checkpoint sandbox %s: %w", sb.id, err)
 	}
 	// Saved: nothing of the sandbox runs or stays on the host but its
-	// uid range (its slot).
+	// uid range (its slot). Its network goes too, and its restore makes
+	// it again under the policy it has now (changed since the create,
+	// maybe), not the create's.
+	if sb.net != nil {
+		sb.cfg.NetPolicy = sb.net.Policy()
+	}
 	return sb.release()
 }
 
