@@ -81,8 +81,8 @@ func (sb *Sandbox) Checkpoint(ctx context.Context, dir string) error {
 		sb.mu.Unlock()
 		return fmt.Errorf("checkpoint sandbox %s: %v%s", sb.id, err, out)
 	}
-	unix.Close(sb.pidfd)
-	sb.pidfd, sb.pid = -1, 0
+	sb.closePidfd()
+	sb.pid = 0
 	_, _ = sb.runtime(context.Background(), "delete", "--force", sb.id)
 	return nil
 }

@@ -611,6 +611,19 @@ func (sb *Sandbox) watch(pidfd int, done chan struct{}) {
 	}
 }
 
+// closePidfd closes the container's pidfd once: whoever comes second
+// (a checkpoint's stop, a teardown) finds -1, never a number another
+// file of the daemon may have taken since.
+func (sb *Sandbox) closePidfd() {
+	sb.mu.Lock()
+	fd := sb.pidfd
+	sb.pidfd = -1
+	sb.mu.Unlock()
+	if fd >= 0 {
+		unix.Close(fd)
+	}
+}
+
 func (sb *Sandbox) setGone() { sb.gone.Do(func() { close(sb.exited) }) }
 
 // Destroy kills the container and removes everything it had on the host.
@@ -633,15 +646,19 @@ func (sb *Sandbox) teardown() error {
 			_ = exec.Command(sb.rt.Binary, a...).Run()
 		}
 		rt("kill", sb.id, "KILL")
-		if sb.pidfd >= 0 {
+		sb.mu.Lock()
+		running := sb.pidfd >= 0
+		if running {
 			_ = unix.PidfdSendSignal(sb.pidfd, unix.SIGKILL, nil, 0)
+		}
+		sb.mu.Unlock()
+		if running {
 			select {
 			case <-sb.procDone:
 			case <-time.After(10 * time.Second):
 				errs = append(errs, fmt.Errorf("sandbox %s: the container did not exit", sb.id))
 			}
-			unix.Close(sb.pidfd)
-			sb.pidfd = -1
+			sb.closePidfd()
 		}
 		rt("delete", "--force", sb.id)
 	}
