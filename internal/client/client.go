@@ -41,7 +41,10 @@ type Client struct {
 	// HostSide marks the daemon's own client (the dashboard, /mcp): its
 	// agent clients hold less unread (agentclient.NewHostSide).
 	HostSide bool
-	http     *http.Client
+	// Dial, when set, dials the proxy for Agent (the daemon's own
+	// clients: connLimiter.dialOwn).
+	Dial func(ctx context.Context, network, addr string) (net.Conn, error)
+	http *http.Client
 }
 
 // New returns a client.
@@ -188,8 +191,11 @@ func (c *Client) Agent(id, token string) (*agentclient.Client, error) {
 		return nil, fmt.Errorf("proxy address %q: want http://HOST:PORT", c.Proxy)
 	}
 	dial := func(ctx context.Context) (net.Conn, error) {
-		var d net.Dialer
-		conn, err := d.DialContext(ctx, "tcp", u.Host)
+		dialContext := (&net.Dialer{}).DialContext
+		if c.Dial != nil {
+			dialContext = c.Dial
+		}
+		conn, err := dialContext(ctx, "tcp", u.Host)
 		if errors.Is(err, syscall.ECONNREFUSED) {
 			return nil, fmt.Errorf("%w at %s", ErrNotRunning, c.Proxy)
 		}

@@ -95,10 +95,11 @@ type Limits struct {
 	// may set its own.
 	KeyRequests float64 `json:"key_requests"`
 	KeyCreates  float64 `json:"key_creates"`
-	// KeyDisk bounds what each key without a team keeps in the data
-	// directory (its paused sandboxes and its snapshots), e.g. "50G";
-	// "0": no bound. Default: a quarter of the data directory's file
-	// system. A team's disk quota bounds its keys instead.
+	// KeyDisk bounds what each key without a team, and each team
+	// without a disk quota, keeps in the data directory (its paused
+	// sandboxes and its snapshots), e.g. "50G"; "0": no bound. Default:
+	// a quarter of the data directory's file system. A team's disk quota
+	// bounds its keys instead.
 	KeyDisk string `json:"key_disk"`
 }
 
@@ -411,8 +412,11 @@ func Run(ctx context.Context, cfg Config, log *slog.Logger, ready func(apiAddr, 
 	defer tb.stop() // before the host closes
 	apiH := api.Handler(api.Config{Cluster: cl.api(), Manager: mgr, Store: st, Log: log, Domain: cfg.Domain,
 		DefaultWall: cfg.DefaultWall, Audit: trail, Metrics: mx, Rates: cfg.Limits.rates(), Build: tb.build})
-	apiMux, stopUI, err := withUI(cfg.UI, withMCP(apiH, st, trail, apiL.Addr(), proxyL.Addr(), log), apiH, st, mgr, host,
-		trail, proxyL.Addr(), cfg.Data, cfg.RunDir, log)
+	// The dashboard's and /mcp's connections to the proxy are the
+	// daemon's own: held to its bound on all connections only.
+	proxyDial := proxyL.(*connLimiter).dialOwn
+	apiMux, stopUI, err := withUI(cfg.UI, withMCP(apiH, st, trail, apiL.Addr(), proxyL.Addr(), proxyDial, log), apiH, st, mgr, host,
+		trail, proxyL.Addr(), proxyDial, cfg.Data, cfg.RunDir, log)
 	if err != nil {
 		apiL.Close()
 		proxyL.Close()

@@ -1,12 +1,17 @@
 package daemon
 
 import (
+	"context"
+	"errors"
 	"net"
 	"net/http"
 	"net/netip"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/cagehq/cage/internal/proxy"
 )
@@ -36,6 +41,9 @@ type connLimiter struct {
 	// connections only: the cluster's other nodes, whose forwards are
 	// many clients' (cluster.Front.Peer).
 	peer atomic.Pointer[func(netip.Addr) bool]
+	// own holds the source ports of the daemon's own connections to this
+	// listener (dialOwn) that it has not yet accepted.
+	own sync.Map // uint16 -> struct{}
 
 	mu     sync.Mutex
 	open   int
@@ -58,19 +66,108 @@ func (l *connLimiter) Accept() (net.Conn, error) {
 		if p := l.peer.Load(); p != nil {
 			peer = (*p)(from) // a node by its own address, not its /64
 		}
+		// The daemon's own (dashboard, /mcp): every tenant's sessions come
+		// from it. A few keys' held open must not fill the loopback
+		// address's bound for all the others, nor count against the local
+		// clients' (the operator's cage commands).
+		own := !peer && l.ownConn(c)
 		l.mu.Lock()
-		ok := l.open < l.total && (l.client[addr] < l.perClient || peer)
+		ok := l.open < l.total && (own || peer || l.client[addr] < l.perClient)
 		if ok {
 			l.open++
-			l.client[addr]++
+			if !own {
+				l.client[addr]++
+			}
 		}
 		l.mu.Unlock()
 		if !ok {
 			c.Close()
 			continue
 		}
+		if own {
+			return &limitedConn{Conn: c, release: l.releaseOwn}, nil
+		}
 		return &limitedConn{Conn: c, release: func() { l.release(addr) }}, nil
 	}
+}
+
+// dialFunc dials as net.Dialer.DialContext does.
+type dialFunc = func(ctx context.Context, network, addr string) (net.Conn, error)
+
+// dialOwn dials this listener (at addr) as the daemon itself: the
+// connection's source port, bound before the connect, is remembered until
+// the listener accepts it, and it is then held to the bound on all
+// connections only, not counted as its address's. A port is the daemon's alone while its
+// socket holds it (bound to every address of the host), and only a
+// connection from this host (its source one of the host's addresses, the
+// one it reached) is taken for the daemon's.
+func (l *connLimiter) dialOwn(ctx context.Context, network, addr string) (net.Conn, error) {
+	var ports []uint16 // one per attempt (a name of several addresses)
+	d := net.Dialer{Control: func(network, _ string, rc syscall.RawConn) error {
+		var err error
+		cerr := rc.Control(func(fd uintptr) {
+			var sa unix.Sockaddr = &unix.SockaddrInet4{}
+			if network == "tcp6" {
+				sa = &unix.SockaddrInet6{}
+			}
+			if err = unix.Bind(int(fd), sa); err != nil {
+				return
+			}
+			var got unix.Sockaddr
+			if got, err = unix.Getsockname(int(fd)); err != nil {
+				return
+			}
+			var port uint16
+			switch a := got.(type) {
+			case *unix.SockaddrInet4:
+				port = uint16(a.Port)
+			case *unix.SockaddrInet6:
+				port = uint16(a.Port)
+			default:
+				err = errors.New("not an IP socket")
+				return
+			}
+			l.own.Store(port, struct{}{})
+			ports = append(ports, port)
+		})
+		return errors.Join(cerr, err)
+	}}
+	c, err := d.DialContext(ctx, network, addr)
+	// The attempts that did not connect are forgotten (a port of one of
+	// them may be anyone's next).
+	var kept uint16
+	if err == nil {
+		if ap, perr := netip.ParseAddrPort(c.LocalAddr().String()); perr == nil {
+			kept = ap.Port()
+		}
+	}
+	for _, p := range ports {
+		if p != kept {
+			l.own.Delete(p)
+		}
+	}
+	return c, err
+}
+
+// ownConn says whether c is one of the daemon's own connections (dialOwn),
+// and forgets its port.
+func (l *connLimiter) ownConn(c net.Conn) bool {
+	remote, ok1 := c.RemoteAddr().(*net.TCPAddr)
+	local, ok2 := c.LocalAddr().(*net.TCPAddr)
+	if !ok1 || !ok2 || remote.Port <= 0 || remote.Port > 65535 {
+		return false
+	}
+	port := uint16(remote.Port)
+	if _, ok := l.own.Load(port); !ok {
+		return false
+	}
+	// From this host: a connection to one of its own addresses comes
+	// from that address.
+	if !remote.IP.Equal(local.IP) {
+		return false
+	}
+	l.own.Delete(port)
+	return true
 }
 
 // setPeer has the listener hold the addresses peer names to the bound
@@ -84,6 +181,13 @@ func (l *connLimiter) release(addr netip.Addr) {
 	if l.client[addr]--; l.client[addr] <= 0 {
 		delete(l.client, addr)
 	}
+}
+
+// releaseOwn frees the place of one of the daemon's own connections.
+func (l *connLimiter) releaseOwn() {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.open--
 }
 
 // count is the number of open connections (tests).

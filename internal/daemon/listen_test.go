@@ -220,3 +220,94 @@ func TestConnLimiterIPv6Prefix(t *testing.T) {
 	}()
 	<-done
 }
+
+// TestConnLimiterOwnConnections: the daemon's own connections to its proxy
+// (the dashboard's terminals and files, /mcp's tools: every tenant's, all
+// from the loopback address) are held to the bound on all connections,
+// not to the loopback address's. Attack: local users, or a few keys'
+// sessions held open, fill the loopback address's conns_per_client.
+// Expected: the daemon's own connections still get in; another plain
+// connection from the address does not.
+func TestConnLimiterOwnConnections(t *testing.T) {
+	raw, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	l := limitConns(raw, 2, 10)
+	defer l.Close()
+	accepted := make(chan net.Conn, 16)
+	go func() {
+		for {
+			c, err := l.Accept()
+			if err != nil {
+				return
+			}
+			accepted <- c
+		}
+	}()
+	open := func(c net.Conn) bool {
+		_ = c.SetReadDeadline(time.Now().Add(300 * time.Millisecond))
+		_, err := c.Read(make([]byte, 1))
+		ne, ok := err.(net.Error)
+		return ok && ne.Timeout()
+	}
+	var held []net.Conn
+	for range 2 {
+		c, err := net.Dial("tcp", raw.Addr().String())
+		if err != nil {
+			t.Fatal(err)
+		}
+		held = append(held, c)
+		<-accepted
+	}
+	defer func() {
+		for _, c := range held {
+			c.Close()
+		}
+	}()
+	for i := range 3 {
+		c, err := l.dialOwn(t.Context(), "tcp", raw.Addr().String())
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer c.Close()
+		if !open(c) {
+			t.Fatalf("the daemon's own connection %d was closed with the loopback address's bound (2) full", i)
+		}
+		<-accepted
+	}
+	plain, err := net.Dial("tcp", raw.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer plain.Close()
+	if open(plain) {
+		t.Errorf("a plain connection from the full loopback address stayed open")
+	}
+	if n := l.count(); n != 5 {
+		t.Errorf("%d connections counted, want 5 (all held to the bound on all)", n)
+	}
+	l.mu.Lock()
+	local := l.client[netip.MustParseAddr("127.0.0.1")]
+	l.mu.Unlock()
+	if local != 2 {
+		t.Errorf("the loopback address holds %d connections, want its own 2 (the daemon's are not its)", local)
+	}
+	// A dial that fails leaves no port remembered (its port may be
+	// anyone's next).
+	dead, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	deadAddr := dead.Addr().String()
+	dead.Close()
+	if c, err := l.dialOwn(t.Context(), "tcp", deadAddr); err == nil {
+		c.Close()
+		t.Fatalf("dialled %s, which nothing listens on", deadAddr)
+	}
+	var left int
+	l.own.Range(func(any, any) bool { left++; return true })
+	if left != 0 {
+		t.Errorf("%d own ports remembered after their accepts and a failed dial", left)
+	}
+}

@@ -23,7 +23,7 @@ import (
 // Each request to /mcp goes into the audit trail as an API call (its
 // client, the key's id or none, the status); the tools' own calls are the
 // API's and the proxy's, recorded there.
-func withMCP(apiHandler *api.Server, st *store.Store, trail *audit.Trail, apiAddr, proxyAddr net.Addr, log *slog.Logger) http.Handler {
+func withMCP(apiHandler *api.Server, st *store.Store, trail *audit.Trail, apiAddr, proxyAddr net.Addr, proxyDial dialFunc, log *slog.Logger) http.Handler {
 	api, proxy := dialURL(apiAddr), dialURL(proxyAddr)
 	h := mcp.Handler(mcp.HTTPConfig{
 		Log: log,
@@ -65,6 +65,7 @@ func withMCP(apiHandler *api.Server, st *store.Store, trail *audit.Trail, apiAdd
 		Server: func(r *http.Request, key string) mcp.Config {
 			c := client.New(api, proxy, key)
 			c.HostSide = true
+			c.Dial = proxyDial
 			return mcp.Config{Client: c, ProxyURL: publicURL(proxyAddr, r)}
 		},
 	})

@@ -40,7 +40,7 @@ type UI struct {
 // the bare API handler the dashboard calls with a session's key), and
 // returns what ends its streams at shutdown (nil when disabled).
 func withUI(c UI, next, api http.Handler, st *store.Store, mgr *manager.Manager, host *sandbox.Host, trail *audit.Trail,
-	proxyAddr net.Addr, data, run string, log *slog.Logger) (http.Handler, func(), error) {
+	proxyAddr net.Addr, proxyDial dialFunc, data, run string, log *slog.Logger) (http.Handler, func(), error) {
 	if c.Disabled {
 		return next, nil, nil
 	}
@@ -55,7 +55,7 @@ func withUI(c UI, next, api http.Handler, st *store.Store, mgr *manager.Manager,
 		}
 		maxUpload = n
 	}
-	s := ui.New(ui.Config{API: api, Proxy: dialURL(proxyAddr), Log: log, MaxUpload: maxUpload,
+	s := ui.New(ui.Config{API: api, Proxy: dialURL(proxyAddr), Dial: proxyDial, Log: log, MaxUpload: maxUpload,
 		SessionIdle: time.Duration(c.SessionIdle), SessionMax: time.Duration(c.SessionMax),
 		Verify: func(key string) (ui.Identity, error) {
 			k, err := st.VerifyKey(key)

@@ -121,6 +121,7 @@ func (s *Server) agentOf(r *http.Request, id string) (*agentclient.Client, *type
 	}
 	c := client.New("", s.cfg.Proxy, "")
 	c.HostSide = true // a browser that reads nothing holds little of the daemon's
+	c.Dial = s.cfg.Dial
 	ag, err := c.Agent(id, d.EnvdAccessToken)
 	if err != nil {
 		return nil, &d, err

@@ -24,6 +24,7 @@ import (
 	"errors"
 	"io/fs"
 	"log/slog"
+	"net"
 	"net/http"
 	"strings"
 	"sync"
@@ -49,6 +50,10 @@ type Config struct {
 	// Proxy is the sandbox proxy's URL as this process dials it
 	// (http://127.0.0.1:3001): terminals and files reach agents there.
 	Proxy string
+	// Dial, when set, is how this process dials the proxy (the daemon's
+	// own connections, held to the proxy's bound on all connections, not
+	// to the loopback address's: every tenant's sessions come from it).
+	Dial func(ctx context.Context, network, addr string) (net.Conn, error)
 	// Verify checks a key at sign-in; an error wrapping ErrBadKey is a
 	// wrong key.
 	Verify func(key string) (Identity, error)
