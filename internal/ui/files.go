@@ -124,19 +124,33 @@ func connectStatus(err error) int {
 	return http.StatusBadGateway
 }
 
-// fileDownload streams a file (path) as an attachment.
+// fileDownload streams a file (path) as an attachment. It holds a
+// connection through the proxy (from the loopback address, whose
+// connections every tenant's dashboard shares) and a stream of the agent
+// while it lasts: it counts against the session's live pages
+// (holdStream), ends with the session (its key revoked, signed out), and
+// ends when the browser takes no byte for downloadIdle. Found by review,
+// 2026-12-04: downloads were unbounded in number, without a write
+// deadline, and outlived their session.
 func (s *Server) fileDownload(w http.ResponseWriter, r *http.Request) {
 	p := r.URL.Query().Get("path")
 	if !checkPath(w, p) {
 		return
 	}
+	release, ok := holdStream(w, r)
+	if !ok {
+		return
+	}
+	defer release()
 	ag, _, err := s.agentOf(r, r.PathValue("id"))
 	if err != nil {
 		failAPI(w, err)
 		return
 	}
 	defer ag.Close()
-	req, err := http.NewRequestWithContext(r.Context(), http.MethodGet, agentclient.BaseURL+"/files?path="+url.QueryEscape(p), nil)
+	ctx, cancel := s.streamContext(r)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, agentclient.BaseURL+"/files?path="+url.QueryEscape(p), nil)
 	if err != nil {
 		writeError(w, http.StatusBadRequest, err.Error())
 		return
@@ -161,8 +175,20 @@ func (s *Server) fileDownload(w http.ResponseWriter, r *http.Request) {
 	if resp.ContentLength >= 0 {
 		w.Header().Set("Content-Length", strconv.FormatInt(resp.ContentLength, 10))
 	}
-	_ = http.NewResponseController(w).SetWriteDeadline(time.Time{})
-	_, _ = io.Copy(w, resp.Body)
+	_, _ = io.Copy(&progressWriter{w: w, rc: http.NewResponseController(w)}, resp.Body)
+}
+
+// progressWriter moves the connection's write deadline downloadIdle
+// ahead of each write: a download lasts as long as its client keeps
+// taking bytes.
+type progressWriter struct {
+	w  io.Writer
+	rc *http.ResponseController
+}
+
+func (p *progressWriter) Write(b []byte) (int, error) {
+	_ = p.rc.SetWriteDeadline(time.Now().Add(downloadIdle))
+	return p.w.Write(b)
 }
 
 // passAgentError answers with the agent's status and message.
@@ -183,7 +209,8 @@ func passAgentError(w http.ResponseWriter, resp *http.Response) {
 
 // fileUpload writes the body to path (the whole file). The body's length
 // must be declared and at most MaxUpload: a larger one is refused before
-// a byte of it is read.
+// a byte of it is read. It counts against the session's live pages and
+// ends with the session, as a download does.
 func (s *Server) fileUpload(w http.ResponseWriter, r *http.Request) {
 	p := r.URL.Query().Get("path")
 	if !checkPath(w, p) {
@@ -197,15 +224,22 @@ func (s *Server) fileUpload(w http.ResponseWriter, r *http.Request) {
 		writeError(w, http.StatusRequestEntityTooLarge, fmt.Sprintf("file of %d bytes: uploads are at most %d bytes", r.ContentLength, s.cfg.MaxUpload))
 		return
 	}
+	release, ok := holdStream(w, r) // as a download (above)
+	if !ok {
+		return
+	}
+	defer release()
 	ag, _, err := s.agentOf(r, r.PathValue("id"))
 	if err != nil {
 		failAPI(w, err)
 		return
 	}
 	defer ag.Close()
+	ctx, cancel := s.streamContext(r)
+	defer cancel()
 	_ = http.NewResponseController(w).SetReadDeadline(time.Now().Add(10 * time.Minute))
 	body := http.MaxBytesReader(w, r.Body, s.cfg.MaxUpload)
-	req, err := http.NewRequestWithContext(r.Context(), http.MethodPost, agentclient.BaseURL+"/files?path="+url.QueryEscape(p), body)
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, agentclient.BaseURL+"/files?path="+url.QueryEscape(p), body)
 	if err != nil {
 		writeError(w, http.StatusBadRequest, err.Error())
 		return
@@ -224,3 +258,7 @@ func (s *Server) fileUpload(w http.ResponseWriter, r *http.Request) {
 	}
 	writeJSON(w, http.StatusOK, map[string]any{"path": p, "size": r.ContentLength})
 }
+
+// downloadIdle ends a download whose client takes no byte for that long
+// (a variable for the tests).
+var downloadIdle = time.Minute

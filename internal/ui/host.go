@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"net/http"
+	"strings"
 	"time"
 
 	"github.com/cagehq/cage/internal/api"
@@ -30,7 +31,8 @@ func (s *Server) current(w http.ResponseWriter, r *http.Request) (Identity, bool
 // them, so every key sees them. Admin keys build them through the API's
 // /admin/templates routes (builds.go streams a build's log).
 func (s *Server) templates(w http.ResponseWriter, r *http.Request) {
-	if _, ok := s.current(w, r); !ok {
+	who, ok := s.current(w, r)
+	if !ok {
 		return
 	}
 	if s.cfg.Templates == nil {
@@ -50,7 +52,33 @@ func (s *Server) templates(w http.ResponseWriter, r *http.Request) {
 	if ts == nil {
 		ts = []Template{}
 	}
+	if !who.Admin {
+		for i := range ts {
+			ts[i].Source = sourceKind(ts[i].Source)
+		}
+	}
 	writeJSON(w, http.StatusOK, map[string]any{"templates": ts})
+}
+
+// sourceKind is where a template came from as a key that is not an
+// admin's sees it: the kind only. A source names the operator's files
+// on the host (an import's archive or layout, a Dockerfile's path), a
+// registry of theirs, or the admin key that built it through the API,
+// none of them a tenant's (found by review, 2026-12-04: every key read
+// them whole here).
+func sourceKind(src string) string {
+	if strings.HasPrefix(src, "built in:") {
+		return src // the host template's, the same on every host
+	}
+	for _, kind := range []string{"docker-archive", "oci-layout", "dockerfile", "registry"} {
+		if strings.HasPrefix(src, kind+":") {
+			return kind
+		}
+	}
+	if strings.HasPrefix(src, "api build") {
+		return "api build"
+	}
+	return ""
 }
 
 // host is what the daemon says of its host (walls, pools, capacity): for

@@ -467,3 +467,177 @@ func TestTemplatesErrorNamesNoHostPath(t *testing.T) {
 		t.Errorf("the log %q does not hold the path under the request id of %q", log.String(), e.Message)
 	}
 }
+
+// TestTemplatesSourceForTenants: the templates page, which every key
+// reads, tells a key that is not an admin's where a template came from
+// only as its kind: its source names the operator's files on the host
+// (an import's archive, a Dockerfile's path), its private registry, and
+// the admin key that built it through the API. Admin keys see it whole.
+// (Found by review, 2026-12-04: every tenant read them all.)
+func TestTemplatesSourceForTenants(t *testing.T) {
+	sources := map[string]string{
+		"a": "docker-archive:/root/clients/acme/app.tar",
+		"b": "oci-layout:/srv/ops/layouts/b",
+		"c": "dockerfile:/home/alice/secret-project/Dockerfile",
+		"d": "registry:registry.corp.internal:5000/team/app:latest",
+		"e": "api build bld_123 by key key_admin9",
+		"f": "built in: this host's /usr and a minimal /etc, read-only",
+	}
+	want := map[string]string{"a": "docker-archive", "b": "oci-layout", "c": "dockerfile", "d": "registry",
+		"e": "api build", "f": sources["f"]}
+	for _, admin := range []bool{false, true} {
+		s, _, _ := newTest(t)
+		s.cfg.Verify = func(key string) (Identity, error) {
+			if key != goodKey {
+				return Identity{}, ErrBadKey
+			}
+			return Identity{KeyID: "key_1", Name: "k", Admin: admin}, nil
+		}
+		s.cfg.Templates = func() ([]Template, error) {
+			var out []Template
+			for _, n := range []string{"a", "b", "c", "d", "e", "f"} {
+				out = append(out, Template{Name: n, Source: sources[n]})
+			}
+			return out, nil
+		}
+		cookie, _ := signIn(t, s)
+		w := do(s, "GET", "/ui/templates", "", map[string]string{"Cookie": cookie})
+		var got struct{ Templates []Template }
+		if w.Code != http.StatusOK || json.Unmarshal(w.Body.Bytes(), &got) != nil || len(got.Templates) != len(sources) {
+			t.Fatalf("admin %v: /ui/templates: %d %s", admin, w.Code, w.Body)
+		}
+		for _, tm := range got.Templates {
+			exp := want[tm.Name]
+			if admin {
+				exp = sources[tm.Name]
+			}
+			if tm.Source != exp {
+				t.Errorf("admin %v: template %s's source shown as %q, want %q", admin, tm.Name, tm.Source, exp)
+			}
+		}
+	}
+}
+
+// runningAPI answers every sandbox lookup with a running sandbox.
+type runningAPI struct{}
+
+func (runningAPI) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	w.Header().Set("Content-Type", "application/json")
+	_, _ = io.WriteString(w, `{"sandboxID":"sb1","state":"running","envdAccessToken":"tok"}`)
+}
+
+// endlessAgent serves GET /files as a file that never ends (a sparse
+// file of terabytes in the sandbox) and counts the downloads in flight.
+func endlessAgent(t *testing.T, inFlight *atomic.Int32) *httptest.Server {
+	t.Helper()
+	srv := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		inFlight.Add(1)
+		defer inFlight.Add(-1)
+		w.WriteHeader(http.StatusOK)
+		buf := make([]byte, 32<<10)
+		for r.Context().Err() == nil {
+			if _, err := w.Write(buf); err != nil {
+				return
+			}
+		}
+	}))
+	srv.Config.Protocols = new(http.Protocols)
+	srv.Config.Protocols.SetHTTP1(true)
+	srv.Config.Protocols.SetUnencryptedHTTP2(true) // the agent client speaks h2c
+	srv.Start()
+	t.Cleanup(srv.Close)
+	return srv
+}
+
+// TestDownloadsBounded: a download holds a connection through the proxy
+// (the loopback address's, shared by every tenant's dashboard) and a
+// stream of the agent for as long as it lasts, so it counts as a live page
+// does (maxStreams a session), is ended by a client that stops reading
+// (downloadIdle with no byte taken) and by its session's end (the key's
+// revocation). Found by review, 2026-12-04: downloads were unbounded in
+// number, had no write deadline at all, and outlived their session, so one
+// session whose browser read nothing held the proxy's connections of the
+// loopback address (4,096) for good.
+func TestDownloadsBounded(t *testing.T) {
+	defer func(d, i time.Duration) { keyRecheck, downloadIdle = d, i }(keyRecheck, downloadIdle)
+	keyRecheck, downloadIdle = 50*time.Millisecond, 300*time.Millisecond
+	var inFlight atomic.Int32
+	agent := endlessAgent(t, &inFlight)
+	var revoked atomic.Bool
+	s := New(Config{API: runningAPI{}, Proxy: agent.URL,
+		Verify: func(key string) (Identity, error) {
+			if key != goodKey || revoked.Load() {
+				return Identity{}, ErrBadKey
+			}
+			return Identity{KeyID: "key_1", Name: "k"}, nil
+		}})
+	srv := httptest.NewServer(s)
+	defer srv.Close()
+	cookie, _ := signIn(t, s)
+	get := func() (*http.Response, error) {
+		req, _ := http.NewRequest("GET", srv.URL+"/ui/files/sb1/download?path=/big", nil)
+		req.Header.Set("Cookie", cookie)
+		return (&http.Client{Transport: &http.Transport{}}).Do(req) // a connection each
+	}
+	waitFor := func(what string, n int32) {
+		t.Helper()
+		deadline := time.Now().Add(10 * time.Second)
+		for inFlight.Load() != n {
+			if time.Now().After(deadline) {
+				t.Fatalf("%s: %d downloads in flight at the agent, want %d", what, inFlight.Load(), n)
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+	}
+
+	// A browser that stops reading: its download ends.
+	resp, err := get()
+	if err != nil || resp.StatusCode != http.StatusOK {
+		t.Fatalf("download: %v %v", err, resp)
+	}
+	waitFor("a download whose client reads nothing", 0)
+	resp.Body.Close()
+
+	// At most maxStreams at once, each read as it comes.
+	var bodies []io.ReadCloser
+	defer func() {
+		for _, b := range bodies {
+			b.Close()
+		}
+	}()
+	for i := 0; i < maxStreams; i++ {
+		resp, err := get()
+		if err != nil || resp.StatusCode != http.StatusOK {
+			t.Fatalf("download %d: %v %v", i, err, resp)
+		}
+		bodies = append(bodies, resp.Body)
+		go func() { _, _ = io.Copy(io.Discard, resp.Body) }()
+	}
+	resp, err = get()
+	if err != nil || resp.StatusCode != http.StatusTooManyRequests {
+		t.Fatalf("download %d: %v %v, want 429", maxStreams+1, err, resp)
+	}
+	resp.Body.Close()
+	waitFor("downloads read as they come", maxStreams)
+
+	// An upload counts as a download does.
+	csrf := ""
+	{
+		w := do(s, "GET", "/ui/session", "", map[string]string{"Cookie": cookie})
+		var sj sessionJSON
+		_ = json.Unmarshal(w.Body.Bytes(), &sj)
+		csrf = sj.CSRF
+	}
+	req, _ := http.NewRequest("POST", srv.URL+"/ui/files/sb1/upload?path=/x", strings.NewReader("0123456789"))
+	req.Header.Set("Cookie", cookie)
+	req.Header.Set(csrfHeader, csrf)
+	resp, err = (&http.Client{Transport: &http.Transport{}}).Do(req)
+	if err != nil || resp.StatusCode != http.StatusTooManyRequests {
+		t.Fatalf("an upload beside %d downloads: %v %v, want 429", maxStreams, err, resp)
+	}
+	resp.Body.Close()
+
+	// The key revoked: they end with the session.
+	revoked.Store(true)
+	waitFor("downloads after the key's revocation", 0)
+}
