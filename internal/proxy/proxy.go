@@ -334,6 +334,9 @@ func (p *Proxy) serve(w http.ResponseWriter, r *http.Request) {
 		Transport:     p.transport(sb),
 		FlushInterval: -1,
 		ModifyResponse: func(resp *http.Response) error {
+			if resp.StatusCode < 100 || resp.StatusCode > 999 {
+				return errBadStatus // net/http's WriteHeader panics on it
+			}
 			status = resp.StatusCode
 			if rwc, ok := resp.Body.(io.ReadWriteCloser); ok && resp.StatusCode == http.StatusSwitchingProtocols {
 				// An upgrade: both ends are watched for idleness from
@@ -363,6 +366,10 @@ func (p *Proxy) serve(w http.ResponseWriter, r *http.Request) {
 			case <-sb.Exited():
 				writeJSON(w, http.StatusBadGateway, sandboxError{id, "The sandbox was not found", http.StatusBadGateway})
 			default:
+				if errors.Is(err, errBadStatus) {
+					writeJSON(w, http.StatusBadGateway, sandboxError{id, "The sandbox's answer was not HTTP (a status outside 100-999)", http.StatusBadGateway})
+					return
+				}
 				if errors.Is(err, agentclient.ErrPortClosed) {
 					writeJSON(w, http.StatusBadGateway, sandboxError{id, "The sandbox is running but port is not open", http.StatusBadGateway})
 					return
@@ -566,6 +573,14 @@ func (p *Proxy) denied(r *http.Request, id string, port, status int, why string)
 		p.Denied(r, id, port, status, why)
 	}
 }
+
+// errBadStatus is a sandbox's answer whose status net/http's client takes
+// (any three digits; any number over HTTP/2) and its server does not
+// write (outside 100-999): passed on, WriteHeader panicked in the proxy's
+// handler, cutting the client's connection and putting a goroutine's
+// stack in the daemon's log for every such answer (found by review,
+// 2026-12-04).
+var errBadStatus = errors.New("the sandbox's answer has a status outside 100-999")
 
 // InterpPort is the port of the code interpreter (cage-interp) that
 // @e2b/code-interpreter addresses.

@@ -107,6 +107,7 @@ func TestUpgradeIdleTimeout(t *testing.T) {
 			t.Errorf("closed %v after the client's last byte, want its idle time %v", d, upgradeIdle)
 		}
 	})
+	p := srv.Config.Handler.(*Proxy)
 	t.Run("sandbox talks", func(t *testing.T) {
 		c, br := open(t, "tick")
 		start := time.Now()
@@ -116,19 +117,19 @@ func TestUpgradeIdleTimeout(t *testing.T) {
 				t.Fatalf("reading after %v: %v (the sandbox's bytes keep it open)", time.Since(start), err)
 			}
 		}
+		// The closed ones have let go of their places in the sandbox's
+		// budget; this busy one, still open (checked before the
+		// subtest's cleanup closes it), holds its own.
+		for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+			p.mu.Lock()
+			n := p.inFlight[flightKey{"sandbox1", true}]
+			p.mu.Unlock()
+			if n == 1 {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("%d requests in flight, want the one still busy", n)
+			}
+		}
 	})
-	// The closed ones let go of their places in the sandbox's budget;
-	// the busy one holds its own.
-	p := srv.Config.Handler.(*Proxy)
-	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(20 * time.Millisecond) {
-		p.mu.Lock()
-		n := p.inFlight[flightKey{"sandbox1", true}]
-		p.mu.Unlock()
-		if n == 1 {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("%d requests in flight, want the one still busy", n)
-		}
-	}
 }

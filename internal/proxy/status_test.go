@@ -1,0 +1,82 @@
+package proxy
+
+import (
+	"bytes"
+	"io"
+	"log"
+	"net/http"
+	"net/http/httptest"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+)
+
+// Attack: the server on a sandbox's port (its own code, or the code
+// interpreter it replaced) answers with a status that is three digits but
+// no HTTP status net/http may write (000, 042, 099), which Go's client
+// takes. Expected: the client gets the proxy's 502, a one-line JSON that
+// says the sandbox's answer was not HTTP; the proxy's handler does not
+// panic (before, net/http's WriteHeader panicked: the client's connection
+// was cut, and each request wrote a goroutine's stack to the daemon's
+// log).
+func TestSandboxStatusOutOfRange(t *testing.T) {
+	a := newFakeAgent(t)
+	a.srv.Handler = http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.Method == http.MethodConnect {
+			w.WriteHeader(http.StatusOK)
+			return
+		}
+		c, brw, err := http.NewResponseController(w).Hijack()
+		if err != nil {
+			return
+		}
+		defer c.Close()
+		_, _ = brw.WriteString("HTTP/1.1 " + r.URL.Query().Get("status") + " Odd\r\nContent-Length: 2\r\nConnection: close\r\n\r\nhi")
+		_ = brw.Flush()
+	})
+	var logged syncBuffer
+	srv := httptest.NewUnstartedServer(New(sandboxes{sb{a}}, "", nil))
+	srv.Config.ErrorLog = log.New(&logged, "", 0)
+	srv.Start()
+	defer srv.Close()
+	for _, status := range []string{"000", "042", "099"} {
+		for _, port := range []int{InterpPort, 6080} {
+			req, _ := http.NewRequest(http.MethodPost, srv.URL+"/execute?status="+status, strings.NewReader(`{"code":"1"}`))
+			req.Header.Set("E2b-Sandbox-Id", "sandbox1")
+			req.Header.Set("E2b-Sandbox-Port", strconv.Itoa(port))
+			req.Header.Set(TrafficHeader, "traffic")
+			req.Header.Set("X-Access-Token", "the-token")
+			resp, err := http.DefaultClient.Do(req)
+			if err != nil {
+				t.Errorf("status %s on port %d: %v, want the proxy's 502", status, port, err)
+				continue
+			}
+			body, _ := io.ReadAll(resp.Body)
+			resp.Body.Close()
+			if resp.StatusCode != http.StatusBadGateway || !strings.Contains(string(body), `"code":502`) {
+				t.Errorf("status %s on port %d: %d %q, want the proxy's 502", status, port, resp.StatusCode, body)
+			}
+		}
+	}
+	if s := logged.String(); strings.Contains(s, "panic") {
+		t.Errorf("the proxy panicked: %.400s", s)
+	}
+}
+
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
+}
