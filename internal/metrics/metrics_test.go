@@ -252,3 +252,33 @@ func TestRuntimeFamilies(t *testing.T) {
 		t.Error("go_gc_duration_seconds is not a summary")
 	}
 }
+
+// Attack: a sandbox's servers (its agent, its code interpreter, any port)
+// answer with every status net/http's client takes, 100 to 999. Expected:
+// the proxy's counts name only the statuses HTTP names, the rest under
+// code "other", so the sandbox mints no series (before: one a status, 900
+// a port class and 21,600 under the agent's RPC names).
+func TestProxyStatusesMintNoSeries(t *testing.T) {
+	m := New()
+	for status := 100; status <= 999; status++ {
+		m.ProxyRequest(EnvdPort, "/process.Process/Start", status, 0, 0)
+		m.ProxyRequest(InterpPort, "/execute", status, 0, 0)
+		m.ProxyRequest(6080, "/websockify", status, 0, 0)
+	}
+	srv := httptest.NewServer(m.Handler(""))
+	defer srv.Close()
+	fams := Scrape(t, srv.URL+"/metrics", "")
+	f := fams["cage_proxy_requests_total"]
+	if f == nil {
+		t.Fatal("no cage_proxy_requests_total")
+	}
+	if n := len(f.Metric); n > 3*70 {
+		t.Errorf("%d series for 900 statuses on 3 ports, want at most %d", n, 3*70)
+	}
+	if got := value(fams, "cage_proxy_requests_total", map[string]string{"port": "interp", "rpc": "", "code": "other"}); got < 800 {
+		t.Errorf("statuses HTTP does not name, on the interpreter's port: %v under other, want them all", got)
+	}
+	if got := value(fams, "cage_proxy_requests_total", map[string]string{"port": "interp", "rpc": "", "code": "404"}); got != 1 {
+		t.Errorf("404 on the interpreter's port: %v, want 1", got)
+	}
+}
