@@ -34,6 +34,11 @@ const (
 	maxResults     = 64
 	maxResultBytes = 1 << 20
 	maxDropped     = 32
+	// What the answer keeps of the run's error (its first): the
+	// exception's name, its value and its traceback.
+	maxErrorName  = 256
+	maxErrorValue = 64 << 10
+	maxTraceback  = 16 << 10
 )
 
 type codeIn struct {
@@ -280,11 +285,17 @@ func (e *extraKeys) UnmarshalJSON(b []byte) error {
 }
 
 func (r *codeRun) read(body io.Reader) error {
-	sc := bufio.NewScanner(body)
-	sc.Buffer(make([]byte, 64<<10), maxLineSize)
-	for sc.Scan() {
+	lines := &lineReader{br: bufio.NewReaderSize(body, 64<<10), max: maxLineSize}
+	for {
+		line, err := lines.next()
+		if err == io.EOF {
+			return errors.New("the code interpreter's answer ended before the run did")
+		}
+		if err != nil {
+			return err
+		}
 		var l codeLine
-		if json.Unmarshal(sc.Bytes(), &l) != nil {
+		if json.Unmarshal(line, &l) != nil {
 			continue
 		}
 		switch l.Type {
@@ -298,7 +309,11 @@ func (r *codeRun) read(body io.Reader) error {
 			_, _ = w.Write([]byte(s))
 		case "error":
 			if r.err == nil {
-				r.err = &codeError{Name: l.Name, Value: l.Value, Traceback: clip(l.Traceback, 16<<10)}
+				// Copies of clipped strings: the sandbox writes them, up
+				// to a whole line each (24 MiB), and the answer holds
+				// them for as long as the run lasts.
+				r.err = &codeError{Name: strings.Clone(clip(l.Name, maxErrorName)), Value: strings.Clone(clip(l.Value, maxErrorValue)),
+					Traceback: strings.Clone(clip(l.Traceback, maxTraceback))}
 			}
 		case "result":
 			r.result(&l)
@@ -306,10 +321,52 @@ func (r *codeRun) read(body io.Reader) error {
 			return nil
 		}
 	}
-	if err := sc.Err(); err != nil {
-		return err
+}
+
+// lineReader reads a stream's lines of at most max bytes. A line longer
+// than its reader's buffer is gathered in memory of its own, let go once
+// the next line is asked for: a bufio.Scanner keeps the buffer its
+// longest line grew to, so one line of 24 MiB held that much of the
+// daemon for the rest of the run, up to its hour, while the sandbox sent
+// nothing more (found by review, 2026-12-04).
+type lineReader struct {
+	br  *bufio.Reader
+	max int
+}
+
+var errLineTooLong = errors.New("the code interpreter sent a line over 24 MiB")
+
+// next is the next line without its end of line; io.EOF at the end (a
+// last line without one is a line). A long line's fragments are copied
+// once each, and once more into the line: growing one buffer by doubling
+// allocated twice as much, line after line.
+func (lr *lineReader) next() ([]byte, error) {
+	var frags [][]byte
+	n := 0
+	for {
+		frag, err := lr.br.ReadSlice('\n')
+		if n += len(frag); n > lr.max+1 {
+			return nil, errLineTooLong
+		}
+		switch {
+		case err == bufio.ErrBufferFull:
+			frags = append(frags, append([]byte(nil), frag...))
+			continue
+		case err == io.EOF && n == 0:
+			return nil, io.EOF
+		case err != nil && err != io.EOF:
+			return nil, err
+		}
+		line := frag
+		if frags != nil {
+			line = make([]byte, 0, n)
+			for _, f := range frags {
+				line = append(line, f...)
+			}
+			line = append(line, frag...)
+		}
+		return bytes.TrimSuffix(bytes.TrimSuffix(line, []byte("\n")), []byte("\r")), nil
 	}
-	return errors.New("the code interpreter's answer ended before the run did")
 }
 
 // result records a result line: its text forms, and its images.

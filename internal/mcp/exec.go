@@ -80,8 +80,28 @@ func (t *tools) exec(ctx context.Context, _ *sdk.CallToolRequest, in execIn) (*s
 	if err != nil {
 		return nil, execOut{}, t.failure(err)
 	}
-	out := execOut{ExitCode: end.GetExitCode(), Reason: end.GetReason(), Error: end.GetError(),
-		DurationMs: time.Since(start).Milliseconds(), StdoutBytes: stdout.total, StderrBytes: stderr.total}
+	return nil, execAnswer(end, stdout, stderr, timeout, time.Since(start)), nil
+}
+
+// maxEndReason and maxEndError bound what an answer repeats of the agent's own words in
+// its end event: the reason and the error.
+const (
+	maxEndReason = 64
+	maxEndError  = 4 << 10
+)
+
+// endWords is the agent's text s, at most n bytes of valid UTF-8. The
+// agent is inside the wall: its end event's strings were repeated whole,
+// up to its 4 MiB message, past the answer's bounds (found by review,
+// 2026-12-04).
+func endWords(s string, n int) string {
+	return strings.ToValidUTF8(clip(s, n), "\uFFFD")
+}
+
+// execAnswer is a finished command's answer.
+func execAnswer(end *pb.ProcessEvent_EndEvent, stdout, stderr *capture, timeout int64, took time.Duration) execOut {
+	out := execOut{ExitCode: end.GetExitCode(), Reason: endWords(end.GetReason(), maxEndReason), Error: endWords(end.GetError(), maxEndError),
+		DurationMs: took.Milliseconds(), StdoutBytes: stdout.total, StderrBytes: stderr.total}
 	var cut1, cut2 bool
 	out.Stdout, cut1 = stdout.text("stdout")
 	out.Stderr, cut2 = stderr.text("stderr")
@@ -95,7 +115,7 @@ func (t *tools) exec(ctx context.Context, _ *sdk.CallToolRequest, in execIn) (*s
 	if end.GetTruncated() {
 		out.Error = strings.TrimSpace(out.Error + fmt.Sprintf(" (the agent stopped forwarding output after %d MiB)", agentOutputCap>>20))
 	}
-	return nil, out, nil
+	return out
 }
 
 func checkExec(in execIn) error {
@@ -181,7 +201,7 @@ func (t *tools) startBackground(ctx context.Context, ac *agentclient.Client, in 
 		case noBash(serr):
 			continue
 		case end != nil:
-			return 0, fmt.Errorf("the command did not start: %s", end.GetError())
+			return 0, fmt.Errorf("the command did not start: %s", endWords(end.GetError(), maxEndError))
 		case serr != nil:
 			return 0, t.failure(serr)
 		}

@@ -7,6 +7,7 @@ import (
 	"io"
 	"net/http"
 	"net/http/httptest"
+	"runtime"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -378,5 +379,55 @@ func TestHTTPBatchesAndFloodsBounded(t *testing.T) {
 	}
 	if w := post("e2b_a", list); w.Code != 200 {
 		t.Errorf("the key's request once the others ended: %d %s; want 200", w.Code, w.Body)
+	}
+}
+
+// TestHTTPArgumentsNotDecodedIntoTrees: a tool call whose 8 MiB body is
+// an argument of 2.7 million empty objects is refused (400, one line)
+// before the SDK decodes it: the SDK checks arguments against the tool's
+// schema by decoding them into Go maps and slices, some 100 bytes of the
+// daemon's heap for each 3 bytes sent (found by review, 2026-12-04: one
+// such request allocated some 450 MB, and a key has 16 in flight). An
+// honest call holds a few hundred values; a file_write of 4 MiB of text
+// still passes.
+func TestHTTPArgumentsNotDecodedIntoTrees(t *testing.T) {
+	api := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		http.Error(w, `{"code":404,"message":"sandbox abc not found"}`, http.StatusNotFound)
+	}))
+	defer api.Close()
+	h := Handler(HTTPConfig{
+		Verify: func(key string) (string, error) { return "id_" + key, nil },
+		Server: func(r *http.Request, key string) Config { return Config{Client: client.New(api.URL, api.URL, key)} },
+	})
+	post := func(body string) *httptest.ResponseRecorder {
+		req := httptest.NewRequest(http.MethodPost, "/mcp", strings.NewReader(body))
+		req.Header.Set("Content-Type", "application/json")
+		req.Header.Set("Accept", "application/json, text/event-stream")
+		req.Header.Set("Authorization", "Bearer e2b_a")
+		w := httptest.NewRecorder()
+		h.ServeHTTP(w, req)
+		return w
+	}
+	call := func(args string) string {
+		return `{"jsonrpc":"2.0","id":2,"method":"tools/call","params":{"name":"exec","arguments":` + args + `}}`
+	}
+	tree := call(`{"sandbox_id":"abc","command":"true","surprise":[` + strings.Repeat("{},", (MaxHTTPBody-200)/3) + `{}]}`)
+	var before, after runtime.MemStats
+	runtime.GC()
+	runtime.ReadMemStats(&before)
+	w := post(tree)
+	runtime.ReadMemStats(&after)
+	alloc := after.TotalAlloc - before.TotalAlloc
+	t.Logf("a body of %d bytes: %d %.200s; %d bytes allocated", len(tree), w.Code, w.Body, alloc)
+	if w.Code != http.StatusBadRequest || !strings.Contains(w.Body.String(), "JSON values") {
+		t.Errorf("a call of %d bytes of empty objects: %d %.200s; want 400 naming the JSON values", len(tree), w.Code, w.Body)
+	}
+	if alloc > 64<<20 {
+		t.Errorf("a call of %d bytes of empty objects allocated %d MiB, want under 64 MiB", len(tree), alloc>>20)
+	}
+	write := call(`{"sandbox_id":"abc","path":"/tmp/x","content":"` + strings.Repeat("[{},]", 4<<20/5) + `"}`)
+	write = strings.Replace(write, `"exec"`, `"file_write"`, 1)
+	if w := post(write); w.Code != http.StatusOK || !strings.Contains(w.Body.String(), "not found") {
+		t.Errorf("a file_write of 4 MiB: %d %.300s; want 200 and the API's not found", w.Code, w.Body)
 	}
 }
