@@ -26,6 +26,10 @@ type RunOptions struct {
 
 	PTY       *pb.PTY_Size // run in a PTY of this size
 	TimeoutMs uint32
+	// MaxOutput, when set, is asked of the agent and enforced here too:
+	// past it (stdout, stderr and a PTY's output together) the rest is
+	// dropped and the end event says truncated. The agent is inside the
+	// wall, and its word was the only bound.
 	MaxOutput uint64
 
 	// OnStart is called with the process's pid once it runs.
@@ -61,6 +65,7 @@ func (c *Client) Run(ctx context.Context, o RunOptions) (*pb.ProcessEvent_EndEve
 	}
 	defer stream.Close()
 	started := false
+	left, cut := o.MaxOutput, false
 	for stream.Receive() {
 		ev := stream.Msg().GetEvent()
 		switch e := ev.GetEvent().(type) {
@@ -78,10 +83,19 @@ func (c *Client) Run(ctx context.Context, o RunOptions) (*pb.ProcessEvent_EndEve
 				go c.feed(ctx, e.Start.GetPid(), o.Stdin, o.PTY != nil)
 			}
 		case *pb.ProcessEvent_Data:
+			if o.MaxOutput > 0 {
+				var dropped bool
+				if left, dropped = capData(e.Data, left); dropped {
+					cut = true
+				}
+			}
 			if err := writeData(e.Data, o.Stdout, o.Stderr); err != nil {
 				return nil, err
 			}
 		case *pb.ProcessEvent_End:
+			if cut {
+				e.End.Truncated = true
+			}
 			return e.End, nil
 		}
 	}
@@ -89,6 +103,27 @@ func (c *Client) Run(ctx context.Context, o RunOptions) (*pb.ProcessEvent_EndEve
 		return nil, err
 	}
 	return nil, errors.New("the agent closed the stream before the process ended")
+}
+
+// capData cuts d's bytes to left, and says what is left after them and
+// whether any were dropped.
+func capData(d *pb.ProcessEvent_DataEvent, left uint64) (uint64, bool) {
+	var b *[]byte
+	switch out := d.GetOutput().(type) {
+	case *pb.ProcessEvent_DataEvent_Stdout:
+		b = &out.Stdout
+	case *pb.ProcessEvent_DataEvent_Stderr:
+		b = &out.Stderr
+	case *pb.ProcessEvent_DataEvent_Pty:
+		b = &out.Pty
+	default:
+		return left, false
+	}
+	if uint64(len(*b)) <= left {
+		return left - uint64(len(*b)), false
+	}
+	*b = (*b)[:left]
+	return 0, true
 }
 
 func writeData(d *pb.ProcessEvent_DataEvent, stdout, stderr io.Writer) error {

@@ -3,9 +3,11 @@ package cli
 import (
 	"archive/tar"
 	"bytes"
+	"context"
 	"io"
 	"os"
 	"path/filepath"
+	"strings"
 	"sync/atomic"
 	"syscall"
 	"testing"
@@ -84,5 +86,29 @@ func TestWriteTarSwappedUnderIt(t *testing.T) {
 	}
 	if leaks > 0 {
 		t.Fatalf("%d copies carried a file from outside the directory", leaks)
+	}
+}
+
+// TestCopyToSandboxNotRegular: `cage cp FILE ID:PATH` reads, as root, a
+// file another host user may have made a FIFO (or swapped for one after
+// cage looked at it) or a device: each is refused at once, with its type,
+// and nothing is sent (before, the FIFO's open blocked the copy for good
+// and /dev/zero was sent without end).
+func TestCopyToSandboxNotRegular(t *testing.T) {
+	fifo := filepath.Join(t.TempDir(), "fifo")
+	if err := syscall.Mkfifo(fifo, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	for _, src := range []string{fifo, "/dev/zero"} {
+		done := make(chan error, 1)
+		go func() { done <- copyToSandbox(context.Background(), nil, "user", src, "/tmp/x") }()
+		select {
+		case err := <-done:
+			if err == nil || !strings.Contains(err.Error(), "not a regular file") {
+				t.Errorf("%s: got %v, want it refused as not a regular file", src, err)
+			}
+		case <-time.After(5 * time.Second):
+			t.Fatalf("%s: the copy still blocks after 5 s", src)
+		}
 	}
 }

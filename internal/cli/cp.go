@@ -117,19 +117,28 @@ func splitRemote(s string) (id, p string, remote bool) {
 	return id, p, true
 }
 
+// copyToSandbox copies a host file or directory into the sandbox. The
+// file is opened once, without blocking, and sent only if what was opened
+// is a regular file: a FIFO (or one swapped in after a look at the path)
+// blocked root's copy for good, and a device (/dev/zero) was sent without
+// end (found by review, 2026-12-04).
 func copyToSandbox(ctx context.Context, ac *agentclient.Client, user, src, dst string) error {
-	fi, err := os.Stat(src)
-	if err != nil {
-		return err
-	}
-	if fi.IsDir() {
-		return copyIn(ctx, ac, user, src, dst)
-	}
-	f, err := os.Open(src)
+	f, err := os.OpenFile(src, os.O_RDONLY|syscall.O_NONBLOCK, 0)
 	if err != nil {
 		return err
 	}
 	defer f.Close()
+	fi, err := f.Stat()
+	if err != nil {
+		return err
+	}
+	if fi.IsDir() {
+		f.Close()
+		return copyIn(ctx, ac, user, src, dst)
+	}
+	if !fi.Mode().IsRegular() {
+		return fmt.Errorf("%s is not a regular file or a directory (%s)", src, fi.Mode().Type())
+	}
 	if strings.HasSuffix(dst, "/") {
 		dst += filepath.Base(src)
 	}

@@ -235,9 +235,13 @@ func runCommand(ctx context.Context, g *globals, f *runFlags, args []string, std
 			return sandboxFailure(sb, timedOut, p.timeout, fmt.Errorf("--copy-in %s: %w", c[0], err))
 		}
 	}
+	maxOut := p.maxOut // enforced here too: the agent is inside the wall
+	if maxOut == 0 {
+		maxOut = agent.DefaultMaxOutput
+	}
 	opts := agentclient.RunOptions{
 		Cmd: args[0], Args: args[1:], Cwd: f.workdir, User: f.user, Env: p.env,
-		Stdout: stdout, Stderr: stderr, MaxOutput: p.maxOut,
+		Stdout: stdout, Stderr: stderr, MaxOutput: maxOut,
 	}
 	var restore func()
 	var interrupted atomic.Bool
@@ -461,10 +465,17 @@ func forwardSignals(ctx context.Context, c *agentclient.Client, opts *agentclien
 			return false
 		}
 		sel := &pb.ProcessSelector{Selector: &pb.ProcessSelector_Pid{Pid: pid.Load()}}
-		_, _ = c.Process.SendSignal(ctx, connect.NewRequest(&pb.SendSignalRequest{Process: sel, Signal: pb.Signal_SIGNAL_SIGTERM}))
+		// Bounded: an agent that never answers held the signal loop
+		// here, and no later signal was seen.
+		sctx, cancel := context.WithTimeout(ctx, signalWait)
+		defer cancel()
+		_, _ = c.Process.SendSignal(sctx, connect.NewRequest(&pb.SendSignalRequest{Process: sel, Signal: pb.Signal_SIGNAL_SIGTERM}))
 		return true
 	}, second)
 }
+
+// signalWait bounds how long a signal's RPC waits for the agent's answer.
+const signalWait = 2 * time.Second
 
 // onInterrupts calls first at the first SIGINT/SIGTERM/SIGHUP, and second
 // at each later one, or at the first when first could not pass it on

@@ -8,6 +8,7 @@ import (
 	"io"
 	"os"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"text/tabwriter"
 	"time"
@@ -18,6 +19,7 @@ import (
 
 	pb "github.com/cagehq/cage/api/gen/process"
 	"github.com/cagehq/cage/api/types"
+	"github.com/cagehq/cage/internal/agent"
 	"github.com/cagehq/cage/internal/agentclient"
 	"github.com/cagehq/cage/internal/client"
 	"github.com/cagehq/cage/internal/network"
@@ -345,17 +347,31 @@ func newExecCmd(d *daemonFlags) *cobra.Command {
 
 // execIn runs a command in a daemon's sandbox with the caller's terminal.
 func execIn(ctx context.Context, ac *agentclient.Client, opts agentclient.RunOptions, tty string, sb *types.SandboxDetail) error {
+	if opts.MaxOutput == 0 {
+		// The agent's own bound, counted here too: the agent is inside
+		// the wall, and one that ignored it wrote without end.
+		opts.MaxOutput = agent.DefaultMaxOutput
+	}
 	var restore func()
+	gaveUp := make(chan struct{}) // closed at the second signal
 	if tty == "always" || (tty == "auto" && term.IsTerminal(int(os.Stdin.Fd()))) {
 		restore = setupPTY(ctx, ac, &opts)
 	} else {
 		opts.Stdin = os.Stdin
 		var pid atomic.Uint32
+		var giveUp sync.Once
 		stop := forwardSignals(ctx, ac, &opts, func() {
+			// The second signal kills the command and ends cage exec
+			// whatever the agent does: it is inside the wall, and one
+			// that never ends the stream (or never answers) held cage
+			// exec through every SIGINT, SIGTERM and SIGHUP.
 			if p := pid.Load(); p != 0 {
 				sel := &pb.ProcessSelector{Selector: &pb.ProcessSelector_Pid{Pid: p}}
-				_, _ = ac.Process.SendSignal(ctx, connect.NewRequest(&pb.SendSignalRequest{Process: sel, Signal: pb.Signal_SIGNAL_SIGKILL}))
+				sctx, cancel := context.WithTimeout(ctx, signalWait)
+				_, _ = ac.Process.SendSignal(sctx, connect.NewRequest(&pb.SendSignalRequest{Process: sel, Signal: pb.Signal_SIGNAL_SIGKILL}))
+				cancel()
 			}
+			giveUp.Do(func() { close(gaveUp) })
 		})
 		prev := opts.OnStart
 		opts.OnStart = func(p uint32) {
@@ -366,7 +382,23 @@ func execIn(ctx context.Context, ac *agentclient.Client, opts agentclient.RunOpt
 		}
 		defer stop()
 	}
-	end, err := ac.Run(ctx, opts)
+	type ran struct {
+		end *pb.ProcessEvent_EndEvent
+		err error
+	}
+	result := make(chan ran, 1)
+	go func() {
+		end, err := ac.Run(ctx, opts)
+		result <- ran{end, err}
+	}()
+	var end *pb.ProcessEvent_EndEvent
+	var err error
+	select {
+	case r := <-result:
+		end, err = r.end, r.err
+	case <-gaveUp:
+		return exitf(130, "interrupted; the command was sent SIGKILL")
+	}
 	if restore != nil {
 		restore()
 	}

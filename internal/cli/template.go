@@ -195,6 +195,15 @@ func newTemplateCmd(g *globals) *cobra.Command {
 	var out string
 	export := &cobra.Command{
 		Use: "export NAME", Short: "Write a template as a `docker save` tarball (-o FILE, or standard output)", Args: cobra.ExactArgs(1),
+		PreRunE: func(cmd *cobra.Command, _ []string) error {
+			// The tarball holds the image's files, bytes its author
+			// chose: on the operator's terminal they are escape
+			// sequences (its clipboard, its title, answers typed back).
+			if (out == "" || out == "-") && isTerminal(cmd.OutOrStdout()) {
+				return exitf(ExitUsage, "template export: standard output is a terminal; refusing to write a tarball there (use -o FILE or redirect it)")
+			}
+			return nil
+		},
 		RunE: withStore(func(cmd *cobra.Command, st *imgstore.Store, args []string) error {
 			if _, err := st.Get(args[0]); err != nil {
 				return err
@@ -252,6 +261,12 @@ func ctxOf(cmd *cobra.Command) context.Context {
 		return ctx
 	}
 	return context.Background()
+}
+
+// isTerminal says whether w is a terminal.
+func isTerminal(w io.Writer) bool {
+	f, ok := w.(*os.File)
+	return ok && term.IsTerminal(int(f.Fd()))
 }
 
 func shortID(id string) string {

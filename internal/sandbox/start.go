@@ -45,10 +45,13 @@ func startCommand(sb wall.Sandbox, t *template.Template) error {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), timeout)
 	defer cancel()
-	var out strings.Builder
+	// The shell is the image's and the agent relays what it says: only
+	// the head is kept, for the error (an image's /bin/sh that wrote
+	// without end grew the daemon's memory until the ready timeout).
+	out := &headWriter{max: maxStartOutput}
 	end, err := c.Run(ctx, agentclient.RunOptions{Cmd: "/bin/sh",
 		Args:   []string{"-c", `/bin/sh -c "$0" >/tmp/cage-start.log 2>&1 </dev/null &`, start},
-		Stdout: &out, Stderr: &out})
+		Stdout: out, Stderr: out})
 	if err != nil {
 		return fmt.Errorf("template %s: start command: %w", t.Name, err)
 	}
@@ -70,3 +73,21 @@ func startCommand(sb wall.Sandbox, t *template.Template) error {
 		}
 	}
 }
+
+// maxStartOutput is what a start command's error shows of its output.
+const maxStartOutput = 4 << 10
+
+// headWriter keeps the first max bytes written to it and drops the rest.
+type headWriter struct {
+	max int
+	b   []byte
+}
+
+func (w *headWriter) Write(p []byte) (int, error) {
+	if room := w.max - len(w.b); room > 0 {
+		w.b = append(w.b, p[:min(room, len(p))]...)
+	}
+	return len(p), nil
+}
+
+func (w *headWriter) String() string { return string(w.b) }
