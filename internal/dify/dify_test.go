@@ -19,6 +19,7 @@ import (
 	"time"
 	"unicode/utf8"
 
+	pb "github.com/cagehq/cage/api/gen/process"
 	"github.com/cagehq/cage/internal/network"
 )
 
@@ -408,5 +409,56 @@ func TestFitJSON(t *testing.T) {
 				t.Fatalf("tailJSON(%q, %d) = %q: one more rune fits", s, max, tail)
 			}
 		}
+	}
+}
+
+// Attack: the sandbox's agent (inside the wall, assumed compromised) ends
+// a run with an end event whose error (a start that failed) or status (a
+// signal) is 4 MiB of control bytes, 24 MiB in the answer's JSON.
+// Expected: the answer repeats at most 1 KiB of it, as JSON.
+func TestDifyAgentWordsBounded(t *testing.T) {
+	s := &Server{}
+	huge := strings.Repeat("\x01", 4<<20)
+	for _, end := range []*pb.ProcessEvent_EndEvent{{Reason: "start_failed", Error: &huge}, {Reason: "signal", Status: huge}} {
+		lines := s.endLines(end, &Result{})
+		b, _ := json.Marshal(errorText(1, lines, ""))
+		if len(b) > 2<<10 {
+			t.Errorf("%s: the answer's error is %d bytes as JSON, want at most 2 KiB", end.Reason, len(b))
+		}
+		if len(lines) != 1 || !strings.Contains(lines[0], "\x01") {
+			t.Errorf("%s: lines %.80q, want one naming what the agent said", end.Reason, lines)
+		}
+	}
+}
+
+// TestMultipartPartsBounded: a multipart run's body has at most maxParts
+// parts, as gin's binding (Go's ReadForm) allows dify-sandbox: one part
+// more is refused (200 with -400, as a malformed form is), the code never
+// run; maxParts are bound as before.
+func TestMultipartPartsBounded(t *testing.T) {
+	var runs atomic.Int64
+	ts := newTestServer(t, Config{}, func(ctx context.Context, req runRequest, c string) (*Result, error) {
+		runs.Add(1)
+		return echoRun(ctx, req, c)
+	})
+	form := func(parts int) (io.Reader, string) {
+		var b bytes.Buffer
+		mw := multipart.NewWriter(&b)
+		_ = mw.WriteField("language", "python3")
+		_ = mw.WriteField("code", "1")
+		for i := 2; i < parts; i++ {
+			_ = mw.WriteField(fmt.Sprintf("f%d", i), "x")
+		}
+		_ = mw.Close()
+		return &b, mw.FormDataContentType()
+	}
+	body, ctype := form(maxParts + 1)
+	a := do(t, ts, http.MethodPost, "/v1/sandbox/run", testKey, ctype, body)
+	if a.status != http.StatusOK || a.env.Code != -400 || !strings.Contains(a.env.Message, "more than 1000 parts") || runs.Load() != 0 {
+		t.Fatalf("%d parts: got %d %s, %d runs; want 200, -400 \"more than 1000 parts\", no run", maxParts+1, a.status, a.body, runs.Load())
+	}
+	body, ctype = form(maxParts)
+	if a := do(t, ts, http.MethodPost, "/v1/sandbox/run", testKey, ctype, body); a.env.Code != 0 || runs.Load() != 1 {
+		t.Fatalf("%d parts: got %d %s; want success", maxParts, a.status, a.body)
 	}
 }

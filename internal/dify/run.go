@@ -225,15 +225,30 @@ func (s *Server) endLines(end *pb.ProcessEvent_EndEvent, res *Result) []string {
 		return []string{fmt.Sprintf("error: the process limit (%d) was reached", s.cfg.Pids)}
 	case "signal":
 		res.outcome = "signal"
-		return []string{"error: killed by a signal (" + end.GetStatus() + ")"}
+		return []string{"error: killed by a signal (" + agentWords(end.GetStatus()) + ")"}
 	case "start_failed":
 		res.outcome = "start_failed"
-		return []string{"error: the interpreter could not be started: " + end.GetError()}
+		return []string{"error: the interpreter could not be started: " + agentWords(end.GetError())}
 	}
 	if res.ExitCode != 0 {
 		res.outcome = "exit"
 	}
 	return nil
+}
+
+// maxAgentWords bounds, as JSON, what the answer repeats of the agent's
+// own words in its end event (why a start failed, the signal).
+const maxAgentWords = 1 << 10
+
+// agentWords is the agent's text s held to maxAgentWords as JSON: the
+// agent is inside the wall, and its end event's strings were repeated
+// whole, up to its 4 MiB message, some 24 MiB escaped (found by review,
+// 2026-12-04), past the answer's bound of twice max_output and 64 KiB.
+func agentWords(s string) string {
+	if head, cut := fitJSON(s, maxAgentWords); cut {
+		return head + "..."
+	}
+	return s
 }
 
 // errorText is dify-sandbox's error field: the lines alone when the code
