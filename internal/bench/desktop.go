@@ -68,7 +68,7 @@ func newDesktop(ctx context.Context, c *client.Client, timeout int64) (*desktop,
 		_ = c.Kill(ctx, sb.SandboxID)
 		return nil, err
 	}
-	d := &desktop{c: c, sb: sb, agent: ac, http: &http.Client{Timeout: time.Minute}}
+	d := &desktop{c: c, sb: sb, agent: ac, http: sandboxHTTP(time.Minute)}
 	err = func() error {
 		if _, _, err := d.sh(ctx, "Xvfb :0 -ac -screen 0 1024x768x24 -retro -dpi 96 -nolisten tcp -nolisten unix >/dev/null 2>&1 &"); err != nil {
 			return err

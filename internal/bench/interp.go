@@ -20,6 +20,15 @@ import (
 // default).
 const InterpTemplate = "code-interpreter-v1"
 
+// sandboxHTTP is a client for what a sandbox answers through the proxy (its
+// interpreter's port, its agent's /files): a redirect is never followed,
+// since whatever serves those ports inside may answer one, and following
+// it sent the sandbox's access and traffic tokens (and the code) to an
+// address of the sandbox's choosing, from the machine running the bench.
+func sandboxHTTP(timeout time.Duration) *http.Client {
+	return &http.Client{Timeout: timeout, CheckRedirect: func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }}
+}
+
 // interp is a code interpreter sandbox reached as @e2b/code-interpreter
 // reaches it: POST /execute on port 49999 through the daemon's proxy.
 type interp struct {
@@ -89,7 +98,7 @@ func InterpCreateToFirstResult(ctx context.Context, c *client.Client, proxy stri
 		if err != nil {
 			return s, pooled, err
 		}
-		i := &interp{proxy: proxy, sb: sb, http: &http.Client{}}
+		i := &interp{proxy: proxy, sb: sb, http: sandboxHTTP(0)}
 		text, err := i.run(ctx, "1+1")
 		took := time.Since(called)
 		if err == nil && text != "2" {
@@ -127,7 +136,7 @@ func InterpRoundTrip(ctx context.Context, c *client.Client, proxy string, runs i
 		return stats.Stats{}, err
 	}
 	defer c.Kill(ctx, sb.SandboxID)
-	i := &interp{proxy: proxy, sb: sb, http: &http.Client{}}
+	i := &interp{proxy: proxy, sb: sb, http: sandboxHTTP(0)}
 	var samples []time.Duration
 	for n := -10; n < runs; n++ {
 		start := time.Now()
