@@ -166,11 +166,18 @@ func (m *Manager) DeleteVolume(keyID, id string) error {
 	if len(users) > 0 {
 		return fmt.Errorf("%w: volume %s is mounted by sandbox %s; kill it first", ErrConflict, id, strings.Join(users, ", "))
 	}
-	if err := m.cfg.Store.DeleteVolume(id); err != nil {
+	// The files first: a content request in progress (an upload may last
+	// an hour) holds the volume, and removed under it, its file system and
+	// the image's blocks stayed on the host's disk as long as it lasted,
+	// outside the key's volumes (found by review, 2026-12-04). Then a
+	// content request that comes meanwhile finds no volume.
+	if err := vm.Remove(id); errors.Is(err, volume.ErrBusy) {
+		return fmt.Errorf("%w: %v", ErrConflict, err)
+	} else if err != nil {
 		return err
 	}
-	if err := vm.Remove(id); err != nil {
-		m.log.Warn("remove a volume's files", "volume", id, "err", err)
+	if err := m.cfg.Store.DeleteVolume(id); err != nil {
+		return err
 	}
 	m.cfg.Audit.Record(audit.Event{Kind: audit.KindVolumeDelete, KeyID: keyID, Detail: map[string]any{"volume": id}})
 	return nil
@@ -194,7 +201,7 @@ func (m *Manager) OpenVolume(id, token string) (*volume.Root, error) {
 	if subtle.ConstantTimeCompare([]byte(token), []byte(want)) != 1 || err != nil {
 		return nil, fmt.Errorf("%w: the token does not open volume %q", ErrUnauthorized, id)
 	}
-	return vm.Open(id)
+	return vm.OpenHeld(id) // not removed while the request lasts
 }
 
 // openMounts resolves a create's volume mounts (names of keyID's volumes)

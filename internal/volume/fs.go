@@ -12,6 +12,7 @@ import (
 	"strconv"
 	"strings"
 	"time"
+	"unicode/utf8"
 
 	"golang.org/x/sys/unix"
 )
@@ -29,11 +30,12 @@ import (
 
 // Bounds of the walks.
 const (
-	MaxListDepth   = 64     // depth a listing may ask for
-	MaxListEntries = 10000  // entries one listing returns
-	maxRemoveDepth = 256    // directories a removal descends
-	maxID          = 65535  // uids and gids a request may give (a sandbox's range)
-	maxMode        = 0o7777 // permission bits, setuid, setgid and sticky
+	MaxListDepth   = 64       // depth a listing may ask for
+	MaxListEntries = 10000    // entries one listing returns
+	MaxListBytes   = 16 << 20 // bytes of one listing's paths, names and targets, as JSON writes them
+	maxRemoveDepth = 256      // directories a removal descends
+	maxID          = 65535    // uids and gids a request may give (a sandbox's range)
+	maxMode        = 0o7777   // permission bits, setuid, setgid and sticky
 )
 
 // beneath is how every path in a volume resolves.
@@ -41,16 +43,23 @@ const beneath = unix.RESOLVE_BENEATH | unix.RESOLVE_NO_SYMLINKS | unix.RESOLVE_N
 
 // Root is an open volume: a descriptor of its file system's root.
 type Root struct {
-	f   *os.File
-	dev uint64
+	f       *os.File
+	dev     uint64
+	release func() // OpenHeld's hold, let go at Close
 }
 
 // File is the descriptor of the volume's root, for a wall to clone the
 // mount from (open_tree with AT_EMPTY_PATH).
 func (r *Root) File() *os.File { return r.f }
 
-// Close closes the descriptor.
-func (r *Root) Close() error { return r.f.Close() }
+// Close closes the descriptor (and lets go of OpenHeld's hold).
+func (r *Root) Close() error {
+	err := r.f.Close()
+	if r.release != nil {
+		r.release()
+	}
+	return err
+}
 
 func (r *Root) fd() int { return int(r.f.Fd()) }
 
@@ -214,21 +223,66 @@ func (r *Root) List(p string, depth int) ([]Entry, error) {
 	if err != nil {
 		return nil, pathErr("list", p, err)
 	}
-	var out []Entry
-	err = listAt(fd, p, depth, &out)
+	l := &lister{}
+	err = l.listAt(fd, p, depth)
 	unix.Close(fd)
 	if err != nil {
 		return nil, err
 	}
+	out := l.out
 	sort.Slice(out, func(i, j int) bool { return out[i].Path < out[j].Path })
 	return out, nil
 }
 
+// lister is one listing: its entries and what their names cost.
+type lister struct {
+	out   []Entry
+	bytes int // of the entries' paths, names and targets, as JSON writes them
+}
+
+// jsonLen is the bytes encoding/json writes for s (without its quotes): a
+// control character, <, >, &, U+2028, U+2029 and each byte of invalid
+// UTF-8 take six. A sandbox names the files: 255 bytes of \x01 are 1,530.
+func jsonLen(s string) int {
+	n := 0
+	for i := 0; i < len(s); {
+		c := s[i]
+		if c < utf8.RuneSelf {
+			switch {
+			case c == '"' || c == '\\':
+				n += 2
+			case c < 0x20 || c == '<' || c == '>' || c == '&':
+				n += 6
+			default:
+				n++
+			}
+			i++
+			continue
+		}
+		r, size := utf8.DecodeRuneInString(s[i:])
+		switch {
+		case r == utf8.RuneError && size == 1, r == '\u2028', r == '\u2029':
+			n += 6
+		default:
+			n += size
+		}
+		i += size
+	}
+	return n
+}
+
 // listAt appends the entries of the directory fd (p in the volume) and,
-// while depth allows, of its subdirectories.
-func listAt(fd int, p string, depth int, out *[]Entry) error {
+// while depth allows, of its subdirectories. A sandbox makes an entry's
+// path as long as the depth allows (64 names of 255 bytes), and hard links
+// to one symlink of a 4095-byte target each carry the target, without
+// taking the volume's space: the listing stops at MaxListBytes of names as
+// JSON writes them. Found by review, 2026-12-04: 10,000 such links at the
+// end of a chain were served, 196 MiB of strings in the daemon and some
+// 1.2 GB of JSON per request.
+func (l *lister) listAt(fd int, p string, depth int) error {
 	tooMany := fmt.Errorf("%w: more than %d entries under the path; list with a smaller depth", ErrTooLarge, MaxListEntries)
-	names, more, err := readNames(fd, MaxListEntries-len(*out))
+	tooLong := fmt.Errorf("%w: the entries' paths, names and targets under the path are more than %d MiB; list with a smaller depth or from deeper", ErrTooLarge, MaxListBytes>>20)
+	names, more, err := readNames(fd, MaxListEntries-len(l.out))
 	if err != nil {
 		return pathErr("list", p, err)
 	}
@@ -236,10 +290,13 @@ func listAt(fd int, p string, depth int, out *[]Entry) error {
 		return tooMany
 	}
 	for _, n := range names {
-		if len(*out) >= MaxListEntries {
+		if len(l.out) >= MaxListEntries {
 			return tooMany
 		}
 		child := path.Join(p, n)
+		if l.bytes += jsonLen(child) + jsonLen(n); l.bytes > MaxListBytes {
+			return tooLong
+		}
 		e, err := statAt(fd, n, child)
 		if errors.Is(err, ErrNotFound) {
 			continue // removed meanwhile
@@ -247,7 +304,10 @@ func listAt(fd int, p string, depth int, out *[]Entry) error {
 		if err != nil {
 			return err
 		}
-		*out = append(*out, e)
+		if l.bytes += jsonLen(e.Target); l.bytes > MaxListBytes {
+			return tooLong
+		}
+		l.out = append(l.out, e)
 		if e.Type != "directory" || depth <= 1 {
 			continue
 		}
@@ -255,7 +315,7 @@ func listAt(fd int, p string, depth int, out *[]Entry) error {
 		if err != nil {
 			continue // replaced meanwhile (by a symlink, say): not followed
 		}
-		err = listAt(sub, child, depth-1, out)
+		err = l.listAt(sub, child, depth-1)
 		unix.Close(sub)
 		if err != nil {
 			return err

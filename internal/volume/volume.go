@@ -40,6 +40,7 @@ var (
 	ErrExists      = errors.New("already exists")
 	ErrNoSpace     = errors.New("the volume is full")
 	ErrTooLarge    = errors.New("too large")
+	ErrBusy        = errors.New("in use")
 )
 
 // UserID is the uid and gid that owns a new volume's root and, unless a
@@ -63,8 +64,9 @@ type Config struct {
 
 // Manager makes, mounts and removes volumes on this host.
 type Manager struct {
-	cfg Config
-	mu  sync.Mutex // mounts and removals
+	cfg  Config
+	mu   sync.Mutex     // mounts and removals
+	held map[string]int // volume id -> roots open for content requests (OpenHeld), under mu
 }
 
 // New returns a manager of the volumes under cfg's directories.
@@ -129,7 +131,11 @@ func (m *Manager) Create(id string) error {
 
 // Open returns the root of volume id, mounting it on the host first if it
 // is not. The caller closes it.
-func (m *Manager) Open(id string) (*Root, error) {
+func (m *Manager) Open(id string) (*Root, error) { return m.open(id, false) }
+
+// open is Open; hold counts the root for OpenHeld in the same hold of mu
+// (no Remove between the open and the count).
+func (m *Manager) open(id string, hold bool) (*Root, error) {
 	if !validID(id) {
 		return nil, fmt.Errorf("%w: volume %q", ErrNotFound, id)
 	}
@@ -163,17 +169,44 @@ func (m *Manager) Open(id string) (*Root, error) {
 		unix.Close(fd)
 		return nil, fmt.Errorf("volume %s: %s is not its mount", id, dir)
 	}
-	return &Root{f: os.NewFile(uintptr(fd), "volume "+id), dev: uint64(stx.Dev_major)<<32 | uint64(stx.Dev_minor)}, nil
+	r := &Root{f: os.NewFile(uintptr(fd), "volume "+id), dev: uint64(stx.Dev_major)<<32 | uint64(stx.Dev_minor)}
+	if hold {
+		if m.held == nil {
+			m.held = map[string]int{}
+		}
+		m.held[id]++
+		var once sync.Once
+		r.release = func() {
+			once.Do(func() {
+				m.mu.Lock()
+				defer m.mu.Unlock()
+				if m.held[id]--; m.held[id] <= 0 {
+					delete(m.held, id)
+				}
+			})
+		}
+	}
+	return r, nil
 }
 
+// OpenHeld is Open for a content request: until the root is closed, the
+// volume is not removed (Remove is ErrBusy). A request may last an hour
+// (an upload), and its descriptor keeps the file system, and the image's
+// blocks on the host's disk, whatever is removed under it.
+func (m *Manager) OpenHeld(id string) (*Root, error) { return m.open(id, true) }
+
 // Remove unmounts volume id from the host and deletes its image. The
-// caller makes sure no sandbox mounts it.
+// caller makes sure no sandbox mounts it; a content request's root
+// (OpenHeld) still open is ErrBusy, and nothing is removed.
 func (m *Manager) Remove(id string) error {
 	if !validID(id) {
 		return fmt.Errorf("%w: volume %q", ErrNotFound, id)
 	}
 	m.mu.Lock()
 	defer m.mu.Unlock()
+	if n := m.held[id]; n > 0 {
+		return fmt.Errorf("%w: volume %s is open for %d content request(s) in progress; delete it once they end", ErrBusy, id, n)
+	}
 	dir := m.mountDir(id)
 	if err := unmount(dir); err != nil {
 		return err

@@ -1,6 +1,7 @@
 package volume
 
 import (
+	"encoding/json"
 	"errors"
 	"io"
 	"os"
@@ -332,5 +333,129 @@ func TestVolumeHugeDirectory(t *testing.T) {
 	}
 	if _, err := os.Stat(big); !os.IsNotExist(err) {
 		t.Errorf("after its removal: %v", err)
+	}
+}
+
+// TestVolumeListBytesBounded: a sandbox can make a listing's entries long
+// without using the volume's space: a chain of directories with 255-byte
+// names, 10,000 hard links at its end to one symlink of a 4095-byte
+// target, all of bytes JSON writes six times over (\u0001). A listing of
+// it whole is refused before it holds more than MaxListBytes of names
+// (paths, names and targets as JSON writes them); one deep enough to see
+// only part of it is served. (Before, the listing was served: some 200
+// MiB of strings in the daemon and 1.2 GB of JSON, per request.)
+func TestVolumeListBytesBounded(t *testing.T) {
+	_, r, dir := newVolume(t, 1<<30) // 4 KiB blocks: symlinks of 4095 bytes
+	long := strings.Repeat("\x01", 255)
+	fd, err := unix.Open(dir, unix.O_RDONLY|unix.O_DIRECTORY, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := 0; i < MaxListDepth-1; i++ {
+		if err := unix.Mkdirat(fd, long, 0o755); err != nil {
+			t.Fatalf("depth %d: %v", i, err)
+		}
+		next, err := unix.Openat(fd, long, unix.O_RDONLY|unix.O_DIRECTORY, 0)
+		unix.Close(fd)
+		if err != nil {
+			t.Fatal(err)
+		}
+		fd = next
+	}
+	defer unix.Close(fd)
+	if err := unix.Symlinkat(strings.Repeat("\x01", 4095), fd, "l"); err != nil {
+		t.Fatal(err)
+	}
+	const n = MaxListEntries - MaxListDepth
+	for i := range n {
+		name := strconv.Itoa(i) + long[:250]
+		if err := unix.Linkat(fd, "l", fd, name, 0); err != nil {
+			t.Fatalf("link %d: %v", i, err)
+		}
+	}
+	var before, after runtime.MemStats
+	runtime.GC()
+	runtime.ReadMemStats(&before)
+	list, err := r.List("/", MaxListDepth)
+	runtime.ReadMemStats(&after)
+	if !errors.Is(err, ErrTooLarge) {
+		var sum int
+		for _, e := range list {
+			sum += len(e.Path) + len(e.Name) + len(e.Target)
+		}
+		t.Errorf("a listing of %d entries, %d MiB of names: %v, want ErrTooLarge", len(list), sum>>20, err)
+	}
+	if got := after.TotalAlloc - before.TotalAlloc; got > 4*MaxListBytes {
+		t.Errorf("a refused listing allocated %d MiB", got>>20)
+	}
+	// The chain alone (no links) is a listing like any other.
+	if list, err := r.List("/", MaxListDepth-1); err != nil || len(list) != MaxListDepth-1 {
+		t.Errorf("the chain to depth %d: %d entries, %v", MaxListDepth-1, len(list), err)
+	}
+}
+
+// TestJSONLen: a listing's bound counts names as encoding/json writes them.
+func TestJSONLen(t *testing.T) {
+	for _, s := range []string{"", "plain.txt", "\x01\n\t", `a"b\c`, "<&>", "é日本", "\xff\xfe", "a\u2028b\u2029", "\xe6\x97"} {
+		b, err := json.Marshal(s)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got, want := jsonLen(s), len(b)-2; got < want {
+			t.Errorf("jsonLen(%q) = %d, JSON writes %d", s, got, want)
+		}
+	}
+}
+
+// TestVolumeRemoveWhileHeld: a volume open for a content request (an
+// upload may last an hour) is not removed under it: the removal is
+// refused (ErrBusy) and nothing of the volume goes, and it succeeds once
+// the request lets go. Before (found by review, 2026-12-04), the removal
+// unlinked the image and detached the mount under the request, whose
+// descriptor kept the file system, and the image's blocks on the host's
+// disk, for as long as it lasted, outside every quota: a key could fill a
+// volume through an upload it kept alive, delete the volume, make another
+// and do it again, up to its connections' worth of volumes.
+func TestVolumeRemoveWhileHeld(t *testing.T) {
+	testutil.RequireRoot(t)
+	m := New(Config{Data: t.TempDir(), RunDir: t.TempDir(), Size: 16 << 20})
+	const id = "v0held"
+	if err := m.Create(id); err != nil {
+		t.Fatal(err)
+	}
+	defer m.Remove(id)
+	r, err := m.OpenHeld(id)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := m.Remove(id); !errors.Is(err, ErrBusy) {
+		t.Errorf("remove while a content request holds it: %v, want ErrBusy", err)
+	}
+	if _, err := os.Stat(m.image(id)); err != nil {
+		t.Errorf("the refused removal took the image: %v", err)
+	}
+	if _, err := r.Write("/f", strings.NewReader("still here"), Meta{}, false); err != nil {
+		t.Errorf("the request's write after the refused removal: %v", err)
+	}
+	r.Close()
+	r.Close() // twice: let go once
+	if err := m.Remove(id); err != nil {
+		t.Fatalf("remove once the request let go: %v", err)
+	}
+	if _, err := os.Stat(m.image(id)); !os.IsNotExist(err) {
+		t.Errorf("after the removal the image is still there: %v", err)
+	}
+	// A volume opened for a sandbox's start (Open) is the caller's to
+	// account for (its record names the volume).
+	if err := m.Create(id); err != nil {
+		t.Fatal(err)
+	}
+	r2, err := m.Open(id)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r2.Close()
+	if err := m.Remove(id); err != nil {
+		t.Errorf("remove beside a start's open: %v", err)
 	}
 }
