@@ -62,9 +62,9 @@ type Config struct {
 	Volumes *volume.Manager
 	// MaxVolumes is how many volumes one key may have (0: DefaultMaxVolumes).
 	MaxVolumes int
-	// KeyDisk bounds what a key without a team keeps in the data
-	// directory: its paused sandboxes and snapshots (0: no bound; see
-	// keydisk.go).
+	// KeyDisk bounds what a key without a team, or a team without a
+	// disk quota, keeps in the data directory: its paused sandboxes and
+	// snapshots (0: no bound; see keydisk.go).
 	KeyDisk int64
 	// Audit is the audit trail (nil: none).
 	Audit *audit.Trail
@@ -581,6 +581,11 @@ func (m *Manager) kill(keyID, id, why string) error {
 		return err
 	}
 	defer unlock()
+	return m.killHeld(keyID, id, why)
+}
+
+// killHeld is kill with the sandbox's transition lock held.
+func (m *Manager) killHeld(keyID, id, why string) error {
 	rec, err := m.Get(keyID, id)
 	if err != nil {
 		return err

@@ -47,6 +47,30 @@ const DefaultPausedRetention = 30 * 24 * time.Hour
 // callers' (before, one entry per id ever named stayed for good, any
 // tenant's request for any id, 64 KiB each, made one).
 func (m *Manager) transition(id string) func() {
+	l, forget := m.transitionRef(id)
+	l.Lock()
+	return func() { l.Unlock(); forget() }
+}
+
+// tryTransition is transition for the sweeps: it takes sandbox id's lock
+// only when nobody holds it, and reports false (nothing taken) otherwise.
+// A sweep is one loop for every tenant, and a lock may be held as long as
+// a tenant makes it: a resume holds it through its agent's restore, which
+// a tree of the sandbox's making stretches to hours, for as long as the
+// request is kept open. A sandbox whose lock is held is the next sweep's.
+func (m *Manager) tryTransition(id string) (func(), bool) {
+	l, forget := m.transitionRef(id)
+	if !l.TryLock() {
+		forget()
+		return nil, false
+	}
+	return func() { l.Unlock(); forget() }, true
+}
+
+// transitionRef counts one more holder or waiter of sandbox id's lock,
+// made if needed, and returns it with the function that counts it off
+// (the last one's forgets the lock).
+func (m *Manager) transitionRef(id string) (*transitionLock, func()) {
 	m.transMu.Lock()
 	l := m.transitions[id]
 	if l == nil {
@@ -55,9 +79,7 @@ func (m *Manager) transition(id string) func() {
 	}
 	l.refs++
 	m.transMu.Unlock()
-	l.Lock()
-	return func() {
-		l.Unlock()
+	return l, func() {
 		m.transMu.Lock()
 		if l.refs--; l.refs == 0 {
 			delete(m.transitions, id)
@@ -388,7 +410,7 @@ func (m *Manager) timedOut(id string) {
 		unlock := m.transition(id)
 		// Read again under the lock: a pause, resume or kill may have
 		// ended while this waited, and what it stored is what stands.
-		if rec, err = m.cfg.Store.GetSandbox(id); err != nil || rec.State != store.StateRunning {
+		if rec, err = m.cfg.Store.GetSandbox(id); err != nil || rec.State != store.StateRunning || extended(rec) {
 			unlock()
 			return
 		}
@@ -403,7 +425,26 @@ func (m *Manager) timedOut(id string) {
 		}
 		m.log.Warn("pause at timeout failed; killing it", "sandbox", id, "err", err)
 	}
+	// Under the sandbox's transition lock, as a kill: a pause, resume or
+	// snapshot in progress finishes first. The timer may have fired just
+	// as a pause stopped it, and a destroy during a checkpoint raced the
+	// wall's own teardown of the sandbox (the OCI wall's pidfd was closed
+	// by both, the second time whatever file had taken its number). A
+	// sandbox paused meanwhile does not time out.
+	unlock := m.transition(id)
+	defer unlock()
+	if rec, err := m.cfg.Store.GetSandbox(id); err == nil && (rec.State == store.StatePaused || extended(rec)) {
+		return
+	}
 	m.expire(id)
+}
+
+// extended says whether a sandbox whose end timer fired has an end later
+// than that by now: a resume or a new timeout, while the timer's call
+// waited for the transition lock, gave it one, and the timer they armed
+// stands. (A second of margin: a timer fires at its end, not before.)
+func extended(rec *store.Sandbox) bool {
+	return time.Until(rec.EndAt) > time.Second
 }
 
 // killPaused removes a sandbox paused with its files: its record and its
@@ -432,7 +473,12 @@ func (m *Manager) expirePaused() {
 		if rec.State != store.StatePaused || time.Since(rec.PausedAt) < m.cfg.PausedRetention {
 			continue
 		}
-		unlock := m.transition(rec.ID)
+		// Not waited for: a resume (or kill) holds it, and what it leaves
+		// is the next sweep's.
+		unlock, ok := m.tryTransition(rec.ID)
+		if !ok {
+			continue
+		}
 		// Read again under the lock: a resume that held it meanwhile made
 		// the sandbox run (and tracked it), and removing it from what was
 		// read before deleted a running sandbox's record, leaving it

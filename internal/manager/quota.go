@@ -162,7 +162,8 @@ func (m *Manager) reserveDisk(owner string, max int64) (*reservation, int64, err
 		return nil, 0, err
 	}
 	if team.Limits.Disk == 0 {
-		return nil, max, nil
+		// No disk quota: held to the bound a key without a team has.
+		return m.reserveKeyDisk(owner, max, true)
 	}
 	b := &m.quotas
 	b.mu.Lock()

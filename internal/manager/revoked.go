@@ -31,7 +31,16 @@ func (m *Manager) removeRevoked() {
 	if recs, err := m.cfg.Store.AllSandboxes(); err == nil {
 		for _, rec := range recs {
 			if gone[rec.KeyID] && rec.State != store.StateCreating {
-				if err := m.kill(rec.KeyID, rec.ID, "its key was revoked"); err != nil && !errors.Is(err, ErrNotFound) {
+				// Not waited for (see tryTransition): a resume the key
+				// still had in flight holds it, and the next sweep
+				// removes what it leaves.
+				unlock, ok := m.tryTransition(rec.ID)
+				if !ok {
+					continue
+				}
+				err := m.killHeld(rec.KeyID, rec.ID, "its key was revoked")
+				unlock()
+				if err != nil && !errors.Is(err, ErrNotFound) {
 					m.log.Warn("remove a revoked key's sandbox", "sandbox", rec.ID, "key", rec.KeyID, "err", err)
 				}
 			}

@@ -101,8 +101,8 @@ func (m *Manager) Snapshot(ctx context.Context, keyID, id, name string) (*store.
 		Spec: store.SnapshotSpec{CPUs: rec.CPUs, Memory: rec.Memory, Disk: rec.Disk, Pids: rec.Pids, EnvVars: rec.EnvVars, Network: rec.Network,
 			HTTPSPorts: rec.HTTPSPorts}}
 	path := m.snapshotFile(sn.ID)
-	// Its archive takes its bytes of the team's disk quota (a key's bound
-	// without a team, keydisk.go): at most what the quota has left, held while it is written and given back as its
+	// Its archive takes its bytes of the team's disk quota (the bound of
+	// a key without a team, or of a team without a disk quota, keydisk.go): at most what the quota has left, held while it is written and given back as its
 	// record (which counts its size) is made.
 	limit := archiveLimit(rec.Disk)
 	q, got, err := m.reserveDisk(rec.KeyID, limit)
@@ -112,7 +112,7 @@ func (m *Manager) Snapshot(ctx context.Context, keyID, id, name string) (*store.
 	defer q.release()
 	if err := m.saveFilesUpTo(ctx, sb, got, path); err != nil {
 		if got < limit && errors.Is(err, agentclient.ErrTooLarge) {
-			whose := "its team's disk quota"
+			whose := "its team's disk quota (without one, its bound on the host's disk)"
 			if !strings.HasPrefix(rec.KeyID, store.TeamPrefix) {
 				whose = "its key's bound on the host's disk"
 			}

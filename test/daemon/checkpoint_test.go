@@ -345,3 +345,57 @@ func TestCheckpointCrashes(t *testing.T) {
 		})
 	}
 }
+
+// Attack (on a tenant's own lock-down): a sandbox created with the
+// internet, whose policy its owner then narrows to an allowlist (packages
+// installed, untrusted code next), is paused with its memory (autoPause at
+// its timeout does the same) and resumed (autoResume: any traffic with its
+// token). The microvm's restore made its network again from the create's
+// policy: the record said allowlist, the guest had the internet again.
+// Expected: after the checkpoint's resume, on each wall that checkpoints,
+// the sandbox's network is the policy it had at the pause.
+func TestCheckpointKeepsNetworkPolicy(t *testing.T) {
+	t.Parallel()
+	walls := checkpointWalls(t)
+	for _, w := range []string{"gvisor", "microvm"} {
+		tmpl, ok := walls[w]
+		if !ok {
+			continue
+		}
+		t.Run(w, func(t *testing.T) {
+			d := startDaemon(t, "--config", templatesConfig(t))
+			sb := d.create(t, d.key, map[string]any{"templateID": tmpl, "wall": w, "timeout": 600})
+			id, path := sb.SandboxID, "/sandboxes/"+sb.SandboxID
+			ac := d.agent(id, sb.EnvdAccessToken)
+			defer ac.Close()
+			get := func(url string) string {
+				t.Helper()
+				return strings.TrimSpace(run(ac, fmt.Sprintf("python3 -c '%s' %s", pyFetch, url)).stdout)
+			}
+			if got := get("http://other.example.org/"); got != "OK:other "+testutil.OtherHost.String() {
+				t.Fatalf("created with the internet: GET other.example.org: %q", got)
+			}
+			d.expect(t, http.StatusNoContent, call{method: "PUT", path: path + "/network", key: d.key,
+				body: map[string]any{"allowOut": []string{"allowed.example.com"}, "denyOut": []string{"0.0.0.0/0"}}})
+			if got := get("http://other.example.org/"); strings.HasPrefix(got, "OK:") {
+				t.Fatalf("narrowed to an allowlist: other.example.org answered: %q", got)
+			}
+			for cycle := 1; cycle <= 2; cycle++ {
+				d.expect(t, http.StatusNoContent, call{method: "POST", path: path + "/pause", key: d.key, body: map[string]any{}})
+				if got := d.get(t, d.key, id); got.PausedWith != "checkpoint" {
+					t.Fatalf("cycle %d: paused with %q, want checkpoint", cycle, got.PausedWith)
+				}
+				d.expect(t, http.StatusCreated, call{method: "POST", path: "/v2" + path + "/connect", key: d.key, body: map[string]any{"timeout": 600}})
+				if n := d.networkOf(t, id); n.Network.Mode != "allowlist" {
+					t.Errorf("cycle %d: the record after the resume: %+v, want the allowlist", cycle, n)
+				}
+				if got := get("http://other.example.org/"); strings.HasPrefix(got, "OK:") {
+					t.Errorf("cycle %d: after the resume, other.example.org (denied before the pause) answered: %q", cycle, got)
+				}
+				if got := get("http://allowed.example.com/"); !strings.HasPrefix(got, "OK:public") {
+					t.Errorf("cycle %d: after the resume, GET allowed.example.com: %q", cycle, got)
+				}
+			}
+		})
+	}
+}
