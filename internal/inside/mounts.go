@@ -48,14 +48,22 @@ func SetAttr(path string, attrs uint64) error {
 
 // MountProc mounts a fresh /proc for the sandbox's PID namespace and masks
 // the paths that reveal or touch the host kernel (the microvm guest's
-// sandbox gets the same, for its own kernel).
-func MountProc(root string) error {
+// sandbox gets the same, for its own kernel). set, when not nil, is given
+// the new /proc before its /proc/sys is made read-only: sysctls written
+// through it walk only this sandbox's entries, not the host's /proc's
+// (procsys).
+func MountProc(root string, set func(proc string) error) error {
 	proc := filepath.Join(root, "proc")
 	if err := os.Mkdir(proc, 0o555); err != nil && !os.IsExist(err) {
 		return err
 	}
 	if err := unix.Mount("proc", proc, "proc", unix.MS_NOSUID|unix.MS_NODEV|unix.MS_NOEXEC, ""); err != nil {
 		return fmt.Errorf("mount /proc: %w", err)
+	}
+	if set != nil {
+		if err := set(proc); err != nil {
+			return err
+		}
 	}
 	for _, name := range procMasked {
 		p := filepath.Join(proc, name)

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"path/filepath"
 	"strconv"
 
 	"golang.org/x/sys/unix"
@@ -38,10 +39,13 @@ func LoopbackUp() error {
 const OptMemMax = 20480
 
 // LimitSocketOptions sets the calling thread's network namespace's
-// optmem_max (OptMemMax). It runs before /proc/sys is made read-only; a
-// kernel without the per-namespace knob is left as it is.
-func LimitSocketOptions() error {
-	err := os.WriteFile("/proc/sys/net/core/optmem_max", []byte(strconv.Itoa(OptMemMax)), 0)
+// optmem_max (OptMemMax) through proc, the sandbox's own /proc before its
+// /proc/sys is made read-only (MountProc): through the host's /proc, each
+// sandbox's write lengthened the walk of every later one, the host's
+// included (procsys). A kernel without the per-namespace knob is left as
+// it is.
+func LimitSocketOptions(proc string) error {
+	err := os.WriteFile(filepath.Join(proc, "sys/net/core/optmem_max"), []byte(strconv.Itoa(OptMemMax)), 0)
 	if err != nil && !errors.Is(err, os.ErrNotExist) {
 		return fmt.Errorf("net.core.optmem_max: %w", err)
 	}

@@ -523,7 +523,7 @@ func switchRoot(sp Spec) (*os.File, error) {
 	if err := unix.Mount("", "/newroot/dev", "", unix.MS_REMOUNT|unix.MS_BIND|unix.MS_RDONLY|unix.MS_NOSUID|unix.MS_NOEXEC, ""); err != nil {
 		return nil, fmt.Errorf("read-only /dev: %w", err)
 	}
-	if err := inside.MountProc("/newroot"); err != nil {
+	if err := inside.MountProc("/newroot", nil); err != nil {
 		return nil, err
 	}
 	if err := boot.KeepDevices(); err != nil {

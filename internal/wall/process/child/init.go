@@ -103,9 +103,6 @@ func (c *Child) Build() error {
 		name string
 		run  func() error
 	}{
-		// While the host's /proc is still here, whose /proc/sys/net is
-		// this namespace's (the sandbox's own /proc/sys is read-only).
-		{"socket options", inside.LimitSocketOptions},
 		{"root filesystem", func() error { return buildRoot(spec) }},
 		{"pivot_root", func() error { return pivot(spec.Root, spec.Image != "") }},
 		{"hostname", func() error { return unix.Sethostname([]byte(spec.Hostname)) }},
