@@ -17,7 +17,7 @@ import (
 // TestConcurrentAttach: eight sandboxes attached at once (as a daemon's
 // creates do) each get their pair whole: the host end with IPv6 off and
 // no IPv6 address, the gateway on it; eth0 inside with the sandbox's
-// address; and each reaches the outside.
+// address and IPv6 off; and each reaches the outside.
 func TestConcurrentAttach(t *testing.T) {
 	w := testutil.NewWorld(t)
 	h := newHost(t, w, nil)
@@ -48,6 +48,12 @@ func TestConcurrentAttach(t *testing.T) {
 		if err == nil && strings.TrimSpace(string(v6)) != "1" {
 			t.Errorf("%s: disable_ipv6 %q, want 1", name, v6)
 		}
+		for _, knob := range []string{"arp_ignore", "arp_filter"} {
+			v, err := os.ReadFile("/proc/sys/net/ipv4/conf/" + name + "/" + knob)
+			if err != nil || strings.TrimSpace(string(v)) != "1" {
+				t.Errorf("%s: %s %q (%v), want 1", name, knob, v, err)
+			}
+		}
 		link, err := netlink.LinkByName(name)
 		if err != nil {
 			t.Fatalf("%s: %v", name, err)
@@ -69,7 +75,18 @@ func TestConcurrentAttach(t *testing.T) {
 			t.Fatalf("sandbox %d: eth0: %v", i, err)
 		}
 		in4, _ := inside.AddrList(eth0, netlink.FAMILY_V4)
+		in6, _ := inside.AddrList(eth0, netlink.FAMILY_V6)
 		inside.Close()
+		if len(in6) > 0 {
+			t.Errorf("sandbox %d: eth0 has IPv6 addresses %v", i, in6)
+		}
+		var off []byte
+		if err := onThreadIn(int(nss[i]), func() (err error) {
+			off, err = os.ReadFile("/proc/sys/net/ipv6/conf/eth0/disable_ipv6")
+			return err
+		}); err == nil && strings.TrimSpace(string(off)) != "1" {
+			t.Errorf("sandbox %d: eth0's disable_ipv6 %q, want 1", i, off)
+		}
 		if len(in4) != 1 || !in4[0].IP.Equal(sb.IP.AsSlice()) {
 			t.Errorf("sandbox %d: eth0 addresses %v, want %s", i, in4, sb.IP)
 		}

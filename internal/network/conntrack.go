@@ -1,6 +1,7 @@
 package network
 
 import (
+	"errors"
 	"fmt"
 	"net/netip"
 	"slices"
@@ -92,9 +93,18 @@ func (sb *Sandbox) allowsLocked(dst netip.Addr, proto uint8, port uint16, now ti
 // flow its far end keeps alive, an idle TCP one for days) would otherwise
 // be the next holder's, in and out, whatever its policy. A dump
 // interrupted by the table changing is tried again.
+// The kernel finds them where it can (deleteFlowsByKernel); else this
+// process walks the whole table.
 func forgetFlows(ip netip.Addr) error {
+	_, err := deleteFlowsByKernel(ip)
+	if errors.Is(err, errDumpInterrupted) {
+		_, err = deleteFlowsByKernel(ip)
+	}
+	if err == nil {
+		return nil
+	}
 	f := addrFilter{ip}
-	_, err := netlink.ConntrackDeleteFilters(netlink.ConntrackTable, unix.AF_INET, f)
+	_, err = netlink.ConntrackDeleteFilters(netlink.ConntrackTable, unix.AF_INET, f)
 	if err != nil {
 		_, err = netlink.ConntrackDeleteFilters(netlink.ConntrackTable, unix.AF_INET, f)
 	}

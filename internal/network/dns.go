@@ -3,6 +3,7 @@ package network
 import (
 	"bufio"
 	"context"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"net"
@@ -62,9 +63,15 @@ func startResolver(h *Host, upstreams []string) (*resolver, error) {
 	// UDP and TCP on one port of the gateway address, any free one: each
 	// cage process has its own. The address exists only on the host ends of
 	// sandboxes' veths, so the sockets are bound before it does (freebind).
-	lc := net.ListenConfig{Control: func(_, _ string, c syscall.RawConn) error {
+	lc := net.ListenConfig{Control: func(network, _ string, c syscall.RawConn) error {
 		var serr error
-		err := c.Control(func(fd uintptr) { serr = unix.SetsockoptInt(int(fd), unix.SOL_IP, unix.IP_FREEBIND, 1) })
+		err := c.Control(func(fd uintptr) {
+			serr = unix.SetsockoptInt(int(fd), unix.SOL_IP, unix.IP_FREEBIND, 1)
+			if serr == nil && network == "udp4" {
+				// Each datagram says the interface it came in on.
+				serr = unix.SetsockoptInt(int(fd), unix.SOL_IP, unix.IP_PKTINFO, 1)
+			}
+		})
 		return errors.Join(err, serr)
 	}}
 	ctx := context.Background()
@@ -85,8 +92,8 @@ func startResolver(h *Host, upstreams []string) (*resolver, error) {
 	if err != nil {
 		return nil, fmt.Errorf("resolver: %w", err)
 	}
-	r.udp = &dns.Server{PacketConn: pc, Handler: r, UDPSize: 4096}
-	r.tcp = &dns.Server{Listener: l, Handler: r, ReadTimeout: 5 * time.Second, IdleTimeout: func() time.Duration { return 10 * time.Second }}
+	r.udp = &dns.Server{PacketConn: senderPackets{pc.(*net.UDPConn), h}, Handler: r, UDPSize: 4096}
+	r.tcp = &dns.Server{Listener: senderListener{l, h}, Handler: r, ReadTimeout: 5 * time.Second, IdleTimeout: func() time.Duration { return 10 * time.Second }}
 	for _, s := range []*dns.Server{r.udp, r.tcp} {
 		started := make(chan struct{})
 		s.NotifyStartedFunc = func() { close(started) }
@@ -101,22 +108,95 @@ func (r *resolver) close() {
 	_ = r.tcp.Shutdown()
 }
 
+// The resolver's sockets name the sandbox a question came from when it
+// came, never when it is served: a question still queued when its sandbox
+// closed and another took the slot's address (a TCP connection's
+// pipelined questions wait for each answer from upstream, seconds each)
+// is never taken as the new holder's, in its records, rate or sets.
+// A datagram is the sandbox's whose address and interface it came from
+// (IP_PKTINFO; see Host.sender); a TCP connection is the sandbox's whose
+// address it came from when accepted, and ends with it.
+
+// senderAddr is a question's source address with the sandbox that sent it
+// (nil: none of this process's).
+type senderAddr struct {
+	net.Addr
+	sb *Sandbox
+}
+
+// senderPackets is the resolver's UDP socket, naming each datagram's
+// sandbox as it is read.
+type senderPackets struct {
+	*net.UDPConn
+	h *Host
+}
+
+func (c senderPackets) ReadFrom(b []byte) (int, net.Addr, error) {
+	oob := make([]byte, unix.CmsgSpace(unix.SizeofInet4Pktinfo))
+	n, oobn, _, from, err := c.ReadMsgUDPAddrPort(b, oob)
+	if err != nil {
+		return n, nil, err
+	}
+	link := 0
+	if cms, err := unix.ParseSocketControlMessage(oob[:oobn]); err == nil {
+		for _, cm := range cms {
+			if cm.Header.Level == unix.SOL_IP && cm.Header.Type == unix.IP_PKTINFO && len(cm.Data) >= unix.SizeofInet4Pktinfo {
+				link = int(int32(binary.NativeEndian.Uint32(cm.Data)))
+			}
+		}
+	}
+	return n, senderAddr{net.UDPAddrFromAddrPort(from), c.h.sender(from.Addr().Unmap(), link)}, nil
+}
+
+func (c senderPackets) WriteTo(b []byte, to net.Addr) (int, error) {
+	if a, ok := to.(senderAddr); ok {
+		to = a.Addr
+	}
+	return c.UDPConn.WriteTo(b, to)
+}
+
+// senderListener is the resolver's TCP socket, naming each connection's
+// sandbox as it is accepted.
+type senderListener struct {
+	net.Listener
+	h *Host
+}
+
+func (l senderListener) Accept() (net.Conn, error) {
+	c, err := l.Listener.Accept()
+	if err != nil {
+		return nil, err
+	}
+	var sb *Sandbox
+	if a, err := netip.ParseAddrPort(c.RemoteAddr().String()); err == nil {
+		sb = l.h.bySource(a.Addr().Unmap())
+	}
+	return senderConn{c, senderAddr{c.RemoteAddr(), sb}}, nil
+}
+
+type senderConn struct {
+	net.Conn
+	from senderAddr
+}
+
+func (c senderConn) RemoteAddr() net.Addr { return c.from }
+
 // ServeDNS answers one query from a sandbox.
 func (r *resolver) ServeDNS(w dns.ResponseWriter, q *dns.Msg) {
-	src, err := netip.ParseAddrPort(w.RemoteAddr().String())
-	if err != nil {
-		return
+	from, ok := w.RemoteAddr().(senderAddr)
+	if !ok || from.sb == nil || from.sb.gone() {
+		if ok && w.RemoteAddr().Network() == "tcp" {
+			_ = w.Close() // a connection of no live sandbox reads no more
+		}
+		return // not one of this process's live sandboxes: no answer at all
 	}
-	sb := r.h.bySource(src.Addr().Unmap())
-	if sb == nil {
-		return // not one of this process's sandboxes: no answer at all
-	}
+	sb := from.sb
 	reply := func(m *dns.Msg) {
 		size := dns.MinMsgSize
 		if opt := q.IsEdns0(); opt != nil {
 			size = int(opt.UDPSize())
 		}
-		if _, udp := w.RemoteAddr().(*net.UDPAddr); udp {
+		if w.RemoteAddr().Network() == "udp" {
 			m.Truncate(size)
 		}
 		_ = w.WriteMsg(m)

@@ -13,6 +13,8 @@ import (
 	"github.com/vishvananda/netlink"
 	"github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
+
+	"github.com/cagehq/cage/internal/procsys"
 )
 
 // Each sandbox with a network has a veth pair: cage<slot> on the host and
@@ -53,8 +55,46 @@ var rtnl = sync.OnceValue(func() *netlink.Handle {
 	return h
 })
 
-// attachLink makes the pair with its peer inside the namespace nsFD.
-func attachLink(slot, nsFD int, ip, gw netip.Addr) (err error) {
+// confDirs are the host's /proc/sys/net/ipv4/conf and ipv6/conf, opened
+// once, from the host's network namespace as every attachLink runs: a host
+// end's knobs are opened relative to them. A path from /proc/sys walks,
+// at "net", a chain of one entry per network namespace that has looked
+// there (sysctl's directories are per namespace, all of one name under
+// /proc/sys): as long as the sandboxes alive, and taken at every create.
+var confDirs = sync.OnceValue(func() (dirs [2]*os.File) {
+	for i, v := range []string{"ipv4", "ipv6"} {
+		if f, err := os.Open("/proc/sys/net/" + v + "/conf"); err == nil {
+			dirs[i] = f
+		}
+	}
+	return dirs
+})
+
+// writeConf writes value to the knob rel (IFNAME/KNOB) of the host's IPv4
+// (version 4) or IPv6 (6) interface settings. Where the directory could
+// not be opened, the path is walked from /proc/sys.
+func writeConf(version int, rel, value string) error {
+	dir, path := confDirs()[0], "/proc/sys/net/ipv4/conf/"+rel
+	if version == 6 {
+		dir, path = confDirs()[1], "/proc/sys/net/ipv6/conf/"+rel
+	}
+	if dir == nil {
+		return os.WriteFile(path, []byte(value), 0)
+	}
+	fd, err := unix.Openat(int(dir.Fd()), rel, unix.O_WRONLY|unix.O_CLOEXEC|unix.O_NOFOLLOW, 0)
+	if err != nil {
+		return &os.PathError{Op: "open", Path: path, Err: err}
+	}
+	defer unix.Close(fd)
+	if _, err := unix.Write(fd, []byte(value)); err != nil {
+		return &os.PathError{Op: "write", Path: path, Err: err}
+	}
+	return nil
+}
+
+// attachLink makes the pair with its peer inside the namespace nsFD, and
+// says the index of the host's end.
+func attachLink(slot, nsFD int, ip, gw netip.Addr) (index int, err error) {
 	linkMu.Lock()
 	defer linkMu.Unlock()
 	nl := rtnl()
@@ -70,7 +110,7 @@ func attachLink(slot, nsFD int, ip, gw netip.Addr) (err error) {
 		err = nl.LinkAdd(veth)
 	}
 	if err != nil {
-		return fmt.Errorf("create veth %s: %w", name, err)
+		return 0, fmt.Errorf("create veth %s: %w", name, err)
 	}
 	defer func() {
 		if err != nil {
@@ -78,8 +118,8 @@ func attachLink(slot, nsFD int, ip, gw netip.Addr) (err error) {
 		}
 	}()
 	// Before the link is up, so that it never gets an IPv6 link-local address.
-	if err := os.WriteFile("/proc/sys/net/ipv6/conf/"+name+"/disable_ipv6", []byte("1"), 0); err != nil && !errors.Is(err, os.ErrNotExist) {
-		return fmt.Errorf("disable IPv6 on %s: %w", name, err)
+	if err := writeConf(6, name+"/disable_ipv6", "1"); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return 0, fmt.Errorf("disable IPv6 on %s: %w", name, err)
 	}
 	// ARP on the host end: answer only for the gateway (the address on this
 	// link; arp_ignore 1), and only a sender the host routes to over this
@@ -91,24 +131,24 @@ func attachLink(slot, nsFD int, ip, gw netip.Addr) (err error) {
 	// and every sandbox; and its requests for the host's other addresses
 	// were answered, naming them (found by review, 2026-12-03).
 	for knob, v := range map[string]string{"arp_ignore": "1", "arp_filter": "1"} {
-		if err := os.WriteFile("/proc/sys/net/ipv4/conf/"+name+"/"+knob, []byte(v), 0); err != nil {
-			return fmt.Errorf("%s on %s: %w", knob, name, err)
+		if err := writeConf(4, name+"/"+knob, v); err != nil {
+			return 0, fmt.Errorf("%s on %s: %w", knob, name, err)
 		}
 	}
 	// LinkAdd learnt the host end's index.
 	if veth.Index == 0 {
-		return fmt.Errorf("create veth %s: its index is unknown", name)
+		return 0, fmt.Errorf("create veth %s: its index is unknown", name)
 	}
 	if err := nl.AddrAdd(veth, &netlink.Addr{IPNet: ipnet(gw), Flags: unix.IFA_F_NOPREFIXROUTE}); err != nil {
-		return fmt.Errorf("address %s on %s: %w", gw, name, err)
+		return 0, fmt.Errorf("address %s on %s: %w", gw, name, err)
 	}
 	if err := nl.LinkSetUp(veth); err != nil {
-		return fmt.Errorf("bring %s up: %w", name, err)
+		return 0, fmt.Errorf("bring %s up: %w", name, err)
 	}
 	if err := nl.RouteAdd(&netlink.Route{LinkIndex: veth.Index, Dst: ipnet(ip), Scope: netlink.SCOPE_LINK}); err != nil {
-		return fmt.Errorf("route to %s: %w", ip, err)
+		return 0, fmt.Errorf("route to %s: %w", ip, err)
 	}
-	return configureInside(nsFD, ip, gw)
+	return veth.Index, configureInside(nsFD, ip, gw)
 }
 
 // configureInside gives the sandbox's eth0 its address and routes.
@@ -127,7 +167,7 @@ func configureInside(nsFD int, ip, gw netip.Addr) error {
 	// neighbour table, one for every namespace (gc_thresh3, 1,024), with
 	// sends to fe80::N%eth0 (found by review, 2026-12-03).
 	if err := onThreadIn(nsFD, func() error {
-		err := os.WriteFile("/proc/sys/net/ipv6/conf/eth0/disable_ipv6", []byte("1"), 0)
+		err := procsys.Write("net/ipv6/conf/eth0/disable_ipv6", "1")
 		if errors.Is(err, os.ErrNotExist) {
 			return nil // a kernel without IPv6
 		}
@@ -151,6 +191,15 @@ func configureInside(nsFD int, ip, gw netip.Addr) error {
 		return fmt.Errorf("default route in the sandbox: %w", err)
 	}
 	return nil
+}
+
+// linkIndex is the index of cage<slot> on the host (0: there is none).
+func linkIndex(slot int) int {
+	l, err := rtnl().LinkByName(ifName(slot))
+	if err != nil {
+		return 0
+	}
+	return l.Attrs().Index
 }
 
 // removeLink deletes cage<slot> (its peer goes with it).

@@ -220,7 +220,7 @@ func (h *Host) Attach(id string, slot int, nsFD int, p Policy) (*Sandbox, error)
 			return nil, err
 		}
 	}
-	if err := attachLink(slot, nsFD, sb.IP, h.gateway); err != nil {
+	if sb.link, err = attachLink(slot, nsFD, sb.IP, h.gateway); err != nil {
 		_ = h.nft.remove(slot)
 		return nil, err
 	}
@@ -240,6 +240,7 @@ func (h *Host) Adopt(id string, slot int, p Policy) (*Sandbox, error) {
 	if _, err := sb.start(); err != nil {
 		return nil, err
 	}
+	sb.link = linkIndex(slot)
 	h.register(sb)
 	return sb, nil
 }
@@ -260,6 +261,21 @@ func (h *Host) bySource(a netip.Addr) *Sandbox {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	return h.byIP[a]
+}
+
+// sender is the sandbox that sent a packet from address a that came in on
+// the host's interface of index link: the sandbox that holds the address
+// now, only if that interface is its own. A slot's address passes to the
+// next sandbox that takes the slot, but its interface is made anew, and
+// the kernel does not hand out an index again: a packet its last holder
+// sent, still queued (in the kernel log's socket, the resolver's) when the
+// slot changed hands, is nobody's, never the new holder's.
+func (h *Host) sender(a netip.Addr, link int) *Sandbox {
+	sb := h.bySource(a)
+	if sb == nil || link == 0 || sb.link != link {
+		return nil
+	}
+	return sb
 }
 
 // GC removes the rules and interfaces of slots that no live sandbox holds
@@ -308,13 +324,14 @@ func TableSlots() ([]int, error) {
 }
 
 // logged turns a kernel log record into a Record: the sandbox is the
-// packet's source (the rules logged it only from its own interface).
-func (h *Host) logged(decision string, pkt []byte) {
+// packet's source on the interface it came in on (the rules logged it only
+// from its own interface; see sender for a slot that changed hands).
+func (h *Host) logged(decision string, inLink int, pkt []byte) {
 	proto, dst, ok := packetDest(pkt)
 	if !ok {
 		return
 	}
-	sb := h.bySource(netip.AddrFrom4([4]byte(pkt[12:16])))
+	sb := h.sender(netip.AddrFrom4([4]byte(pkt[12:16])), inLink)
 	if sb == nil {
 		return
 	}

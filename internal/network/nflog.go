@@ -18,8 +18,9 @@ import (
 // new connection they accept or refuse, through the owner's log chain (at
 // most 20 a second per sandbox and decision), to this process's NFLOG
 // group, with the prefix "cage <a|d>" and the packet's first bytes; the
-// sandbox is the packet's source address (the rules have tied it to the
-// sandbox's interface). A group has one listener, so each cage process
+// sandbox is the packet's source address on the interface it came in on
+// (the rules have tied it to the sandbox's interface; the interface tells
+// a slot's holders apart, see Host.sender). A group has one listener, so each cage process
 // takes a free one.
 
 // nfnetlink_log constants (linux/netfilter/nfnetlink_log.h).
@@ -27,6 +28,7 @@ const (
 	nfnlSubsysULOG     = 4
 	nfulnlMsgPacket    = 0
 	nfulnlMsgConfig    = 1
+	nfulaIfindexIndev  = 4
 	nfulaPayload       = 9
 	nfulaPrefix        = 10
 	nfulaCfgCmd        = 1
@@ -46,7 +48,7 @@ type nflog struct {
 }
 
 // openLog binds a free NFLOG group and delivers what it logs to out.
-func openLog(out func(decision string, pkt []byte)) (*nflog, error) {
+func openLog(out func(decision string, inLink int, pkt []byte)) (*nflog, error) {
 	conn, err := netlink.Dial(unix.NETLINK_NETFILTER, nil)
 	if err != nil {
 		return nil, fmt.Errorf("nflog: %w", err)
@@ -108,7 +110,7 @@ func logConfig(conn *netlink.Conn, group uint16, attrs ...netlink.Attribute) err
 	return err
 }
 
-func (l *nflog) read(out func(decision string, pkt []byte)) {
+func (l *nflog) read(out func(decision string, inLink int, pkt []byte)) {
 	defer close(l.done)
 	for {
 		msgs, err := l.conn.Receive()
@@ -129,8 +131,13 @@ func (l *nflog) read(out func(decision string, pkt []byte)) {
 			}
 			var prefix string
 			var payload []byte
+			var inLink int
 			for ad.Next() {
 				switch ad.Type() {
+				case nfulaIfindexIndev:
+					if b := ad.Bytes(); len(b) == 4 {
+						inLink = int(binary.BigEndian.Uint32(b))
+					}
 				case nfulaPrefix:
 					prefix = strings.TrimRight(string(ad.Bytes()), "\x00")
 				case nfulaPayload:
@@ -141,7 +148,7 @@ func (l *nflog) read(out func(decision string, pkt []byte)) {
 			if len(f) != 2 || f[0] != "cage" {
 				continue
 			}
-			out(f[1], payload)
+			out(f[1], inLink, payload)
 		}
 	}
 }

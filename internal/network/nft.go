@@ -1,6 +1,7 @@
 package network
 
 import (
+	"errors"
 	"fmt"
 	"maps"
 	"net/netip"
@@ -105,9 +106,30 @@ func newNFT() (*nft, error) {
 	return n, nil
 }
 
+// errNFTClosed is what the table's operations say once close has run.
+var errNFTClosed = errors.New("nftables: the host's network is closed")
+
+// close ends the connection and lets go of the namespace's descriptor.
+// What comes after (a sandbox's removal, a resolver's learning, a denied
+// name's refresh still under way) fails with errNFTClosed: it goes to a
+// connection that never dials. Before, the closed connection dialled
+// again on its next use, joining the namespace by the descriptor's number,
+// which by then another file may have taken (a sandbox's namespace, or a
+// file that setns refuses, which cost the thread: a locked thread that
+// failed it was ended, and with it any child whose parent-death signal it
+// carried).
 func (n *nft) close() {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	if n.netns < 0 {
+		return
+	}
 	_ = n.conn.CloseLasting()
+	n.conn, _ = nftables.New(nftables.WithTestDial(func([]netlink.Message) ([]netlink.Message, error) {
+		return nil, errNFTClosed
+	}))
 	unix.Close(n.netns)
+	n.netns = -1
 }
 
 // sandboxRules is what a sandbox's elements are made from.
@@ -301,6 +323,9 @@ func (n *nft) flush(builds ...func(*nftables.Conn) error) error {
 
 // reset replaces the connection, dropping what is queued on it.
 func (n *nft) reset() {
+	if n.netns < 0 {
+		return // closed
+	}
 	c, err := nftables.New(nftables.AsLasting(), nftables.WithNetNSFd(n.netns), nftables.WithSockOptions(groupSocket))
 	if err != nil {
 		return

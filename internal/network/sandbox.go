@@ -22,6 +22,7 @@ type Sandbox struct {
 	Slot int
 	IP   netip.Addr
 	h    *Host
+	link int // index of the host's end of its interface (see Host.sender)
 
 	mu     sync.Mutex
 	policy Policy
@@ -70,6 +71,13 @@ func (sb *Sandbox) Policy() Policy {
 	sb.mu.Lock()
 	defer sb.mu.Unlock()
 	return sb.policy
+}
+
+// gone reports whether the sandbox's network was closed.
+func (sb *Sandbox) gone() bool {
+	sb.mu.Lock()
+	defer sb.mu.Unlock()
+	return sb.closed
 }
 
 // snapshot is the policy and its generation, for an answer to be checked
