@@ -118,6 +118,7 @@ type envdCall struct {
 	connectPid                   uint32 // the process a Connect asked for
 	connectDecoded               bool
 	decodeOnce                   sync.Once
+	inspected                    int // bytes of the response inflated and decoded (onMessage's goroutine only)
 }
 
 func (c *envdCall) event(kind, source string, status int, detail map[string]any) Event {
@@ -292,13 +293,29 @@ func boundedArgv(argv []string) ([]string, string) {
 // event names the pid (and the start is recorded), the end event how the
 // process ended (as the agent says), an end-of-stream error a start that
 // failed.
+//
+// Once nothing is left to learn (the start seen, on a Start stream, and
+// the end), messages are passed unread; what is inflated and decoded of
+// one stream is at most maxInspected.
 func (c *envdCall) onMessage(cd codec, flags byte, msg []byte) {
+	c.mu.Lock()
+	wantStart, wantEnd := c.kind == KindProcessStart && !c.startLogged, !c.endLogged
+	c.mu.Unlock()
+	if !wantStart && !wantEnd || c.inspected >= maxInspected {
+		return
+	}
 	if flags&0x02 != 0 && cd.endJSON { // Connect's end of stream
+		if !wantStart { // it only explains a start that failed
+			return
+		}
 		if flags&1 != 0 {
 			var err error
-			if msg, err = gunzip(msg); err != nil {
+			if msg, err = c.inflate(msg); err != nil {
 				return
 			}
+		}
+		if !c.spend(len(msg)) {
+			return
 		}
 		var eos struct {
 			Error *struct{ Code, Message string } `json:"error"`
@@ -321,12 +338,12 @@ func (c *envdCall) onMessage(cd codec, flags byte, msg []byte) {
 			return // output: a start or end event is far smaller
 		}
 		var err error
-		if msg, err = gunzip(msg); err != nil {
+		if msg, err = c.inflate(msg); err != nil {
 			return
 		}
 		field = processEventField(cd, msg)
 	}
-	if field != 1 && field != 3 {
+	if !(field == 1 && wantStart || field == 3 && wantEnd) || !c.spend(len(msg)) {
 		return
 	}
 	var resp pb.StartResponse // ConnectResponse has the same shape
@@ -354,6 +371,25 @@ func (c *envdCall) onMessage(cd codec, flags byte, msg []byte) {
 	case ev.GetEnd() != nil:
 		c.recordEnd(ev.GetEnd())
 	}
+}
+
+// inflate inflates a compressed message of the response, within what is
+// left of the stream's maxInspected (and at most maxScanned).
+func (c *envdCall) inflate(msg []byte) ([]byte, error) {
+	out, err := gunzip(msg, min(maxScanned, maxInspected-c.inspected))
+	c.inspected += len(out)
+	return out, err
+}
+
+// spend counts n bytes about to be decoded against the stream's
+// maxInspected, and says whether they fit.
+func (c *envdCall) spend(n int) bool {
+	if c.inspected+n > maxInspected {
+		c.inspected = maxInspected
+		return false
+	}
+	c.inspected += n
+	return true
 }
 
 // recordEnd records a process's end as its agent reported it; an end seen

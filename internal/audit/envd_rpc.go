@@ -62,8 +62,10 @@ const maxDecoded = 1 << 20
 
 var errTooLarge = errors.New("larger than the audit trail decodes")
 
-// gunzip inflates b, at most maxDecoded bytes, with a pooled reader.
-func gunzip(b []byte) ([]byte, error) {
+// gunzip inflates b, at most limit bytes, with a pooled reader. Past
+// the limit it returns errTooLarge with what it inflated (limit+1 bytes),
+// so that a caller may count it.
+func gunzip(b []byte, limit int) ([]byte, error) {
 	zr, _ := gzipReaders.Get().(*gzip.Reader)
 	var err error
 	if zr == nil {
@@ -75,12 +77,12 @@ func gunzip(b []byte) ([]byte, error) {
 		return nil, err
 	}
 	defer gzipReaders.Put(zr)
-	out, err := io.ReadAll(io.LimitReader(zr, maxDecoded+1))
+	out, err := io.ReadAll(io.LimitReader(zr, int64(limit)+1))
 	if err != nil {
-		return nil, err
+		return out, err
 	}
-	if len(out) > maxDecoded {
-		return nil, errTooLarge
+	if len(out) > limit {
+		return out, errTooLarge
 	}
 	return out, nil
 }
@@ -95,8 +97,18 @@ func (c codec) unmarshal(b []byte, m proto.Message) error {
 	return proto.UnmarshalOptions{DiscardUnknown: true}.Unmarshal(b, m)
 }
 
-// decodeRequest decodes a captured request body: its first message.
-func (c codec) decodeRequest(body []byte, m proto.Message) error {
+// maxFilesystemMessage bounds a filesystem RPC's message the trail
+// inflates and decodes: the agent's own bound (internal/agent's
+// rpcOptions), past which it refuses the call. Found by review,
+// 2026-12-04: such messages were inflated to 1 MiB, so a tenant's
+// compressed Remove of 1 KiB naming a path of 1 MiB cost the daemon 2 MiB
+// of allocations and its decoding, 16 times what the agent spends before
+// refusing it, at the rate the tenant sent them.
+const maxFilesystemMessage = 64 << 10
+
+// decodeRequest decodes a captured request body: its first message, of
+// at most limit bytes (inflated).
+func (c codec) decodeRequest(body []byte, m proto.Message, limit int) error {
 	msg := body
 	compressed := c.gzip
 	if c.envelope {
@@ -111,9 +123,12 @@ func (c codec) decodeRequest(body []byte, m proto.Message) error {
 	}
 	if compressed {
 		var err error
-		if msg, err = gunzip(msg); err != nil {
+		if msg, err = gunzip(msg, limit); err != nil {
 			return err
 		}
+	}
+	if len(msg) > limit {
+		return errTooLarge
 	}
 	return c.unmarshal(msg, m)
 }
@@ -234,12 +249,25 @@ func decodeCaptured(c *capture, cd codec, m proto.Message) error {
 	if over {
 		return fmt.Errorf("request of %d bytes or more: %w", n, errTooLarge)
 	}
-	return cd.decodeRequest(b, m)
+	limit := maxDecoded
+	if strings.HasPrefix(string(m.ProtoReflect().Descriptor().FullName()), "filesystem.") {
+		limit = maxFilesystemMessage
+	}
+	return cd.decodeRequest(b, m, limit)
 }
 
 // maxScanned bounds a response message the scanner decodes; larger ones
 // are a process's output and are skipped.
 const maxScanned = 64 << 10
+
+// maxInspected bounds what the trail inflates and decodes of one
+// response stream in all: an honest agent's start and end events are
+// tens of bytes, and it compresses no message under 4 KiB. Found by
+// review, 2026-12-04: every compressed message under 1 KiB was inflated
+// (to up to 1 MiB) whatever came before, so a hostile agent's stream of
+// gzip bombs cost the daemon some 2,000 times what it relayed (2.8 MB
+// relayed, 6 GB allocated and 5 s of CPU), on every stream it answered.
+const maxInspected = 1 << 20
 
 // scanner passes a streamed response through and hands each envelope's
 // message (those up to maxScanned bytes) to on, as they complete.
