@@ -15,8 +15,10 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 
 	v1 "github.com/google/go-containerregistry/pkg/v1"
+	"github.com/klauspost/compress/zstd"
 	"golang.org/x/sys/unix"
 )
 
@@ -125,6 +127,18 @@ func TestHostileArchives(t *testing.T) {
 			l.dir("a/", 0o755).dir("a/b/", 0o755).dir("a/b/c/", 0o755).file("a/b/c/x", "x", 0o644).
 				symlink("a/b", c.dir).file("a/b/c/passwd", "pwned", 0o644)
 		}},
+		// A whiteout or an opaque marker aimed through a symlink: the
+		// whiteout would remove the canary and make a device in its place,
+		// the marker set trusted.overlay.opaque on the host's directory.
+		{"whiteout-under-symlink", func(l *layer, c canary) {
+			l.symlink("evil", c.dir).file("evil/.wh.passwd", "", 0o644)
+		}},
+		{"opaque-under-symlink", func(l *layer, c canary) {
+			l.symlink("evil", c.dir).file("evil/.wh..wh..opq", "", 0o644)
+		}},
+		{"whiteout-under-replaced-dir", func(l *layer, c canary) {
+			l.dir("d/", 0o755).file("d/x", "x", 0o644).symlink("d", c.dir).file("d/.wh.passwd", "", 0o644)
+		}},
 		{"checked-parent-replaced-by-file", func(l *layer, c canary) {
 			l.dir("a/b/", 0o755).file("a/b/x", "x", 0o644).file("a", "now a file", 0o644).file("a/b/y", "y", 0o644)
 		}},
@@ -141,8 +155,55 @@ func TestHostileArchives(t *testing.T) {
 			}
 			wantInvalid(t, err, "not a directory")
 			noLeftovers(t, s)
+			if _, err := getxattr(c.dir, "trusted.overlay.opaque"); !errors.Is(err, unix.ENODATA) {
+				t.Errorf("the canary's directory was marked opaque: %v", err)
+			}
 		})
 	}
+
+	t.Run("file-replaces-symlink", func(t *testing.T) {
+		// A later entry of the same name as a symlink to the canary: the
+		// symlink is replaced, never written through.
+		c := newCanary(t)
+		s := openStore(t)
+		l := newLayer(t).symlink("p", c.file).file("p", "inside", 0o644).
+			symlink("q", c.file).hardlink("q", "p")
+		tm, err := importRaw(t, s, Options{}, l.bytes())
+		c.check(t)
+		if err != nil {
+			t.Fatal(err)
+		}
+		dirs, _ := s.LayerDirs(tm)
+		for _, n := range []string{"p", "q"} {
+			if st := lstat(t, filepath.Join(dirs[0], n)); st.Mode&unix.S_IFMT != unix.S_IFREG {
+				t.Errorf("%s: mode %o, want the layer's regular file", n, st.Mode)
+			}
+			if got := readFile(t, filepath.Join(dirs[0], n)); got != "inside" {
+				t.Errorf("%s = %q", n, got)
+			}
+		}
+	})
+
+	t.Run("file-caps-and-setuid", func(t *testing.T) {
+		// A setuid root file keeps its mode (it is root's inside the
+		// sandbox only); a file capability is never set on the host.
+		s := openStore(t)
+		l := newLayer(t).add(tar.Header{Name: "su", Typeflag: tar.TypeReg, Mode: 0o4755, PAXRecords: map[string]string{
+			"SCHILY.xattr.security.capability": "\x01\x00\x00\x02\xff\xff\xff\xff\x00\x00\x00\x00\xff\xff\xff\xff\x00\x00\x00\x00",
+		}}, "x")
+		tm, err := importRaw(t, s, Options{}, l.bytes())
+		if err != nil {
+			t.Fatal(err)
+		}
+		dirs, _ := s.LayerDirs(tm)
+		p := filepath.Join(dirs[0], "su")
+		if st := lstat(t, p); st.Mode&0o7777 != 0o4755 || st.Uid != 0 {
+			t.Errorf("su: mode %o uid %d, want 4755 root's", st.Mode&0o7777, st.Uid)
+		}
+		if _, err := getxattr(p, "security.capability"); !errors.Is(err, unix.ENODATA) {
+			t.Errorf("su has a file capability: %v", err)
+		}
+	})
 
 	for _, tc := range []struct{ name, target, want string }{
 		{"hardlink-abs-outside", "@/passwd", "not an earlier file"},
@@ -317,6 +378,14 @@ func TestHostileArchives(t *testing.T) {
 		}
 	})
 
+	t.Run("symlink-target-too-long", func(t *testing.T) {
+		// Linux takes at most 4,095 bytes; a PAX header carries up to 1 MiB.
+		s := openStore(t)
+		_, err := importRaw(t, s, Options{}, newLayer(t).symlink("s", strings.Repeat("a/", 4000)).bytes())
+		wantInvalid(t, err, "symlink \"s\" has a target of 8000 bytes")
+		noLeftovers(t, s)
+	})
+
 	t.Run("bad-whiteout", func(t *testing.T) {
 		s := openStore(t)
 		_, err := importRaw(t, s, Options{}, newLayer(t).file("d/.wh..wh.plnk", "", 0o644).bytes())
@@ -480,4 +549,87 @@ func TestImportCanceled(t *testing.T) {
 		t.Errorf("Import with a canceled context = %v", err)
 	}
 	noLeftovers(t, s)
+}
+
+// Attack: whoever may write an OCI layout's directory swaps a blob for a
+// FIFO after the importer has looked at it. Expected: the import fails at
+// once, naming the blob; before, root's open of the FIFO blocked for good.
+func TestImportBlobSwappedForFIFO(t *testing.T) {
+	requireRoot(t)
+	s := openStore(t)
+	l := newLayer(t).file("f", "f", 0o644).bytes()
+	img := buildImage(t, v1.Config{}, [][]byte{l})
+	dir := writeOCIDir(t, img, "latest")
+	layers, _ := img.Layers()
+	d, _ := layers[0].Digest()
+	blob := "blobs/sha256/" + d.Hex
+	testHookBeforeOpen = func(name string) {
+		if name != blob {
+			return
+		}
+		fifo := filepath.Join(dir, "fifo")
+		if err := unix.Mkfifo(fifo, 0o644); err != nil {
+			t.Error(err)
+		}
+		if err := os.Rename(fifo, filepath.Join(dir, blob)); err != nil {
+			t.Error(err)
+		}
+	}
+	defer func() { testHookBeforeOpen = nil }()
+	done := make(chan error, 1)
+	go func() {
+		_, err := s.Import(context.Background(), dir, "x", Options{})
+		done <- err
+	}()
+	select {
+	case err := <-done:
+		wantInvalid(t, err, "not a regular file")
+		noLeftovers(t, s)
+	case <-time.After(10 * time.Second):
+		// Let the blocked open go before the test's directory is removed.
+		if f, err := os.OpenFile(filepath.Join(dir, blob), os.O_WRONLY, 0); err == nil {
+			f.Close()
+		}
+		t.Fatal("the import blocked on a FIFO swapped in for its layer blob")
+	}
+}
+
+// zstdLayer compresses l with zstd, declaring a window of window bytes.
+func zstdLayer(t *testing.T, l []byte, window int) []byte {
+	t.Helper()
+	var buf bytes.Buffer
+	zw, err := zstd.NewWriter(&buf, zstd.WithWindowSize(window), zstd.WithSingleSegment(false), zstd.WithEncoderConcurrency(1))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := zw.Write(l); err != nil {
+		t.Fatal(err)
+	}
+	if err := zw.Close(); err != nil {
+		t.Fatal(err)
+	}
+	return buf.Bytes()
+}
+
+// Attack: a zstd layer declaring a 512 MiB window, which its decoder keeps
+// as history: 67 KB of zstd holding 600 MiB of zeros took the importer 513
+// MiB. Expected: a window past zstd's own default limit (128 MiB) is
+// refused in one line before anything is unpacked; an 8 MiB one (zstd's
+// usual) imports.
+func TestZstdWindowBounded(t *testing.T) {
+	requireRoot(t)
+	ctx := context.Background()
+	l := newLayer(t).file("f", "f", 0o644).file("zeros", strings.Repeat("\x00", 1<<20), 0o644).bytes()
+	s := openStore(t)
+	_, err := s.Import(ctx, rawArchive(t, configFor(t, diffID(l)), zstdLayer(t, l, 512<<20)), "big", Options{})
+	wantInvalid(t, err, "window")
+	noLeftovers(t, s)
+	tm, err := s.Import(ctx, rawArchive(t, configFor(t, diffID(l)), zstdLayer(t, l, 8<<20)), "usual", Options{})
+	if err != nil {
+		t.Fatalf("a zstd layer of an 8 MiB window: %v", err)
+	}
+	dirs, _ := s.LayerDirs(tm)
+	if got := readFile(t, filepath.Join(dirs[0], "f")); got != "f" {
+		t.Errorf("f = %q", got)
+	}
 }

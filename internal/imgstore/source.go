@@ -2,7 +2,9 @@ package imgstore
 
 import (
 	"archive/tar"
+	"bufio"
 	"bytes"
+	"compress/gzip"
 	"context"
 	"crypto/sha256"
 	"encoding/hex"
@@ -17,14 +19,15 @@ import (
 	"path/filepath"
 	"sort"
 	"strings"
+	"syscall"
 
 	"github.com/google/go-containerregistry/pkg/authn"
 	"github.com/google/go-containerregistry/pkg/name"
 	v1 "github.com/google/go-containerregistry/pkg/v1"
-	"github.com/google/go-containerregistry/pkg/v1/partial"
 	"github.com/google/go-containerregistry/pkg/v1/remote"
 	"github.com/google/go-containerregistry/pkg/v1/tarball"
 	"github.com/google/go-containerregistry/pkg/v1/types"
+	"github.com/klauspost/compress/zstd"
 )
 
 // platform is the one platform templates are taken for.
@@ -58,17 +61,27 @@ func openArchive(p, name string) (*image, error) {
 	if err != nil {
 		return nil, err
 	}
-	fi, err := os.Stat(abs)
+	// Whoever may write where the archive is may swap it between a look
+	// and an open: it is opened without blocking (a FIFO would hold the
+	// import for good) and what was opened is looked at.
+	f, err := os.OpenFile(abs, os.O_RDONLY|syscall.O_NONBLOCK, 0)
 	if err != nil {
+		return nil, err
+	}
+	fi, err := f.Stat()
+	if err != nil {
+		f.Close()
 		return nil, err
 	}
 	var b blobs
 	switch {
 	case fi.IsDir():
+		f.Close()
 		b, err = openDirBlobs(abs)
 	case fi.Mode().IsRegular():
-		b, err = openTarBlobs(abs)
+		b, err = openTarBlobs(f, abs)
 	default:
+		f.Close()
 		return nil, invalidf("%s is neither a file nor a directory", abs)
 	}
 	if err != nil {
@@ -147,12 +160,24 @@ func (d *dirBlobs) open(name string) (io.ReadCloser, error) {
 	if !fi.Mode().IsRegular() {
 		return nil, invalidf("%s in the archive is not a regular file", name)
 	}
-	f, err := d.root.Open(name)
+	if testHookBeforeOpen != nil {
+		testHookBeforeOpen(name)
+	}
+	// It may have been swapped since (a FIFO would block the open).
+	f, err := d.root.OpenFile(name, os.O_RDONLY|syscall.O_NONBLOCK, 0)
 	if err != nil {
 		return nil, invalidf("%s: %v", name, err)
 	}
+	if fi, err := f.Stat(); err != nil || !fi.Mode().IsRegular() {
+		f.Close()
+		return nil, invalidf("%s in the archive is not a regular file", name)
+	}
 	return f, nil
 }
+
+// testHookBeforeOpen, when set (by tests), runs between a blob's look and
+// its open: where whoever may write the archive could swap it.
+var testHookBeforeOpen func(name string)
 
 func (d *dirBlobs) has(name string) bool {
 	_, err := d.root.Stat(name)
@@ -173,11 +198,8 @@ type tarEntry struct {
 	link         string // for a symlink or hard link: the cleaned path it names
 }
 
-func openTarBlobs(p string) (*tarBlobs, error) {
-	f, err := os.Open(p)
-	if err != nil {
-		return nil, err
-	}
+// openTarBlobs indexes f, the archive p, a regular file; it takes f.
+func openTarBlobs(f *os.File, p string) (*tarBlobs, error) {
 	if err := refuseCompressed(f, p); err != nil {
 		f.Close()
 		return nil, err
@@ -445,17 +467,55 @@ func checkLayerDescriptor(d v1.Descriptor) error {
 }
 
 // uncompressedOpener opens a layer blob and undoes its compression (gzip,
-// zstd or none, found by looking) through go-containerregistry. A known
-// compressed digest is checked as the blob is read.
+// zstd or none, found by looking). A known compressed digest is checked as
+// the blob is read.
 func uncompressedOpener(b blobs, p string, digest v1.Hash) func() (io.ReadCloser, error) {
 	return func() (io.ReadCloser, error) {
-		l, err := partial.CompressedToLayer(&blobLayer{b: b, path: p, digest: digest})
+		rc, err := (&blobLayer{b: b, path: p, digest: digest}).Compressed()
 		if err != nil {
 			return nil, err
 		}
-		return l.Uncompressed()
+		return uncompress(rc)
 	}
 }
+
+// maxZstdWindow is the largest zstd window a layer may ask for: the
+// reference decoder's own default limit (zstd refuses more unless given
+// --long or --memory). The decoder keeps a window's worth of history, and
+// go-containerregistry's allowed 512 MiB: a 67 KB layer declaring it took
+// the importer 513 MiB.
+const maxZstdWindow = 128 << 20
+
+// uncompress undoes a layer stream's compression (gzip, zstd or none,
+// found by looking) and closes rc with the result.
+func uncompress(rc io.ReadCloser) (io.ReadCloser, error) {
+	br := bufio.NewReader(rc)
+	magic, _ := br.Peek(4)
+	switch {
+	case len(magic) >= 2 && magic[0] == 0x1f && magic[1] == 0x8b:
+		zr, err := gzip.NewReader(br)
+		if err != nil {
+			rc.Close()
+			return nil, err
+		}
+		return &readCloser{Reader: zr, close: func() error { zr.Close(); return rc.Close() }}, nil
+	case len(magic) == 4 && bytes.Equal(magic, []byte{0x28, 0xb5, 0x2f, 0xfd}):
+		zr, err := zstd.NewReader(br, zstd.WithDecoderMaxWindow(maxZstdWindow), zstd.WithDecoderConcurrency(1))
+		if err != nil {
+			rc.Close()
+			return nil, err
+		}
+		return &readCloser{Reader: zr, close: func() error { zr.Close(); return rc.Close() }}, nil
+	}
+	return &readCloser{Reader: br, close: rc.Close}, nil
+}
+
+type readCloser struct {
+	io.Reader
+	close func() error
+}
+
+func (r *readCloser) Close() error { return r.close() }
 
 // blobLayer is a layer blob of an archive, as partial.CompressedLayer.
 type blobLayer struct {
@@ -595,7 +655,13 @@ func remoteImage(ctx context.Context, ref string, o Options) (*image, error) {
 	}
 	out := &image{source: "registry:" + r.Name(), config: config, close: func() {}}
 	for _, l := range layers {
-		out.layers = append(out.layers, l.Uncompressed)
+		out.layers = append(out.layers, func() (io.ReadCloser, error) {
+			rc, err := l.Compressed() // its digest checked as it is read
+			if err != nil {
+				return nil, err
+			}
+			return uncompress(rc)
+		})
 	}
 	return out, nil
 }

@@ -212,7 +212,12 @@ func (u *unpacker) parentFD(dir string) (int, error) {
 	var f *os.File
 	if u.parent != nil && dir != "." && path.Dir(dir) == u.parentName {
 		// One level down from the open one (knownDir checks a path top
-		// down): one name to resolve, not the whole path again.
+		// down): one name to resolve, not the whole path again. It is
+		// charged all the same: entries alternating between two deep
+		// chains go down one of them, a name at a time, for each entry.
+		if err := u.budget.walk(1); err != nil {
+			return -1, err
+		}
 		fd, err := unix.Openat(int(u.parent.Fd()), path.Base(dir), unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
 		if err != nil {
 			return -1, fmt.Errorf("%s: %s: %w", u.label, dir, err)
@@ -417,6 +422,9 @@ func (u *unpacker) symlink(name string, hdr *tar.Header) error {
 	if hdr.Linkname == "" {
 		return invalidf("%s: symlink %q has no target", u.label, hdr.Name)
 	}
+	if len(hdr.Linkname) >= maxEntryName || strings.ContainsRune(hdr.Linkname, 0) {
+		return invalidf("%s: symlink %q has a target of %d bytes or one holding a NUL (at most %d bytes)", u.label, hdr.Name, len(hdr.Linkname), maxEntryName-1)
+	}
 	parent, _, err := u.prepare(name, false)
 	if err != nil {
 		return err
@@ -455,6 +463,9 @@ func (u *unpacker) hardlink(name string, hdr *tar.Header) error {
 	if err := u.knownDir(path.Dir(target), false); errors.Is(err, ErrInvalid) {
 		return notEarlier
 	} else if err != nil {
+		return err
+	}
+	if err := u.budget.walk(strings.Count(target, "/") + 1); err != nil {
 		return err
 	}
 	tdir, err := u.root.OpenFile(path.Dir(target), os.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW, 0)
@@ -511,6 +522,9 @@ func (u *unpacker) whiteout(name string) error {
 
 func (u *unpacker) opaque(dir string) error {
 	if err := u.knownDir(dir, true); err != nil {
+		return err
+	}
+	if err := u.budget.walk(strings.Count(dir, "/") + 1); err != nil {
 		return err
 	}
 	f, err := u.root.OpenFile(dir, os.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW, 0)
