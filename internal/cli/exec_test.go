@@ -7,11 +7,14 @@ import (
 	"net"
 	"net/http"
 	"net/http/httptest"
+	"os"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
 
+	"golang.org/x/sys/unix"
 	"google.golang.org/protobuf/proto"
 
 	pb "github.com/cagehq/cage/api/gen/process"
@@ -135,4 +138,100 @@ func TestExecOutputBounded(t *testing.T) {
 	if out.n != 64<<20 {
 		t.Errorf("%d bytes written, want 64 MiB", out.n)
 	}
+}
+
+// TestExecTerminalRestoredAtSignals: `cage exec -t` makes the caller's
+// terminal raw while the command runs. A SIGTERM from outside, then a
+// second, against an agent that never ends the command, ends cage exec
+// with 130 and the terminal cooked again (echo, lines) (before, with a
+// terminal, the signals were not caught: the first ended cage at once,
+// its terminal left raw, echoing nothing).
+func TestExecTerminalRestoredAtSignals(t *testing.T) {
+	_, pts := openPTY(t)
+	before, err := unix.IoctlGetTermios(int(pts.Fd()), unix.TCGETS)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if before.Lflag&(unix.ECHO|unix.ICANON) != unix.ECHO|unix.ICANON {
+		t.Fatalf("a new terminal is not cooked: lflag %#x", before.Lflag)
+	}
+	stdin := os.Stdin
+	os.Stdin = pts
+	defer func() { os.Stdin = stdin }()
+
+	srv, started := neverEndingAgent(t)
+	ac := agentclient.New(func(ctx context.Context) (net.Conn, error) {
+		var d net.Dialer
+		return d.DialContext(ctx, "tcp", strings.TrimPrefix(srv.URL, "http://"))
+	}, "tok")
+	defer ac.Close()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	done := make(chan error, 1)
+	go func() {
+		done <- execIn(ctx, ac, agentclient.RunOptions{Cmd: "sleep", Args: []string{"1000"}, Stdout: new(strings.Builder),
+			Stderr: new(strings.Builder)}, "always", &types.SandboxDetail{})
+	}()
+	select {
+	case <-started:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the command did not start")
+	}
+	time.Sleep(300 * time.Millisecond) // the start event read: the pid known
+	raw, err := unix.IoctlGetTermios(int(pts.Fd()), unix.TCGETS)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if raw.Lflag&(unix.ECHO|unix.ICANON) != 0 {
+		t.Fatalf("the terminal is not raw while the command runs: lflag %#x", raw.Lflag)
+	}
+	for range 2 {
+		if err := syscall.Kill(syscall.Getpid(), syscall.SIGTERM); err != nil {
+			t.Fatal(err)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	select {
+	case err := <-done:
+		var ee *exitError
+		if !errors.As(err, &ee) || ee.code != 130 {
+			t.Fatalf("got %v, want exit 130", err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("cage exec still waits for the agent 10 s after the second SIGTERM")
+	}
+	after, err := unix.IoctlGetTermios(int(pts.Fd()), unix.TCGETS)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if after.Lflag != before.Lflag || after.Iflag != before.Iflag || after.Oflag != before.Oflag {
+		t.Errorf("the terminal was left changed: lflag %#x iflag %#x oflag %#x, was %#x %#x %#x",
+			after.Lflag, after.Iflag, after.Oflag, before.Lflag, before.Iflag, before.Oflag)
+	}
+}
+
+// neverEndingAgent is an agent that starts a command (pid 7) and then
+// never ends its stream nor answers anything else.
+func neverEndingAgent(t *testing.T) (*httptest.Server, chan struct{}) {
+	ev, _ := proto.Marshal(&pb.StartResponse{Event: &pb.ProcessEvent{Event: &pb.ProcessEvent_Start{Start: &pb.ProcessEvent_StartEvent{Pid: 7}}}})
+	frame := make([]byte, 5+len(ev))
+	binary.BigEndian.PutUint32(frame[1:5], uint32(len(ev)))
+	copy(frame[5:], ev)
+	started := make(chan struct{})
+	var once sync.Once
+	srv := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if strings.HasSuffix(r.URL.Path, "/Start") {
+			w.Header().Set("Content-Type", "application/connect+proto")
+			w.WriteHeader(http.StatusOK)
+			_, _ = w.Write(frame)
+			w.(http.Flusher).Flush()
+			once.Do(func() { close(started) })
+		}
+		<-r.Context().Done()
+	}))
+	srv.Config.Protocols = new(http.Protocols)
+	srv.Config.Protocols.SetUnencryptedHTTP2(true)
+	srv.Start()
+	t.Cleanup(srv.Close)
+	return srv, started
 }

@@ -248,16 +248,22 @@ func runCommand(ctx context.Context, g *globals, f *runFlags, args []string, std
 	gaveUp := make(chan struct{}) // closed at the second signal
 	var giveUp sync.Once
 	if usePTY {
-		restore = setupPTY(ctx, client, &opts)
+		// Undone on every way out (a timeout, a second signal): a
+		// terminal left raw echoes nothing and ignores Ctrl-C.
+		restore = sync.OnceFunc(setupPTY(ctx, client, &opts))
+		defer restore()
 	} else {
 		opts.Stdin = os.Stdin
-		stop := forwardSignals(ctx, client, &opts, func() {
-			interrupted.Store(true)
-			_ = sb.Destroy()
-			giveUp.Do(func() { close(gaveUp) })
-		})
-		defer stop()
 	}
+	// With a terminal too: raw, it sends no SIGINT of its own, but a
+	// SIGTERM or SIGHUP from outside (a closed terminal) ended cage at
+	// once, its terminal left raw.
+	stop := forwardSignals(ctx, client, &opts, func() {
+		interrupted.Store(true)
+		_ = sb.Destroy()
+		giveUp.Do(func() { close(gaveUp) })
+	})
+	defer stop()
 	trace.Mark("run")
 	// Run returns once the output is written out, however slowly it is
 	// read, unless a second signal says to stop: a consumer of stdout
@@ -459,7 +465,13 @@ func signalNumber(status string) int {
 // SIGTERM; a second one (or one before the command started) calls second.
 func forwardSignals(ctx context.Context, c *agentclient.Client, opts *agentclient.RunOptions, second func()) func() {
 	var pid atomic.Uint32
-	opts.OnStart = func(p uint32) { pid.Store(p) }
+	prev := opts.OnStart // setupPTY's, for resizes
+	opts.OnStart = func(p uint32) {
+		pid.Store(p)
+		if prev != nil {
+			prev(p)
+		}
+	}
 	return onInterrupts(func() bool {
 		if pid.Load() == 0 {
 			return false

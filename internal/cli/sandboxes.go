@@ -355,33 +355,39 @@ func execIn(ctx context.Context, ac *agentclient.Client, opts agentclient.RunOpt
 	var restore func()
 	gaveUp := make(chan struct{}) // closed at the second signal
 	if tty == "always" || (tty == "auto" && term.IsTerminal(int(os.Stdin.Fd()))) {
-		restore = setupPTY(ctx, ac, &opts)
+		// Undone on every way out (a second signal included): a
+		// terminal left raw echoes nothing and ignores Ctrl-C.
+		restore = sync.OnceFunc(setupPTY(ctx, ac, &opts))
+		defer restore()
 	} else {
 		opts.Stdin = os.Stdin
-		var pid atomic.Uint32
-		var giveUp sync.Once
-		stop := forwardSignals(ctx, ac, &opts, func() {
-			// The second signal kills the command and ends cage exec
-			// whatever the agent does: it is inside the wall, and one
-			// that never ends the stream (or never answers) held cage
-			// exec through every SIGINT, SIGTERM and SIGHUP.
-			if p := pid.Load(); p != 0 {
-				sel := &pb.ProcessSelector{Selector: &pb.ProcessSelector_Pid{Pid: p}}
-				sctx, cancel := context.WithTimeout(ctx, signalWait)
-				_, _ = ac.Process.SendSignal(sctx, connect.NewRequest(&pb.SendSignalRequest{Process: sel, Signal: pb.Signal_SIGNAL_SIGKILL}))
-				cancel()
-			}
-			giveUp.Do(func() { close(gaveUp) })
-		})
-		prev := opts.OnStart
-		opts.OnStart = func(p uint32) {
-			pid.Store(p)
-			if prev != nil {
-				prev(p)
-			}
-		}
-		defer stop()
 	}
+	// With a terminal too: raw, it sends no SIGINT of its own, but a
+	// SIGTERM or SIGHUP from outside (a closed terminal) ended cage exec
+	// at once, its terminal left raw and the command running.
+	var pid atomic.Uint32
+	var giveUp sync.Once
+	stop := forwardSignals(ctx, ac, &opts, func() {
+		// The second signal kills the command and ends cage exec
+		// whatever the agent does: it is inside the wall, and one
+		// that never ends the stream (or never answers) held cage
+		// exec through every SIGINT, SIGTERM and SIGHUP.
+		if p := pid.Load(); p != 0 {
+			sel := &pb.ProcessSelector{Selector: &pb.ProcessSelector_Pid{Pid: p}}
+			sctx, cancel := context.WithTimeout(ctx, signalWait)
+			_, _ = ac.Process.SendSignal(sctx, connect.NewRequest(&pb.SendSignalRequest{Process: sel, Signal: pb.Signal_SIGNAL_SIGKILL}))
+			cancel()
+		}
+		giveUp.Do(func() { close(gaveUp) })
+	})
+	prev := opts.OnStart
+	opts.OnStart = func(p uint32) {
+		pid.Store(p)
+		if prev != nil {
+			prev(p)
+		}
+	}
+	defer stop()
 	type ran struct {
 		end *pb.ProcessEvent_EndEvent
 		err error

@@ -7,10 +7,12 @@ import (
 	"os"
 	"strings"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
 	"github.com/creack/pty"
+	"golang.org/x/sys/unix"
 )
 
 // ptyRun is cage started on a terminal: its stdin and stdout are the slave
@@ -166,5 +168,100 @@ func TestTerminalCtrlC(t *testing.T) {
 		t.Errorf("Ctrl-C on the terminal: exit %d, terminal %q; want the command to get SIGINT (got-int, exit 9)", code, out)
 	}
 	noPanic(t, p.stderr.String())
+	e.noLeftovers()
+}
+
+// TestTerminalLeftCooked: `cage run` on a terminal makes it raw while the
+// command runs; however the run ends it is cooked again (echo, lines)
+// when cage exits: at its timeout (the sandbox destroyed under a command
+// that never ends), and at a SIGTERM from outside, then a second (before,
+// the timeout's way out returned without undoing it, and a SIGTERM ended
+// cage at once: either way the caller's shell was left echoing nothing).
+func TestTerminalLeftCooked(t *testing.T) {
+	e := setup(t)
+	for _, c := range []struct {
+		name    string
+		args    []string
+		signals int
+	}{
+		{"timeout", []string{"run", "--timeout", "2s", "--", "bash", "-c", "echo READY; sleep 100"}, 0},
+		{"SIGTERM twice", []string{"run", "--timeout", "60s", "--", "bash", "-c", "trap '' TERM; echo READY; sleep 100"}, 2},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			master, tty, err := pty.Open()
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer master.Close()
+			defer tty.Close() // held here too, to read its settings once cage is gone
+			before, err := unix.IoctlGetTermios(int(tty.Fd()), unix.TCGETS)
+			if err != nil {
+				t.Fatal(err)
+			}
+			ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+			defer cancel()
+			cmd := e.command(ctx, c.args...)
+			var stderr bytes.Buffer
+			cmd.Stdin, cmd.Stdout, cmd.Stderr = tty, tty, &stderr
+			cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true, Setctty: true}
+			if err := cmd.Start(); err != nil {
+				t.Fatal(err)
+			}
+			var mu sync.Mutex
+			var out bytes.Buffer
+			go func() {
+				buf := make([]byte, 4096)
+				for {
+					n, err := master.Read(buf)
+					mu.Lock()
+					out.Write(buf[:n])
+					mu.Unlock()
+					if err != nil {
+						return
+					}
+				}
+			}()
+			deadline := time.Now().Add(30 * time.Second)
+			for {
+				mu.Lock()
+				ready := strings.Contains(out.String(), "READY")
+				mu.Unlock()
+				if ready {
+					break
+				}
+				if time.Now().After(deadline) {
+					_ = cmd.Process.Kill()
+					_ = cmd.Wait()
+					t.Fatalf("never saw READY on the terminal; stderr %q", stderr.String())
+				}
+				time.Sleep(10 * time.Millisecond)
+			}
+			raw, err := unix.IoctlGetTermios(int(tty.Fd()), unix.TCGETS)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if raw.Lflag&(unix.ECHO|unix.ICANON) != 0 {
+				t.Errorf("the terminal is not raw while the command runs: lflag %#x", raw.Lflag)
+			}
+			for range c.signals {
+				_ = cmd.Process.Signal(syscall.SIGTERM)
+				time.Sleep(200 * time.Millisecond)
+			}
+			code := exitCodeOf(t, cmd.Wait())
+			t.Logf("%s: exit %d, stderr %q", c.name, code, stderr.String())
+			if code == 0 || code == -1 {
+				t.Errorf("%s: exit %d, want cage's own failure", c.name, code)
+			}
+			noPanic(t, stderr.String())
+			after, err := unix.IoctlGetTermios(int(tty.Fd()), unix.TCGETS)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if after.Lflag != before.Lflag || after.Iflag != before.Iflag || after.Oflag != before.Oflag {
+				t.Errorf("%s: cage left the terminal changed: lflag %#x iflag %#x oflag %#x, was %#x %#x %#x", c.name,
+					after.Lflag, after.Iflag, after.Oflag, before.Lflag, before.Iflag, before.Oflag)
+			}
+		})
+	}
 	e.noLeftovers()
 }
