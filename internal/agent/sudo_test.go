@@ -283,3 +283,46 @@ func TestGroupMember(t *testing.T) {
 		t.Error("no group file: a member")
 	}
 }
+
+// TestSudoSignalRightAfterRequest: a signal that reaches the sudo client
+// just after it sent its request (the command already started and
+// writing, the client not yet run again, as on a busy host) goes to the
+// command as any other: here the client is held for half a second after
+// its send, and SIGTERM comes as soon as the command has written. Before,
+// the client caught signals only after that point, so SIGTERM killed the
+// client itself (CI saw it: TestSudoClientGone under load).
+func TestSudoSignalRightAfterRequest(t *testing.T) {
+	e := newSudoEnv(t)
+	// The client as is, with its socket.send_fds slowed down after the
+	// send: what a preemption right after it does.
+	prelude := `import socket, sys, time
+_send = socket.send_fds
+def _slow(*a, **k):
+    r = _send(*a, **k)
+    time.sleep(0.5)
+    return r
+socket.send_fds = _slow
+sys.argv = sys.argv[1:]
+exec(compile(open(sys.argv[0]).read(), sys.argv[0], "exec"), {"__name__": "__main__"})
+`
+	c := e.cmd(1000, "", "sh", "-c", `trap 'echo got-term; exit 3' TERM; echo $$; while :; do sleep 0.05; done`)
+	c.Args = append([]string{c.Args[0], "-c", prelude}, c.Args[1:]...)
+	stdout, _ := c.StdoutPipe()
+	var stderr strings.Builder
+	c.Stderr = &stderr
+	if err := c.Start(); err != nil {
+		t.Fatal(err)
+	}
+	r := bufio.NewReader(stdout)
+	line, _ := r.ReadString('\n')
+	if _, err := strconv.Atoi(strings.TrimSpace(line)); err != nil {
+		t.Fatalf("first line %q, stderr %q", line, stderr.String())
+	}
+	c.Process.Signal(syscall.SIGTERM)
+	rest, _ := r.ReadString('\n')
+	err := c.Wait()
+	if ee, ok := err.(*exec.ExitError); !ok || ee.ExitCode() != 3 || rest != "got-term\n" {
+		t.Errorf("SIGTERM to the client right after its request: %v, output %q, stderr %q; want the command's trap to answer, exit 3",
+			err, rest, stderr.String())
+	}
+}
