@@ -53,6 +53,10 @@ func New(api, proxy, key string) *Client {
 		http: &http.Client{Timeout: 5 * time.Minute}}
 }
 
+// UseTransport has the client's API calls go through rt (the daemon's own
+// clients: a transport that dials with connLimiter.dialOwn).
+func (c *Client) UseTransport(rt http.RoundTripper) { c.http.Transport = rt }
+
 func (c *Client) do(ctx context.Context, method, path string, body, out any) (http.Header, error) {
 	var rd io.Reader
 	if body != nil {

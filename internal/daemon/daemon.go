@@ -412,10 +412,11 @@ func Run(ctx context.Context, cfg Config, log *slog.Logger, ready func(apiAddr, 
 	defer tb.stop() // before the host closes
 	apiH := api.Handler(api.Config{Cluster: cl.api(), Manager: mgr, Store: st, Log: log, Domain: cfg.Domain,
 		DefaultWall: cfg.DefaultWall, Audit: trail, Metrics: mx, Rates: cfg.Limits.rates(), Build: tb.build})
-	// The dashboard's and /mcp's connections to the proxy are the
-	// daemon's own: held to its bound on all connections only.
+	// The dashboard's and /mcp's connections to the proxy, and /mcp's to
+	// the API, are the daemon's own: held to each listener's bound on all
+	// connections only.
 	proxyDial := proxyL.(*connLimiter).dialOwn
-	apiMux, stopUI, err := withUI(cfg.UI, withMCP(apiH, st, trail, apiL.Addr(), proxyL.Addr(), proxyDial, log), apiH, st, mgr, host,
+	apiMux, stopUI, err := withUI(cfg.UI, withMCP(apiH, st, trail, apiL.Addr(), proxyL.Addr(), apiL.(*connLimiter).dialOwn, proxyDial, log), apiH, st, mgr, host,
 		trail, proxyL.Addr(), proxyDial, cfg.Data, cfg.RunDir, log)
 	if err != nil {
 		apiL.Close()

@@ -7,6 +7,7 @@ import (
 	"net/http"
 	"strconv"
 	"strings"
+	"time"
 
 	"github.com/cagehq/cage/internal/api"
 	"github.com/cagehq/cage/internal/audit"
@@ -23,8 +24,16 @@ import (
 // Each request to /mcp goes into the audit trail as an API call (its
 // client, the key's id or none, the status); the tools' own calls are the
 // API's and the proxy's, recorded there.
-func withMCP(apiHandler *api.Server, st *store.Store, trail *audit.Trail, apiAddr, proxyAddr net.Addr, proxyDial dialFunc, log *slog.Logger) http.Handler {
+//
+// The tools' calls to the API and the proxy come from the loopback
+// address, as every local client's do: they are dialled as the daemon's
+// own (apiDial, proxyDial), held to each listener's bound on all
+// connections only, so that many keys' tools at once neither fill the
+// loopback address's bound for the operator's cage commands nor are
+// refused by it.
+func withMCP(apiHandler *api.Server, st *store.Store, trail *audit.Trail, apiAddr, proxyAddr net.Addr, apiDial, proxyDial dialFunc, log *slog.Logger) http.Handler {
 	api, proxy := dialURL(apiAddr), dialURL(proxyAddr)
+	apiTransport := &http.Transport{DialContext: apiDial, MaxIdleConnsPerHost: 16, IdleConnTimeout: 90 * time.Second}
 	h := mcp.Handler(mcp.HTTPConfig{
 		Log: log,
 		Verify: func(key string) (string, error) {
@@ -66,6 +75,7 @@ func withMCP(apiHandler *api.Server, st *store.Store, trail *audit.Trail, apiAdd
 			c := client.New(api, proxy, key)
 			c.HostSide = true
 			c.Dial = proxyDial
+			c.UseTransport(apiTransport)
 			return mcp.Config{Client: c, ProxyURL: publicURL(proxyAddr, r)}
 		},
 	})
