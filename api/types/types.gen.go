@@ -1158,7 +1158,7 @@ type VolumeAndToken struct {
 	VolumeID string `json:"volumeID"`
 }
 
-// VolumeContentError An error of the volume content API, in E2B's shape for it: a code word (bad_request, unauthorized, not_found, conflict, request_too_large, insufficient_storage, internal) rather than the status.
+// VolumeContentError An error of the volume content API, in E2B's shape for it: a code word (bad_request, unauthorized, not_found, conflict, request_too_large, rate_limited, insufficient_storage, internal) rather than the status.
 type VolumeContentError struct {
 	Code    string `json:"code"`
 	Message string `json:"message"`
@@ -1277,25 +1277,28 @@ type N500 = Error
 // N503 defines model for 503.
 type N503 = Error
 
-// VolumeContent400 An error of the volume content API, in E2B's shape for it: a code word (bad_request, unauthorized, not_found, conflict, request_too_large, insufficient_storage, internal) rather than the status.
+// VolumeContent400 An error of the volume content API, in E2B's shape for it: a code word (bad_request, unauthorized, not_found, conflict, request_too_large, rate_limited, insufficient_storage, internal) rather than the status.
 type VolumeContent400 = VolumeContentError
 
-// VolumeContent401 An error of the volume content API, in E2B's shape for it: a code word (bad_request, unauthorized, not_found, conflict, request_too_large, insufficient_storage, internal) rather than the status.
+// VolumeContent401 An error of the volume content API, in E2B's shape for it: a code word (bad_request, unauthorized, not_found, conflict, request_too_large, rate_limited, insufficient_storage, internal) rather than the status.
 type VolumeContent401 = VolumeContentError
 
-// VolumeContent404 An error of the volume content API, in E2B's shape for it: a code word (bad_request, unauthorized, not_found, conflict, request_too_large, insufficient_storage, internal) rather than the status.
+// VolumeContent404 An error of the volume content API, in E2B's shape for it: a code word (bad_request, unauthorized, not_found, conflict, request_too_large, rate_limited, insufficient_storage, internal) rather than the status.
 type VolumeContent404 = VolumeContentError
 
-// VolumeContent409 An error of the volume content API, in E2B's shape for it: a code word (bad_request, unauthorized, not_found, conflict, request_too_large, insufficient_storage, internal) rather than the status.
+// VolumeContent409 An error of the volume content API, in E2B's shape for it: a code word (bad_request, unauthorized, not_found, conflict, request_too_large, rate_limited, insufficient_storage, internal) rather than the status.
 type VolumeContent409 = VolumeContentError
 
-// VolumeContent413 An error of the volume content API, in E2B's shape for it: a code word (bad_request, unauthorized, not_found, conflict, request_too_large, insufficient_storage, internal) rather than the status.
+// VolumeContent413 An error of the volume content API, in E2B's shape for it: a code word (bad_request, unauthorized, not_found, conflict, request_too_large, rate_limited, insufficient_storage, internal) rather than the status.
 type VolumeContent413 = VolumeContentError
 
-// VolumeContent500 An error of the volume content API, in E2B's shape for it: a code word (bad_request, unauthorized, not_found, conflict, request_too_large, insufficient_storage, internal) rather than the status.
+// VolumeContent429 An error of the volume content API, in E2B's shape for it: a code word (bad_request, unauthorized, not_found, conflict, request_too_large, rate_limited, insufficient_storage, internal) rather than the status.
+type VolumeContent429 = VolumeContentError
+
+// VolumeContent500 An error of the volume content API, in E2B's shape for it: a code word (bad_request, unauthorized, not_found, conflict, request_too_large, rate_limited, insufficient_storage, internal) rather than the status.
 type VolumeContent500 = VolumeContentError
 
-// VolumeContent507 An error of the volume content API, in E2B's shape for it: a code word (bad_request, unauthorized, not_found, conflict, request_too_large, insufficient_storage, internal) rather than the status.
+// VolumeContent507 An error of the volume content API, in E2B's shape for it: a code word (bad_request, unauthorized, not_found, conflict, request_too_large, rate_limited, insufficient_storage, internal) rather than the status.
 type VolumeContent507 = VolumeContentError
 
 // FollowTemplateBuildLogParams defines parameters for FollowTemplateBuildLog.

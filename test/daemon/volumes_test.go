@@ -373,6 +373,11 @@ func TestVolumeHostilePlanting(t *testing.T) {
 			case http.StatusCreated:
 				landed++
 			case http.StatusBadRequest, http.StatusNotFound, http.StatusConflict:
+			case http.StatusTooManyRequests:
+				// Over the owner's content rate (a fast host makes more
+				// than its burst in the swapper's seconds): the race goes
+				// on after the wait it names.
+				time.Sleep(time.Second)
 			default:
 				t.Errorf("PUT %s during the swaps: %v", name, r)
 			}
