@@ -102,6 +102,30 @@ type state struct {
 	vars   map[string]string
 }
 
+// maxState bounds what the steps add to the image's configuration and
+// build arguments (a base image's are as large as its import allowed).
+// Every step copies, hashes and expands from them: without it, ENV lines
+// of 1 MiB each (maxExpanded) made the daemon hold, and hash at each
+// step, gigabytes.
+const maxState = 1 << 20
+
+// size is the bytes of st's configuration and build arguments.
+func (st *state) size() int {
+	n := len(st.cfg.WorkingDir) + len(st.cfg.User)
+	for _, l := range [][]string{st.cfg.Env, st.cfg.Entrypoint, st.cfg.Cmd} {
+		for _, s := range l {
+			n += len(s) + 1
+		}
+	}
+	for k, v := range st.cfg.Labels {
+		n += len(k) + len(v) + 2
+	}
+	for k, v := range st.vars {
+		n += len(k) + len(v) + 2
+	}
+	return n
+}
+
 // Build builds the Dockerfile read from r as the template name.
 func (b *Builder) Build(ctx context.Context, r io.Reader, name, source string) (*imgstore.Template, error) {
 	store := b.Host.Templates
@@ -115,6 +139,7 @@ func (b *Builder) Build(ctx context.Context, r io.Reader, name, source string) (
 	var held imgstore.Held
 	defer held.Release()
 	st := &state{vars: map[string]string{}}
+	fromSize := 0 // st.size() as FROM left it
 	start := time.Now()
 	for i, in := range steps {
 		if err := ctx.Err(); err != nil {
@@ -123,6 +148,11 @@ func (b *Builder) Build(ctx context.Context, r io.Reader, name, source string) (
 		b.header(i, len(steps), in)
 		t0 := time.Now()
 		note, err := b.step(ctx, &held, st, in)
+		if in.Cmd == "FROM" {
+			fromSize = st.size()
+		} else if err == nil && st.size() > fromSize+maxState {
+			err = failf("the steps took the image's configuration and build arguments past %d KiB more than its base's", maxState>>10)
+		}
 		if err != nil {
 			return nil, fmt.Errorf("step %d/%d (Dockerfile line %d) %s: %w", i+1, len(steps), in.Line, short(in), err)
 		}
@@ -162,7 +192,10 @@ func short(in Instruction) string {
 
 // step runs one instruction; note says what it did when that is news.
 func (b *Builder) step(ctx context.Context, held *imgstore.Held, st *state, in Instruction) (string, error) {
-	args := expand(in.Args, b.scope(st))
+	args, err := expand(in.Args, b.scope(st))
+	if err != nil {
+		return "", failf("%v", err)
+	}
 	switch in.Cmd {
 	case "ARG":
 		k, v, hasDefault := strings.Cut(args, "=")

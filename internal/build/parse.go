@@ -186,9 +186,19 @@ func pairs(s string) ([][2]string, error) {
 	return out, nil
 }
 
-// expand substitutes $NAME and ${NAME} from vars.
-func expand(s string, vars map[string]string) string {
+// maxExpanded bounds an instruction's arguments once expanded, as Parse
+// bounds them written: a variable may name itself (ENV A=$A$A), and each
+// such line doubled it, so that 40 lines of a Dockerfile asked the host
+// for a terabyte.
+const maxExpanded = 1 << 20
+
+// expand substitutes $NAME and ${NAME} from vars; past maxExpanded bytes it
+// stops with an error.
+func expand(s string, vars map[string]string) (string, error) {
 	var b strings.Builder
+	tooLong := func() (string, error) {
+		return "", fmt.Errorf("the arguments are past %d KiB once their variables are expanded", maxExpanded>>10)
+	}
 	for i := 0; i < len(s); i++ {
 		if s[i] == '\\' && i+1 < len(s) && s[i+1] == '$' {
 			b.WriteByte('$')
@@ -221,7 +231,13 @@ func expand(s string, vars map[string]string) string {
 			name = s[j:k]
 			i = k - 1
 		}
+		if b.Len()+len(vars[name]) > maxExpanded {
+			return tooLong()
+		}
 		b.WriteString(vars[name])
 	}
-	return b.String()
+	if b.Len() > maxExpanded {
+		return tooLong()
+	}
+	return b.String(), nil
 }
