@@ -2,6 +2,7 @@ package build
 
 import (
 	"archive/tar"
+	"bytes"
 	"context"
 	"crypto/sha256"
 	"encoding/hex"
@@ -66,7 +67,7 @@ func (b *Builder) copy(ctx context.Context, held *imgstore.Held, st *state, in I
 	}
 	h := sha256.New()
 	for _, f := range files {
-		fmt.Fprintf(h, "%s\x00%s\x00%o\x00%s\x00", f.src, f.dst, f.mode, f.link)
+		f.describe(h)
 		if f.mode.IsRegular() {
 			r, err := openRegular(root, f.src)
 			if err != nil {
@@ -79,9 +80,13 @@ func (b *Builder) copy(ctx context.Context, held *imgstore.Held, st *state, in I
 			}
 		}
 	}
-	key := chain(st.key, "COPY", in.Args, in.Flags["chown"], hex.EncodeToString(h.Sum(nil)))
+	sum := h.Sum(nil)
+	key := chain(st.key, "COPY", in.Args, in.Flags["chown"], hex.EncodeToString(sum))
 	if b.cached(held, st, key) {
 		return "cached", nil
+	}
+	if testHookBeforeCopy != nil {
+		testHookBeforeCopy()
 	}
 	tarFile, err := b.Host.Templates.Staging()
 	if err != nil {
@@ -89,10 +94,19 @@ func (b *Builder) copy(ctx context.Context, held *imgstore.Held, st *state, in I
 	}
 	defer tarFile.Close()
 	tw := tar.NewWriter(tarFile)
+	// The files are read again to be written: what is written must be
+	// what the key was made of, else the layer would be served for
+	// another content by every later build (the context's owner, or an
+	// editor, changed a file in between).
+	h.Reset()
 	for _, f := range files {
-		if err := writeCopied(ctx, tw, root, f, uid, gid); err != nil {
+		f.describe(h)
+		if err := writeCopied(ctx, tw, root, f, uid, gid, h); err != nil {
 			return "", err
 		}
+	}
+	if !bytes.Equal(h.Sum(nil), sum) {
+		return "", failf("the build context changed while %s read it (build again once it is still)", in.Cmd)
 	}
 	if err := tw.Close(); err != nil {
 		return "", err
@@ -128,6 +142,16 @@ type copied struct {
 	mode     fs.FileMode
 	link     string
 }
+
+// describe writes what identifies f, but for a file's bytes, to the
+// COPY's key.
+func (f copied) describe(h io.Writer) {
+	fmt.Fprintf(h, "%s\x00%s\x00%o\x00%s\x00", f.src, f.dst, f.mode, f.link)
+}
+
+// testHookBeforeCopy, when set (by tests), runs between a COPY's key and
+// the writing of its layer: where the context may change.
+var testHookBeforeCopy func()
 
 // collect lists what COPY src dest copies: a file to dest (or into it when
 // it is a directory), a directory's contents into dest.
@@ -194,7 +218,8 @@ func unwrapPath(err error) error {
 	return err
 }
 
-func writeCopied(ctx context.Context, tw *tar.Writer, root *os.Root, f copied, uid, gid int) error {
+// writeCopied writes f to tw, and a regular file's bytes also to sum.
+func writeCopied(ctx context.Context, tw *tar.Writer, root *os.Root, f copied, uid, gid int, sum io.Writer) error {
 	h := &tar.Header{Name: strings.TrimPrefix(f.dst, "/"), Mode: int64(f.mode.Perm()), Uid: uid, Gid: gid, Format: tar.FormatPAX}
 	switch {
 	case f.mode.IsDir():
@@ -217,7 +242,7 @@ func writeCopied(ctx context.Context, tw *tar.Writer, root *os.Root, f copied, u
 	if err := tw.WriteHeader(h); err != nil {
 		return err
 	}
-	n, err := io.Copy(tw, io.LimitReader(ctxReader{ctx, r}, fi.Size()))
+	n, err := io.Copy(tw, io.LimitReader(io.TeeReader(ctxReader{ctx, r}, sum), fi.Size()))
 	if err == nil && n != fi.Size() {
 		err = fmt.Errorf("%s changed while it was copied", f.src)
 	}
