@@ -331,12 +331,9 @@ func newTemplateBuildCmd(g *globals, data *string) *cobra.Command {
 			if fi, err := os.Stat(args[0]); err != nil || !fi.IsDir() {
 				return exitf(ExitUsage, "build context %s: not a directory", args[0])
 			}
-			if file == "" {
-				file = filepath.Join(args[0], "Dockerfile")
-			}
-			df, err := os.Open(file)
+			df, file, err := openDockerfile(args[0], file)
 			if err != nil {
-				return exitf(ExitUsage, "%s: %v", file, errors.Unwrap(err))
+				return exitf(ExitUsage, "%v", err)
 			}
 			defer df.Close()
 			abs, _ := filepath.Abs(file)
@@ -369,4 +366,37 @@ func newTemplateBuildCmd(g *globals, data *string) *cobra.Command {
 		"the most each RUN step may run (its sandbox is then destroyed and the build fails); at most "+build.MaxStepTimeout.String())
 	fl.StringVar(&mirror, "mirror", "", "Debian mirror for FROM debian:bookworm (default "+build.DefaultMirror+")")
 	return cmd
+}
+
+// openDockerfile opens the build's Dockerfile, file or else the context's
+// own, and returns it with its path. The context may be another user's
+// checkout, read as root: its Dockerfile is opened through the context (a
+// link out of it, to a file only root may read, is refused rather than
+// read and quoted in a parse error), and either is opened without blocking
+// and used only if what was opened is a regular file (a FIFO held root's
+// build at its open for good).
+func openDockerfile(ctxDir, file string) (*os.File, string, error) {
+	var f *os.File
+	var err error
+	if file == "" {
+		file = filepath.Join(ctxDir, "Dockerfile")
+		var root *os.Root
+		if root, err = os.OpenRoot(ctxDir); err == nil {
+			f, err = root.OpenFile("Dockerfile", os.O_RDONLY|syscall.O_NONBLOCK|syscall.O_CLOEXEC, 0)
+			root.Close()
+		}
+		if err != nil && !errors.Is(err, os.ErrNotExist) && !errors.Is(err, os.ErrPermission) {
+			return nil, "", fmt.Errorf("%s: not a file of the build context (%v)", file, errors.Unwrap(err))
+		}
+	} else {
+		f, err = os.OpenFile(file, os.O_RDONLY|syscall.O_NONBLOCK|syscall.O_CLOEXEC, 0)
+	}
+	if err != nil {
+		return nil, "", fmt.Errorf("%s: %v", file, errors.Unwrap(err))
+	}
+	if fi, err := f.Stat(); err != nil || !fi.Mode().IsRegular() {
+		f.Close()
+		return nil, "", fmt.Errorf("%s: not a regular file", file)
+	}
+	return f, file, nil
 }

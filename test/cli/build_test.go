@@ -182,6 +182,8 @@ func TestTemplateBuildBadInput(t *testing.T) {
 		must(t, os.WriteFile(p, []byte(body), 0o644))
 		return p
 	}
+	fifo := filepath.Join(ctxDir, "fifo")
+	must(t, syscall.Mkfifo(fifo, 0o644))
 	for _, c := range []struct {
 		name string
 		args []string
@@ -198,6 +200,7 @@ func TestTemplateBuildBadInput(t *testing.T) {
 		{"named chown", []string{"-f", write("d8", "FROM bb\nCOPY --chown=user hello.txt /x\n"), ctxDir, "x"}, 1, "numeric ids"},
 		{"context not a directory", []string{filepath.Join(ctxDir, "hello.txt"), "x"}, 64, "not a directory"},
 		{"no Dockerfile", []string{"-f", "/no/such/Dockerfile", ctxDir, "x"}, 64, "/no/such/Dockerfile"},
+		{"Dockerfile a FIFO", []string{"-f", fifo, ctxDir, "x"}, 64, "not a regular file"},
 		{"bad --net", []string{"--net", "allowlist", ctxDir, "x"}, 64, "--net"},
 		{"bad --build-arg", []string{"--build-arg", "NOEQUALS", ctxDir, "x"}, 64, "--build-arg"},
 		{"bad name", []string{"-f", write("d9", "FROM bb\n"), ctxDir, "../x"}, 64, "../x"},
