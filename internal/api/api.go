@@ -193,6 +193,47 @@ func writeJSON(w http.ResponseWriter, status int, v any) {
 	_ = json.NewEncoder(w).Encode(v)
 }
 
+// listWriter writes a JSON array a value at a time (200), as writeJSON
+// would write it whole: a list's answer is never held whole in memory,
+// only the value being written.
+type listWriter struct {
+	w       http.ResponseWriter
+	started bool
+}
+
+// add writes one value of the array.
+func (l *listWriter) add(v any) {
+	b, err := json.Marshal(v)
+	if err != nil {
+		// The API's own types marshal; were one not to, the answer is
+		// cut short rather than sent as if whole.
+		panic(http.ErrAbortHandler)
+	}
+	l.open(',')
+	_, _ = l.w.Write(b)
+}
+
+// open writes the answer's head and the array's '[' before the first
+// value, sep before any other.
+func (l *listWriter) open(sep byte) {
+	if l.started {
+		_, _ = l.w.Write([]byte{sep})
+		return
+	}
+	l.started = true
+	l.w.Header().Set("Content-Type", "application/json")
+	l.w.WriteHeader(http.StatusOK)
+	_, _ = l.w.Write([]byte{'['})
+}
+
+// end closes the array (an empty one when nothing was added).
+func (l *listWriter) end() {
+	if !l.started {
+		l.open(0)
+	}
+	_, _ = l.w.Write([]byte("]\n"))
+}
+
 func writeError(w http.ResponseWriter, status int, msg string) {
 	writeJSON(w, status, types.Error{Code: int32(status), Message: msg})
 }

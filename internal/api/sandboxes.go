@@ -242,31 +242,55 @@ func (s *server) listV2(w http.ResponseWriter, r *http.Request) {
 	if next != "" {
 		w.Header().Set("X-Next-Token", next)
 	}
-	out := make([]types.ListedSandbox, 0, len(items))
+	lw := listWriter{w: w}
 	for _, rec := range items {
-		out = append(out, listedOf(rec))
+		lw.add(listedOf(rec))
 	}
-	writeJSON(w, http.StatusOK, out)
+	lw.end()
 }
 
-// listV1 is the older SDKs' list: every running sandbox of the key, no pages.
+// listV1Page is how many records the older SDKs' list reads at a time.
+const listV1Page = 32
+
+// listV1 is the older SDKs' list: every running sandbox of the key, no
+// pages for the client. It is read and written a page at a time: built
+// whole, one answer held every sandbox's metadata at once, up to 384 KiB
+// of JSON each (64 KiB of control characters or '<'), some 1 MiB of the
+// daemon's heap per sandbox of the key (found by review, 2026-12-04).
 func (s *server) listV1(w http.ResponseWriter, r *http.Request) {
 	f, err := listFilter(r)
 	if err != nil {
 		s.fail(w, r, err)
 		return
 	}
-	f.Limit, f.States = 0, []string{store.StateRunning}
-	items, _, err := s.listSandboxes(f)
-	if err != nil {
-		s.fail(w, r, err)
-		return
+	f.Limit, f.States = listV1Page, []string{store.StateRunning}
+	if s.cfg.Cluster != nil {
+		// The front's list is read from its pod informer (memory it
+		// holds anyway), each page from every pod: read once.
+		f.Limit = 0
 	}
-	out := make([]types.ListedSandbox, 0, len(items))
-	for _, rec := range items {
-		out = append(out, listedOf(rec))
+	lw := listWriter{w: w}
+	for {
+		items, next, err := s.listSandboxes(f)
+		if err != nil {
+			if !lw.started {
+				s.fail(w, r, err)
+				return
+			}
+			// Part of the answer is sent: cut it short rather than
+			// end it as if it were whole.
+			s.log.Error("list sandboxes: a later page failed", "err", logged(err))
+			panic(http.ErrAbortHandler)
+		}
+		for _, rec := range items {
+			lw.add(listedOf(rec))
+		}
+		if next == "" {
+			break
+		}
+		f.Cursor = next
 	}
-	writeJSON(w, http.StatusOK, out)
+	lw.end()
 }
 
 func (s *server) get(w http.ResponseWriter, r *http.Request) {
