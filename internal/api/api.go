@@ -13,6 +13,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
 	"math"
 	"net/http"
@@ -195,9 +196,11 @@ func writeJSON(w http.ResponseWriter, status int, v any) {
 
 // listWriter writes a JSON array a value at a time (200), as writeJSON
 // would write it whole: a list's answer is never held whole in memory,
-// only the value being written.
+// only the value being written. head is what comes before the first
+// value ("[" when empty); end writes what comes after the last.
 type listWriter struct {
 	w       http.ResponseWriter
+	head    string
 	started bool
 }
 
@@ -209,29 +212,36 @@ func (l *listWriter) add(v any) {
 		// cut short rather than sent as if whole.
 		panic(http.ErrAbortHandler)
 	}
-	l.open(',')
+	l.open(true)
 	_, _ = l.w.Write(b)
 }
 
-// open writes the answer's head and the array's '[' before the first
-// value, sep before any other.
-func (l *listWriter) open(sep byte) {
+// open writes the answer's head before the first value, a comma before
+// any other (sep).
+func (l *listWriter) open(sep bool) {
 	if l.started {
-		_, _ = l.w.Write([]byte{sep})
+		if sep {
+			_, _ = l.w.Write([]byte{','})
+		}
 		return
 	}
 	l.started = true
+	if l.head == "" {
+		l.head = "["
+	}
 	l.w.Header().Set("Content-Type", "application/json")
 	l.w.WriteHeader(http.StatusOK)
-	_, _ = l.w.Write([]byte{'['})
+	_, _ = io.WriteString(l.w, l.head)
 }
 
-// end closes the array (an empty one when nothing was added).
-func (l *listWriter) end() {
-	if !l.started {
-		l.open(0)
+// end closes the array with tail ("]\n" when empty), the head first when
+// nothing was added.
+func (l *listWriter) end(tail string) {
+	l.open(false)
+	if tail == "" {
+		tail = "]\n"
 	}
-	_, _ = l.w.Write([]byte("]\n"))
+	_, _ = io.WriteString(l.w, tail)
 }
 
 func writeError(w http.ResponseWriter, status int, msg string) {

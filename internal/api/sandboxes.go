@@ -246,7 +246,7 @@ func (s *server) listV2(w http.ResponseWriter, r *http.Request) {
 	for _, rec := range items {
 		lw.add(listedOf(rec))
 	}
-	lw.end()
+	lw.end("")
 }
 
 // listV1Page is how many records the older SDKs' list reads at a time.
@@ -290,7 +290,7 @@ func (s *server) listV1(w http.ResponseWriter, r *http.Request) {
 		}
 		f.Cursor = next
 	}
-	lw.end()
+	lw.end("")
 }
 
 func (s *server) get(w http.ResponseWriter, r *http.Request) {

@@ -39,47 +39,9 @@ func scanEntry(rows *sql.Rows) (Entry, error) {
 
 // Query returns the entries f selects, oldest first.
 func (db *DB) Query(f Filter) ([]Entry, error) {
-	var where []string
-	var args []any
-	if f.TeamID != "" {
-		where, args = append(where, "team_id = ?"), append(args, f.TeamID)
-	}
-	if f.KeyID != "" || (!f.All && f.TeamID == "") {
-		where, args = append(where, "key_id = ?"), append(args, f.KeyID)
-	}
-	if f.SandboxID != "" {
-		where, args = append(where, "sandbox_id = ?"), append(args, f.SandboxID)
-	}
-	if len(f.Kinds) > 0 {
-		var or []string
-		for _, k := range f.Kinds {
-			if !ValidKind(k) {
-				return nil, fmt.Errorf("audit: query: kind %q", k)
-			}
-			if strings.Contains(k, ".") {
-				or, args = append(or, "kind = ?"), append(args, k)
-			} else {
-				or, args = append(or, "kind >= ? AND kind < ?"), append(args, k+".", k+"/") // '/' follows '.'
-			}
-		}
-		where = append(where, "("+strings.Join(or, " OR ")+")")
-	}
-	if !f.Since.IsZero() {
-		where, args = append(where, "time >= ?"), append(args, f.Since.UnixNano())
-	}
-	if !f.Until.IsZero() {
-		where, args = append(where, "time < ?"), append(args, f.Until.UnixNano())
-	}
-	if f.After > 0 {
-		where, args = append(where, "seq > ?"), append(args, f.After)
-	}
-	q := "SELECT " + columns + " FROM entries"
-	if len(where) > 0 {
-		q += " WHERE " + strings.Join(where, " AND ")
-	}
-	q += " ORDER BY seq"
-	if f.Limit > 0 {
-		q, args = q+" LIMIT ?", append(args, f.Limit)
+	q, args, err := f.query(columns)
+	if err != nil {
+		return nil, err
 	}
 	rows, err := db.r.QueryContext(context.Background(), q, args...)
 	if err != nil {
@@ -98,6 +60,80 @@ func (db *DB) Query(f Filter) ([]Entry, error) {
 		return nil, fmt.Errorf("audit: query: %w", err)
 	}
 	return out, nil
+}
+
+// Seqs returns the seqs of the entries f selects, in order: what a page
+// of them is, without their details (a page's answer is then read a few
+// entries at a time).
+func (db *DB) Seqs(f Filter) ([]int64, error) {
+	q, args, err := f.query("seq")
+	if err != nil {
+		return nil, err
+	}
+	rows, err := db.r.QueryContext(context.Background(), q, args...)
+	if err != nil {
+		return nil, fmt.Errorf("audit: query: %w", err)
+	}
+	defer rows.Close()
+	out := []int64{}
+	for rows.Next() {
+		var seq int64
+		if err := rows.Scan(&seq); err != nil {
+			return nil, fmt.Errorf("audit: query: %w", err)
+		}
+		out = append(out, seq)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, fmt.Errorf("audit: query: %w", err)
+	}
+	return out, nil
+}
+
+// query is the statement and arguments that select cols of f's entries.
+func (f Filter) query(cols string) (string, []any, error) {
+	var where []string
+	var args []any
+	if f.TeamID != "" {
+		where, args = append(where, "team_id = ?"), append(args, f.TeamID)
+	}
+	if f.KeyID != "" || (!f.All && f.TeamID == "") {
+		where, args = append(where, "key_id = ?"), append(args, f.KeyID)
+	}
+	if f.SandboxID != "" {
+		where, args = append(where, "sandbox_id = ?"), append(args, f.SandboxID)
+	}
+	if len(f.Kinds) > 0 {
+		var or []string
+		for _, k := range f.Kinds {
+			if !ValidKind(k) {
+				return "", nil, fmt.Errorf("audit: query: kind %q", k)
+			}
+			if strings.Contains(k, ".") {
+				or, args = append(or, "kind = ?"), append(args, k)
+			} else {
+				or, args = append(or, "kind >= ? AND kind < ?"), append(args, k+".", k+"/") // '/' follows '.'
+			}
+		}
+		where = append(where, "("+strings.Join(or, " OR ")+")")
+	}
+	if !f.Since.IsZero() {
+		where, args = append(where, "time >= ?"), append(args, f.Since.UnixNano())
+	}
+	if !f.Until.IsZero() {
+		where, args = append(where, "time < ?"), append(args, f.Until.UnixNano())
+	}
+	if f.After > 0 {
+		where, args = append(where, "seq > ?"), append(args, f.After)
+	}
+	q := "SELECT " + cols + " FROM entries"
+	if len(where) > 0 {
+		q += " WHERE " + strings.Join(where, " AND ")
+	}
+	q += " ORDER BY seq"
+	if f.Limit > 0 {
+		q, args = q+" LIMIT ?", append(args, f.Limit)
+	}
+	return q, args, nil
 }
 
 // each calls fn on every entry from seq from on, in order, a page at a
