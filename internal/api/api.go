@@ -67,6 +67,7 @@ type server struct {
 	log    *slog.Logger
 	limits limiter
 	builds builds
+	lists  inFlight // each owner's list requests in flight (listing)
 }
 
 // Server is the API's HTTP handler. Its AllowRequest is the key's
@@ -101,8 +102,8 @@ func Handler(cfg Config) *Server {
 	auth := s.authenticated
 	mux.Handle("POST /sandboxes", auth(s.create(false)))
 	mux.Handle("POST /v2/sandboxes", auth(s.create(true)))
-	mux.Handle("GET /sandboxes", auth(http.HandlerFunc(s.listV1)))
-	mux.Handle("GET /v2/sandboxes", auth(http.HandlerFunc(s.listV2)))
+	mux.Handle("GET /sandboxes", auth(s.listing(s.listV1)))
+	mux.Handle("GET /v2/sandboxes", auth(s.listing(s.listV2)))
 	mux.Handle("GET /sandboxes/{sandboxID}", auth(s.routed(http.HandlerFunc(s.get))))
 	mux.Handle("DELETE /sandboxes/{sandboxID}", auth(s.routed(http.HandlerFunc(s.kill))))
 	mux.Handle("POST /sandboxes/{sandboxID}/timeout", auth(s.routed(http.HandlerFunc(s.timeout))))
@@ -117,8 +118,8 @@ func Handler(cfg Config) *Server {
 	mux.Handle("POST /v2/sandboxes/{sandboxID}/connect", auth(s.routed(s.connect(true))))
 	mux.Handle("GET /sandboxes/{sandboxID}/metrics", auth(s.routed(http.HandlerFunc(s.metrics))))
 	mux.Handle("PUT /sandboxes/{sandboxID}/network", auth(s.routed(http.HandlerFunc(s.updateNetwork))))
-	mux.Handle("GET /sandboxes/{sandboxID}/network/records", auth(s.routed(http.HandlerFunc(s.networkRecords))))
-	mux.Handle("GET /audit", auth(http.HandlerFunc(s.auditEntries)))
+	mux.Handle("GET /sandboxes/{sandboxID}/network/records", auth(s.routed(s.listing(s.networkRecords))))
+	mux.Handle("GET /audit", auth(s.listing(s.auditEntries)))
 	s.volumeRoutes(mux)
 	s.adminRoutes(mux)
 	s.buildRoutes(mux)

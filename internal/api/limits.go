@@ -213,6 +213,59 @@ func (s *server) rateLimited(w http.ResponseWriter, what, key string, rate float
 		key, strconv.FormatFloat(rate, 'f', -1, 64), what, strconv.FormatFloat(burstOf(rate), 'f', -1, 64), secs))
 }
 
+// maxListsInFlight bounds the list requests whose pages hold what
+// tenants chose (sandboxes with their metadata, audit entries, a
+// sandbox's network records) that one owner (a team, or a key without
+// one) has in flight at once. Lists of small records (snapshots,
+// volumes, a sandbox's metrics) are not counted.
+//
+// A list's answer is written a record at a time, but the page being
+// written is held until the client takes it, and a write may wait 30 s:
+// a client that reads nothing held one page of each of its requests, a
+// page of 100 sandboxes some 25 MiB of metadata and environment, on each
+// of the 4,096 connections its address may hold (100 GiB; before the
+// answers were written a record at a time, up to 1 MiB per sandbox of
+// the key for each). Found by review, 2026-12-04.
+const maxListsInFlight = 8
+
+// inFlight counts requests in flight by owner.
+type inFlight struct {
+	mu sync.Mutex
+	n  map[string]int
+}
+
+// listing answers next for the calling key when its owner has fewer
+// than maxListsInFlight lists in flight, else 429 (Retry-After: 1),
+// before anything is read.
+func (s *server) listing(next http.HandlerFunc) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		owner := keyID(r)
+		l := &s.lists
+		l.mu.Lock()
+		if l.n[owner] >= maxListsInFlight {
+			l.mu.Unlock()
+			s.cfg.Metrics.RateLimited("lists")
+			w.Header().Set("Retry-After", "1")
+			writeError(w, http.StatusTooManyRequests, fmt.Sprintf(
+				"%d list requests of this key's owner (its team, or the key) are in flight, the most at once: retry when one has ended", maxListsInFlight))
+			return
+		}
+		if l.n == nil {
+			l.n = map[string]int{}
+		}
+		l.n[owner]++
+		l.mu.Unlock()
+		defer func() {
+			l.mu.Lock()
+			if l.n[owner]--; l.n[owner] <= 0 {
+				delete(l.n, owner)
+			}
+			l.mu.Unlock()
+		}()
+		next(w, r)
+	})
+}
+
 // quotaName is the quota an ErrQuota names, for the metrics.
 func quotaName(err error) string {
 	var q *manager.QuotaError

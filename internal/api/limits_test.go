@@ -1,8 +1,14 @@
 package api
 
 import (
+	"net/http"
+	"net/http/httptest"
+	"sync"
 	"testing"
 	"time"
+
+	"github.com/cagehq/cage/internal/manager"
+	"github.com/cagehq/cage/internal/store"
 )
 
 // TestTakeN: n tokens are taken at once or not at all, and n beyond the
@@ -31,5 +37,96 @@ func TestTakeN(t *testing.T) {
 	}
 	if ok, _ := l.takeN("k", rate, 1, now.Add(2*time.Second)); !ok {
 		t.Fatal("the 1 token a refusal of 2 must have left")
+	}
+}
+
+// blockedWriter is a client that reads nothing: its answer's first write
+// waits until release is closed.
+type blockedWriter struct {
+	http.ResponseWriter
+	writing chan<- struct{}
+	release <-chan struct{}
+	once    sync.Once
+}
+
+func (w *blockedWriter) Write(b []byte) (int, error) {
+	w.once.Do(func() { w.writing <- struct{}{} })
+	<-w.release
+	return w.ResponseWriter.Write(b)
+}
+
+// Attack: a key sends list requests and reads none of their answers,
+// each holding the page it is written from for as long as a write may
+// wait (a page of sandboxes up to 25 MiB), on as many connections as its
+// address may open. Expected: an owner (a team, or a key without one)
+// has at most maxListsInFlight such lists in flight, of every kind
+// together (sandboxes, audit entries, network records);
+// past that, 429 with Retry-After before anything is read, while other
+// owners' lists and the owner's other calls are served; once its lists
+// end, it lists again.
+func TestListsInFlightBounded(t *testing.T) {
+	st, err := store.Open(t.TempDir())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer st.Close()
+	team, err := st.CreateTeam("alpha", store.TeamLimits{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	keyOf := func(team string) string {
+		plain, _, err := st.CreateKeyWith(store.KeyOptions{Name: "k", TeamID: team})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return plain
+	}
+	a1, a2, other := keyOf(team.ID), keyOf(team.ID), keyOf("")
+	h := Handler(Config{Store: st, Manager: manager.New(manager.Config{Store: st})})
+	call := func(key, path string) *httptest.ResponseRecorder {
+		r := httptest.NewRequest("GET", path, nil)
+		r.Header.Set("X-API-Key", key)
+		w := httptest.NewRecorder()
+		h.ServeHTTP(w, r)
+		return w
+	}
+	writing, release := make(chan struct{}), make(chan struct{})
+	var held sync.WaitGroup
+	for i := range maxListsInFlight {
+		held.Add(1)
+		go func() {
+			defer held.Done()
+			path := []string{"/v2/sandboxes", "/sandboxes", "/audit"}[i%3]
+			r := httptest.NewRequest("GET", path, nil)
+			r.Header.Set("X-API-Key", a1)
+			h.ServeHTTP(&blockedWriter{ResponseWriter: httptest.NewRecorder(), writing: writing, release: release}, r)
+		}()
+		<-writing
+	}
+	for _, key := range []string{a1, a2} {
+		for _, path := range []string{"/v2/sandboxes", "/sandboxes?limit=5", "/audit", "/sandboxes/00000000000000000000/network/records"} {
+			if w := call(key, path); w.Code != http.StatusTooManyRequests || w.Header().Get("Retry-After") != "1" {
+				t.Errorf("%s with %d lists of its team in flight: %d %q (Retry-After %q), want 429",
+					path, maxListsInFlight, w.Code, w.Body.String(), w.Header().Get("Retry-After"))
+			}
+		}
+	}
+	if w := call(other, "/v2/sandboxes"); w.Code != http.StatusOK {
+		t.Errorf("another owner's list: %d %q, want 200", w.Code, w.Body.String())
+	}
+	for _, path := range []string{"/sandboxes/00000000000000000000", "/sandboxes/00000000000000000000/metrics"} {
+		if w := call(a2, path); w.Code != http.StatusNotFound {
+			t.Errorf("the team's %s: %d %q, want 404", path, w.Code, w.Body.String())
+		}
+	}
+	for _, path := range []string{"/snapshots", "/volumes"} {
+		if w := call(a2, path); w.Code != http.StatusOK {
+			t.Errorf("the team's %s (small records): %d %q, want 200", path, w.Code, w.Body.String())
+		}
+	}
+	close(release)
+	held.Wait()
+	if w := call(a2, "/v2/sandboxes"); w.Code != http.StatusOK {
+		t.Errorf("the team's list once its lists ended: %d %q, want 200", w.Code, w.Body.String())
 	}
 }

@@ -144,7 +144,8 @@ func (m *Metrics) APICall(route string, status int, d time.Duration) {
 }
 
 // RateLimited counts a call refused by a rate: a key's "requests" or
-// "creates", or "content" (a volume owner's content requests).
+// "creates", "content" (a volume owner's content requests), or "lists"
+// (an owner's list requests in flight).
 func (m *Metrics) RateLimited(limit string) {
 	if m != nil {
 		m.rateLimited.add(1, limit)
