@@ -89,6 +89,36 @@ func (db *DB) Seqs(f Filter) ([]int64, error) {
 	return out, nil
 }
 
+// Entries returns the entries of the given seqs that are still kept, in
+// order of seq (a page Seqs selected, a few at a time).
+func (db *DB) Entries(seqs []int64) ([]Entry, error) {
+	out := []Entry{}
+	if len(seqs) == 0 {
+		return out, nil
+	}
+	args := make([]any, len(seqs))
+	for i, s := range seqs {
+		args[i] = s
+	}
+	q := "SELECT " + columns + " FROM entries WHERE seq IN (" + strings.TrimSuffix(strings.Repeat("?, ", len(seqs)), ", ") + ") ORDER BY seq"
+	rows, err := db.r.QueryContext(context.Background(), q, args...)
+	if err != nil {
+		return nil, fmt.Errorf("audit: query: %w", err)
+	}
+	defer rows.Close()
+	for rows.Next() {
+		e, err := scanEntry(rows)
+		if err != nil {
+			return nil, fmt.Errorf("audit: query: %w", err)
+		}
+		out = append(out, e)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, fmt.Errorf("audit: query: %w", err)
+	}
+	return out, nil
+}
+
 // query is the statement and arguments that select cols of f's entries.
 func (f Filter) query(cols string) (string, []any, error) {
 	var where []string
