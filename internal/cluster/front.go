@@ -60,6 +60,8 @@ type Front struct {
 	waiters  map[string]chan struct{} // pod name -> closed on its next change
 	gone     map[string]time.Time     // sandboxes killed through this front -> when (Killed)
 	forwards map[forwardKey]int       // forwards in flight (holdForward)
+
+	asks asks // each owner's lookups of pods at the API server (route.go)
 }
 
 // NewFront returns a front; Start runs it.

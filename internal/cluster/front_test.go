@@ -395,6 +395,31 @@ func TestFront(t *testing.T) {
 		}
 	})
 
+	// Attack: a key asks for sandboxes with made-up ids, each a pod the
+	// informer has not seen, at its API rate. Expected: its lookups at
+	// the API server (which the whole cluster shares) are at most
+	// askBurst, then askRate a second; another owner's are its own.
+	t.Run("an owner's lookups at the API server are bounded", func(t *testing.T) {
+		const owner, calls = "key_0000000000aa", 300
+		before, start := podGets(t), time.Now()
+		for i := range calls {
+			if code, _ := call("GET", fmt.Sprintf("/sandboxes/%020x", 1<<40+i), owner); code != 404 {
+				t.Fatalf("unknown sandbox: %d", code)
+			}
+		}
+		allowed := askBurst + askRate*time.Since(start).Seconds() + 1
+		if got := podGets(t) - before; got > allowed {
+			t.Fatalf("%d requests for unknown sandboxes made %v GETs of pods, want at most %.0f", calls, got, allowed)
+		}
+		before = podGets(t)
+		if code, _ := call("GET", "/sandboxes/fffffffffffffffffffe", "key_0000000000bb"); code != 404 {
+			t.Fatalf("unknown sandbox: %d", code)
+		}
+		if after := podGets(t); after != before+1 {
+			t.Fatalf("another owner's request for an unknown sandbox made %v GETs of pods, want 1", after-before)
+		}
+	})
+
 	t.Run("traffic forwarded, streams and upgrades intact", func(t *testing.T) {
 		px := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 			if !f.ForwardTraffic(w, r, r.Header.Get("E2b-Sandbox-Id")) {

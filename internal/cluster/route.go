@@ -6,6 +6,7 @@ import (
 	"errors"
 	"net/http"
 	"net/http/httputil"
+	"sync"
 	"time"
 
 	"github.com/cagehq/cage/internal/proxy"
@@ -33,6 +34,61 @@ func (f *Front) podOf(ctx context.Context, id string, ask bool) *corev1.Pod {
 	return p
 }
 
+// An owner's requests for sandboxes the pod informer has not seen ask
+// the API server at most askRate times a second (bursts of askBurst);
+// past that, the informer alone answers (a sandbox made through another
+// front a moment ago may then be a 404 until the informer has its pod).
+// Each such request was a GET of the Kubernetes API server, which every
+// tenant and the whole cluster share: a key's 1,000 requests a second
+// for made-up ids were 1,000 GETs a second (found by review, 2026-12-04).
+const (
+	askRate  = 20
+	askBurst = 2 * askRate
+)
+
+// asks are the owners' budgets of API server lookups (mayAsk).
+type asks struct {
+	mu      sync.Mutex
+	buckets map[string]*askBucket
+	sweep   time.Time
+}
+
+type askBucket struct {
+	tokens float64
+	last   time.Time
+}
+
+// mayAsk takes one of owner's API server lookups, or says there is none.
+func (f *Front) mayAsk(owner string) bool {
+	a := &f.asks
+	now := time.Now()
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.buckets == nil {
+		a.buckets = map[string]*askBucket{}
+	}
+	if now.Sub(a.sweep) > time.Minute {
+		a.sweep = now
+		for k, b := range a.buckets {
+			if now.Sub(b.last) > time.Minute {
+				delete(a.buckets, k)
+			}
+		}
+	}
+	b := a.buckets[owner]
+	if b == nil {
+		b = &askBucket{tokens: askBurst, last: now}
+		a.buckets[owner] = b
+	}
+	b.tokens = min(askBurst, b.tokens+now.Sub(b.last).Seconds()*askRate)
+	b.last = now
+	if b.tokens < 1 {
+		return false
+	}
+	b.tokens--
+	return true
+}
+
 // elsewhere returns the node that holds sandbox id when it is another
 // node ("" when the request is this node's to answer: the sandbox is
 // here, is no sandbox of the cluster, is not owner's, or the request came
@@ -44,7 +100,10 @@ func (f *Front) elsewhere(r *http.Request, id, owner string, checkOwner bool) (s
 	if r.Header.Get(AuthHeader) != "" || id == "" {
 		return "", nil
 	}
-	p := f.podOf(r.Context(), id, checkOwner)
+	p := f.podOf(r.Context(), id, false)
+	if p == nil && checkOwner && f.mayAsk(owner) {
+		p = f.podOf(r.Context(), id, true)
+	}
 	if p == nil || p.Spec.NodeName == "" || p.Spec.NodeName == f.cfg.NodeName {
 		return "", nil
 	}
