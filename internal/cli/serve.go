@@ -200,6 +200,9 @@ func newKeysCmd(g *globals) *cobra.Command {
 		Short: "Create an API key (in a team, or an admin key); the key alone is printed on the last line",
 		Args:  cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
+			if admin && team != "" {
+				return exitf(ExitUsage, "an admin key belongs to no team: --admin and --team are not given together")
+			}
 			if ck.on() {
 				return ck.create(cmd, name, team, admin, asJSON)
 			}

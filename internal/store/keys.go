@@ -110,6 +110,14 @@ type KeyOptions struct {
 // CreateKeyWith makes a new API key as CreateKey does, in a team or as an
 // admin key.
 func (s *Store) CreateKeyWith(o KeyOptions) (plaintext string, key *APIKey, err error) {
+	if o.Admin && o.TeamID != "" {
+		// An admin key is no tenant of any team: in one, it was a
+		// tenant of it, and what it did to the other teams and keys
+		// (their names, quotas, keys) was in that team's audit trail,
+		// which every key of the team reads (found by review,
+		// 2026-12-04).
+		return "", nil, fmt.Errorf("store: create key: %w", ErrAdminInTeam)
+	}
 	name := o.Name
 	for attempt := 0; attempt < 5; attempt++ {
 		body, err := randomHex(keyHexLen / 2)

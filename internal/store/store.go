@@ -37,6 +37,8 @@ var (
 	ErrConflict      = errors.New("already exists")
 	ErrInvalidCursor = errors.New("invalid cursor")
 	ErrAmbiguous     = errors.New("ambiguous")
+	// ErrAdminInTeam: an admin key belongs to no team.
+	ErrAdminInTeam = errors.New("an admin key belongs to no team")
 )
 
 // FileName is the database's name inside the data directory.

@@ -66,6 +66,11 @@ func TestTeams(t *testing.T) {
 	if _, _, err := s.CreateKeyWith(KeyOptions{TeamID: "team_ffffffffffff"}); !errors.Is(err, ErrNotFound) {
 		t.Errorf("key in no team: %v, want ErrNotFound", err)
 	}
+	// An admin key is no tenant of any team: in one, its changes to the
+	// other teams and keys were in that team's audit trail.
+	if _, k, err := s.CreateKeyWith(KeyOptions{Name: "ops", Admin: true, TeamID: a.ID}); !errors.Is(err, ErrAdminInTeam) {
+		t.Errorf("an admin key in team %s: %+v %v, want ErrAdminInTeam", a.ID, k, err)
+	}
 	keys, _ := s.ListKeys()
 	if len(keys) != 2 {
 		t.Errorf("keys %d, want 2 (the refused one made none)", len(keys))
