@@ -221,11 +221,12 @@ func (s *server) rateLimited(w http.ResponseWriter, what, key string, rate float
 //
 // A list's answer is written a record at a time, but the page being
 // written is held until the client takes it, and a write may wait 30 s:
-// a client that reads nothing held one page of each of its requests, a
-// page of 100 sandboxes some 25 MiB of metadata and environment, on each
-// of the 4,096 connections its address may hold (100 GiB; before the
-// answers were written a record at a time, up to 1 MiB per sandbox of
-// the key for each). Found by review, 2026-12-04.
+// a client that reads nothing held one page of each of its requests (a
+// page of 100 sandboxes some 15 MiB of metadata, 28 MiB while lists
+// read their environments too) on each of the 4,096 connections its
+// address may hold (before the answers were written a record at a time,
+// up to 1 MiB per sandbox of the key for each). Found by review,
+// 2026-12-04.
 const maxListsInFlight = 8
 
 // inFlight counts requests in flight by owner.

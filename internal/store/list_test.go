@@ -245,3 +245,24 @@ func TestListOrderTemplateStartedAfter(t *testing.T) {
 		}
 	}
 }
+
+// A list reads no sandbox's environment (up to 64 KiB each, which no list
+// shows: a page of 100 held it all) and no token; a get reads both.
+func TestListHoldsNoEnvOrTokens(t *testing.T) {
+	s := openTest(t, t.TempDir())
+	sb := &Sandbox{ID: "a1", KeyID: "k", State: StateRunning, StartedAt: time.Unix(1, 0), EndAt: time.Unix(2, 0),
+		Metadata: map[string]string{"m": "1"}, EnvVars: map[string]string{"SECRET": "x"}, AccessToken: "at", TrafficToken: "tt", NetSlot: -1}
+	if err := s.InsertSandbox(sb); err != nil {
+		t.Fatal(err)
+	}
+	items, _, err := s.ListSandboxes(ListFilter{KeyID: "k"})
+	if err != nil || len(items) != 1 {
+		t.Fatalf("list: %v %v", items, err)
+	}
+	if got := items[0]; len(got.EnvVars) != 0 || got.AccessToken != "" || got.TrafficToken != "" || got.Metadata["m"] != "1" {
+		t.Errorf("listed %+v: want no environment or tokens, and the metadata", got)
+	}
+	if got, err := s.GetSandbox("a1"); err != nil || got.EnvVars["SECRET"] != "x" || got.AccessToken != "at" || got.TrafficToken != "tt" {
+		t.Errorf("get: %+v %v", got, err)
+	}
+}

@@ -334,9 +334,14 @@ type ListFilter struct {
 	Cursor       string            // "" = from the start; else a next value from ListSandboxes
 }
 
-// ListSandboxes returns sandboxes matching f, ordered by StartedAt then ID
-// (both descending when f.Desc), starting after f.Cursor, at most f.Limit of
-// them. next is the cursor to pass to get the following page (E2B's
+// listCols are sandboxCols as a list reads them: no environment (up to
+// 64 KiB a sandbox, which no list shows) and no tokens.
+var listCols = strings.NewReplacer("env_vars", "'{}'", "access_token", "''", "traffic_token", "''").Replace(sandboxCols)
+
+// ListSandboxes returns sandboxes matching f, without their environments
+// and tokens (EnvVars empty, AccessToken and TrafficToken ""), ordered by
+// StartedAt then ID (both descending when f.Desc), starting after
+// f.Cursor, at most f.Limit of them. next is the cursor to pass to get the following page (E2B's
 // X-Next-Token), "" when there is none; it is a position, so a cursor goes
 // on in the order of the request that passes it. A malformed cursor gives an
 // error wrapping ErrInvalidCursor.
@@ -390,7 +395,7 @@ func (s *Store) ListSandboxes(f ListFilter) (items []*Sandbox, next string, err 
 		where = append(where, "(started_at, id) "+after+" (?, ?)")
 		args = append(args, at, id)
 	}
-	q := "SELECT " + sandboxCols + " FROM sandboxes"
+	q := "SELECT " + listCols + " FROM sandboxes"
 	if len(where) > 0 {
 		q += " WHERE " + strings.Join(where, " AND ")
 	}
