@@ -156,9 +156,15 @@ func (s *server) allowCreate(w http.ResponseWriter, r *http.Request) bool {
 
 // allowCreates takes n of the calling key's create tokens (a fork of n
 // sandboxes), or answers 429: n creates cost n, however they are asked for.
+//
+// A request another node forwarded takes them here all the same: the
+// front forwards a sandbox's routes (a resume, a connect that resumes)
+// before its handler runs, so the front took none. Found by review,
+// 2026-12-04: skipped here too, a key's resumes through any front but
+// the sandbox's node were bounded by its request rate only.
 func (s *server) allowCreates(w http.ResponseWriter, r *http.Request, n int) bool {
 	k := callerOf(r)
-	if k == nil || s.forwarded(r) {
+	if k == nil {
 		return true
 	}
 	rate := s.ratesOf(k).Creates

@@ -130,3 +130,49 @@ func TestListsInFlightBounded(t *testing.T) {
 		t.Errorf("the team's list once its lists ended: %d %q, want 200", w.Code, w.Body.String())
 	}
 }
+
+// forwardingCluster is a cluster front whose sandboxes are all on this
+// node, and for which a request carrying a node signature was forwarded
+// by another node.
+type forwardingCluster struct{ Cluster }
+
+func (forwardingCluster) Forward(http.ResponseWriter, *http.Request, string, string) bool {
+	return false
+}
+func (forwardingCluster) Forwarded(r *http.Request) bool {
+	return r.Header.Get("X-Cage-Node-Auth") != ""
+}
+
+// Attack: in cluster mode, a key resumes its sandbox through a front other
+// than the sandbox's node, which forwards the request before any handler
+// runs (so the front takes no create token) and signs it (so the node
+// took none either). Expected: the node takes the key's create tokens for
+// a forwarded resume as for any: past the burst, 429 with Retry-After.
+func TestForwardedResumePaysItsCreate(t *testing.T) {
+	st, err := store.Open(t.TempDir())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer st.Close()
+	plain, _, err := st.CreateKey("a")
+	if err != nil {
+		t.Fatal(err)
+	}
+	h := Handler(Config{Store: st, Manager: manager.New(manager.Config{Store: st}), Cluster: forwardingCluster{},
+		Rates: Rates{Creates: 1}})
+	var codes []int
+	for range 3 {
+		r := httptest.NewRequest("POST", "/sandboxes/00000000000000000000/resume", nil)
+		r.Header.Set("X-API-Key", plain)
+		r.Header.Set("X-Cage-Node-Auth", "node=b,t=1,sig=00")
+		w := httptest.NewRecorder()
+		h.ServeHTTP(w, r)
+		codes = append(codes, w.Code)
+		if w.Code == http.StatusTooManyRequests && w.Header().Get("Retry-After") == "" {
+			t.Error("429 without Retry-After")
+		}
+	}
+	if codes[0] != http.StatusNotFound || codes[1] != http.StatusNotFound || codes[2] != http.StatusTooManyRequests {
+		t.Errorf("three forwarded resumes with a burst of 2 creates: %v, want [404 404 429]", codes)
+	}
+}
