@@ -68,6 +68,8 @@ type server struct {
 	limits limiter
 	builds builds
 	lists  inFlight // each owner's list requests in flight (listing)
+	// contentLists: listings of each owner's volumes in flight (listDir).
+	contentLists inFlight
 }
 
 // Server is the API's HTTP handler. Its AllowRequest is the key's

@@ -246,31 +246,42 @@ type inFlight struct {
 // before anything is read.
 func (s *server) listing(next http.HandlerFunc) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		owner := keyID(r)
-		l := &s.lists
-		l.mu.Lock()
-		if l.n[owner] >= maxListsInFlight {
-			l.mu.Unlock()
-			s.cfg.Metrics.RateLimited("lists")
-			w.Header().Set("Retry-After", "1")
-			writeError(w, http.StatusTooManyRequests, fmt.Sprintf(
-				"%d list requests of this key's owner (its team, or the key) are in flight, the most at once: retry when one has ended", maxListsInFlight))
+		release, ok := s.holdList(&s.lists, keyID(r))
+		if !ok {
+			s.tooManyLists(w, "list requests of this key's owner (its team, or the key)")
 			return
 		}
-		if l.n == nil {
-			l.n = map[string]int{}
-		}
-		l.n[owner]++
-		l.mu.Unlock()
-		defer func() {
-			l.mu.Lock()
-			if l.n[owner]--; l.n[owner] <= 0 {
-				delete(l.n, owner)
-			}
-			l.mu.Unlock()
-		}()
+		defer release()
 		next(w, r)
 	})
+}
+
+// holdList counts one more request of owner's in l, or says that owner
+// has maxListsInFlight already.
+func (s *server) holdList(l *inFlight, owner string) (release func(), ok bool) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.n[owner] >= maxListsInFlight {
+		return nil, false
+	}
+	if l.n == nil {
+		l.n = map[string]int{}
+	}
+	l.n[owner]++
+	return func() {
+		l.mu.Lock()
+		if l.n[owner]--; l.n[owner] <= 0 {
+			delete(l.n, owner)
+		}
+		l.mu.Unlock()
+	}, true
+}
+
+// tooManyLists answers 429 for a request over maxListsInFlight.
+func (s *server) tooManyLists(w http.ResponseWriter, what string) {
+	s.cfg.Metrics.RateLimited("lists")
+	w.Header().Set("Retry-After", "1")
+	writeError(w, http.StatusTooManyRequests, fmt.Sprintf("%d %s are in flight, the most at once: retry when one has ended", maxListsInFlight, what))
 }
 
 // quotaName is the quota an ErrQuota names, for the metrics.

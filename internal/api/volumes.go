@@ -1,6 +1,7 @@
 package api
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"io"
@@ -149,6 +150,7 @@ func (s *server) volumeToken(h contentHandler) http.Handler {
 		if !s.allowContent(w, r, v.KeyID) {
 			return
 		}
+		r = r.WithContext(context.WithValue(r.Context(), volumeOwnerKey{}, v.KeyID))
 		rc := http.NewResponseController(w)
 		whole := time.Now().Add(contentWhole)
 		if r.Body != nil && r.Body != http.NoBody {
@@ -319,7 +321,28 @@ func (s *server) removePath(w http.ResponseWriter, r *http.Request, root *volume
 	w.WriteHeader(http.StatusNoContent)
 }
 
+// volumeOwnerKey is the context's key of a content request's volume's
+// owner (volumeToken).
+type volumeOwnerKey struct{}
+
+// listDir lists a directory of the volume: at most maxListsInFlight
+// listings of an owner's volumes at once (429 beyond), each written an
+// entry at a time. A listing holds up to 16 MiB of names (volume's
+// bound) for as long as its client takes to read it (a write may wait
+// 30 s), and it was encoded whole besides: a token holder that read none
+// of its answers held that on each connection its address may open
+// (found by review, 2026-12-04).
 func (s *server) listDir(w http.ResponseWriter, r *http.Request, root *volume.Root) {
+	owner, _ := r.Context().Value(volumeOwnerKey{}).(string)
+	release, ok := s.holdList(&s.contentLists, owner)
+	if !ok {
+		w.Header().Set("Retry-After", "1")
+		s.cfg.Metrics.RateLimited("lists")
+		writeContentError(w, http.StatusTooManyRequests, "rate_limited", fmt.Sprintf(
+			"%d listings of this owner's volumes are in flight, the most at once: retry when one has ended", maxListsInFlight))
+		return
+	}
+	defer release()
 	p, _, _, err := contentQuery(r)
 	if err != nil {
 		s.contentFail(w, r, err)
@@ -337,11 +360,11 @@ func (s *server) listDir(w http.ResponseWriter, r *http.Request, root *volume.Ro
 		s.contentFail(w, r, err)
 		return
 	}
-	out := make([]types.VolumeEntryStat, 0, len(es))
+	lw := listWriter{w: w}
 	for _, e := range es {
-		out = append(out, entryJSON(e))
+		lw.add(entryJSON(e))
 	}
-	writeJSON(w, http.StatusOK, out)
+	lw.end("")
 }
 
 func (s *server) makeDir(w http.ResponseWriter, r *http.Request, root *volume.Root) {
