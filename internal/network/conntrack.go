@@ -2,7 +2,6 @@ package network
 
 import (
 	"errors"
-	"fmt"
 	"net/netip"
 	"slices"
 	"time"
@@ -93,9 +92,12 @@ func (sb *Sandbox) allowsLocked(dst netip.Addr, proto uint8, port uint16, now ti
 // flow its far end keeps alive, an idle TCP one for days) would otherwise
 // be the next holder's, in and out, whatever its policy. A dump
 // interrupted by the table changing is tried again.
-// The kernel finds them where it can (deleteFlowsByKernel); else this
-// process walks the whole table.
-func forgetFlows(ip netip.Addr) error {
+// The ends waiting at once are forgotten together (reaper.go).
+func forgetFlows(ip netip.Addr) error { return reaper.forget(ip) }
+
+// forgetOne forgets ip's connections alone: the kernel finds them where it
+// can (deleteFlowsByKernel); else this process walks the whole table.
+func forgetOne(ip netip.Addr) error {
 	_, err := deleteFlowsByKernel(ip)
 	if errors.Is(err, errDumpInterrupted) {
 		_, err = deleteFlowsByKernel(ip)
@@ -109,7 +111,7 @@ func forgetFlows(ip netip.Addr) error {
 		_, err = netlink.ConntrackDeleteFilters(netlink.ConntrackTable, unix.AF_INET, f)
 	}
 	if err != nil {
-		return fmt.Errorf("forget the connections of %s: %w", ip, err)
+		return errForget(ip, err)
 	}
 	return nil
 }
