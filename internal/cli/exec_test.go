@@ -29,30 +29,7 @@ import (
 // for the agent through every SIGINT, SIGTERM and SIGHUP, the first
 // signal's RPC blocking the loop that counts them).
 func TestExecSecondSignalEndsIt(t *testing.T) {
-	ev, _ := proto.Marshal(&pb.StartResponse{Event: &pb.ProcessEvent{Event: &pb.ProcessEvent_Start{Start: &pb.ProcessEvent_StartEvent{Pid: 7}}}})
-	frame := make([]byte, 5+len(ev))
-	binary.BigEndian.PutUint32(frame[1:5], uint32(len(ev)))
-	copy(frame[5:], ev)
-	started := make(chan struct{})
-	srv := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		if strings.HasSuffix(r.URL.Path, "/Start") {
-			w.Header().Set("Content-Type", "application/connect+proto")
-			w.WriteHeader(http.StatusOK)
-			_, _ = w.Write(frame)
-			w.(http.Flusher).Flush()
-			close(started)
-		}
-		<-r.Context().Done() // no end, no answer to a signal or to input
-	}))
-	srv.Config.Protocols = new(http.Protocols)
-	srv.Config.Protocols.SetUnencryptedHTTP2(true)
-	srv.Start()
-	defer srv.Close()
-	ac := agentclient.New(func(ctx context.Context) (net.Conn, error) {
-		var d net.Dialer
-		return d.DialContext(ctx, "tcp", strings.TrimPrefix(srv.URL, "http://"))
-	}, "tok")
-	defer ac.Close()
+	ac, started := neverEndingAgent(t)
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	done := make(chan error, 1)
@@ -159,12 +136,7 @@ func TestExecTerminalRestoredAtSignals(t *testing.T) {
 	os.Stdin = pts
 	defer func() { os.Stdin = stdin }()
 
-	srv, started := neverEndingAgent(t)
-	ac := agentclient.New(func(ctx context.Context) (net.Conn, error) {
-		var d net.Dialer
-		return d.DialContext(ctx, "tcp", strings.TrimPrefix(srv.URL, "http://"))
-	}, "tok")
-	defer ac.Close()
+	ac, started := neverEndingAgent(t)
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	done := make(chan error, 1)
@@ -210,14 +182,15 @@ func TestExecTerminalRestoredAtSignals(t *testing.T) {
 	}
 }
 
-// neverEndingAgent is an agent that starts a command (pid 7) and then
-// never ends its stream nor answers anything else.
-func neverEndingAgent(t *testing.T) (*httptest.Server, chan struct{}) {
+// neverEndingAgent is a client of an agent that starts a command (pid 7)
+// and then never ends its stream nor answers anything else; started is
+// closed once the command has started.
+func neverEndingAgent(t *testing.T) (ac *agentclient.Client, started chan struct{}) {
 	ev, _ := proto.Marshal(&pb.StartResponse{Event: &pb.ProcessEvent{Event: &pb.ProcessEvent_Start{Start: &pb.ProcessEvent_StartEvent{Pid: 7}}}})
 	frame := make([]byte, 5+len(ev))
 	binary.BigEndian.PutUint32(frame[1:5], uint32(len(ev)))
 	copy(frame[5:], ev)
-	started := make(chan struct{})
+	started = make(chan struct{})
 	var once sync.Once
 	srv := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if strings.HasSuffix(r.URL.Path, "/Start") {
@@ -227,11 +200,16 @@ func neverEndingAgent(t *testing.T) (*httptest.Server, chan struct{}) {
 			w.(http.Flusher).Flush()
 			once.Do(func() { close(started) })
 		}
-		<-r.Context().Done()
+		<-r.Context().Done() // no end, no answer to a signal or to input
 	}))
 	srv.Config.Protocols = new(http.Protocols)
 	srv.Config.Protocols.SetUnencryptedHTTP2(true)
 	srv.Start()
 	t.Cleanup(srv.Close)
-	return srv, started
+	ac = agentclient.New(func(ctx context.Context) (net.Conn, error) {
+		var d net.Dialer
+		return d.DialContext(ctx, "tcp", strings.TrimPrefix(srv.URL, "http://"))
+	}, "tok")
+	t.Cleanup(ac.Close)
+	return ac, started
 }
