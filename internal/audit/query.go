@@ -43,6 +43,11 @@ func (db *DB) Query(f Filter) ([]Entry, error) {
 	if err != nil {
 		return nil, err
 	}
+	return db.entries(q, args)
+}
+
+// entries runs q, a selection of columns, and scans what it returns.
+func (db *DB) entries(q string, args []any) ([]Entry, error) {
 	rows, err := db.r.QueryContext(context.Background(), q, args...)
 	if err != nil {
 		return nil, fmt.Errorf("audit: query: %w", err)
@@ -92,31 +97,15 @@ func (db *DB) Seqs(f Filter) ([]int64, error) {
 // Entries returns the entries of the given seqs that are still kept, in
 // order of seq (a page Seqs selected, a few at a time).
 func (db *DB) Entries(seqs []int64) ([]Entry, error) {
-	out := []Entry{}
 	if len(seqs) == 0 {
-		return out, nil
+		return []Entry{}, nil
 	}
 	args := make([]any, len(seqs))
 	for i, s := range seqs {
 		args[i] = s
 	}
 	q := "SELECT " + columns + " FROM entries WHERE seq IN (" + strings.TrimSuffix(strings.Repeat("?, ", len(seqs)), ", ") + ") ORDER BY seq"
-	rows, err := db.r.QueryContext(context.Background(), q, args...)
-	if err != nil {
-		return nil, fmt.Errorf("audit: query: %w", err)
-	}
-	defer rows.Close()
-	for rows.Next() {
-		e, err := scanEntry(rows)
-		if err != nil {
-			return nil, fmt.Errorf("audit: query: %w", err)
-		}
-		out = append(out, e)
-	}
-	if err := rows.Err(); err != nil {
-		return nil, fmt.Errorf("audit: query: %w", err)
-	}
-	return out, nil
+	return db.entries(q, args)
 }
 
 // query is the statement and arguments that select cols of f's entries.
