@@ -219,24 +219,34 @@ func removeLink(slot int) error {
 	return nil
 }
 
+// linkExists says whether the host has a link of that index.
+func linkExists(index int) bool {
+	_, err := rtnl().LinkByIndex(index)
+	var nf netlink.LinkNotFoundError
+	return !errors.As(err, &nf)
+}
+
 // carriedNothing says whether slot's interface pair never carried a
-// packet between the sandbox and the host, either way, and can carry
-// none from now on: then nothing of the sandbox's address was ever tracked
-// in the host's connection table, and its end need not walk the table to
-// forget it (forgetFlows, some 3 ms of the kernel's time a walk here). Any
-// packet the host tracked crossed the pair: the sandbox's own enter by the
-// host end (its received count), the host's and the outside's leave by it
-// (sent, or dropped on the way, both counted after the kernel confirmed
-// their connection); a packet the host's rules refused (another
-// sandbox's, a forged source) was never confirmed, so never tracked.
+// packet between the sandbox and the host, either way: then nothing of
+// the sandbox's address was ever tracked in the host's connection table,
+// and its end need not walk the table to forget it (forgetFlows: some 3
+// ms of the kernel's time a walk here, whatever few entries it holds).
+// Any packet the host tracked crossed the pair: the sandbox's own enter by
+// the host end (its received count, taken as the packet crosses, before
+// the host's rules see it), the host's and the outside's leave by it
+// (sent, or dropped on the way, counted after the kernel confirmed their
+// connection); a packet the host's rules refused (another sandbox's, a
+// forged source) was never confirmed, so never tracked. The caller has
+// removed the slot's rules first: from then on the host refuses what the
+// sandbox sends and any new connection to it, so what crosses after the
+// counters are read is tracked by nobody.
 //
-// The host end is set down first: nothing crosses after that, so the
-// counters read next are final. They are read while the pair still has
-// both ends (a veth's count of what it received is its peer's count of
-// what it sent; once the sandbox's namespace has gone, its end with it,
-// that part reads as 0): a second look that still finds the peer says the
-// first did, as a peer once gone never comes back. Any doubt (the link
-// gone or not a veth, an error, no counters, the peer gone) says false.
+// The counters are read while the pair still has both ends (a veth's
+// count of what it received is its peer's count of what it sent; once the
+// sandbox's namespace has gone, its end with it, that part reads as 0): a
+// second look that still finds the peer says the first did, as a peer once
+// gone never comes back. Any doubt (the link gone or not a veth, an error,
+// no counters, the peer gone) says false.
 func carriedNothing(slot int) bool {
 	nl := rtnl()
 	name := ifName(slot)
@@ -245,9 +255,6 @@ func carriedNothing(slot int) bool {
 		return false
 	}
 	if _, ok := l.(*netlink.Veth); !ok {
-		return false
-	}
-	if err := nl.LinkSetDown(l); err != nil {
 		return false
 	}
 	first, err := nl.LinkByName(name)

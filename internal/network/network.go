@@ -18,6 +18,8 @@ import (
 	"sync"
 	"syscall"
 	"time"
+
+	"golang.org/x/sys/unix"
 )
 
 // DefaultSubnet holds the sandboxes' addresses: the gateway is its first
@@ -223,6 +225,9 @@ func (h *Host) Attach(id string, slot int, nsFD int, p Policy) (*Sandbox, error)
 	if sb.link, err = attachLink(slot, nsFD, sb.IP, h.gateway); err != nil {
 		_ = h.nft.remove(slot)
 		return nil, err
+	}
+	if sb.ns, err = unix.FcntlInt(uintptr(nsFD), unix.F_DUPFD_CLOEXEC, 3); err != nil {
+		sb.ns = -1 // Close walks the table, as for an adopted one
 	}
 	h.register(sb)
 	return sb, nil

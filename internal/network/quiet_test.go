@@ -15,21 +15,41 @@ import (
 
 // A sandbox's end skips the walk of the host's connection table only when
 // its interface never carried a packet. Attack: a sandbox sends one
-// datagram out and ends (the least that leaves a tracked connection), or
-// its namespace goes before its Close (its end of the pair with it, and
-// the count of what it sent). Expected: both are forgotten by a walk, and
-// none of their connections is left tracked; a sandbox that sent nothing
-// ends without one.
+// datagram out and ends (the least that leaves a tracked connection), or,
+// adopted (its namespace not held), its namespace goes before its Close
+// (its end of the pair with it, and the count of what it sent). Expected:
+// both are forgotten by a walk, and none of their connections is left
+// tracked; a sandbox that sent nothing ends without one, its processes
+// gone before its Close as at a kill.
 func TestQuietEndWalksNothing(t *testing.T) {
 	w := testutil.NewWorld(t)
 	h := newHost(t, w, nil)
-	ns := namespaces(t, 2)
+	// ownNamespace is a namespace whose only hold outside Attach's is the
+	// test's: gone drops it.
+	ownNamespace := func(t *testing.T) (ns netns.NsHandle, gone func()) {
+		path := filepath.Join(t.TempDir(), "netns")
+		if err := NewNamespace(path); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { RemoveNamespace(path) })
+		ns, err := netns.GetFromPath(path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { ns.Close() })
+		return ns, func() { ns.Close(); RemoveNamespace(path) }
+	}
 
+	// The sandbox's processes are gone before its Close (a kill): the
+	// hold Attach took keeps its end of the pair for Close to read.
+	ns, gone := ownNamespace(t)
 	nextSlot++
-	quiet, err := h.Attach("quiet", nextSlot, int(ns[0]), Policy{Mode: Internet})
+	quiet, err := h.Attach("quiet", nextSlot, int(ns), Policy{Mode: Internet})
 	if err != nil {
 		t.Fatal(err)
 	}
+	gone()
+	time.Sleep(100 * time.Millisecond) // time for a namespace nobody held to go
 	before := quietEnds.Load()
 	if err := quiet.Close(); err != nil {
 		t.Fatal(err)
@@ -39,23 +59,14 @@ func TestQuietEndWalksNothing(t *testing.T) {
 	}
 
 	for _, nsGone := range []bool{false, true} {
-		name := map[bool]string{false: "one datagram", true: "one datagram, namespace gone first"}[nsGone]
+		name := map[bool]string{false: "one datagram", true: "one datagram, adopted, namespace gone first"}[nsGone]
 		t.Run(name, func(t *testing.T) {
 			port := 7300
 			if nsGone {
 				port++
 			}
 			udpEcho(t, w, port)
-			path := filepath.Join(t.TempDir(), "netns")
-			if err := NewNamespace(path); err != nil {
-				t.Fatal(err)
-			}
-			t.Cleanup(func() { RemoveNamespace(path) })
-			ns, err := netns.GetFromPath(path)
-			if err != nil {
-				t.Fatal(err)
-			}
-			t.Cleanup(func() { ns.Close() })
+			ns, gone := ownNamespace(t)
 			nextSlot++
 			sb, err := h.Attach("busy", nextSlot, int(ns), Policy{Mode: Internet})
 			if err != nil {
@@ -75,10 +86,12 @@ func TestQuietEndWalksNothing(t *testing.T) {
 				t.Fatal("control: the exchange left nothing tracked")
 			}
 			if nsGone {
-				// The test's hold on the namespace is its last: the
-				// kernel destroys it, and the pair with it.
-				ns.Close()
-				RemoveNamespace(path)
+				// An adopted sandbox's namespace is not held: once its
+				// last process is gone, the kernel destroys it and the
+				// pair with it, and what the sandbox sent is not known.
+				unix.Close(sb.ns)
+				sb.ns = -1
+				gone()
 				deadline := time.Now().Add(20 * time.Second)
 				for {
 					if _, err := netlink.LinkByName(ifName(sb.Slot)); err != nil {
@@ -107,9 +120,10 @@ func TestQuietEndWalksNothing(t *testing.T) {
 // BenchmarkQuietEnd: a sandbox's Close when its interface carried nothing
 // (no walk of the table) against the same Close followed by the walk that
 // every end made before (the peer, same run); per end, the Attach not
-// timed: the time (mostly the kernel's waits as it deletes the pair) and
-// this process's CPU (user and system: the walk is the kernel's work in
-// the calling thread).
+// timed, the namespace's other holds gone before the Close as at a kill:
+// the time (mostly the kernel taking the namespace and the pair) and this
+// process's CPU (user and system: the walk is the kernel's work in the
+// calling thread).
 func BenchmarkQuietEnd(b *testing.B) {
 	w := testutil.NewWorld(b)
 	h, err := NewHost(Config{Upstreams: w.Upstreams(), LockDir: b.TempDir()})
@@ -117,23 +131,23 @@ func BenchmarkQuietEnd(b *testing.B) {
 		b.Fatal(err)
 	}
 	b.Cleanup(h.Close)
-	path := filepath.Join(b.TempDir(), "netns")
-	if err := NewNamespace(path); err != nil {
-		b.Fatal(err)
-	}
-	b.Cleanup(func() { RemoveNamespace(path) })
-	ns, err := netns.GetFromPath(path)
-	if err != nil {
-		b.Fatal(err)
-	}
-	b.Cleanup(func() { ns.Close() })
 	nextSlot++
 	slot := nextSlot
 	run := func(b *testing.B, walk bool) {
 		var cpu time.Duration
 		for b.Loop() {
 			b.StopTimer()
+			path := filepath.Join(b.TempDir(), "netns")
+			if err := NewNamespace(path); err != nil {
+				b.Fatal(err)
+			}
+			ns, err := netns.GetFromPath(path)
+			if err != nil {
+				b.Fatal(err)
+			}
 			sb, err := h.Attach("bench", slot, int(ns), Policy{Mode: Internet})
+			ns.Close()
+			RemoveNamespace(path)
 			if err != nil {
 				b.Fatal(err)
 			}

@@ -9,6 +9,8 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"golang.org/x/sys/unix"
 )
 
 // Sandbox is the network of one sandbox.
@@ -24,6 +26,11 @@ type Sandbox struct {
 	IP   netip.Addr
 	h    *Host
 	link int // index of the host's end of its interface (see Host.sender)
+	// ns holds the sandbox's network namespace (-1: not held, an adopted
+	// one's) until Close, so that its end of the pair outlives its last
+	// process (the kernel destroys a namespace nobody holds, and the pair
+	// with it) and Close can read what the pair carried (carriedNothing).
+	ns int
 
 	mu     sync.Mutex
 	policy Policy
@@ -63,7 +70,7 @@ const maxSandboxElems = 4096
 var errFull = fmt.Errorf("the sandbox holds %d addresses of DNS answers, its limit", maxSandboxElems)
 
 func newSandbox(h *Host, id string, slot int, p Policy) *Sandbox {
-	return &Sandbox{ID: id, Slot: slot, IP: h.IP(slot), h: h, policy: p,
+	return &Sandbox{ID: id, Slot: slot, IP: h.IP(slot), h: h, policy: p, ns: -1,
 		learned: map[string]map[netip.Addr]time.Time{}, denied: map[string]map[netip.Addr]time.Time{}, inY: map[netip.Addr]int{}}
 }
 
@@ -360,17 +367,47 @@ func (sb *Sandbox) Close() error {
 		delete(h.byIP, sb.IP)
 	}
 	h.mu.Unlock()
-	// The interface and the rules first: nothing new is tracked for the
-	// address once they are gone. An interface that never carried a
-	// packet left nothing tracked (carriedNothing): no walk of the table.
+	// The rules first: once the slot's elements are gone, the host
+	// refuses whatever the sandbox sends and any new connection to it, so
+	// nothing new is tracked for the address. An interface pair that never
+	// carried a packet left nothing tracked (carriedNothing), and its end
+	// walks no table.
+	err := h.nft.remove(sb.Slot)
 	quiet := carriedNothing(sb.Slot)
-	err := errors.Join(removeLink(sb.Slot), h.nft.remove(sb.Slot))
+	err = errors.Join(err, sb.dropLink())
 	if quiet {
 		quietEnds.Add(1)
 		return err
 	}
 	return errors.Join(err, forgetFlows(sb.IP))
 }
+
+// dropLink removes the sandbox's interface pair. A namespace held only by
+// Close's hold (its processes gone and its pin removed, as every wall's
+// teardown does before it closes the network) is let go, and the kernel
+// takes the pair with it, many namespaces' at once (9-56 ms here in bursts
+// of 20 kills), without the rtnl lock taken for each pair; Close waits
+// for that a little, then removes the pair itself (a namespace something
+// else still holds).
+func (sb *Sandbox) dropLink() error {
+	if sb.ns < 0 {
+		return removeLink(sb.Slot)
+	}
+	unix.Close(sb.ns)
+	sb.ns = -1
+	wait := 500 * time.Microsecond
+	for end := time.Now().Add(linkGoneWait); time.Now().Before(end); wait = min(2*wait, 50*time.Millisecond) {
+		if !linkExists(sb.link) {
+			return nil
+		}
+		time.Sleep(wait)
+	}
+	return removeLink(sb.Slot)
+}
+
+// linkGoneWait is how long Close waits for the kernel to take a pair
+// whose namespace it let go.
+const linkGoneWait = 100 * time.Millisecond
 
 // quietEnds counts the Closes that found nothing to forget (for tests).
 var quietEnds atomic.Int64

@@ -282,15 +282,17 @@ func (sb *Sandbox) release() (err error) {
 		sb.tap.Close()
 		sb.tap = nil
 	}
+	// The namespace's pin before the network: then the network's own
+	// hold is the last, and the kernel takes the pair as it goes.
+	if sb.netns != "" {
+		network.RemoveNamespace(sb.netns)
+		sb.netns = ""
+	}
 	if sb.net != nil {
 		if nerr := sb.net.Close(); err == nil {
 			err = nerr
 		}
 		sb.net = nil
-	}
-	if sb.netns != "" {
-		network.RemoveNamespace(sb.netns)
-		sb.netns = ""
 	}
 	if rerr := state.RemoveTree(sb.dir); err == nil {
 		err = rerr

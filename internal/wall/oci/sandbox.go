@@ -666,11 +666,13 @@ func (sb *Sandbox) teardown() error {
 	if sb.cg != nil {
 		errs = append(errs, sb.cg.Destroy())
 	}
-	if sb.net != nil {
-		errs = append(errs, sb.net.Close()) // before the slot can be reused
-	}
+	// The namespace's pin before the network: then the network's own
+	// hold is the last, and the kernel takes the pair as it goes.
 	if sb.netns != "" {
 		network.RemoveNamespace(sb.netns)
+	}
+	if sb.net != nil {
+		errs = append(errs, sb.net.Close()) // before the slot can be reused
 	}
 	// The root and disk mounts are detached as the state directory is
 	// removed, without following anything the sandbox wrote there.
