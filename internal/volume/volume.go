@@ -143,8 +143,13 @@ func (m *Manager) open(id string, hold bool) (*Root, error) {
 	defer m.mu.Unlock()
 	dir := m.mountDir(id)
 	if !isMountRoot(dir) {
-		if _, err := os.Stat(m.image(id)); err != nil {
-			return nil, fmt.Errorf("%w: volume %q has no image: %v", ErrNotFound, id, err)
+		// The not-found is the content API's 404, read by the token's
+		// holder: it names the volume, not the host's data directory
+		// (any other failure is the daemon's log's).
+		if _, err := os.Stat(m.image(id)); errors.Is(err, os.ErrNotExist) {
+			return nil, fmt.Errorf("%w: volume %q has no image", ErrNotFound, id)
+		} else if err != nil {
+			return nil, fmt.Errorf("volume %q: %w", id, err)
 		}
 		if err := os.MkdirAll(filepath.Dir(dir), 0o700); err != nil {
 			return nil, err

@@ -459,3 +459,28 @@ func TestVolumeRemoveWhileHeld(t *testing.T) {
 		t.Errorf("remove beside a start's open: %v", err)
 	}
 }
+
+// TestOpenMissingImageNamesNoHostPath: a volume whose image is gone (its
+// deletion removes the files before the record, so a content request
+// racing its owner's delete meets one) is the content API's 404, whose
+// message reaches whoever holds the volume's token: it names the volume,
+// never the host's data directory. Found by review, 2026-12-04: the
+// message quoted the stat error, "stat /var/lib/cage/volumes/ID/
+// volume.img: no such file or directory".
+func TestOpenMissingImageNamesNoHostPath(t *testing.T) {
+	data, run := t.TempDir(), t.TempDir()
+	m := New(Config{Data: data, RunDir: run})
+	for _, open := range []func(string) (*Root, error){m.Open, m.OpenHeld} {
+		r, err := open("v0gone")
+		if err == nil {
+			r.Close()
+			t.Fatal("a volume without an image opened")
+		}
+		if !errors.Is(err, ErrNotFound) {
+			t.Errorf("%v: want ErrNotFound", err)
+		}
+		if msg := err.Error(); strings.Contains(msg, data) || strings.Contains(msg, run) || strings.Contains(msg, "/") {
+			t.Errorf("the message names a host path: %q", msg)
+		}
+	}
+}
