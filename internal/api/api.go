@@ -280,19 +280,26 @@ func (s *server) failure(r *http.Request, err error) (int, string) {
 	case errors.Is(err, errForbidden):
 		return http.StatusForbidden, err.Error()
 	case errors.Is(err, sandbox.ErrUnavailable), errors.Is(err, sandbox.ErrPermission):
-		msg, cut := WithoutHostPaths(err.Error())
-		if cut {
-			id := requestID()
-			s.log.Error("request failed", "route", r.Method+" "+r.URL.Path, "request", id, "err", logged(err))
-			msg += " (request " + id + "; the server's log has the detail)"
-		}
-		return http.StatusServiceUnavailable, msg
+		return http.StatusServiceUnavailable, s.unavailable(r, err)
 	}
 	// The detail (host paths, SQL) is the operator's, in the log; the
 	// client gets an id to quote.
 	id := requestID()
 	s.log.Error("request failed", "route", r.Method+" "+r.URL.Path, "request", id, "err", logged(err))
 	return http.StatusInternalServerError, "internal error (request " + id + "; the server's log has the detail)"
+}
+
+// unavailable is what a client is told of a host that cannot do what it
+// asked: the message up to the clause that names a host path, the rest in
+// the log under a request id the client gets.
+func (s *server) unavailable(r *http.Request, err error) string {
+	msg, cut := WithoutHostPaths(err.Error())
+	if cut {
+		id := requestID()
+		s.log.Error("request failed", "route", r.Method+" "+r.URL.Path, "request", id, "err", logged(err))
+		msg += " (request " + id + "; the server's log has the detail)"
+	}
+	return msg
 }
 
 // logged is an error's text for the log, bounded: it may quote what the

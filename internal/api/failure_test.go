@@ -1,6 +1,7 @@
 package api
 
 import (
+	"encoding/json"
 	"fmt"
 	"log/slog"
 	"net/http"
@@ -8,7 +9,9 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/cagehq/cage/api/types"
 	"github.com/cagehq/cage/internal/sandbox"
+	"github.com/cagehq/cage/internal/volume"
 )
 
 // TestUnavailableNamesNoHostPath: a 503 tells the client why in one line,
@@ -49,6 +52,46 @@ func TestUnavailableNamesNoHostPath(t *testing.T) {
 		id := strings.TrimSuffix(strings.TrimPrefix(msg[len(c.want):], ""), "; the server's log has the detail)")
 		if strings.Contains(msg, c.hide) || !strings.Contains(log.String(), c.hide) || !strings.Contains(log.String(), id) {
 			t.Errorf("%v: client %q, log %q", c.err, msg, log.String())
+		}
+	}
+}
+
+// TestVolumeContentUnavailableNamesNoHostPath: the volume content API
+// (a volume's token, not an API key) answers a host that cannot do what
+// was asked as the control API does: one line that stops before the
+// clause naming a host path, with a request id for the rest in the log.
+// Found by review, 2026-12-04: it answered the error whole, so the
+// token's holder read the host's paths that the API's own routes hide.
+func TestVolumeContentUnavailableNamesNoHostPath(t *testing.T) {
+	var log strings.Builder
+	s := &server{log: slog.New(slog.NewTextHandler(&log, nil))}
+	r := httptest.NewRequest(http.MethodGet, "/volumecontent/v1/file?path=/a", nil)
+	for _, c := range []struct {
+		err        error
+		want, hide string
+	}{
+		{fmt.Errorf("%w: volumes need loop devices: open /srv/ops/dev/loop-control: permission denied", volume.ErrUnavailable),
+			"unavailable on this host: volumes need loop devices (request ", "/srv/ops"},
+		{fmt.Errorf("%w: this server keeps no volumes", sandbox.ErrUnavailable), "unavailable on this host: this server keeps no volumes", ""},
+	} {
+		log.Reset()
+		w := httptest.NewRecorder()
+		s.contentFail(w, r, c.err)
+		var e types.VolumeContentError
+		if err := json.Unmarshal(w.Body.Bytes(), &e); err != nil {
+			t.Fatalf("%v: %s", c.err, w.Body.String())
+		}
+		if w.Code != http.StatusInternalServerError || !strings.HasPrefix(e.Message, c.want) || strings.Contains(e.Message, "\n") {
+			t.Errorf("%v: %d %q, want 500 %q...", c.err, w.Code, e.Message, c.want)
+		}
+		if c.hide == "" {
+			if e.Message != c.want || log.Len() != 0 {
+				t.Errorf("%v: %q (log %q): want it whole, unlogged", c.err, e.Message, log.String())
+			}
+			continue
+		}
+		if strings.Contains(e.Message, c.hide) || !strings.Contains(log.String(), c.hide) {
+			t.Errorf("%v: client %q, log %q", c.err, e.Message, log.String())
 		}
 	}
 }

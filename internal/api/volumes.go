@@ -211,7 +211,9 @@ func (s *server) contentFail(w http.ResponseWriter, r *http.Request, err error) 
 	case errors.Is(err, volume.ErrNoSpace):
 		writeContentError(w, http.StatusInsufficientStorage, "insufficient_storage", err.Error())
 	case errors.Is(err, sandbox.ErrUnavailable), errors.Is(err, volume.ErrUnavailable):
-		writeContentError(w, http.StatusInternalServerError, "internal", err.Error())
+		// As the API's own routes: no host path (the token's holder is
+		// no operator).
+		writeContentError(w, http.StatusInternalServerError, "internal", s.unavailable(r, err))
 	default:
 		id := requestID()
 		s.log.Error("volume request failed", "route", r.Method+" "+r.URL.Path, "request", id, "err", err)
