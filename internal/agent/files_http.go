@@ -147,20 +147,30 @@ func (f *filesystemService) serveFiles(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	defer root.Close()
-	serve := f.serveDownload
 	if op == "write" {
-		serve = f.serveUpload
+		f.serveUpload(w, r, u, root)
+		return
 	}
-	err = f.s.asUser(r.Context(), u, func() error {
-		serve(w, r, u, root)
-		return nil
-	})
-	if err != nil && !errors.Is(err, context.Canceled) {
+	f.serveDownload(w, r, u, root)
+}
+
+// The file work of a transfer (resolving, opening, renaming) runs as the
+// user on one of the agent's few file workers (asUser); the bytes move
+// between the network and a descriptor the user opened outside it, at
+// whatever pace the client keeps. Holding a worker while they moved, four
+// stalled transfers (anyone's with a signed URL) held every file operation
+// of the sandbox for as long as their clients liked (found by review,
+// 2026-12-04).
+
+// asUserErr answers a failure to act as the user (nothing when the
+// client has gone).
+func asUserErr(w http.ResponseWriter, u User, err error) {
+	if !errors.Is(err, context.Canceled) {
 		writeHTTPError(w, fileHTTPError("act as user", u.Name, err))
 	}
 }
 
-// serveDownload runs as the request's user.
+// serveDownload opens the file as the request's user, then sends it.
 func (f *filesystemService) serveDownload(w http.ResponseWriter, r *http.Request, u User, root *fsRoot) {
 	raw := r.URL.Query().Get("path")
 	p, err := sandboxPath(raw, u)
@@ -168,7 +178,16 @@ func (f *filesystemService) serveDownload(w http.ResponseWriter, r *http.Request
 		writeHTTPError(w, httpErr(http.StatusBadRequest, "invalid path %q: %v", raw, err))
 		return
 	}
-	file, st, herr := openDownload(root, p)
+	var file *os.File
+	var st *unix.Stat_t
+	var herr *httpError
+	if err := f.s.asUser(r.Context(), u, func() error {
+		file, st, herr = openDownload(root, p)
+		return nil
+	}); err != nil {
+		asUserErr(w, u, err)
+		return
+	}
 	if herr != nil {
 		writeHTTPError(w, herr)
 		return
@@ -241,9 +260,10 @@ func acceptsGzip(header string) bool {
 	return false
 }
 
-// serveUpload runs as the request's user. The body is streamed to disk
-// (a full disk is 507); a gzip-encoded one may inflate to at most
-// Config.MaxInflatedUpload bytes (413 beyond).
+// serveUpload writes the body's files as the request's user (see
+// uploader.write). The body is streamed to disk (a full disk is 507); a
+// gzip-encoded one may inflate to at most Config.MaxInflatedUpload bytes
+// (413 beyond).
 func (f *filesystemService) serveUpload(w http.ResponseWriter, r *http.Request, u User, root *fsRoot) {
 	defer r.Body.Close()
 	body := io.Reader(r.Body)
@@ -264,7 +284,15 @@ func (f *filesystemService) serveUpload(w http.ResponseWriter, r *http.Request, 
 		writeHTTPError(w, herr)
 		return
 	}
-	up := uploader{root: root, u: u, q: r.URL.Query(), md: md}
+	ctx := r.Context()
+	up := uploader{root: root, u: u, q: r.URL.Query(), md: md,
+		asUser: func(keep bool, fn func() error) error {
+			c := ctx
+			if keep {
+				c = context.WithoutCancel(ctx) // finishing or cleaning up what was begun
+			}
+			return f.s.asUser(c, u, fn)
+		}}
 	var entries []uploadedEntry
 	media, params, _ := mime.ParseMediaType(r.Header.Get("Content-Type"))
 	switch {
@@ -318,6 +346,9 @@ type uploader struct {
 	u    User
 	q    url.Values
 	md   map[string]string // metadata every file of the upload gets
+	// asUser runs fn as the user on a file worker; keep runs it even
+	// once the request is cancelled.
+	asUser func(keep bool, fn func() error) error
 }
 
 func (up *uploader) resolve(raw string) (string, *httpError) {
@@ -402,13 +433,44 @@ func (t *readTracker) Read(p []byte) (int, error) {
 	return n, err
 }
 
-// write streams src into the file at sandbox path p, as the user.
-// A symlink at p that resolves to a file inside the root is written through
-// (its target is replaced, where the user may replace it).
+// write streams src into the file at sandbox path p, as the user: the
+// file is made and renamed into place as the user (on a file worker), the
+// bytes are copied into it outside. A symlink at p that resolves to a file
+// inside the root is written through (its target is replaced, where the
+// user may replace it).
 func (up *uploader) write(p string, src io.Reader) error {
 	if p == "/" {
 		return httpErr(http.StatusBadRequest, "path %q is a directory", p)
 	}
+	var t *tempFile
+	if err := up.asUser(false, func() error {
+		var err error
+		t, err = up.begin(p)
+		return err
+	}); err != nil {
+		return err
+	}
+	defer unix.Close(t.dfd)
+	err := t.fill(src)
+	if err == nil {
+		err = up.asUser(true, func() error { return t.finish(up.md) })
+	}
+	if err != nil {
+		_ = up.asUser(true, func() error { t.abandon(); return nil })
+	}
+	return err
+}
+
+// tempFile is an upload's new file, beside the name it will take.
+type tempFile struct {
+	dfd       int // O_PATH descriptor of the directory
+	name, tmp string
+	file      *os.File
+	done      bool // renamed into place
+}
+
+// begin makes the temporary file that will take p's place, as the user.
+func (up *uploader) begin(p string) (*tempFile, error) {
 	target := p
 	if st, err := up.root.lstat(p); err == nil && st.Mode&unix.S_IFMT == unix.S_IFLNK {
 		if fd, err := up.root.open(p, unix.O_PATH, 0); err == nil {
@@ -420,25 +482,26 @@ func (up *uploader) write(p string, src io.Reader) error {
 	}
 	dfd, _, err := up.root.mkdirAll(path.Dir(target))
 	if err != nil {
-		return err
+		return nil, err
 	}
-	defer unix.Close(dfd)
-	name := path.Base(target)
+	t := &tempFile{dfd: dfd, name: path.Base(target)}
+	ok := false
+	defer func() {
+		if !ok {
+			t.abandon()
+			unix.Close(dfd)
+		}
+	}()
 	mode := uint32(0o644)
 	var old unix.Stat_t
-	if unix.Fstatat(dfd, name, &old, unix.AT_SYMLINK_NOFOLLOW) == nil {
+	if unix.Fstatat(dfd, t.name, &old, unix.AT_SYMLINK_NOFOLLOW) == nil {
 		switch old.Mode & unix.S_IFMT {
 		case unix.S_IFDIR:
-			return httpErr(http.StatusBadRequest, "path %q is a directory", p)
+			return nil, httpErr(http.StatusBadRequest, "path %q is a directory", p)
 		case unix.S_IFREG:
 			mode = old.Mode & 0o777
 		}
 	}
-	return up.replace(dfd, name, mode, src)
-}
-
-// replace writes src to a new file in dfd and renames it over name.
-func (up *uploader) replace(dfd int, name string, mode uint32, src io.Reader) error {
 	var rnd [8]byte
 	_, _ = rand.Read(rnd[:])
 	tmp := uploadTempPrefix + hex.EncodeToString(rnd[:])
@@ -446,22 +509,22 @@ func (up *uploader) replace(dfd int, name string, mode uint32, src io.Reader) er
 		Mode: 0o600, Resolve: beneathNoLinks}
 	fd, err := openat2(dfd, tmp, &how)
 	if err != nil {
-		return err
+		return nil, err
 	}
-	file := os.NewFile(uintptr(fd), tmp)
-	done := false
-	defer func() {
-		if !done {
-			file.Close()
-			unix.Unlinkat(dfd, tmp, 0)
-		}
-	}()
+	t.tmp, t.file = tmp, os.NewFile(uintptr(fd), tmp)
 	// The file is the user's: the thread acts as the user (see asUser).
 	if err := unix.Fchmod(fd, mode); err != nil {
-		return err
+		return nil, err
 	}
+	ok = true
+	return t, nil
+}
+
+// fill copies src into the file: no file worker is held, the descriptor
+// was opened as the user.
+func (t *tempFile) fill(src io.Reader) error {
 	rt := &readTracker{r: src}
-	if _, err := io.Copy(file, rt); err != nil {
+	if _, err := io.Copy(t.file, rt); err != nil {
 		switch {
 		case errors.Is(rt.err, errInflateLimit):
 			return httpErr(http.StatusRequestEntityTooLarge, "%v", errInflateLimit)
@@ -470,20 +533,34 @@ func (up *uploader) replace(dfd int, name string, mode uint32, src io.Reader) er
 		}
 		return err
 	}
-	if err := writeMetadata(fd, up.md); err != nil {
+	return nil
+}
+
+// finish gives the file its metadata and renames it into place, as the
+// user.
+func (t *tempFile) finish(md map[string]string) error {
+	if err := writeMetadata(int(t.file.Fd()), md); err != nil {
 		if errors.Is(err, errNoXattrs) {
 			return httpErr(http.StatusNotImplemented, "%v; the file was not written", err)
 		}
 		return err
 	}
-	done = true
-	if err := file.Close(); err != nil {
-		unix.Unlinkat(dfd, tmp, 0)
+	if err := t.file.Close(); err != nil {
 		return err
 	}
-	if err := unix.Renameat(dfd, tmp, dfd, name); err != nil {
-		unix.Unlinkat(dfd, tmp, 0)
+	if err := unix.Renameat(t.dfd, t.tmp, t.dfd, t.name); err != nil {
 		return err
 	}
+	t.done = true
 	return nil
+}
+
+// abandon removes the temporary file of an upload that did not finish,
+// as the user.
+func (t *tempFile) abandon() {
+	if t.done || t.file == nil {
+		return
+	}
+	_ = t.file.Close()
+	_ = unix.Unlinkat(t.dfd, t.tmp, 0)
 }

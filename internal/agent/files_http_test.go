@@ -1,6 +1,7 @@
 package agent
 
 import (
+	"bufio"
 	"bytes"
 	"compress/gzip"
 	"context"
@@ -11,6 +12,7 @@ import (
 	"fmt"
 	"io"
 	"mime/multipart"
+	"net"
 	"net/http"
 	"net/url"
 	"os"
@@ -380,4 +382,94 @@ func TestFilesSymlinkSwapRace(t *testing.T) {
 	stop.Store(true)
 	wg.Wait()
 	// e.checkCanary runs at cleanup.
+}
+
+// TestFilesSlowTransfersHoldNoWorker: whoever holds a signed upload or
+// download URL of a sandbox (E2B's way to let a browser move one file)
+// opens more transfers than the agent has file workers (fileWorkers) and
+// lets none move: uploads announce a body and send a byte of it, downloads
+// of a large file read none of the answer. Expected: every other file
+// operation of the sandbox (a stat, a small upload, a download) is served
+// meanwhile, and the stalled transfers complete once their clients move.
+// Found by review, 2026-12-04: an upload read its body, and a download
+// wrote its answer, while holding one of the agent's 4 file workers, so
+// four stalled transfers (or four slow honest ones) held every file
+// operation of the sandbox for as long as their clients liked.
+func TestFilesSlowTransfersHoldNoWorker(t *testing.T) {
+	e := newFSEnv(t)
+	big := filepath.Join(e.home, "big.bin")
+	e.mustWrite(big, "")
+	if err := os.Truncate(big, 256<<20); err != nil { // more than any socket buffers hold
+		t.Fatal(err)
+	}
+	addr := strings.TrimPrefix(e.srv.URL, "http://")
+	var conns []net.Conn
+	defer func() {
+		for _, c := range conns {
+			c.Close()
+		}
+	}()
+	dial := func(req string) net.Conn {
+		c, err := net.Dial("tcp", addr)
+		if err != nil {
+			t.Fatal(err)
+		}
+		conns = append(conns, c)
+		if _, err := io.WriteString(c, req); err != nil {
+			t.Fatal(err)
+		}
+		return c
+	}
+	var uploads []net.Conn
+	for i := range fileWorkers + 1 {
+		p := fmt.Sprintf("/home/user/slow-%d", i)
+		q := url.Values{"path": {p}, "username": {"user"}, "signature": {fsSign(p, "write", "user", 0)}}
+		uploads = append(uploads, dial("POST /files?"+q.Encode()+" HTTP/1.1\r\nHost: agent\r\n"+
+			"Content-Type: application/octet-stream\r\nContent-Length: 2\r\n\r\nx"))
+	}
+	q := url.Values{"path": {"/home/user/big.bin"}, "username": {"user"}, "signature": {fsSign("/home/user/big.bin", "read", "user", 0)}}
+	for range fileWorkers + 1 {
+		dial("GET /files?" + q.Encode() + " HTTP/1.1\r\nHost: agent\r\nAccept-Encoding: identity\r\n\r\n")
+	}
+	time.Sleep(time.Second) // every transfer has its handler (and, before the fix, a worker)
+
+	done := make(chan string, 1)
+	go func() {
+		if _, err := e.stat("/home/user/big.bin"); err != nil {
+			done <- "stat: " + err.Error()
+			return
+		}
+		if code := e.upload("/home/user/small", "small"); code != http.StatusOK {
+			done <- fmt.Sprintf("small upload: %d", code)
+			return
+		}
+		if code, got := e.download("/home/user/small"); code != http.StatusOK || got != "small" {
+			done <- fmt.Sprintf("small download: %d %q", code, got)
+			return
+		}
+		done <- ""
+	}()
+	select {
+	case msg := <-done:
+		if msg != "" {
+			t.Fatal(msg)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatalf("%d stalled uploads and downloads held the sandbox's other file operations for 10 s", 2*(fileWorkers+1))
+	}
+	// The stalled uploads complete once their bodies arrive.
+	for i, c := range uploads {
+		if _, err := io.WriteString(c, "y"); err != nil {
+			t.Fatal(err)
+		}
+		_ = c.SetReadDeadline(time.Now().Add(10 * time.Second))
+		line, err := bufio.NewReader(c).ReadString('\n')
+		if err != nil || !strings.HasPrefix(line, "HTTP/1.1 200") {
+			t.Fatalf("upload %d once its body came: %q %v", i, line, err)
+		}
+		got, err := os.ReadFile(filepath.Join(e.home, fmt.Sprintf("slow-%d", i)))
+		if err != nil || string(got) != "xy" {
+			t.Errorf("upload %d wrote %q, %v", i, got, err)
+		}
+	}
 }
