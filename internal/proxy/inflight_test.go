@@ -1,6 +1,7 @@
 package proxy
 
 import (
+	"bufio"
 	"context"
 	"errors"
 	"fmt"
@@ -8,10 +9,12 @@ import (
 	"net"
 	"net/http"
 	"net/http/httptest"
+	"net/url"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/cagehq/cage/internal/filesig"
 	"github.com/cagehq/cage/internal/wall"
 )
 
@@ -263,6 +266,77 @@ func TestInFlightPerKeyAndClient(t *testing.T) {
 		}
 		if time.Now().After(deadline) {
 			t.Fatalf("%d counts left after every request ended", n)
+		}
+	}
+}
+
+// TestSignedFilesURLIsNotTheOwners: a signed /files URL is E2B's way to
+// let a browser move one file, so whoever has the link may use it; it is
+// not the owner's access token. Attack: from one address, the link's
+// holder opens more uploads than the sandbox's budget holds, each
+// announcing a body and sending a byte of it. Expected: they take at most
+// that address's share of the anonymous budget (429 beyond), the owner's
+// requests with the access token are served meanwhile, and a stalled one
+// is ended after the idle time as anyone's is. Found by review,
+// 2026-12-04: they counted as the owner's, without a share per address or
+// an idle time, so one link's holder took the sandbox's whole
+// credentialed budget for good and the owner's commands got 429.
+func TestSignedFilesURLIsNotTheOwners(t *testing.T) {
+	defer func(a, b int, d time.Duration) {
+		maxInFlightPerSandbox, maxAnonymousPerClient, relayIdle = a, b, d
+	}(maxInFlightPerSandbox, maxAnonymousPerClient, relayIdle)
+	maxInFlightPerSandbox, maxAnonymousPerClient, relayIdle = 8, 2, 3*time.Second
+	a := newFakeAgent(t)
+	srv := httptest.NewServer(New(sandboxes{sb{a}}, "", nil))
+	defer srv.Close()
+	addr := strings.TrimPrefix(srv.URL, "http://")
+	q := url.Values{"path": {"/tmp/x"}, "username": {"user"}, "signature": {filesig.Sign("/tmp/x", "write", "user", "the-token", 0)}}
+	statuses := make(chan string, maxInFlightPerSandbox)
+	for range maxInFlightPerSandbox {
+		conn, err := net.Dial("tcp", addr)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer conn.Close()
+		fmt.Fprintf(conn, "POST /files?%s HTTP/1.1\r\nHost: proxy\r\nE2b-Sandbox-Id: sandbox1\r\n"+
+			"Content-Type: application/octet-stream\r\nContent-Length: 1000000\r\n\r\nx", q.Encode())
+		go func() {
+			line, _ := bufio.NewReader(conn).ReadString('\n')
+			statuses <- strings.TrimSpace(line)
+		}()
+	}
+	refused := 0
+	for deadline := time.After(2 * time.Second); refused < maxInFlightPerSandbox-maxAnonymousPerClient; {
+		select {
+		case s := <-statuses:
+			if !strings.HasPrefix(s, "HTTP/1.1 429") {
+				t.Fatalf("a signed upload beyond the address's share: %q, want 429", s)
+			}
+			refused++
+		case <-deadline:
+			t.Fatalf("%d of %d held signed uploads from one address were let in (its share: %d)",
+				maxInFlightPerSandbox-refused, maxInFlightPerSandbox, maxAnonymousPerClient)
+		}
+	}
+	req, _ := http.NewRequest(http.MethodPost, srv.URL+"/filesystem.Filesystem/Stat", nil)
+	req.Header.Set("E2b-Sandbox-Id", "sandbox1")
+	req.Header.Set("X-Access-Token", "the-token")
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		t.Errorf("the owner's request while a link's holder stalls uploads: %d, want 200", resp.StatusCode)
+	}
+	for range maxAnonymousPerClient {
+		select {
+		case s := <-statuses:
+			if !strings.HasPrefix(s, "HTTP/1.1 504") {
+				t.Errorf("a stalled signed upload: %q, want 504 after the idle time", s)
+			}
+		case <-time.After(4 * relayIdle):
+			t.Fatalf("a stalled signed upload is still open after %v (idle time %v)", 4*relayIdle, relayIdle)
 		}
 	}
 }

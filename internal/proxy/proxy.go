@@ -728,9 +728,9 @@ const maxAnswerHead = 64 << 10
 var maxInFlightPerSandbox = 1024
 
 // flightKey counts a sandbox's requests in flight: those that carry its
-// own credential (its access token, a signed /files URL, its traffic
-// token) apart from the rest (anyone's, to a public port or the open
-// /health), so that anonymous clients, however many, never fill the
+// own credential (its access token, its traffic token) apart from the
+// rest (anyone's, to a public port or the open /health, or with a signed
+// /files URL), so that anonymous clients, however many, never fill the
 // owner's budget.
 type flightKey struct {
 	id    string
@@ -743,11 +743,13 @@ func credentialed(r *http.Request, a Access, port int) bool {
 	token := r.Header.Get("X-Access-Token")
 	tokenOK := token != "" && subtle.ConstantTimeCompare([]byte(token), []byte(a.Token)) == 1
 	switch port {
-	case EnvdPort:
-		// Past envdUnauthorized, a /files request without a token had
-		// a valid signature.
-		return tokenOK || (r.URL.Path == "/files" && token == "")
-	case InterpPort:
+	case EnvdPort, InterpPort:
+		// A signed /files URL (past envdUnauthorized, a /files request
+		// without a token had a valid one) is anyone's who has the link:
+		// E2B's way to let a browser move one file. Counted as the
+		// owner's, one link's holder took the sandbox's whole budget,
+		// with no share per client and no idle time (found by review,
+		// 2026-12-04).
 		return tokenOK
 	}
 	traffic := r.Header.Get(TrafficHeader)
