@@ -28,6 +28,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	stdlog "log"
 	"log/slog"
 	"net"
 	"net/http"
@@ -92,6 +93,7 @@ type Proxy struct {
 	byClient   map[string]int    // anonymous ones, by client, all sandboxes
 	warnedAt   time.Time         // the last warning logged (see warn)
 	unwarned   int               // warnings not logged since
+	relayLog   *stdlog.Logger    // the reverse proxy's (see relayLog)
 
 	// Observe, when set, is given every authorized request before it is
 	// forwarded (the audit trail): it may replace r.Body, and returns
@@ -150,6 +152,7 @@ func New(sandboxes Sandboxes, domain string, log *slog.Logger) *Proxy {
 	}
 	p := &Proxy{sandboxes: sandboxes, domain: DomainHost(domain), log: log, transports: map[wall.Sandbox]*http.Transport{},
 		inFlight: map[flightKey]int{}, anonymous: map[clientKey]int{}, byKey: map[string]int{}, byClient: map[string]int{}}
+	p.relayLog = stdlog.New(relayLog{p}, "", 0)
 	return p
 }
 
@@ -333,6 +336,7 @@ func (p *Proxy) serve(w http.ResponseWriter, r *http.Request) {
 		},
 		Transport:     p.transport(sb),
 		FlushInterval: -1,
+		ErrorLog:      p.relayLog,
 		ModifyResponse: func(resp *http.Response) error {
 			if resp.StatusCode < 100 || resp.StatusCode > 999 {
 				return errBadStatus // net/http's WriteHeader panics on it
@@ -823,17 +827,38 @@ func (p *Proxy) enter(k flightKey, key, client string) (release func(), why stri
 // with how many were not logged since (anyone may send requests to a
 // public port whose server fails, each of which would be a line).
 func (p *Proxy) warn(id string, port int, err error) {
+	if skipped, ok := p.mayWarn(); ok {
+		p.log.Warn("proxy to sandbox", "sandbox", id, "port", port, "err", err, "not_logged_before", skipped)
+	}
+}
+
+// mayWarn says whether a warning may be logged now (one a second, all
+// warnings together), and how many were not since the last.
+func (p *Proxy) mayWarn() (skipped int, ok bool) {
 	p.mu.Lock()
+	defer p.mu.Unlock()
 	now := time.Now()
 	if now.Sub(p.warnedAt) < time.Second {
 		p.unwarned++
-		p.mu.Unlock()
-		return
+		return 0, false
 	}
-	skipped := p.unwarned
+	skipped = p.unwarned
 	p.warnedAt, p.unwarned = now, 0
-	p.mu.Unlock()
-	p.log.Warn("proxy to sandbox", "sandbox", id, "port", port, "err", err, "not_logged_before", skipped)
+	return skipped, true
+}
+
+// relayLog is the reverse proxy's logger: net/http writes a line there for
+// each relayed answer that breaks off (a body shorter than its
+// Content-Length, a server that closed mid-answer), a sandbox's doing, so
+// its lines are warnings under warn's bound. Without it they went to the
+// standard logger, a line for each request (found by review, 2026-12-04).
+type relayLog struct{ p *Proxy }
+
+func (l relayLog) Write(b []byte) (int, error) {
+	if skipped, ok := l.p.mayWarn(); ok {
+		l.p.log.Warn("proxy: relaying a sandbox's answer", "err", strings.TrimSpace(string(b)), "not_logged_before", skipped)
+	}
+	return len(b), nil
 }
 
 func (p *Proxy) leave(k flightKey, key string, ck clientKey) {

@@ -4,8 +4,10 @@ import (
 	"bytes"
 	"io"
 	"log"
+	"log/slog"
 	"net/http"
 	"net/http/httptest"
+	"os"
 	"strconv"
 	"strings"
 	"sync"
@@ -79,4 +81,53 @@ func (s *syncBuffer) String() string {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	return s.b.String()
+}
+
+// Attack: the server on a sandbox's public port (any tenant's own code)
+// answers each request with a body shorter than its Content-Length, and
+// the tenant, or anyone, sends it requests as fast as it likes. Expected:
+// the daemon's log takes at most a line a second of it, through the
+// proxy's logger, with how many went unlogged (found by review,
+// 2026-12-04: net/http's reverse proxy wrote a line to the standard
+// logger for each such answer, so a tenant filled the host's log, and
+// took the journal's rate limit that the daemon's own lines share, at
+// its request rate).
+func TestSandboxCutAnswersLogBounded(t *testing.T) {
+	a := newFakeAgent(t)
+	a.srv.Handler = http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.Method == http.MethodConnect {
+			w.WriteHeader(http.StatusOK)
+			return
+		}
+		c, brw, err := http.NewResponseController(w).Hijack()
+		if err != nil {
+			return
+		}
+		defer c.Close()
+		_, _ = brw.WriteString("HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nx")
+		_ = brw.Flush()
+	})
+	var std, own syncBuffer
+	log.SetOutput(&std)
+	defer log.SetOutput(os.Stderr)
+	srv := httptest.NewServer(New(public{sandboxes{sb{a}}}, "", slog.New(slog.NewTextHandler(&own, nil))))
+	defer srv.Close()
+	const n = 40
+	for range n {
+		req, _ := http.NewRequest(http.MethodGet, srv.URL+"/", nil)
+		req.Header.Set("E2b-Sandbox-Id", "sandbox1")
+		req.Header.Set("E2b-Sandbox-Port", "8080")
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, _ = io.Copy(io.Discard, resp.Body)
+		resp.Body.Close()
+	}
+	if s := std.String(); s != "" {
+		t.Errorf("%d lines to the standard logger for %d cut answers: %.300s", strings.Count(s, "\n"), n, s)
+	}
+	if lines := strings.Count(own.String(), "\n"); lines > 3 {
+		t.Errorf("%d lines in the daemon's log for %d cut answers in a moment: %.300s", lines, n, own.String())
+	}
 }
