@@ -423,7 +423,7 @@ func Run(ctx context.Context, cfg Config, log *slog.Logger, ready func(apiAddr, 
 		proxyL.Close()
 		return err
 	}
-	apiSrv := newServer(cl.routes(apiMux), true)
+	apiSrv := newServer(cl.routes(apiMux), true, log)
 	if stopUI != nil {
 		apiSrv.RegisterOnShutdown(stopUI) // the dashboard's streams end, not waited on
 	}
@@ -436,7 +436,7 @@ func Run(ctx context.Context, cfg Config, log *slog.Logger, ready func(apiAddr, 
 		px.Count = mx.ProxyRequest
 		mx.AddState(metricsState(st, mgr, host, cfg.Data, cfg.RunDir))
 	}
-	proxySrv := newServer(px, false)
+	proxySrv := newServer(px, false, log)
 	if err := cfg.TLS.serve(proxySrv, cfg, log); err != nil {
 		apiL.Close()
 		proxyL.Close()

@@ -115,7 +115,7 @@ func startDify(cfg Config, mgr *manager.Manager, host *sandbox.Host, trail *audi
 	if total == 0 {
 		total = 32768
 	}
-	hs := newServer(srv.Handler(), true)
+	hs := newServer(srv.Handler(), true, log)
 	go func() { errs <- hs.Serve(limitConns(l, perClient, total)) }()
 	log.Info("cage serve: dify sandbox API", "addr", l.Addr().String(), "template", srv.Template(), "wall", dc.Wall)
 	return hs, nil

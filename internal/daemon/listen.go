@@ -3,9 +3,12 @@ package daemon
 import (
 	"context"
 	"errors"
+	stdlog "log"
+	"log/slog"
 	"net"
 	"net/http"
 	"net/netip"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -245,7 +248,11 @@ func (c *limitedConn) Close() error {
 // connection costs some 10 KiB, and the connection caps were sized for
 // that (a 1 MiB frame once made a connection's read buffer 1 MiB for its
 // life).
-func newServer(h http.Handler, api bool) *http.Server {
+//
+// Its error log (net/http's own lines: a failed TLS handshake, a broken
+// HTTP/2 connection, a handler's panic) is the daemon's, bounded
+// (serverLog): anyone who reaches a listener causes those lines.
+func newServer(h http.Handler, api bool, log *slog.Logger) *http.Server {
 	var protos http.Protocols
 	protos.SetHTTP1(true)
 	if !api {
@@ -254,7 +261,7 @@ func newServer(h http.Handler, api bool) *http.Server {
 		h = proxy.WriteProgress(h)
 	}
 	s := &http.Server{Handler: h, Protocols: &protos, ReadHeaderTimeout: HeaderTimeout, IdleTimeout: IdleTimeout,
-		MaxHeaderBytes: maxHeaderBytes,
+		MaxHeaderBytes: maxHeaderBytes, ErrorLog: serverLog(log),
 		HTTP2: &http.HTTP2Config{MaxConcurrentStreams: 100, MaxReadFrameSize: 64 << 10,
 			MaxReceiveBufferPerStream: 256 << 10, MaxReceiveBufferPerConnection: 1 << 20}}
 	if api {
@@ -262,3 +269,47 @@ func newServer(h http.Handler, api bool) *http.Server {
 	}
 	return s
 }
+
+// serverLog is a listener's error log: net/http's lines go to the
+// daemon's log as warnings, at most one a second, with how many were left
+// out. Unset, each was a line of the standard logger, so that anyone who
+// reached the proxy's TLS listener wrote one (with the server name it
+// chose) for each handshake it failed, filling the host's log and the
+// journal's rate limit that the daemon's own lines share (found by
+// review, 2026-12-04).
+func serverLog(log *slog.Logger) *stdlog.Logger {
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	return stdlog.New(&boundedLog{log: log}, "", 0)
+}
+
+// boundedLog writes at most a line a second to log.
+type boundedLog struct {
+	log     *slog.Logger
+	mu      sync.Mutex
+	at      time.Time // the last line written
+	skipped int       // lines left out since
+}
+
+func (b *boundedLog) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	now := time.Now()
+	if now.Sub(b.at) < time.Second {
+		b.skipped++
+		b.mu.Unlock()
+		return len(p), nil
+	}
+	skipped := b.skipped
+	b.at, b.skipped = now, 0
+	b.mu.Unlock()
+	msg := strings.TrimSpace(string(p))
+	if len(msg) > maxServerLogLine {
+		msg = msg[:maxServerLogLine] + "…(cut)"
+	}
+	b.log.Warn("listener", "err", msg, "not_logged_before", skipped)
+	return len(p), nil
+}
+
+// maxServerLogLine bounds a line of net/http's (a panic's stack fits).
+const maxServerLogLine = 16 << 10

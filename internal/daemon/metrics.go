@@ -66,7 +66,7 @@ func startMetrics(l net.Listener, token string, m *metrics.Metrics, log *slog.Lo
 	if l == nil {
 		return nil
 	}
-	srv := newServer(m.Handler(token), true)
+	srv := newServer(m.Handler(token), true, log)
 	go func() { errs <- srv.Serve(limitConns(l, 64, 256)) }()
 	log.Info("metrics: serving /metrics", "addr", l.Addr().String(), "token", token != "")
 	return srv

@@ -1,0 +1,86 @@
+package daemon
+
+import (
+	"bytes"
+	"crypto/tls"
+	"io"
+	"log"
+	"log/slog"
+	"net"
+	"net/http"
+	"os"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+)
+
+type lockedBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (l *lockedBuffer) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.Write(p)
+}
+
+func (l *lockedBuffer) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.String()
+}
+
+// TestListenerErrorsLogBounded: anyone who reaches the proxy's TLS
+// listener opens connections and fails their handshakes (closes at once,
+// names a server it does not serve, sends plain HTTP), as fast as it
+// likes. Expected: net/http's line for each goes to the daemon's log at
+// most once a second, with how many were left out, never to the standard
+// logger. Found by review, 2026-12-04: the listeners had no ErrorLog, so
+// each failed handshake was a line of the standard logger, with the server
+// name the client chose: anyone filled the host's log, and took the
+// journal's rate limit that the daemon's own lines share, at its
+// connection rate.
+func TestListenerErrorsLogBounded(t *testing.T) {
+	var std, own lockedBuffer
+	log.SetOutput(&std)
+	defer log.SetOutput(os.Stderr)
+	logger := slog.New(slog.NewTextHandler(&own, nil))
+	srv := newServer(http.NotFoundHandler(), false, logger)
+	cfg := Config{Data: t.TempDir(), Domain: "cage.localhost", TLS: TLS{SelfSigned: true}}
+	if err := cfg.TLS.serve(srv, cfg, logger); err != nil {
+		t.Fatal(err)
+	}
+	own = lockedBuffer{} // what serve said of the CA
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	go func() { _ = serveProxy(srv, l) }()
+	defer srv.Close()
+	const n = 20
+	for i := range n {
+		c, err := net.Dial("tcp", l.Addr().String())
+		if err != nil {
+			t.Fatal(err)
+		}
+		switch i % 3 {
+		case 0: // nothing
+		case 1:
+			tc := tls.Client(c, &tls.Config{ServerName: "evil.example", InsecureSkipVerify: true})
+			_ = tc.Handshake()
+		case 2:
+			_, _ = io.WriteString(c, "GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+			_, _ = io.ReadAll(c)
+		}
+		c.Close()
+	}
+	time.Sleep(300 * time.Millisecond) // the server's side of the last ones
+	if s := std.String(); s != "" {
+		t.Errorf("%d lines to the standard logger for %d failed handshakes: %.300s", strings.Count(s, "\n"), n, s)
+	}
+	if lines := strings.Count(own.String(), "\n"); lines > 3 {
+		t.Errorf("%d lines in the daemon's log for %d failed handshakes in a moment: %.300s", lines, n, own.String())
+	}
+}
