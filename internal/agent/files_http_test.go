@@ -14,6 +14,7 @@ import (
 	"mime/multipart"
 	"net"
 	"net/http"
+	"net/textproto"
 	"net/url"
 	"os"
 	"path/filepath"
@@ -472,4 +473,50 @@ func TestFilesSlowTransfersHoldNoWorker(t *testing.T) {
 			t.Errorf("upload %d wrote %q, %v", i, got, err)
 		}
 	}
+}
+
+// TestFilesPartHeaderBounded: whoever may upload (a signed URL's holder
+// too) sends multipart parts whose headers are megabytes long. Expected:
+// a part's boundary and header are read to at most maxPartHeader bytes,
+// past it a 400 that names the bound and nothing written; a part that
+// is not a file may still be large (its body is read past, not kept).
+// Found by review, 2026-12-04: Go's multipart reader keeps up to 10 MiB
+// of a part's header while it reads it, so each upload that sent 8 MiB of
+// one and held the rest back held 8 MiB of the agent's memory (the
+// sandbox's) for as long as its client liked, a hundred of them from one
+// address the sandbox's memory limit.
+func TestFilesPartHeaderBounded(t *testing.T) {
+	e := newFSEnv(t)
+	post := func(body *bytes.Buffer, ctype string) (int, []byte) {
+		return e.filesReq("POST", url.Values{"username": {"user"}}, body,
+			map[string]string{"X-Access-Token": fsTestToken, "Content-Type": ctype})
+	}
+	var body bytes.Buffer
+	mw := multipart.NewWriter(&body)
+	h := make(textproto.MIMEHeader)
+	h.Set("Content-Disposition", `form-data; name="file"; filename="/home/user/padded"`)
+	h.Set("X-Pad", strings.Repeat("a", 1<<20))
+	fw, _ := mw.CreatePart(h)
+	fw.Write([]byte("data"))
+	mw.Close()
+	code, data := post(&body, mw.FormDataContentType())
+	if code != http.StatusBadRequest || !strings.Contains(string(data), "65536") {
+		t.Errorf("a part with a header of 1 MiB: %d %s, want 400 naming the bound", code, data)
+	}
+	if _, err := os.Lstat(filepath.Join(e.home, "padded")); !os.IsNotExist(err) {
+		t.Errorf("the part with a header of 1 MiB was written: %v", err)
+	}
+	body.Reset()
+	mw = multipart.NewWriter(&body)
+	mw.WriteField("other", strings.Repeat("b", 1<<20))
+	fw, _ = mw.CreateFormFile("file", "/home/user/after-big-field")
+	fw.Write([]byte("ok"))
+	mw.Close()
+	if code, data := post(&body, mw.FormDataContentType()); code != http.StatusOK {
+		t.Errorf("an upload with a field of 1 MiB before its file: %d %s", code, data)
+	}
+	if got, err := os.ReadFile(filepath.Join(e.home, "after-big-field")); err != nil || string(got) != "ok" {
+		t.Errorf("the file after a field of 1 MiB: %q %v", got, err)
+	}
+	e.checkNoTemps()
 }
