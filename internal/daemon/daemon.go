@@ -256,6 +256,9 @@ func Run(ctx context.Context, cfg Config, log *slog.Logger, ready func(apiAddr, 
 		return err
 	}
 	defer lock.Close()
+	// What writes to the standard logger (net/http's reverse proxies and
+	// servers without a log of their own) is the daemon's log, bounded.
+	defer boundStandardLog(log)()
 	// Before anything reads the pid space (sandbox.HostMaxima): the
 	// kernel's host-wide limits must not be one tenant's to use up.
 	sandbox.RaiseHostLimits(log)

@@ -313,3 +313,20 @@ func (b *boundedLog) Write(p []byte) (int, error) {
 
 // maxServerLogLine bounds a line of net/http's (a panic's stack fits).
 const maxServerLogLine = 16 << 10
+
+// boundStandardLog sends the standard logger's lines (net/http's, from a
+// reverse proxy or server without an error log of its own, as the
+// cluster front's) to log, bounded as serverLog's, until restore. Found by
+// review, 2026-12-04: such a line was written for each relayed answer
+// that broke off, a sandbox's doing, straight to stderr.
+func boundStandardLog(log *slog.Logger) (restore func()) {
+	w, flags, prefix := stdlog.Writer(), stdlog.Flags(), stdlog.Prefix()
+	stdlog.SetOutput(&boundedLog{log: log})
+	stdlog.SetFlags(0)
+	stdlog.SetPrefix("")
+	return func() {
+		stdlog.SetOutput(w)
+		stdlog.SetFlags(flags)
+		stdlog.SetPrefix(prefix)
+	}
+}

@@ -8,6 +8,9 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"net/http/httptest"
+	"net/http/httputil"
+	"net/url"
 	"os"
 	"strings"
 	"sync"
@@ -82,5 +85,53 @@ func TestListenerErrorsLogBounded(t *testing.T) {
 	}
 	if lines := strings.Count(own.String(), "\n"); lines > 3 {
 		t.Errorf("%d lines in the daemon's log for %d failed handshakes in a moment: %.300s", lines, n, own.String())
+	}
+}
+
+// TestStandardLoggerBounded: a reverse proxy of the daemon's that has no
+// error log of its own (the cluster front's, relaying traffic and API
+// calls to the node that holds a sandbox) writes net/http's line for each
+// answer that breaks off to the standard logger; a tenant's server on a
+// public port breaks off every answer, and anyone asks it as fast as it
+// likes. Expected: while the daemon runs, the standard logger's lines go
+// to the daemon's log at most once a second, with how many were left out
+// (found by review, 2026-12-04: a line each, to stderr).
+func TestStandardLoggerBounded(t *testing.T) {
+	var std, own lockedBuffer
+	log.SetOutput(&std)
+	defer log.SetOutput(os.Stderr)
+	restore := boundStandardLog(slog.New(slog.NewTextHandler(&own, nil)))
+	sandbox := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		c, brw, err := http.NewResponseController(w).Hijack()
+		if err != nil {
+			return
+		}
+		defer c.Close()
+		_, _ = brw.WriteString("HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nx")
+		_ = brw.Flush()
+	}))
+	defer sandbox.Close()
+	target, _ := url.Parse(sandbox.URL)
+	front := httptest.NewServer(&httputil.ReverseProxy{Rewrite: func(pr *httputil.ProxyRequest) { pr.SetURL(target) }})
+	defer front.Close()
+	const n = 20
+	for range n {
+		resp, err := http.Get(front.URL)
+		if err != nil {
+			continue
+		}
+		_, _ = io.Copy(io.Discard, resp.Body)
+		resp.Body.Close()
+	}
+	if s := std.String(); s != "" {
+		t.Errorf("%d lines to stderr for %d broken-off answers: %.300s", strings.Count(s, "\n"), n, s)
+	}
+	if lines := strings.Count(own.String(), "\n"); lines < 1 || lines > 3 {
+		t.Errorf("%d lines in the daemon's log for %d broken-off answers in a moment (want 1 to 3): %.300s", lines, n, own.String())
+	}
+	restore()
+	log.Print("after")
+	if !strings.Contains(std.String(), "after") {
+		t.Errorf("the standard logger was not given back: %q", std.String())
 	}
 }
