@@ -25,6 +25,13 @@ const (
 	// maxUploadFiles bounds the files of one upload the trail lists (the
 	// agent's own bound).
 	maxUploadFiles = 10000
+	// maxListedBytes bounds what the list of an upload's files holds
+	// (their paths, and listedEntryCost each) until the upload ends; the
+	// files past it are counted, not listed. Found by review, 2026-12-04:
+	// 10,000 files of 4 KB paths were some 45 MiB of the daemon, held for
+	// as long as the upload's client held the rest of its body back.
+	maxListedBytes  = 1 << 20
+	listedEntryCost = 256
 	// parseWait is how long the end of a request waits for its parser.
 	parseWait = 5 * time.Second
 )
@@ -126,6 +133,7 @@ func parseUpload(r io.Reader, ctype, cenc string, q url.Values) []map[string]any
 		return []map[string]any{{"path": q.Get("path"), "undecoded": "content type " + media}}
 	}
 	var files []map[string]any
+	listed := 0 // bytes the list holds, about
 	hb := &headerBound{r: body}
 	mr := multipart.NewReader(hb, params["boundary"])
 	more := 0
@@ -140,7 +148,12 @@ func parseUpload(r io.Reader, ctype, cenc string, q url.Values) []map[string]any
 			files = append(files, map[string]any{"undecoded": "multipart: " + err.Error()})
 			break
 		}
-		if part.FormName() != "file" || len(files) >= maxUploadFiles {
+		p := q.Get("path")
+		if !q.Has("path") {
+			_, ps, _ := mime.ParseMediaType(part.Header.Get("Content-Disposition"))
+			p = ps["filename"] // the full path, as the agent reads it
+		}
+		if part.FormName() != "file" || len(files) >= maxUploadFiles || listed+len(p) > maxListedBytes {
 			if part.FormName() == "file" {
 				more++
 			}
@@ -149,11 +162,7 @@ func parseUpload(r io.Reader, ctype, cenc string, q url.Values) []map[string]any
 			}
 			continue
 		}
-		p := q.Get("path")
-		if !q.Has("path") {
-			_, ps, _ := mime.ParseMediaType(part.Header.Get("Content-Disposition"))
-			p = ps["filename"] // the full path, as the agent reads it
-		}
+		listed += len(p) + listedEntryCost
 		f := map[string]any{"path": p}
 		hashInto(f, part)
 		files = append(files, f)

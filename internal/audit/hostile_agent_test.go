@@ -317,3 +317,61 @@ func TestFilesystemRequestsInflatedToTheAgentsLimit(t *testing.T) {
 		t.Errorf("%d entries, the first %.200s: want 100, undecoded", len(es), es[0].Detail)
 	}
 }
+
+// TestUploadListHeldBounded: a tenant's multipart upload sends 10,000
+// files (the agent's most), each named by a path of 4,000 bytes, and
+// holds the rest of its body back. The trail lists an upload's files
+// until it ends; expected: what it holds of them is bounded (its heap
+// grows by under 8 MiB), the files past that bound are counted, not
+// listed. Found by review, 2026-12-04: every file's path and hash were
+// kept to the end, some 45 MiB of the daemon for 40 MB sent, held for
+// as long as the client liked, for each of a key's requests in flight.
+func TestUploadListHeldBounded(t *testing.T) {
+	tr := startTrail(t, Limits{})
+	pr, pw := io.Pipe()
+	r := httptest.NewRequest(http.MethodPost, "/files?username=user", pr)
+	r.Header.Set("Content-Type", "multipart/form-data; boundary=BOUNDARY")
+	_, done := tr.ObserveEnvd(r, "sb1", "key1", envdPort)
+	agentRead := make(chan error, 1)
+	go func() { // the agent, reading the upload as it comes
+		_, err := io.Copy(io.Discard, r.Body)
+		agentRead <- err
+	}()
+	var before, after runtime.MemStats
+	runtime.GC()
+	runtime.ReadMemStats(&before)
+	const files = 10000
+	dir := "/home/user/" + strings.Repeat("d", 250) + "/"
+	for i := range files {
+		name := dir + strings.Repeat("f", 3700) + itoa(int64(i))
+		if _, err := io.WriteString(pw, "--BOUNDARY\r\nContent-Disposition: form-data; name=\"file\"; filename=\""+name+"\"\r\n\r\nx\r\n"); err != nil {
+			t.Fatal(err)
+		}
+	}
+	_, _ = io.WriteString(pw, "--BOUNDARY\r\nContent-Disposition: form-data; name=\"file\"; filename=\"/tmp/last\"\r\n\r\n")
+	time.Sleep(200 * time.Millisecond) // the parser has read what was sent
+	runtime.GC()
+	runtime.ReadMemStats(&after)
+	grown := int64(after.HeapAlloc) - int64(before.HeapAlloc)
+	t.Logf("heap grown by %d bytes with %d files of 4 KB paths listed, the upload held open", grown, files)
+	if grown > 8<<20 {
+		t.Errorf("the daemon's heap grew by %d MiB holding an upload's list of files, want under 8 MiB", grown>>20)
+	}
+	pw.CloseWithError(io.ErrUnexpectedEOF)
+	<-agentRead
+	done()
+	tr.Flush()
+	es, err := tr.DB().Query(Filter{KeyID: "key1", SandboxID: "sb1", Limit: files + 10})
+	if err != nil {
+		t.Fatal(err)
+	}
+	more := false
+	for _, e := range es {
+		if strings.Contains(e.Detail, "more files in the upload are not listed") {
+			more = true
+		}
+	}
+	if !more {
+		t.Errorf("%d entries and none counts the files past the bound", len(es))
+	}
+}
