@@ -2,10 +2,11 @@ package cluster
 
 import (
 	"fmt"
-	"net"
 	"net/http"
 	"net/netip"
 	"net/url"
+
+	"github.com/cagehq/cage/internal/proxy"
 )
 
 // Forwards and the owner's connection bounds. What a front forwards to an
@@ -48,10 +49,13 @@ func (f *Front) Peer(addr netip.Addr) bool {
 	return false
 }
 
-// forwardKey is one client's forwards to one node.
+// forwardKey is one client's forwards to one node: the client as the
+// proxy and the listeners count one (proxy.ClientOf: an IPv4 address, an
+// IPv6 /64). By whole address, a /64 took PerClient forwards to a node for
+// each of its addresses (found by review, 2026-12-04).
 type forwardKey struct {
 	node   string
-	client netip.Addr
+	client string
 }
 
 // holdForward counts a forward of r's client to node, or answers 503 and
@@ -61,7 +65,7 @@ func (f *Front) holdForward(w http.ResponseWriter, r *http.Request, node string,
 	if f.cfg.PerClient <= 0 {
 		return func() {}, true
 	}
-	k := forwardKey{node: node, client: remoteAddr(r)}
+	k := forwardKey{node: node, client: proxy.ClientOf(r)}
 	f.mu.Lock()
 	if f.forwards[k] >= f.cfg.PerClient {
 		f.mu.Unlock()
@@ -77,14 +81,4 @@ func (f *Front) holdForward(w http.ResponseWriter, r *http.Request, node string,
 		}
 		f.mu.Unlock()
 	}, true
-}
-
-// remoteAddr is r's client address (the zero address where it has none).
-func remoteAddr(r *http.Request) netip.Addr {
-	host, _, err := net.SplitHostPort(r.RemoteAddr)
-	if err != nil {
-		return netip.Addr{}
-	}
-	a, _ := netip.ParseAddr(host)
-	return a.Unmap()
 }
