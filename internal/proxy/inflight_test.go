@@ -11,6 +11,7 @@ import (
 	"net/http/httptest"
 	"net/url"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -338,5 +339,46 @@ func TestSignedFilesURLIsNotTheOwners(t *testing.T) {
 		case <-time.After(4 * relayIdle):
 			t.Fatalf("a stalled signed upload is still open after %v (idle time %v)", 4*relayIdle, relayIdle)
 		}
+	}
+}
+
+// TestOpenHealthUpgradesNothing: anyone's open GET /health asks the agent
+// to switch protocols (Connection: Upgrade), and the agent, assumed
+// compromised, agrees (101). Expected: the proxy relays no switch (its
+// 502), so no byte the client sends after its request reaches the agent:
+// the open /health carries nothing to the agent but its request line and
+// headers, whatever the agent answers. Found by review, 2026-12-04: the
+// upgrade was relayed, a tunnel without the access token into a sandbox
+// whose ports need its traffic token.
+func TestOpenHealthUpgradesNothing(t *testing.T) {
+	a := newFakeAgent(t)
+	var got atomic.Int64
+	a.srv.Handler = http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Connection", "Upgrade")
+		w.Header().Set("Upgrade", "websocket")
+		w.WriteHeader(http.StatusSwitchingProtocols)
+		c, _, err := http.NewResponseController(w).Hijack()
+		if err != nil {
+			return
+		}
+		defer c.Close()
+		_ = c.SetReadDeadline(time.Now().Add(2 * time.Second))
+		n, _ := io.Copy(io.Discard, c)
+		got.Add(n)
+	})
+	srv := httptest.NewServer(New(sandboxes{sb{a}}, "", nil))
+	defer srv.Close()
+	conn, err := net.Dial("tcp", strings.TrimPrefix(srv.URL, "http://"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	fmt.Fprintf(conn, "GET /health HTTP/1.1\r\nHost: proxy\r\nE2b-Sandbox-Id: sandbox1\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n")
+	_ = conn.SetReadDeadline(time.Now().Add(5 * time.Second))
+	line, _ := bufio.NewReader(conn).ReadString('\n')
+	_, _ = io.WriteString(conn, strings.Repeat("x", 1<<16))
+	time.Sleep(2500 * time.Millisecond)
+	if strings.HasPrefix(line, "HTTP/1.1 101") || got.Load() != 0 {
+		t.Errorf("anyone's open /health: %q, and %d bytes after it reached the agent; want no switch, none", strings.TrimSpace(line), got.Load())
 	}
 }

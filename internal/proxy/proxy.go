@@ -279,9 +279,14 @@ func (p *Proxy) serve(w http.ResponseWriter, r *http.Request) {
 	}
 	defer release()
 	if port == EnvdPort && r.URL.Path == "/health" {
-		// Open to anyone: nothing of a body reaches the agent.
+		// Open to anyone: nothing of a body reaches the agent, nor
+		// anything after the request, whatever the agent answers (see
+		// errUpgradeUnasked).
 		r.Body, r.ContentLength, r.TransferEncoding = http.NoBody, 0, nil
+		r.Header.Del("Upgrade")
+		r.Header.Del("Connection")
 	}
+	upgradeAsked := r.Header.Get("Upgrade") != ""
 	// Only a request that carries a credential wakes a paused sandbox (an
 	// anonymous /health does not), as on E2B; public ports are anyone's.
 	mayResume := port != EnvdPort || r.URL.Path == "/files" ||
@@ -341,6 +346,9 @@ func (p *Proxy) serve(w http.ResponseWriter, r *http.Request) {
 			if resp.StatusCode < 100 || resp.StatusCode > 999 {
 				return errBadStatus // net/http's WriteHeader panics on it
 			}
+			if resp.StatusCode == http.StatusSwitchingProtocols && !upgradeAsked {
+				return errUpgradeUnasked
+			}
 			status = resp.StatusCode
 			if rwc, ok := resp.Body.(io.ReadWriteCloser); ok && resp.StatusCode == http.StatusSwitchingProtocols {
 				// An upgrade: both ends are watched for idleness from
@@ -370,6 +378,10 @@ func (p *Proxy) serve(w http.ResponseWriter, r *http.Request) {
 			case <-sb.Exited():
 				writeJSON(w, http.StatusBadGateway, sandboxError{id, "The sandbox was not found", http.StatusBadGateway})
 			default:
+				if errors.Is(err, errUpgradeUnasked) {
+					writeJSON(w, http.StatusBadGateway, sandboxError{id, "The sandbox switched protocols where none was asked for", http.StatusBadGateway})
+					return
+				}
 				if errors.Is(err, errBadStatus) {
 					writeJSON(w, http.StatusBadGateway, sandboxError{id, "The sandbox's answer was not HTTP (a status outside 100-999)", http.StatusBadGateway})
 					return
@@ -585,6 +597,13 @@ func (p *Proxy) denied(r *http.Request, id string, port, status int, why string)
 // stack in the daemon's log for every such answer (found by review,
 // 2026-12-04).
 var errBadStatus = errors.New("the sandbox's answer has a status outside 100-999")
+
+// errUpgradeUnasked is a sandbox's switch of protocols (101) on a request
+// that asked for none, as the open /health never does (the proxy drops
+// its Upgrade): relayed, anyone's /health became a tunnel to an agent
+// that agreed, without the access token, into a sandbox whose ports need
+// its traffic token (found by review, 2026-12-04).
+var errUpgradeUnasked = errors.New("the sandbox switched protocols where none was asked for")
 
 // InterpPort is the port of the code interpreter (cage-interp) that
 // @e2b/code-interpreter addresses.
