@@ -15,6 +15,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"golang.org/x/sys/unix"
 )
 
 // sudoEnv is an agent serving sudo on a socket of its own, with accounts
@@ -229,7 +231,13 @@ func TestSudoHostileRequests(t *testing.T) {
 				conn.Write(c.data[n:])
 			}
 			if c.later != nil {
-				time.Sleep(50 * time.Millisecond)
+				// The later bytes go once the agent has read the first
+				// ones: sent before that read, they would be read with
+				// it, descriptors and all (a stream socket joins them),
+				// and the request would be a good one.
+				for deadline := time.Now().Add(10 * time.Second); unreadBytes(conn) > 0 && time.Now().Before(deadline); {
+					time.Sleep(5 * time.Millisecond)
+				}
 				conn.WriteMsgUnix(c.later, syscallRights(three...), nil)
 			}
 			if name == "no end of line" {
@@ -250,6 +258,18 @@ func TestSudoHostileRequests(t *testing.T) {
 }
 
 func syscallRights(fds ...int) []byte { return syscall.UnixRights(fds...) }
+
+// unreadBytes is how much of what was sent on c its peer has not read yet
+// (SIOCOUTQ: a unix socket's sent messages not yet consumed).
+func unreadBytes(c *net.UnixConn) int {
+	raw, err := c.SyscallConn()
+	if err != nil {
+		return 0
+	}
+	n := 0
+	raw.Control(func(fd uintptr) { n, _ = unix.IoctlGetInt(int(fd), unix.SIOCOUTQ) })
+	return n
+}
 
 // TestGroupMember reads group membership as sudo needs it: the member
 // list, or the group as a user's primary one; the first line of a name
