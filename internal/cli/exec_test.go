@@ -9,7 +9,6 @@ import (
 	"net/http/httptest"
 	"os"
 	"strings"
-	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -29,20 +28,23 @@ import (
 // for the agent through every SIGINT, SIGTERM and SIGHUP, the first
 // signal's RPC blocking the loop that counts them).
 func TestExecSecondSignalEndsIt(t *testing.T) {
-	ac, started := neverEndingAgent(t)
+	ac := neverEndingAgent(t)
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	done := make(chan error, 1)
+	// The signals go once cage exec knows the command's pid: before, the
+	// first gives up at once (nothing to pass it on to), cage exec stops
+	// listening, and the second would kill this test's process.
+	known := make(chan struct{})
 	go func() {
 		done <- execIn(ctx, ac, agentclient.RunOptions{Cmd: "sleep", Args: []string{"1000"}, Stdout: new(strings.Builder),
-			Stderr: new(strings.Builder)}, "never", &types.SandboxDetail{})
+			Stderr: new(strings.Builder), OnStart: func(uint32) { close(known) }}, "never", &types.SandboxDetail{})
 	}()
 	select {
-	case <-started:
+	case <-known:
 	case <-time.After(10 * time.Second):
 		t.Fatal("the command did not start")
 	}
-	time.Sleep(300 * time.Millisecond) // the start event read: the pid known
 	for range 2 {
 		if err := syscall.Kill(syscall.Getpid(), syscall.SIGINT); err != nil {
 			t.Fatal(err)
@@ -136,20 +138,23 @@ func TestExecTerminalRestoredAtSignals(t *testing.T) {
 	os.Stdin = pts
 	defer func() { os.Stdin = stdin }()
 
-	ac, started := neverEndingAgent(t)
+	ac := neverEndingAgent(t)
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	done := make(chan error, 1)
+	// The signals go once cage exec knows the command's pid: before, the
+	// first gives up at once (nothing to pass it on to), cage exec stops
+	// listening, and the second would kill this test's process.
+	known := make(chan struct{})
 	go func() {
 		done <- execIn(ctx, ac, agentclient.RunOptions{Cmd: "sleep", Args: []string{"1000"}, Stdout: new(strings.Builder),
-			Stderr: new(strings.Builder)}, "always", &types.SandboxDetail{})
+			Stderr: new(strings.Builder), OnStart: func(uint32) { close(known) }}, "always", &types.SandboxDetail{})
 	}()
 	select {
-	case <-started:
+	case <-known:
 	case <-time.After(10 * time.Second):
 		t.Fatal("the command did not start")
 	}
-	time.Sleep(300 * time.Millisecond) // the start event read: the pid known
 	raw, err := unix.IoctlGetTermios(int(pts.Fd()), unix.TCGETS)
 	if err != nil {
 		t.Fatal(err)
@@ -183,22 +188,18 @@ func TestExecTerminalRestoredAtSignals(t *testing.T) {
 }
 
 // neverEndingAgent is a client of an agent that starts a command (pid 7)
-// and then never ends its stream nor answers anything else; started is
-// closed once the command has started.
-func neverEndingAgent(t *testing.T) (ac *agentclient.Client, started chan struct{}) {
+// and then never ends its stream nor answers anything else.
+func neverEndingAgent(t *testing.T) *agentclient.Client {
 	ev, _ := proto.Marshal(&pb.StartResponse{Event: &pb.ProcessEvent{Event: &pb.ProcessEvent_Start{Start: &pb.ProcessEvent_StartEvent{Pid: 7}}}})
 	frame := make([]byte, 5+len(ev))
 	binary.BigEndian.PutUint32(frame[1:5], uint32(len(ev)))
 	copy(frame[5:], ev)
-	started = make(chan struct{})
-	var once sync.Once
 	srv := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if strings.HasSuffix(r.URL.Path, "/Start") {
 			w.Header().Set("Content-Type", "application/connect+proto")
 			w.WriteHeader(http.StatusOK)
 			_, _ = w.Write(frame)
 			w.(http.Flusher).Flush()
-			once.Do(func() { close(started) })
 		}
 		<-r.Context().Done() // no end, no answer to a signal or to input
 	}))
@@ -206,10 +207,10 @@ func neverEndingAgent(t *testing.T) (ac *agentclient.Client, started chan struct
 	srv.Config.Protocols.SetUnencryptedHTTP2(true)
 	srv.Start()
 	t.Cleanup(srv.Close)
-	ac = agentclient.New(func(ctx context.Context) (net.Conn, error) {
+	ac := agentclient.New(func(ctx context.Context) (net.Conn, error) {
 		var d net.Dialer
 		return d.DialContext(ctx, "tcp", strings.TrimPrefix(srv.URL, "http://"))
 	}, "tok")
 	t.Cleanup(ac.Close)
-	return ac, started
+	return ac
 }

@@ -35,7 +35,13 @@ func setupPTY(ctx context.Context, c *agentclient.Client, opts *agentclient.RunO
 	}
 	opts.Stdin = os.Stdin
 	var pid atomic.Uint32
-	opts.OnStart = func(p uint32) { pid.Store(p) }
+	prev := opts.OnStart
+	opts.OnStart = func(p uint32) {
+		pid.Store(p)
+		if prev != nil {
+			prev(p)
+		}
+	}
 
 	var old *term.State
 	if term.IsTerminal(fd) {
