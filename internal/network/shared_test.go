@@ -141,11 +141,24 @@ func TestSpoofedSourceMatchesNothing(t *testing.T) {
 		t.Fatal(err)
 	}
 	probe := udpProbe(t, w, 9902)
-	a.send(t, a.net.IP, 9902, "a")
+	// a's own get out (a fresh interface may lose the first datagrams, as
+	// TestReusedSlotForgetsFlows's exchanges say: all three were lost about one
+	// run in fifty here, none of them late), then b's from a's address
+	// do not.
+	for i := 1; ; i++ {
+		a.send(t, a.net.IP, 9902, "a")
+		got := probe()
+		if slices.Contains(got, "a") {
+			break
+		}
+		if i == 5 {
+			t.Fatalf("datagrams that got out: %q; want a's own", got)
+		}
+		t.Logf("a's datagrams were all lost (try %d); sent again", i)
+	}
 	b.send(t, a.net.IP, 9902, "b as a")
-	got := probe()
-	if !slices.Contains(got, "a") || slices.Contains(got, "b as a") {
-		t.Errorf("datagrams that got out: %q; want a's own and not b's from a's address", got)
+	if got := probe(); slices.Contains(got, "b as a") {
+		t.Errorf("datagrams that got out: %q; want none of b's from a's address", got)
 	}
 	asked := len(w.UpstreamAsked())
 	err = testutil.InNS(b.ns, func() error {
