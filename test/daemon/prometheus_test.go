@@ -115,11 +115,17 @@ func TestMetricsScrape(t *testing.T) {
 	// The workload.
 	net := map[string]any{"allowOut": []string{"allowed.example.com"}, "denyOut": []string{"0.0.0.0/0"}}
 	sb1 := d.create(t, alpha, map[string]any{"network": net})
-	sb2 := d.create(t, alpha, map[string]any{"timeout": 1})
+	// sb2 times out, but only once the create over the quota was refused:
+	// created with a timeout of 1 s, it could end (its clock starts before
+	// its create returns) before that create came on a slow host, and
+	// the create went through.
+	sb2 := d.create(t, alpha, map[string]any{"timeout": 600})
 	refused := d.do(t, call{method: "POST", path: "/v2/sandboxes", key: alpha, body: map[string]any{"templateID": "host"}})
 	if refused.status != http.StatusTooManyRequests || !strings.Contains(string(refused.body), "quota") {
 		t.Fatalf("a create over alpha's quota: %v", refused)
 	}
+	d.expect(t, http.StatusNoContent, call{method: "POST", path: "/sandboxes/" + sb2.SandboxID + "/timeout", key: alpha,
+		body: map[string]any{"timeout": 1}})
 	small := d.create(t, d.key, map[string]any{"memoryMB": 64})
 	ac, small1 := d.agent(sb1.SandboxID, sb1.EnvdAccessToken), d.agent(small.SandboxID, small.EnvdAccessToken)
 	defer ac.Close()
