@@ -282,7 +282,11 @@ func waitFor(t *testing.T, cond func() bool) {
 func testElection(t *testing.T, a, b *Client, r *relay, ns string) {
 	le := func(c *Client, id string) *Elector {
 		return &Elector{Leases: c.CoordinationV1().Leases(ns), Name: "handover", Identity: id,
-			LeaseDuration: 3 * time.Second, RenewDeadline: 2 * time.Second, RetryPeriod: 500 * time.Millisecond}
+			// Each renewal may take up to RetryPeriod, and a's term holds
+			// while some succeed within RenewDeadline: on a loaded host
+			// (etcd fsyncs every write) a 500 ms try and a 2 s deadline
+			// could lose the Lease while the test says a renews it.
+			LeaseDuration: 8 * time.Second, RenewDeadline: 5 * time.Second, RetryPeriod: time.Second}
 	}
 	holder := func() (string, int32) {
 		l, err := b.CoordinationV1().Leases(ns).Get(context.Background(), "handover", metav1.GetOptions{})
@@ -319,7 +323,7 @@ func testElection(t *testing.T, a, b *Client, r *relay, ns string) {
 			<-ctx.Done()
 		})
 	}()
-	time.Sleep(2 * time.Second) // b stands through several of a's renewals
+	time.Sleep(3 * time.Second) // b stands through several of a's renewals
 	if bLeads.Load() {
 		t.Fatal("b took the Lease while a renewed it")
 	}
