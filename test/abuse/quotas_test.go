@@ -166,9 +166,21 @@ func TestKeyRateLimits(t *testing.T) {
 			took.Round(time.Millisecond), ok, limited, retry, most, took.Round(time.Millisecond))
 	}
 	// A refused request's body is never read: a large one is refused
-	// all the same, at once.
+	// all the same, at once. Not on key: its bucket refills at 5 a second,
+	// and a refusal leaves it up to a token short, so a create sent a few
+	// ms later could find a token (then 400: its body is read). A key of
+	// a team at 0.01 a second (a burst of 1) earns none for 100 s.
+	st, _, out = call(t, d, "POST", "/admin/teams", admin, map[string]any{"name": "glacial",
+		"rateLimits": map[string]any{"requestsPerSecond": 0.01}})
+	if st != http.StatusCreated {
+		t.Fatalf("POST /admin/teams: %d %s", st, out)
+	}
+	gk := d.NewKeyIn(t, "g1", "glacial")
+	if st, _, body := call(t, d, "GET", "/v2/sandboxes", gk, nil); st != http.StatusOK {
+		t.Fatalf("a key at 0.01/s, its first request: %d %s", st, body)
+	}
 	big := map[string]any{"templateID": "host", "metadata": map[string]string{"pad": strings.Repeat("x", 512<<10)}}
-	if st, ra, _ := call(t, d, "POST", "/v2/sandboxes", key, big); st != http.StatusTooManyRequests || ra == "" {
+	if st, ra, _ := call(t, d, "POST", "/v2/sandboxes", gk, big); st != http.StatusTooManyRequests || ra == "" {
 		t.Errorf("a create over the request rate: %d (Retry-After %q)", st, ra)
 	}
 	if st, _, body := call(t, d, "GET", "/v2/sandboxes", key2, nil); st != http.StatusOK {
