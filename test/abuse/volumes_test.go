@@ -188,8 +188,22 @@ func TestVolumeContentRate(t *testing.T) {
 			took.Round(time.Millisecond), ok, limited, retry, most, took.Round(time.Millisecond))
 	}
 	// Refused before the body is read: an upload of 8 MiB is answered at
-	// once, and nothing is written.
-	if st, b := contentDo(t, d, "PUT", "/volumecontent/"+v1.VolumeID+"/file?path=/big", v1.Token, strings.NewReader(strings.Repeat("x", 8<<20))); st != http.StatusTooManyRequests {
+	// once, and nothing is written. Not to slowvol's volumes: a refusal
+	// leaves their bucket up to a token short, and it refills at 5 a
+	// second, so an upload sent a moment later could find a token (then
+	// its body is read and written). A team at 0.01 a second (a burst of
+	// 1) earns none for 100 s.
+	st, _, out = call(t, d, "POST", "/admin/teams", admin, map[string]any{"name": "glacial",
+		"rateLimits": map[string]any{"requestsPerSecond": 0.01}})
+	var glacial types.Team
+	if st != http.StatusCreated || json.Unmarshal([]byte(out), &glacial) != nil || glacial.TeamID == "" {
+		t.Fatalf("POST /admin/teams: %d %s", st, out)
+	}
+	cold := newVolume(t, d, d.NewKeyIn(t, "g1", "glacial"), "cold")
+	if st, b := contentDo(t, d, "GET", "/volumecontent/"+cold.VolumeID+"/dir?path=/", cold.Token, nil); st != http.StatusOK {
+		t.Fatalf("a volume at 0.01/s, its first content request: %d %s", st, b)
+	}
+	if st, b := contentDo(t, d, "PUT", "/volumecontent/"+cold.VolumeID+"/file?path=/big", cold.Token, strings.NewReader(strings.Repeat("x", 8<<20))); st != http.StatusTooManyRequests {
 		t.Errorf("an upload over the rate: %d %s; want 429", st, b)
 	}
 	// Not the team's keys' API requests, nor another owner's volumes.
@@ -200,7 +214,17 @@ func TestVolumeContentRate(t *testing.T) {
 		t.Errorf("another owner's volume while the team's are limited: %d %s", st, b)
 	}
 	time.Sleep(time.Second)
-	if st, b := contentDo(t, d, "GET", "/volumecontent/"+v1.VolumeID+"/file?path=/big", v1.Token, nil); st != http.StatusNotFound {
-		t.Errorf("after Retry-After, the refused upload's file: %d %s; want 404 (served, never written)", st, b)
+	if st, b := contentDo(t, d, "GET", "/volumecontent/"+v1.VolumeID+"/dir?path=/", v1.Token, nil); st != http.StatusOK {
+		t.Errorf("after Retry-After: %d %s", st, b)
+	}
+	// The refused upload wrote nothing: once glacial's rate is raised
+	// (at once, through the admin API), its file is not there.
+	if st, _, out := call(t, d, "PATCH", "/admin/teams/"+glacial.TeamID, admin,
+		map[string]any{"rateLimits": map[string]any{"requestsPerSecond": 1000}}); st != http.StatusOK {
+		t.Fatalf("PATCH /admin/teams/%s: %d %s", glacial.TeamID, st, out)
+	}
+	time.Sleep(20 * time.Millisecond) // 20 tokens at 1,000 a second
+	if st, b := contentDo(t, d, "GET", "/volumecontent/"+cold.VolumeID+"/file?path=/big", cold.Token, nil); st != http.StatusNotFound {
+		t.Errorf("the refused upload's file: %d %s; want 404 (served, never written)", st, b)
 	}
 }
