@@ -3,6 +3,7 @@ package abuse
 import (
 	"encoding/json"
 	"io"
+	"math"
 	"net/http"
 	"strconv"
 	"strings"
@@ -127,7 +128,7 @@ func TestKeyRateLimits(t *testing.T) {
 	d := cageserve.Start(t)
 	admin := d.NewKeyIn(t, "ops", "admin")
 	st, _, out := call(t, d, "POST", "/admin/teams", admin, map[string]any{"name": "slow",
-		"rateLimits": map[string]any{"requestsPerSecond": 5, "createsPerSecond": 0.5}})
+		"rateLimits": map[string]any{"requestsPerSecond": 5, "createsPerSecond": 0.25}})
 	if st != http.StatusCreated {
 		t.Fatalf("POST /admin/teams: %d %s", st, out)
 	}
@@ -192,14 +193,23 @@ func TestKeyRateLimits(t *testing.T) {
 		t.Errorf("after Retry-After: %d %s", st, body)
 	}
 
-	// Creates: a burst of 1 at 0.5/s, then 429 with Retry-After 2.
+	// Creates: a burst of 1 at 0.25/s, then 429 with Retry-After the 4 s
+	// the next token takes less the time since the first create took its
+	// token, in whole seconds up: 4, or less where the first create was
+	// slow (a loaded host), as the time measured says. Then a create
+	// after waiting that long is served.
 	body := map[string]any{"templateID": "host", "timeout": 60}
+	first := time.Now()
 	d.Create(t, key2, body)
 	st, ra, msg := call(t, d, "POST", "/v2/sandboxes", key2, body)
-	if st != http.StatusTooManyRequests || ra != "2" || !strings.Contains(msg, "creates a second") {
-		t.Errorf("a second create at once at 0.5/s: %d (Retry-After %q) %s", st, ra, msg)
+	since := time.Since(first)
+	secs, err := strconv.Atoi(ra)
+	least := max(1, int(math.Ceil((4*time.Second - since).Seconds())))
+	if st != http.StatusTooManyRequests || err != nil || secs < least || secs > 4 || !strings.Contains(msg, "creates a second") {
+		t.Errorf("a second create at 0.25/s, %v after the first began: %d (Retry-After %q) %s; want 429 with Retry-After %d to 4",
+			since.Round(time.Millisecond), st, ra, msg, least)
 	}
-	time.Sleep(2 * time.Second)
+	time.Sleep(time.Duration(secs) * time.Second)
 	d.Create(t, key2, body)
 
 	// The server's defaults for a key without a team: 30 requests at once
