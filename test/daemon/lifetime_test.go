@@ -53,17 +53,21 @@ func TestLifetimes(t *testing.T) {
 	})
 }
 
-// extended: timeout 3, then set to 30: after 5 s it is still there and
-// works; then set to 1 and it goes.
+// extended: timeout 10, then set to 60: 2 s after the first 10 s would
+// have ended it, it is still there and works; then set to 1 and it goes.
+// Its clock starts as its create begins, so the extension must land
+// within those 10 s: a loaded host took more than 3 s for the create and
+// the extension.
 func extended(t *testing.T, d *daemon) {
 	key := d.key
-	sb := d.create(t, key, map[string]any{"timeout": 3})
+	began := time.Now()
+	sb := d.create(t, key, map[string]any{"timeout": 10})
 	d.expect(t, http.StatusNoContent, call{method: "POST", path: "/sandboxes/" + sb.SandboxID + "/timeout", key: key,
-		body: map[string]any{"timeout": 30}})
-	if end := d.get(t, key, sb.SandboxID).EndAt; !about(end, 30*time.Second) {
-		t.Errorf("after setting timeout 30, endAt is %v from now", time.Until(end))
+		body: map[string]any{"timeout": 60}})
+	if end := d.get(t, key, sb.SandboxID).EndAt; !about(end, 60*time.Second) {
+		t.Errorf("after setting timeout 60, endAt is %v from now", time.Until(end))
 	}
-	time.Sleep(5 * time.Second)
+	time.Sleep(time.Until(began.Add(12 * time.Second)))
 	got := d.get(t, key, sb.SandboxID)
 	if got.State != "running" {
 		t.Errorf("extended sandbox state %q", got.State)
