@@ -42,3 +42,17 @@ func TestSweepBinaries(t *testing.T) {
 		}
 	}
 }
+
+// FreeAddr never hands out a port twice, though the kernel may give a
+// listen on :0 the port it gave the last one (closed since): a daemon
+// given one port for its API and its proxy cannot start.
+func TestFreeAddrDistinct(t *testing.T) {
+	seen := map[string]bool{}
+	for range 500 {
+		a := FreeLoopback(t)
+		if seen[a] {
+			t.Fatalf("%s handed out twice", a)
+		}
+		seen[a] = true
+	}
+}

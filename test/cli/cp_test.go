@@ -5,7 +5,6 @@ import (
 	"bytes"
 	"context"
 	"io"
-	"net"
 	"net/http"
 	"os"
 	"path/filepath"
@@ -15,6 +14,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/cagehq/cage/internal/testutil"
 )
 
 // cpDaemon is a `cage serve` of the test's own (data, run directory,
@@ -32,15 +33,7 @@ func startCpDaemon(t *testing.T, e *env) *cpDaemon {
 	if err != nil || !strings.HasPrefix(lines[len(lines)-1], "e2b_") {
 		t.Fatalf("cage keys create: %v, %q", err, out)
 	}
-	addr := func() string {
-		l, err := net.Listen("tcp", "127.0.0.1:0")
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer l.Close()
-		return l.Addr().String()
-	}
-	api, proxy := addr(), addr()
+	api, proxy := testutil.FreeLoopback(t), testutil.FreeLoopback(t)
 	cmd := e.command(context.Background(), "serve", "--data", data, "--api", api, "--proxy", proxy, "--pool", "0")
 	var log bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &log, &log

@@ -127,13 +127,7 @@ func (d *daemon) proxyURL() string { return "http://" + d.proxy }
 // not report the port it got for :0).
 func freePort(t *testing.T) string {
 	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	addr := l.Addr().String()
-	l.Close()
-	return addr
+	return testutil.FreeLoopback(t)
 }
 
 // cageCmd is `cage ARGS...` with cage's own environment variables removed

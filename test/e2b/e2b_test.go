@@ -515,14 +515,9 @@ var badPorts = map[int]bool{
 func freePort(t *testing.T) string {
 	t.Helper()
 	for range 20 {
-		l, err := net.Listen("tcp", "127.0.0.1:0")
-		if err != nil {
-			t.Fatal(err)
-		}
-		addr := l.Addr().String()
-		port := l.Addr().(*net.TCPAddr).Port
-		l.Close()
-		if !badPorts[port] {
+		addr := testutil.FreeLoopback(t)
+		_, p, _ := net.SplitHostPort(addr)
+		if port, _ := strconv.Atoi(p); !badPorts[port] {
 			return addr
 		}
 	}

@@ -341,11 +341,4 @@ func statusField(pid int, name string) ([]string, error) {
 	return nil, fmt.Errorf("/proc/%d/status has no %s", pid, name)
 }
 
-func freePort(t testing.TB) string {
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer l.Close()
-	return l.Addr().String()
-}
+func freePort(t testing.TB) string { return testutil.FreeLoopback(t) }

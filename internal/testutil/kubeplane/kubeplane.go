@@ -37,6 +37,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/cagehq/cage/internal/testutil"
 )
 
 // EnvDir names the directory of etcd, kube-apiserver and kube-scheduler.
@@ -473,12 +475,11 @@ func randHex(n int) string {
 
 // freePort returns a TCP port free on ip now.
 func freePort(ip string) string {
-	l, err := net.Listen("tcp", net.JoinHostPort(ip, "0"))
+	addr, err := testutil.FreeAddr(ip)
 	if err != nil {
 		return "0"
 	}
-	defer l.Close()
-	_, port, _ := net.SplitHostPort(l.Addr().String())
+	_, port, _ := net.SplitHostPort(addr)
 	return port
 }
 

@@ -268,12 +268,12 @@ func (c *Cluster) newNode(t testing.TB, bin string, o NodeOptions, lease int) (*
 // freePort picks a port nothing listens on (in the namespaces' subnet,
 // nothing does but what the test starts).
 func freePort() string {
-	l, err := net.Listen("tcp", "127.0.0.1:0")
+	addr, err := testutil.FreeAddr("127.0.0.1")
 	if err != nil {
 		return "0"
 	}
-	defer l.Close()
-	return strconv.Itoa(l.Addr().(*net.TCPAddr).Port)
+	_, port, _ := net.SplitHostPort(addr)
+	return port
 }
 
 func cageCmd(bin string, args ...string) *exec.Cmd {
