@@ -10,7 +10,6 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"strconv"
 	"strings"
 	"syscall"
 	"time"
@@ -264,13 +263,12 @@ func nodeCmd(path string, args ...string) *exec.Cmd {
 
 // freePortOn picks a port free on ip now.
 func freePortOn(ip string) string {
-	l, err := net.Listen("tcp", net.JoinHostPort(ip, "0"))
+	addr, err := freeAddrOn(ip)
 	if err != nil {
-		l, err = net.Listen("tcp", "127.0.0.1:0")
-		if err != nil {
+		if addr, err = freeAddrOn("127.0.0.1"); err != nil {
 			return "0"
 		}
 	}
-	defer l.Close()
-	return strconv.Itoa(l.Addr().(*net.TCPAddr).Port)
+	_, port, _ := net.SplitHostPort(addr)
+	return port
 }
