@@ -17,6 +17,7 @@ import (
 	"log/slog"
 	"math"
 	"net/http"
+	"reflect"
 	"strconv"
 	"strings"
 	"time"
@@ -375,7 +376,44 @@ func decode(r *http.Request, v any, optional bool) error {
 	case optional && err.Error() == "EOF":
 		return nil
 	}
+	var typeErr *json.UnmarshalTypeError
+	if errors.As(err, &typeErr) {
+		// Told in the API's words: Go's message names this program's
+		// types ("Go struct field NewSandbox.cpuCount of type float64").
+		where := "the body"
+		if typeErr.Field != "" {
+			where = "field " + typeErr.Field
+		}
+		return fmt.Errorf("%w: malformed JSON body: %s: want %s, got %s", errBadRequest, where, jsonKind(typeErr.Type), typeErr.Value)
+	}
 	return fmt.Errorf("%w: malformed JSON body: %v", errBadRequest, err)
+}
+
+// jsonKind names what JSON value a Go type decodes from.
+func jsonKind(t reflect.Type) string {
+	for t != nil && t.Kind() == reflect.Pointer {
+		t = t.Elem()
+	}
+	if t == nil {
+		return "another value"
+	}
+	switch t.Kind() {
+	case reflect.Bool:
+		return "true or false"
+	case reflect.Int, reflect.Int8, reflect.Int16, reflect.Int32, reflect.Int64:
+		return "an integer"
+	case reflect.Uint, reflect.Uint8, reflect.Uint16, reflect.Uint32, reflect.Uint64:
+		return "a non-negative integer"
+	case reflect.Float32, reflect.Float64:
+		return "a number"
+	case reflect.String:
+		return "a string"
+	case reflect.Slice, reflect.Array:
+		return "an array"
+	case reflect.Map, reflect.Struct:
+		return "an object"
+	}
+	return "another value"
 }
 
 func seconds(n *int64, def time.Duration) (time.Duration, error) {
