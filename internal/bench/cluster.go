@@ -16,6 +16,7 @@ import (
 
 	"github.com/cagehq/cage/internal/client"
 	"github.com/cagehq/cage/internal/cluster"
+	"github.com/cagehq/cage/internal/freeport"
 	"github.com/cagehq/cage/internal/kube"
 	"github.com/cagehq/cage/internal/testutil/kubeplane"
 )
@@ -263,9 +264,9 @@ func nodeCmd(path string, args ...string) *exec.Cmd {
 
 // freePortOn picks a port free on ip now.
 func freePortOn(ip string) string {
-	addr, err := freeAddrOn(ip)
+	addr, err := freeport.Addr(ip)
 	if err != nil {
-		if addr, err = freeAddrOn("127.0.0.1"); err != nil {
+		if addr, err = freeport.Addr("127.0.0.1"); err != nil {
 			return "0"
 		}
 	}

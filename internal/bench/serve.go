@@ -6,7 +6,6 @@ import (
 	"context"
 	"fmt"
 	"io"
-	"net"
 	"net/http"
 	"os"
 	"os/exec"
@@ -22,6 +21,7 @@ import (
 	"github.com/cagehq/cage/internal/agentclient"
 	"github.com/cagehq/cage/internal/cgroups"
 	"github.com/cagehq/cage/internal/client"
+	"github.com/cagehq/cage/internal/freeport"
 )
 
 // Daemon is a `cage serve` started for a benchmark, with its own state.
@@ -32,38 +32,7 @@ type Daemon struct {
 	log             *os.File // its standard error
 }
 
-func freeAddr() (string, error) { return freeAddrOn("127.0.0.1") }
-
-var (
-	portsMu sync.Mutex
-	given   = map[string]bool{}
-)
-
-// freeAddrOn is ip:PORT for a TCP port nothing listens on now and that
-// this process has not handed out before: the kernel picks a listen on :0
-// at random among the free ports, so two picks in a row (a daemon's API
-// and proxy) could get the same one once the first's listener is closed.
-func freeAddrOn(ip string) (string, error) {
-	portsMu.Lock()
-	defer portsMu.Unlock()
-	var held []net.Listener
-	defer func() {
-		for _, l := range held {
-			l.Close()
-		}
-	}()
-	for {
-		l, err := net.Listen("tcp", net.JoinHostPort(ip, "0"))
-		if err != nil {
-			return "", err
-		}
-		held = append(held, l)
-		if addr := l.Addr().String(); !given[addr] {
-			given[addr] = true
-			return addr, nil
-		}
-	}
-}
+func freeAddr() (string, error) { return freeport.Addr("127.0.0.1") }
 
 // StartDaemon runs exe serve with fresh state and an API key; extra are
 // more flags of serve.

@@ -38,7 +38,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/cagehq/cage/internal/testutil"
+	"github.com/cagehq/cage/internal/freeport"
 )
 
 // EnvDir names the directory of etcd, kube-apiserver and kube-scheduler.
@@ -475,7 +475,7 @@ func randHex(n int) string {
 
 // freePort returns a TCP port free on ip now.
 func freePort(ip string) string {
-	addr, err := testutil.FreeAddr(ip)
+	addr, err := freeport.Addr(ip)
 	if err != nil {
 		return "0"
 	}
