@@ -102,17 +102,24 @@ func namespaces(t *testing.T, n int) []netns.NsHandle {
 	t.Helper()
 	nss := make([]netns.NsHandle, n)
 	for i := range nss {
-		path := filepath.Join(t.TempDir(), "netns")
-		if err := NewNamespace(path); err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { RemoveNamespace(path) })
-		ns, err := netns.GetFromPath(path)
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { ns.Close() })
-		nss[i] = ns
+		nss[i], _ = namespace(t)
 	}
 	return nss
+}
+
+// namespace is a network namespace the test holds (pinned at a path, and
+// by a handle) until its end, or until gone lets go of both.
+func namespace(t testing.TB) (ns netns.NsHandle, gone func()) {
+	t.Helper()
+	path := filepath.Join(t.TempDir(), "netns")
+	if err := NewNamespace(path); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { RemoveNamespace(path) })
+	ns, err := netns.GetFromPath(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ns.Close() })
+	return ns, func() { ns.Close(); RemoveNamespace(path) }
 }

@@ -2,12 +2,10 @@ package network
 
 import (
 	"net/netip"
-	"path/filepath"
 	"testing"
 	"time"
 
 	"github.com/vishvananda/netlink"
-	"github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
 
 	"github.com/cagehq/cage/internal/testutil"
@@ -24,25 +22,9 @@ import (
 func TestQuietEndWalksNothing(t *testing.T) {
 	w := testutil.NewWorld(t)
 	h := newHost(t, w, nil)
-	// ownNamespace is a namespace whose only hold outside Attach's is the
-	// test's: gone drops it.
-	ownNamespace := func(t *testing.T) (ns netns.NsHandle, gone func()) {
-		path := filepath.Join(t.TempDir(), "netns")
-		if err := NewNamespace(path); err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { RemoveNamespace(path) })
-		ns, err := netns.GetFromPath(path)
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { ns.Close() })
-		return ns, func() { ns.Close(); RemoveNamespace(path) }
-	}
-
 	// The sandbox's processes are gone before its Close (a kill): the
 	// hold Attach took keeps its end of the pair for Close to read.
-	ns, gone := ownNamespace(t)
+	ns, gone := namespace(t)
 	nextSlot++
 	quiet, err := h.Attach("quiet", nextSlot, int(ns), Policy{Mode: Internet})
 	if err != nil {
@@ -66,7 +48,7 @@ func TestQuietEndWalksNothing(t *testing.T) {
 				port++
 			}
 			udpEcho(t, w, port)
-			ns, gone := ownNamespace(t)
+			ns, gone := namespace(t)
 			nextSlot++
 			sb, err := h.Attach("busy", nextSlot, int(ns), Policy{Mode: Internet})
 			if err != nil {
@@ -137,17 +119,9 @@ func BenchmarkQuietEnd(b *testing.B) {
 		var cpu time.Duration
 		for b.Loop() {
 			b.StopTimer()
-			path := filepath.Join(b.TempDir(), "netns")
-			if err := NewNamespace(path); err != nil {
-				b.Fatal(err)
-			}
-			ns, err := netns.GetFromPath(path)
-			if err != nil {
-				b.Fatal(err)
-			}
+			ns, gone := namespace(b)
 			sb, err := h.Attach("bench", slot, int(ns), Policy{Mode: Internet})
-			ns.Close()
-			RemoveNamespace(path)
+			gone()
 			if err != nil {
 				b.Fatal(err)
 			}
