@@ -19,6 +19,7 @@ var insideOK = []string{
 	"github.com/cagehq/cage/internal/cgroups",
 	"github.com/cagehq/cage/internal/filesig",
 	"github.com/cagehq/cage/internal/inside",
+	"github.com/cagehq/cage/internal/partbound",
 	"github.com/cagehq/cage/internal/seal",
 	"github.com/cagehq/cage/internal/seccomp",
 	"github.com/cagehq/cage/internal/spawner", // on the host: forks agents (cgroups and x/sys only)

@@ -22,6 +22,7 @@ import (
 	"connectrpc.com/connect"
 
 	"github.com/cagehq/cage/internal/filesig"
+	"github.com/cagehq/cage/internal/partbound"
 	"golang.org/x/sys/unix"
 )
 
@@ -299,8 +300,7 @@ func (f *filesystemService) serveUpload(w http.ResponseWriter, r *http.Request, 
 	case media == "application/octet-stream":
 		entries, herr = up.raw(body)
 	case strings.HasPrefix(media, "multipart/") && params["boundary"] != "":
-		hb := &headerBound{r: body, left: -1}
-		entries, herr = up.multipart(multipart.NewReader(hb, params["boundary"]), hb)
+		entries, herr = up.multipart(partbound.NewReader(body, params["boundary"]))
 	default:
 		herr = httpErr(http.StatusBadRequest, "unsupported content type %q: expected multipart/form-data or application/octet-stream", media)
 	}
@@ -374,17 +374,15 @@ func (up *uploader) raw(body io.Reader) ([]uploadedEntry, *httpError) {
 	return []uploadedEntry{{Path: p, Name: path.Base(p), Type: "file", Metadata: up.md}}, nil
 }
 
-func (up *uploader) multipart(mr *multipart.Reader, hb *headerBound) ([]uploadedEntry, *httpError) {
+func (up *uploader) multipart(mr *partbound.Reader) ([]uploadedEntry, *httpError) {
 	entries := []uploadedEntry{}
 	seen := map[string]bool{}
 	for {
-		hb.left = maxPartHeader // NextPart reads a boundary and a header
 		part, err := mr.NextPart()
-		hb.left = -1
 		if err == io.EOF {
 			return entries, nil
 		}
-		if errors.Is(err, errPartHeader) {
+		if errors.Is(err, partbound.ErrHeader) {
 			return nil, httpErr(http.StatusBadRequest, "%v", err)
 		}
 		if err != nil {
@@ -417,38 +415,6 @@ func (up *uploader) multipart(mr *multipart.Reader, hb *headerBound) ([]uploaded
 		}
 		entries = append(entries, uploadedEntry{Path: p, Name: path.Base(p), Type: "file", Metadata: up.md})
 	}
-}
-
-// maxPartHeader bounds what one part's boundary and header may take (an
-// SDK's is some 200 bytes: a path of at most 4 KiB, a type). Go's
-// multipart reader keeps up to 10 MiB of a header while it reads it:
-// found by review, 2026-12-04, an upload that sent 8 MiB of one and held
-// the rest back held 8 MiB of the agent (the sandbox's memory) for as
-// long as its client liked, and a signed URL's holder may open hundreds.
-const maxPartHeader = 64 << 10
-
-var errPartHeader = fmt.Errorf("a multipart part's boundary and header are longer than %d bytes", maxPartHeader)
-
-// headerBound fails a read once left bytes are read, while left >= 0
-// (-1: no bound).
-type headerBound struct {
-	r    io.Reader
-	left int64
-}
-
-func (h *headerBound) Read(p []byte) (int, error) {
-	if h.left < 0 {
-		return h.r.Read(p)
-	}
-	if h.left == 0 {
-		return 0, errPartHeader
-	}
-	if int64(len(p)) > h.left {
-		p = p[:h.left]
-	}
-	n, err := h.r.Read(p)
-	h.left -= int64(n)
-	return n, err
 }
 
 // partFileName is a part's filename as sent: the full path, which

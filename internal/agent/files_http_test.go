@@ -494,7 +494,7 @@ func TestFilesSlowTransfersHoldNoWorker(t *testing.T) {
 
 // TestFilesPartHeaderBounded: whoever may upload (a signed URL's holder
 // too) sends multipart parts whose headers are megabytes long. Expected:
-// a part's boundary and header are read to at most maxPartHeader bytes,
+// a part's boundary and header are read to at most partbound.MaxHeader bytes,
 // past it a 400 that names the bound and nothing written; a part that
 // is not a file may still be large (its body is read past, not kept).
 // Found by review, 2026-12-04: Go's multipart reader keeps up to 10 MiB

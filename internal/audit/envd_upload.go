@@ -6,12 +6,13 @@ import (
 	"errors"
 	"io"
 	"mime"
-	"mime/multipart"
 	"net/http"
 	"net/url"
 	"strings"
 	"sync"
 	"time"
+
+	"github.com/cagehq/cage/internal/partbound"
 )
 
 // An upload (POST /files) is hashed as it passes to the agent: the body is
@@ -134,13 +135,10 @@ func parseUpload(r io.Reader, ctype, cenc string, q url.Values) []map[string]any
 	}
 	var files []map[string]any
 	listed := 0 // bytes the list holds, about
-	hb := &headerBound{r: body}
-	mr := multipart.NewReader(hb, params["boundary"])
+	mr := partbound.NewReader(body, params["boundary"])
 	more := 0
 	for {
-		hb.left = maxPartHeader // NextPart reads a boundary and a header
 		part, err := mr.NextPart()
-		hb.left = -1
 		if err == io.EOF {
 			break
 		}
@@ -171,38 +169,6 @@ func parseUpload(r io.Reader, ctype, cenc string, q url.Values) []map[string]any
 		files = append(files, map[string]any{"undecoded": itoa(int64(more)) + " more files in the upload are not listed"})
 	}
 	return files
-}
-
-// maxPartHeader bounds what the parser reads for one part's boundary and
-// header (an SDK's is some 200 bytes: a path of at most 4 KiB, a type).
-// Found by review, 2026-12-04: Go's multipart reader keeps up to 10 MiB
-// of a part's header while it is read, and an upload that sent 8 MiB of
-// one and held the rest back held 8 MiB of the daemon for as long as its
-// client liked, each of a key's 8,192 requests in flight.
-const maxPartHeader = 64 << 10
-
-var errPartHeader = errors.New("a part's boundary and header are longer than " + itoa(maxPartHeader) + " bytes")
-
-// headerBound fails a read once left bytes are read, while left >= 0
-// (-1: no bound).
-type headerBound struct {
-	r    io.Reader
-	left int64
-}
-
-func (h *headerBound) Read(p []byte) (int, error) {
-	if h.left < 0 {
-		return h.r.Read(p)
-	}
-	if h.left == 0 {
-		return 0, errPartHeader
-	}
-	if int64(len(p)) > h.left {
-		p = p[:h.left]
-	}
-	n, err := h.r.Read(p)
-	h.left -= int64(n)
-	return n, err
 }
 
 // hashInto adds the size and SHA-256 of what r holds to f.
