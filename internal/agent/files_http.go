@@ -308,8 +308,32 @@ func (f *filesystemService) serveUpload(w http.ResponseWriter, r *http.Request, 
 		writeHTTPError(w, herr)
 		return
 	}
+	writeEntries(w, entries)
+}
+
+// writeEntries answers an upload with its list of files, one entry
+// encoded at a time: the answer (JSON's escapes may make it six times
+// what maxUploadListed counts) is never whole in memory.
+func writeEntries(w http.ResponseWriter, entries []uploadedEntry) {
 	w.Header().Set("Content-Type", "application/json")
-	_ = json.NewEncoder(w).Encode(entries)
+	sep := "["
+	for _, e := range entries {
+		b, err := json.Marshal(e)
+		if err != nil {
+			return
+		}
+		if _, err := io.WriteString(w, sep); err != nil {
+			return
+		}
+		if _, err := w.Write(b); err != nil {
+			return
+		}
+		sep = ","
+	}
+	if sep == "[" {
+		_, _ = io.WriteString(w, "[")
+	}
+	_, _ = io.WriteString(w, "]\n")
 }
 
 // inflateLimit ends a decompressed body that grows past its limit.
@@ -338,8 +362,20 @@ func (l *inflateLimit) Read(p []byte) (int, error) {
 
 var errInflateLimit = errors.New("the decompressed upload is larger than the agent accepts")
 
-// maxUploadFiles bounds the files of one multipart upload.
-const maxUploadFiles = 10000
+const (
+	// maxUploadFiles bounds the files of one multipart upload.
+	maxUploadFiles = 10000
+	// maxUploadListed bounds an upload's answer, the list of its files
+	// (paths, names, the metadata each repeats, listedEntryCost each),
+	// which the agent holds until the upload ends. Found by review,
+	// 2026-12-05: 10,000 files of 4 KB paths held some 80 MiB of the
+	// agent (the sandbox's memory) and made an answer of 38 MB, built
+	// whole before a byte went out; now some 5 MiB. E2B's SDK sends one part per file
+	// (files.write of several): 1,000 files of 200-byte paths and 1 KiB
+	// of metadata list some 1.3 MiB; 10,000 files, paths of 300 bytes.
+	maxUploadListed = 4 << 20
+	listedEntryCost = 64
+)
 
 // uploader writes the files of one upload request.
 type uploader struct {
@@ -377,6 +413,10 @@ func (up *uploader) raw(body io.Reader) ([]uploadedEntry, *httpError) {
 func (up *uploader) multipart(mr *partbound.Reader) ([]uploadedEntry, *httpError) {
 	entries := []uploadedEntry{}
 	seen := map[string]bool{}
+	listed, mdSize := 0, 0 // bytes the answer lists, about; of one file's metadata
+	for k, v := range up.md {
+		mdSize += len(k) + len(v)
+	}
 	for {
 		part, err := mr.NextPart()
 		if err == io.EOF {
@@ -408,6 +448,12 @@ func (up *uploader) multipart(mr *partbound.Reader) ([]uploadedEntry, *httpError
 		}
 		if len(seen) >= maxUploadFiles {
 			return nil, httpErr(http.StatusRequestEntityTooLarge, "more than %d files in one upload", maxUploadFiles)
+		}
+		listed += len(p) + len(path.Base(p)) + mdSize + listedEntryCost
+		if listed > maxUploadListed {
+			return nil, httpErr(http.StatusRequestEntityTooLarge,
+				"the upload's list of files (paths, names and metadata) would pass %d bytes at %.64q: the %d files before it were written, it and the rest were not; send them in several uploads",
+				maxUploadListed, p, len(entries))
 		}
 		seen[p] = true
 		if err := up.write(p, part); err != nil {

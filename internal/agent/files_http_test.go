@@ -18,6 +18,7 @@ import (
 	"net/url"
 	"os"
 	"path/filepath"
+	"regexp"
 	"strconv"
 	"strings"
 	"sync"
@@ -535,5 +536,71 @@ func TestFilesPartHeaderBounded(t *testing.T) {
 	if got, err := os.ReadFile(filepath.Join(e.home, "after-big-field")); err != nil || string(got) != "ok" {
 		t.Errorf("the file after a field of 1 MiB: %q %v", got, err)
 	}
+	e.checkNoTemps()
+}
+
+// TestFilesUploadListBounded: a path-less multipart upload (each part's
+// filename names its file, as E2B's SDK sends files.write of several)
+// lists 2,000 files of 4 KB paths. Expected: a 413 in envd's error shape
+// that names the bound (4 MiB of paths, names and metadata listed) once
+// the list would pass it; the files before that part written whole, that
+// part and those after it not written, no temporary file left. 1,000
+// files of ordinary paths are written and listed. Found by review,
+// 2026-12-05: 10,000 files of 4 KB paths held some 80 MiB of the agent
+// (the sandbox's memory) and built an answer of 38 MB whole.
+func TestFilesUploadListBounded(t *testing.T) {
+	e := newFSEnv(t)
+	post := func(body *bytes.Buffer, ctype string) (int, []byte) {
+		return e.filesReq("POST", url.Values{"username": {"user"}}, body,
+			map[string]string{"X-Access-Token": fsTestToken, "Content-Type": ctype})
+	}
+	var body bytes.Buffer
+	mw := multipart.NewWriter(&body)
+	for i := range 1000 {
+		fw, _ := mw.CreateFormFile("file", fmt.Sprintf("/home/user/project/src/pkg%02d/file%04d.go", i%50, i))
+		fmt.Fprintf(fw, "package p%d\n", i)
+	}
+	mw.Close()
+	code, data := post(&body, mw.FormDataContentType())
+	var got []map[string]any
+	if code != http.StatusOK || json.Unmarshal(data, &got) != nil || len(got) != 1000 {
+		t.Fatalf("an upload of 1,000 files: %d, %d bytes, want 200 listing 1,000 files", code, len(data))
+	}
+
+	dir := "/home/user"
+	for i := range 15 {
+		dir += "/" + strings.Repeat(string(rune('a'+i)), 250)
+	}
+	body.Reset()
+	mw = multipart.NewWriter(&body)
+	for i := range 2000 {
+		fw, _ := mw.CreateFormFile("file", fmt.Sprintf("%s/f%05d", dir, i))
+		fw.Write([]byte("x"))
+	}
+	mw.Close()
+	code, data = post(&body, mw.FormDataContentType())
+	if code != http.StatusRequestEntityTooLarge || !strings.Contains(string(data), "4194304") {
+		t.Fatalf("2,000 files of 4 KB paths: %d %.300s, want 413 naming the bound", code, data)
+	}
+	var je struct{ Message string }
+	_ = json.Unmarshal(data, &je)
+	var written int
+	if m := regexp.MustCompile(`the (\d+) files before it were written`).FindStringSubmatch(je.Message); m != nil {
+		written, _ = strconv.Atoi(m[1])
+	}
+	if written < 1000 || written >= 2000 {
+		t.Fatalf("the answer does not say how many files were written: %q", je.Message)
+	}
+	hostDir := filepath.Join(e.root, dir)
+	for i, want := range map[int]bool{0: true, written - 1: true, written: false, 1999: false} {
+		got, err := os.ReadFile(filepath.Join(hostDir, fmt.Sprintf("f%05d", i)))
+		if want && (err != nil || string(got) != "x") {
+			t.Errorf("file %d, before the bound: %q %v, want written", i, got, err)
+		}
+		if !want && !os.IsNotExist(err) {
+			t.Errorf("file %d, past the bound: %q %v, want not written", i, got, err)
+		}
+	}
+	t.Logf("%d files of %d-byte paths written before the bound: %s", written, len(dir)+7, je.Message)
 	e.checkNoTemps()
 }
