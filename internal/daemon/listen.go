@@ -16,6 +16,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/cagehq/cage/internal/logbound"
 	"github.com/cagehq/cage/internal/proxy"
 )
 
@@ -286,23 +287,15 @@ func serverLog(log *slog.Logger) *stdlog.Logger {
 
 // boundedLog writes at most a line a second to log.
 type boundedLog struct {
-	log     *slog.Logger
-	mu      sync.Mutex
-	at      time.Time // the last line written
-	skipped int       // lines left out since
+	log   *slog.Logger
+	limit logbound.Limiter
 }
 
 func (b *boundedLog) Write(p []byte) (int, error) {
-	b.mu.Lock()
-	now := time.Now()
-	if now.Sub(b.at) < time.Second {
-		b.skipped++
-		b.mu.Unlock()
+	ok, skipped := b.limit.Allow("")
+	if !ok {
 		return len(p), nil
 	}
-	skipped := b.skipped
-	b.at, b.skipped = now, 0
-	b.mu.Unlock()
 	msg := strings.TrimSpace(string(p))
 	if len(msg) > maxServerLogLine {
 		msg = msg[:maxServerLogLine] + "…(cut)"

@@ -42,6 +42,7 @@ import (
 
 	"github.com/cagehq/cage/internal/agentclient"
 	"github.com/cagehq/cage/internal/filesig"
+	"github.com/cagehq/cage/internal/logbound"
 	"github.com/cagehq/cage/internal/wall"
 )
 
@@ -91,8 +92,7 @@ type Proxy struct {
 	anonymous  map[clientKey]int // anonymous ones, by sandbox and client (see enter)
 	byKey      map[string]int    // credentialed ones, by the sandboxes' API key, all its sandboxes
 	byClient   map[string]int    // anonymous ones, by client, all sandboxes
-	warnedAt   time.Time         // the last warning logged (see warn)
-	unwarned   int               // warnings not logged since
+	warnLog    logbound.Limiter  // warnings logged (see warn; its own lock)
 	relayLog   *stdlog.Logger    // the reverse proxy's (see relayLog)
 
 	// Observe, when set, is given every authorized request before it is
@@ -854,16 +854,8 @@ func (p *Proxy) warn(id string, port int, err error) {
 // mayWarn says whether a warning may be logged now (one a second, all
 // warnings together), and how many were not since the last.
 func (p *Proxy) mayWarn() (skipped int, ok bool) {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	now := time.Now()
-	if now.Sub(p.warnedAt) < time.Second {
-		p.unwarned++
-		return 0, false
-	}
-	skipped = p.unwarned
-	p.warnedAt, p.unwarned = now, 0
-	return skipped, true
+	ok, skipped = p.warnLog.Allow("")
+	return skipped, ok
 }
 
 // relayLog is the reverse proxy's logger: net/http writes a line there for
