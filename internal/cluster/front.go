@@ -21,6 +21,7 @@ import (
 
 	"github.com/cagehq/cage/internal/ids"
 	"github.com/cagehq/cage/internal/kube"
+	"github.com/cagehq/cage/internal/logbound"
 	"github.com/cagehq/cage/internal/manager"
 	"github.com/cagehq/cage/internal/sandbox"
 	"github.com/cagehq/cage/internal/store"
@@ -61,7 +62,8 @@ type Front struct {
 	gone     map[string]time.Time     // sandboxes killed through this front -> when (Killed)
 	forwards map[forwardKey]int       // forwards in flight (holdForward)
 
-	asks asks // each owner's lookups of pods at the API server (route.go)
+	asks    asks             // each owner's lookups of pods at the API server (route.go)
+	failLog logbound.Limiter // lines of failed forwards (route.go, forwardFailed)
 }
 
 // NewFront returns a front; Start runs it.

@@ -173,7 +173,7 @@ func (f *Front) Forward(w http.ResponseWriter, r *http.Request, id, owner string
 				return
 			}
 			if r.Context().Err() == nil {
-				f.log.Warn("cluster: forward to node", "sandbox", id, "node", node, "err", err)
+				f.forwardFailed("cluster: forward to node", id, node, err)
 			}
 			apiError(w, http.StatusBadGateway, "sandbox "+id+" is on node "+node+", which did not answer")
 		},
@@ -227,7 +227,7 @@ func (f *Front) ForwardTraffic(w http.ResponseWriter, r *http.Request, id string
 				return
 			}
 			if r.Context().Err() == nil {
-				f.log.Warn("cluster: forward traffic to node", "sandbox", id, "node", node, "err", err)
+				f.forwardFailed("cluster: forward traffic to node", id, node, err)
 			}
 			proxyError(w, id, http.StatusBadGateway, "sandbox "+id+" is on node "+node+", which did not answer")
 		},
@@ -236,6 +236,18 @@ func (f *Front) ForwardTraffic(w http.ResponseWriter, r *http.Request, id string
 	_ = http.NewResponseController(w).EnableFullDuplex()
 	rp.ServeHTTP(w, r)
 	return true
+}
+
+// forwardFailed logs a forward to node that failed, at most one line a
+// second for each node and msg, with how many were left out. Anyone who
+// reaches the proxy can make one a request while the node does not
+// answer and is not yet lost: found by review, 2026-12-05, each was a
+// line, unbounded, filling the host's log and the journal's rate limit
+// that the daemon's own lines share.
+func (f *Front) forwardFailed(msg, id, node string, err error) {
+	if ok, skipped := f.failLog.Allow(msg + "\x00" + node); ok {
+		f.log.Warn(msg, "sandbox", id, "node", node, "err", err, "not_logged_before", skipped)
+	}
 }
 
 // TrafficClient is the proxy's Client in cluster mode: the client that
