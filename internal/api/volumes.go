@@ -116,8 +116,9 @@ func mountsOf(rec *store.Sandbox) []types.SandboxVolumeMount {
 // contentHandler is a content route's handler, given the volume's root.
 type contentHandler func(w http.ResponseWriter, r *http.Request, root *volume.Root)
 
-// volumeToken opens the route's volume with the request's bearer token
-// before anything of the request's body is read; then (an upload may be
+// volumeToken checks the request's bearer token for the route's volume,
+// then its owner's rate, then opens the volume, before anything of the
+// request's body is read; then (an upload may be
 // long) the listener's one-minute bound on reading a request gives way to
 // an hour, as E2B's SDK allows its file operations, as long as the body
 // keeps coming: one through which no byte arrives for contentIdle is
@@ -130,27 +131,35 @@ func (s *server) volumeToken(h contentHandler) http.Handler {
 			writeContentError(w, http.StatusUnauthorized, "unauthorized", "missing volume token: send Authorization: Bearer <the volume's token>")
 			return
 		}
-		root, err := s.cfg.Manager.OpenVolume(r.PathValue("volumeID"), token)
+		grant, err := s.cfg.Manager.CheckVolumeToken(r.PathValue("volumeID"), token)
+		if err != nil {
+			s.contentFail(w, r, err)
+			return
+		}
+		owner := grant.Volume.KeyID
+		key, team := audit.SplitOwner(owner)
+		noteKey(r, key, team) // the audit trail's: the volume's owner
+		// The owner's rate before the volume is opened: opening may mount
+		// it on the host (a loop device, a file system's mount). Found by
+		// review, 2026-12-05: a token over its owner's rate had the volume
+		// mounted for each request it was refused.
+		if !s.allowContent(w, r, owner) {
+			return
+		}
+		root, err := grant.Open()
 		if err != nil {
 			s.contentFail(w, r, err)
 			return
 		}
 		defer root.Close()
-		v, err := s.cfg.Store.GetVolume("", r.PathValue("volumeID"))
-		if errors.Is(err, store.ErrNotFound) {
+		if _, err := s.cfg.Store.GetVolume("", grant.Volume.ID); errors.Is(err, store.ErrNotFound) {
 			writeContentError(w, http.StatusNotFound, "not_found", "no such volume") // deleted meanwhile
 			return
-		}
-		if err != nil {
+		} else if err != nil {
 			s.contentFail(w, r, err)
 			return
 		}
-		key, team := audit.SplitOwner(v.KeyID)
-		noteKey(r, key, team) // the audit trail's: the volume's owner
-		if !s.allowContent(w, r, v.KeyID) {
-			return
-		}
-		r = r.WithContext(context.WithValue(r.Context(), volumeOwnerKey{}, v.KeyID))
+		r = r.WithContext(context.WithValue(r.Context(), volumeOwnerKey{}, owner))
 		rc := http.NewResponseController(w)
 		whole := time.Now().Add(contentWhole)
 		if r.Body != nil && r.Body != http.NoBody {

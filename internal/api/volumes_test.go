@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"net/http"
 	"net/http/httptest"
+	"path/filepath"
 	"strings"
 	"sync"
 	"testing"
@@ -13,6 +14,7 @@ import (
 	"github.com/cagehq/cage/internal/store"
 	"github.com/cagehq/cage/internal/testutil"
 	"github.com/cagehq/cage/internal/volume"
+	"golang.org/x/sys/unix"
 )
 
 // Attack: whoever holds a volume's token lists it (up to 16 MiB of
@@ -116,5 +118,69 @@ func TestVolumeListingsInFlightBounded(t *testing.T) {
 	do("GET", list, "", a.token, after)
 	if after.Code != http.StatusOK || after.Body.String() != before.Body.String() {
 		t.Errorf("listing once the others ended: %d %s", after.Code, after.Body.String())
+	}
+}
+
+// TestVolumeContentRateBeforeMount: a volume's token holder sends content
+// requests past its owner's rate (0.01 a second: a burst of one), to a
+// volume the host has not mounted (the daemon restarted, say). Expected:
+// the request past the rate is a 429 and the volume is still not mounted
+// on the host; a wrong token is a 401 and mounts nothing either; the
+// request within the rate mounts it and is served. Found by review,
+// 2026-12-05: the volume was opened, and mounted, before the owner's
+// rate was checked, so each refused request did the host's mount work.
+func TestVolumeContentRateBeforeMount(t *testing.T) {
+	testutil.RequireRoot(t)
+	st, err := store.Open(t.TempDir())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { st.Close() })
+	run := t.TempDir()
+	vm := volume.New(volume.Config{Data: t.TempDir(), RunDir: run, Size: 16 << 20})
+	m := manager.New(manager.Config{Store: st, Volumes: vm})
+	h := Handler(Config{Store: st, Manager: m, Rates: Rates{Requests: 0.01, Creates: 1}})
+	_, key, err := st.CreateKey("k")
+	if err != nil {
+		t.Fatal(err)
+	}
+	v, err := m.CreateVolume(key.ID, "v")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if err := m.DeleteVolume(key.ID, v.ID); err != nil {
+			t.Errorf("delete volume: %v", err)
+		}
+	})
+	mounted := func() bool {
+		var stx unix.Statx_t
+		err := unix.Statx(unix.AT_FDCWD, filepath.Join(run, "volumes", v.ID), unix.AT_SYMLINK_NOFOLLOW, unix.STATX_BASIC_STATS, &stx)
+		return err == nil && stx.Attributes&unix.STATX_ATTR_MOUNT_ROOT != 0
+	}
+	list := func(token string) *httptest.ResponseRecorder {
+		w := httptest.NewRecorder()
+		r := httptest.NewRequest("GET", "/volumecontent/"+v.ID+"/dir?path=/", nil)
+		r.Header.Set("Authorization", "Bearer "+token)
+		h.ServeHTTP(w, r)
+		return w
+	}
+	vm.Close() // the host's mounts detached, as by a daemon's stop
+	if mounted() {
+		t.Fatal("the volume is still mounted after Close")
+	}
+	if w := list("not-the-token"); w.Code != http.StatusUnauthorized || mounted() {
+		t.Errorf("a wrong token: %d %s, mounted %v; want 401, nothing mounted", w.Code, w.Body.String(), mounted())
+	}
+	if w := list(v.Token); w.Code != http.StatusOK || !mounted() {
+		t.Fatalf("the request within the rate: %d %s, mounted %v; want 200, mounted", w.Code, w.Body.String(), mounted())
+	}
+	vm.Close()
+	w := list(v.Token)
+	if w.Code != http.StatusTooManyRequests || !strings.Contains(w.Body.String(), `"code":"rate_limited"`) {
+		t.Fatalf("the request past the rate: %d %s, want 429 rate_limited", w.Code, w.Body.String())
+	}
+	if mounted() {
+		t.Error("the request past its owner's rate mounted the volume on the host")
 	}
 }

@@ -183,10 +183,24 @@ func (m *Manager) DeleteVolume(keyID, id string) error {
 	return nil
 }
 
-// OpenVolume opens volume id for its content API, if token is its token
-// (compared in constant time); any other token, and an unknown volume, is
-// ErrUnauthorized. The caller closes the root.
-func (m *Manager) OpenVolume(id, token string) (*volume.Root, error) {
+// VolumeGrant is a content request's right to a volume, given by
+// CheckVolumeToken: the volume's record (its owner, for the owner's rate)
+// and Open. Nothing of the host's is done until Open: a request the
+// caller refuses after the check (over its owner's rate) mounts nothing.
+type VolumeGrant struct {
+	Volume store.Volume
+	vm     *volume.Manager
+}
+
+// Open opens the volume (mounting it on the host if it is not), held
+// against its removal while the request lasts. The caller closes the
+// root.
+func (g *VolumeGrant) Open() (*volume.Root, error) { return g.vm.OpenHeld(g.Volume.ID) }
+
+// CheckVolumeToken grants volume id's content API to token if it is the
+// volume's token (compared in constant time); any other token, and an
+// unknown volume, is ErrUnauthorized.
+func (m *Manager) CheckVolumeToken(id, token string) (*VolumeGrant, error) {
 	vm, err := m.volumes()
 	if err != nil {
 		return nil, err
@@ -201,7 +215,7 @@ func (m *Manager) OpenVolume(id, token string) (*volume.Root, error) {
 	if subtle.ConstantTimeCompare([]byte(token), []byte(want)) != 1 || err != nil {
 		return nil, fmt.Errorf("%w: the token does not open volume %q", ErrUnauthorized, id)
 	}
-	return vm.OpenHeld(id) // not removed while the request lasts
+	return &VolumeGrant{Volume: *v, vm: vm}, nil
 }
 
 // openMounts resolves a create's volume mounts (names of keyID's volumes)
