@@ -292,20 +292,28 @@ func checkWrite(in writeIn) ([]byte, error) {
 }
 
 // chmod sets a file's permissions with the template's chmod, as the user.
+// What it says on stderr comes through the agent, which is inside the
+// wall: only its head is kept, for the error (all of it was, as fast as
+// the agent sent it, for up to the 30 s: found by review, 2026-12-05).
 func (t *tools) chmod(ctx context.Context, ac *agentclient.Client, mode, path, user string) error {
-	var stderr bytes.Buffer
+	stderr := newCapture(maxChmodStderr)
 	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
 	end, err := ac.Run(ctx, agentclient.RunOptions{Cmd: "chmod", Args: []string{mode, "--", path}, User: user,
-		Stdout: io.Discard, Stderr: &stderr, TimeoutMs: 30000})
+		Stdout: io.Discard, Stderr: stderr, TimeoutMs: 30000, MaxOutput: maxChmodStderr})
 	if err != nil {
 		return t.failure(err)
 	}
 	if end.GetExitCode() != 0 || !end.GetExited() {
-		return fmt.Errorf("chmod: %s", clip(strings.TrimSpace(stderr.String()), 300))
+		text, _ := stderr.text("stderr")
+		return fmt.Errorf("chmod: %s", clip(strings.TrimSpace(text), 300))
 	}
 	return nil
 }
+
+// maxChmodStderr bounds what chmod's stderr is kept of (the error shows
+// 300 bytes of it).
+const maxChmodStderr = 4 << 10
 
 type listFilesIn struct {
 	SandboxID  string `json:"sandbox_id" jsonschema:"the sandbox, as sandbox_create or sandbox_list gave it"`

@@ -1,0 +1,87 @@
+package mcp
+
+import (
+	"context"
+	"encoding/binary"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"runtime"
+	"strings"
+	"testing"
+
+	"google.golang.org/protobuf/proto"
+
+	pb "github.com/cagehq/cage/api/gen/process"
+	"github.com/cagehq/cage/internal/agentclient"
+)
+
+// hostileAgent is a sandbox's agent that answers every request with
+// answer (h2c, as the daemon reaches agents).
+func hostileAgent(t *testing.T, answer http.HandlerFunc) *agentclient.Client {
+	t.Helper()
+	srv := httptest.NewUnstartedServer(answer)
+	srv.Config.Protocols = new(http.Protocols)
+	srv.Config.Protocols.SetUnencryptedHTTP2(true)
+	srv.Start()
+	t.Cleanup(srv.Close)
+	c := agentclient.New(func(ctx context.Context) (net.Conn, error) {
+		var d net.Dialer
+		return d.DialContext(ctx, "tcp", strings.TrimPrefix(srv.URL, "http://"))
+	}, "tok")
+	t.Cleanup(c.Close)
+	return c
+}
+
+// eventFrame is one enveloped message of a Start stream.
+func eventFrame(ev *pb.ProcessEvent) []byte {
+	b, _ := proto.Marshal(&pb.StartResponse{Event: ev})
+	f := make([]byte, 5+len(b))
+	binary.BigEndian.PutUint32(f[1:5], uint32(len(b)))
+	copy(f[5:], b)
+	return f
+}
+
+// TestChmodStderrBounded: file_write's chmod keeps what the agent says
+// on stderr within a bound. The agent is inside the wall: one that
+// answered the chmod with 256 MiB of stderr (and exit 1) had all of it
+// kept in the daemon's heap for the error, which shows 300 bytes of it;
+// the 30 s the chmod may take were many GiB at loopback speed. Now the
+// daemon's heap holds far less than the stream while it passes, and the
+// error still says what chmod said first.
+func TestChmodStderrBounded(t *testing.T) {
+	const total = 256 << 20
+	chunk := eventFrame(&pb.ProcessEvent{Event: &pb.ProcessEvent_Data{Data: &pb.ProcessEvent_DataEvent{
+		Output: &pb.ProcessEvent_DataEvent_Stderr{Stderr: []byte(strings.Repeat("x", 1<<20))}}}})
+	var heapAtEnd uint64
+	ac := hostileAgent(t, func(w http.ResponseWriter, r *http.Request) {
+		if !strings.HasSuffix(r.URL.Path, "/Start") {
+			http.Error(w, "no", http.StatusNotFound)
+			return
+		}
+		w.Header().Set("Content-Type", "application/connect+proto")
+		w.WriteHeader(http.StatusOK)
+		_, _ = w.Write(eventFrame(&pb.ProcessEvent{Event: &pb.ProcessEvent_Start{Start: &pb.ProcessEvent_StartEvent{Pid: 7}}}))
+		_, _ = w.Write(eventFrame(&pb.ProcessEvent{Event: &pb.ProcessEvent_Data{Data: &pb.ProcessEvent_DataEvent{
+			Output: &pb.ProcessEvent_DataEvent_Stderr{Stderr: []byte("chmod: changing permissions of 'f': Operation not permitted\n")}}}}))
+		for range total >> 20 {
+			if _, err := w.Write(chunk); err != nil {
+				return
+			}
+		}
+		w.(http.Flusher).Flush()
+		runtime.GC()
+		var ms runtime.MemStats
+		runtime.ReadMemStats(&ms)
+		heapAtEnd = ms.HeapAlloc
+		_, _ = w.Write(eventFrame(&pb.ProcessEvent{Event: &pb.ProcessEvent_End{End: &pb.ProcessEvent_EndEvent{Exited: true, ExitCode: 1, Status: "exit status 1"}}}))
+	})
+	err := (&tools{}).chmod(context.Background(), ac, "0755", "/home/user/f", "")
+	if err == nil || !strings.Contains(err.Error(), "Operation not permitted") {
+		t.Fatalf("chmod: %v, want chmod's own first line", err)
+	}
+	if heapAtEnd > total/8 {
+		t.Errorf("the daemon's heap held %d MiB as the agent's %d MiB of stderr ended; want under %d MiB",
+			heapAtEnd>>20, total>>20, total/8>>20)
+	}
+}
