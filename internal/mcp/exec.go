@@ -143,16 +143,37 @@ func checkExec(in execIn) error {
 }
 
 // runShell runs the command line through bash -l -c, as E2B's SDKs do, or
-// sh -c where the template has no bash.
+// sh -c where the template has no bash. The agent is asked to end it
+// after o.TimeoutMs; the host stops waiting agentGrace later whatever the
+// agent does (it is inside the wall: one that never ended the stream held
+// the call, a daemon goroutine and one of the key's /mcp requests for as
+// long as the MCP client waited; found by review, 2026-12-05).
 func (t *tools) runShell(ctx context.Context, ac *agentclient.Client, in execIn, o agentclient.RunOptions) (*pb.ProcessEvent_EndEvent, error) {
+	rctx, cancel := context.WithCancel(ctx)
+	if o.TimeoutMs > 0 {
+		rctx, cancel = context.WithTimeout(ctx, time.Duration(o.TimeoutMs)*time.Millisecond+agentGrace)
+	}
+	defer cancel()
 	o.Cmd, o.Args = "/bin/bash", []string{"-l", "-c", in.Command}
-	end, err := ac.Run(ctx, o)
+	end, err := ac.Run(rctx, o)
 	if noBash(err) {
 		o.Cmd, o.Args = "/bin/sh", []string{"-c", in.Command}
-		end, err = ac.Run(ctx, o)
+		end, err = ac.Run(rctx, o)
+	}
+	if err != nil && rctx.Err() != nil && ctx.Err() == nil {
+		return nil, fmt.Errorf("the sandbox's agent did not end the command within timeout_s=%d (and %v more): it stopped answering",
+			o.TimeoutMs/1000, agentGrace)
 	}
 	return end, err
 }
+
+// agentGrace is how long past a command's timeout the host waits for the
+// agent to end it (a variable for the tests).
+var agentGrace = 5 * time.Second
+
+// startWithin bounds the wait for the agent to say a background command
+// started (a variable for the tests).
+var startWithin = 30 * time.Second
 
 // noBash says whether a start failed because the template has no bash.
 func noBash(err error) bool {
@@ -173,7 +194,10 @@ func (t *tools) startBackground(ctx context.Context, ac *agentclient.Client, in 
 		if in.User != "" {
 			req.Header().Set("Authorization", agentclient.UserHeader(in.User))
 		}
-		sctx, cancel := context.WithCancel(ctx)
+		// The agent says it started, or why not, at once; one that sends
+		// anything else (output, without end) is not waited for longer
+		// than startWithin.
+		sctx, cancel := context.WithTimeout(ctx, startWithin)
 		stream, err := ac.Process.Start(sctx, req)
 		if err != nil {
 			cancel()

@@ -3,12 +3,14 @@ package mcp
 import (
 	"context"
 	"encoding/binary"
+	"io"
 	"net"
 	"net/http"
 	"net/http/httptest"
 	"runtime"
 	"strings"
 	"testing"
+	"time"
 
 	"google.golang.org/protobuf/proto"
 
@@ -24,7 +26,7 @@ func hostileAgent(t *testing.T, answer http.HandlerFunc) *agentclient.Client {
 	srv.Config.Protocols = new(http.Protocols)
 	srv.Config.Protocols.SetUnencryptedHTTP2(true)
 	srv.Start()
-	t.Cleanup(srv.Close)
+	t.Cleanup(func() { srv.CloseClientConnections(); srv.Close() })
 	c := agentclient.New(func(ctx context.Context) (net.Conn, error) {
 		var d net.Dialer
 		return d.DialContext(ctx, "tcp", strings.TrimPrefix(srv.URL, "http://"))
@@ -83,5 +85,85 @@ func TestChmodStderrBounded(t *testing.T) {
 	if heapAtEnd > total/8 {
 		t.Errorf("the daemon's heap held %d MiB as the agent's %d MiB of stderr ended; want under %d MiB",
 			heapAtEnd>>20, total>>20, total/8>>20)
+	}
+}
+
+// silentAfterStart is an agent that starts every command and then says
+// nothing more, holding its streams open until the host goes.
+func silentAfterStart(w http.ResponseWriter, r *http.Request) {
+	if !strings.HasSuffix(r.URL.Path, "/Start") {
+		<-r.Context().Done()
+		return
+	}
+	w.Header().Set("Content-Type", "application/connect+proto")
+	w.WriteHeader(http.StatusOK)
+	_, _ = w.Write(eventFrame(&pb.ProcessEvent{Event: &pb.ProcessEvent_Start{Start: &pb.ProcessEvent_StartEvent{Pid: 7}}}))
+	w.(http.Flusher).Flush()
+	<-r.Context().Done()
+}
+
+// within runs f and fails the test if it has not returned after d.
+func within(t *testing.T, d time.Duration, f func()) time.Duration {
+	t.Helper()
+	done := make(chan struct{})
+	start := time.Now()
+	go func() { defer close(done); f() }()
+	select {
+	case <-done:
+		return time.Since(start)
+	case <-time.After(d):
+		t.Fatalf("still waiting on the agent after %v", d)
+		return 0
+	}
+}
+
+// TestExecBoundedByItsTimeout: exec's timeout_s is the host's bound too,
+// not only the agent's. The agent is inside the wall: one that started
+// the command and never ended its stream held the tool call, a daemon
+// goroutine and one of the key's 16 /mcp requests for as long as the MCP
+// client waited (as run_code's and Dify's runs never did). Now the call
+// ends agentGrace past timeout_s with an error that says so.
+func TestExecBoundedByItsTimeout(t *testing.T) {
+	defer func(g time.Duration) { agentGrace = g }(agentGrace)
+	agentGrace = 200 * time.Millisecond
+	ac := hostileAgent(t, silentAfterStart)
+	var err error
+	took := within(t, 20*time.Second, func() {
+		_, err = (&tools{}).runShell(context.Background(), ac, execIn{Command: "sleep 1", TimeoutS: 1},
+			agentclient.RunOptions{Stdout: io.Discard, Stderr: io.Discard, TimeoutMs: 1000})
+	})
+	if err == nil || !strings.Contains(err.Error(), "timeout_s=1") {
+		t.Errorf("exec with timeout_s=1 against an agent that never ends it: %v, want an error naming the timeout", err)
+	}
+	if took > 5*time.Second {
+		t.Errorf("exec with timeout_s=1 took %v", took)
+	}
+}
+
+// TestBackgroundStartBounded: a background exec waits for the agent to
+// say the command started at most startWithin. An agent that answered
+// with output and never a start event held the call for good.
+func TestBackgroundStartBounded(t *testing.T) {
+	defer func(d time.Duration) { startWithin = d }(startWithin)
+	startWithin = 300 * time.Millisecond
+	ac := hostileAgent(t, func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "application/connect+proto")
+		w.WriteHeader(http.StatusOK)
+		data := eventFrame(&pb.ProcessEvent{Event: &pb.ProcessEvent_Data{Data: &pb.ProcessEvent_DataEvent{
+			Output: &pb.ProcessEvent_DataEvent_Stdout{Stdout: []byte("x")}}}})
+		for r.Context().Err() == nil {
+			if _, err := w.Write(data); err != nil {
+				return
+			}
+			w.(http.Flusher).Flush()
+			time.Sleep(10 * time.Millisecond)
+		}
+	})
+	var err error
+	within(t, 20*time.Second, func() {
+		_, err = (&tools{}).startBackground(context.Background(), ac, execIn{Command: "server", TimeoutS: 60})
+	})
+	if err == nil {
+		t.Error("a background exec whose agent never said it started: no error")
 	}
 }
