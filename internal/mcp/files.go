@@ -396,3 +396,27 @@ func fileType(t fspb.FileType) string {
 	}
 	return "other"
 }
+
+// fileWithin bounds a file tool's call (file_read, file_write,
+// file_list): the agent answers these at once, and moves at most a few
+// MiB for them. It is inside the wall: one that never answered held the
+// call, a daemon goroutine and one of the key's 16 /mcp requests for as
+// long as the MCP client waited (found by review, 2026-12-05). A
+// variable for the tests.
+var fileWithin = 2 * time.Minute
+
+// agentBound is a tool f whose call ends after *within, with an error
+// that says the agent did not answer when that is why it failed.
+func agentBound[In, Out any](within *time.Duration, f func(context.Context, *sdk.CallToolRequest, In) (*sdk.CallToolResult, Out, error)) func(context.Context, *sdk.CallToolRequest, In) (*sdk.CallToolResult, Out, error) {
+	return func(ctx context.Context, req *sdk.CallToolRequest, in In) (*sdk.CallToolResult, Out, error) {
+		d := *within
+		bctx, cancel := context.WithTimeout(ctx, d)
+		defer cancel()
+		r, out, err := f(bctx, req, in)
+		if err != nil && bctx.Err() != nil && ctx.Err() == nil {
+			var zero Out
+			return nil, zero, fmt.Errorf("the sandbox's agent did not answer within %v", d)
+		}
+		return r, out, err
+	}
+}

@@ -14,8 +14,11 @@ import (
 
 	"google.golang.org/protobuf/proto"
 
+	sdk "github.com/modelcontextprotocol/go-sdk/mcp"
+
 	pb "github.com/cagehq/cage/api/gen/process"
 	"github.com/cagehq/cage/internal/agentclient"
+	"github.com/cagehq/cage/internal/client"
 )
 
 // hostileAgent is a sandbox's agent that answers every request with
@@ -165,5 +168,68 @@ func TestBackgroundStartBounded(t *testing.T) {
 	})
 	if err == nil {
 		t.Error("a background exec whose agent never said it started: no error")
+	}
+}
+
+// silentSandbox serves the daemon's API for one running sandbox, abc,
+// and, as its proxy, an agent that reads each request and answers none
+// (HTTP/1 and h2c on one address), and returns a client session of a
+// server using them.
+func silentSandbox(t *testing.T) *sdk.ClientSession {
+	t.Helper()
+	srv := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if strings.HasPrefix(r.URL.Path, "/sandboxes/") {
+			w.Header().Set("Content-Type", "application/json")
+			_, _ = io.WriteString(w, `{"sandboxID":"abc","envdAccessToken":"tok","state":"running","templateID":"base"}`)
+			return
+		}
+		_, _ = io.Copy(io.Discard, r.Body)
+		<-r.Context().Done()
+	}))
+	srv.Config.Protocols = new(http.Protocols)
+	srv.Config.Protocols.SetHTTP1(true)
+	srv.Config.Protocols.SetUnencryptedHTTP2(true)
+	srv.Start()
+	s := NewServer(Config{Client: client.New(srv.URL, srv.URL, "e2b_test")})
+	st, ct := sdk.NewInMemoryTransports()
+	ss, err := s.Connect(context.Background(), st, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ss.Close() })
+	cs, err := sdk.NewClient(&sdk.Implementation{Name: "test", Version: "1"}, nil).Connect(context.Background(), ct, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { cs.Close() })
+	// First of the cleanups: a call still waiting on the agent ends.
+	t.Cleanup(func() { srv.CloseClientConnections(); srv.Close() })
+	return cs
+}
+
+// TestFileToolsBoundedInTime: file_read, file_write and file_list wait
+// on the sandbox's agent at most fileWithin. The agent is inside the
+// wall: one that never answered held each call, a daemon goroutine and
+// one of the key's 16 /mcp requests for as long as the MCP client waited.
+func TestFileToolsBoundedInTime(t *testing.T) {
+	defer func(d time.Duration) { fileWithin = d }(fileWithin)
+	fileWithin = 300 * time.Millisecond
+	cs := silentSandbox(t)
+	for _, c := range []struct {
+		tool string
+		args map[string]any
+	}{
+		{"file_read", map[string]any{"sandbox_id": "abc", "path": "/etc/hostname"}},
+		{"file_write", map[string]any{"sandbox_id": "abc", "path": "/tmp/x", "content": "x"}},
+		{"file_list", map[string]any{"sandbox_id": "abc", "path": "/tmp"}},
+	} {
+		var r *sdk.CallToolResult
+		var err error
+		within(t, 15*time.Second, func() {
+			r, err = cs.CallTool(context.Background(), &sdk.CallToolParams{Name: c.tool, Arguments: c.args})
+		})
+		if err != nil || !r.IsError || !strings.Contains(resultText(r), "did not answer") {
+			t.Errorf("%s against an agent that never answers: %v, %v; want a tool error saying so", c.tool, err, resultText(r))
+		}
 	}
 }

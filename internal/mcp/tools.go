@@ -59,16 +59,16 @@ func (t *tools) register(s *sdk.Server) {
 		Annotations: hints("Read a file", true, false, true, false),
 		Description: "Read a file in a sandbox: text as text, PNG/JPEG/GIF/WebP as image content, other bytes as base64. " +
 			"At most max_bytes from offset; truncated says whether the file goes on."},
-		t.readFile)
+		agentBound(&fileWithin, t.readFile))
 	sdk.AddTool(s, &sdk.Tool{Name: "file_write", InputSchema: writeSchema(),
 		Annotations: hints("Write a file", false, true, true, false),
 		Description: "Write a file in a sandbox (text, or base64 for binary data), making missing directories and replacing " +
 			"a file that is there. mode sets its permissions (e.g. 0755 for a script)."},
-		t.writeFile)
+		agentBound(&fileWithin, t.writeFile))
 	sdk.AddTool(s, &sdk.Tool{Name: "file_list", InputSchema: listFilesSchema(),
 		Annotations: hints("List a directory", true, false, true, false),
 		Description: "List a directory in a sandbox (its tree to depth levels): names, types, sizes, modes, times."},
-		t.listFiles)
+		agentBound(&fileWithin, t.listFiles))
 	sdk.AddTool(s, &sdk.Tool{Name: "port_url", InputSchema: portSchema(),
 		Annotations: hints("URL of a port", true, false, true, false),
 		Description: "The URL at which a server listening on a port inside a sandbox is reached through cage's proxy " +
