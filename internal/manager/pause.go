@@ -211,6 +211,23 @@ func (m *Manager) forget(id string, e *entry) {
 // adds at most a header (and padding) per inode of it.
 func archiveLimit(disk int64) int64 { return disk + disk/4 + 16<<20 }
 
+// archiveTime is how long the host gives a sandbox's agent to hand over
+// an archive of at most limit bytes: archiveBase, and a second for each
+// archiveRate bytes of the bound. The agent is inside the wall: one that
+// sent its archive a byte at a time (within the bound) held the pause,
+// and the sandbox's transition lock with it, for as long as the request
+// was kept open, and the sandbox ran on past its timeout, whose timer
+// waits for that lock, and past its key's revocation, whose sweep passes
+// a held lock by (found by review, 2026-12-05).
+func archiveTime(limit int64) time.Duration {
+	return archiveBase + time.Duration(limit/archiveRate)*time.Second
+}
+
+// archiveBase and archiveRate: see archiveTime (a variable for the tests).
+var archiveBase = 5 * time.Minute
+
+const archiveRate = 16 << 20
+
 // saveFiles has the sandbox's agent archive its writable files (its other
 // processes halted meanwhile) into path. Nothing is left on failure, and
 // the sandbox goes on as before.
@@ -238,7 +255,13 @@ func (m *Manager) saveFilesUpTo(ctx context.Context, sb wall.Sandbox, limit int6
 	}
 	c := agentclient.New(sb.Dial, sb.Token())
 	defer c.Close()
-	_, err = c.Archive(ctx, f, "stop", limit)
+	within := archiveTime(limit)
+	actx, cancel := context.WithTimeout(ctx, within)
+	defer cancel()
+	_, err = c.Archive(actx, f, "stop", limit)
+	if err != nil && actx.Err() != nil && ctx.Err() == nil {
+		err = fmt.Errorf("%w: its agent did not hand over its files within %v; it runs on", ErrConflict, within)
+	}
 	if err == nil {
 		err = f.Sync()
 	}
@@ -312,10 +335,7 @@ func (m *Manager) resume(ctx context.Context, rec *store.Sandbox, d time.Duratio
 		return fmt.Errorf("resume sandbox %s: %w", rec.ID, err)
 	}
 	if !keepMemory {
-		c := agentclient.New(e.sb.Dial, e.sb.Token())
-		err := c.KillAll(ctx)
-		c.Close()
-		if err != nil {
+		if err := killProcesses(ctx, e.sb); err != nil {
 			m.log.Warn("resume without memory: kill the processes", "sandbox", rec.ID, "err", err)
 		}
 	}
@@ -498,3 +518,20 @@ func (m *Manager) expirePaused() {
 		unlock()
 	}
 }
+
+// killProcesses has sb's agent kill every process of the sandbox but
+// itself, waiting at most killWithin: the agent is inside the wall, and
+// one that never answered held a resume without memory, and the
+// sandbox's lock, while the sandbox ran thawed with its end timer
+// stopped, past its timeout and its key's revocation (found by review,
+// 2026-12-05).
+func killProcesses(ctx context.Context, sb wall.Sandbox) error {
+	ctx, cancel := context.WithTimeout(ctx, killWithin)
+	defer cancel()
+	c := agentclient.New(sb.Dial, sb.Token())
+	defer c.Close()
+	return c.KillAll(ctx)
+}
+
+// killWithin bounds killProcesses (a variable for the tests).
+var killWithin = 30 * time.Second
