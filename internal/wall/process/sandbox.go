@@ -701,16 +701,29 @@ type tailBuffer struct {
 	done chan struct{}
 }
 
+// maxLoggedStderr bounds what is logged of an agent's stderr.
+const maxLoggedStderr = 64 << 10
+
 func newTailBuffer(max int) *tailBuffer { return &tailBuffer{max: max, done: make(chan struct{})} }
 
 func (t *tailBuffer) drain(r io.ReadCloser, log *slog.Logger) {
 	defer close(t.done)
 	defer r.Close()
 	chunk := make([]byte, 4096)
+	logged := 0
 	for {
 		n, err := r.Read(chunk)
 		if n > 0 {
-			log.Debug("agent stderr", "text", string(chunk[:n]))
+			// At --debug, only its first maxLoggedStderr bytes: the
+			// agent is the sandbox's to replace, and every byte it
+			// wrote went to the daemon's log (found by review,
+			// 2026-12-05).
+			if logged < maxLoggedStderr {
+				log.Debug("agent stderr", "text", string(chunk[:min(n, maxLoggedStderr-logged)]))
+				if logged += n; logged >= maxLoggedStderr {
+					log.Debug("agent stderr: the rest is not logged", "logged_bytes", maxLoggedStderr)
+				}
+			}
 			t.mu.Lock()
 			t.buf = append(t.buf, chunk[:n]...)
 			if len(t.buf) > t.max {
