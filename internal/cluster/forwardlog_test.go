@@ -1,7 +1,6 @@
 package cluster
 
 import (
-	"bytes"
 	"context"
 	"encoding/json"
 	"log/slog"
@@ -9,7 +8,6 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -18,6 +16,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/cagehq/cage/internal/kube"
+	"github.com/cagehq/cage/internal/testutil"
 )
 
 // fakeAPIServer answers the front's informers' lists with objs (by path)
@@ -48,29 +47,16 @@ func fakeAPIServer(t *testing.T, objs map[string]any) *kube.Client {
 	return c
 }
 
-// syncBuffer is a log's output, written from many goroutines.
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) lines(msg string) []map[string]any {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	var out []map[string]any
-	for _, l := range strings.Split(s.b.String(), "\n") {
+// linesOf are the JSON lines of a log's output whose message is msg.
+func linesOf(out *testutil.SyncBuffer, msg string) []map[string]any {
+	var lines []map[string]any
+	for _, l := range strings.Split(out.String(), "\n") {
 		var m map[string]any
 		if json.Unmarshal([]byte(l), &m) == nil && m["msg"] == msg {
-			out = append(out, m)
+			lines = append(lines, m)
 		}
 	}
-	return out
+	return lines
 }
 
 // TestForwardFailuresLogBounded: a sandbox's node does not answer (its
@@ -102,7 +88,7 @@ func TestForwardFailuresLogBounded(t *testing.T) {
 			ObjectMeta: metav1.ObjectMeta{Name: "b", Namespace: NodeLeaseNamespace},
 			Spec:       coordinationv1.LeaseSpec{RenewTime: &now, LeaseDurationSeconds: &secs}}},
 	})
-	var out syncBuffer
+	var out testutil.SyncBuffer
 	f := NewFront(FrontConfig{Client: c, Namespace: testNS, NodeName: "a", NodeKey: nodeKey(t),
 		Log: slog.New(slog.NewJSONHandler(&out, nil))})
 	ctx, cancel := context.WithCancel(context.Background())
@@ -135,7 +121,7 @@ func TestForwardFailuresLogBounded(t *testing.T) {
 	send(n)
 	send(n + 1)
 	for _, msg := range []string{"cluster: forward to node", "cluster: forward traffic to node"} {
-		lines := out.lines(msg)
+		lines := linesOf(&out, msg)
 		most := 2 + int(took/time.Second) // the burst's seconds, and the one after
 		if len(lines) == 0 || len(lines) > most {
 			t.Fatalf("%q: %d lines for %d failed forwards in %v, want 1 to %d", msg, len(lines), n/2+1, took, most)

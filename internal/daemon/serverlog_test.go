@@ -1,7 +1,6 @@
 package daemon
 
 import (
-	"bytes"
 	"crypto/tls"
 	"io"
 	"log"
@@ -13,27 +12,11 @@ import (
 	"net/url"
 	"os"
 	"strings"
-	"sync"
 	"testing"
 	"time"
+
+	"github.com/cagehq/cage/internal/testutil"
 )
-
-type lockedBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (l *lockedBuffer) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.Write(p)
-}
-
-func (l *lockedBuffer) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.String()
-}
 
 // TestListenerErrorsLogBounded: anyone who reaches the proxy's TLS
 // listener opens connections and fails their handshakes (closes at once,
@@ -46,7 +29,7 @@ func (l *lockedBuffer) String() string {
 // journal's rate limit that the daemon's own lines share, at its
 // connection rate.
 func TestListenerErrorsLogBounded(t *testing.T) {
-	var std, own lockedBuffer
+	var std, own testutil.SyncBuffer
 	log.SetOutput(&std)
 	defer log.SetOutput(os.Stderr)
 	logger := slog.New(slog.NewTextHandler(&own, nil))
@@ -55,7 +38,7 @@ func TestListenerErrorsLogBounded(t *testing.T) {
 	if err := cfg.TLS.serve(srv, cfg, logger); err != nil {
 		t.Fatal(err)
 	}
-	own = lockedBuffer{} // what serve said of the CA
+	own = testutil.SyncBuffer{} // what serve said of the CA
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
@@ -97,7 +80,7 @@ func TestListenerErrorsLogBounded(t *testing.T) {
 // to the daemon's log at most once a second, with how many were left out
 // (found by review, 2026-12-04: a line each, to stderr).
 func TestStandardLoggerBounded(t *testing.T) {
-	var std, own lockedBuffer
+	var std, own testutil.SyncBuffer
 	log.SetOutput(&std)
 	defer log.SetOutput(os.Stderr)
 	restore := boundStandardLog(slog.New(slog.NewTextHandler(&own, nil)))

@@ -1,7 +1,6 @@
 package proxy
 
 import (
-	"bytes"
 	"io"
 	"log"
 	"log/slog"
@@ -10,8 +9,9 @@ import (
 	"os"
 	"strconv"
 	"strings"
-	"sync"
 	"testing"
+
+	"github.com/cagehq/cage/internal/testutil"
 )
 
 // Attack: the server on a sandbox's port (its own code, or the code
@@ -37,7 +37,7 @@ func TestSandboxStatusOutOfRange(t *testing.T) {
 		_, _ = brw.WriteString("HTTP/1.1 " + r.URL.Query().Get("status") + " Odd\r\nContent-Length: 2\r\nConnection: close\r\n\r\nhi")
 		_ = brw.Flush()
 	})
-	var logged syncBuffer
+	var logged testutil.SyncBuffer
 	srv := httptest.NewUnstartedServer(New(sandboxes{sb{a}}, "", nil))
 	srv.Config.ErrorLog = log.New(&logged, "", 0)
 	srv.Start()
@@ -66,23 +66,6 @@ func TestSandboxStatusOutOfRange(t *testing.T) {
 	}
 }
 
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
-}
-
 // Attack: the server on a sandbox's public port (any tenant's own code)
 // answers each request with a body shorter than its Content-Length, and
 // the tenant, or anyone, sends it requests as fast as it likes. Expected:
@@ -107,7 +90,7 @@ func TestSandboxCutAnswersLogBounded(t *testing.T) {
 		_, _ = brw.WriteString("HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nx")
 		_ = brw.Flush()
 	})
-	var std, own syncBuffer
+	var std, own testutil.SyncBuffer
 	log.SetOutput(&std)
 	defer log.SetOutput(os.Stderr)
 	srv := httptest.NewServer(New(public{sandboxes{sb{a}}}, "", slog.New(slog.NewTextHandler(&own, nil))))
