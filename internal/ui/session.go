@@ -220,6 +220,13 @@ func safeMethod(m string) bool { return m == http.MethodGet || m == http.MethodH
 // session in the context.
 func (s *Server) authed(next http.HandlerFunc) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		// The origin first: a refused request must not count as the
+		// session's use (a page of another site, or a sandbox's under
+		// the same parent domain, polling it kept it from idling out).
+		if err := sameOrigin(r); err != nil {
+			writeError(w, http.StatusForbidden, err.Error())
+			return
+		}
 		c, err := r.Cookie(sessionCookie(r))
 		if err != nil || c.Value == "" {
 			writeError(w, http.StatusUnauthorized, "not signed in")
@@ -229,10 +236,6 @@ func (s *Server) authed(next http.HandlerFunc) http.Handler {
 		if !ok || !s.keyValid(ss) {
 			clearCookie(w, r)
 			writeError(w, http.StatusUnauthorized, "session expired, signed out or its key revoked: sign in again")
-			return
-		}
-		if err := sameOrigin(r); err != nil {
-			writeError(w, http.StatusForbidden, err.Error())
 			return
 		}
 		if !safeMethod(r.Method) {
@@ -299,6 +302,10 @@ func (s *Server) record(r *http.Request, who Identity, status int) {
 
 // whoami is the session's identity and CSRF token (401 when none).
 func (s *Server) whoami(w http.ResponseWriter, r *http.Request) {
+	if err := sameOrigin(r); err != nil { // as authed: no use of the session
+		writeError(w, http.StatusForbidden, err.Error())
+		return
+	}
 	c, err := r.Cookie(sessionCookie(r))
 	if err != nil {
 		writeError(w, http.StatusUnauthorized, "not signed in")

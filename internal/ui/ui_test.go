@@ -641,3 +641,31 @@ func TestDownloadsBounded(t *testing.T) {
 	revoked.Store(true)
 	waitFor("downloads after the key's revocation", 0)
 }
+
+// A request the session's browser sends from another site (a sibling
+// subdomain is same-site, and SameSite=Strict sends it the cookie: a
+// sandbox's page under the same parent domain) is refused, and does not
+// count as use: a hostile page left open could otherwise keep its
+// visitor's dashboard session from ever idling out, up to its absolute
+// age.
+func TestRefusedRequestsKeepNoSessionAlive(t *testing.T) {
+	s, api, c := newTest(t)
+	cookie, _ := signIn(t, s)
+	for _, site := range []string{"same-site", "cross-site"} {
+		for i := 0; i < 4; i++ { // two hours of polls, each within the idle spell
+			c.add(DefaultSessionIdle / 2)
+			for _, p := range []string{"/ui/session", "/ui/api/v2/sandboxes", "/ui/templates"} {
+				if w := do(s, "GET", p, "", map[string]string{"Cookie": cookie, "Sec-Fetch-Site": site}); w.Code != 403 {
+					t.Fatalf("GET %s from a %s page: %d %s, want 403", p, site, w.Code, w.Body)
+				}
+			}
+		}
+		if w := do(s, "GET", "/ui/session", "", map[string]string{"Cookie": cookie}); w.Code != 401 {
+			t.Fatalf("after %s requests only, for longer than the idle spell: %d, want 401 (they kept the session alive)", site, w.Code)
+		}
+		cookie, _ = signIn(t, s)
+	}
+	if api.count() != 0 {
+		t.Fatalf("refused requests reached the API (%d)", api.count())
+	}
+}
