@@ -312,9 +312,9 @@ func (s *Server) whoami(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	ss, ok := s.sessions.get(c.Value, true)
-	if !ok {
+	if !ok || !s.keyValid(ss) {
 		clearCookie(w, r)
-		writeError(w, http.StatusUnauthorized, "session expired or signed out: sign in again")
+		writeError(w, http.StatusUnauthorized, "session expired, signed out or its key revoked: sign in again")
 		return
 	}
 	writeJSON(w, http.StatusOK, sessionJSON{CSRF: ss.csrf, Identity: ss.who})

@@ -385,6 +385,13 @@ func TestRevokedKeyEndsItsSession(t *testing.T) {
 	if w.Code != http.StatusUnauthorized {
 		t.Errorf("a terminal's input after the key's revocation: %d, want 401", w.Code)
 	}
+	// The page asks who it is signed in as when it loads: a revoked key's
+	// session is no one, not the key with a CSRF token to use.
+	cookie, _ = func() (string, string) { revoked.Store(false); defer revoked.Store(true); return signIn(t, s) }()
+	time.Sleep(2 * keyRecheck)
+	if w := do(s, "GET", "/ui/session", "", map[string]string{"Cookie": cookie}); w.Code != http.StatusUnauthorized {
+		t.Errorf("who the session is after its key's revocation: %d %s, want 401", w.Code, w.Body)
+	}
 }
 
 // TestExpiredSessionTellsItsStreams: a session that goes idle past
