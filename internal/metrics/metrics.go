@@ -20,7 +20,9 @@ package metrics
 import (
 	"bytes"
 	"crypto/subtle"
+	"net"
 	"net/http"
+	"net/netip"
 	"strconv"
 	"strings"
 	"sync"
@@ -99,7 +101,10 @@ func (m *Metrics) families() []*family {
 
 // Handler serves the metrics in Prometheus's text format; with a token,
 // only to a request that carries it as `Authorization: Bearer TOKEN`
-// (compared in constant time; 401 otherwise).
+// (compared in constant time; 401 otherwise). Without one (a loopback
+// listener), only to a request for an IP address or localhost: a page in
+// a browser on the host that rebinds a name of its own to 127.0.0.1 sends
+// that name as the Host, and would read the scrape as its own origin's.
 func (m *Metrics) Handler(token string) http.Handler {
 	mux := http.NewServeMux()
 	mux.HandleFunc("/metrics", func(w http.ResponseWriter, r *http.Request) {
@@ -110,6 +115,9 @@ func (m *Metrics) Handler(token string) http.Handler {
 				http.Error(w, "missing or wrong bearer token", http.StatusUnauthorized)
 				return
 			}
+		} else if !localHost(r.Host) {
+			http.Error(w, "metrics without a token are served to an IP address or localhost only (a scraper elsewhere: metrics.token_file)", http.StatusForbidden)
+			return
 		}
 		if r.Method != http.MethodGet && r.Method != http.MethodHead {
 			http.Error(w, "GET only", http.StatusMethodNotAllowed)
@@ -128,6 +136,20 @@ func (m *Metrics) Handler(token string) http.Handler {
 	})
 	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) { http.NotFound(w, r) })
 	return mux
+}
+
+// localHost says whether a request's Host names an IP address or
+// localhost, with or without a port: never a name a page could have
+// rebound to the listener.
+func localHost(host string) bool {
+	if h, _, err := net.SplitHostPort(host); err == nil {
+		host = h
+	}
+	host = strings.TrimSuffix(strings.TrimPrefix(host, "["), "]")
+	if _, err := netip.ParseAddr(host); err == nil {
+		return true
+	}
+	return strings.EqualFold(host, "localhost")
 }
 
 // APICall counts an answered API call; route is the mux's pattern (a
