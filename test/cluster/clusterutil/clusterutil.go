@@ -224,7 +224,27 @@ func (c *Cluster) NewKey(t testing.TB, name string) string {
 	if err != nil || !strings.HasPrefix(lines[len(lines)-1], "e2b_") {
 		t.Fatalf("cage keys create --kubeconfig: %v: %s", err, out)
 	}
-	return lines[len(lines)-1]
+	key := lines[len(lines)-1]
+	// Each node syncs the keys' Secret within a watch event: until its
+	// event comes, a node answers the new key 401 (a test that used it at
+	// once failed now and then on a loaded host). Wait for every node.
+	for _, n := range c.Nodes {
+		for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+			req, _ := http.NewRequest(http.MethodGet, n.API+"/sandboxes", nil)
+			req.Header.Set("X-API-Key", key)
+			resp, err := http.DefaultClient.Do(req)
+			if err == nil {
+				resp.Body.Close()
+				if resp.StatusCode != http.StatusUnauthorized {
+					break
+				}
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("node %s did not take the key %s within 30 s (%v)", n.Name, name, err)
+			}
+		}
+	}
+	return key
 }
 
 // Cage runs `cage ARGS --kubeconfig ADMIN --namespace cage` (a keys or
