@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"compress/gzip"
 	"encoding/binary"
-	"errors"
 	"fmt"
 	"io"
 	"net/http"
@@ -118,6 +117,7 @@ type endGuard struct {
 	pending []byte // what to hand on before reading more
 	left    uint32 // bytes of the current message still to pass through
 	hdr     [5]byte
+	err     error // the body's failure, handed on after pending
 }
 
 func (g *endGuard) Close() error { return g.rc.Close() }
@@ -129,6 +129,12 @@ func (g *endGuard) Read(p []byte) (int, error) {
 			g.pending = g.pending[n:]
 			return n, nil
 		}
+		if g.err != nil {
+			// A body that failed keeps failing, with no bytes (the
+			// transport's io.ErrUnexpectedEOF for a cut stream): read
+			// again, it was a loop that spun a daemon goroutine.
+			return 0, g.err
+		}
 		if g.left > 0 {
 			if uint32(len(p)) > g.left {
 				p = p[:g.left]
@@ -138,12 +144,10 @@ func (g *endGuard) Read(p []byte) (int, error) {
 			return n, err
 		}
 		if n, err := io.ReadFull(g.rc, g.hdr[:]); err != nil {
-			if errors.Is(err, io.ErrUnexpectedEOF) {
-				// Connect says what a cut envelope means.
-				g.pending = append([]byte(nil), g.hdr[:n]...)
-				continue
-			}
-			return 0, err
+			// What came of a cut envelope is handed on (Connect says
+			// what it means), then the failure.
+			g.pending, g.err = append([]byte(nil), g.hdr[:n]...), err
+			continue
 		}
 		size := binary.BigEndian.Uint32(g.hdr[1:])
 		if g.hdr[0]&flagEndStream == 0 {
