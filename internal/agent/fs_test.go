@@ -39,6 +39,7 @@ type fsEnv struct {
 	uid, gid int    // the sandbox user "user"
 	s        *Server
 	srv      *httptest.Server
+	inflight atomic.Int64                                  // requests whose handler has not returned
 	clients  map[string]filesystemconnect.FilesystemClient // by codec
 }
 
@@ -86,7 +87,12 @@ func newFSEnv(t testing.TB) *fsEnv {
 		t.Fatal(err)
 	}
 	e.s = s
-	e.srv = httptest.NewServer(e.s.Handler())
+	h := e.s.Handler()
+	e.srv = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		e.inflight.Add(1)
+		defer e.inflight.Add(-1)
+		h.ServeHTTP(w, r)
+	}))
 	t.Cleanup(func() {
 		e.srv.Close()
 		e.s.files.closeWatchers()
