@@ -109,7 +109,7 @@ func (n *nft) addClosedTimeout() {
 		}}})
 }
 
-// addChains queues the base chains (forward, input, output, dstnat, srcnat) and
+// addChains queues the base chains (nofrag, forward, input, output, dstnat, srcnat) and
 // the regular ones, the owner's log chains included (the caller holds mu).
 func (n *nft) addChains(group uint16) (base, regular map[string]*nftables.Chain) {
 	c := n.conn
@@ -121,6 +121,7 @@ func (n *nft) addChains(group uint16) (base, regular map[string]*nftables.Chain)
 		hook *nftables.ChainHook
 		prio *nftables.ChainPriority
 	}{
+		{fragChain, nftables.ChainTypeFilter, nftables.ChainHookPrerouting, nftables.ChainPriorityRef(fragPriority)},
 		{"forward", nftables.ChainTypeFilter, nftables.ChainHookForward, nftables.ChainPriorityFilter},
 		{"input", nftables.ChainTypeFilter, nftables.ChainHookInput, nftables.ChainPriorityFilter},
 		{"output", nftables.ChainTypeFilter, nftables.ChainHookOutput, nftables.ChainPriorityFilter},
@@ -252,6 +253,24 @@ func (n *nft) baseRules(base, regular map[string]*nftables.Chain, guard bool) {
 		c.AddRule(&nftables.Rule{Table: n.table, Chain: ch, Exprs: e})
 	}
 	fwd, in, dnat, snat := base["forward"], base["input"], base["dstnat"], base["srcnat"]
+	// nofrag: a sandbox's IPv4 fragments are dropped as they come in,
+	// before the host reassembles them. Reassembly (which connection
+	// tracking needs, and so every rule after it) queues fragments in the
+	// host's network namespace, in queues shared by the host and every
+	// sandbox and bounded as a whole (net.ipv4.ipfrag_high_thresh, 4 MiB,
+	// each queue kept ipfrag_time, 30 s): a sandbox that sent first
+	// fragments whose rest never came (root in a microVM's guest; even
+	// one with an empty allowlist, whose packets no rule had seen yet)
+	// filled them, and every fragment that came after was dropped, the
+	// host's own and other sandboxes' large datagrams from the outside
+	// (found by review, 2026-12-05). A sandbox's TCP and QUIC never
+	// fragment (they send within the path's MTU); a UDP datagram larger
+	// than its link's MTU does not leave it.
+	rule(base[fragChain], cat(ifnamePrefix(expr.MetaKeyIIFNAME, true), nfproto(unix.NFPROTO_IPV4, true), []expr.Any{
+		&expr.Payload{DestRegister: 1, Base: expr.PayloadBaseNetworkHeader, Offset: 6, Len: 2},
+		&expr.Bitwise{SourceRegister: 1, DestRegister: 1, Len: 2, Mask: []byte{0x3f, 0xff}, Xor: []byte{0, 0}},
+		&expr.Cmp{Op: expr.CmpOpNeq, Register: 1, Data: []byte{0, 0}},
+	}, verdict(expr.VerdictDrop))...)
 	goTo := func(chain string) []expr.Any { return []expr.Any{&expr.Verdict{Kind: expr.VerdictGoto, Chain: chain}} }
 	// forward: the fromsbx chain decides what leaves a sandbox.
 	rule(fwd, cat(ifnamePrefix(expr.MetaKeyIIFNAME, true), goTo(fromChain))...)
@@ -298,6 +317,13 @@ func (n *nft) baseRules(base, regular map[string]*nftables.Chain, guard bool) {
 	rule(regular[la], logRules(setLimA, n.group, logAllow)...)
 	rule(regular[ld], logRules(setLimD, n.group, logDeny)...)
 }
+
+// The base chain that drops a sandbox's fragments, and its priority:
+// before the kernel's defragmentation (-400), which queues them.
+const (
+	fragChain    = "nofrag"
+	fragPriority = -450
+)
 
 // Names of the shared regular chains.
 const (
