@@ -93,7 +93,8 @@ func startResolver(h *Host, upstreams []string) (*resolver, error) {
 		return nil, fmt.Errorf("resolver: %w", err)
 	}
 	r.udp = &dns.Server{PacketConn: senderPackets{pc.(*net.UDPConn), h}, Handler: r, UDPSize: 4096}
-	r.tcp = &dns.Server{Listener: senderListener{l, h}, Handler: r, ReadTimeout: 5 * time.Second, IdleTimeout: func() time.Duration { return 10 * time.Second }}
+	r.tcp = &dns.Server{Listener: senderListener{l, h}, Handler: r, ReadTimeout: 5 * time.Second, IdleTimeout: func() time.Duration { return 10 * time.Second },
+		DecorateReader: func(rd dns.Reader) dns.Reader { return boundedReader{rd} }}
 	for _, s := range []*dns.Server{r.udp, r.tcp} {
 		started := make(chan struct{})
 		s.NotifyStartedFunc = func() { close(started) }
@@ -172,6 +173,47 @@ func (l senderListener) Accept() (net.Conn, error) {
 		sb = l.h.bySource(a.Addr().Unmap())
 	}
 	return senderConn{c, senderAddr{c.RemoteAddr(), sb}}, nil
+}
+
+// maxTCPQuestion bounds a question over TCP, as the UDP socket's buffer
+// (the server's UDPSize) bounds one over UDP: a question is one name and
+// its EDNS options, a few hundred bytes.
+const maxTCPQuestion = 4096
+
+// errQuestionSize ends a TCP connection whose next message is longer than
+// maxTCPQuestion.
+var errQuestionSize = fmt.Errorf("a question longer than %d bytes", maxTCPQuestion)
+
+// boundedReader reads a TCP connection's messages as the server's own
+// reader does, but refuses, before anything is held for it, one whose
+// length prefix is past maxTCPQuestion: the server's reader took each
+// prefix at its word and held a buffer of that size (up to 64 KiB) until
+// the rest came or its read timed out (5 s, 10 s after a first question).
+// Found by review, 2026-12-05: one sandbox's connections that each sent
+// a prefix of 65,535 and one byte held 26 MiB of the daemon's heap,
+// charged to no sandbox, within the sandbox's DNS packet rate.
+type boundedReader struct{ dns.Reader }
+
+func (r boundedReader) ReadTCP(conn net.Conn, timeout time.Duration) ([]byte, error) {
+	return r.Reader.ReadTCP(&prefixCheck{Conn: conn}, timeout)
+}
+
+// prefixCheck is a connection read for one message: the server's reader
+// reads its 2-byte length prefix first, which this checks as it comes.
+type prefixCheck struct {
+	net.Conn
+	prefix []byte
+}
+
+func (c *prefixCheck) Read(b []byte) (int, error) {
+	n, err := c.Conn.Read(b)
+	if k := min(n, 2-len(c.prefix)); k > 0 {
+		c.prefix = append(c.prefix, b[:k]...)
+		if len(c.prefix) == 2 && binary.BigEndian.Uint16(c.prefix) > maxTCPQuestion {
+			return 0, errQuestionSize
+		}
+	}
+	return n, err
 }
 
 type senderConn struct {
