@@ -54,7 +54,8 @@ type Sandbox struct {
 	pairs  int
 	closed bool
 
-	queries limiter // DNS questions a second
+	queries  limiter      // DNS questions a second
+	tcpConns atomic.Int32 // TCP connections to the resolver (maxTCPConns)
 }
 
 // errStale says the policy changed while an answer was on its way.
