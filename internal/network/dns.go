@@ -398,10 +398,17 @@ func upstreamQuestion(q *dns.Msg, name string) *dns.Msg {
 	out.RecursionDesired = true
 	out.CheckingDisabled = q.CheckingDisabled
 	if opt := q.IsEdns0(); opt != nil {
-		out.SetEdns0(opt.UDPSize(), opt.Do())
+		out.SetEdns0(min(opt.UDPSize(), upstreamUDPSize), opt.Do())
 	}
 	return out
 }
+
+// upstreamUDPSize is the most a question asked upstream claims of EDNS's
+// buffer size (DNS Flag Day 2020's), whatever the sandbox's claims: the
+// resolver's client reserves a receive buffer of the claimed size for
+// each question on its way, and a sandbox may claim 65,535 bytes. An
+// answer larger comes over TCP, as any truncated one does.
+const upstreamUDPSize = 1232
 
 // maxAnswerAddrs bounds the addresses taken from one answer (the sandbox
 // gets those alone): a name's servers may answer with thousands, which the
