@@ -56,6 +56,7 @@ type Sandbox struct {
 
 	queries  limiter      // DNS questions a second
 	tcpConns atomic.Int32 // TCP connections to the resolver (maxTCPConns)
+	asking   gauge        // questions on their way upstream (maxAsking)
 }
 
 // errStale says the policy changed while an answer was on its way.
