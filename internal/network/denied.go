@@ -65,7 +65,9 @@ func (h *Host) lookupDenied(ctx context.Context, name string) ([]netip.Addr, tim
 	defer h.names.mu.Unlock()
 	if c = h.names.entries[name]; c == nil {
 		c = &cachedName{used: now}
-		h.names.entries[name] = c
+		if len(h.names.entries) < maxCachedNames {
+			h.names.entries[name] = c
+		}
 	}
 	if err != nil {
 		h.log.Warn("network: resolve a denied name; its last addresses stay denied", "name", name, "err", err)
@@ -148,6 +150,7 @@ func (h *Host) refreshOnce() {
 			}
 		}
 	}
+	h.pruneNames(time.Now(), seen)
 	answers := h.resolveDenied(all)
 	for _, s := range snaps {
 		for _, name := range s.p.exactDenyNames() {
@@ -165,15 +168,28 @@ func (h *Host) refreshOnce() {
 			h.log.Warn("network: forget expired addresses", "sandbox", s.sb.ID, "err", err)
 		}
 	}
-	h.pruneNames(time.Now())
 }
 
-// pruneNames forgets cached names nobody asked for in two hours.
-func (h *Host) pruneNames(now time.Time) {
+// The cache of denied names' answers holds at most maxCachedNames names,
+// and a name no live sandbox's policy denies only for namesGrace after it
+// was last asked for (a policy being set may just have asked for it); a
+// name past the cap is looked up each time it is needed. Found by review,
+// 2026-12-05: names stayed two hours after they were last asked for, and
+// a key holder who set one sandbox's policy again and again, each time
+// with 256 new denied names (24 changes a second here), had the daemon
+// remember 6,000 more names a second.
+const (
+	maxCachedNames = 16384
+	namesGrace     = 30 * time.Second
+)
+
+// pruneNames forgets the cached names that no live sandbox's policy
+// denies (live) and that nobody asked for within namesGrace.
+func (h *Host) pruneNames(now time.Time, live map[string]bool) {
 	h.names.mu.Lock()
 	defer h.names.mu.Unlock()
 	for name, c := range h.names.entries {
-		if now.Sub(c.used) > 2*maxLearnTTL {
+		if !live[name] && now.Sub(c.used) > namesGrace {
 			delete(h.names.entries, name)
 		}
 	}
