@@ -33,8 +33,8 @@ import (
 // commit, and nothing of an earlier generation (this sandbox's, or a dead
 // one's on the same slot) matches again; what a dead owner left is swept.
 //
-//	nofrag (filter, prerouting, before defragmentation):
-//	                   iifname cage*, an IPv4 fragment -> drop
+//	early (filter, prerouting, before defragmentation):
+//	                   iifname cage*, an IPv4 fragment or IP options -> drop
 //	forward (filter):  iifname cage* -> goto fromsbx; to cage*: only replies
 //	                   [guard: the rest is dropped where cage turned forwarding on]
 //	fromsbx:           not IPv4, or iifname . ip saddr not in @sbx -> drop;

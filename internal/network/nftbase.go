@@ -109,7 +109,7 @@ func (n *nft) addClosedTimeout() {
 		}}})
 }
 
-// addChains queues the base chains (nofrag, forward, input, output, dstnat, srcnat) and
+// addChains queues the base chains (early, forward, input, output, dstnat, srcnat) and
 // the regular ones, the owner's log chains included (the caller holds mu).
 func (n *nft) addChains(group uint16) (base, regular map[string]*nftables.Chain) {
 	c := n.conn
@@ -121,7 +121,7 @@ func (n *nft) addChains(group uint16) (base, regular map[string]*nftables.Chain)
 		hook *nftables.ChainHook
 		prio *nftables.ChainPriority
 	}{
-		{fragChain, nftables.ChainTypeFilter, nftables.ChainHookPrerouting, nftables.ChainPriorityRef(fragPriority)},
+		{earlyChain, nftables.ChainTypeFilter, nftables.ChainHookPrerouting, nftables.ChainPriorityRef(earlyPriority)},
 		{"forward", nftables.ChainTypeFilter, nftables.ChainHookForward, nftables.ChainPriorityFilter},
 		{"input", nftables.ChainTypeFilter, nftables.ChainHookInput, nftables.ChainPriorityFilter},
 		{"output", nftables.ChainTypeFilter, nftables.ChainHookOutput, nftables.ChainPriorityFilter},
@@ -253,7 +253,7 @@ func (n *nft) baseRules(base, regular map[string]*nftables.Chain, guard bool) {
 		c.AddRule(&nftables.Rule{Table: n.table, Chain: ch, Exprs: e})
 	}
 	fwd, in, dnat, snat := base["forward"], base["input"], base["dstnat"], base["srcnat"]
-	// nofrag: a sandbox's IPv4 fragments are dropped as they come in,
+	// early: a sandbox's IPv4 fragments are dropped as they come in,
 	// before the host reassembles them. Reassembly (which connection
 	// tracking needs, and so every rule after it) queues fragments in the
 	// host's network namespace, in queues shared by the host and every
@@ -266,10 +266,24 @@ func (n *nft) baseRules(base, regular map[string]*nftables.Chain, guard bool) {
 	// (found by review, 2026-12-05). A sandbox's TCP and QUIC never
 	// fragment (they send within the path's MTU); a UDP datagram larger
 	// than its link's MTU does not leave it.
-	rule(base[fragChain], cat(ifnamePrefix(expr.MetaKeyIIFNAME, true), nfproto(unix.NFPROTO_IPV4, true), []expr.Any{
+	early := base[earlyChain]
+	rule(early, cat(ifnamePrefix(expr.MetaKeyIIFNAME, true), nfproto(unix.NFPROTO_IPV4, true), []expr.Any{
 		&expr.Payload{DestRegister: 1, Base: expr.PayloadBaseNetworkHeader, Offset: 6, Len: 2},
 		&expr.Bitwise{SourceRegister: 1, DestRegister: 1, Len: 2, Mask: []byte{0x3f, 0xff}, Xor: []byte{0, 0}},
 		&expr.Cmp{Op: expr.CmpOpNeq, Register: 1, Data: []byte{0, 0}},
+	}, verdict(expr.VerdictDrop))...)
+	// And so is a packet with IP options (a header longer than 20
+	// bytes): the kernel hands a forwarded packet with the Router Alert
+	// option to the host's sockets that asked for them
+	// (IP_ROUTER_ALERT: multicast routing and IGMP proxy daemons, RSVP)
+	// before the forward hook, so no rule of cage's saw it. A sandbox's
+	// plain UDP socket can set the option (IP_OPTIONS), and found by
+	// review, 2026-12-05, one with an empty allowlist reached such a
+	// socket of the host's. Nothing a sandbox runs needs IP options.
+	rule(early, cat(ifnamePrefix(expr.MetaKeyIIFNAME, true), nfproto(unix.NFPROTO_IPV4, true), []expr.Any{
+		&expr.Payload{DestRegister: 1, Base: expr.PayloadBaseNetworkHeader, Offset: 0, Len: 1},
+		&expr.Bitwise{SourceRegister: 1, DestRegister: 1, Len: 1, Mask: []byte{0x0f}, Xor: []byte{0}},
+		&expr.Cmp{Op: expr.CmpOpNeq, Register: 1, Data: []byte{5}},
 	}, verdict(expr.VerdictDrop))...)
 	goTo := func(chain string) []expr.Any { return []expr.Any{&expr.Verdict{Kind: expr.VerdictGoto, Chain: chain}} }
 	// forward: the fromsbx chain decides what leaves a sandbox.
@@ -318,11 +332,12 @@ func (n *nft) baseRules(base, regular map[string]*nftables.Chain, guard bool) {
 	rule(regular[ld], logRules(setLimD, n.group, logDeny)...)
 }
 
-// The base chain that drops a sandbox's fragments, and its priority:
-// before the kernel's defragmentation (-400), which queues them.
+// The base chain that drops what no rule may see of a sandbox's (its
+// fragments, its packets with IP options), and its priority: before the
+// kernel's defragmentation (-400), which queues fragments.
 const (
-	fragChain    = "nofrag"
-	fragPriority = -450
+	earlyChain    = "early"
+	earlyPriority = -450
 )
 
 // Names of the shared regular chains.
