@@ -39,6 +39,7 @@ const (
 	wantOK        want = iota // succeeds
 	wantDenied                // fails with the filter's errno
 	wantENOSYS                // fails with ENOSYS
+	wantEINVAL                // fails with EINVAL (from the filter: see the probe)
 	wantNotDenied             // may fail, but not with the filter's errno
 )
 
@@ -222,6 +223,20 @@ func probes(int80 bool) []probe {
 			return sys(unix.SYS_IO_SETUP, 1, uintptr(unsafe.Pointer(&ctx)))
 		}},
 		{"io_submit", wantENOSYS, func() outcome { return sys(unix.SYS_IO_SUBMIT, 0, 0, 0) }},
+		// A filter of the child's own: with no program (NULL) the kernel
+		// says EFAULT, so EINVAL is the filter's. Strict mode has no such
+		// harmless probe (TestArgumentFilters covers it).
+		{"seccomp(SET_MODE_FILTER)", wantEINVAL, func() outcome { return sys(unix.SYS_SECCOMP, unix.SECCOMP_SET_MODE_FILTER, 0, 0) }},
+		{"seccomp(SET_MODE_FILTER, FLAG_LOG)", wantEINVAL, func() outcome {
+			return sys(unix.SYS_SECCOMP, unix.SECCOMP_SET_MODE_FILTER, unix.SECCOMP_FILTER_FLAG_LOG, 0)
+		}},
+		{"prctl(PR_SET_SECCOMP, FILTER)", wantEINVAL, func() outcome { return sys(unix.SYS_PRCTL, unix.PR_SET_SECCOMP, unix.SECCOMP_MODE_FILTER, 0) }},
+		// Queries still work.
+		{"seccomp(GET_ACTION_AVAIL, LOG)", wantOK, func() outcome {
+			act := uint32(unix.SECCOMP_RET_LOG)
+			return sys(unix.SYS_SECCOMP, unix.SECCOMP_GET_ACTION_AVAIL, 0, uintptr(unsafe.Pointer(&act)))
+		}},
+		{"prctl(PR_GET_SECCOMP)", wantOK, func() outcome { return sys(unix.SYS_PRCTL, unix.PR_GET_SECCOMP) }},
 	}
 	if int80 {
 		ps = append(ps, probe{"int 0x80 getpid", wantDenied, func() outcome {

@@ -186,6 +186,10 @@ func TestFilterInChild(t *testing.T) {
 					if unix.Errno(o.Errno) != unix.ENOSYS || o.Err != "" {
 						t.Errorf("%s: want ENOSYS, got %s", p.name, got)
 					}
+				case wantEINVAL:
+					if unix.Errno(o.Errno) != unix.EINVAL || o.Err != "" {
+						t.Errorf("%s: want EINVAL, got %s", p.name, got)
+					}
 				case wantNotDenied:
 					if unix.Errno(o.Errno) == tc.errno || o.Err != "" {
 						t.Errorf("%s: want anything but %v, got %s", p.name, tc.errno, got)

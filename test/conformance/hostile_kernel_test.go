@@ -232,6 +232,35 @@ except OSError as ex:
 			},
 		},
 		{
+			name: "own_seccomp_filter",
+			expect: "a seccomp filter of the sandbox's own (seccomp(SECCOMP_SET_MODE_FILTER), also with SECCOMP_FILTER_FLAG_LOG, and prctl(PR_SET_SECCOMP)) fails with EINVAL, " +
+				"as on a kernel without seccomp filters: its SECCOMP_RET_LOG had the host's kernel make an audit record of every call it let through " +
+				"(the host's kauditd, audit log, journal or kernel log); getppid still works and seccomp's queries (GET_ACTION_AVAIL of SECCOMP_RET_ERRNO) still answer",
+			users: bothUsers,
+			argv: py(`
+import struct
+# ld nr; nr == getppid ? SECCOMP_RET_LOG : SECCOMP_RET_ALLOW
+insns = struct.pack("HBBI", 0x20, 0, 0, 0) + struct.pack("HBBI", 0x15, 0, 1, 110) + \
+    struct.pack("HBBI", 0x06, 0, 0, 0x7ffc0000) + struct.pack("HBBI", 0x06, 0, 0, 0x7fff0000)
+ibuf = ctypes.create_string_buffer(insns)
+fprog = ctypes.create_string_buffer(struct.pack("HxxxxxxQ", 4, ctypes.addressof(ibuf)))
+libc.prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS (the sandbox's commands have it already)
+show("seccomp_log", 317, 1, 0, ctypes.addressof(fprog))
+show("seccomp_flag_log", 317, 1, 2, ctypes.addressof(fprog))
+show("prctl_seccomp", 157, 22, 2, ctypes.addressof(fprog))
+for i in range(3):
+    sc(110)
+print("getppid=" + ("OK" if not sc(110).startswith("-") else sc(110)))
+act = ctypes.c_uint32(0x00050000)  # SECCOMP_RET_ERRNO
+show("action_avail", 317, 2, 0, ctypes.addressof(act))
+`),
+			check: exitsOK("seccomp_log=-1 EINVAL", "seccomp_flag_log=-1 EINVAL", "prctl_seccomp=-1 EINVAL", "getppid=OK", "action_avail=0 OK"),
+			on: map[string]wallOutcome{"gvisor": {
+				expect: "as above, but gVisor's kernel has no GET_ACTION_AVAIL (EINVAL of its own; its filters log nowhere on the host)",
+				check:  exitsOK("seccomp_log=-1 EINVAL", "seccomp_flag_log=-1 EINVAL", "prctl_seccomp=-1 EINVAL", "getppid=OK", "action_avail=-1 EINVAL"),
+			}},
+		},
+		{
 			name:   "setuid_binaries",
 			expect: "a setuid copy of id made by root in /tmp runs as uid 1000 for user; the host's setuid binaries (su, mount, newgrp...) never give euid 0; NoNewPrivs is 1",
 			custom: setuidProbe,
