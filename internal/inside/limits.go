@@ -29,6 +29,25 @@ func LimitOpenFiles() error {
 	return nil
 }
 
+// CoreLimit is RLIMIT_CORE, soft and hard, for the agent and every
+// command: 1 byte, the value for which the kernel skips a pipe
+// core_pattern (systemd-coredump, apport) and below the page a core file
+// needs, so that no process of a sandbox ever dumps core. Where the
+// host's core_pattern is a pipe, the kernel otherwise runs its helper on
+// the host, as root and outside the sandbox's cgroups, for every process
+// that dies of a core-dumping signal, and hands it the process's whole
+// memory, whatever RLIMIT_CORE is but 1 (0 does not stop a pipe). The
+// commands' seccomp filter keeps them from changing it.
+const CoreLimit = 1
+
+// LimitCoreDumps sets RLIMIT_CORE to CoreLimit, soft and hard.
+func LimitCoreDumps() error {
+	if err := syscall.Setrlimit(syscall.RLIMIT_CORE, &syscall.Rlimit{Cur: CoreLimit, Max: CoreLimit}); err != nil {
+		return fmt.Errorf("core dump limit: %w", err)
+	}
+	return nil
+}
+
 // AgentThreads is how many threads the agent may hold beside the
 // workload: the pids limit is raised by as much, so that the workload's
 // budget is what was asked. Where the workload has a pids group of its own

@@ -200,7 +200,7 @@ func TestVerdictsMatchTable(t *testing.T) {
 			want = vAllow
 		case actENOSYS:
 			want = vENOSYS
-		case actClone, actSocket, actIoctl, actPersonality, actSetsockopt, actSeccomp, actPrctl:
+		case actClone, actSocket, actIoctl, actPersonality, actSetsockopt, actSeccomp, actPrctl, actSetrlimit, actPrlimit:
 			continue // argument-dependent; see TestArgumentFilters
 		}
 		check(t, prog, fmt.Sprintf("nr %d", nr), x86(uintptr(nr)), want)
@@ -433,6 +433,25 @@ func TestArgumentFilters(t *testing.T) {
 	}
 	for _, opt := range []uint64{unix.PR_GET_SECCOMP, unix.PR_SET_NO_NEW_PRIVS, unix.PR_SET_NAME, unix.PR_SET_PDEATHSIG, unix.PR_SET_SECCOMP + 1, unix.PR_SET_SECCOMP - 1} {
 		check(t, prog, fmt.Sprintf("prctl(%d)", opt), x86(unix.SYS_PRCTL, opt, 2), vAllow)
+	}
+
+	// setrlimit and prlimit64 of RLIMIT_CORE: a sandbox that lowered the
+	// agent's 1 byte to 0 would have the kernel pipe each crash's memory
+	// to the host's core_pattern helper again. Reading it passes (prlimit64
+	// with new NULL), and so does every other resource.
+	for _, res := range []uint64{unix.RLIMIT_CORE, unix.RLIMIT_CORE | hi} {
+		check(t, prog, fmt.Sprintf("setrlimit(%#x)", res), x86(unix.SYS_SETRLIMIT, res, 0x1000), vEPERM)
+		for _, pid := range []uint64{0, 1, 4242} {
+			for _, newp := range []uint64{0x1000, hi, 0x7fff00001000} {
+				check(t, prog, fmt.Sprintf("prlimit64(%d, %#x, new %#x)", pid, res, newp), x86(unix.SYS_PRLIMIT64, pid, res, newp, 0x2000), vEPERM)
+				check(t, prog, fmt.Sprintf("prlimit64(%d, %#x, new %#x, old NULL)", pid, res, newp), x86(unix.SYS_PRLIMIT64, pid, res, newp, 0), vEPERM)
+			}
+			check(t, prog, fmt.Sprintf("prlimit64(%d, %#x, NULL, old)", pid, res), x86(unix.SYS_PRLIMIT64, pid, res, 0, 0x2000), vAllow)
+		}
+	}
+	for _, res := range []uint64{unix.RLIMIT_NOFILE, unix.RLIMIT_STACK, unix.RLIMIT_CPU, unix.RLIMIT_AS, unix.RLIMIT_NPROC, unix.RLIMIT_CORE + 1, unix.RLIMIT_CORE - 1} {
+		check(t, prog, fmt.Sprintf("setrlimit(%d)", res), x86(unix.SYS_SETRLIMIT, res, 0x1000), vAllow)
+		check(t, prog, fmt.Sprintf("prlimit64(0, %d, new)", res), x86(unix.SYS_PRLIMIT64, 0, res, 0x1000, 0), vAllow)
 	}
 
 	// personality.

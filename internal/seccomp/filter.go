@@ -118,6 +118,20 @@ const (
 	prSetSeccomp      = unix.PR_SET_SECCOMP
 )
 
+// RLIMIT_CORE may not be changed (EPERM): the agent sets it to 1 byte
+// for itself and every command (inside.LimitCoreDumps). Where the host's
+// kernel.core_pattern is a pipe (systemd-coredump, apport: the default
+// of most distributions), the kernel runs that helper on the host, as
+// root, outside the sandbox's cgroups, for every process that dies of a
+// signal that dumps core, and hands it the whole memory of the process,
+// whatever RLIMIT_CORE is (the helper reads it to decide) but for 1,
+// which the kernel reserves to stop a helper's own crash from recursing
+// and so skips the pipe for; a file core needs a page at least. The
+// sandbox could lower 1 to 0 (lowering needs no privilege) and open the
+// pipe again: setrlimit and prlimit64 of RLIMIT_CORE with a new value
+// are refused, reading it is not.
+const rlimitCore = unix.RLIMIT_CORE
+
 // allowedPersonalities are the personality(2) arguments Docker allows:
 // PER_LINUX, PER_LINUX32, UNAME26, UNAME26|PER_LINUX32 and 0xffffffff (query
 // the current personality). Flags such as READ_IMPLIES_EXEC or
@@ -140,6 +154,8 @@ const (
 	lSeccomp     label = "seccomp"
 	lPrctl       label = "prctl"
 	lEINVAL      label = "einval"
+	lSetrlimit   label = "setrlimit"
+	lPrlimit     label = "prlimit64"
 )
 
 func actionLabel(a action) label {
@@ -162,6 +178,10 @@ func actionLabel(a action) label {
 		return lSeccomp
 	case actPrctl:
 		return lPrctl
+	case actSetrlimit:
+		return lSetrlimit
+	case actPrlimit:
+		return lPrlimit
 	}
 	return lDeny
 }
@@ -270,6 +290,7 @@ func program(denyErrno unix.Errno) ([]unix.SockFilter, error) {
 	emitSetsockopt(a)
 	emitSeccomp(a)
 	emitPrctl(a)
+	emitRlimits(a)
 
 	a.bind(lEINVAL)
 	a.ret(retEINVAL)
@@ -408,6 +429,23 @@ func emitPrctl(a *asm) {
 	a.bind(lPrctl)
 	a.ldAbs(argLo(0))
 	a.jeq(prSetSeccomp, lEINVAL, lAllow)
+}
+
+// emitRlimits: setrlimit(resource, rlim) and prlimit64(pid, resource,
+// new, old). resource is an unsigned int: its low word is what the kernel
+// reads. new is a pointer: prlimit64 only reads (old) when all of it is
+// zero (NULL).
+func emitRlimits(a *asm) {
+	a.bind(lSetrlimit)
+	a.ldAbs(argLo(0))
+	a.jeq(rlimitCore, lDeny, lAllow)
+	a.bind(lPrlimit)
+	a.ldAbs(argLo(1))
+	a.jeq(rlimitCore, next, lAllow)
+	a.ldAbs(argLo(2))
+	a.jeq(0, next, lDeny)
+	a.ldAbs(argHi(2))
+	a.jeq(0, lAllow, lDeny)
 }
 
 // emitIoctl: ioctl(fd, request, ...). The kernel takes request as an

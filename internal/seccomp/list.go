@@ -31,6 +31,10 @@ const (
 	actSeccomp
 	// actPrctl allows prctl(2) but PR_SET_SECCOMP (see filter.go).
 	actPrctl
+	// actSetrlimit allows setrlimit(2) but of RLIMIT_CORE (see filter.go).
+	actSetrlimit
+	// actPrlimit allows prlimit64(2) but a new RLIMIT_CORE (see filter.go).
+	actPrlimit
 )
 
 func (a action) String() string {
@@ -55,6 +59,10 @@ func (a action) String() string {
 		return "seccomp"
 	case actPrctl:
 		return "prctl"
+	case actSetrlimit:
+		return "setrlimit"
+	case actPrlimit:
+		return "prlimit64"
 	}
 	return "action?"
 }
@@ -300,8 +308,6 @@ var allowed = []sc{
 	{unix.SYS_GETSID, "getsid"},
 	{unix.SYS_SETSID, "setsid"},
 	{unix.SYS_GETRLIMIT, "getrlimit"},
-	{unix.SYS_SETRLIMIT, "setrlimit"},
-	{unix.SYS_PRLIMIT64, "prlimit64"},
 	{unix.SYS_GETRUSAGE, "getrusage"},
 	{unix.SYS_GETPRIORITY, "getpriority"},
 	{unix.SYS_SETPRIORITY, "setpriority"},
@@ -425,4 +431,9 @@ var filtered = []struct {
 	// PR_GET_SECCOMP) still works.
 	{sc{unix.SYS_SECCOMP, "seccomp"}, actSeccomp},
 	{sc{unix.SYS_PRCTL, "prctl"}, actPrctl},
+	// RLIMIT_CORE stays as the agent set it (1 byte: no core dump), see
+	// filter.go; every other limit, and reading this one, as the kernel
+	// allows.
+	{sc{unix.SYS_SETRLIMIT, "setrlimit"}, actSetrlimit},
+	{sc{unix.SYS_PRLIMIT64, "prlimit64"}, actPrlimit},
 }

@@ -71,6 +71,19 @@ func sysFD(nr uintptr, args ...uintptr) outcome {
 	return o
 }
 
+// sameRlimit sets resource to the value it has, through setrlimit or
+// prlimit64 (nr), which the kernel always allows.
+func sameRlimit(nr uintptr, resource int) outcome {
+	var rl unix.Rlimit
+	if err := unix.Getrlimit(resource, &rl); err != nil {
+		return fail("getrlimit: %v", err)
+	}
+	if nr == unix.SYS_SETRLIMIT {
+		return sys(nr, uintptr(resource), uintptr(unsafe.Pointer(&rl)))
+	}
+	return sys(nr, 0, uintptr(resource), uintptr(unsafe.Pointer(&rl)), 0)
+}
+
 func fail(format string, args ...any) outcome {
 	return outcome{Err: fmt.Sprintf(format, args...)}
 }
@@ -237,6 +250,16 @@ func probes(int80 bool) []probe {
 			return sys(unix.SYS_SECCOMP, unix.SECCOMP_GET_ACTION_AVAIL, 0, uintptr(unsafe.Pointer(&act)))
 		}},
 		{"prctl(PR_GET_SECCOMP)", wantOK, func() outcome { return sys(unix.SYS_PRCTL, unix.PR_GET_SECCOMP) }},
+		// RLIMIT_CORE: set to what it is (the kernel would allow that), and
+		// read; other limits set as they are.
+		{"setrlimit(RLIMIT_CORE, same)", wantDenied, func() outcome { return sameRlimit(unix.SYS_SETRLIMIT, unix.RLIMIT_CORE) }},
+		{"prlimit64(0, RLIMIT_CORE, same)", wantDenied, func() outcome { return sameRlimit(unix.SYS_PRLIMIT64, unix.RLIMIT_CORE) }},
+		{"prlimit64(0, RLIMIT_CORE, NULL, old)", wantOK, func() outcome {
+			var rl unix.Rlimit
+			return sys(unix.SYS_PRLIMIT64, 0, unix.RLIMIT_CORE, 0, uintptr(unsafe.Pointer(&rl)))
+		}},
+		{"setrlimit(RLIMIT_NOFILE, same)", wantOK, func() outcome { return sameRlimit(unix.SYS_SETRLIMIT, unix.RLIMIT_NOFILE) }},
+		{"prlimit64(0, RLIMIT_STACK, same)", wantOK, func() outcome { return sameRlimit(unix.SYS_PRLIMIT64, unix.RLIMIT_STACK) }},
 	}
 	if int80 {
 		ps = append(ps, probe{"int 0x80 getpid", wantDenied, func() outcome {

@@ -261,6 +261,41 @@ show("action_avail", 317, 2, 0, ctypes.addressof(act))
 			}},
 		},
 		{
+			name: "core_dumps",
+			expect: "RLIMIT_CORE is 1 byte, soft and hard, and cannot be changed (setrlimit and prlimit64 of it: EPERM, even to what it is; reading it works): " +
+				"a process killed by SIGSEGV dumps no core (where the host's core_pattern is a pipe, its helper would run on the host, " +
+				"as root, outside the sandbox's cgroups, and read the process's memory, for any limit but 1: 0 does not stop a pipe)",
+			users: bothUsers,
+			argv: py(`
+import resource, signal
+print("core_limit=%d %d" % resource.getrlimit(resource.RLIMIT_CORE), flush=True)
+# Raw calls: python's resource module turns EPERM into ValueError.
+soft, hard = resource.getrlimit(resource.RLIMIT_CORE)
+lim = (ctypes.c_uint64 * 2)(hard % 2**64, hard % 2**64)
+show("setrlimit_soft_to_hard", 160, 4, ctypes.addressof(lim))
+d = "/tmp/cores-%d" % os.getpid()
+os.mkdir(d)
+os.chdir(d)
+pid = os.fork()
+if pid == 0:
+    os.kill(os.getpid(), signal.SIGSEGV)
+    os._exit(0)
+st = os.waitpid(pid, 0)[1]
+print("signaled=%s dumped=%s" % (os.WIFSIGNALED(st), os.WCOREDUMP(st)), flush=True)
+print("cores=%d" % len(os.listdir(d)), flush=True)
+for f in os.listdir(d):
+    os.unlink(f)
+lim[0] = lim[1] = 0
+show("setrlimit_zero", 160, 4, ctypes.addressof(lim))
+show("prlimit_zero", 302, 0, 4, ctypes.addressof(lim), 0)
+old = (ctypes.c_uint64 * 2)(7, 7)
+show("prlimit_read", 302, 0, 4, 0, ctypes.addressof(old))
+print("read=%d %d" % (old[0], old[1]), flush=True)
+`),
+			check: exitsOK("core_limit=1 1", "setrlimit_soft_to_hard=-1 EPERM", "signaled=True dumped=False", "cores=0",
+				"setrlimit_zero=-1 EPERM", "prlimit_zero=-1 EPERM", "prlimit_read=0 OK", "read=1 1"),
+		},
+		{
 			name:   "setuid_binaries",
 			expect: "a setuid copy of id made by root in /tmp runs as uid 1000 for user; the host's setuid binaries (su, mount, newgrp...) never give euid 0; NoNewPrivs is 1",
 			custom: setuidProbe,

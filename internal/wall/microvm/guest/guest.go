@@ -41,6 +41,11 @@ func guestAgent(port *os.File) error {
 	if err := syscall.Setrlimit(syscall.RLIMIT_NOFILE, &syscall.Rlimit{Cur: n, Max: n}); err != nil {
 		return fmt.Errorf("open files limit: %w", err)
 	}
+	// No core dumps, as on every wall (the guest's core_pattern is the
+	// guest's own; the limit is the same so that commands see one).
+	if err := inside.LimitCoreDumps(); err != nil {
+		return err
+	}
 	var disk *os.File   // the root's upper layer, once mounted
 	var made *madeAgent // the agent, made before a snapshot
 	for {

@@ -107,6 +107,9 @@ func Serve() error {
 	if err := inside.LimitOpenFiles(); err != nil {
 		return err
 	}
+	if err := inside.LimitCoreDumps(); err != nil {
+		return err
+	}
 	f := os.NewFile(3, "spec")
 	dec := json.NewDecoder(io.LimitReader(f, 1<<20))
 	var spec Spec

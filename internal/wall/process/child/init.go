@@ -47,6 +47,9 @@ func Init() (*Child, error) {
 	if err := inside.LimitOpenFiles(); err != nil {
 		return nil, err
 	}
+	if err := inside.LimitCoreDumps(); err != nil {
+		return nil, err
+	}
 	specFile := os.NewFile(fdSpec, "spec")
 	specs := json.NewDecoder(io.LimitReader(specFile, 1<<20))
 	spec := &InitSpec{}
