@@ -296,6 +296,43 @@ print("read=%d %d" % (old[0], old[1]), flush=True)
 				"setrlimit_zero=-1 EPERM", "prlimit_zero=-1 EPERM", "prlimit_read=0 OK", "read=1 1"),
 		},
 		{
+			name: "time_wait",
+			expect: "10,000 loopback connections the sandbox closes first all work; on the host kernel's walls (process, runc) at most 4,096 of them wait in TIME_WAIT " +
+				"(net.ipv4.tcp_max_tw_buckets of the sandbox's network namespace; past it a closed connection skips TIME_WAIT): each is some 330 bytes of the host's " +
+				"kernel memory, charged to no cgroup, for 60 s, and a namespace's default (half the host's TCP hash, 131,072 here) let one sandbox hold 43 MiB",
+			users: bothUsers,
+			argv: py(`
+ls = []
+for i in range(4):
+    l = socket.socket(); l.bind(("127.0.0.1", 0)); l.listen(4096); ls.append(l)
+n = 0
+for i in range(10000):
+    l = ls[i % 4]
+    c = socket.create_connection(l.getsockname())
+    a, _ = l.accept()
+    c.close()  # the client closes first: its end waits
+    a.close()
+    n += 1
+tw = 0
+for f in ("/proc/net/tcp", "/proc/net/tcp6"):
+    try:
+        tw += sum(1 for line in open(f) if line.split()[3] == "06")
+    except (OSError, IndexError):
+        pass
+print("conns=%d" % n, flush=True)
+print("time_wait_bounded=%s" % (tw <= 4096), flush=True)
+try:
+    print("tw_buckets=" + open("/proc/sys/net/ipv4/tcp_max_tw_buckets").read().strip())
+except OSError as ex:
+    print("tw_buckets=" + type(ex).__name__)
+`),
+			check: exitsOK("conns=10000"),
+			on: map[string]wallOutcome{
+				"process": {expect: "as above, at most 4,096 in TIME_WAIT", check: exitsOK("conns=10000", "time_wait_bounded=True", "tw_buckets=4096")},
+				"runc":    {expect: "as above, at most 4,096 in TIME_WAIT", check: exitsOK("conns=10000", "time_wait_bounded=True", "tw_buckets=4096")},
+			},
+		},
+		{
 			name:   "setuid_binaries",
 			expect: "a setuid copy of id made by root in /tmp runs as uid 1000 for user; the host's setuid binaries (su, mount, newgrp...) never give euid 0; NoNewPrivs is 1",
 			custom: setuidProbe,

@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"maps"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -328,10 +329,11 @@ func (b *bundleConfig) linux() *specs.Linux {
 		l.Namespaces = append(l.Namespaces, specs.LinuxNamespace{Type: specs.UserNamespace, Path: b.usernsPath})
 		m := []specs.LinuxIDMapping{{ContainerID: 0, HostID: b.idBase, Size: 65536}}
 		l.UIDMappings, l.GIDMappings = m, m
-		// runc, whose sockets are the host kernel's: each socket's option
-		// memory, charged to no cgroup, as the process wall bounds it
-		// (inside.OptMemMax; gVisor's sockets are its sentry's).
-		l.Sysctl = map[string]string{"net.core.optmem_max": strconv.Itoa(inside.OptMemMax)}
+		// runc, whose sockets are the host kernel's: what they keep of
+		// the host's memory outside the sandbox's cgroup (option memory,
+		// connections in TIME_WAIT), bounded as the process wall bounds
+		// it (inside.NetSysctls; gVisor's sockets are its sentry's).
+		l.Sysctl = maps.Clone(inside.NetSysctls)
 	}
 	return l
 }

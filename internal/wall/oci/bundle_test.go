@@ -217,11 +217,13 @@ func checkCommon(t *testing.T, b *bundleConfig, spec *specs.Spec) {
 	if !slices.Equal(l.ReadonlyPaths, readonly) {
 		t.Errorf("read-only paths %q, want %q", l.ReadonlyPaths, readonly)
 	}
-	// One sysctl under runc, whose sockets are the host kernel's: their
-	// option memory (inside.OptMemMax); none under gVisor.
+	// Under runc, whose sockets are the host kernel's, what they keep of
+	// the host's memory outside the sandbox's cgroup: option memory
+	// (inside.OptMemMax) and connections in TIME_WAIT
+	// (inside.MaxTimeWait); none under gVisor.
 	wantSysctl := map[string]string(nil)
 	if b.userns {
-		wantSysctl = map[string]string{"net.core.optmem_max": "20480"}
+		wantSysctl = map[string]string{"net.core.optmem_max": "20480", "net.ipv4.tcp_max_tw_buckets": "4096"}
 	}
 	if !maps.Equal(l.Sysctl, wantSysctl) {
 		t.Errorf("sysctl %v, want %v", l.Sysctl, wantSysctl)

@@ -72,7 +72,7 @@ func buildRoot(spec *InitSpec) error {
 		return err
 	}
 	trace.Mark("root: proc")
-	if err := inside.MountProc(root, inside.LimitSocketOptions); err != nil {
+	if err := inside.MountProc(root, inside.LimitSocketMemory); err != nil {
 		return err
 	}
 	trace.Mark("root: done")
