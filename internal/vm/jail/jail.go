@@ -14,6 +14,8 @@ import (
 	"syscall"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/cagehq/cage/internal/inside"
 )
 
 // A QEMU that a guest escapes into must find nothing of the host around
@@ -84,6 +86,14 @@ func Main(args []string) error {
 		return fmt.Errorf("jail: a session keyring of its own: %w", e)
 	}
 	if err := boundFiles(spec.FileBytes); err != nil {
+		return fmt.Errorf("jail: %w", err)
+	}
+	// No core dump (inside.LimitCoreDumps): a guest that makes QEMU
+	// abort would otherwise have a pipe core_pattern's helper (systemd-
+	// coredump, apport) run on the host, as root and outside the
+	// sandbox's cgroups, and read QEMU's memory, the VM's RAM, into the
+	// host's crash store. QEMU, an unprivileged uid, cannot raise it.
+	if err := inside.LimitCoreDumps(); err != nil {
 		return fmt.Errorf("jail: %w", err)
 	}
 	if err := buildJail(spec.KVM); err != nil {

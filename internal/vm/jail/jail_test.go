@@ -185,3 +185,52 @@ func TestJailBoundsFiles(t *testing.T) {
 		t.Errorf("a jail without a file bound ran QEMU: %v: %s", err, out)
 	}
 }
+
+// TestJailDumpsNoCore: QEMU's core limit is 1 byte, soft and hard, the
+// value for which the kernel skips a pipe core_pattern (systemd-coredump,
+// apport) and below a file core's page. Hostile case: a guest that makes
+// QEMU abort (an assertion its devices reach) would otherwise have the
+// host's helper run as root outside the sandbox's cgroups and read QEMU's
+// memory, the VM's RAM, into the host's crash store, where the tenant's
+// data outlives its sandbox (found by review, 2026-12-05: it had 0, no
+// hard limit, and could raise it). Expected: the jailed process reads 1 1
+// and cannot lift the limit.
+func TestJailDumpsNoCore(t *testing.T) {
+	testutil.RequireRoot(t)
+	if _, err := os.Stat("/usr/bin/python3"); err != nil {
+		t.Skip("no /usr/bin/python3 for the probe")
+	}
+	agent := filepath.Join(testutil.Binaries(t), "cage-agent")
+	state, err := os.CreateTemp(t.TempDir(), "state")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer state.Close()
+	lr, lw, err := os.Pipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer lw.Close()
+	spec, _ := json.Marshal(jail.Spec{UID: 60000, GID: 60000, Groups: []uint32{}, Lifeline: 4, FileBytes: 1 << 20})
+	cmd := exec.Command(agent, jail.Arg, string(spec), "/usr/bin/python3", "-c", `
+import resource
+print("core", *resource.getrlimit(resource.RLIMIT_CORE))
+try:
+    resource.setrlimit(resource.RLIMIT_CORE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    print("raised")
+except (OSError, ValueError):
+    print("not raised")
+`)
+	cmd.Args[0] = "cage-agent"
+	cmd.Dir, cmd.Env = "/", []string{}
+	cmd.ExtraFiles = []*os.File{state, lr}
+	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL, Cloneflags: jail.Flags}
+	out, err := cmd.CombinedOutput()
+	lr.Close()
+	if err != nil {
+		t.Fatalf("jail: %v: %s", err, out)
+	}
+	if string(out) != "core 1 1\nnot raised\n" {
+		t.Errorf("QEMU's core limit in the jail: %q, want \"core 1 1\\nnot raised\\n\"", out)
+	}
+}
