@@ -1,13 +1,18 @@
 package network
 
 import (
+	"bytes"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"net"
 	"net/netip"
 	"os"
 	"runtime"
+	"strconv"
+	"strings"
 	"sync"
+	"syscall"
 	"time"
 
 	"github.com/vishvananda/netlink"
@@ -295,18 +300,91 @@ func carriedNothing(slot int) bool {
 
 // hostLinks lists the slots of the cage<slot> links on the host.
 func hostLinks() []int {
-	links, err := netlink.LinkList()
+	names, err := linkNames()
 	if err != nil {
 		return nil
 	}
 	var out []int
-	for _, l := range links {
-		var slot int
-		if n, _ := fmt.Sscanf(l.Attrs().Name, ifPrefix+"%d", &slot); n == 1 && ifName(slot) == l.Attrs().Name {
+	for _, name := range names {
+		if slot, ok := slotOf(name); ok {
 			out = append(out, slot)
 		}
 	}
 	return out
+}
+
+// linkNames lists the names of the links in the calling thread's network
+// namespace. Every `cage run` asks (its GC, beside its command): a dump
+// of whole links (netlink.LinkList) had the kernel fill, and the process
+// decode, each link's attributes and statistics, a third of the run's GC
+// with a daemon's 200 sandboxes alive on the host (measured 2026-12-05:
+// 400 links listed in 2.9-6.4 ms, 1.3-2.8 ms by this, which asks the
+// kernel to leave the statistics out and reads only the names). sysfs's
+// net class would be cheaper still, but it shows the namespace sysfs was
+// mounted from, which a process in a namespace of its own (the tests',
+// `unshare -n`) does not share.
+func linkNames() ([]string, error) {
+	fd, err := unix.Socket(unix.AF_NETLINK, unix.SOCK_RAW|unix.SOCK_CLOEXEC, unix.NETLINK_ROUTE)
+	if err != nil {
+		return nil, err
+	}
+	defer unix.Close(fd)
+	const skipStats = 1 << 3 // RTEXT_FILTER_SKIP_STATS (a kernel without it sends them)
+	req := make([]byte, unix.NLMSG_HDRLEN+unix.SizeofIfInfomsg+8)
+	binary.NativeEndian.PutUint32(req[0:], uint32(len(req)))
+	binary.NativeEndian.PutUint16(req[4:], unix.RTM_GETLINK)
+	binary.NativeEndian.PutUint16(req[6:], unix.NLM_F_REQUEST|unix.NLM_F_DUMP)
+	binary.NativeEndian.PutUint32(req[8:], 1) // sequence
+	at := unix.NLMSG_HDRLEN + unix.SizeofIfInfomsg
+	binary.NativeEndian.PutUint16(req[at:], 8)
+	binary.NativeEndian.PutUint16(req[at+2:], unix.IFLA_EXT_MASK)
+	binary.NativeEndian.PutUint32(req[at+4:], skipStats)
+	if err := unix.Sendto(fd, req, 0, &unix.SockaddrNetlink{Family: unix.AF_NETLINK}); err != nil {
+		return nil, err
+	}
+	var names []string
+	buf := make([]byte, 64<<10)
+	for {
+		n, _, err := unix.Recvfrom(fd, buf, 0)
+		if err != nil {
+			return nil, err
+		}
+		if n < unix.NLMSG_HDRLEN {
+			return nil, errors.New("link dump: short netlink message")
+		}
+		msgs, err := syscall.ParseNetlinkMessage(buf[:n])
+		if err != nil {
+			return nil, err
+		}
+		for i := range msgs {
+			switch msgs[i].Header.Type {
+			case unix.NLMSG_DONE:
+				return names, nil
+			case unix.NLMSG_ERROR:
+				return nil, errors.New("link dump: netlink error")
+			case unix.RTM_NEWLINK:
+				attrs, err := syscall.ParseNetlinkRouteAttr(&msgs[i])
+				if err != nil {
+					continue
+				}
+				for _, a := range attrs {
+					if a.Attr.Type == unix.IFLA_IFNAME {
+						names = append(names, string(bytes.TrimRight(a.Value, "\x00")))
+					}
+				}
+			}
+		}
+	}
+}
+
+// slotOf is the slot of a host-side interface name, cage<slot>.
+func slotOf(name string) (int, bool) {
+	rest, ok := strings.CutPrefix(name, ifPrefix)
+	if !ok {
+		return 0, false
+	}
+	slot, err := strconv.Atoi(rest)
+	return slot, err == nil && slot >= 0 && ifName(slot) == name
 }
 
 func ipnet(a netip.Addr) *net.IPNet {

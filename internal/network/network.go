@@ -290,10 +290,13 @@ func (h *Host) GC(held func(slot int) bool) []int {
 	slots, _ := h.nft.slots()
 	seen := map[int]bool{}
 	for _, s := range append(slots, hostLinks()...) {
-		if seen[s] || held(s) {
+		if seen[s] {
 			continue
 		}
-		seen[s] = true
+		seen[s] = true // (a slot with rules and a link is asked about once)
+		if held(s) {
+			continue
+		}
 		h.mu.Lock()
 		_, ours := h.bySlot[s]
 		h.mu.Unlock()

@@ -82,7 +82,12 @@ func (ns *networks) close() {
 // that no live sandbox holds.
 func networkLeftovers() bool {
 	slots, _ := network.TableSlots()
+	seen := map[int]bool{}
 	for _, slot := range append(slots, network.HostLinks()...) {
+		if seen[slot] {
+			continue // a slot with rules and a link is asked about once
+		}
+		seen[slot] = true
 		if !state.SlotHeld(slot) {
 			return true
 		}
