@@ -333,7 +333,7 @@ func aroundRun(ctx context.Context, host *sandbox.Host, sb wall.Sandbox, timeout
 	// GC prunes only when no sandbox is left are pruned after this one's
 	// destruction, before cage exits.
 	gcDone := make(chan struct{})
-	go func() { defer close(gcDone); trace.Mark("gc"); host.GC(); trace.Mark("gc done") }()
+	go func() { defer close(gcDone); trace.Mark("gc"); host.GCBesideRun(); trace.Mark("gc done") }()
 
 	// A closed stdout must not kill cage before it has destroyed the sandbox:
 	// writes then fail with EPIPE instead, and cage exits 141 as a shell would.

@@ -71,9 +71,19 @@ func RemoveState(dir string) error {
 
 // GC removes what dead owners left behind under runDir: the state directory
 // and cgroups of each sandbox whose owner is gone and which has no process
-// left, and uid-range locks nobody holds. A sandbox that still has processes
-// is left alone (a daemon may adopt it). It returns the ids it removed.
+// left (GCDirs), and uid-range locks nobody holds (GCIDLocks). It returns
+// the ids it removed.
 func GC(runDir string, cg *cgroups.Manager) ([]string, error) {
+	removed, err := GCDirs(runDir, cg)
+	GCIDLocks()
+	return removed, err
+}
+
+// GCDirs removes the state directory and cgroups of each sandbox under
+// runDir whose owner is gone and which has no process left. A sandbox that
+// still has processes is left alone (a daemon may adopt it). It returns
+// the ids it removed.
+func GCDirs(runDir string, cg *cgroups.Manager) ([]string, error) {
 	base := filepath.Join(runDir, "sandboxes")
 	ents, err := os.ReadDir(base)
 	if err != nil && !errors.Is(err, os.ErrNotExist) {
@@ -105,7 +115,6 @@ func GC(runDir string, cg *cgroups.Manager) ([]string, error) {
 		}
 		lock.Close()
 	}
-	gcIDLocks()
 	return removed, errors.Join(errs...)
 }
 

@@ -263,9 +263,9 @@ func sameFile(f *os.File) bool {
 	return err1 == nil && err2 == nil && os.SameFile(a, b)
 }
 
-// gcIDLocks removes lock files of uid ranges nobody holds (their holder died
+// GCIDLocks removes lock files of uid ranges nobody holds (their holder died
 // without releasing them).
-func gcIDLocks() {
+func GCIDLocks() {
 	ents, err := os.ReadDir(IDLockDir)
 	if err != nil {
 		return

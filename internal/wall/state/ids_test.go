@@ -56,7 +56,7 @@ func TestSlotLocks(t *testing.T) {
 	if _, err := os.Stat(filepath.Join(IDLockDir, strconv.Itoa(n))); err == nil {
 		t.Error("a reservation that lost the sandbox's lock left the host's lock file behind")
 	}
-	gcIDLocks() // must not remove what a live sandbox holds
+	GCIDLocks() // must not remove what a live sandbox holds
 	a, err := AdoptSlot(n)
 	if err != nil {
 		t.Fatalf("adopt: %v", err)
@@ -137,7 +137,7 @@ func TestHeldLockImmutable(t *testing.T) {
 	}
 	held = r.Held.Name()
 	r.Close()
-	gcIDLocks()
+	GCIDLocks()
 	if _, err := os.Lstat(held); !os.IsNotExist(err) {
 		t.Errorf("after GC a dead holder's lock file is still there (%v)", err)
 	}
