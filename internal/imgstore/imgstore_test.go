@@ -11,6 +11,7 @@ import (
 	"reflect"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/google/go-containerregistry/pkg/compression"
 	"github.com/google/go-containerregistry/pkg/name"
@@ -233,6 +234,11 @@ func TestWhiteoutsAndOverlay(t *testing.T) {
 	st := lstat(t, filepath.Join(dirs[1], "a/x"))
 	if st.Mode&unix.S_IFMT != unix.S_IFCHR || st.Rdev != 0 {
 		t.Errorf("a/x in layer 2: mode %o rdev %d, want a 0:0 character device", st.Mode, st.Rdev)
+	}
+	// With its entry's time, as every entry: the same layer unpacks to the
+	// same tree whenever it is imported.
+	if got := time.Unix(st.Mtim.Unix()); !got.Equal(testTime) {
+		t.Errorf("a/x in layer 2: mtime %v, want the entry's %v", got, testTime)
 	}
 	if v, err := getxattr(filepath.Join(dirs[1], "b"), "trusted.overlay.opaque"); err != nil || v != "y" {
 		t.Errorf("b opaque xattr = %q, %v", v, err)

@@ -116,7 +116,7 @@ func (u *unpacker) entry(tr *tar.Reader, hdr *tar.Header) error {
 		return invalidf("%s: entry %q is owned by %d:%d, outside 0-%d", u.label, hdr.Name, hdr.Uid, hdr.Gid, maxID)
 	}
 	if strings.HasPrefix(path.Base(name), ".wh.") {
-		return u.whiteout(name)
+		return u.whiteout(name, hdr)
 	}
 	if name == "." && hdr.Typeflag != tar.TypeDir {
 		return invalidf("%s: entry %q names the layer root but is not a directory", u.label, hdr.Name)
@@ -498,8 +498,11 @@ func (u *unpacker) hardlink(name string, hdr *tar.Header) error {
 // whiteout turns OCI whiteouts into overlayfs's: ".wh.NAME" becomes a
 // character device 0:0 called NAME, and ".wh..wh..opq" marks its directory
 // opaque with the trusted.overlay.opaque xattr (which the archive itself can
-// never set: see attrs).
-func (u *unpacker) whiteout(name string) error {
+// never set: see attrs). The device has the entry's times, as every other
+// entry does: it had the moment of its making, so two imports of the same
+// layer unpacked two different trees (TestExportRoundTrip, when they fell
+// on either side of a second).
+func (u *unpacker) whiteout(name string, hdr *tar.Header) error {
 	dir, base := path.Dir(name), path.Base(name)
 	if base == ".wh..wh..opq" {
 		return u.opaque(dir)
@@ -515,6 +518,9 @@ func (u *unpacker) whiteout(name string) error {
 	}
 	if err := unix.Mknodat(parent, hidden, unix.S_IFCHR, 0); err != nil {
 		return fmt.Errorf("%s: whiteout %s: %w", u.label, target, err)
+	}
+	if err := u.setTimes(parent, hidden, target, timespecs(accessTime(hdr), hdr.ModTime)); err != nil {
+		return err
 	}
 	u.stats.files++
 	return nil
