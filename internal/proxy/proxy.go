@@ -349,6 +349,9 @@ func (p *Proxy) serve(w http.ResponseWriter, r *http.Request) {
 			if resp.StatusCode == http.StatusSwitchingProtocols && !upgradeAsked {
 				return errUpgradeUnasked
 			}
+			if resp.StatusCode == http.StatusSwitchingProtocols && !sameUpgrade(resp.Request.Header, resp.Header) {
+				return errUpgradeOther // refused here, its connection closed (see the defer below)
+			}
 			status = resp.StatusCode
 			if rwc, ok := resp.Body.(io.ReadWriteCloser); ok && resp.StatusCode == http.StatusSwitchingProtocols {
 				// An upgrade: both ends are watched for idleness from
@@ -380,6 +383,10 @@ func (p *Proxy) serve(w http.ResponseWriter, r *http.Request) {
 			default:
 				if errors.Is(err, errUpgradeUnasked) {
 					writeJSON(w, http.StatusBadGateway, sandboxError{id, "The sandbox switched protocols where none was asked for", http.StatusBadGateway})
+					return
+				}
+				if errors.Is(err, errUpgradeOther) {
+					writeJSON(w, http.StatusBadGateway, sandboxError{id, "The sandbox switched to another protocol than the one asked for", http.StatusBadGateway})
 					return
 				}
 				if errors.Is(err, errBadStatus) {
@@ -435,10 +442,17 @@ func (p *Proxy) serve(w http.ResponseWriter, r *http.Request) {
 	// for the sandbox's answer: HTTP/2 resets a stream when its deadline
 	// passes, written or not.
 	_ = rc.SetWriteDeadline(time.Time{})
+	// Once the relay is over, what a switch of protocols opened is closed,
+	// the sandbox's end too: net/http's reverse proxy refuses a switch to
+	// another protocol than the one asked for without closing it, and
+	// each such answer left a connection through the agent open for as
+	// long as the sandbox lived (found by review, 2026-12-05).
+	defer func() {
+		if pw.watch != nil {
+			pw.watch.end()
+		}
+	}()
 	rp.ServeHTTP(pw, r)
-	if pw.watch != nil {
-		pw.watch.stop()
-	}
 }
 
 // Write deadlines of the proxy's answers: its own, whole; a relayed one's,
@@ -604,6 +618,31 @@ var errBadStatus = errors.New("the sandbox's answer has a status outside 100-999
 // that agreed, without the access token, into a sandbox whose ports need
 // its traffic token (found by review, 2026-12-04).
 var errUpgradeUnasked = errors.New("the sandbox switched protocols where none was asked for")
+
+// errUpgradeOther is a sandbox's switch of protocols (101) to another
+// protocol than the request asked for, or to none: net/http's reverse
+// proxy refuses it too, but without closing the sandbox's end.
+var errUpgradeOther = errors.New("the sandbox switched to another protocol than the one asked for")
+
+// sameUpgrade says whether an answer's switch of protocols names the one
+// its request asked for (net/http's reverse proxy's test: Connection has
+// the token "upgrade", and the Upgrade values are equal, case aside).
+func sameUpgrade(req, resp http.Header) bool {
+	want, got := upgradeOf(req), upgradeOf(resp)
+	return want != "" && strings.EqualFold(want, got)
+}
+
+// upgradeOf is the protocol h asks or switches to ("" for none).
+func upgradeOf(h http.Header) string {
+	for _, v := range h.Values("Connection") {
+		for _, tok := range strings.Split(v, ",") {
+			if strings.EqualFold(strings.TrimSpace(tok), "upgrade") {
+				return h.Get("Upgrade")
+			}
+		}
+	}
+	return ""
+}
 
 // InterpPort is the port of the code interpreter (cage-interp) that
 // @e2b/code-interpreter addresses.

@@ -76,6 +76,19 @@ func (w *idleWatch) stop() {
 	w.timer.Stop()
 }
 
+// end ends the watch and closes its ends (the connection is over; an end
+// closed already is closed again, to no effect).
+func (w *idleWatch) end() {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	w.stopped = true
+	w.timer.Stop()
+	for _, c := range w.ends {
+		_ = c.Close()
+	}
+	w.ends = nil
+}
+
 // clientEnd is the client's hijacked connection, watched.
 func (w *idleWatch) clientEnd(c net.Conn) net.Conn {
 	w.watch(c)

@@ -6,6 +6,8 @@ import (
 	"net"
 	"net/http"
 	"net/http/httptest"
+	"runtime/debug"
+	"strings"
 	"testing"
 	"time"
 )
@@ -132,4 +134,66 @@ func TestUpgradeIdleTimeout(t *testing.T) {
 			}
 		}
 	})
+}
+
+// TestUpgradeMismatchClosesSandboxEnd: a sandbox's server that answers an
+// upgrade with 101 for another protocol than the one asked for, or for
+// none, gets its client the proxy's 502 that says so, and the connection
+// the proxy opened to it is closed with the request. Before (found by
+// review, 2026-12-05): net/http's reverse proxy refused such a switch
+// without closing the sandbox's end, and the proxy stopped that end's
+// idle watch, so each such answer left a connection through the agent
+// open for as long as the sandbox lived, outside every in-flight bound
+// (through the channel, 200 of them held 200 yamux streams and 153 MiB
+// of the daemon, what the server sent after its switch).
+func TestUpgradeMismatchClosesSandboxEnd(t *testing.T) {
+	// No collector: a connection left open is not closed by a finalizer
+	// while the test looks.
+	defer debug.SetGCPercent(debug.SetGCPercent(-1))
+	a := newFakeAgent(t)
+	closed := make(chan string, 4)
+	a.srv.Handler = http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path == "/other" {
+			w.Header().Set("Connection", "Upgrade")
+			w.Header().Set("Upgrade", "other")
+		}
+		w.WriteHeader(http.StatusSwitchingProtocols)
+		c, brw, err := http.NewResponseController(w).Hijack()
+		if err != nil {
+			return
+		}
+		defer c.Close()
+		_ = brw.Flush()
+		// What a server sends after its switch waits in the proxy's
+		// buffers until the connection is closed.
+		_, _ = c.Write(make([]byte, 32<<10))
+		_ = c.SetReadDeadline(time.Now().Add(5 * time.Second))
+		_, err = io.Copy(io.Discard, c)
+		if ne, ok := err.(net.Error); ok && ne.Timeout() {
+			closed <- r.URL.Path + ": still open after 5 s"
+			return
+		}
+		closed <- ""
+	})
+	srv := httptest.NewServer(New(sandboxes{sb{a}}, "", nil))
+	defer srv.Close()
+	for _, path := range []string{"/other", "/none"} {
+		req, _ := http.NewRequest("GET", srv.URL+path, nil)
+		req.Header.Set("E2b-Sandbox-Id", "sandbox1")
+		req.Header.Set("X-Access-Token", "the-token")
+		req.Header.Set("Connection", "Upgrade")
+		req.Header.Set("Upgrade", "websocket")
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		body, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusBadGateway || !strings.Contains(string(body), "another protocol") {
+			t.Errorf("%s: %d %s, want 502: another protocol", path, resp.StatusCode, body)
+		}
+		if msg := <-closed; msg != "" {
+			t.Errorf("the proxy's connection to the sandbox's server, %s", msg)
+		}
+	}
 }
