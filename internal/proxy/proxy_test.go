@@ -449,3 +449,90 @@ func TestInFlightPerSandbox(t *testing.T) {
 		}
 	}
 }
+
+// twoSandboxes holds a public sandbox ("pub") and one whose ports need
+// its traffic token ("priv"), each a server of its own that names itself.
+type twoSandboxes map[string]wall.Sandbox
+
+func (x twoSandboxes) Lookup(id string) (Access, bool) {
+	if _, ok := x[id]; !ok {
+		return Access{}, false
+	}
+	return Access{Token: "the-token", Traffic: "traffic-" + id, Public: id == "pub"}, true
+}
+
+func (x twoSandboxes) Ready(_ context.Context, id string, _ bool) (wall.Sandbox, error) {
+	if s, ok := x[id]; ok {
+		return s, nil
+	}
+	return nil, errors.New("no such sandbox")
+}
+
+// TestHostTricksReachNoOtherSandbox: whatever a client does with the
+// names a request carries (an absolute URI beside its Host, two Hosts,
+// another case, a trailing dot, X-Forwarded-Host, the routing headers
+// beside a Host), or with the connection it sends them on (a request for
+// another sandbox after one for a public sandbox, on the same keep-alive
+// connection, with or after an upgrade asked for), a request reaches the
+// sandbox it is checked for and no other: the one whose ports need the
+// traffic token is never reached without it.
+func TestHostTricksReachNoOtherSandbox(t *testing.T) {
+	a := newFakeAgent(t)
+	x := twoSandboxes{}
+	for _, id := range []string{"pub", "priv"} {
+		s := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			_, _ = io.WriteString(w, "sandbox "+id)
+		}))
+		t.Cleanup(s.Close)
+		x[id] = portSandbox{sb{a}, s.Listener.Addr().String()}
+	}
+	srv := httptest.NewServer(New(x, "example.test", nil))
+	defer srv.Close()
+	const pub, priv = "Host: 8080-pub.example.test\r\n", "Host: 8080-priv.example.test\r\n"
+	for _, c := range []struct {
+		name, raw string
+		want      []string // each answer's status and body's start
+	}{
+		{"keep-alive to another sandbox", "GET / HTTP/1.1\r\n" + pub + "\r\nGET / HTTP/1.1\r\n" + priv + "\r\n",
+			[]string{"200 sandbox pub", "403 {"}},
+		{"upgrade asked, then another sandbox", "GET / HTTP/1.1\r\n" + pub + "Connection: Upgrade\r\nUpgrade: websocket\r\n\r\nGET / HTTP/1.1\r\n" + priv + "\r\n",
+			[]string{"200 sandbox pub", "403 {"}},
+		{"absolute URI beside Host", "GET http://8080-priv.example.test/ HTTP/1.1\r\n" + pub + "\r\n", []string{"403 {"}},
+		{"absolute URI wins", "GET http://8080-pub.example.test/ HTTP/1.1\r\n" + priv + "\r\n", []string{"200 sandbox pub"}},
+		{"two Hosts", "GET / HTTP/1.1\r\n" + pub + priv + "\r\n", []string{"400 "}},
+		{"another case", "GET / HTTP/1.1\r\nHost: 8080-PRIV.example.test\r\n\r\n", []string{"502 {"}},
+		{"trailing dot", "GET / HTTP/1.1\r\nHost: 8080-priv.example.test.\r\n\r\n", []string{"400 {"}},
+		{"X-Forwarded-Host", "GET / HTTP/1.1\r\n" + pub + "X-Forwarded-Host: 8080-priv.example.test\r\n\r\n", []string{"200 sandbox pub"}},
+		{"routing headers beside a Host", "GET / HTTP/1.1\r\n" + pub + "E2b-Sandbox-Id: priv\r\nE2b-Sandbox-Port: 8080\r\n\r\n", []string{"403 {"}},
+		{"with its token", "GET / HTTP/1.1\r\n" + priv + TrafficHeader + ": traffic-priv\r\n\r\n", []string{"200 sandbox priv"}},
+		{"another's token", "GET / HTTP/1.1\r\n" + priv + TrafficHeader + ": traffic-pub\r\n\r\n", []string{"403 {"}},
+	} {
+		conn, err := net.Dial("tcp", srv.Listener.Addr().String())
+		if err != nil {
+			t.Fatal(err)
+		}
+		_ = conn.SetDeadline(time.Now().Add(10 * time.Second))
+		if _, err := io.WriteString(conn, c.raw); err != nil {
+			t.Fatal(err)
+		}
+		br := bufio.NewReader(conn)
+		var got []string
+		for range c.want {
+			resp, err := http.ReadResponse(br, nil)
+			if err != nil {
+				got = append(got, err.Error())
+				break
+			}
+			b, _ := io.ReadAll(resp.Body)
+			resp.Body.Close()
+			got = append(got, strconv.Itoa(resp.StatusCode)+" "+string(b))
+		}
+		conn.Close()
+		for i, w := range c.want {
+			if i >= len(got) || !strings.HasPrefix(got[i], w) {
+				t.Errorf("%s: answers %q, want %q", c.name, got, c.want)
+				break
+			}
+		}
+	}
+}
