@@ -51,8 +51,19 @@ func SessionConfig() *yamux.Config {
 	// under TCG that is reclaiming memory for an OOM kill, on a busy host,
 	// can stall for more than yamux's 10 s without anything being wrong.
 	c.ConnectionWriteTimeout = time.Minute
+	// A stream one end closed waits for the other's close this long at
+	// most (yamux: 5 min), holding what the other end sent meanwhile, up
+	// to its window (256 KiB): a sandbox's server that answered each of
+	// the proxy's requests and never closed held 200 streams and 50 MiB of
+	// the daemon's per 200 requests for 5 min (found by review,
+	// 2026-12-05). Nothing of the host's reads a stream after closing it.
+	c.StreamCloseTimeout = streamCloseTimeout
 	return c
 }
+
+// streamCloseTimeout is SessionConfig's StreamCloseTimeout (a variable for
+// the tests).
+var streamCloseTimeout = 10 * time.Second
 
 // Client starts the host's end of a session on conn (the agent, or a
 // microvm guest, serves). The agent is not trusted: the host tells it at

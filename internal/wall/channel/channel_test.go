@@ -3,14 +3,18 @@ package channel
 import (
 	"bufio"
 	"context"
+	"errors"
 	"io"
 	"net"
 	"os"
 	"path/filepath"
 	"strconv"
 	"strings"
+	"sync"
 	"testing"
 	"time"
+
+	"github.com/hashicorp/yamux"
 )
 
 // pair makes a host listening in a directory of the test's and an agent
@@ -193,4 +197,103 @@ func TestChannelAgentStreams(t *testing.T) {
 		}
 	}
 	echo(t, h, "after")
+}
+
+// TestClosedStreamsBounded: an agent that answers each stream with data
+// and never closes it (a sandbox's server behind the proxy) holds the
+// host's closed streams, and what it sent on them, only until
+// StreamCloseTimeout; and no more than maxStreams are open to one sandbox
+// at once, the next dial refused. Found by review, 2026-12-05: yamux's
+// 5 min kept 200 such streams and 50 MiB of the daemon's per 200 requests.
+func TestClosedStreamsBounded(t *testing.T) {
+	old := streamCloseTimeout
+	streamCloseTimeout = 500 * time.Millisecond
+	defer func() { streamCloseTimeout = old }()
+	dir := t.TempDir()
+	key, err := NewKey()
+	if err != nil {
+		t.Fatal(err)
+	}
+	h, err := Listen(filepath.Join(dir, "host.sock"), key, os.Getuid())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer h.Close()
+	d, err := os.Open(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.Close()
+	a, err := Connect(d, "host.sock", key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer a.Close()
+	var held []net.Conn // the agent's ends, never closed
+	var mu sync.Mutex
+	go func() {
+		for {
+			c, err := a.Accept()
+			if err != nil {
+				return
+			}
+			mu.Lock()
+			held = append(held, c)
+			answer := len(held) <= 50 // the first phase's; the rest stay quiet
+			mu.Unlock()
+			if answer {
+				go func() { _, _ = c.Write(make([]byte, 250<<10)) }()
+			}
+		}
+	}()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	start := time.Now()
+	for range 50 {
+		c, err := h.Dial(ctx, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, _ = c.Read(make([]byte, 1)) // the answer has begun
+		c.Close()
+	}
+	sess := func() *yamux.Session { h.mu.Lock(); defer h.mu.Unlock(); return h.sess }()
+	deadline := time.Now().Add(10 * time.Second)
+	for sess.NumStreams() > 0 && time.Now().Before(deadline) {
+		time.Sleep(50 * time.Millisecond)
+	}
+	if n := sess.NumStreams(); n > 0 {
+		t.Fatalf("%d streams the host closed still held 10 s after their close", n)
+	}
+	t.Logf("50 closed streams gone %v after the first was opened", time.Since(start).Round(time.Millisecond))
+
+	var open []net.Conn
+	defer func() {
+		for _, c := range open {
+			c.Close()
+		}
+	}()
+	for range maxStreams {
+		c, err := h.Dial(ctx, nil)
+		if err != nil {
+			t.Fatalf("dial %d of %d: %v", len(open)+1, maxStreams, err)
+		}
+		open = append(open, c)
+	}
+	if c, err := h.Dial(ctx, nil); !errors.Is(err, ErrTooManyStreams) {
+		if c != nil {
+			c.Close()
+		}
+		t.Fatalf("dial past %d streams: %v, want ErrTooManyStreams", maxStreams, err)
+	}
+	open[0].Close()
+	deadline = time.Now().Add(10 * time.Second)
+	for sess.NumStreams() >= maxStreams && time.Now().Before(deadline) {
+		time.Sleep(50 * time.Millisecond)
+	}
+	if c, err := h.Dial(ctx, nil); err != nil {
+		t.Errorf("dial once a stream ended: %v", err)
+	} else {
+		open = append(open, c)
+	}
 }

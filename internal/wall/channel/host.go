@@ -17,6 +17,16 @@ import (
 // connections at a time, each for at most handshakeTimeout.
 const maxPending = 8
 
+// maxStreams bounds the streams open to one sandbox at once, those closed
+// by the host and not yet by the agent included (see SessionConfig's
+// StreamCloseTimeout): each may hold the agent's window (256 KiB) of the
+// daemon's memory. Above the proxy's requests in flight to one sandbox
+// (1,024) with the agent's own calls beside them.
+const maxStreams = 2048
+
+// ErrTooManyStreams says a sandbox has maxStreams streams open.
+var ErrTooManyStreams = fmt.Errorf("channel: the sandbox has %d connections open", maxStreams)
+
 // Host is the host's end of a channel: a listening socket and, once the
 // agent has connected and proved itself, a session to it.
 type Host struct {
@@ -121,6 +131,9 @@ func (h *Host) Dial(ctx context.Context, gone <-chan struct{}) (net.Conn, error)
 			return nil, ErrClosed
 		}
 		if sess != nil {
+			if sess.NumStreams() >= maxStreams {
+				return nil, ErrTooManyStreams
+			}
 			c, err := sess.Open()
 			if err == nil {
 				return c, nil
