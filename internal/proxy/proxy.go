@@ -249,7 +249,7 @@ func (p *Proxy) serve(w http.ResponseWriter, r *http.Request) {
 			return
 		}
 	} else {
-		if !access.Public && subtle.ConstantTimeCompare([]byte(r.Header.Get(TrafficHeader)), []byte(access.Traffic)) != 1 {
+		if !access.Public && (access.Traffic == "" || subtle.ConstantTimeCompare([]byte(r.Header.Get(TrafficHeader)), []byte(access.Traffic)) != 1) {
 			p.denied(r, id, port, http.StatusForbidden, "missing or invalid traffic access token")
 			writeJSON(w, http.StatusForbidden, sandboxError{id, "This sandbox's ports need its traffic access token (" + TrafficHeader + ")", http.StatusForbidden})
 			return
@@ -658,7 +658,7 @@ const InterpPort = 49999
 func interpUnauthorized(r *http.Request, token string) string {
 	got, sent := r.Header["X-Access-Token"]
 	if sent {
-		if len(got) == 1 && subtle.ConstantTimeCompare([]byte(got[0]), []byte(token)) == 1 {
+		if token != "" && len(got) == 1 && subtle.ConstantTimeCompare([]byte(got[0]), []byte(token)) == 1 {
 			return ""
 		}
 		return "invalid access token (X-Access-Token)"
@@ -698,6 +698,12 @@ func interpOpenRoute(method, path string) bool {
 func envdUnauthorized(r *http.Request, token string) string {
 	if r.URL.Path == "/health" && (r.Method == http.MethodGet || r.Method == http.MethodHead) {
 		return ""
+	}
+	if token == "" {
+		// A record without a token (none is made so; a store written by
+		// another version could hold one) matches an empty header and
+		// signs with an empty key: nothing is let through on it.
+		return "the sandbox has no access token"
 	}
 	if got := r.Header.Get("X-Access-Token"); got != "" || r.URL.Path != "/files" {
 		if got != "" && subtle.ConstantTimeCompare([]byte(got), []byte(token)) == 1 {

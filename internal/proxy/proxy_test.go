@@ -536,3 +536,56 @@ func TestHostTricksReachNoOtherSandbox(t *testing.T) {
 		}
 	}
 }
+
+// noTokens is a sandbox whose record holds no tokens (none is made so; a
+// store written by another version could hold one).
+type noTokens struct{ sandbox wall.Sandbox }
+
+func (x noTokens) Lookup(id string) (Access, bool) { return Access{}, id == "bare" }
+
+func (x noTokens) Ready(context.Context, string, bool) (wall.Sandbox, error) {
+	return x.sandbox, nil
+}
+
+// TestEmptyTokensOpenNothing: a sandbox whose record has no traffic or
+// access token is not reached through an empty header, nor a /files URL
+// signed with an empty key (an empty token matched an empty header, and
+// anyone could sign with it).
+func TestEmptyTokensOpenNothing(t *testing.T) {
+	a := newFakeAgent(t)
+	s := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		_, _ = io.WriteString(w, "reached")
+	}))
+	defer s.Close()
+	srv := httptest.NewServer(New(noTokens{portSandbox{sb{a}, s.Listener.Addr().String()}}, "example.test", nil))
+	defer srv.Close()
+	exp := time.Now().Add(time.Hour).Unix()
+	signed := url.Values{"path": {"/etc/passwd"}, "username": {"user"}, "signature_expiration": {strconv.FormatInt(exp, 10)},
+		"signature": {filesig.Sign("/etc/passwd", filesig.Op(http.MethodGet), "user", "", exp)}}
+	for _, c := range []struct {
+		name, host, path string
+		hdr              map[string]string
+	}{
+		{"a port, an empty traffic token", "8080-bare.example.test", "/", map[string]string{TrafficHeader: ""}},
+		{"a port, no traffic token", "8080-bare.example.test", "/", nil},
+		{"envd, an empty access token", "49983-bare.example.test", "/process.Process/List", map[string]string{"X-Access-Token": ""}},
+		{"envd, a /files URL signed with an empty key", "49983-bare.example.test", "/files?" + signed.Encode(), nil},
+		{"the interpreter, an empty access token", "49999-bare.example.test", "/execute", map[string]string{"X-Access-Token": ""}},
+	} {
+		req, _ := http.NewRequest(http.MethodGet, srv.URL+c.path, nil)
+		req.Host = c.host
+		for k, v := range c.hdr {
+			req.Header[k] = []string{v}
+		}
+		res, err := (&http.Client{Timeout: 5 * time.Second}).Do(req)
+		if err != nil {
+			t.Errorf("%s: %v (let through to the sandbox, which did not answer), want 401 or 403", c.name, err)
+			continue
+		}
+		body, _ := io.ReadAll(res.Body)
+		res.Body.Close()
+		if res.StatusCode != http.StatusForbidden && res.StatusCode != http.StatusUnauthorized {
+			t.Errorf("%s: %d %q, want 401 or 403", c.name, res.StatusCode, body)
+		}
+	}
+}
