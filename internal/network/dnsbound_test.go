@@ -45,22 +45,7 @@ func hugeAnswers(t *testing.T, perAnswer int) string {
 		m.Compress = true
 		_ = w.WriteMsg(m)
 	})
-	pc, err := net.ListenPacket("udp4", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	l, err := net.Listen("tcp4", pc.LocalAddr().String())
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, s := range []*dns.Server{{PacketConn: pc, Handler: h}, {Listener: l, Handler: h}} {
-		started := make(chan struct{})
-		s.NotifyStartedFunc = func() { close(started) }
-		go func() { _ = s.ActivateAndServe() }()
-		<-started
-		t.Cleanup(func() { _ = s.Shutdown() })
-	}
-	return pc.LocalAddr().String()
+	return serveDNS(t, h)
 }
 
 // Attack: a tenant allows (or, in internet mode, denies) a wildcard of its
@@ -132,4 +117,26 @@ func TestDNSAnswersBounded(t *testing.T) {
 			t.Logf("set %s: %d elements of the sandbox after 200 answers of 500 addresses; %d refused", c.set, len(els), refused)
 		})
 	}
+}
+
+// serveDNS serves h over UDP and TCP on one loopback address, until the
+// test ends, and returns the address.
+func serveDNS(t *testing.T, h dns.Handler) string {
+	t.Helper()
+	pc, err := net.ListenPacket("udp4", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	l, err := net.Listen("tcp4", pc.LocalAddr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, s := range []*dns.Server{{PacketConn: pc, Handler: h}, {Listener: l, Handler: h}} {
+		started := make(chan struct{})
+		s.NotifyStartedFunc = func() { close(started) }
+		go func() { _ = s.ActivateAndServe() }()
+		<-started
+		t.Cleanup(func() { _ = s.Shutdown() })
+	}
+	return pc.LocalAddr().String()
 }
