@@ -8,6 +8,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -138,7 +139,24 @@ func testWallPool(t *testing.T, w wall) {
 	// Made at background priority, it runs the create's commands at the
 	// normal one (runsc puts some of its helpers one lower; on microvm
 	// the group is QEMU's, every thread of which a pool's VM started at
-	// background priority, a warmed one as it ran its warm-up).
+	// background priority, a warmed one as it ran its warm-up). Looked at
+	// while a command the create started runs: under gVisor its threads
+	// are stub threads the sentry made after the take, each given the
+	// priority systrap fixed at the sandbox's first stub.
+	up := make(chan struct{})
+	var upOnce sync.Once
+	running := make(chan result, 1)
+	go func() {
+		running <- b.run(func(o *agentclient.RunOptions) {
+			o.Cmd, o.Args = "/bin/sh", []string{"-c", "echo up; exec sleep 4"}
+			o.Stdout = writerFunc(func(p []byte) (int, error) { upOnce.Do(func() { close(up) }); return len(p), nil })
+		})
+	}()
+	select {
+	case <-up:
+	case r := <-running:
+		t.Fatalf("a command in the pooled sandbox ended before it wrote: %+v %v %q", r.end, r.err, r.stderr)
+	}
 	if cg := b.sb.Cgroup(); cg != nil {
 		pids := cg.Procs()
 		// And the runtime's helpers outside it (gVisor's gofer), which
@@ -163,6 +181,9 @@ func testWallPool(t *testing.T, w wall) {
 				}
 			}
 		}
+	}
+	if r := <-running; r.err != nil || r.code() != 0 {
+		t.Errorf("a command in the pooled sandbox: %+v %v %q", r.end, r.err, r.stderr)
 	}
 	if c, ok := d.(cagewall.Checkpointer); ok && c.CheckpointsMissing() == nil {
 		// A pooled sandbox keeps its wall's abilities: pause with memory.
@@ -307,3 +328,8 @@ func copyExec(src, dst string) error {
 	}
 	return os.WriteFile(dst, data, 0o755)
 }
+
+// writerFunc is an io.Writer of a function.
+type writerFunc func([]byte) (int, error)
+
+func (f writerFunc) Write(p []byte) (int, error) { return f(p) }

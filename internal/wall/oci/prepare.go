@@ -51,7 +51,7 @@ type preparation struct {
 }
 
 func newPreparation(cfg job, networked bool) (*preparation, error) {
-	p := &preparation{template: cfg.Template.Name, etc: cfg.Template.EtcCache, networked: networked, niced: cfg.background,
+	p := &preparation{template: cfg.Template.Name, etc: cfg.Template.EtcCache, networked: networked, niced: cfg.background && !cfg.Runtime.gvisor(),
 		disk: cfg.DiskBytes, shm: cfg.ShmBytes, limits: cfg.Limits, agentPath: cfg.AgentPath, runtimePath: cfg.Runtime.Binary}
 	if cfg.Template.Image != nil {
 		p.imageID = cfg.Template.Image.Info.ID
@@ -79,8 +79,10 @@ func (d *Driver) Prepare(ctx context.Context, spec wall.Spec, background bool) (
 	return create(ctx, job{Config: d.cfg, Spec: spec, prepare: true, background: background})
 }
 
-// backgroundNice is the priority a pool's sandboxes are made at, runtime
-// and container alike (as the process wall's), until Start.
+// backgroundNice is the priority a pool's runc sandboxes are made at,
+// runtime and container alike (as the process wall's), until Start. A
+// gVisor one is made at the normal priority (see create: systrap would
+// keep the tenant's threads niced).
 const backgroundNice = 15
 
 // runAt runs cmd with it and its descendants at nice (0: as this
@@ -144,8 +146,7 @@ func onOwnThread(fn func()) {
 }
 
 // renice takes backgroundNice off every thread of every process in the
-// sandbox's cgroup (the agent under runc; gVisor's sentry and its helpers,
-// some of which runsc puts one lower): nice is per thread in Linux, and
+// sandbox's cgroup (the agent under runc): nice is per thread in Linux, and
 // each inherited the background value. A thread a niced one makes while
 // the list is walked inherits the background value too, so the walk is
 // repeated until it finds none left (a few times at most).

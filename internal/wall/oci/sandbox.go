@@ -550,7 +550,11 @@ func (sb *Sandbox) run(ctx context.Context, cfg job, key []byte, setup func() er
 	}
 	go sb.drain(errR)
 	nice := 0
-	if cfg.prepare && cfg.background {
+	if cfg.prepare && cfg.background && !cfg.Runtime.gvisor() {
+		// Not runsc: gVisor's systrap gives every stub thread it makes, for
+		// as long as the sandbox lives, the sentry's priority at its first
+		// stub plus one, so a sentry started niced would run the tenant's
+		// every later thread at nice 16, after the take's renice too.
 		nice = backgroundNice
 	}
 	err = runAt(cmd, nice, setup)
