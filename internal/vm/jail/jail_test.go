@@ -138,37 +138,7 @@ func TestJailBoundsFiles(t *testing.T) {
 	if _, err := os.Stat("/usr/bin/python3"); err != nil {
 		t.Skip("no /usr/bin/python3 for the probe")
 	}
-	agent := filepath.Join(testutil.Binaries(t), "cage-agent")
-	run := func(fileBytes int64) (string, int64, error) {
-		t.Helper()
-		state, err := os.CreateTemp(t.TempDir(), "state")
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer state.Close()
-		if err := state.Chmod(0o666); err != nil {
-			t.Fatal(err)
-		}
-		lr, lw, err := os.Pipe()
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer lw.Close()
-		spec, _ := json.Marshal(jail.Spec{UID: 60000, GID: 60000, Groups: []uint32{}, Lifeline: 4, FileBytes: fileBytes})
-		cmd := exec.Command(agent, jail.Arg, string(spec), "/usr/bin/python3", "-c", hostileWriter)
-		cmd.Args[0] = "cage-agent"
-		cmd.Dir, cmd.Env = "/", []string{}
-		cmd.ExtraFiles = []*os.File{state, lr}
-		cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL, Cloneflags: jail.Flags}
-		out, err := cmd.CombinedOutput()
-		lr.Close()
-		st, serr := state.Stat()
-		if serr != nil {
-			t.Fatal(serr)
-		}
-		return string(out), st.Size(), err
-	}
-	out, size, err := run(1 << 20)
+	out, size, err := runJailed(t, 1<<20, hostileWriter)
 	if err != nil {
 		t.Fatalf("jail: %v: %s", err, out)
 	}
@@ -181,7 +151,7 @@ func TestJailBoundsFiles(t *testing.T) {
 	if size != 1<<20 {
 		t.Errorf("the file holds %d bytes, not the bound's 1 MiB", size)
 	}
-	if out, _, err := run(0); err == nil || !strings.Contains(out, "no bound") {
+	if out, _, err := runJailed(t, 0, hostileWriter); err == nil || !strings.Contains(out, "no bound") {
 		t.Errorf("a jail without a file bound ran QEMU: %v: %s", err, out)
 	}
 }
@@ -200,19 +170,7 @@ func TestJailDumpsNoCore(t *testing.T) {
 	if _, err := os.Stat("/usr/bin/python3"); err != nil {
 		t.Skip("no /usr/bin/python3 for the probe")
 	}
-	agent := filepath.Join(testutil.Binaries(t), "cage-agent")
-	state, err := os.CreateTemp(t.TempDir(), "state")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer state.Close()
-	lr, lw, err := os.Pipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer lw.Close()
-	spec, _ := json.Marshal(jail.Spec{UID: 60000, GID: 60000, Groups: []uint32{}, Lifeline: 4, FileBytes: 1 << 20})
-	cmd := exec.Command(agent, jail.Arg, string(spec), "/usr/bin/python3", "-c", `
+	out, _, err := runJailed(t, 1<<20, `
 import resource
 print("core", *resource.getrlimit(resource.RLIMIT_CORE))
 try:
@@ -221,16 +179,45 @@ try:
 except (OSError, ValueError):
     print("not raised")
 `)
+	if err != nil {
+		t.Fatalf("jail: %v: %s", err, out)
+	}
+	if out != "core 1 1\nnot raised\n" {
+		t.Errorf("QEMU's core limit in the jail: %q, want \"core 1 1\\nnot raised\\n\"", out)
+	}
+}
+
+// runJailed runs a Python script in the jail as QEMU would be run (uid
+// 60000, file bound fileBytes, 0: none), with its state file (writable by
+// the jailed user) and lifeline, and says what it printed and how large
+// it left the state file.
+func runJailed(t *testing.T, fileBytes int64, script string) (string, int64, error) {
+	t.Helper()
+	agent := filepath.Join(testutil.Binaries(t), "cage-agent")
+	state, err := os.CreateTemp(t.TempDir(), "state")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer state.Close()
+	if err := state.Chmod(0o666); err != nil {
+		t.Fatal(err)
+	}
+	lr, lw, err := os.Pipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer lw.Close()
+	spec, _ := json.Marshal(jail.Spec{UID: 60000, GID: 60000, Groups: []uint32{}, Lifeline: 4, FileBytes: fileBytes})
+	cmd := exec.Command(agent, jail.Arg, string(spec), "/usr/bin/python3", "-c", script)
 	cmd.Args[0] = "cage-agent"
 	cmd.Dir, cmd.Env = "/", []string{}
 	cmd.ExtraFiles = []*os.File{state, lr}
 	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL, Cloneflags: jail.Flags}
 	out, err := cmd.CombinedOutput()
 	lr.Close()
-	if err != nil {
-		t.Fatalf("jail: %v: %s", err, out)
+	st, serr := state.Stat()
+	if serr != nil {
+		t.Fatal(serr)
 	}
-	if string(out) != "core 1 1\nnot raised\n" {
-		t.Errorf("QEMU's core limit in the jail: %q, want \"core 1 1\\nnot raised\\n\"", out)
-	}
+	return string(out), st.Size(), err
 }
