@@ -257,6 +257,11 @@ func archiveTree(tw *tar.Writer, points []string, devs map[uint64]bool, seen map
 func archiveUpper(tw *tar.Writer, upper string, mounted, seen map[string]bool, keep func(st *unix.Stat_t) bool) error {
 	upper = filepath.Clean(upper)
 	return filepath.WalkDir(upper, func(src string, d fs.DirEntry, err error) error {
+		if err != nil && src == upper {
+			// The layer itself: an archive without the root's files
+			// would pass for a whole one.
+			return fmt.Errorf("the root's upper layer: %w", err)
+		}
 		if err != nil {
 			return nil // gone meanwhile, or unreadable: skip
 		}

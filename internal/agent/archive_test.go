@@ -6,6 +6,8 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"runtime"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -189,5 +191,66 @@ func TestArchiveUpper(t *testing.T) {
 	}
 	if !seen["/etc/motd"] || !seen["/home/user"] || seen["/mnt/vol/hidden"] {
 		t.Errorf("seen: %v", seen)
+	}
+}
+
+// TestArchiveRootFromHoldsItsLayer: the server keeps the layer's directory
+// open though its caller holds no reference to it (the microvm guest
+// held none): garbage collections between the start and an archive do not
+// close the descriptor the layer's path goes through, and the archive has
+// every file. Before, the *os.File's finalizer closed it, and an archive
+// that a collection interrupted left out every file after that point.
+func TestArchiveRootFromHoldsItsLayer(t *testing.T) {
+	dir := t.TempDir()
+	for _, p := range []string{"upper/home/user/big.txt", "upper/home/user/dir/sub/f"} {
+		if err := os.MkdirAll(filepath.Dir(filepath.Join(dir, p)), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(filepath.Join(dir, p), []byte(p), 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	s := &Server{}
+	func() {
+		layer, err := os.Open(dir)
+		if err != nil {
+			t.Fatal(err)
+		}
+		s.ArchiveRootFrom(layer, "upper")
+	}()
+	// Collections run the finalizers and cleanups of what they freed, on
+	// a goroutine of their own: give it time.
+	for range 5 {
+		runtime.GC()
+		time.Sleep(20 * time.Millisecond)
+	}
+	var b bytes.Buffer
+	tw := tar.NewWriter(&b)
+	if err := archiveUpper(tw, s.rootUpper, map[string]bool{"/": true}, map[string]bool{}, func(*unix.Stat_t) bool { return true }); err != nil {
+		t.Fatalf("archive: %v", err)
+	}
+	tw.Close()
+	var got []string
+	for tr := tar.NewReader(&b); ; {
+		h, err := tr.Next()
+		if err != nil {
+			break
+		}
+		got = append(got, h.Name)
+	}
+	want := []string{"home/", "home/user/", "home/user/big.txt", "home/user/dir/", "home/user/dir/sub/", "home/user/dir/sub/f"}
+	if !slices.Equal(got, want) {
+		t.Errorf("archived %q, want %q", got, want)
+	}
+	runtime.KeepAlive(s)
+}
+
+// TestArchiveUpperLayerGone: an upper layer that cannot be read is an
+// error, not an archive without the root's files.
+func TestArchiveUpperLayerGone(t *testing.T) {
+	tw := tar.NewWriter(io.Discard)
+	err := archiveUpper(tw, filepath.Join(t.TempDir(), "gone"), map[string]bool{}, map[string]bool{}, func(*unix.Stat_t) bool { return true })
+	if err == nil {
+		t.Fatal("an archive of a missing upper layer succeeded")
 	}
 }

@@ -23,6 +23,7 @@ import (
 	"net/http"
 	"os"
 	"runtime/debug"
+	"strconv"
 	"strings"
 	"sync"
 	"syscall"
@@ -104,8 +105,11 @@ type Server struct {
 	// image changed since are its own (see archive.go).
 	configured time.Time
 	// rootUpper is where the root overlay's upper layer can be read, when
-	// the agent can (ArchiveRootFrom); empty otherwise.
+	// the agent can (ArchiveRootFrom); empty otherwise. rootLayer is the
+	// open directory that path goes through, held here so that it stays
+	// open.
 	rootUpper string
+	rootLayer *os.File
 }
 
 // heapTarget is the agent's soft heap limit: far above an idle agent's few
@@ -204,10 +208,20 @@ func (s *Server) Configure(token string, env map[string]string, maxOutput int64)
 }
 
 // ArchiveRootFrom tells the agent where the root overlay's upper layer can
-// be read (the microvm guest's, through a descriptor its init kept): an
-// archive of the root walks it, where the sandbox's changes are, instead
-// of the whole image. Call it before Serve.
-func (s *Server) ArchiveRootFrom(upper string) { s.rootUpper = upper }
+// be read: the directory name under layer, a directory its init opened
+// before the root changed (the microvm guest's tmpfs). An archive of the
+// root walks it, where the sandbox's changes are, instead of the whole
+// image. It returns the layer's path, /proc/self/fd/N/name. The server
+// keeps layer open for its life: the path goes through its descriptor,
+// which the *os.File's finalizer would close once nothing else held it
+// (the guest's did, under load: a garbage collection in the middle of a
+// pause's archive closed it, and every file the walk had not yet reached
+// was left out without a word, found 2026-12-05). Call it before Serve.
+func (s *Server) ArchiveRootFrom(layer *os.File, name string) string {
+	s.rootLayer = layer
+	s.rootUpper = "/proc/self/fd/" + strconv.Itoa(int(layer.Fd())) + "/" + name
+	return s.rootUpper
+}
 
 // Handler returns the agent's HTTP handler.
 func (s *Server) Handler() http.Handler { return http.HandlerFunc(s.route) }

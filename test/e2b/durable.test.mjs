@@ -48,9 +48,12 @@ test('pause without memory: the files come back, the processes do not', T, async
     assert.equal(await sbx.isRunning(), false)
     const again = await Sandbox.connect(sbx.sandboxId, { timeoutMs: 120_000 })
     assert.equal(await again.files.read('/home/user/big.txt'), big)
-    // (Once, under the whole suite, f was missing on the microvm while
-    // big.txt came back: what the resumed sandbox has, with change times,
-    // says which part of the tree the archive or the restore lost.)
+    // (Under load, f was missing on the microvm while big.txt came back:
+    // a garbage collection in the guest's agent, during the archive's copy
+    // of big.txt, closed the descriptor its walk of the root's upper layer
+    // went through. Should a file go missing again, what the resumed
+    // sandbox has, with change times, says which part of the tree the
+    // archive or the restore lost.)
     const f = await again.files.read('/home/user/dir/sub/f').catch(async (err) => {
       const ls = await again.commands.run('date --rfc-3339=ns; ls -laR --time=ctime --full-time /home/user | head -40')
         .then((r) => r.stdout, (e) => `ls failed: ${e}`)

@@ -275,8 +275,7 @@ func serve(sess *yamux.Session, first net.Conn, sp Spec, made *madeAgent, port, 
 	// (a descriptor opened before the chroot; no command inherits it):
 	// the sandbox's changes are all there, and an archive walks only
 	// them.
-	upper := "/proc/self/fd/" + strconv.Itoa(int(disk.Fd())) + "/upper"
-	srv.ArchiveRootFrom(upper)
+	upper := srv.ArchiveRootFrom(disk, "upper")
 	if _, err := seal.Seal(seal.Options{AgentUID: inside.AgentUID, WritableRoot: true, Readable: []string{upper}}); err != nil {
 		return err
 	}
