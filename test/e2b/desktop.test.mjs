@@ -179,17 +179,31 @@ test('@e2b/desktop drives a cage desktop sandbox', { timeout: 900_000 * SLOW }, 
         // The page's screenshot (what a person watching sees) is mostly the
         // desktop. Asked again for up to 10 s: on a loaded host the page
         // may not have painted the frame the canvas already holds.
-        let hits = 0, n = 0
+        let hits = 0, n = 0, common = []
         for (const end = Date.now() + 10_000 * SLOW; ; await sleep(500)) {
           const seen = decodePNG(await page.screenshot({ path: join(home, 'stream.png') }))
           hits = 0
           n = 0
+          const colours = new Map()
           for (let y = 0; y < seen.height; y += 16) {
-            for (let x = 0; x < seen.width; x += 16, n++) hits += near(seen.px(x, y), background, 32) ? 1 : 0
+            for (let x = 0; x < seen.width; x += 16, n++) {
+              const c = seen.px(x, y)
+              hits += near(c, background, 32) ? 1 : 0
+              colours.set(String(c), (colours.get(String(c)) ?? 0) + 1)
+            }
           }
+          common = [...colours].sort((a, b) => b[1] - a[1]).slice(0, 3)
           if (hits / n > 0.4 || Date.now() > end) break
         }
-        assert.ok(hits / n > 0.4, `the page's screenshot shows the desktop's background in ${hits} of ${n} points`)
+        // What the page showed instead: its most common colours, noVNC's
+        // status and state (a dropped connection shows its connect dialog).
+        const state = hits / n > 0.4 ? {} : await page.evaluate(() => {
+          const c = document.querySelector('#noVNC_container canvas')
+          return { status: document.querySelector('#noVNC_status')?.textContent, classes: document.documentElement.className,
+            canvas: c && [c.width, c.height, c.style.cssText, c.getBoundingClientRect().toJSON()] }
+        })
+        assert.ok(hits / n > 0.4, `the page's screenshot shows the desktop's background ${background} in ${hits} of ${n} points; ` +
+          `its most common colours ${JSON.stringify(common)}; the page ${JSON.stringify(state)}`)
       } finally {
         await browser.close()
         rmSync(home, { recursive: true, force: true })
