@@ -6,11 +6,9 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"io/fs"
 	"net/http"
 	"os"
 	"path"
-	"path/filepath"
 	"slices"
 	"sort"
 	"strings"
@@ -206,38 +204,36 @@ func archiveTree(tw *tar.Writer, points []string, devs map[uint64]bool, seen map
 		if seen[top] {
 			continue
 		}
-		err := filepath.WalkDir(top, func(p string, d fs.DirEntry, err error) error {
-			if err != nil {
-				return nil // gone meanwhile, or unreadable: skip
-			}
-			if under(p, skipUnder) {
-				return fs.SkipDir
-			}
-			if seen[p] {
-				if d.IsDir() {
-					return fs.SkipDir
-				}
-				return nil
+		// From its directory: a mount point may be a file (a bind).
+		fd, err := unix.Open(path.Dir(top), unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+		if errors.Is(err, unix.ENOENT) {
+			continue // unmounted meanwhile
+		}
+		if err != nil {
+			return fmt.Errorf("%s: %w", top, err)
+		}
+		visit := func(parent int, name, p string, st *unix.Stat_t, dir int) (bool, error) {
+			if under(p, skipUnder) || seen[p] {
+				return false, nil
 			}
 			seen[p] = true
-			var st unix.Stat_t
-			if err := unix.Lstat(p, &st); err != nil {
-				return nil
-			}
 			// A directory's device says which file system it is on; a
 			// file's may not (overlayfs answers with its layer's), and it
 			// is on its directory's.
-			if d.IsDir() && !devs[st.Dev] {
-				if p != "/" {
-					return fs.SkipDir // another file system, not saved
-				}
-				return nil
+			if dir >= 0 && !devs[st.Dev] {
+				return p == "/", nil // another file system, not saved (the root's own files may be)
 			}
-			if !keep(top, &st) {
-				return nil // an image's file the sandbox did not change (its directory may hold some it did)
+			if !keep(top, st) {
+				return true, nil // an image's file the sandbox did not change (its directory may hold some it did)
 			}
-			return addEntry(tw, p, p, &st)
-		})
+			return true, addEntry(tw, p, parent, name, st, dir)
+		}
+		if top == "/" {
+			err = walkFrom(fd, top, visit)
+		} else {
+			err = walkEntry(fd, path.Base(top), top, visit)
+		}
+		unix.Close(fd)
 		if err != nil {
 			return err
 		}
@@ -255,35 +251,108 @@ func archiveTree(tw *tar.Writer, points []string, devs map[uint64]bool, seen map
 // there are hidden, not the root's: they are skipped, as are skipUnder's
 // trees. Each path it writes is marked in seen.
 func archiveUpper(tw *tar.Writer, upper string, mounted, seen map[string]bool, keep func(st *unix.Stat_t) bool) error {
-	upper = filepath.Clean(upper)
-	return filepath.WalkDir(upper, func(src string, d fs.DirEntry, err error) error {
-		if err != nil && src == upper {
-			// The layer itself: an archive without the root's files
-			// would pass for a whole one.
-			return fmt.Errorf("the root's upper layer: %w", err)
-		}
-		if err != nil {
-			return nil // gone meanwhile, or unreadable: skip
-		}
-		p := "/" + strings.TrimPrefix(strings.TrimPrefix(src, upper), "/")
+	fd, err := unix.Open(upper, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		// An archive without the root's files would pass for a whole one.
+		return fmt.Errorf("the root's upper layer: %w", err)
+	}
+	defer unix.Close(fd)
+	return walkFrom(fd, "/", func(parent int, name, p string, st *unix.Stat_t, dir int) (bool, error) {
 		if p != "/" && (mounted[p] || under(p, skipUnder)) {
-			if d.IsDir() {
-				return fs.SkipDir
-			}
-			return nil
+			return false, nil
 		}
-		var st unix.Stat_t
-		if err := unix.Lstat(src, &st); err != nil || !keep(&st) {
-			return nil
+		if !keep(st) {
+			return true, nil
 		}
 		seen[p] = true
-		return addEntry(tw, p, src, &st)
+		return true, addEntry(tw, p, parent, name, st, dir)
 	})
 }
 
-// addEntry writes the header (and contents) of the file at p in the root,
-// read at src (p itself, or its place in the root's upper layer).
-func addEntry(tw *tar.Writer, p, src string, st *unix.Stat_t) error {
+// walkFrom visits the directory top (a descriptor; p its path in the root)
+// and everything below it, each directory before what it holds and the
+// entries of a directory by name, by descriptors only: no system call is
+// given more than one name, so a tree deeper than PATH_MAX is walked like
+// any other (a walk by paths met ENAMETOOLONG below 4,096 bytes and left
+// the rest out). visit gets each entry's directory's descriptor, its
+// name in it ("" for top itself, whose descriptor parent then is), its
+// path in the root, its lstat and, for a directory, a descriptor of it
+// (-1 otherwise), and says whether to go below it. An entry removed
+// meanwhile is passed over; any other failure ends the walk with an
+// error: a file left out without a word is a file lost.
+func walkFrom(top int, p string, visit func(parent int, name, p string, st *unix.Stat_t, dir int) (bool, error)) error {
+	var st unix.Stat_t
+	if err := unix.Fstat(top, &st); err != nil {
+		return fmt.Errorf("%s: %w", p, err)
+	}
+	down, err := visit(top, "", p, &st, top)
+	if err != nil || !down {
+		return err
+	}
+	return walkBelow(top, p, visit)
+}
+
+func walkBelow(dirfd int, p string, visit func(parent int, name, p string, st *unix.Stat_t, dir int) (bool, error)) error {
+	names, err := readNames(dirfd)
+	if err != nil {
+		return fmt.Errorf("%s: %w", p, err)
+	}
+	sort.Strings(names)
+	for _, name := range names {
+		if err := walkEntry(dirfd, name, path.Join(p, name), visit); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// walkEntry visits name in dirfd, whose path in the root is p, and what is
+// below it (see walkFrom).
+func walkEntry(dirfd int, name, p string, visit func(parent int, name, p string, st *unix.Stat_t, dir int) (bool, error)) error {
+	var st unix.Stat_t
+	if err := unix.Fstatat(dirfd, name, &st, unix.AT_SYMLINK_NOFOLLOW); err != nil {
+		if errors.Is(err, unix.ENOENT) {
+			return nil
+		}
+		return fmt.Errorf("%s: %w", p, err)
+	}
+	sub := -1
+	if st.Mode&unix.S_IFMT == unix.S_IFDIR {
+		var err error
+		if sub, err = openDirAt(dirfd, name); errors.Is(err, unix.ENOENT) {
+			return nil
+		} else if err != nil {
+			return fmt.Errorf("%s: %w", p, err)
+		}
+		defer unix.Close(sub)
+	}
+	down, err := visit(dirfd, name, p, &st, sub)
+	if err == nil && down && sub >= 0 {
+		err = walkBelow(sub, p, visit)
+	}
+	return err
+}
+
+// openDirAt opens the directory name in dirfd, following no symlink.
+func openDirAt(dirfd int, name string) (int, error) {
+	return unix.Openat(dirfd, name, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+}
+
+// readNames lists the directory dirfd (left open).
+func readNames(dirfd int) ([]string, error) {
+	fd, err := unix.Openat(dirfd, ".", unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return nil, err
+	}
+	f := os.NewFile(uintptr(fd), ".")
+	defer f.Close()
+	return f.Readdirnames(-1)
+}
+
+// addEntry writes the header (and contents) of the file at p in the root:
+// name in the directory parent, or, name "", the directory parent itself;
+// dir is a directory's own descriptor.
+func addEntry(tw *tar.Writer, p string, parent int, name string, st *unix.Stat_t, dir int) error {
 	hdr := &tar.Header{Name: strings.TrimPrefix(p, "/"), Mode: int64(st.Mode & 0o7777), Uid: int(st.Uid), Gid: int(st.Gid),
 		ModTime: time.Unix(st.Mtim.Sec, st.Mtim.Nsec), Format: tar.FormatPAX}
 	if hdr.Name == "" {
@@ -292,29 +361,35 @@ func addEntry(tw *tar.Writer, p, src string, st *unix.Stat_t) error {
 	switch st.Mode & unix.S_IFMT {
 	case unix.S_IFDIR:
 		hdr.Typeflag, hdr.Name = tar.TypeDir, hdr.Name+"/"
+		hdr.PAXRecords = userXattrs(dir)
+		return tw.WriteHeader(hdr)
 	case unix.S_IFLNK:
-		target, err := os.Readlink(src)
-		if err != nil {
+		target, err := readlinkAt(parent, name)
+		if errors.Is(err, unix.ENOENT) {
 			return nil
 		}
+		if err != nil {
+			return fmt.Errorf("%s: %w", p, err)
+		}
 		hdr.Typeflag, hdr.Linkname = tar.TypeSymlink, target
+		return tw.WriteHeader(hdr)
 	case unix.S_IFIFO:
 		hdr.Typeflag = tar.TypeFifo
+		return tw.WriteHeader(hdr)
 	case unix.S_IFREG:
 		hdr.Typeflag, hdr.Size = tar.TypeReg, st.Size
 	default:
 		return nil // sockets and devices are not files to keep
 	}
-	hdr.PAXRecords = userXattrs(src)
-	if hdr.Typeflag != tar.TypeReg {
-		return tw.WriteHeader(hdr)
-	}
 	// A FIFO or a file swapped in since the lstat must not hang or mislead.
-	fd, err := unix.Open(src, unix.O_RDONLY|unix.O_NOFOLLOW|unix.O_NONBLOCK|unix.O_CLOEXEC, 0)
-	if err != nil {
+	fd, err := unix.Openat(parent, name, unix.O_RDONLY|unix.O_NOFOLLOW|unix.O_NONBLOCK|unix.O_CLOEXEC, 0)
+	if errors.Is(err, unix.ENOENT) {
 		return nil
 	}
-	f := os.NewFile(uintptr(fd), src)
+	if err != nil {
+		return fmt.Errorf("%s: %w", p, err)
+	}
+	f := os.NewFile(uintptr(fd), name)
 	defer f.Close()
 	// (A regular file still: overlayfs answers fstat of an open file with
 	// the layer's device and inode, not the merged view's, so only the
@@ -323,6 +398,7 @@ func addEntry(tw *tar.Writer, p, src string, st *unix.Stat_t) error {
 	if unix.Fstat(fd, &now) != nil || now.Mode&unix.S_IFMT != unix.S_IFREG {
 		return nil
 	}
+	hdr.PAXRecords = userXattrs(fd)
 	if err := tw.WriteHeader(hdr); err != nil {
 		return err
 	}
@@ -342,10 +418,12 @@ type zeroReader struct{}
 
 func (zeroReader) Read(p []byte) (int, error) { clear(p); return len(p), nil }
 
-// userXattrs returns p's user.* extended attributes as PAX records.
-func userXattrs(p string) map[string]string {
+// userXattrs returns the user.* extended attributes of the file or
+// directory open as fd, as PAX records (symlinks and FIFOs have none:
+// Linux allows user.* attributes only on regular files and directories).
+func userXattrs(fd int) map[string]string {
 	buf := make([]byte, 64<<10)
-	n, err := unix.Llistxattr(p, buf)
+	n, err := unix.Flistxattr(fd, buf)
 	if err != nil || n <= 0 {
 		return nil
 	}
@@ -355,7 +433,7 @@ func userXattrs(p string) map[string]string {
 			continue
 		}
 		v := make([]byte, 64<<10)
-		if m, err := unix.Lgetxattr(p, name, v); err == nil {
+		if m, err := unix.Fgetxattr(fd, name, v); err == nil {
 			out["SCHILY.xattr."+name] = string(v[:m])
 		}
 	}
@@ -380,9 +458,17 @@ func (s *Server) serveRestore(w http.ResponseWriter, r *http.Request) {
 }
 
 // restoreTree unpacks tr under root and returns how many entries it wrote.
+// Every entry is reached from root by descriptors, one name at a time (see
+// walkFrom): any depth, and no entry through a symlink an earlier one made.
 func restoreTree(tr *tar.Reader, root string) (int, error) {
+	rfd, err := unix.Open(root, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return 0, err
+	}
+	at := &dirChain{root: rfd}
+	defer at.close()
 	type dirTime struct {
-		path string
+		name string
 		t    time.Time
 	}
 	var dirs []dirTime
@@ -399,103 +485,185 @@ func restoreTree(tr *tar.Reader, root string) (int, error) {
 		if name == "/" || under(name, skipUnder) {
 			continue
 		}
-		p := filepath.Join(root, name)
-		if err := restoreEntry(tr, hdr, p); err != nil {
+		parent, err := at.dir(path.Dir(name))
+		if err != nil {
 			return n, err
 		}
+		if hdr.Typeflag != tar.TypeDir {
+			at.drop(name) // a directory of the chain replaced: not to be written into
+		}
+		if err := restoreEntry(tr, hdr, parent, path.Base(name)); err != nil {
+			return n, fmt.Errorf("%s: %w", name, err)
+		}
 		if hdr.Typeflag == tar.TypeDir {
-			dirs = append(dirs, dirTime{p, hdr.ModTime})
+			dirs = append(dirs, dirTime{name, hdr.ModTime})
 		}
 		n++
 	}
 	for i := len(dirs) - 1; i >= 0; i-- {
+		parent, err := at.dir(path.Dir(dirs[i].name))
+		if err != nil {
+			continue
+		}
 		ts := []unix.Timespec{unix.NsecToTimespec(dirs[i].t.UnixNano()), unix.NsecToTimespec(dirs[i].t.UnixNano())}
-		_ = unix.UtimesNanoAt(unix.AT_FDCWD, dirs[i].path, ts, unix.AT_SYMLINK_NOFOLLOW)
+		_ = unix.UtimesNanoAt(parent, path.Base(dirs[i].name), ts, unix.AT_SYMLINK_NOFOLLOW)
 	}
 	return n, nil
 }
 
-// mkdirNoFollow makes dir and its missing parents, refusing a path through
-// a symlink: entries are written as root, and no earlier entry may lead a
-// later one elsewhere.
-func mkdirNoFollow(dir string) error {
-	p := "/"
-	for _, c := range strings.Split(strings.Trim(filepath.Clean(dir), "/"), "/") {
-		if c == "" {
-			continue
-		}
-		p = filepath.Join(p, c)
-		var st unix.Stat_t
-		switch err := unix.Lstat(p, &st); {
-		case err == nil && st.Mode&unix.S_IFMT == unix.S_IFDIR:
-		case err == nil:
-			return fmt.Errorf("archive: %s is not a directory", p)
-		case errors.Is(err, unix.ENOENT):
-			if err := unix.Mkdir(p, 0o755); err != nil && !errors.Is(err, unix.EEXIST) {
-				return err
-			}
-		default:
-			return err
-		}
-	}
-	return nil
+// dirChain opens directories below root one name at a time, making those
+// missing and refusing a symlink on the way: entries are written as root,
+// and no earlier entry may lead a later one elsewhere. It keeps the
+// descriptors of the last directory's chain, which the next entry, in an
+// archive's order, mostly shares.
+type dirChain struct {
+	root  int
+	names []string // the chain's names below root
+	fds   []int    // their descriptors
 }
 
-// restoreEntry writes one entry at p with its owner, mode, time and
-// attributes.
-func restoreEntry(tr *tar.Reader, hdr *tar.Header, p string) error {
-	if err := mkdirNoFollow(filepath.Dir(p)); err != nil {
-		return err
+// dir returns a descriptor of the directory dir (a clean absolute path),
+// valid until the next call.
+func (c *dirChain) dir(dir string) (int, error) {
+	var want []string
+	if dir != "/" {
+		want = strings.Split(strings.TrimPrefix(dir, "/"), "/")
 	}
+	keep := 0
+	for keep < len(c.names) && keep < len(want) && c.names[keep] == want[keep] {
+		keep++
+	}
+	for len(c.fds) > keep {
+		unix.Close(c.fds[len(c.fds)-1])
+		c.fds, c.names = c.fds[:len(c.fds)-1], c.names[:len(c.names)-1]
+	}
+	for _, name := range want[keep:] {
+		parent := c.root
+		if len(c.fds) > 0 {
+			parent = c.fds[len(c.fds)-1]
+		}
+		fd, err := openDirAt(parent, name)
+		if errors.Is(err, unix.ENOENT) {
+			if err = unix.Mkdirat(parent, name, 0o755); err == nil || errors.Is(err, unix.EEXIST) {
+				fd, err = openDirAt(parent, name)
+			}
+		}
+		if errors.Is(err, unix.ENOTDIR) || errors.Is(err, unix.ELOOP) {
+			return -1, fmt.Errorf("archive: /%s is not a directory", path.Join(append(c.names, name)...))
+		}
+		if err != nil {
+			return -1, fmt.Errorf("archive: /%s: %w", path.Join(append(c.names, name)...), err)
+		}
+		c.fds, c.names = append(c.fds, fd), append(c.names, name)
+	}
+	if len(c.fds) == 0 {
+		return c.root, nil
+	}
+	return c.fds[len(c.fds)-1], nil
+}
+
+// drop forgets the chain from the directory p (a clean absolute path) on,
+// if it holds it.
+func (c *dirChain) drop(p string) {
+	names := strings.Split(strings.TrimPrefix(p, "/"), "/")
+	if len(names) > len(c.names) || !slices.Equal(c.names[:len(names)], names) {
+		return
+	}
+	for len(c.fds) >= len(names) {
+		unix.Close(c.fds[len(c.fds)-1])
+		c.fds, c.names = c.fds[:len(c.fds)-1], c.names[:len(c.names)-1]
+	}
+}
+
+func (c *dirChain) close() {
+	for _, fd := range c.fds {
+		unix.Close(fd)
+	}
+	unix.Close(c.root)
+}
+
+// removeAllAt removes name in parent and, a directory, all it holds
+// (best effort, as os.RemoveAll, by descriptors).
+func removeAllAt(parent int, name string) {
+	err := unix.Unlinkat(parent, name, 0)
+	if err == nil || !(errors.Is(err, unix.EISDIR) || errors.Is(err, unix.EPERM)) {
+		return
+	}
+	if fd, err := openDirAt(parent, name); err == nil {
+		names, _ := readNames(fd)
+		for _, n := range names {
+			removeAllAt(fd, n)
+		}
+		unix.Close(fd)
+	}
+	_ = unix.Unlinkat(parent, name, unix.AT_REMOVEDIR)
+}
+
+// restoreEntry writes one entry, name in the directory parent, with its
+// owner, mode, time and attributes.
+func restoreEntry(tr *tar.Reader, hdr *tar.Header, parent int, name string) error {
 	mode := uint32(hdr.Mode & 0o7777)
+	attrs := -1 // a descriptor to set its attributes through
 	switch hdr.Typeflag {
 	case tar.TypeDir:
-		if err := os.Mkdir(p, os.FileMode(mode)); err != nil && !os.IsExist(err) {
+		if err := unix.Mkdirat(parent, name, mode); err != nil && !errors.Is(err, unix.EEXIST) {
 			return err
 		}
+		if fd, err := openDirAt(parent, name); err == nil {
+			attrs = fd
+		}
 	case tar.TypeSymlink:
-		_ = os.RemoveAll(p)
-		if err := os.Symlink(hdr.Linkname, p); err != nil {
+		removeAllAt(parent, name)
+		if err := unix.Symlinkat(hdr.Linkname, parent, name); err != nil {
 			return err
 		}
 	case tar.TypeFifo:
-		_ = os.RemoveAll(p)
-		if err := unix.Mkfifo(p, mode); err != nil {
+		removeAllAt(parent, name)
+		if err := unix.Mknodat(parent, name, unix.S_IFIFO|mode, 0); err != nil {
 			return err
 		}
 	case tar.TypeReg:
-		_ = os.RemoveAll(p)
-		fd, err := unix.Open(p, unix.O_WRONLY|unix.O_CREAT|unix.O_EXCL|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0o600)
+		removeAllAt(parent, name)
+		fd, err := unix.Openat(parent, name, unix.O_WRONLY|unix.O_CREAT|unix.O_EXCL|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0o600)
 		if err != nil {
 			return err
 		}
-		f := os.NewFile(uintptr(fd), p)
+		f := os.NewFile(uintptr(fd), name)
 		_, err = io.Copy(f, tr)
-		if cerr := f.Close(); err == nil {
-			err = cerr
-		}
 		if err != nil {
+			f.Close()
+			return err
+		}
+		if attrs, err = unix.Dup(fd); err != nil {
+			attrs = -1
+		}
+		if err := f.Close(); err != nil {
 			return err
 		}
 	default:
 		return nil
 	}
-	if err := unix.Lchown(p, hdr.Uid, hdr.Gid); err != nil {
+	if attrs >= 0 {
+		defer unix.Close(attrs)
+	}
+	if err := unix.Fchownat(parent, name, hdr.Uid, hdr.Gid, unix.AT_SYMLINK_NOFOLLOW); err != nil {
 		return err
 	}
 	if hdr.Typeflag != tar.TypeSymlink {
-		if err := unix.Fchmodat(unix.AT_FDCWD, p, mode, 0); err != nil {
+		if err := unix.Fchmodat(parent, name, mode, 0); err != nil {
 			return err
 		}
 	}
-	for k, v := range hdr.PAXRecords {
-		if name, ok := strings.CutPrefix(k, "SCHILY.xattr."); ok && strings.HasPrefix(name, "user.") {
-			_ = unix.Lsetxattr(p, name, []byte(v), 0)
+	if attrs >= 0 {
+		for k, v := range hdr.PAXRecords {
+			if name, ok := strings.CutPrefix(k, "SCHILY.xattr."); ok && strings.HasPrefix(name, "user.") {
+				_ = unix.Fsetxattr(attrs, name, []byte(v), 0)
+			}
 		}
 	}
 	if hdr.Typeflag != tar.TypeDir {
 		ts := []unix.Timespec{unix.NsecToTimespec(hdr.ModTime.UnixNano()), unix.NsecToTimespec(hdr.ModTime.UnixNano())}
-		_ = unix.UtimesNanoAt(unix.AT_FDCWD, p, ts, unix.AT_SYMLINK_NOFOLLOW)
+		_ = unix.UtimesNanoAt(parent, name, ts, unix.AT_SYMLINK_NOFOLLOW)
 	}
 	return nil
 }

@@ -254,3 +254,138 @@ func TestArchiveUpperLayerGone(t *testing.T) {
 		t.Fatal("an archive of a missing upper layer succeeded")
 	}
 }
+
+// deepTree makes under dir a chain of directories whose path is longer than
+// PATH_MAX (4,096 bytes, which no path-taking system call accepts), with a
+// file at its bottom, by descriptors as a sandbox can, and returns the
+// file's path below dir.
+func deepTree(t *testing.T, dir string) string {
+	t.Helper()
+	fd, err := unix.Open(dir, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	name := strings.Repeat("d", 200)
+	rel := ""
+	for len(rel) < 5000 {
+		if err := unix.Mkdirat(fd, name, 0o755); err != nil {
+			t.Fatal(err)
+		}
+		next, err := unix.Openat(fd, name, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		unix.Close(fd)
+		fd, rel = next, rel+name+"/"
+	}
+	defer unix.Close(fd)
+	f, err := unix.Openat(fd, "bottom.txt", unix.O_WRONLY|unix.O_CREAT|unix.O_CLOEXEC, 0o644)
+	if err != nil {
+		t.Fatal(err)
+	}
+	unix.Write(f, []byte("deep\n"))
+	unix.Close(f)
+	return rel + "bottom.txt"
+}
+
+// readAt reads the file at rel below dir through descriptors, one
+// component at a time.
+func readAt(dir, rel string) (string, error) {
+	fd, err := unix.Open(dir, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return "", err
+	}
+	parts := strings.Split(rel, "/")
+	for _, c := range parts[:len(parts)-1] {
+		next, err := unix.Openat(fd, c, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+		unix.Close(fd)
+		if err != nil {
+			return "", err
+		}
+		fd = next
+	}
+	defer unix.Close(fd)
+	f, err := unix.Openat(fd, parts[len(parts)-1], unix.O_RDONLY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return "", err
+	}
+	file := os.NewFile(uintptr(f), "bottom")
+	defer file.Close()
+	b, err := io.ReadAll(file)
+	return string(b), err
+}
+
+// TestArchiveDeepTree: a file whose path is longer than PATH_MAX is
+// archived and restored like any other (before, the archive's walk by
+// paths met ENAMETOOLONG there and left the tree's bottom out without a
+// word: a pause lost it).
+func TestArchiveDeepTree(t *testing.T) {
+	dir := t.TempDir()
+	rel := deepTree(t, dir)
+	var st unix.Stat_t
+	if err := unix.Stat(dir, &st); err != nil {
+		t.Fatal(err)
+	}
+	all := func(string, *unix.Stat_t) bool { return true }
+	for _, walk := range []struct {
+		name, prefix string
+		archive      func(tw *tar.Writer) error
+	}{
+		{"the root's upper layer", "", func(tw *tar.Writer) error {
+			return archiveUpper(tw, dir, map[string]bool{"/": true}, map[string]bool{}, func(st *unix.Stat_t) bool { return all("/", st) })
+		}},
+		{"a mount point", strings.TrimPrefix(dir, "/") + "/", func(tw *tar.Writer) error {
+			return archiveTree(tw, []string{dir}, map[uint64]bool{st.Dev: true}, map[string]bool{}, all)
+		}},
+	} {
+		var b bytes.Buffer
+		tw := tar.NewWriter(&b)
+		if err := walk.archive(tw); err != nil {
+			t.Fatalf("archive of %s: %v", walk.name, err)
+		}
+		if err := tw.Close(); err != nil {
+			t.Fatal(err)
+		}
+		found := false
+		for tr := tar.NewReader(bytes.NewReader(b.Bytes())); ; {
+			h, err := tr.Next()
+			if err != nil {
+				break
+			}
+			found = found || h.Name == walk.prefix+rel
+		}
+		if !found {
+			t.Errorf("the archive of %s has no %d-byte path to the tree's bottom", walk.name, len(rel))
+			continue
+		}
+		root := t.TempDir()
+		if _, err := restoreTree(tar.NewReader(bytes.NewReader(b.Bytes())), root); err != nil {
+			t.Fatalf("restore: %v", err)
+		}
+		if got, err := readAt(root, walk.prefix+rel); err != nil || got != "deep\n" {
+			t.Errorf("the restored bottom (%s): %q, %v", walk.name, got, err)
+		}
+	}
+}
+
+// TestRestoreReplacedDirectory: an entry that replaces a directory the
+// restore went through (a file where the archive had one) is written, and
+// a later entry below its name is refused, not written into the removed
+// directory.
+func TestRestoreReplacedDirectory(t *testing.T) {
+	root := t.TempDir()
+	hdrs := []*tar.Header{
+		{Name: "a/", Typeflag: tar.TypeDir, Mode: 0o755},
+		{Name: "a/b/", Typeflag: tar.TypeDir, Mode: 0o755},
+		{Name: "a/b/c", Typeflag: tar.TypeReg, Mode: 0o644},
+		{Name: "a/b", Typeflag: tar.TypeReg, Mode: 0o644},
+		{Name: "a/b/d", Typeflag: tar.TypeReg, Mode: 0o644},
+	}
+	_, err := restoreTree(tarOf(t, hdrs, map[string]string{"a/b/c": "c", "a/b": "file", "a/b/d": "d"}), root)
+	if err == nil || !strings.Contains(err.Error(), "not a directory") {
+		t.Errorf("an entry below a replaced directory: %v, want a refusal", err)
+	}
+	if b, err := os.ReadFile(filepath.Join(root, "a/b")); err != nil || string(b) != "file" {
+		t.Errorf("a/b: %q, %v; want the file that replaced the directory", b, err)
+	}
+}

@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/cagehq/cage/api/types"
+	"github.com/cagehq/cage/internal/testutil"
 )
 
 // counter starts a process that writes 1, 2, 3... to /tmp/count ten times
@@ -152,6 +153,63 @@ func TestPauseFilesOnly(t *testing.T) {
 	}
 	if got := d.get(t, d.key, id); got.State != "running" || got.EnvdAccessToken != sb.EnvdAccessToken {
 		t.Errorf("after resume: %+v", got)
+	}
+}
+
+// TestPauseFilesEveryWall: a pause without memory and its resume keep,
+// on every wall present and for the host template (its /home and /tmp)
+// and the base image (its writable root; the microvm walks the root's
+// upper layer), what a sandbox can make: a tree deeper than PATH_MAX
+// (4,096 bytes, which a walk by paths cannot name: its bottom was left
+// out without a word), a 1 MiB file, and a file in a directory made after
+// it, mode 600 (the microvm lost those once its archive's walk lost the
+// descriptor it went through).
+func TestPauseFilesEveryWall(t *testing.T) {
+	t.Parallel()
+	templates := []string{"host"}
+	if os.Getenv("CAGE_TEMPLATES") != "" {
+		templates = append(templates, "base")
+	}
+	d := startDaemon(t, "--config", templatesConfig(t))
+	// 26 directories of 200-byte names: a 5,226-byte path, made and read
+	// from each directory in turn (a shell's cd names its whole path).
+	const deep = `python3 -c "import os; os.chdir('/home/user'); n = 'd' * 200
+for _ in range(26):
+    `
+	for _, tmpl := range templates {
+		for _, w := range []string{"process", "runc", "gvisor", "microvm"} {
+			if w == "microvm" && tmpl != "base" {
+				continue // the microvm runs images only
+			}
+			if !wallHere(w) {
+				if testutil.WallRequired(w) {
+					t.Fatalf("wall %s is required here (CAGE_REQUIRE_WALLS) but is not on this host", w)
+				}
+				t.Logf("SKIP wall %s: not on this host", w)
+				continue
+			}
+			sb := d.create(t, d.key, map[string]any{"templateID": tmpl, "wall": w, "timeout": 300})
+			id, path := sb.SandboxID, "/sandboxes/"+sb.SandboxID
+			ac := d.agent(id, sb.EnvdAccessToken)
+			mustRun(t, ac, "cd /home/user && head -c 1048576 /dev/urandom > big && sha256sum big > big.sum && "+
+				"mkdir -p dir/sub && echo kept > dir/sub/f && chmod 600 dir/sub/f && "+
+				deep+`os.mkdir(n); os.chdir(n)
+open('bottom.txt', 'w').write('deep\\n')"`)
+			ac.Close()
+			d.expect(t, http.StatusNoContent, call{method: "POST", path: path + "/pause", key: d.key, body: map[string]any{"memory": false}})
+			d.expect(t, http.StatusCreated, call{method: "POST", path: "/v2" + path + "/connect", key: d.key, body: map[string]any{"timeout": 120}})
+			ac = d.agent(id, sb.EnvdAccessToken)
+			r := run(ac, "cd /home/user && sha256sum -c big.sum >/dev/null && echo big; cat dir/sub/f; stat -c '%a %U' dir/sub/f; "+
+				deep+`os.chdir(n)
+print(open('bottom.txt').read(), end='')"`)
+			if want := "big\nkept\n600 user\ndeep\n"; r.stdout != want {
+				t.Errorf("%s on %s, after a pause without memory: %q (stderr %q, exit %d), want %q", tmpl, w, r.stdout, r.stderr, r.exit, want)
+			} else {
+				t.Logf("%s on %s: every file came back", tmpl, w)
+			}
+			ac.Close()
+			d.kill(t, d.key, id)
+		}
 	}
 }
 
