@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math"
 	"net/http"
 	"os"
 	"path"
@@ -293,7 +294,7 @@ func walkFrom(top int, p string, visit func(parent int, name, p string, st *unix
 }
 
 func walkBelow(dirfd int, p string, visit func(parent int, name, p string, st *unix.Stat_t, dir int) (bool, error)) error {
-	names, err := readNames(dirfd)
+	names, err := readDirNames(dirfd, math.MaxInt)
 	if err != nil {
 		return fmt.Errorf("%s: %w", p, err)
 	}
@@ -335,18 +336,7 @@ func walkEntry(dirfd int, name, p string, visit func(parent int, name, p string,
 
 // openDirAt opens the directory name in dirfd, following no symlink.
 func openDirAt(dirfd int, name string) (int, error) {
-	return unix.Openat(dirfd, name, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
-}
-
-// readNames lists the directory dirfd (left open).
-func readNames(dirfd int) ([]string, error) {
-	fd, err := unix.Openat(dirfd, ".", unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
-	if err != nil {
-		return nil, err
-	}
-	f := os.NewFile(uintptr(fd), ".")
-	defer f.Close()
-	return f.Readdirnames(-1)
+	return openBeneath(dirfd, name, unix.O_RDONLY|unix.O_DIRECTORY)
 }
 
 // addEntry writes the header (and contents) of the file at p in the root:
@@ -582,23 +572,6 @@ func (c *dirChain) close() {
 	unix.Close(c.root)
 }
 
-// removeAllAt removes name in parent and, a directory, all it holds
-// (best effort, as os.RemoveAll, by descriptors).
-func removeAllAt(parent int, name string) {
-	err := unix.Unlinkat(parent, name, 0)
-	if err == nil || !(errors.Is(err, unix.EISDIR) || errors.Is(err, unix.EPERM)) {
-		return
-	}
-	if fd, err := openDirAt(parent, name); err == nil {
-		names, _ := readNames(fd)
-		for _, n := range names {
-			removeAllAt(fd, n)
-		}
-		unix.Close(fd)
-	}
-	_ = unix.Unlinkat(parent, name, unix.AT_REMOVEDIR)
-}
-
 // restoreEntry writes one entry, name in the directory parent, with its
 // owner, mode, time and attributes.
 func restoreEntry(tr *tar.Reader, hdr *tar.Header, parent int, name string) error {
@@ -613,17 +586,17 @@ func restoreEntry(tr *tar.Reader, hdr *tar.Header, parent int, name string) erro
 			attrs = fd
 		}
 	case tar.TypeSymlink:
-		removeAllAt(parent, name)
+		_ = removeAt(parent, name, 0) // whatever is there: the entry replaces it
 		if err := unix.Symlinkat(hdr.Linkname, parent, name); err != nil {
 			return err
 		}
 	case tar.TypeFifo:
-		removeAllAt(parent, name)
+		_ = removeAt(parent, name, 0)
 		if err := unix.Mknodat(parent, name, unix.S_IFIFO|mode, 0); err != nil {
 			return err
 		}
 	case tar.TypeReg:
-		removeAllAt(parent, name)
+		_ = removeAt(parent, name, 0)
 		fd, err := unix.Openat(parent, name, unix.O_WRONLY|unix.O_CREAT|unix.O_EXCL|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0o600)
 		if err != nil {
 			return err
