@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"fmt"
+	"io/fs"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -222,6 +223,34 @@ func testWallPool(t *testing.T, w wall) {
 
 	// Creates without a network: the pool turns to those.
 	waitFor("refilled", ready)
+	if cg := b.sb.Cgroup(); cg != nil && w.name == "microvm" {
+		// QEMU's group weighs the least among the sandboxes' while the
+		// pool holds it (its refill yields to them: a nice does not,
+		// across groups), and as much as any once a create took it.
+		if got := cpuWeight(t, cg.Dir("cpu")); got != "1024" && got != "100" {
+			t.Errorf("the group of a taken pooled VM has CPU weight %s, want the default", got)
+		}
+		// The refilled pool's VM, among this host's (other hosts' pools
+		// are beside them too, with CAGE_TEST_POOLS): the groups named
+		// after the sandboxes whose state is under the host's directory.
+		low, ours := 0, 0
+		parent := filepath.Dir(cg.Dir("cpu"))
+		_ = filepath.WalkDir(dir, func(p string, d fs.DirEntry, err error) error {
+			if err != nil || !d.IsDir() || filepath.Base(filepath.Dir(p)) != "sandboxes" {
+				return nil
+			}
+			if g := filepath.Join(parent, d.Name()); len(readPids(g)) > 0 {
+				ours++
+				if w := cpuWeight(t, g); w == "2" || w == "1" {
+					low++
+				}
+			}
+			return fs.SkipDir
+		})
+		if ours < 2 || low != 1 {
+			t.Errorf("of %d VMs of this host's (want the ones taken and the one refilled), %d had the least CPU weight; want 1", ours, low)
+		}
+	}
 	create(sandbox.Options{}, false) // (the pool's sandbox had an interface)
 	waitFor("refilled without a network", ready)
 	b = create(sandbox.Options{}, true)
@@ -276,6 +305,32 @@ func testWallPool(t *testing.T, w wall) {
 }
 
 func insideAgentThreads() int64 { return int64(inside.AgentThreads) }
+
+// readPids lists the processes of the group at dir (cgroup.procs).
+func readPids(dir string) []int {
+	b, _ := os.ReadFile(filepath.Join(dir, "cgroup.procs"))
+	var pids []int
+	for _, f := range strings.Fields(string(b)) {
+		if pid, err := strconv.Atoi(f); err == nil {
+			pids = append(pids, pid)
+		}
+	}
+	return pids
+}
+
+// cpuWeight is the CPU weight of the group whose cpu controller directory
+// is dir: cpu.shares on v1, cpu.weight on v2 ("" when neither reads).
+func cpuWeight(t *testing.T, dir string) string {
+	for _, f := range []string{"cpu.shares", "cpu.weight"} {
+		if b, err := os.ReadFile(filepath.Join(dir, f)); err == nil {
+			return strings.TrimSpace(string(b))
+		}
+	}
+	if t != nil {
+		t.Errorf("no CPU weight in %s", dir)
+	}
+	return ""
+}
 
 // niceOf is the nice value of a thread of process pid that is not 0 (0
 // when none).

@@ -525,6 +525,13 @@ func (sb *Sandbox) setUp() error {
 			CPUs: float64(sb.vcfg.CPUs), Pids: qemuPids}); err != nil {
 			return fmt.Errorf("cgroup: %w", err)
 		}
+		if cfg.background {
+			// QEMU's restore and warm-up, a pool's refill, yield to
+			// the sandboxes running (until Foreground).
+			if err := sb.cg.SetBackground(true); err != nil {
+				return err
+			}
+		}
 		sb.vcfg.Jail = sb.cg.AddProc
 	}
 	return nil

@@ -73,10 +73,17 @@ func (d *Driver) Prepare(ctx context.Context, spec wall.Spec, background bool) (
 }
 
 // Foreground puts QEMU back to the normal priority: a pool's VM is
-// restored, and under TCG started and warmed up, at vm.BackgroundNice (so
-// that refilling a pool takes little from the creates it serves), until a
-// create takes it.
+// restored, and under TCG started and warmed up, at vm.BackgroundNice and
+// in a group of the least CPU weight (so that refilling a pool takes
+// little from the sandboxes running and the creates it serves: the nice
+// orders QEMU's threads among themselves, the weight its group among the
+// sandboxes'), until a create takes it.
 func (sb *Sandbox) Foreground() {
+	if sb.cg != nil && sb.cfg.background {
+		if err := sb.cg.SetBackground(false); err != nil {
+			logger(sb.cfg).Warn("a pooled VM's CPU weight", "sandbox", sb.id, "err", err)
+		}
+	}
 	if sb.v != nil {
 		sb.v.Foreground()
 	}
