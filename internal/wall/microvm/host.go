@@ -346,7 +346,18 @@ func Create(ctx context.Context, cfg Config) (sb *Sandbox, err error) {
 			rc := vcfg
 			rc.MemoryFD = mem
 			rc.Background = cfg.background
-			sb.v, err = vm.Restore(ctx, rc, snap.state())
+			if cfg.background && sb.cg != nil {
+				// QEMU's restore and warm-up, a pool's refill, yield
+				// to the sandboxes running, until Foreground. Not
+				// before the snapshot is there: its build, in this
+				// group too, is what a create of the same shape waits
+				// for. Nor at a checkpoint's restore, whose setUp
+				// makes a group anew.
+				err = sb.cg.SetBackground(true)
+			}
+			if err == nil {
+				sb.v, err = vm.Restore(ctx, rc, snap.state())
+			}
 			// QEMU has its own descriptor of the memory now (or will
 			// never have one): the host's hold on it ends.
 			release()
@@ -524,13 +535,6 @@ func (sb *Sandbox) setUp() error {
 		if sb.cg, err = cfg.Cgroups.Create(cfg.ID, cgroups.Limits{MemoryBytes: hostMemoryMB(sb.vcfg.MemoryMB) << 20,
 			CPUs: float64(sb.vcfg.CPUs), Pids: qemuPids}); err != nil {
 			return fmt.Errorf("cgroup: %w", err)
-		}
-		if cfg.background {
-			// QEMU's restore and warm-up, a pool's refill, yield to
-			// the sandboxes running (until Foreground).
-			if err := sb.cg.SetBackground(true); err != nil {
-				return err
-			}
 		}
 		sb.vcfg.Jail = sb.cg.AddProc
 	}
