@@ -15,21 +15,24 @@ import (
 )
 
 // deepTree makes, in the sandbox, a tree 700 directories deep with 150
-// files at its bottom: the agent's restore of it checks every directory
-// of each entry's path (a cost that grows with the square of the depth),
-// and so takes it many seconds, as long as its files make it.
+// files at its bottom. Its restore once took the agent minutes (it checked
+// every directory of each entry's path, a cost that grew with the square
+// of the depth; it now goes down the tree by descriptors, once); at the
+// sandbox's own CPU bound, 2% of a core here, it still takes seconds: a
+// restore takes as long as its files, and its owner's limits, make it.
 const deepTree = `d=/home/user/deep/$(printf 'a/%.0s' $(seq 700)) && mkdir -p "$d" && cd "$d" && touch $(seq -f f%g 150) && echo made`
 
 // Attack (any tenant, no compromise needed): a sandbox makes a tree some
-// hundreds of directories deep, and its owner pauses it without memory and
-// resumes it, or forks it. The restore of its files into the new sandbox
-// took its agent minutes (hours for a tree of its whole disk), and the
-// host held, for all that time, one of its create slots, which every
-// tenant's creates wait for, and the volume lock, which every tenant's
-// volume creates and deletes wait for: a few such resumes or forks
-// stalled every other tenant's creates and volumes. Expected: with one
-// create slot on the host, another key creates a sandbox and a volume
-// while the restores (a resume from files, then a fork) still run.
+// hundreds of directories deep (or as many files as its disk holds, on
+// as little CPU as a create may ask for), and its owner pauses it without
+// memory and resumes it, or forks it. The restore of its files into the
+// new sandbox took its agent minutes, and the host held, for all that
+// time, one of its create slots, which every tenant's creates wait for,
+// and the volume lock, which every tenant's volume creates and deletes
+// wait for: a few such resumes or forks stalled every other tenant's
+// creates and volumes. Expected: with one create slot on the host,
+// another key creates a sandbox and a volume while the restores (a resume
+// from files, then a fork) still run.
 func TestSlowRestoreHoldsNoHostSlot(t *testing.T) {
 	t.Parallel()
 	w := testutil.SharedWorld(t)
@@ -41,7 +44,7 @@ func TestSlowRestoreHoldsNoHostSlot(t *testing.T) {
 	d := startDaemon(t, "--config", cfg)
 	other := d.createKey(t, "other")
 	d.expect(t, http.StatusCreated, call{method: "POST", path: "/volumes", key: d.key, body: map[string]any{"name": "deep"}})
-	sb := d.create(t, d.key, map[string]any{"timeout": 600,
+	sb := d.create(t, d.key, map[string]any{"timeout": 600, "cpuCount": 0.02,
 		"volumeMounts": []map[string]string{{"name": "deep", "path": "/mnt/deep"}}})
 	id, path := sb.SandboxID, "/sandboxes/"+sb.SandboxID
 	ac := d.agent(id, sb.EnvdAccessToken)
@@ -60,6 +63,7 @@ func TestSlowRestoreHoldsNoHostSlot(t *testing.T) {
 	slow := func(what, method, route string, body any) []byte {
 		t.Helper()
 		done := make(chan result, 1)
+		started := time.Now()
 		go func() {
 			b, _ := json.Marshal(body)
 			req, _ := http.NewRequest(method, d.apiURL()+route, bytes.NewReader(b))
@@ -94,6 +98,7 @@ func TestSlowRestoreHoldsNoHostSlot(t *testing.T) {
 		if r.code != http.StatusCreated {
 			t.Fatalf("%s: %d %s, want 201", what, r.code, r.body)
 		}
+		t.Logf("%s: %v, another key's create and volume meanwhile", what, time.Since(started))
 		return r.body
 	}
 
