@@ -132,17 +132,19 @@ test('@e2b/desktop drives a cage desktop sandbox', { timeout: 900_000 * SLOW }, 
       // icons and the panels) of one colour under a top panel of another.
       // Not Xvfb's own root (-retro): a weave of one white pixel in four
       // on every row, black at each of the points apart, and at every
-      // point of the stream's grid below (CI took it for the desktop, the
-      // panel drawn and xfdesktop not yet, and the stream, which came
-      // after xfdesktop painted, showed that "background" at 4 points of
-      // 4,000): four pixels side by side are one colour too.
+      // point of the stream's grid below: four pixels side by side are one
+      // colour too. Nor the black the screen is, all of it, between that
+      // and xfdesktop's backdrop (21,34,51 here): CI took black for the
+      // desktop twice, the panel drawn and the backdrop not yet, and the
+      // stream, shown after it was, matched black at 4 points of 4,000.
       let elsewhere = []
       await waitFor(async () => {
         png = decodePNG(await sbx.screenshot())
         background = png.px(W / 2 + 200, H / 2 + 100)
         elsewhere = [png.px(W - 300, H / 2), png.px(W / 2 + 100, H / 3), png.px(W / 3, H - 200),
           png.px(W / 2 + 201, H / 2 + 100), png.px(W / 2 + 202, H / 2 + 100), png.px(W / 2 + 203, H / 2 + 100)]
-        return elsewhere.every((c) => near(c, background, 8)) && !near(png.px(W / 2, 10), background, 8)
+        return elsewhere.every((c) => near(c, background, 8)) && !near(png.px(W / 2, 10), background, 8) &&
+          !near(background, [0, 0, 0], 8)
       }, 20_000 * SLOW, () => `the painted desktop: background ${background}, elsewhere ${JSON.stringify(elsewhere)}, panel ${png.px(W / 2, 10)}`)
     })
 
@@ -186,8 +188,11 @@ test('@e2b/desktop drives a cage desktop sandbox', { timeout: 900_000 * SLOW }, 
         // The page's screenshot (what a person watching sees) is mostly the
         // desktop. Asked again for up to 10 s: on a loaded host the page
         // may not have painted the frame the canvas already holds.
-        let hits = 0, n = 0, common = []
+        // Against the sandbox's own screen at each try (the desktop may
+        // have changed since the screenshot test looked).
+        let hits = 0, n = 0, common = [], now = background
         for (const end = Date.now() + 10_000 * SLOW; ; await sleep(500)) {
+          now = decodePNG(await sbx.screenshot()).px(W / 2 + 200, H / 2 + 100)
           const seen = decodePNG(await page.screenshot({ path: join(home, 'stream.png') }))
           hits = 0
           n = 0
@@ -195,7 +200,7 @@ test('@e2b/desktop drives a cage desktop sandbox', { timeout: 900_000 * SLOW }, 
           for (let y = 0; y < seen.height; y += 16) {
             for (let x = 0; x < seen.width; x += 16, n++) {
               const c = seen.px(x, y)
-              hits += near(c, background, 32) ? 1 : 0
+              hits += near(c, now, 32) ? 1 : 0
               colours.set(String(c), (colours.get(String(c)) ?? 0) + 1)
             }
           }
@@ -209,7 +214,7 @@ test('@e2b/desktop drives a cage desktop sandbox', { timeout: 900_000 * SLOW }, 
           return { status: document.querySelector('#noVNC_status')?.textContent, classes: document.documentElement.className,
             canvas: c && [c.width, c.height, c.style.cssText, c.getBoundingClientRect().toJSON()] }
         })
-        assert.ok(hits / n > 0.4, `the page's screenshot shows the desktop's background ${background} in ${hits} of ${n} points; ` +
+        assert.ok(hits / n > 0.4, `the page's screenshot shows the desktop's background ${now} in ${hits} of ${n} points; ` +
           `its most common colours ${JSON.stringify(common)}; the page ${JSON.stringify(state)}`)
       } finally {
         await browser.close()
