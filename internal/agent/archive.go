@@ -523,10 +523,7 @@ func (c *dirChain) dir(dir string) (int, error) {
 	for keep < len(c.names) && keep < len(want) && c.names[keep] == want[keep] {
 		keep++
 	}
-	for len(c.fds) > keep {
-		unix.Close(c.fds[len(c.fds)-1])
-		c.fds, c.names = c.fds[:len(c.fds)-1], c.names[:len(c.names)-1]
-	}
+	c.cut(keep)
 	for _, name := range want[keep:] {
 		parent := c.root
 		if len(c.fds) > 0 {
@@ -559,10 +556,15 @@ func (c *dirChain) drop(p string) {
 	if len(names) > len(c.names) || !slices.Equal(c.names[:len(names)], names) {
 		return
 	}
-	for len(c.fds) >= len(names) {
-		unix.Close(c.fds[len(c.fds)-1])
-		c.fds, c.names = c.fds[:len(c.fds)-1], c.names[:len(c.names)-1]
+	c.cut(len(names) - 1)
+}
+
+// cut closes the chain's directories past its first n.
+func (c *dirChain) cut(n int) {
+	for _, fd := range c.fds[n:] {
+		unix.Close(fd)
 	}
+	c.fds, c.names = c.fds[:n], c.names[:n]
 }
 
 func (c *dirChain) close() {
